@@ -1,0 +1,148 @@
+"""The local backend: allocations as process groups on this machine, for running pearlctl with no
+Slurm at all (a laptop, a CI box, a newcomer's first run).
+
+It runs the same rendered sbatch script (the ``#SBATCH`` lines are comments to bash), one process
+group per array task, in its own session so the whole worker tree can be signalled at once.
+Bookkeeping lives in files under ``<state_dir>/local-jobs/<job_id>/`` so any later pearlctl process
+can poll or cancel what an earlier one started:
+
+- ``task-<i>.pid``: "<pid> <start-ticks>" — start ticks guard against PID reuse;
+- ``task-<i>.rc``: the exit status, written when the task ends by itself;
+- ``cancelled``: written before the groups are signalled.
+
+No ``SLURM_*`` variable is set: torchrun and DeepSpeed change behaviour when they see one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from pearlctl.backends import BackendError
+from pearlctl.slurm.parse import PartitionInfo
+from pearlctl.slurm.records import JobRecord
+from pearlctl.slurm.script import SubmitRequest
+
+LOCAL_PARTITION = "local"
+NODE = socket.gethostname()
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (start time); None if gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return fields[19]
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, state_dir: str | os.PathLike, *, kill_wait_s: float = 5.0):
+        self.root = Path(state_dir) / "local-jobs"
+        self.kill_wait_s = kill_wait_s
+
+    def partitions(self) -> dict[str, PartitionInfo]:
+        # One node; GPUs are whatever CUDA_VISIBLE_DEVICES lists here (none on a CPU box, which
+        # pools with gpus_per_node = 0 or the CPU engines accept).
+        gpus = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()])
+        return {LOCAL_PARTITION: PartitionInfo(LOCAL_PARTITION, True, 1, gpus, default=True)}
+
+    def _job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def submit(self, req: SubmitRequest, script: str) -> str:
+        job_id = f"local-{uuid.uuid4().hex[:8]}"
+        jdir = self._job_dir(job_id)
+        jdir.mkdir(parents=True)
+        script_path = jdir / "job.sh"
+        script_path.write_text(script)
+        (jdir / "meta.json").write_text(json.dumps({"name": req.job_name, "array_size": req.array_size,
+                                                    "submitted_at": time.time()}))
+        Path(req.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+        for task in range(req.array_size):
+            log_path = req.log_pattern.replace("%A", job_id).replace("%a", str(task))
+            env = dict(os.environ, PEARL_LOCAL_JOB_ID=job_id, PEARL_LOCAL_TASK_ID=str(task))
+            rc_file = jdir / f"task-{task}.rc"
+            # The outer bash records the exit status atomically (tmp + rename) once the script ends.
+            wrapper = 'bash "$0"; rc=$?; echo $rc > "$1.tmp" && mv "$1.tmp" "$1"; exit $rc'
+            with open(log_path, "ab") as log:
+                try:
+                    proc = subprocess.Popen(
+                        ["/bin/bash", "-c", wrapper, str(script_path), str(rc_file)],
+                        cwd=req.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )
+                except OSError as exc:
+                    raise BackendError(f"could not start local task {task} of {req.job_name}: {exc}") from exc
+            ticks = _start_ticks(proc.pid) or "0"
+            (jdir / f"task-{task}.pid").write_text(f"{proc.pid} {ticks}\n")
+        return job_id
+
+    def _task_record(self, job_id: str, name: str, task: int) -> JobRecord:
+        jdir = self._job_dir(job_id)
+        rc_file = jdir / f"task-{task}.rc"
+        pid, ticks = (jdir / f"task-{task}.pid").read_text().split()
+        alive = _start_ticks(int(pid)) == ticks
+        if alive:
+            state = "RUNNING"
+        elif (jdir / "cancelled").exists():
+            state = "CANCELLED"
+        elif rc_file.exists():
+            state = "COMPLETED" if rc_file.read_text().strip() == "0" else "FAILED"
+        else:
+            state = "FAILED"  # vanished without an exit status: killed from outside
+        exit_code = rc_file.read_text().strip() if rc_file.exists() else ""
+        return JobRecord(job_id=job_id, array_task_id=task, state=state, name=name,
+                         partition=LOCAL_PARTITION, nodes=(NODE,) if alive else (),
+                         gpus={}, exit_code=exit_code, source="local")
+
+    def _records(self, job_id: str) -> list[JobRecord]:
+        meta_file = self._job_dir(job_id) / "meta.json"
+        if not meta_file.exists():
+            return []
+        meta = json.loads(meta_file.read_text())
+        return [self._task_record(job_id, meta["name"], t) for t in range(meta["array_size"])]
+
+    def find_by_name(self, job_name: str) -> list[JobRecord]:
+        if not self.root.exists():
+            return []
+        out: list[JobRecord] = []
+        for jdir in self.root.iterdir():
+            out.extend(r for r in self._records(jdir.name) if r.name == job_name and r.phase != "ENDED")
+        return out
+
+    def poll(self, job_ids: list[str]) -> list[JobRecord]:
+        return [r for j in job_ids for r in self._records(j)]
+
+    def cancel(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            jdir = self._job_dir(job_id)
+            if not jdir.exists():
+                continue
+            (jdir / "cancelled").touch()
+            pids = []
+            for pid_file in jdir.glob("task-*.pid"):
+                pid, ticks = pid_file.read_text().split()
+                if _start_ticks(int(pid)) == ticks:
+                    pids.append(int(pid))
+                    os.killpg(int(pid), signal.SIGTERM)
+            deadline = time.monotonic() + self.kill_wait_s
+            while pids and time.monotonic() < deadline:
+                pids = [p for p in pids if _start_ticks(p) is not None]
+                time.sleep(0.05)
+            for pid in pids:  # KillWait passed, as Slurm would: SIGKILL the group
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,0 +1,55 @@
+"""The `pearlctl` command line. Commands render; decisions live in the modules they call.
+
+Results go to stdout (``--json`` on every read), progress and logs to stderr. Exit codes
+(docs/cli.md keeps the same table, and tests check it):
+
+  0  success
+  1  internal error (a bug: please report it with the traceback)
+  2  bad input: an invalid run spec or command-line arguments; nothing was written
+  3  the scheduler failed or could not be reached (Slurm command error, local process error)
+  4  no such run
+  5  conflict: the run exists already, or state changed under us; re-read and retry
+  6  `doctor` found a failing check
+  124 `launch --wait` or `cancel` timed out (the run goes on; `status` shows where it is)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from pearlctl import __version__
+
+app = typer.Typer(
+    name="pearlctl",
+    help="Control plane for agentic RL post-training on Slurm.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pearlctl {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
+
+
+from pearlctl.cli import cancel, doctor, launch, status  # noqa: E402  (commands register themselves)
+
+__all__ = ["app", "main", "cancel", "doctor", "launch", "status"]
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,353 @@
+"""The run spec: a TOML file that describes one RL run, and its validation.
+
+A spec is validated completely before anything is submitted or written to state: every problem is
+collected (not just the first) and reported with its key path (``pools.rollout.gpus_per_node``) and
+what would be valid. Checks that need the cluster (does ``sinfo`` know the partition, do its nodes have
+that many GPUs) are made by the launcher against the parsed spec; everything here is pure.
+
+Relative paths in a spec (``model``, ``run_dir``) are resolved against the directory of the spec file,
+the way compose files do, so a spec means the same thing from whatever directory it is launched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POOL_KINDS = ("trainer", "rollout", "elastic", "reward")
+GENERATION_POOLS = ("rollout", "elastic")
+BACKENDS = ("auto", "slurm", "local")
+DEFAULT_ROLES = {"trainer": "TRAIN", "rollout": "ROLLOUT", "elastic": "ROLLOUT", "reward": "REWARD"}
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,39}$")
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; "UNLIMITED" / "INFINITE" too.
+_TIME_RE = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One thing wrong with a spec: where, and what would be right."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+class SpecError(Exception):
+    """A spec that cannot be used; carries every problem found."""
+
+    def __init__(self, source: str, problems: list[SpecProblem]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid run spec {source}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool: a Slurm array job, one array task per node."""
+
+    name: str  # one of POOL_KINDS; a run has at most one pool of each kind
+    nodes: int
+    gpus_per_node: int
+    partition: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    max_nodes: int | None = None  # elastic pools may grow up to this
+    requeue: bool = False
+    preempt_signal: str = "USR2"
+    preempt_notice_s: int = 60
+    command: tuple[str, ...] | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return DEFAULT_ROLES[self.name]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["command"] = list(self.command) if self.command else None
+        return d
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    model: Path
+    run_dir: Path
+    policy: str
+    backend: str
+    poll_interval_s: float
+    pools: dict[str, PoolSpec]
+    source: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": str(self.model),
+            "run_dir": str(self.run_dir),
+            "policy": self.policy,
+            "backend": self.backend,
+            "poll_interval_s": self.poll_interval_s,
+            "source": str(self.source),
+            "pools": {k: p.to_dict() for k, p in self.pools.items()},
+        }
+
+
+# --- field checkers: each returns the value or records a problem and returns None -------------------
+
+_MISSING = object()
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.problems: list[SpecProblem] = []
+
+    def fail(self, key: str, message: str) -> None:
+        self.problems.append(SpecProblem(key, message))
+
+    def unknown_keys(self, table: dict[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
+        for key in table:
+            if key not in allowed:
+                close = _closest(key, allowed)
+                hint = f" (did you mean {close!r}?)" if close else ""
+                self.fail(f"{prefix}{key}", f"unknown key{hint}; valid keys: {', '.join(allowed)}")
+
+    def string(self, table, key, prefix, *, required=False, pattern=None, what="a string", default=None):
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            if required:
+                self.fail(prefix + key, f"is required: {what}")
+            return default
+        if not isinstance(value, str) or not value:
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
+            return default
+        if pattern is not None and not pattern.match(value):
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
+            return default
+        return value
+
+    def integer(self, table, key, prefix, *, minimum, required=False, default=None):
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            if required:
+                self.fail(prefix + key, f"is required: an integer >= {minimum}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(prefix + key, f"must be an integer >= {minimum}, got {value!r}")
+            return default
+        return value
+
+    def number(self, table, key, prefix, *, minimum, default):
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            self.fail(prefix + key, f"must be a number >= {minimum}, got {value!r}")
+            return default
+        return float(value)
+
+    def boolean(self, table, key, prefix, *, default):
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        if not isinstance(value, bool):
+            self.fail(prefix + key, f"must be true or false, got {value!r}")
+            return default
+        return value
+
+    def choice(self, table, key, prefix, choices, *, default):
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        if value not in choices:
+            self.fail(prefix + key, f"must be one of {', '.join(choices)}; got {value!r}")
+            return default
+        return value
+
+    def table(self, parent, key, prefix, *, required=False):
+        value = parent.get(key, _MISSING)
+        if value is _MISSING:
+            if required:
+                self.fail(prefix + key, "is required: a table")
+            return None
+        if not isinstance(value, dict):
+            self.fail(prefix + key, f"must be a table, got {type(value).__name__}")
+            return None
+        return value
+
+
+def _closest(word: str, options: tuple[str, ...]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+_RUN_KEYS = ("name", "model", "run_dir", "policy", "backend", "poll_interval_s")
+_POOL_KEYS = (
+    "nodes",
+    "gpus_per_node",
+    "partition",
+    "time_limit",
+    "account",
+    "qos",
+    "cpus_per_task",
+    "mem",
+    "max_nodes",
+    "requeue",
+    "preempt_signal",
+    "preempt_notice_s",
+    "command",
+    "engine_args",
+    "env",
+)
+# USR1 is left alone on purpose: NCCL may use it (submitit notes the same).
+PREEMPT_SIGNALS = ("USR2", "TERM", "INT", "HUP", "URG")
+
+
+def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
+    p = f"pools.{name}."
+    c.unknown_keys(raw, _POOL_KEYS, p)
+    before = len(c.problems)
+    nodes = c.integer(raw, "nodes", p, minimum=1, required=True)
+    min_gpus = 1 if name == "trainer" else 0
+    gpus = c.integer(raw, "gpus_per_node", p, minimum=min_gpus, required=True)
+    partition = c.string(raw, "partition", p, pattern=_SLURM_WORD_RE, what="a Slurm partition name")
+    time_limit = c.string(
+        raw, "time_limit", p, pattern=_TIME_RE, what="a Slurm time (MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED)"
+    )
+    account = c.string(raw, "account", p, pattern=_SLURM_WORD_RE, what="a Slurm account name")
+    qos = c.string(raw, "qos", p, pattern=_SLURM_WORD_RE, what="a Slurm QOS name")
+    cpus = c.integer(raw, "cpus_per_task", p, minimum=1)
+    mem = c.string(raw, "mem", p, pattern=re.compile(r"^\d+[KMGT]?$"), what="a Slurm memory size like 16G")
+    max_nodes = c.integer(raw, "max_nodes", p, minimum=1)
+    if max_nodes is not None and name != "elastic":
+        c.fail(p + "max_nodes", "only an elastic pool can grow; remove it or move it to [pools.elastic]")
+    if max_nodes is not None and nodes is not None and max_nodes < nodes:
+        c.fail(p + "max_nodes", f"must be >= nodes ({nodes}), got {max_nodes}")
+    requeue = c.boolean(raw, "requeue", p, default=(name == "elastic"))
+    signal = c.choice(raw, "preempt_signal", p, PREEMPT_SIGNALS, default="USR2")
+    notice = c.integer(raw, "preempt_notice_s", p, minimum=1, default=60)
+    command = raw.get("command")
+    if command is not None and (
+        not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command)
+    ):
+        c.fail(p + "command", f"must be a non-empty list of strings (an argv), got {command!r}")
+        command = None
+    engine_args = c.table(raw, "engine_args", p) or {}
+    for k, v in engine_args.items():
+        if not isinstance(v, str | int | float | bool | list):
+            c.fail(f"{p}engine_args.{k}", f"must be a string, number, boolean or list, got {v!r}")
+    env = c.table(raw, "env", p) or {}
+    for k, v in env.items():
+        if not _ENV_KEY_RE.match(k):
+            c.fail(f"{p}env.{k}", "must be a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        if not isinstance(v, str):
+            c.fail(f"{p}env.{k}", f"must be a string, got {v!r} (quote numbers: \"1\")")
+    if len(c.problems) > before:
+        return None
+    return PoolSpec(
+        name=name,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        partition=partition,
+        time_limit=time_limit,
+        account=account,
+        qos=qos,
+        cpus_per_task=cpus,
+        mem=mem,
+        max_nodes=max_nodes,
+        requeue=requeue,
+        preempt_signal=signal,
+        preempt_notice_s=notice,
+        command=tuple(command) if command else None,
+        engine_args=dict(engine_args),
+        env={k: str(v) for k, v in env.items()},
+    )
+
+
+def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ...]) -> RunSpec:
+    """Validate a decoded TOML document. Raises SpecError listing every problem."""
+    c = _Checker()
+    base = source.parent
+    c.unknown_keys(data, ("run", "pools"), "")
+    run = c.table(data, "run", "", required=True) or {}
+    c.unknown_keys(run, _RUN_KEYS, "run.")
+    name = c.string(run, "name", "run.", required=True, pattern=_NAME_RE,
+                    what="a name of letters, digits, '-' or '_' (max 40), starting with a letter")
+    model_raw = c.string(run, "model", "run.", required=True, what="a path to the model directory")
+    model = None
+    if model_raw is not None:
+        model = (base / os.path.expanduser(model_raw)).resolve()
+        if not model.exists():
+            c.fail("run.model", f"path {model} does not exist; give the model directory (HF format)")
+        elif not os.access(model, os.R_OK):
+            c.fail("run.model", f"path {model} is not readable")
+    run_dir_raw = c.string(run, "run_dir", "run.", required=True, what="a directory for logs and checkpoints")
+    run_dir = (base / os.path.expanduser(run_dir_raw)).resolve() if run_dir_raw else None
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        c.fail("run.run_dir", f"{run_dir} exists and is not a directory")
+    policy = c.choice(run, "policy", "run.", known_policies, default="never")
+    backend = c.choice(run, "backend", "run.", BACKENDS, default="auto")
+    poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, default=5.0)
+
+    pools_raw = c.table(data, "pools", "", required=True) or {}
+    pools: dict[str, PoolSpec] = {}
+    for pname, praw in pools_raw.items():
+        if pname not in POOL_KINDS:
+            close = _closest(pname, POOL_KINDS)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            c.fail(f"pools.{pname}", f"unknown pool{hint}; valid pools: {', '.join(POOL_KINDS)}")
+            continue
+        if not isinstance(praw, dict):
+            c.fail(f"pools.{pname}", f"must be a table, got {type(praw).__name__}")
+            continue
+        pool = _check_pool(c, pname, praw)
+        if pool is not None:
+            pools[pname] = pool
+    if isinstance(data.get("pools"), dict):
+        if "trainer" not in pools_raw:
+            c.fail("pools.trainer", "is required: an RL run needs a trainer pool")
+        if not any(k in pools_raw for k in GENERATION_POOLS):
+            c.fail("pools", "needs a rollout or an elastic pool to generate with")
+    if c.problems:
+        raise SpecError(str(source), c.problems)
+    return RunSpec(
+        name=name, model=model, run_dir=run_dir, policy=policy, backend=backend,
+        poll_interval_s=poll, pools=pools, source=source.resolve(),
+    )
+
+
+def load_spec(path: str | Path, known_policies: tuple[str, ...], overrides: dict[str, Any] | None = None) -> RunSpec:
+    """Read and validate a spec file. Unreadable or malformed files raise SpecError too.
+
+    ``overrides`` replace keys of ``[run]`` (command-line ``--name``, ``--run-dir``, ``--backend``) before
+    validation, so they are checked like the file; give paths in them absolute.
+    """
+    source = Path(path)
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise SpecError(str(source), [SpecProblem("<file>", f"cannot read: {exc.strerror or exc}")]) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(str(source), [SpecProblem("<file>", f"not valid TOML: {exc}")]) from exc
+    if overrides:
+        run = data.get("run")
+        if isinstance(run, dict):
+            run.update(overrides)
+    return parse_spec(data, source, known_policies)

@@ -1,0 +1,228 @@
+"""Launch and cancel a run: validate against the cluster, record intent, submit, record Slurm ids.
+
+Order of writes (crash safety, design.md §4): the run, its pools and one REQUESTED allocation per array
+task are written *before* anything is submitted; each pool's Slurm id is recorded right after its
+``sbatch`` returns. A launch that crashed in between is finished by launching the same run again:
+pools without an id are first looked up by job name (``pearl.<run_id>.<pool>``) and adopted, so no
+pool is ever submitted twice. A failed submission cancels what was already submitted and leaves the
+run FAILED with every allocation ENDED.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pearlctl.backends import Backend, BackendError
+from pearlctl.config import RunSpec, SpecError, SpecProblem
+from pearlctl.home import WORKER_SCRIPT
+from pearlctl.slurm.script import SubmitRequest, job_name, render_script
+from pearlctl.state.machines import AllocationState as A
+from pearlctl.state.machines import RunState
+from pearlctl.state.store import Store
+from pearlctl.watcher import sync_run
+
+POOL_ORDER = ("trainer", "rollout", "elastic", "reward")
+
+
+class LaunchError(Exception):
+    """The launch could not go on; ``exit_code`` is the CLI's documented code for it."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
+    """Partition names, GPUs per node and node counts checked against what the scheduler reports."""
+    if backend.name == "local":
+        return  # one node, engines on CPU: partitions and GPU counts do not apply (docs/backends.md)
+    parts = backend.partitions()
+    default = next((p.name for p in parts.values() if p.default), None)
+    problems: list[SpecProblem] = []
+    for pool in spec.pools.values():
+        key = f"pools.{pool.name}"
+        name = pool.partition or default
+        if name is None:
+            problems.append(SpecProblem(f"{key}.partition", f"no default partition; choose one of {', '.join(parts)}"))
+            continue
+        info = parts.get(name)
+        if info is None:
+            problems.append(SpecProblem(f"{key}.partition",
+                                        f"sinfo knows no partition {name!r}; valid: {', '.join(sorted(parts))}"))
+            continue
+        if pool.gpus_per_node > info.max_gpus_per_node:
+            problems.append(SpecProblem(f"{key}.gpus_per_node",
+                                        f"{pool.gpus_per_node} GPUs, but nodes of partition {name!r} have at most "
+                                        f"{info.max_gpus_per_node}"))
+        if pool.name != "elastic" and pool.nodes > info.nodes:
+            problems.append(SpecProblem(f"{key}.nodes",
+                                        f"{pool.nodes} nodes, but partition {name!r} has {info.nodes}: it could never start"))
+    if problems:
+        raise SpecError(str(spec.source), problems)
+
+
+def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
+    out = []
+    for name in POOL_ORDER:
+        pool = spec.pools.get(name)
+        if pool is None:
+            continue
+        out.append(SubmitRequest(
+            run_id=run_id, pool=name, role=pool.role, array_size=pool.nodes, gpus_per_node=pool.gpus_per_node,
+            run_dir=str(spec.run_dir), model=str(spec.model), python=sys.executable,
+            worker_script=str(WORKER_SCRIPT), partition=pool.partition, time_limit=pool.time_limit,
+            account=pool.account, qos=pool.qos, cpus_per_task=pool.cpus_per_task, mem=pool.mem,
+            requeue=pool.requeue, preempt_signal=pool.preempt_signal, preempt_notice_s=pool.preempt_notice_s,
+            command=pool.command, engine_args=pool.engine_args, env=pool.env,
+        ))
+    return out
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class LaunchResult:
+    run_id: str
+    adopted: list[str]
+    job_ids: dict[str, str]
+
+
+def launch(spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str], None] = lambda m: None) -> LaunchResult:
+    """Submit every pool of a validated spec; returns the run id and each pool's job id."""
+    existing = store.find_run(spec.name)
+    if existing is not None and existing["state"] not in (RunState.CREATED, RunState.SUBMITTING):
+        raise LaunchError(f"run {spec.name!r} already exists ({existing['id']}, {existing['state']}); "
+                          "choose another name with --name", 5)
+    resuming = existing is not None
+    if resuming:
+        run_id = existing["id"]
+        log(f"resuming the launch of {run_id} (state {existing['state']}): adopting what was submitted")
+    else:
+        run_id = new_run_id(spec.name)
+    reqs = requests_for(spec, run_id)
+    Path(spec.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    Path(spec.run_dir, "jobs").mkdir(parents=True, exist_ok=True)
+    if not resuming:
+        store.create_run(
+            run_id=run_id, name=spec.name, spec=spec.to_dict(), spec_path=str(spec.source),
+            run_dir=str(spec.run_dir), backend=backend.name, policy=spec.policy,
+            pools=[{"name": r.pool, "kind": r.pool, "role": r.role, "partition": r.partition,
+                    "nodes": r.array_size, "gpus_per_node": r.gpus_per_node, "job_name": r.job_name}
+                   for r in reqs],
+        )
+    run = store.get_run(run_id)
+    if run["state"] == RunState.CREATED:
+        store.set_state("runs", run_id, expect=RunState.CREATED, expect_version=run["version"],
+                        to=RunState.SUBMITTING, event="submitting")
+    pools = {p["name"]: p for p in store.pools(run_id)}
+    adopted: list[str] = []
+    job_ids: dict[str, str] = {}
+    try:
+        for req in reqs:
+            pool = pools[req.pool]
+            job_id = pool["job_id"]
+            if job_id is None and resuming:
+                found = backend.find_by_name(job_name(run_id, req.pool))
+                if found:
+                    job_id = found[0].job_id
+                    adopted.append(req.pool)
+                    store.update_fields("pools", pool["id"], event="adopted", data={"job_id": job_id}, job_id=job_id)
+            if job_id is None:
+                script = render_script(req)
+                Path(spec.run_dir, "jobs", f"{req.pool}.sbatch").write_text(script)
+                job_id = backend.submit(req, script)
+                store.update_fields("pools", pool["id"], event="submitted", data={"job_id": job_id}, job_id=job_id)
+                log(f"submitted pool {req.pool}: job {job_id} ({req.array_size} task(s))")
+            job_ids[req.pool] = job_id
+            for alloc in store.allocations(run_id):
+                if alloc["pool_id"] == pool["id"] and alloc["state"] == A.REQUESTED:
+                    store.set_state("allocations", alloc["id"], expect=A.REQUESTED, expect_version=alloc["version"],
+                                    to=A.PENDING, event="submitted", job_id=job_id)
+    except BackendError as exc:
+        _abort(store, backend, run_id, job_ids, str(exc))
+        raise LaunchError(f"submission failed, run {run_id} cancelled: {exc}", 3) from exc
+    run = store.get_run(run_id)
+    store.set_state("runs", run_id, expect=RunState.SUBMITTING, expect_version=run["version"],
+                    to=RunState.ACTIVE, event="submitted", data={"job_ids": job_ids})
+    return LaunchResult(run_id, adopted, job_ids)
+
+
+def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str], why: str) -> None:
+    try:
+        backend.cancel(list(job_ids.values()))
+    except BackendError:
+        pass  # reported below through the journal; the allocations are ended either way
+    for alloc in store.allocations(run_id):
+        if alloc["state"] in (A.REQUESTED, A.PENDING):
+            store.set_state("allocations", alloc["id"], expect=alloc["state"], expect_version=alloc["version"],
+                            to=A.ENDED, event="launch failed", data={"why": why})
+    run = store.get_run(run_id)
+    store.set_state("runs", run_id, expect=run["state"], expect_version=run["version"], to=RunState.FAILED,
+                    event="launch failed", data={"why": why, "cancelled": job_ids})
+
+
+def wait_running(store: Store, backend: Backend, run_id: str, *, timeout: float, interval: float,
+                 progress: Callable[[dict[str, int]], None] = lambda c: None) -> bool:
+    """Poll until every allocation runs (True) or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sync_run(store, backend, run_id)
+        counts: dict[str, int] = {}
+        for alloc in store.allocations(run_id):
+            counts[alloc["state"]] = counts.get(alloc["state"], 0) + 1
+        progress(counts)
+        if set(counts) == {A.RUNNING}:
+            return True
+        if A.ENDED in counts or time.monotonic() >= deadline:
+            return False
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0, interval: float = 1.0) -> bool:
+    """scancel every job of the run (one call), then poll until each allocation has ENDED.
+
+    Returns True when the run is CANCELLED. False leaves it CANCELLING (Slurm still ending jobs);
+    cancelling again picks up from there.
+    """
+    run = store.get_run(run_id)
+    if run["state"] in (RunState.CANCELLED, RunState.ENDED, RunState.FAILED):
+        return True
+    if run["state"] != RunState.CANCELLING:
+        store.set_state("runs", run_id, expect=run["state"], expect_version=run["version"],
+                        to=RunState.CANCELLING, event="cancel requested")
+    job_ids = sorted({p["job_id"] for p in store.pools(run_id) if p["job_id"]})
+    backend.cancel(job_ids)
+    for alloc in store.allocations(run_id):
+        if alloc["state"] == A.REQUESTED:
+            store.set_state("allocations", alloc["id"], expect=A.REQUESTED, expect_version=alloc["version"],
+                            to=A.ENDED, event="cancelled before submission")
+    deadline = time.monotonic() + timeout
+    while True:
+        sync_run(store, backend, run_id)
+        live = [a for a in store.allocations(run_id) if a["state"] != A.ENDED]
+        if all(a["state"] == A.LOST for a in live):
+            for a in live:  # gone from Slurm after scancel: that is the end we asked for
+                store.set_state("allocations", a["id"], expect=A.LOST, expect_version=a["version"],
+                                to=A.ENDED, event="cancelled", data={"was": "LOST"})
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    run = store.get_run(run_id)
+    store.set_state("runs", run_id, expect=RunState.CANCELLING, expect_version=run["version"],
+                    to=RunState.CANCELLED, event="cancelled", data={"job_ids": job_ids})
+    return True
+
+
+def dry_run(spec: RunSpec, backend: Backend) -> list[tuple[str, str]]:
+    """The exact scripts ``launch`` would submit, as (pool, script) pairs. Writes nothing."""
+    check_against_cluster(spec, backend)
+    run_id = f"{spec.name}-DRYRUN"
+    return [(req.pool, render_script(req)) for req in requests_for(spec, run_id)]

@@ -1,0 +1,109 @@
+"""Render a pool's sbatch script from a request object. Pure: the rendered text is a value that
+``launch --dry-run`` prints and ``launch`` submits unchanged.
+
+One pool = one array job; one array task = one node's worker (``--nodes=1`` per task). The body
+exports the worker's environment and execs ``jobs/worker.sh``, the same wrapper the hand-usable
+``jobs/*.sbatch`` files exec. Elastic pools get ``--requeue`` and a preemption signal delivered to
+the batch shell (``B:``) ahead of the kill; USR1 is never used (NCCL may claim it).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    run_id: str
+    pool: str
+    role: str
+    array_size: int
+    gpus_per_node: int
+    run_dir: str
+    model: str
+    python: str
+    worker_script: str  # absolute path of jobs/worker.sh
+    partition: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    requeue: bool = False
+    preempt_signal: str = "USR2"
+    preempt_notice_s: int = 60
+    command: tuple[str, ...] | None = None
+    engine_args: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def job_name(self) -> str:
+        return job_name(self.run_id, self.pool)
+
+    @property
+    def log_pattern(self) -> str:
+        return f"{self.run_dir}/logs/{self.pool}-%A_%a.log"
+
+
+def job_name(run_id: str, pool: str) -> str:
+    """The Slurm job name of a pool: how a crashed launch finds its jobs again."""
+    return f"pearl.{run_id}.{pool}"
+
+
+def sbatch_directives(req: SubmitRequest) -> list[str]:
+    d = [
+        f"--job-name={req.job_name}",
+        f"--array=0-{req.array_size - 1}",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+    ]
+    if req.gpus_per_node:
+        d.append(f"--gres=gpu:{req.gpus_per_node}")
+    for flag, value in (
+        ("partition", req.partition),
+        ("time", req.time_limit),
+        ("account", req.account),
+        ("qos", req.qos),
+        ("cpus-per-task", req.cpus_per_task),
+        ("mem", req.mem),
+    ):
+        if value is not None:
+            d.append(f"--{flag}={value}")
+    d += [
+        f"--output={req.log_pattern}",
+        "--open-mode=append",  # a requeued task appends to its log instead of truncating it
+        "--requeue" if req.requeue else "--no-requeue",
+        f"--signal=B:{req.preempt_signal}@{req.preempt_notice_s}",
+    ]
+    return d
+
+
+def worker_env(req: SubmitRequest) -> dict[str, str]:
+    env = {
+        "PEARL_RUN_ID": req.run_id,
+        "PEARL_POOL": req.pool,
+        "PEARL_ROLE": req.role,
+        "PEARL_RUN_DIR": req.run_dir,
+        "PEARL_MODEL": req.model,
+        "PEARL_PYTHON": req.python,
+        "PEARL_PREEMPT_SIGNAL": req.preempt_signal,
+        "PEARL_ENGINE_ARGS": json.dumps(req.engine_args, sort_keys=True),
+    }
+    env.update(req.env)
+    return env
+
+
+def render_script(req: SubmitRequest) -> str:
+    lines = [
+        "#!/bin/bash",
+        f"# pearlctl: pool '{req.pool}' of run '{req.run_id}' ({req.array_size} node(s) x {req.gpus_per_node} GPU(s)).",
+        "# One array task = one node's worker. Rendered by `pearlctl launch`; jobs/README.md explains it.",
+    ]
+    lines += [f"#SBATCH {d}" for d in sbatch_directives(req)]
+    lines.append("")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in worker_env(req).items()]
+    command = req.command or (req.python, "-m", "pearlctl.agent")
+    lines.append(f"exec /bin/bash {shlex.quote(req.worker_script)} {shlex.join(command)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,61 @@
+"""Durable state of pearlctl: the only package that touches SQLite (design.md §4, checked by ruff).
+
+- ``machines``: the state enums and their edge tables (pure).
+- ``schema``: the migrations that define the tables.
+- ``db``: opening a database (pragmas, migrations, read-only connections).
+- ``store``: ``Store``, the guarded reads and writes everybody else uses.
+- ``errors``: what a refused write raises (all ``StateError``).
+"""
+
+from pearlctl.state.errors import (
+    DuplicateRun,
+    DuplicateStep,
+    IllegalTransition,
+    IncompatibleSchema,
+    InvalidWrite,
+    NotFound,
+    ReadOnlyStore,
+    StaleEpoch,
+    StaleWrite,
+    StateError,
+)
+from pearlctl.state.machines import (
+    MACHINES,
+    AllocationState,
+    GpuState,
+    PoolKind,
+    Role,
+    RunState,
+    StepKind,
+    StepState,
+    TransitionState,
+    WorkerState,
+    check_edge,
+)
+from pearlctl.state.store import Store, run_lease_name
+
+__all__ = [
+    "MACHINES",
+    "AllocationState",
+    "DuplicateRun",
+    "DuplicateStep",
+    "GpuState",
+    "IllegalTransition",
+    "IncompatibleSchema",
+    "InvalidWrite",
+    "NotFound",
+    "PoolKind",
+    "ReadOnlyStore",
+    "Role",
+    "RunState",
+    "StaleEpoch",
+    "StaleWrite",
+    "StateError",
+    "StepKind",
+    "StepState",
+    "Store",
+    "TransitionState",
+    "WorkerState",
+    "check_edge",
+    "run_lease_name",
+]

@@ -1,0 +1,932 @@
+"""The Store: every read and write of pearlctl's durable state.
+
+What it guarantees (design.md §4):
+
+- **One transaction per write, with its journal entry.** Every write method runs inside ``_write``:
+  ``BEGIN IMMEDIATE`` takes SQLite's write lock up front, so concurrent writers queue on the busy
+  timeout instead of failing half-way, and the row change and its journal row commit or vanish
+  together.
+- **Compare-and-set.** ``set_state`` checks the edge against the table's state machine, then updates
+  only ``WHERE id=? AND state=? [AND version=?]``; no match is ``StaleWrite`` and nothing is written.
+  Every write to a row bumps its ``version``.
+- **Fencing.** A write stamped with ``epoch`` is refused (``StaleEpoch``) when the run's lease
+  (``run:<run_id>``) exists at another epoch: a daemon that lost its lease cannot write.
+- **Idempotent observations.** ``update_fields`` that changes nothing is a no-op (no version bump, no
+  journal row), so pollers can write what they saw on every poll; ``upsert_node_gpus`` likewise.
+- **Readers never write.** A store opened ``readonly=True`` refuses writes (``ReadOnlyStore``) before
+  touching SQLite, and its connection is ``mode=ro`` anyway. Under WAL, readers never block the writer
+  and the writer never blocks them.
+
+Reads return plain dicts with JSON columns decoded. One ``Store`` may be shared by threads: a lock
+serialises its use of the single connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Any, Self
+
+from sqlite_utils import Database
+
+from pearlctl.state.db import connect
+from pearlctl.state.errors import (
+    DuplicateRun,
+    DuplicateStep,
+    InvalidWrite,
+    NotFound,
+    ReadOnlyStore,
+    StaleEpoch,
+    StaleWrite,
+)
+from pearlctl.state.machines import (
+    GpuState,
+    PoolKind,
+    Role,
+    StepKind,
+    TransitionState,
+    check_edge,
+    machine,
+)
+from pearlctl.state.schema import JSON_COLUMNS
+
+Clock = Callable[[], float]
+Row = dict[str, Any]
+
+BACKENDS = ("slurm", "local")
+# Keys a pool dict passed to create_run may carry (pools columns minus id, run_id, job_id).
+POOL_REQUIRED = frozenset({"name", "kind", "role", "nodes", "gpus_per_node", "job_name"})
+POOL_OPTIONAL = frozenset({"partition"})
+# Columns only the Store itself writes: identity, ownership, state and bookkeeping.
+_MANAGED_COLUMNS = frozenset({"id", "run_id", "state", "version", "updated_at", "created_at"})
+# Tables with their own write paths: the journal is append-only, leases go through the lease methods.
+_NO_FIELD_UPDATES = frozenset({"journal", "leases"})
+# Steps may only be added while their transition is still moving.
+_OPEN_TRANSITION_STATES = frozenset(
+    {TransitionState.PLANNED, TransitionState.RUNNING, TransitionState.ROLLING_BACK}
+)
+
+
+def run_lease_name(run_id: str) -> str:
+    """The name of the lease whose epoch fences writes to a run."""
+    return f"run:{run_id}"
+
+
+class Store:
+    """Typed access to the state database. Open with ``Store.open(path)``; close or use as a context."""
+
+    def __init__(self, db: Database, *, readonly: bool = False, clock: Clock = time.time) -> None:
+        self._db = db
+        self._conn: sqlite3.Connection = db.conn
+        self.readonly = readonly
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._columns: dict[str, frozenset[str]] = {
+            table: frozenset(row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")'))
+            for table in db.table_names()
+        }
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, readonly: bool = False, clock: Clock = time.time) -> Self:
+        return cls(connect(path, readonly=readonly), readonly=readonly, clock=clock)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transactions
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """The one way to write: a ``BEGIN IMMEDIATE`` transaction, committed or rolled back whole."""
+        if self.readonly:
+            raise ReadOnlyStore("this store was opened read-only; only the daemon writes state")
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: Sequence[Any] = (), *, table: str | None = None) -> list[Row]:
+        with self._lock:
+            rows = list(self._db.query(sql, params))
+        json_columns = JSON_COLUMNS.get(table or "", frozenset())
+        for row in rows:
+            for column in json_columns & row.keys():
+                if row[column] is not None:
+                    row[column] = json.loads(row[column])
+        return rows
+
+    # ------------------------------------------------------------------ runs
+
+    def create_run(
+        self,
+        *,
+        run_id: str,
+        name: str,
+        spec: Mapping[str, Any],
+        spec_path: str | None,
+        run_dir: str | None,
+        backend: str,
+        policy: str | None,
+        pools: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """Record a run (CREATED), its pools, and one REQUESTED allocation per pool node, atomically."""
+        if backend not in BACKENDS:
+            raise InvalidWrite(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        checked = [_check_pool(pool) for pool in pools]
+        with self._write() as conn:
+            clash = conn.execute(
+                "SELECT id, name FROM runs WHERE id = ? OR name = ?", (run_id, name)
+            ).fetchone()
+            if clash is not None:
+                raise DuplicateRun(f"a run with id {clash[0]!r} / name {clash[1]!r} already exists")
+            now = self._clock()
+            run_state = machine("runs").initial
+            conn.execute(
+                "INSERT INTO runs (id, name, state, version, spec, spec_path, run_dir, backend, policy,"
+                " created_at, updated_at) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, name, run_state, _json(spec), spec_path, run_dir, backend, policy, now, now),
+            )
+            self._journal(
+                conn,
+                now,
+                run_id,
+                "runs",
+                run_id,
+                "run.created",
+                None,
+                run_state,
+                None,
+                {"name": name, "backend": backend, "pools": [p["name"] for p in checked]},
+            )
+            allocation_state = machine("allocations").initial
+            for pool in checked:
+                pool_id = _insert(conn, "pools", {"run_id": run_id, **pool})
+                for index in range(pool["nodes"]):
+                    allocation_id = _insert(
+                        conn,
+                        "allocations",
+                        {
+                            "run_id": run_id,
+                            "pool_id": pool_id,
+                            "array_index": index,
+                            "state": allocation_state,
+                            "version": 1,
+                            "updated_at": now,
+                        },
+                    )
+                    self._journal(
+                        conn,
+                        now,
+                        run_id,
+                        "allocations",
+                        allocation_id,
+                        "allocation.requested",
+                        None,
+                        allocation_state,
+                        None,
+                        {"pool": pool["name"], "array_index": index},
+                    )
+
+    def get_run(self, run_id: str) -> Row:
+        rows = self._query("SELECT * FROM runs WHERE id = ?", (run_id,), table="runs")
+        if not rows:
+            raise NotFound(f"no run with id {run_id!r}")
+        return rows[0]
+
+    def find_run(self, name_or_id: str) -> Row | None:
+        """The run with that id, else the run with that name, else None."""
+        rows = self._query(
+            "SELECT * FROM runs WHERE id = ? OR name = ? ORDER BY id = ? DESC LIMIT 1",
+            (name_or_id, name_or_id, name_or_id),
+            table="runs",
+        )
+        return rows[0] if rows else None
+
+    def list_runs(self) -> list[Row]:
+        return self._query("SELECT * FROM runs ORDER BY created_at, id", table="runs")
+
+    # ------------------------------------------------------------------ guarded writes
+
+    def set_state(
+        self,
+        table: str,
+        row_id: int | str,
+        *,
+        expect: str,
+        to: str,
+        event: str,
+        expect_version: int | None = None,
+        epoch: int | None = None,
+        data: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> int:
+        """Move a row from ``expect`` to ``to`` (compare-and-set), journaled; returns the new version."""
+        check_edge(table, expect, to)
+        columns = self._writable(table, fields)
+        with self._write() as conn:
+            run_id = self._run_of(conn, table, row_id)
+            self._fence(conn, run_id, epoch)
+            return self._cas(
+                conn,
+                table,
+                row_id,
+                run_id,
+                expect=expect,
+                to=to,
+                event=event,
+                expect_version=expect_version,
+                epoch=epoch,
+                data=_with_fields(data, fields),
+                columns=columns,
+            )
+
+    def update_fields(
+        self,
+        table: str,
+        row_id: int | str,
+        *,
+        event: str | None = None,
+        data: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+        **fields: Any,
+    ) -> int | None:
+        """Write non-state columns; journal ``event`` if given. Returns the row's version (None if the
+        table has none). Writing values the row already has changes nothing and journals nothing."""
+        if not fields:
+            raise InvalidWrite("update_fields needs at least one field; use journal_event to record an event")
+        columns = self._writable(table, fields)
+        versioned = "version" in self._columns[table]
+        with self._write() as conn:
+            run_id = self._run_of(conn, table, row_id)
+            self._fence(conn, run_id, epoch)
+            now = self._clock()
+            sets = [f'"{c}" = ?' for c in columns]
+            params: list[Any] = list(columns.values())
+            if versioned:
+                sets.append("version = version + 1")
+            if "updated_at" in self._columns[table]:
+                sets.append("updated_at = ?")
+                params.append(now)
+            changed = " OR ".join(f'"{c}" IS NOT ?' for c in columns)
+            returning = "version" if versioned else "id"
+            row = conn.execute(
+                f'UPDATE "{table}" SET {", ".join(sets)} WHERE id = ? AND ({changed}) RETURNING {returning}',
+                [*params, row_id, *columns.values()],
+            ).fetchall()
+            if not row:  # nothing differed: keep the write idempotent
+                return _current_version(conn, table, row_id) if versioned else None
+            if event is not None:
+                self._journal(
+                    conn, now, run_id, table, row_id, event, None, None, epoch, _with_fields(data, fields)
+                )
+            return row[0][0] if versioned else None
+
+    def journal_event(
+        self,
+        run_id: str | None,
+        entity: str,
+        entity_id: int | str,
+        event: str,
+        data: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> int:
+        """Append an observation to the journal (no fencing: observations are facts). Returns its id."""
+        with self._write() as conn:
+            return self._journal(
+                conn, self._clock(), run_id, entity, entity_id, event, None, None, epoch, data
+            )
+
+    # ------------------------------------------------------------------ nodes, GPUs, workers, transitions
+
+    def upsert_node_gpus(
+        self,
+        run_id: str,
+        allocation_id: int,
+        node: str,
+        gpu_indices: Sequence[int],
+        role: str,
+        *,
+        epoch: int | None = None,
+    ) -> None:
+        """Make the allocation's GPUs match what its agent reported: ``gpu_indices`` on ``node``.
+
+        New indices get UP rows with ``role``; GONE or LOST ones come back UP (a GONE one, a fresh start,
+        also takes ``role``; a LOST one keeps its role: its workers may have kept running); an index
+        reported on another node moves there; indices no longer reported go GONE. UP and DRAINING rows
+        keep their role, so re-registration never undoes a borrow. Calling it again changes nothing.
+        """
+        _check_role(role)
+        if not node:
+            raise InvalidWrite("node name must not be empty")
+        indices = list(gpu_indices)
+        if len(set(indices)) != len(indices) or any(not isinstance(i, int) or i < 0 for i in indices):
+            raise InvalidWrite(f"gpu indices must be distinct non-negative ints, got {indices}")
+        with self._write() as conn:
+            owner = conn.execute("SELECT run_id FROM allocations WHERE id = ?", (allocation_id,)).fetchone()
+            if owner is None or owner[0] != run_id:
+                raise NotFound(f"run {run_id!r} has no allocation {allocation_id}")
+            self._fence(conn, run_id, epoch)
+            now = self._clock()
+            conn.execute(
+                "INSERT INTO nodes (run_id, name) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, node)
+            )
+            (node_id,) = conn.execute(
+                "SELECT id FROM nodes WHERE run_id = ? AND name = ?", (run_id, node)
+            ).fetchone()
+            existing = {
+                idx: (gpu_id, state, old_node_id)
+                for gpu_id, idx, state, old_node_id in conn.execute(
+                    "SELECT id, idx, state, node_id FROM gpus WHERE allocation_id = ?", (allocation_id,)
+                )
+            }
+            where = {"node": node, "allocation_id": allocation_id}
+            for idx in sorted(indices):
+                if idx not in existing:
+                    gpu_id = _insert(
+                        conn,
+                        "gpus",
+                        {
+                            "run_id": run_id,
+                            "allocation_id": allocation_id,
+                            "node_id": node_id,
+                            "idx": idx,
+                            "role": role,
+                            "state": machine("gpus").initial,
+                            "version": 1,
+                            "updated_at": now,
+                        },
+                    )
+                    self._journal(
+                        conn,
+                        now,
+                        run_id,
+                        "gpus",
+                        gpu_id,
+                        "gpu.registered",
+                        None,
+                        GpuState.UP,
+                        epoch,
+                        {**where, "idx": idx, "role": role},
+                    )
+                    continue
+                gpu_id, state, old_node_id = existing[idx]
+                columns: dict[str, Any] = {"node_id": node_id} if old_node_id != node_id else {}
+                if state == GpuState.GONE:
+                    columns["role"] = role
+                if state in (GpuState.GONE, GpuState.LOST):
+                    self._cas(
+                        conn,
+                        "gpus",
+                        gpu_id,
+                        run_id,
+                        expect=state,
+                        to=GpuState.UP,
+                        event="gpu.registered",
+                        epoch=epoch,
+                        data={**where, "idx": idx},
+                        columns=columns,
+                    )
+                elif columns:
+                    conn.execute(
+                        "UPDATE gpus SET node_id = ?, version = version + 1, updated_at = ? WHERE id = ?",
+                        (node_id, now, gpu_id),
+                    )
+                    self._journal(
+                        conn,
+                        now,
+                        run_id,
+                        "gpus",
+                        gpu_id,
+                        "gpu.moved",
+                        None,
+                        None,
+                        epoch,
+                        {**where, "idx": idx},
+                    )
+            for idx, (gpu_id, state, _) in existing.items():
+                if idx not in indices and state != GpuState.GONE:
+                    self._cas(
+                        conn,
+                        "gpus",
+                        gpu_id,
+                        run_id,
+                        expect=state,
+                        to=GpuState.GONE,
+                        event="gpu.gone",
+                        epoch=epoch,
+                        data={**where, "idx": idx},
+                        columns={},
+                    )
+
+    def add_worker(
+        self,
+        *,
+        run_id: str,
+        allocation_id: int,
+        role: str,
+        engine: str,
+        url: str | None = None,
+        pid: int | None = None,
+        weight_version: str | None = None,
+        epoch: int | None = None,
+    ) -> int:
+        """Record a worker (STARTING) on an allocation of the run; returns its id."""
+        _check_role(role)
+        with self._write() as conn:
+            owner = conn.execute("SELECT run_id FROM allocations WHERE id = ?", (allocation_id,)).fetchone()
+            if owner is None or owner[0] != run_id:
+                raise NotFound(f"run {run_id!r} has no allocation {allocation_id}")
+            self._fence(conn, run_id, epoch)
+            now = self._clock()
+            state = machine("workers").initial
+            worker_id = _insert(
+                conn,
+                "workers",
+                {
+                    "run_id": run_id,
+                    "allocation_id": allocation_id,
+                    "role": role,
+                    "engine": engine,
+                    "state": state,
+                    "version": 1,
+                    "url": url,
+                    "pid": pid,
+                    "weight_version": weight_version,
+                    "updated_at": now,
+                },
+            )
+            self._journal(
+                conn,
+                now,
+                run_id,
+                "workers",
+                worker_id,
+                "worker.created",
+                None,
+                state,
+                epoch,
+                {"allocation_id": allocation_id, "role": role, "engine": engine},
+            )
+            return worker_id
+
+    def add_transition(
+        self,
+        *,
+        run_id: str,
+        kind: str,
+        from_role: str,
+        to_role: str,
+        gpu_ids: Sequence[int],
+        epoch: int | None = None,
+    ) -> int:
+        """Record a planned role transition (PLANNED) of GPUs of the run; returns its id."""
+        _check_role(from_role)
+        _check_role(to_role)
+        ids = sorted(set(gpu_ids))
+        with self._write() as conn:
+            if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+                raise NotFound(f"no run with id {run_id!r}")
+            self._fence(conn, run_id, epoch)
+            placeholders = ", ".join("?" * len(ids))
+            known = {
+                r[0]
+                for r in conn.execute(
+                    f"SELECT id FROM gpus WHERE run_id = ? AND id IN ({placeholders})", (run_id, *ids)
+                )
+            }
+            if missing := [i for i in ids if i not in known]:
+                raise InvalidWrite(f"run {run_id!r} has no GPUs with ids {missing}")
+            now = self._clock()
+            state = machine("transitions").initial
+            transition_id = _insert(
+                conn,
+                "transitions",
+                {
+                    "run_id": run_id,
+                    "kind": kind,
+                    "from_role": from_role,
+                    "to_role": to_role,
+                    "gpu_ids": _json(ids),
+                    "state": state,
+                    "version": 1,
+                    "created_at": now,
+                    "updated_at": now,
+                },
+            )
+            self._journal(
+                conn,
+                now,
+                run_id,
+                "transitions",
+                transition_id,
+                "transition.planned",
+                None,
+                state,
+                epoch,
+                {"kind": kind, "from_role": from_role, "to_role": to_role, "gpu_ids": ids},
+            )
+            return transition_id
+
+    def add_step(
+        self,
+        *,
+        transition_id: int,
+        seq: int,
+        kind: str,
+        idempotency_key: str,
+        detail: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> int:
+        """Durably record a step's INTENT before its effect runs; returns its id.
+
+        ``DuplicateStep`` if the key (or the seq within the transition) exists: after a crash the
+        caller finds that step with ``steps()`` and probes its effect instead of redoing it.
+        """
+        if kind not in _values(StepKind):
+            raise InvalidWrite(f"step kind {kind!r} is not one of {', '.join(StepKind)}")
+        with self._write() as conn:
+            owner = conn.execute(
+                "SELECT run_id, state FROM transitions WHERE id = ?", (transition_id,)
+            ).fetchone()
+            if owner is None:
+                raise NotFound(f"no transition with id {transition_id}")
+            run_id, transition_state = owner
+            self._fence(conn, run_id, epoch)
+            if transition_state not in _OPEN_TRANSITION_STATES:
+                raise InvalidWrite(
+                    f"transition {transition_id} is {transition_state}; steps can only be "
+                    f"added while it is {', '.join(sorted(_OPEN_TRANSITION_STATES))}"
+                )
+            clash = conn.execute(
+                "SELECT id, idempotency_key, seq FROM steps WHERE idempotency_key = ?"
+                " OR (transition_id = ? AND seq = ?)",
+                (idempotency_key, transition_id, seq),
+            ).fetchone()
+            if clash is not None:
+                raise DuplicateStep(
+                    f"step {clash[0]} already has key {clash[1]!r} / seq {clash[2]} "
+                    f"(asked: key {idempotency_key!r}, seq {seq} of transition {transition_id})"
+                )
+            now = self._clock()
+            state = machine("steps").initial
+            step_id = _insert(
+                conn,
+                "steps",
+                {
+                    "transition_id": transition_id,
+                    "seq": seq,
+                    "kind": kind,
+                    "idempotency_key": idempotency_key,
+                    "state": state,
+                    "version": 1,
+                    "detail": None if detail is None else _json(detail),
+                    "updated_at": now,
+                },
+            )
+            self._journal(
+                conn,
+                now,
+                run_id,
+                "steps",
+                step_id,
+                "step.intent",
+                None,
+                state,
+                epoch,
+                {"transition_id": transition_id, "seq": seq, "kind": kind, "key": idempotency_key},
+            )
+            return step_id
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, table: str, row_id: int | str) -> Row:
+        """One row of any table by id (JSON decoded); ``NotFound`` if absent."""
+        if table not in self._columns or "id" not in self._columns[table]:
+            raise InvalidWrite(f"unknown table {table!r}")
+        rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
+        if not rows:
+            raise NotFound(f"{table} has no row {row_id!r}")
+        return rows[0]
+
+    def pools(self, run_id: str) -> list[Row]:
+        return self._query("SELECT * FROM pools WHERE run_id = ? ORDER BY id", (run_id,))
+
+    def allocations(self, run_id: str) -> list[Row]:
+        """Allocations of the run, each with its pool's name as ``pool``."""
+        return self._query(
+            "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id"
+            " WHERE a.run_id = ? ORDER BY a.pool_id, a.array_index",
+            (run_id,),
+        )
+
+    def nodes(self, run_id: str) -> list[Row]:
+        return self._query("SELECT * FROM nodes WHERE run_id = ? ORDER BY name", (run_id,))
+
+    def gpus(self, run_id: str) -> list[Row]:
+        """GPUs of the run, each with its node's name as ``node`` and its pool's name as ``pool``."""
+        return self._query(
+            "SELECT g.*, n.name AS node, p.name AS pool FROM gpus g"
+            " JOIN nodes n ON n.id = g.node_id"
+            " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id"
+            " WHERE g.run_id = ? ORDER BY n.name, g.idx, g.id",
+            (run_id,),
+        )
+
+    def workers(self, run_id: str) -> list[Row]:
+        return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,))
+
+    def transitions(self, run_id: str) -> list[Row]:
+        return self._query(
+            "SELECT * FROM transitions WHERE run_id = ? ORDER BY id", (run_id,), table="transitions"
+        )
+
+    def steps(self, transition_id: int) -> list[Row]:
+        return self._query(
+            "SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,), table="steps"
+        )
+
+    def journal(self, run_id: str | None = None, since_id: int = 0, limit: int | None = None) -> list[Row]:
+        """Journal rows with ``id > since_id``, oldest first; only the run's if ``run_id`` is given."""
+        sql = "SELECT * FROM journal WHERE id > ?"
+        params: list[Any] = [since_id]
+        if run_id is not None:
+            sql += " AND run_id = ?"
+            params.append(run_id)
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return self._query(sql, params, table="journal")
+
+    # ------------------------------------------------------------------ leases
+
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> int | None:
+        """Take the lease; returns its epoch, or None while another holder's lease is unexpired.
+
+        The same holder re-acquiring an unexpired lease renews it and keeps its epoch. An expired lease
+        (whoever held it) is taken over with epoch + 1, so a holder that lapsed learns it was presumed
+        dead: its old epoch is fenced.
+        """
+        with self._write() as conn:
+            now = self._clock()
+            row = conn.execute(
+                "SELECT holder, epoch, expires_at FROM leases WHERE name = ?", (name,)
+            ).fetchone()
+            if row is not None and row[2] > now:
+                if row[0] != holder:
+                    return None
+                conn.execute("UPDATE leases SET expires_at = ? WHERE name = ?", (now + ttl_s, name))
+                return int(row[1])
+            epoch = 1 if row is None else int(row[1]) + 1
+            conn.execute(
+                "INSERT INTO leases (name, holder, epoch, expires_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, epoch = excluded.epoch,"
+                " expires_at = excluded.expires_at",
+                (name, holder, epoch, now + ttl_s),
+            )
+            previous = None if row is None else row[0]
+            self._journal(
+                conn,
+                now,
+                _lease_run(name),
+                "leases",
+                name,
+                "lease.acquired",
+                None,
+                None,
+                epoch,
+                {"holder": holder, "previous_holder": previous},
+            )
+            return epoch
+
+    def renew_lease(self, name: str, holder: str, epoch: int, ttl_s: float) -> bool:
+        """Extend an unexpired lease this holder has at this epoch; False if it lapsed or changed hands."""
+        with self._write() as conn:
+            now = self._clock()
+            renewed = conn.execute(
+                "UPDATE leases SET expires_at = ?"
+                " WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
+                (now + ttl_s, name, holder, epoch, now),
+            ).rowcount
+            return renewed == 1
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Expire the lease now if ``holder`` has it. The row (and its epoch) stays, so epochs only grow."""
+        with self._write() as conn:
+            now = self._clock()
+            released = conn.execute(
+                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND expires_at > ?",
+                (now, name, holder, now),
+            ).rowcount
+            if released:
+                self._journal(
+                    conn,
+                    now,
+                    _lease_run(name),
+                    "leases",
+                    name,
+                    "lease.released",
+                    None,
+                    None,
+                    None,
+                    {"holder": holder},
+                )
+
+    def lease(self, name: str) -> Row | None:
+        rows = self._query("SELECT * FROM leases WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    # ------------------------------------------------------------------ internals (inside a transaction)
+
+    def _cas(
+        self,
+        conn: sqlite3.Connection,
+        table: str,
+        row_id: int | str,
+        run_id: str,
+        *,
+        expect: str,
+        to: str,
+        event: str,
+        expect_version: int | None = None,
+        epoch: int | None,
+        data: Mapping[str, Any] | None,
+        columns: Mapping[str, Any],
+    ) -> int:
+        check_edge(table, expect, to)
+        now = self._clock()
+        sets = "".join(f', "{c}" = ?' for c in columns)
+        sql = (
+            f'UPDATE "{table}" SET state = ?, version = version + 1, updated_at = ?{sets}'
+            " WHERE id = ? AND state = ?"
+        )
+        params: list[Any] = [str(to), now, *columns.values(), row_id, str(expect)]
+        if expect_version is not None:
+            sql += " AND version = ?"
+            params.append(expect_version)
+        updated = conn.execute(sql + " RETURNING version", params).fetchall()
+        if not updated:
+            state, version = conn.execute(
+                f'SELECT state, version FROM "{table}" WHERE id = ?', (row_id,)
+            ).fetchone()
+            raise StaleWrite(
+                table,
+                row_id,
+                expected_state=str(expect),
+                expected_version=expect_version,
+                current_state=state,
+                current_version=version,
+            )
+        self._journal(conn, now, run_id, table, row_id, event, expect, to, epoch, data)
+        return int(updated[0][0])
+
+    def _journal(
+        self,
+        conn: sqlite3.Connection,
+        ts: float,
+        run_id: str | None,
+        entity: str,
+        entity_id: int | str,
+        event: str,
+        from_state: str | None,
+        to_state: str | None,
+        epoch: int | None,
+        data: Mapping[str, Any] | None,
+    ) -> int:
+        return _insert(
+            conn,
+            "journal",
+            {
+                "ts": ts,
+                "run_id": run_id,
+                "entity": entity,
+                "entity_id": str(entity_id),
+                "event": event,
+                "from_state": None if from_state is None else str(from_state),
+                "to_state": None if to_state is None else str(to_state),
+                "epoch": epoch,
+                "data": None if data is None else _json(data),
+            },
+        )
+
+    def _run_of(self, conn: sqlite3.Connection, table: str, row_id: int | str) -> str:
+        """The run a row belongs to (for fencing and the journal); ``NotFound`` if the row is absent."""
+        if table == "runs":
+            sql = "SELECT id FROM runs WHERE id = ?"
+        elif table == "steps":
+            sql = "SELECT t.run_id FROM steps s JOIN transitions t ON t.id = s.transition_id WHERE s.id = ?"
+        else:
+            sql = f'SELECT run_id FROM "{table}" WHERE id = ?'
+        row = conn.execute(sql, (row_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"{table} has no row {row_id!r}")
+        return str(row[0])
+
+    def _fence(self, conn: sqlite3.Connection, run_id: str, epoch: int | None) -> None:
+        """Refuse a write stamped with an epoch that is not the run lease's current one."""
+        if epoch is None:
+            return
+        name = run_lease_name(run_id)
+        row = conn.execute("SELECT epoch FROM leases WHERE name = ?", (name,)).fetchone()
+        if row is not None and row[0] != epoch:
+            raise StaleEpoch(name, epoch, row[0])
+
+    def _writable(self, table: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate caller-chosen columns (their names become SQL) and encode their values."""
+        if table not in self._columns or table in _NO_FIELD_UPDATES:
+            writable = sorted(set(self._columns) - _NO_FIELD_UPDATES)
+            raise InvalidWrite(f"cannot write fields of table {table!r}; tables: {', '.join(writable)}")
+        managed = sorted(_MANAGED_COLUMNS & fields.keys())
+        if managed:
+            raise InvalidWrite(
+                f"{table}: {', '.join(managed)} cannot be written as fields "
+                "(state changes go through set_state)"
+            )
+        unknown = sorted(fields.keys() - self._columns[table])
+        if unknown:
+            columns = ", ".join(sorted(self._columns[table] - _MANAGED_COLUMNS))
+            raise InvalidWrite(f"{table} has no column {', '.join(unknown)}; writable columns: {columns}")
+        json_columns = JSON_COLUMNS.get(table, frozenset())
+        return {c: _json(v) if c in json_columns and v is not None else _plain(v) for c, v in fields.items()}
+
+
+# ---------------------------------------------------------------------- module helpers
+
+
+def _check_pool(pool: Mapping[str, Any]) -> dict[str, Any]:
+    missing = sorted(POOL_REQUIRED - pool.keys())
+    unknown = sorted(pool.keys() - POOL_REQUIRED - POOL_OPTIONAL)
+    if missing or unknown:
+        raise InvalidWrite(
+            f"pool {pool.get('name', '?')!r}: missing {missing}, unknown {unknown}; "
+            f"keys are {sorted(POOL_REQUIRED | POOL_OPTIONAL)}"
+        )
+    if pool["kind"] not in _values(PoolKind):
+        raise InvalidWrite(
+            f"pool {pool['name']!r}: kind {pool['kind']!r} is not one of {', '.join(PoolKind)}"
+        )
+    _check_role(pool["role"])
+    if not isinstance(pool["nodes"], int) or pool["nodes"] < 1:
+        raise InvalidWrite(f"pool {pool['name']!r}: nodes must be an int >= 1, got {pool['nodes']!r}")
+    return {"partition": None, **{k: _plain(v) for k, v in pool.items()}}
+
+
+def _check_role(role: str) -> None:
+    if role not in _values(Role):
+        raise InvalidWrite(f"role {role!r} is not one of {', '.join(Role)}")
+
+
+def _values(states: type[StrEnum]) -> frozenset[str]:
+    return frozenset(s.value for s in states)
+
+
+def _insert(conn: sqlite3.Connection, table: str, values: Mapping[str, Any]) -> int:
+    columns = ", ".join(f'"{c}"' for c in values)
+    placeholders = ", ".join("?" * len(values))
+    cursor = conn.execute(
+        f'INSERT INTO "{table}" ({columns}) VALUES ({placeholders})', [_plain(v) for v in values.values()]
+    )
+    return int(cursor.lastrowid or 0)
+
+
+def _current_version(conn: sqlite3.Connection, table: str, row_id: int | str) -> int:
+    return int(conn.execute(f'SELECT version FROM "{table}" WHERE id = ?', (row_id,)).fetchone()[0])
+
+
+def _with_fields(data: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The journal payload: the caller's data plus, under ``fields``, the columns written with it."""
+    if not fields:
+        return None if data is None else dict(data)
+    return {**(data or {}), "fields": dict(fields)}
+
+
+def _lease_run(name: str) -> str | None:
+    return name.removeprefix("run:") if name.startswith("run:") else None
+
+
+def _plain(value: Any) -> Any:
+    """Enum members bind as their value, so a StrEnum stored is the same text as its string."""
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

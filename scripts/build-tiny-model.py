@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Build the tiny local model the examples and engine tests use: no model hub needed.
+
+A byte-level BPE tokenizer (vocab 2048, ChatML chat template, eos <|im_end|>) trained on generated
+text, and a randomly initialised Llama (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32 — the
+CPU attention backend needs head_dim >= 32), saved in HF format. Deterministic for a seed; a second
+seed gives a "new policy" with the same shapes for weight-reload tests.
+
+    python scripts/build-tiny-model.py OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def corpus(seed: int, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    words = ("the model calls a tool to add numbers and then answers with the sum of two values "
+             "search lookup calculator result reward policy rollout step train sample token").split()
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 20)))
+        out.append(f"{text} {a} + {b} = {a + b}. <tool>calc({a},{b})</tool>")
+    return out
+
+
+def build(out: Path, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(0), trainer)  # the tokenizer never depends on the weight seed
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"tiny model: {n} parameters, seed {seed}, in {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    build(args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()
