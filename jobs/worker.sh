@@ -18,7 +18,9 @@ echo "pearl-worker $(date +%s.%N) start task=$task node=${SLURMD_NODENAME:-$(hos
 
 "$@" &
 child=$!
+trapped=0
 forward() {
+  trapped=1
   echo "pearl-worker $(date +%s.%N) got $1, forwarding to $child" >&2
   kill "-$1" "$child" 2>/dev/null
 }
@@ -26,17 +28,13 @@ trap "forward $sig" "$sig"
 trap "forward TERM" TERM
 trap "forward INT" INT
 
-rc=0
 while :; do
+  trapped=0
   wait "$child"
   rc=$?
-  # wait returns early (status > 128) when a trapped signal arrives; go on waiting while the child lives
-  kill -0 "$child" 2>/dev/null && continue
-  # the child is gone: a wait cut short by a trap has not seen its status yet, so ask once more
-  wait "$child" 2>/dev/null
-  last=$?
-  [ "$last" -ne 127 ] && rc=$last
-  break
+  # A trapped signal cuts `wait` short (status > 128) while the payload may still run: wait again.
+  # (Probing with `kill -0` here loses the payload's status when it exits in between.)
+  [ "$trapped" = 1 ] || break
 done
 echo "pearl-worker $(date +%s.%N) payload exited rc=$rc" >&2
 exit "$rc"

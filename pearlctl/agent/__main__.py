@@ -34,6 +34,10 @@ def main() -> int:
             _log("drain", reason="preemption notice", drain_s=round(time.monotonic() - t0, 6))
 
     def on_stop(signum, frame):
+        # Slurm (and the local backend) signal the whole process group, and worker.sh forwards the
+        # same signal again: ignore repeats so a clean stop is not turned into death by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         state["stop"] = True
 
     signal.signal(preempt_sig, on_preempt)

@@ -172,10 +172,8 @@ class Store:
                 "runs",
                 run_id,
                 "run.created",
-                None,
-                run_state,
-                None,
-                {"name": name, "backend": backend, "pools": [p["name"] for p in checked]},
+                to_state=run_state,
+                data={"name": name, "backend": backend, "pools": [p["name"] for p in checked]},
             )
             allocation_state = machine("allocations").initial
             for pool in checked:
@@ -200,10 +198,8 @@ class Store:
                         "allocations",
                         allocation_id,
                         "allocation.requested",
-                        None,
-                        allocation_state,
-                        None,
-                        {"pool": pool["name"], "array_index": index},
+                        to_state=allocation_state,
+                        data={"pool": pool["name"], "array_index": index},
                     )
 
     def get_run(self, run_id: str) -> Row:
@@ -296,7 +292,7 @@ class Store:
                 return _current_version(conn, table, row_id) if versioned else None
             if event is not None:
                 self._journal(
-                    conn, now, run_id, table, row_id, event, None, None, epoch, _with_fields(data, fields)
+                    conn, now, run_id, table, row_id, event, epoch=epoch, data=_with_fields(data, fields)
                 )
             return row[0][0] if versioned else None
 
@@ -312,7 +308,7 @@ class Store:
         """Append an observation to the journal (no fencing: observations are facts). Returns its id."""
         with self._write() as conn:
             return self._journal(
-                conn, self._clock(), run_id, entity, entity_id, event, None, None, epoch, data
+                conn, self._clock(), run_id, entity, entity_id, event, epoch=epoch, data=data
             )
 
     # ------------------------------------------------------------------ nodes, GPUs, workers, transitions
@@ -382,10 +378,9 @@ class Store:
                         "gpus",
                         gpu_id,
                         "gpu.registered",
-                        None,
-                        GpuState.UP,
-                        epoch,
-                        {**where, "idx": idx, "role": role},
+                        to_state=GpuState.UP,
+                        epoch=epoch,
+                        data={**where, "idx": idx, "role": role},
                     )
                     continue
                 gpu_id, state, old_node_id = existing[idx]
@@ -417,10 +412,8 @@ class Store:
                         "gpus",
                         gpu_id,
                         "gpu.moved",
-                        None,
-                        None,
-                        epoch,
-                        {**where, "idx": idx},
+                        epoch=epoch,
+                        data={**where, "idx": idx},
                     )
             for idx, (gpu_id, state, _) in existing.items():
                 if idx not in indices and state != GpuState.GONE:
@@ -481,10 +474,9 @@ class Store:
                 "workers",
                 worker_id,
                 "worker.created",
-                None,
-                state,
-                epoch,
-                {"allocation_id": allocation_id, "role": role, "engine": engine},
+                to_state=state,
+                epoch=epoch,
+                data={"allocation_id": allocation_id, "role": role, "engine": engine},
             )
             return worker_id
 
@@ -539,10 +531,9 @@ class Store:
                 "transitions",
                 transition_id,
                 "transition.planned",
-                None,
-                state,
-                epoch,
-                {"kind": kind, "from_role": from_role, "to_role": to_role, "gpu_ids": ids},
+                to_state=state,
+                epoch=epoch,
+                data={"kind": kind, "from_role": from_role, "to_role": to_role, "gpu_ids": ids},
             )
             return transition_id
 
@@ -609,10 +600,9 @@ class Store:
                 "steps",
                 step_id,
                 "step.intent",
-                None,
-                state,
-                epoch,
-                {"transition_id": transition_id, "seq": seq, "kind": kind, "key": idempotency_key},
+                to_state=state,
+                epoch=epoch,
+                data={"transition_id": transition_id, "seq": seq, "kind": kind, "key": idempotency_key},
             )
             return step_id
 
@@ -620,8 +610,8 @@ class Store:
 
     def get(self, table: str, row_id: int | str) -> Row:
         """One row of any table by id (JSON decoded); ``NotFound`` if absent."""
-        if table not in self._columns or "id" not in self._columns[table]:
-            raise InvalidWrite(f"unknown table {table!r}")
+        if "id" not in self._columns.get(table, ()):
+            raise NotFound(f"no table {table!r} with ids; tables: {', '.join(sorted(self._columns))}")
         rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
         if not rows:
             raise NotFound(f"{table} has no row {row_id!r}")
@@ -711,10 +701,8 @@ class Store:
                 "leases",
                 name,
                 "lease.acquired",
-                None,
-                None,
-                epoch,
-                {"holder": holder, "previous_holder": previous},
+                epoch=epoch,
+                data={"holder": holder, "previous_holder": previous},
             )
             return epoch
 
@@ -739,16 +727,7 @@ class Store:
             ).rowcount
             if released:
                 self._journal(
-                    conn,
-                    now,
-                    _lease_run(name),
-                    "leases",
-                    name,
-                    "lease.released",
-                    None,
-                    None,
-                    None,
-                    {"holder": holder},
+                    conn, now, _lease_run(name), "leases", name, "lease.released", data={"holder": holder}
                 )
 
     def lease(self, name: str) -> Row | None:
@@ -796,7 +775,9 @@ class Store:
                 current_state=state,
                 current_version=version,
             )
-        self._journal(conn, now, run_id, table, row_id, event, expect, to, epoch, data)
+        self._journal(
+            conn, now, run_id, table, row_id, event, from_state=expect, to_state=to, epoch=epoch, data=data
+        )
         return int(updated[0][0])
 
     def _journal(
@@ -807,10 +788,11 @@ class Store:
         entity: str,
         entity_id: int | str,
         event: str,
-        from_state: str | None,
-        to_state: str | None,
-        epoch: int | None,
-        data: Mapping[str, Any] | None,
+        *,
+        from_state: str | None = None,
+        to_state: str | None = None,
+        epoch: int | None = None,
+        data: Mapping[str, Any] | None = None,
     ) -> int:
         return _insert(
             conn,

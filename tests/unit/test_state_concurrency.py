@@ -23,7 +23,7 @@ TIMEOUT_S = 60.0
 
 
 def _read_until_stopped(path: str, run_id: str, stop: Event, results: Any) -> None:
-    reads, locked, other = 0, 0, []
+    reads, locked, other, versions = 0, 0, [], []
     store = Store.open(path, readonly=True)
     try:
         while True:
@@ -31,6 +31,7 @@ def _read_until_stopped(path: str, run_id: str, stop: Event, results: Any) -> No
                 runs = store.list_runs()
                 allocations = store.allocations(run_id)
                 assert [r["id"] for r in runs] == [run_id] and len(allocations) == 4
+                versions.append(allocations[0]["version"])
                 reads += 1
             except Exception as exc:  # counted, not raised: the parent asserts on the totals
                 if "locked" in str(exc) or "busy" in str(exc):
@@ -43,7 +44,7 @@ def _read_until_stopped(path: str, run_id: str, stop: Event, results: Any) -> No
                 break
     finally:
         store.close()
-    results.put(("reader", (reads, locked, other)))
+    results.put(("reader", (reads, locked, other, versions)))
 
 
 def _write(path: str, allocation_id: int, writes: int, go: Event, results: Any) -> None:
@@ -95,7 +96,8 @@ def test_readers_never_see_locked_while_a_writer_writes(tmp_path: Path) -> None:
     run_id, ids = _setup(path)
     results, stop, go = ctx.Queue(), ctx.Event(), ctx.Event()
     readers = [
-        ctx.Process(target=_read_until_stopped, args=(str(path), run_id, stop, results)) for _ in range(READERS)
+        ctx.Process(target=_read_until_stopped, args=(str(path), run_id, stop, results))
+        for _ in range(READERS)
     ]
     writer = ctx.Process(target=_write, args=(str(path), ids[0], WRITES, go, results))
     for p in [*readers, writer]:
@@ -112,9 +114,13 @@ def test_readers_never_see_locked_while_a_writer_writes(tmp_path: Path) -> None:
         for p in [*readers, writer]:
             p.join(TIMEOUT_S)
     assert write_errors == [] and done == WRITES
-    assert all(reads >= 2 for reads, _, _ in read_results)
-    assert sum(locked for _, locked, _ in read_results) == 0
-    assert [o for _, _, other in read_results for o in other] == []
+    assert all(reads >= 2 for reads, *_ in read_results)
+    assert sum(locked for _, locked, *_ in read_results) == 0
+    assert [o for _, _, other, _ in read_results for o in other] == []
+    for *_, versions in read_results:
+        assert versions == sorted(versions)  # each reader sees committed writes in order, never a rollback
+    seen = {v for *_, versions in read_results for v in versions}
+    assert seen & set(range(3, 2 + WRITES)), "readers never overlapped the writes"
     with Store.open(path, readonly=True) as store:
         assert store.get("allocations", ids[0])["version"] == 2 + WRITES  # created, PENDING, then 200 writes
 

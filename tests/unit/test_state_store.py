@@ -202,7 +202,9 @@ def test_every_state_reachable_through_the_store(shared: Store, table: str, stat
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(table=st.sampled_from(TABLES), data=st.data())
-def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: str, data: st.DataObject) -> None:
+def test_random_walks_keep_the_journal_a_faithful_history(
+    shared: Store, table: str, data: st.DataObject
+) -> None:
     m = MACHINES[table]
     row_id = new_row(shared, table)
     state = m.initial
@@ -264,7 +266,12 @@ def test_set_state_writes_fields_and_journals_them(store: Store, clock: FakeCloc
         data={"argv": ["sbatch", "x"]}, job_id="123_0", slurm_state="PENDING",
     )  # fmt: skip
     row = store.allocations(run_id)[0]
-    assert (row["job_id"], row["slurm_state"], row["updated_at"], row["pool"]) == ("123_0", "PENDING", 1005.0, "trainer")
+    assert (row["job_id"], row["slurm_state"], row["updated_at"], row["pool"]) == (
+        "123_0",
+        "PENDING",
+        1005.0,
+        "trainer",
+    )
     assert store.journal()[-1]["data"] == {
         "argv": ["sbatch", "x"],
         "fields": {"job_id": "123_0", "slurm_state": "PENDING"},
@@ -323,11 +330,19 @@ def test_create_run_writes_run_pools_allocations_and_journal(store: Store) -> No
         ],
     )  # fmt: skip
     run = store.get_run("r1")
-    assert (run["state"], run["version"], run["spec"], run["backend"]) == ("CREATED", 1, {"pools": {"trainer": 2}}, "slurm")
+    assert (run["state"], run["version"], run["spec"], run["backend"]) == (
+        "CREATED",
+        1,
+        {"pools": {"trainer": 2}},
+        "slurm",
+    )
     assert store.find_run("demo") == run == store.find_run("r1") and store.find_run("nope") is None
     assert [r["id"] for r in store.list_runs()] == ["r1"]
     pools = store.pools("r1")
-    assert [(p["name"], p["partition"], p["job_id"]) for p in pools] == [("trainer", None, None), ("spot", "preempt", None)]
+    assert [(p["name"], p["partition"], p["job_id"]) for p in pools] == [
+        ("trainer", None, None),
+        ("spot", "preempt", None),
+    ]
     allocations = store.allocations("r1")
     assert [(a["pool"], a["array_index"], a["state"], a["version"]) for a in allocations] == [
         ("trainer", 0, "REQUESTED", 1), ("trainer", 1, "REQUESTED", 1),
@@ -343,8 +358,21 @@ def test_duplicate_run_and_invalid_pools_write_nothing(store: Store) -> None:
     run_id = new_run(store)
     name = store.get_run(run_id)["name"]
     since = last_journal_id(store)
-    pool = {"name": "p", "kind": "rollout", "role": "ROLLOUT", "nodes": 1, "gpus_per_node": 1, "job_name": "j"}
-    common: dict[str, Any] = {"spec": {}, "spec_path": None, "run_dir": None, "backend": "local", "policy": None}
+    pool = {
+        "name": "p",
+        "kind": "rollout",
+        "role": "ROLLOUT",
+        "nodes": 1,
+        "gpus_per_node": 1,
+        "job_name": "j",
+    }
+    common: dict[str, Any] = {
+        "spec": {},
+        "spec_path": None,
+        "run_dir": None,
+        "backend": "local",
+        "policy": None,
+    }
     with pytest.raises(DuplicateRun, match=name):
         store.create_run(run_id="other", name=name, pools=[pool], **common)
     with pytest.raises(DuplicateRun):
@@ -367,18 +395,26 @@ def test_workers_transitions_and_steps(store: Store) -> None:
     allocation_id = store.allocations(run_id)[0]["id"]
     store.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
     gpu_ids = [g["id"] for g in store.gpus(run_id)]
-    worker_id = store.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", url="http://n:8000")
+    worker_id = store.add_worker(
+        run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", url="http://n:8000"
+    )
     transition_id = store.add_transition(
         run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gpu_ids[1], gpu_ids[0]]
     )
     step_id = store.add_step(
         transition_id=transition_id, seq=0, kind="OFFLOAD", idempotency_key="k0", detail={"ranks": [0, 1]}
     )
-    assert [(w["id"], w["state"], w["url"]) for w in store.workers(run_id)] == [(worker_id, "STARTING", "http://n:8000")]
+    assert [(w["id"], w["state"], w["url"]) for w in store.workers(run_id)] == [
+        (worker_id, "STARTING", "http://n:8000")
+    ]
     (transition,) = store.transitions(run_id)
     assert (transition["state"], transition["gpu_ids"]) == ("PLANNED", sorted(gpu_ids))
-    assert [(s["id"], s["state"], s["detail"]) for s in store.steps(transition_id)] == [(step_id, "INTENT", {"ranks": [0, 1]})]
-    store.set_state("steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True})
+    assert [(s["id"], s["state"], s["detail"]) for s in store.steps(transition_id)] == [
+        (step_id, "INTENT", {"ranks": [0, 1]})
+    ]
+    store.set_state(
+        "steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True}
+    )
     assert store.steps(transition_id)[0]["detail"] == {"ranks": [0, 1], "ok": True}
     with pytest.raises(DuplicateStep):
         store.add_step(transition_id=transition_id, seq=1, kind="RELOAD", idempotency_key="k0")
@@ -387,7 +423,9 @@ def test_workers_transitions_and_steps(store: Store) -> None:
     with pytest.raises(InvalidWrite, match="step kind"):
         store.add_step(transition_id=transition_id, seq=1, kind="REBOOT", idempotency_key="k1")
     with pytest.raises(InvalidWrite, match="no GPUs"):
-        store.add_transition(run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999])
+        store.add_transition(
+            run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999]
+        )
     store.set_state("transitions", transition_id, expect="PLANNED", to="RUNNING", event="go")
     store.set_state("transitions", transition_id, expect="RUNNING", to="DONE", event="done")
     with pytest.raises(InvalidWrite, match="DONE"):
@@ -409,14 +447,22 @@ def test_upsert_node_gpus(store: Store) -> None:
         return [(g["allocation_id"], g["node"], g["idx"], g["state"], g["role"]) for g in store.gpus(run_id)]
 
     store.upsert_node_gpus(run_id, a0, "node-a", [0, 1], "TRAIN")  # index 2 disappeared
-    assert view() == [(a0, "node-a", 0, "UP", "TRAIN"), (a0, "node-a", 1, "UP", "TRAIN"), (a0, "node-a", 2, "GONE", "TRAIN")]
+    assert view() == [
+        (a0, "node-a", 0, "UP", "TRAIN"),
+        (a0, "node-a", 1, "UP", "TRAIN"),
+        (a0, "node-a", 2, "GONE", "TRAIN"),
+    ]
 
     gpu1 = store.gpus(run_id)[1]
     store.update_fields("gpus", gpu1["id"], role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     store.set_state("gpus", gpu1["id"], expect="UP", to="LOST", event="heartbeat.missed")
     # requeued elsewhere: 0 moves, 1 comes back from LOST keeping its borrowed role, 2 comes back fresh
     store.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
-    assert view() == [(a0, "node-b", 0, "UP", "TRAIN"), (a0, "node-b", 1, "UP", "ROLLOUT"), (a0, "node-b", 2, "UP", "TRAIN")]
+    assert view() == [
+        (a0, "node-b", 0, "UP", "TRAIN"),
+        (a0, "node-b", 1, "UP", "ROLLOUT"),
+        (a0, "node-b", 2, "UP", "TRAIN"),
+    ]
     events = [e["event"] for e in store.journal(since_id=since) if e["entity"] == "gpus"]
     assert events.count("gpu.moved") == 1 and events.count("gpu.gone") == 1
 
@@ -471,7 +517,9 @@ def test_schema_from_newer_code_is_refused(tmp_path: Path) -> None:
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
     raw.close()
     for readonly in (False, True):
-        with pytest.raises(IncompatibleSchema, match=rf"(?i)schema version {SCHEMA_VERSION + 5}.*upgrade pearlctl"):
+        with pytest.raises(
+            IncompatibleSchema, match=rf"(?i)schema version {SCHEMA_VERSION + 5}.*upgrade pearlctl"
+        ):
             Store.open(path, readonly=readonly)
 
 
@@ -548,7 +596,12 @@ def test_lease_acquire_renew_takeover_release(store: Store, clock: FakeClock) ->
     assert store.acquire_lease(name, "b", ttl_s=10) == 3  # epochs never go back, even for the same holder
     assert store.lease("nope") is None
     events = [(e["event"], e["epoch"]) for e in store.journal() if e["entity"] == "leases"]
-    assert events == [("lease.acquired", 1), ("lease.acquired", 2), ("lease.released", None), ("lease.acquired", 3)]
+    assert events == [
+        ("lease.acquired", 1),
+        ("lease.acquired", 2),
+        ("lease.released", None),
+        ("lease.acquired", 3),
+    ]
 
 
 def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
@@ -566,7 +619,9 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     before, since = store.get("allocations", allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleEpoch, match="epoch 2.*epoch 1") as refused:
-        store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old)
+        store.set_state(
+            "allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old
+        )
     assert (refused.value.epoch, refused.value.current_epoch) == (1, 2)
     with pytest.raises(StaleEpoch):
         store.update_fields("allocations", allocation_id, node="n1", epoch=old)
