@@ -256,7 +256,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         if not _ENV_KEY_RE.match(k):
             c.fail(f"{p}env.{k}", "must be a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
         if not isinstance(v, str):
-            c.fail(f"{p}env.{k}", f"must be a string, got {v!r} (quote numbers: \"1\")")
+            c.fail(f"{p}env.{k}", f'must be a string, got {v!r} (quote numbers: "1")')
     if len(c.problems) > before:
         return None
     return PoolSpec(
@@ -286,8 +286,14 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     c.unknown_keys(data, ("run", "pools"), "")
     run = c.table(data, "run", "", required=True) or {}
     c.unknown_keys(run, _RUN_KEYS, "run.")
-    name = c.string(run, "name", "run.", required=True, pattern=_NAME_RE,
-                    what="a name of letters, digits, '-' or '_' (max 40), starting with a letter")
+    name = c.string(
+        run,
+        "name",
+        "run.",
+        required=True,
+        pattern=_NAME_RE,
+        what="a name of letters, digits, '-' or '_' (max 40), starting with a letter",
+    )
     model_raw = c.string(run, "model", "run.", required=True, what="a path to the model directory")
     model = None
     if model_raw is not None:
@@ -326,8 +332,14 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     if c.problems:
         raise SpecError(str(source), c.problems)
     return RunSpec(
-        name=name, model=model, run_dir=run_dir, policy=policy, backend=backend,
-        poll_interval_s=poll, pools=pools, source=source.resolve(),
+        name=name,
+        model=model,
+        run_dir=run_dir,
+        policy=policy,
+        backend=backend,
+        poll_interval_s=poll,
+        pools=pools,
+        source=source.resolve(),
     )
 
 

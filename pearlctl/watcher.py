@@ -61,8 +61,16 @@ class _Mover:
 
     def move(self, to: A, event: str, data: dict | None = None, **fields) -> None:
         a = self.alloc
-        self.store.set_state("allocations", a["id"], expect=a["state"], expect_version=a["version"],
-                             to=to, event=event, data=data, **fields)
+        self.store.set_state(
+            "allocations",
+            a["id"],
+            expect=a["state"],
+            expect_version=a["version"],
+            to=to,
+            event=event,
+            data=data,
+            **fields,
+        )
         a["state"], a["version"] = to, a["version"] + 1
         a.update(fields)
         self.events.append(f"{self.pool['name']}[{a['array_index']}] {event} -> {to}")
@@ -70,8 +78,14 @@ class _Mover:
     def gpus_down(self, to: GpuState) -> None:
         for gpu in self.store.gpus(self.run_id):
             if gpu["allocation_id"] == self.alloc["id"] and gpu["state"] == GpuState.UP:
-                self.store.set_state("gpus", gpu["id"], expect=GpuState.UP, expect_version=gpu["version"],
-                                     to=to, event=f"allocation {self.alloc['state'].lower()}")
+                self.store.set_state(
+                    "gpus",
+                    gpu["id"],
+                    expect=GpuState.UP,
+                    expect_version=gpu["version"],
+                    to=to,
+                    event=f"allocation {self.alloc['state'].lower()}",
+                )
 
     def apply(self, rec: JobRecord | None) -> None:
         a = self.alloc
@@ -87,8 +101,13 @@ class _Mover:
         phase = rec.phase
         if phase is JobPhase.UNKNOWN:
             if rec.state != a.get("slurm_state"):
-                self.store.update_fields("allocations", a["id"], event="unknown_slurm_state",
-                                         data={"slurm_state": rec.state}, slurm_state=rec.state)
+                self.store.update_fields(
+                    "allocations",
+                    a["id"],
+                    event="unknown_slurm_state",
+                    data={"slurm_state": rec.state},
+                    slurm_state=rec.state,
+                )
             return
         if phase is JobPhase.PENDING:
             if state in (A.RUNNING, A.PREEMPTING):
@@ -100,29 +119,41 @@ class _Mover:
                 self.store.update_fields("allocations", a["id"], **facts)
             return
         if phase is JobPhase.ENDED:
-            self.move(A.ENDED, "ended", {"slurm_state": rec.state, "exit_code": rec.exit_code},
-                      ended_at=rec.end_time or self.now, **facts)
+            self.move(
+                A.ENDED,
+                "ended",
+                {"slurm_state": rec.state, "exit_code": rec.exit_code},
+                ended_at=rec.end_time or self.now,
+                **facts,
+            )
             self.gpus_down(GpuState.GONE)
             return
         # RUNNING
         node = rec.nodes[0] if rec.nodes else None
         if state in (A.RUNNING, A.PREEMPTING) and rec.restarts > (a.get("restarts") or 0):
             # The task was requeued and restarted between two polls: record both edges we missed.
-            self.move(A.PENDING, "requeued", {"restarts": rec.restarts, "seen": "between polls"},
-                      restarts=rec.restarts)
+            self.move(A.PENDING, "requeued", {"restarts": rec.restarts, "seen": "between polls"}, restarts=rec.restarts)
             self.gpus_down(GpuState.GONE)
             state = A.PENDING
         if state in (A.PENDING, A.LOST):
-            self.move(A.RUNNING, "started", {"node": node, "restarts": rec.restarts},
-                      node=node, started_at=rec.start_time or self.now, restarts=rec.restarts, **facts)
+            self.move(
+                A.RUNNING,
+                "started",
+                {"node": node, "restarts": rec.restarts},
+                node=node,
+                started_at=rec.start_time or self.now,
+                restarts=rec.restarts,
+                **facts,
+            )
             self._register_gpus(rec, node)
             state = A.RUNNING
         new_preemption = rec.preempt_time is not None and (
             a.get("preempted_at") is None or rec.preempt_time > a["preempted_at"] + 0.5
         )
         if state is A.RUNNING and new_preemption and (rec.start_time is None or rec.preempt_time >= rec.start_time):
-            self.move(A.PREEMPTING, "preempted", {"preempt_time": rec.preempt_time},
-                      preempted_at=rec.preempt_time, **facts)
+            self.move(
+                A.PREEMPTING, "preempted", {"preempt_time": rec.preempt_time}, preempted_at=rec.preempt_time, **facts
+            )
             self.gpus_down(GpuState.DRAINING)
         elif rec.state != a.get("slurm_state"):
             self.store.update_fields("allocations", a["id"], **facts)
@@ -154,8 +185,14 @@ def sync_run(store: Store, backend: Backend, run_id: str, *, now: float | None =
     store.update_fields("runs", run_id, last_poll_at=now)
     run = store.get_run(run_id)
     if run["state"] == RunState.ACTIVE and all(a["state"] == A.ENDED for a in store.allocations(run_id)):
-        store.set_state("runs", run_id, expect=RunState.ACTIVE, expect_version=run["version"],
-                        to=RunState.ENDED, event="all allocations ended")
+        store.set_state(
+            "runs",
+            run_id,
+            expect=RunState.ACTIVE,
+            expect_version=run["version"],
+            to=RunState.ENDED,
+            event="all allocations ended",
+        )
         report.events.append("run ended")
     return report
 

@@ -483,8 +483,69 @@ StorageLoc=slurm_acct_db
             log(f"registered cluster '{CLUSTER_NAME}' with slurmdbd")
 
     # ---- down
+    def cancel_jobs(self, timeout: float = 20) -> None:
+        """Cancel every job of this cluster and wait until none is left running/completing."""
+        sq, sc = which("squeue"), which("scancel")
+        if not (sq and sc):
+            return
+        try:
+            r = self.slurm(sq, "-h", "-o", "%A", timeout=5)
+            ids = sorted(set(r.stdout.split())) if r.returncode == 0 else []
+            if not ids:
+                return
+            log(f"cancelling {len(ids)} job(s)")
+            self.slurm(sc, *ids, timeout=10)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                r = self.slurm(sq, "-h", "-o", "%A", timeout=5)
+                if r.returncode != 0 or not r.stdout.strip():
+                    return
+                time.sleep(0.2)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def job_processes(self) -> list[int]:
+        """Processes left by this cluster's jobs: every slurmstepd started by our slurmds (it inherits their
+        marker environment variable), everything in its session, and all their descendants."""
+        procs: dict[int, tuple[int, int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] not in ("Z", "X"):
+                    procs[int(entry)] = (int(stat[1]), int(stat[3]))  # ppid, session id
+            except (OSError, IndexError, ValueError):
+                continue
+        daemons = set(self.recorded().values())
+        roots = {pid for pid in procs if pid not in daemons and pid != os.getpid() and self.ours(pid)}
+        sids = {procs[pid][1] for pid in roots if procs[pid][1] == pid}  # session leaders (slurmstepd)
+        found = set(roots) | {pid for pid, (_, sid) in procs.items() if sid in sids}
+        grew = True
+        while grew:
+            more = {pid for pid, (ppid, _) in procs.items() if ppid in found and pid not in found}
+            found |= more
+            grew = bool(more)
+        return sorted(found - daemons - {os.getpid()})
+
+    def _stop(self, pids: dict[str, int], timeout: float) -> None:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pids and time.monotonic() < deadline:
+            pids = {n: p for n, p in pids.items() if alive(p)}
+            if pids:
+                time.sleep(0.05)
+        for n, pid in pids.items():
+            log(f"{n} (pid {pid}) ignored SIGTERM for {timeout:.0f}s: SIGKILL")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def down(self, timeout: float = 15, quiet: bool = False) -> None:
         rec = self.recorded()
+        if "slurmctld" in rec and self.ours(rec["slurmctld"]):
+            self.cancel_jobs()
         order = [
             [n for n in rec if n.startswith("slurmd-")] + ["slurmctld"],
             ["slurmdbd"],
@@ -494,23 +555,26 @@ StorageLoc=slurm_acct_db
         stopped = 0
         for group in order:
             pids = {n: rec[n] for n in group if n in rec and self.ours(rec[n])}
-            for n, pid in pids.items():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while pids and time.monotonic() < deadline:
-                pids = {n: p for n, p in pids.items() if self.ours(p)}
-                if pids:
-                    time.sleep(0.05)
-            for n, pid in pids.items():
-                log(f"{n} (pid {pid}) ignored SIGTERM for {timeout:.0f}s: SIGKILL")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            stopped += len([n for n in group if n in rec])
-        for f in self.pids.glob("*.pid") if self.pids.is_dir() else []:
-            f.unlink()
+            stopped += len(pids)
+            self._stop(pids, timeout)
+            if "slurmctld" in group:
+                leftovers = self.job_processes()
+                if leftovers:
+                    log(f"stopping {len(leftovers)} leftover job process(es): {leftovers}")
+                    self._stop({f"job process {p}": p for p in leftovers}, 3)
+        if self.pids.is_dir():
+            for f in self.pids.glob("*.pid"):
+                f.unlink()
         if not quiet:
             log(f"stopped {stopped} daemon(s) in {self.dir}" if stopped else f"nothing running in {self.dir}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -552,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
         if a.cmd == "down":
             if not c.dir.exists():
+                leftovers = c.job_processes()  # jobs of a cluster whose DIR was removed under it
+                if leftovers:
+                    log(f"stopping {len(leftovers)} leftover job process(es) of {c.dir}: {leftovers}")
+                    c._stop({f"job process {p}": p for p in leftovers}, 5)
                 log(f"nothing in {c.dir}")
                 return 0
             with locked(c.dir):

@@ -67,8 +67,9 @@ class LocalBackend:
         jdir.mkdir(parents=True)
         script_path = jdir / "job.sh"
         script_path.write_text(script)
-        (jdir / "meta.json").write_text(json.dumps({"name": req.job_name, "array_size": req.array_size,
-                                                    "submitted_at": time.time()}))
+        (jdir / "meta.json").write_text(
+            json.dumps({"name": req.job_name, "array_size": req.array_size, "submitted_at": time.time()})
+        )
         Path(req.run_dir, "logs").mkdir(parents=True, exist_ok=True)
         for task in range(req.array_size):
             log_path = req.log_pattern.replace("%A", job_id).replace("%a", str(task))
@@ -80,8 +81,12 @@ class LocalBackend:
                 try:
                     proc = subprocess.Popen(
                         ["/bin/bash", "-c", wrapper, str(script_path), str(rc_file)],
-                        cwd=req.run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
+                        cwd=req.run_dir,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
                     )
                 except OSError as exc:
                     raise BackendError(f"could not start local task {task} of {req.job_name}: {exc}") from exc
@@ -103,9 +108,17 @@ class LocalBackend:
         else:
             state = "FAILED"  # vanished without an exit status: killed from outside
         exit_code = rc_file.read_text().strip() if rc_file.exists() else ""
-        return JobRecord(job_id=job_id, array_task_id=task, state=state, name=name,
-                         partition=LOCAL_PARTITION, nodes=(NODE,) if alive else (),
-                         gpus={}, exit_code=exit_code, source="local")
+        return JobRecord(
+            job_id=job_id,
+            array_task_id=task,
+            state=state,
+            name=name,
+            partition=LOCAL_PARTITION,
+            nodes=(NODE,) if alive else (),
+            gpus={},
+            exit_code=exit_code,
+            source="local",
+        )
 
     def _records(self, job_id: str) -> list[JobRecord]:
         meta_file = self._job_dir(job_id) / "meta.json"

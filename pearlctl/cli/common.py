@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import traceback
 from collections.abc import Iterator
@@ -23,6 +24,12 @@ EXIT_TIMEOUT = 124
 err = Console(stderr=True, highlight=False)
 # Piped output gets a wide console (rich would assume 80 columns and truncate ids); a terminal keeps its width.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def emit_json(doc) -> None:
+    """Machine output: plain JSON on stdout, never wrapped or styled by rich."""
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
 
 
 def fail(message: str, code: int) -> typer.Exit:

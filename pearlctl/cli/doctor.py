@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_DOCTOR, exits, out
+from pearlctl.cli.common import EXIT_DOCTOR, emit_json, exits, out
 from pearlctl.doctor import FAIL, run_checks
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
@@ -21,7 +19,7 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="Print the checks
     with exits():
         checks = run_checks()
         if json_out:
-            out.print(json.dumps([c.__dict__ for c in checks], indent=2), markup=False)
+            emit_json([c.__dict__ for c in checks])
         else:
             table = Table(show_header=False, box=None)
             for c in checks:

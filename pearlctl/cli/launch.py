@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,7 +9,7 @@ import typer
 from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_TIMEOUT, err, exits, open_store, out
+from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out
 from pearlctl.config import load_spec
 
 
@@ -27,15 +26,18 @@ def launch(
 ) -> None:
     """Submit a run: one Slurm array job per pool, one array task per node."""
     with exits():
-        overrides = {"name": name, "backend": backend,
-                     "run_dir": str(run_dir.resolve()) if run_dir is not None else None}
+        overrides = {
+            "name": name,
+            "backend": backend,
+            "run_dir": str(run_dir.resolve()) if run_dir is not None else None,
+        }
         spec = load_spec(spec_file, home.known_policies(), {k: v for k, v in overrides.items() if v is not None})
         sched = open_backend(spec.backend, state_dir=str(home.state_dir()))
         err.print(f"backend: {sched.name}")
         if dry_run:
             scripts = launcher.dry_run(spec, sched)
             if json_out:
-                out.print_json(json.dumps({"backend": sched.name, "scripts": dict(scripts)}))
+                emit_json({"backend": sched.name, "scripts": dict(scripts)})
             else:
                 for pool, script in scripts:
                     out.print(f"# ---- pool {pool} ----", markup=False)
@@ -48,19 +50,32 @@ def launch(
             ok = True
             if wait:
                 with err.status("waiting for allocations") as spinner:
+
                     def show(counts: dict[str, int]) -> None:
-                        spinner.update("waiting for allocations: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-                    ok = launcher.wait_running(store, sched, result.run_id, timeout=timeout,
-                                               interval=spec.poll_interval_s, progress=show)
+                        spinner.update(
+                            "waiting for allocations: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                        )
+
+                    ok = launcher.wait_running(
+                        store, sched, result.run_id, timeout=timeout, interval=spec.poll_interval_s, progress=show
+                    )
         finally:
             store.close()
-        payload = {"run_id": result.run_id, "backend": sched.name, "job_ids": result.job_ids,
-                   "adopted": result.adopted, "running": ok if wait else None}
+        payload = {
+            "run_id": result.run_id,
+            "backend": sched.name,
+            "job_ids": result.job_ids,
+            "adopted": result.adopted,
+            "running": ok if wait else None,
+        }
         if json_out:
-            out.print_json(json.dumps(payload))
+            emit_json(payload)
         else:
-            out.print(f"launched {result.run_id}: " + ", ".join(f"{p}={j}" for p, j in result.job_ids.items()),
-                      markup=False)
+            out.print(
+                f"launched {result.run_id}: " + ", ".join(f"{p}={j}" for p, j in result.job_ids.items()), markup=False
+            )
         if wait and not ok:
-            err.print(f"not every allocation is running after {timeout:g}s; `pearlctl status {result.run_id}` shows why")
+            err.print(
+                f"not every allocation is running after {timeout:g}s; `pearlctl status {result.run_id}` shows why"
+            )
             raise typer.Exit(EXIT_TIMEOUT)

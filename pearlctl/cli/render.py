@@ -10,11 +10,24 @@ from rich.table import Table
 from rich.text import Text
 
 STATE_STYLE = {
-    "RUNNING": "green", "ACTIVE": "green", "UP": "green", "READY": "green", "DONE": "green",
-    "PENDING": "yellow", "REQUESTED": "yellow", "SUBMITTING": "yellow", "STARTING": "yellow",
-    "PREEMPTING": "magenta", "DRAINING": "magenta", "CANCELLING": "magenta",
-    "LOST": "bold red", "FAILED": "bold red",
-    "ENDED": "dim", "CANCELLED": "dim", "GONE": "dim", "STOPPED": "dim",
+    "RUNNING": "green",
+    "ACTIVE": "green",
+    "UP": "green",
+    "READY": "green",
+    "DONE": "green",
+    "PENDING": "yellow",
+    "REQUESTED": "yellow",
+    "SUBMITTING": "yellow",
+    "STARTING": "yellow",
+    "PREEMPTING": "magenta",
+    "DRAINING": "magenta",
+    "CANCELLING": "magenta",
+    "LOST": "bold red",
+    "FAILED": "bold red",
+    "ENDED": "dim",
+    "CANCELLED": "dim",
+    "GONE": "dim",
+    "STOPPED": "dim",
 }
 
 
@@ -34,27 +47,46 @@ def _ago(ts: float | None) -> str:
     return f"{max(0.0, time.time() - ts):.0f}s ago"
 
 
-def status_document(run: dict, pools: list, allocations: list, gpus: list, workers: list, transitions: list,
-                    nodes: list) -> dict:
+def status_document(
+    run: dict, pools: list, allocations: list, gpus: list, workers: list, transitions: list, nodes: list
+) -> dict:
     """The `status --json` document: stable top-level keys, values straight from state."""
-    return {"run": run, "pools": pools, "allocations": allocations, "nodes": nodes, "gpus": gpus,
-            "workers": workers, "transitions": transitions}
+    return {
+        "run": run,
+        "pools": pools,
+        "allocations": allocations,
+        "nodes": nodes,
+        "gpus": gpus,
+        "workers": workers,
+        "transitions": transitions,
+    }
 
 
 def status_tables(doc: dict) -> Group:
     run = doc["run"]
     head = Table.grid(padding=(0, 2))
-    head.add_row(Text(f"run {run['name']}", style="bold"), Text(run["id"]), _state(run["state"]),
-                 Text(f"backend {run['backend']}"), Text(f"policy {run['policy']}"),
-                 Text(f"polled {_ago(run.get('last_poll_at'))}"))
+    head.add_row(
+        Text(f"run {run['name']}", style="bold"),
+        Text(run["id"]),
+        _state(run["state"]),
+        Text(f"backend {run['backend']}"),
+        Text(f"policy {run['policy']}"),
+        Text(f"polled {_ago(run.get('last_poll_at'))}"),
+    )
 
     pools = Table(title="pools", title_justify="left")
     for col in ("pool", "job", "partition", "nodes x GPUs", "role", "running"):
         pools.add_column(col)
     for p in doc["pools"]:
         running = sum(1 for a in doc["allocations"] if a["pool_id"] == p["id"] and a["state"] == "RUNNING")
-        pools.add_row(p["name"], p["job_id"] or "-", p["partition"] or "(default)",
-                      f"{p['nodes']} x {p['gpus_per_node']}", p["role"], f"{running}/{p['nodes']}")
+        pools.add_row(
+            p["name"],
+            p["job_id"] or "-",
+            p["partition"] or "(default)",
+            f"{p['nodes']} x {p['gpus_per_node']}",
+            p["role"],
+            f"{running}/{p['nodes']}",
+        )
 
     allocs = Table(title="allocations", title_justify="left")
     for col in ("allocation", "slurm id", "state", "slurm state", "node", "restarts", "reason", "since"):
@@ -62,9 +94,16 @@ def status_tables(doc: dict) -> Group:
     for a in doc["allocations"]:
         sid = f"{a['job_id']}_{a['array_index']}" if a["job_id"] else "-"
         reason = a.get("reason") or ""
-        allocs.add_row(f"{a['pool']}[{a['array_index']}]", sid, _state(a["state"]), a.get("slurm_state") or "-",
-                       a.get("node") or "-", str(a.get("restarts") or 0), "" if reason == "None" else reason,
-                       _when(a.get("updated_at")))
+        allocs.add_row(
+            f"{a['pool']}[{a['array_index']}]",
+            sid,
+            _state(a["state"]),
+            a.get("slurm_state") or "-",
+            a.get("node") or "-",
+            str(a.get("restarts") or 0),
+            "" if reason == "None" else reason,
+            _when(a.get("updated_at")),
+        )
 
     gpus = Table(title="gpus", title_justify="left")
     for col in ("node", "gpu", "pool", "role", "state", "borrowed", "return by"):
@@ -72,8 +111,15 @@ def status_tables(doc: dict) -> Group:
     for g in doc["gpus"]:
         if g["state"] == "GONE":
             continue
-        gpus.add_row(g["node"], str(g["idx"]), g.get("pool") or "-", g["role"], _state(g["state"]),
-                     "yes" if g.get("borrowed") else "", _when(g.get("return_deadline")))
+        gpus.add_row(
+            g["node"],
+            str(g["idx"]),
+            g.get("pool") or "-",
+            g["role"],
+            _state(g["state"]),
+            "yes" if g.get("borrowed") else "",
+            _when(g.get("return_deadline")),
+        )
 
     parts = [head, pools, allocs, gpus]
     if doc["workers"]:
@@ -81,8 +127,14 @@ def status_tables(doc: dict) -> Group:
         for col in ("id", "role", "engine", "state", "url", "weights"):
             workers.add_column(col)
         for w in doc["workers"]:
-            workers.add_row(str(w["id"]), w["role"], w["engine"], _state(w["state"]), w.get("url") or "-",
-                            w.get("weight_version") or "-")
+            workers.add_row(
+                str(w["id"]),
+                w["role"],
+                w["engine"],
+                _state(w["state"]),
+                w.get("url") or "-",
+                w.get("weight_version") or "-",
+            )
         parts.append(workers)
     else:
         parts.append(Text("workers: none (engines start with the daemon)", style="dim"))

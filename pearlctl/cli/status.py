@@ -16,16 +16,22 @@ from rich.live import Live
 from pearlctl import home
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
-from pearlctl.cli.common import err, exits, open_store, out, resolve_run
+from pearlctl.cli.common import emit_json, err, exits, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_document, status_tables
 from pearlctl.state.store import Store
 from pearlctl.watcher import maybe_sync
 
 
 def _document(store: Store, run_id: str) -> dict:
-    return status_document(store.get_run(run_id), store.pools(run_id), store.allocations(run_id),
-                           store.gpus(run_id), store.workers(run_id), store.transitions(run_id),
-                           store.nodes(run_id))
+    return status_document(
+        store.get_run(run_id),
+        store.pools(run_id),
+        store.allocations(run_id),
+        store.gpus(run_id),
+        store.workers(run_id),
+        store.transitions(run_id),
+        store.nodes(run_id),
+    )
 
 
 def _refresh(store: Store, run: dict, sync: bool) -> dict:
@@ -38,7 +44,9 @@ def _refresh(store: Store, run: dict, sync: bool) -> dict:
 @app.command()
 def status(
     run_ref: str = typer.Argument(None, metavar="[RUN]", help="Run name or id (default: the newest run)."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object: run, pools, allocations, gpus, workers, transitions."),
+    json_out: bool = typer.Option(
+        False, "--json", help="One JSON object: run, pools, allocations, gpus, workers, transitions."
+    ),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh live every poll interval (Ctrl-C to stop)."),
     sync: bool = typer.Option(True, "--sync/--no-sync", help="Poll the scheduler first when no daemon owns the run."),
 ) -> None:
@@ -49,7 +57,7 @@ def status(
             run = resolve_run(store, run_ref)
             doc = _refresh(store, run, sync)
             if json_out and not watch:
-                out.print(json.dumps(doc, indent=2, default=str), markup=False, highlight=False)
+                emit_json(doc)
                 return
             if not watch:
                 if run_ref is None and len(store.list_runs()) > 1:

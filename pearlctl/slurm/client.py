@@ -26,7 +26,13 @@ from pearlctl.slurm.parse import (
     parse_squeue_json,
 )
 from pearlctl.slurm.records import JobRecord
-from pearlctl.slurm.runner import CommandNotFound, CommandResult, CommandRunner, CommandTimeout, SubprocessRunner
+from pearlctl.slurm.runner import (
+    CommandNotFound,
+    CommandResult,
+    CommandRunner,
+    CommandTimeout,
+    SubprocessRunner,
+)
 
 log = logging.getLogger(__name__)
 

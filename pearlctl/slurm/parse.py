@@ -21,6 +21,7 @@ class ParseError(ValueError):
 
 # --- small shapes ---------------------------------------------------------------------------------
 
+
 def parse_sbatch_parsable(out: str) -> str:
     """`sbatch --parsable` prints "jobid" or "jobid;cluster"."""
     line = out.strip().splitlines()[-1] if out.strip() else ""
@@ -197,6 +198,7 @@ def parse_scontrol_jobs(text: str) -> list[JobRecord]:
 
 
 # --- squeue --json -----------------------------------------------------------------------------------
+
 
 def _json_number(value: Any) -> float | None:
     """22.05 prints plain integers; 23.02+ prints {"set": bool, "infinite": bool, "number": n}."""

@@ -117,7 +117,8 @@ R = RunState
 RUN_EDGES: Edges = {
     (R.CREATED, R.SUBMITTING): "the launcher starts calling sbatch for the pools",
     (R.CREATED, R.FAILED): "submission could not start (backend refused the spec); nothing was submitted",
-    (R.CREATED, R.CANCELLED): "cancelled before any sbatch: there is nothing to scancel",
+    (R.CREATED, R.CANCELLING): "cancelled before any sbatch; cancel takes one path whatever it finds, and "
+    "with nothing submitted it completes at once",
     (R.SUBMITTING, R.ACTIVE): "every pool got a Slurm job id",
     (R.SUBMITTING, R.FAILED): "an sbatch failed and the pools already submitted were scancelled",
     (R.SUBMITTING, R.CANCELLING): "cancelled while pools were being submitted",

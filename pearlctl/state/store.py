@@ -35,7 +35,7 @@ from typing import Any, Self
 
 from sqlite_utils import Database
 
-from pearlctl.state.db import connect
+from pearlctl.state.db import connect, schema_version
 from pearlctl.state.errors import (
     DuplicateRun,
     DuplicateStep,
@@ -666,6 +666,20 @@ class Store:
             sql += " LIMIT ?"
             params.append(limit)
         return self._query(sql, params, table="journal")
+
+    def health(self) -> Row:
+        """What ``pearlctl doctor`` reports: SQLite's integrity check, journal mode, schema version and
+        row counts. Read-only; works on a read-only store."""
+        with self._lock:
+            conn = self._conn
+            problems = [str(r[0]) for r in conn.execute("PRAGMA integrity_check(5)")]
+            return {
+                "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
+                "journal_mode": str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower(),
+                "schema_version": schema_version(conn),
+                "runs": conn.execute("SELECT count(*) FROM runs").fetchone()[0],
+                "journal_rows": conn.execute("SELECT count(*) FROM journal").fetchone()[0],
+            }
 
     # ------------------------------------------------------------------ leases
 

@@ -64,8 +64,9 @@ def test_good_spec_resolves_paths_against_the_spec_file(spec_dir):
 
 
 def test_typo_in_a_key_is_named_with_a_suggestion(spec_dir):
-    found = problems(spec_dir, GOOD.replace("gpus_per_node = 2\npartition = \"debug\"",
-                                            "gpus_per_nod = 2\npartition = \"debug\""))
+    found = problems(
+        spec_dir, GOOD.replace('gpus_per_node = 2\npartition = "debug"', 'gpus_per_nod = 2\npartition = "debug"')
+    )
     assert "pools.trainer.gpus_per_nod" in found
     assert "did you mean 'gpus_per_node'" in found["pools.trainer.gpus_per_nod"]
     assert "pools.trainer.gpus_per_node" in found  # and the real key is now missing
@@ -74,16 +75,24 @@ def test_typo_in_a_key_is_named_with_a_suggestion(spec_dir):
 @pytest.mark.parametrize(
     "old,new,key,words",
     [
-        ('nodes = 2\ngpus_per_node = 2\nengine', 'nodes = 2\ngpus_per_node = -1\nengine',
-         "pools.rollout.gpus_per_node", "integer >= 0"),
-        ('nodes = 1\ngpus_per_node = 2\npartition = "debug"', 'nodes = "one"\ngpus_per_node = 2\npartition = "debug"',
-         "pools.trainer.nodes", "integer >= 1"),
+        (
+            "nodes = 2\ngpus_per_node = 2\nengine",
+            "nodes = 2\ngpus_per_node = -1\nengine",
+            "pools.rollout.gpus_per_node",
+            "integer >= 0",
+        ),
+        (
+            'nodes = 1\ngpus_per_node = 2\npartition = "debug"',
+            'nodes = "one"\ngpus_per_node = 2\npartition = "debug"',
+            "pools.trainer.nodes",
+            "integer >= 1",
+        ),
         ('time_limit = "01:00:00"', 'time_limit = "an hour"', "pools.trainer.time_limit", "Slurm time"),
         ('policy = "never"', 'policy = "yolo"', "run.policy", "never, greedy"),
         ('model = "model"', 'model = "nope"', "run.model", "does not exist"),
-        ('[pools.elastic]', '[pools.elastc]', "pools.elastc", "did you mean 'elastic'"),
-        ('max_nodes = 3', 'max_nodes = 0', "pools.elastic.max_nodes", "integer >= 1"),
-        ('OMP_NUM_THREADS = "1"', 'OMP_NUM_THREADS = 1', "pools.trainer.env.OMP_NUM_THREADS", "string"),
+        ("[pools.elastic]", "[pools.elastc]", "pools.elastc", "did you mean 'elastic'"),
+        ("max_nodes = 3", "max_nodes = 0", "pools.elastic.max_nodes", "integer >= 1"),
+        ('OMP_NUM_THREADS = "1"', "OMP_NUM_THREADS = 1", "pools.trainer.env.OMP_NUM_THREADS", "string"),
         ('name = "t1"', 'name = "bad name!"', "run.name", "letters, digits"),
     ],
 )
@@ -101,7 +110,7 @@ def test_all_problems_are_reported_at_once(spec_dir):
 
 def test_missing_model_and_trainer_pool(spec_dir):
     text = GOOD.replace('model = "model"\n', "")
-    text = text[: text.index("[pools.trainer]")] + text[text.index("[pools.rollout]"):]
+    text = text[: text.index("[pools.trainer]")] + text[text.index("[pools.rollout]") :]
     found = problems(spec_dir, text)
     assert "required" in found["run.model"]
     assert "trainer pool" in found["pools.trainer"]

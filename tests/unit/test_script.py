@@ -7,11 +7,24 @@ from pearlctl.slurm.script import SubmitRequest, render_script
 
 
 def request(**kw) -> SubmitRequest:
-    base = dict(run_id="tiny-abc123", pool="elastic", role="ROLLOUT", array_size=3, gpus_per_node=2,
-                run_dir="/runs/tiny", model="/models/tiny", python="/venv/bin/python",
-                worker_script="/repo/jobs/worker.sh", partition="preempt", time_limit="00:30:00",
-                requeue=True, preempt_signal="USR2", preempt_notice_s=30,
-                engine_args={"max_model_len": 512}, env={"OMP_NUM_THREADS": "1", "WEIRD": "a b'c"})
+    base = dict(
+        run_id="tiny-abc123",
+        pool="elastic",
+        role="ROLLOUT",
+        array_size=3,
+        gpus_per_node=2,
+        run_dir="/runs/tiny",
+        model="/models/tiny",
+        python="/venv/bin/python",
+        worker_script="/repo/jobs/worker.sh",
+        partition="preempt",
+        time_limit="00:30:00",
+        requeue=True,
+        preempt_signal="USR2",
+        preempt_notice_s=30,
+        engine_args={"max_model_len": 512},
+        env={"OMP_NUM_THREADS": "1", "WEIRD": "a b'c"},
+    )
     base.update(kw)
     return SubmitRequest(**base)
 
@@ -41,8 +54,12 @@ def test_body_exports_env_safely_and_execs_the_worker_wrapper(tmp_path):
     assert body[-1] == "exec /bin/bash /repo/jobs/worker.sh python train.py --lr 1e-5"
     # the exports are valid bash and survive quotes and spaces
     exports = "\n".join(line for line in body if line.startswith("export "))
-    printed = subprocess.run(["bash", "-c", exports + '\nprintf "%s|%s|%s" "$WEIRD" "$PEARL_ENGINE_ARGS" "$PEARL_POOL"'],
-                             capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(
+        ["bash", "-c", exports + '\nprintf "%s|%s|%s" "$WEIRD" "$PEARL_ENGINE_ARGS" "$PEARL_POOL"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert printed == 'a b\'c|{"max_model_len": 512}|elastic'
 
 

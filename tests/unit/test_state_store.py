@@ -565,6 +565,10 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
     with Store.open(path, readonly=True) as reader:
         assert reader.find_run(run_id) is not None
+        assert reader.health() == {
+            "integrity": "ok", "journal_mode": "wal", "schema_version": SCHEMA_VERSION, "runs": 1,
+            "journal_rows": 2,
+        }  # fmt: skip
 
     missing = tmp_path / "missing" / "state.db"
     with pytest.raises(NotFound):

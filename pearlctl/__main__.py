@@ -1,0 +1,5 @@
+"""`python -m pearlctl` is the `pearlctl` command."""
+
+from pearlctl.cli import main
+
+main()

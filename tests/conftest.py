@@ -1,0 +1,64 @@
+"""Shared test helpers: run the real `pearlctl` command in a subprocess with its own state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny.toml"
+
+
+class Pearlctl:
+    def __init__(self, state_dir: Path, env: dict[str, str] | None = None):
+        self.env = dict(os.environ, PEARL_STATE_DIR=str(state_dir), **(env or {}))
+
+    def __call__(self, *args: str, check: int | None = 0, timeout: float = 180) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pearlctl", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            cwd=REPO,
+        )
+        if check is not None:
+            assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        return proc
+
+    def json(self, *args: str) -> dict:
+        return json.loads(self(*args, "--json").stdout)
+
+
+@pytest.fixture
+def pearlctl(tmp_path: Path) -> Pearlctl:
+    return Pearlctl(tmp_path / "state")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A stand-in model directory: launch only checks that the model path exists."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def write_spec(
+    path: Path, *, name: str, model: Path, run_dir: Path, pools: str, backend: str = "auto", poll: float = 1
+) -> Path:
+    path.write_text(f"""
+[run]
+name = "{name}"
+model = "{model}"
+run_dir = "{run_dir}"
+backend = "{backend}"
+poll_interval_s = {poll}
+{pools}
+""")
+    return path

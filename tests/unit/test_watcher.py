@@ -1,0 +1,171 @@
+"""The watcher folds scheduler records into the allocation state machine (fake backend at the seam)."""
+
+from pathlib import Path
+
+import pytest
+
+from pearlctl.slurm.records import JobRecord
+from pearlctl.state.store import Store
+from pearlctl.watcher import maybe_sync, sync_run
+
+
+class RecordedBackend:
+    """Answers polls with whatever the test put in ``records``; counts polls."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.records: list[JobRecord] = []
+        self.polls = 0
+
+    def poll(self, job_ids):
+        self.polls += 1
+        return [r for r in self.records if r.job_id in job_ids]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store.open(tmp_path / "state.db") as s:
+        s.create_run(
+            run_id="r-1",
+            name="r",
+            spec={"poll_interval_s": 5},
+            spec_path="r.toml",
+            run_dir=str(tmp_path),
+            backend="slurm",
+            policy="never",
+            pools=[
+                {
+                    "name": "elastic",
+                    "kind": "elastic",
+                    "role": "ROLLOUT",
+                    "partition": "preempt",
+                    "nodes": 2,
+                    "gpus_per_node": 2,
+                    "job_name": "pearl.r-1.elastic",
+                }
+            ],
+        )
+        run = s.get_run("r-1")
+        s.set_state("runs", "r-1", expect="CREATED", to="SUBMITTING", event="t", expect_version=run["version"])
+        for a in s.allocations("r-1"):
+            s.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id="100")
+        run = s.get_run("r-1")
+        s.set_state("runs", "r-1", expect="SUBMITTING", to="ACTIVE", event="t", expect_version=run["version"])
+        yield s
+
+
+def rec(task, state, **kw):
+    return JobRecord(job_id="100", array_task_id=task, state=state, **kw)
+
+
+def states(store):
+    return [a["state"] for a in sorted(store.allocations("r-1"), key=lambda a: a["array_index"])]
+
+
+def events(store):
+    return [(j["entity"], j["event"], j["to_state"]) for j in store.journal("r-1") if j["entity"] == "allocations"]
+
+
+def test_pending_range_then_running_registers_nodes_and_gpus(store):
+    backend = RecordedBackend()
+    backend.records = [
+        JobRecord(job_id="100", array_task_id=None, state="PENDING", reason="Resources", pending_tasks=(0, 1))
+    ]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["PENDING", "PENDING"]
+    assert {a["reason"] for a in store.allocations("r-1")} == {"Resources"}
+    backend.records = [
+        rec(0, "RUNNING", nodes=("gpu1",), gpus={"gpu1": (2, 3)}, start_time=1000.0),
+        rec(1, "RUNNING", nodes=("gpu2",), gpus={"gpu2": (0, 1)}, start_time=1000.0),
+    ]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING"]
+    gpus = {(g["node"], g["idx"]): (g["role"], g["state"]) for g in store.gpus("r-1")}
+    assert gpus == {
+        ("gpu1", 2): ("ROLLOUT", "UP"),
+        ("gpu1", 3): ("ROLLOUT", "UP"),
+        ("gpu2", 0): ("ROLLOUT", "UP"),
+        ("gpu2", 1): ("ROLLOUT", "UP"),
+    }
+
+
+def test_preemption_is_recorded_as_preempting_then_requeued_then_running(store):
+    backend = RecordedBackend()
+    backend.records = [
+        rec(0, "RUNNING", nodes=("gpu1",), start_time=1000.0),
+        rec(1, "RUNNING", nodes=("gpu2",), start_time=1000.0),
+    ]
+    sync_run(store, backend, "r-1")
+    backend.records[1] = rec(1, "RUNNING", nodes=("gpu2",), start_time=1000.0, preempt_time=1010.0)
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "PREEMPTING"]
+    assert [g["state"] for g in store.gpus("r-1") if g["node"] == "gpu2"] == ["DRAINING", "DRAINING"]
+    backend.records[1] = rec(1, "PENDING", reason="BeginTime", restarts=1, preempt_time=1010.0)
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "PENDING"]
+    backend.records[1] = rec(1, "RUNNING", nodes=("gpu3",), start_time=1030.0, restarts=1, preempt_time=1010.0)
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING"]
+    a1 = [a for a in store.allocations("r-1") if a["array_index"] == 1][0]
+    assert a1["restarts"] == 1 and a1["node"] == "gpu3"
+    assert [e for e in events(store) if e[1] in ("preempted", "requeued", "started")][-3:] == [
+        ("allocations", "preempted", "PREEMPTING"),
+        ("allocations", "requeued", "PENDING"),
+        ("allocations", "started", "RUNNING"),
+    ]
+
+
+def test_requeue_missed_between_polls_is_journaled_from_the_restart_count(store):
+    backend = RecordedBackend()
+    backend.records = [
+        rec(0, "RUNNING", nodes=("gpu1",), start_time=1000.0),
+        rec(1, "RUNNING", nodes=("gpu2",), start_time=1000.0),
+    ]
+    sync_run(store, backend, "r-1")
+    backend.records[0] = rec(0, "RUNNING", nodes=("gpu4",), start_time=1050.0, restarts=1, preempt_time=1010.0)
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING"]
+    tail = [e[1] for e in events(store)][-2:]
+    assert tail == ["requeued", "started"]
+
+
+def test_vanished_jobs_become_lost_and_ended_jobs_end_the_run(store):
+    backend = RecordedBackend()
+    backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "COMPLETED", exit_code="0:0")]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "ENDED"]
+    backend.records = [rec(1, "COMPLETED")]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["LOST", "ENDED"]
+    assert [g["state"] for g in store.gpus("r-1") if g["node"] == "gpu1"] == ["LOST", "LOST"]
+    backend.records = [rec(0, "FAILED"), rec(1, "COMPLETED")]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["ENDED", "ENDED"]
+    assert store.get_run("r-1")["state"] == "ENDED"
+
+
+def test_unknown_slurm_state_is_kept_not_crashed_on(store):
+    backend = RecordedBackend()
+    backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",))]
+    sync_run(store, backend, "r-1")
+    backend.records[0] = rec(0, "WEIRD_NEW_STATE", nodes=("gpu1",))
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING"]
+    assert ("allocations", "unknown_slurm_state", None) in events(store)
+
+
+def test_maybe_sync_polls_at_most_once_per_interval_across_holders(store):
+    backend = RecordedBackend()
+    backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",))]
+    assert maybe_sync(store, backend, store.get_run("r-1"), holder="shell-a").polled
+    for holder in ("shell-a", "shell-b", "shell-c"):
+        assert not maybe_sync(store, backend, store.get_run("r-1"), holder=holder).polled
+    assert backend.polls == 1
+
+
+def test_no_poll_while_a_daemon_holds_the_run(store):
+    backend = RecordedBackend()
+    assert store.acquire_lease("run:r-1", "daemon", 30.0) is not None
+    assert not maybe_sync(store, backend, store.get_run("r-1"), holder="shell").polled
+    assert backend.polls == 0
