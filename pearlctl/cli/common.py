@@ -15,13 +15,13 @@ from pearlctl import home
 from pearlctl.backends import BackendError
 from pearlctl.config import SpecError
 from pearlctl.launcher import LaunchError
-from pearlctl.state.machines import StateError
+from pearlctl.state.errors import StateError
 from pearlctl.state.store import Store
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SCHEDULER, EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_DOCTOR = 0, 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 # Piped output gets a wide console (rich would assume 80 columns and truncate ids); a terminal keeps its width.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
@@ -45,7 +45,7 @@ def exits() -> Iterator[None]:
     except typer.Exit:
         raise
     except SpecError as exc:
-        err.print(str(exc), markup=False)
+        sys.stderr.write(f"{exc}\n")  # unwrapped: one problem per line, key path first
         raise typer.Exit(EXIT_USAGE) from None
     except LaunchError as exc:
         raise fail(str(exc), exc.exit_code) from None

@@ -200,15 +200,21 @@ def parse_scontrol_jobs(text: str) -> list[JobRecord]:
 # --- squeue --json -----------------------------------------------------------------------------------
 
 
-def _json_number(value: Any) -> float | None:
-    """22.05 prints plain integers; 23.02+ prints {"set": bool, "infinite": bool, "number": n}."""
+def _json_value(value: Any) -> float | None:
+    """22.05 prints plain numbers; 23.02+ prints {"set": bool, "infinite": bool, "number": n}."""
     if isinstance(value, dict):
         if not value.get("set", True) or value.get("infinite"):
             return None
         value = value.get("number")
-    if value in (None, 0):
+    if value is None or isinstance(value, bool):
         return None
     return float(value)
+
+
+def _json_time(value: Any) -> float | None:
+    """A timestamp; Slurm uses 0 for "not set" (e.g. preempt_time after a requeue)."""
+    t = _json_value(value)
+    return t if t else None
 
 
 def _json_state(value: Any) -> str:
@@ -229,8 +235,9 @@ def parse_squeue_json(text: str) -> list[JobRecord]:
     records: list[JobRecord] = []
     for job in doc["jobs"]:
         job_id = str(job.get("job_id"))
-        array_job = _json_number(job.get("array_job_id"))
-        task = _json_number(job.get("array_task_id"))
+        # array_job_id is 0 for a plain job; array_task_id is absent/None for an unexpanded pending range.
+        array_job = _json_value(job.get("array_job_id"))
+        task = _json_value(job.get("array_task_id"))
         task_string = str(job.get("array_task_string") or "")
         task_id: int | None = None
         pending: tuple[int, ...] = ()
@@ -240,11 +247,6 @@ def parse_squeue_json(text: str) -> list[JobRecord]:
                 task_id = int(task)
             elif task_string:
                 pending = tuple(expand_ranges(task_string))
-        elif task_string:
-            # an array's first record: the job id is the array id and the tasks are still a range
-            pending = tuple(expand_ranges(task_string))
-        if task_id is None and not pending and job.get("array_task_id") == 0 and array_job:
-            task_id = 0
         nodelist = str(job.get("nodes") or "")
         nodes = tuple(expand_nodelist(nodelist)) if nodelist else ()
         gpus: dict[str, tuple[int, ...]] = {}
@@ -262,10 +264,10 @@ def parse_squeue_json(text: str) -> list[JobRecord]:
                 reason=str(job.get("state_reason") or ""),
                 nodes=nodes,
                 gpus=gpus,
-                restarts=int(_json_number(job.get("restart_cnt")) or 0),
-                preempt_time=_json_number(job.get("preempt_time")),
-                start_time=_json_number(job.get("start_time")),
-                end_time=_json_number(job.get("end_time")),
+                restarts=int(_json_value(job.get("restart_cnt")) or 0),
+                preempt_time=_json_time(job.get("preempt_time")),
+                start_time=_json_time(job.get("start_time")),
+                end_time=_json_time(job.get("end_time")),
                 exit_code=str(job.get("exit_code") or ""),
                 pending_tasks=pending,
                 source="squeue",
@@ -276,7 +278,7 @@ def parse_squeue_json(text: str) -> list[JobRecord]:
 
 # --- sacct -P ------------------------------------------------------------------------------------------
 
-SACCT_FIELDS = ("JobID", "JobIDRaw", "JobName", "Partition", "State", "ExitCode", "NodeList", "Start", "End")
+SACCT_FIELDS = ("JobID", "JobIDRaw", "State", "ExitCode", "NodeList", "Start", "End")
 
 
 def parse_sacct(text: str) -> list[JobRecord]:
@@ -295,8 +297,6 @@ def parse_sacct(text: str) -> list[JobRecord]:
             job_id=base,
             array_task_id=task,
             state=row["State"],
-            name=row["JobName"],
-            partition=row["Partition"],
             nodes=tuple(expand_nodelist(nodelist)) if nodelist and nodelist != "None assigned" else (),
             start_time=_slurm_time(row["Start"]),
             end_time=_slurm_time(row["End"]),
