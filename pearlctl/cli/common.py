@@ -32,6 +32,12 @@ def emit_json(doc) -> None:
     sys.stdout.flush()
 
 
+def emit_json_line(doc) -> None:
+    """One compact JSON document per line (for --watch --json)."""
+    sys.stdout.write(json.dumps(doc, default=str) + "\n")
+    sys.stdout.flush()
+
+
 def fail(message: str, code: int) -> typer.Exit:
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
     return typer.Exit(code)

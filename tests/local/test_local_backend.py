@@ -103,3 +103,27 @@ def test_version_and_doctor(pearlctl):
     assert checks["state file"]["status"] == "ok"
     assert out.returncode in (0, 6)
     assert (out.returncode == 6) == any(c["status"] == "fail" for c in checks.values())
+
+
+def test_status_watch_json_streams_one_document_per_interval(pearlctl, tmp_path, model_dir):
+    import subprocess
+    import sys
+
+    pearlctl("launch", str(spec(tmp_path, model_dir, "w")), "--wait", "--timeout", "60")
+    try:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "pearlctl", "status", "w", "--watch", "--json"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=pearlctl.env,
+        )
+        started = time.monotonic()
+        lines = [watch.stdout.readline() for _ in range(3)]
+        elapsed = time.monotonic() - started
+        watch.terminate()
+        watch.wait(10)
+        docs = [json.loads(line) for line in lines]
+        assert all(d["run"]["name"] == "w" and len(d["allocations"]) == 3 for d in docs)
+        assert elapsed >= 1.5  # three documents are two poll intervals (1 s each) apart
+    finally:
+        pearlctl("cancel", "w")
