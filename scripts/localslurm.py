@@ -16,7 +16,8 @@ Daemons run in the foreground of their own session, detached from this script; t
 DIR/pids/ and `down` stops exactly those PIDs (SIGTERM, then SIGKILL), never anything found by name. A
 recorded PID is only signalled if the process still carries this cluster's marker in its environment.
 
-Needs root and the packages from scripts/install-slurm.sh. docs/backends.md describes the cluster and the Slurm 22.05 behaviour it shows.
+Needs root and the packages from scripts/install-slurm.sh. docs/backends.md describes the cluster and
+the Slurm 22.05 behaviour it shows.
 """
 
 from __future__ import annotations

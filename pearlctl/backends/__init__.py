@@ -32,12 +32,6 @@ class Backend(Protocol):
     def cancel(self, job_ids: list[str]) -> None: ...
 
 
-def slurm_reachable() -> bool:
-    from pearlctl.backends.slurm import SlurmBackend
-
-    return SlurmBackend.reachable()
-
-
 def open_backend(name: str, *, state_dir: str) -> Backend:
     """``slurm``, ``local`` or ``auto`` (Slurm when a slurmctld answers, else local)."""
     from pearlctl.backends.local import LocalBackend

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pearlctl import home
 from pearlctl.backends import BackendError
@@ -39,7 +40,7 @@ def emit_json_line(doc) -> None:
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     return typer.Exit(code)
 
 
