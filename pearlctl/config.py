@@ -69,6 +69,7 @@ class PoolSpec:
     preempt_signal: str = "USR2"
     preempt_notice_s: int = 60
     command: tuple[str, ...] | None = None
+    train_command: tuple[str, ...] | None = None  # trainer pools: what the agent runs as the TRAIN worker
     engine_args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -79,6 +80,7 @@ class PoolSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["command"] = list(self.command) if self.command else None
+        d["train_command"] = list(self.train_command) if self.train_command else None
         return d
 
 
@@ -211,11 +213,20 @@ _POOL_KEYS = (
     "preempt_signal",
     "preempt_notice_s",
     "command",
+    "train_command",
     "engine_args",
     "env",
 )
 # USR1 is left alone on purpose: NCCL may use it (submitit notes the same).
 PREEMPT_SIGNALS = ("USR2", "TERM", "INT", "HUP", "URG")
+
+
+def _argv(c: _Checker, raw: dict[str, Any], key: str, prefix: str) -> list[str] | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value)):
+        c.fail(prefix + key, f"must be a non-empty list of strings (an argv), got {value!r}")
+        return None
+    return value
 
 
 def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
@@ -241,12 +252,10 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     requeue = c.boolean(raw, "requeue", p, default=(name == "elastic"))
     signal = c.choice(raw, "preempt_signal", p, PREEMPT_SIGNALS, default="USR2")
     notice = c.integer(raw, "preempt_notice_s", p, minimum=1, default=60)
-    command = raw.get("command")
-    if command is not None and (
-        not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command)
-    ):
-        c.fail(p + "command", f"must be a non-empty list of strings (an argv), got {command!r}")
-        command = None
+    command = _argv(c, raw, "command", p)
+    train_command = _argv(c, raw, "train_command", p)
+    if train_command is not None and name != "trainer":
+        c.fail(p + "train_command", "only the trainer pool runs a training command; move it to [pools.trainer]")
     engine_args = c.table(raw, "engine_args", p) or {}
     for k, v in engine_args.items():
         if not isinstance(v, str | int | float | bool | list):
@@ -274,6 +283,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         preempt_signal=signal,
         preempt_notice_s=notice,
         command=tuple(command) if command else None,
+        train_command=tuple(train_command) if train_command else None,
         engine_args=dict(engine_args),
         env={k: str(v) for k, v in env.items()},
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 from pearlctl.backends import Backend, BackendError
 from pearlctl.config import RunSpec, SpecError, SpecProblem
 from pearlctl.home import WORKER_SCRIPT
+from pearlctl.runfiles import ensure_secret
 from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
@@ -100,6 +101,7 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
                 preempt_signal=pool.preempt_signal,
                 preempt_notice_s=pool.preempt_notice_s,
                 command=pool.command,
+                train_command=pool.train_command,
                 engine_args=pool.engine_args,
                 env=pool.env,
             )
@@ -138,6 +140,7 @@ def launch(
     reqs = requests_for(spec, run_id)
     Path(spec.run_dir, "logs").mkdir(parents=True, exist_ok=True)
     Path(spec.run_dir, "jobs").mkdir(parents=True, exist_ok=True)
+    ensure_secret(spec.run_dir)  # the run's API token (mode 0600) for the daemon, agents and trainer hook
     if not resuming:
         store.create_run(
             run_id=run_id,

@@ -1,19 +1,28 @@
 """`python -m pearlctl.agent`: the per-node agent process started by jobs/worker.sh.
 
-Logs one JSON line per event on stdout (the task's log): ``start`` with its identity, ``drain`` when
-the preemption signal arrives (with the seconds it took to drain), ``stop`` on SIGTERM/SIGINT.
-It exits 0 on SIGTERM so a clean stop is told apart from a crash.
+It registers with the run's daemon, heartbeats every interval with the workers it runs, and
+reconciles its engine processes to the desired state each answer carries. While the daemon is
+unreachable it keeps its workers running and keeps trying (a daemon restart kills no worker).
+On the preemption signal it drains and stops its workers within the grace time and reports it; on
+SIGTERM it stops them too (workers never outlive the allocation) and exits 0.
+
+It logs one JSON line per event on stdout (the task's log): ``start``, ``registered``,
+``daemon unreachable``, ``drain`` (with seconds), ``stop``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
+import threading
 import time
 
+from pearlctl.agent.client import DaemonClient
 from pearlctl.agent.identity import identity_from_env
+from pearlctl.agent.workers import Reconciler
 
 
 def _log(event: str, **data) -> None:
@@ -21,32 +30,58 @@ def _log(event: str, **data) -> None:
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     me = identity_from_env()
+    run_dir = os.environ.get("PEARL_RUN_DIR", ".")
     preempt_sig = getattr(signal, "SIG" + os.environ.get("PEARL_PREEMPT_SIGNAL", "USR2"))
-    state = {"draining": False, "stop": False}
+    grace_s = float(os.environ.get("PEARL_DRAIN_TIMEOUT_S", "8"))
+    stop = threading.Event()
+    draining = threading.Event()
+    wake = threading.Event()  # cuts the heartbeat wait short when a signal arrives
 
     def on_preempt(signum, frame):
-        if not state["draining"]:
-            state["draining"] = True
-            t0 = time.monotonic()
-            # No engine runs yet in this agent: draining is immediate. With engines, this is where
-            # workers are removed from the router and their in-flight requests finish or move.
-            _log("drain", reason="preemption notice", drain_s=round(time.monotonic() - t0, 6))
+        draining.set()
+        wake.set()
 
     def on_stop(signum, frame):
         # Slurm (and the local backend) signal the whole process group, and worker.sh forwards the
         # same signal again: ignore repeats so a clean stop is not turned into death by signal.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        state["stop"] = True
+        stop.set()
+        wake.set()
 
     signal.signal(preempt_sig, on_preempt)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     _log("start", **me.as_dict(), pid=os.getpid())
-    while not state["stop"]:
-        signal.pause() if hasattr(signal, "pause") else time.sleep(1)
-    _log("stop", draining=state["draining"])
+
+    client = DaemonClient(me, run_dir)
+    workers = Reconciler(me, run_dir, drain_timeout=grace_s)
+    interval, reachable, drained = 2.0, None, False
+    while not stop.is_set():
+        if draining.is_set() and not drained:
+            seconds = workers.stop_all(grace_s)
+            drained = True
+            _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
+        answer = client.heartbeat(workers.report())
+        if answer is None:
+            if reachable is not False:
+                _log("daemon unreachable", workers=len(workers.workers))
+            reachable = False
+        else:
+            if reachable is not True:
+                _log("registered", allocation_id=client.allocation_id, epoch=client.epoch_seen)
+            reachable = True
+            interval = float(answer.get("heartbeat_s", interval))
+            if not draining.is_set():
+                workers.apply(answer.get("desired", []))
+        wake.wait(interval)
+        wake.clear()
+    seconds = workers.stop_all(grace_s)
+    client.heartbeat(workers.report())
+    _log("stop", draining=draining.is_set(), stop_s=round(seconds, 3))
+    client.close()
     return 0
 
 

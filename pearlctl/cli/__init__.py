@@ -43,9 +43,9 @@ def _root(
     """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
 
 
-from pearlctl.cli import cancel, doctor, launch, status  # noqa: E402  (commands register themselves)
+from pearlctl.cli import cancel, daemon, doctor, launch, status  # noqa: E402  (commands register themselves)
 
-__all__ = ["app", "main", "cancel", "doctor", "launch", "status"]
+__all__ = ["app", "main", "cancel", "daemon", "doctor", "launch", "status"]
 
 
 def main() -> None:

@@ -47,21 +47,6 @@ def _ago(ts: float | None) -> str:
     return f"{max(0.0, time.time() - ts):.0f}s ago"
 
 
-def status_document(
-    run: dict, pools: list, allocations: list, gpus: list, workers: list, transitions: list, nodes: list
-) -> dict:
-    """The `status --json` document: stable top-level keys, values straight from state."""
-    return {
-        "run": run,
-        "pools": pools,
-        "allocations": allocations,
-        "nodes": nodes,
-        "gpus": gpus,
-        "workers": workers,
-        "transitions": transitions,
-    }
-
-
 def status_tables(doc: dict) -> Group:
     run = doc["run"]
     head = Table.grid(padding=(0, 2))

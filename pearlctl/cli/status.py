@@ -15,28 +15,17 @@ from pearlctl import home
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
 from pearlctl.cli.common import emit_json, emit_json_line, err, exits, open_store, out, resolve_run
-from pearlctl.cli.render import runs_table, status_document, status_tables
+from pearlctl.cli.render import runs_table, status_tables
 from pearlctl.state.store import Store
+from pearlctl.state.views import run_document
 from pearlctl.watcher import maybe_sync
-
-
-def _document(store: Store, run_id: str) -> dict:
-    return status_document(
-        store.get_run(run_id),
-        store.pools(run_id),
-        store.allocations(run_id),
-        store.gpus(run_id),
-        store.workers(run_id),
-        store.transitions(run_id),
-        store.nodes(run_id),
-    )
 
 
 def _refresh(store: Store, run: dict, sync: bool) -> dict:
     if sync:
         backend = open_backend(run["backend"], state_dir=str(home.state_dir()))
         maybe_sync(store, backend, run)
-    return _document(store, run["id"])
+    return run_document(store, run["id"])
 
 
 def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json_out: bool) -> None:

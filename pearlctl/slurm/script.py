@@ -35,6 +35,7 @@ class SubmitRequest:
     preempt_signal: str = "USR2"
     preempt_notice_s: int = 60
     command: tuple[str, ...] | None = None
+    train_command: tuple[str, ...] | None = None
     engine_args: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -91,6 +92,8 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
         "PEARL_PREEMPT_SIGNAL": req.preempt_signal,
         "PEARL_ENGINE_ARGS": json.dumps(req.engine_args, sort_keys=True),
     }
+    if req.train_command:
+        env["PEARL_TRAIN_COMMAND"] = json.dumps(list(req.train_command))
     env.update(req.env)
     return env
 

@@ -47,8 +47,7 @@ class StaleWrite(StateError):
         self.current_state, self.current_version = current_state, current_version
         expected = expected_state if expected_version is None else f"{expected_state} v{expected_version}"
         super().__init__(
-            f"{table} {row_id}: expected {expected}, but it is {current_state} v{current_version}; "
-            "nothing was written"
+            f"{table} {row_id}: expected {expected}, but it is {current_state} v{current_version}; nothing was written"
         )
 
 
@@ -89,6 +88,5 @@ class IncompatibleSchema(StateError):
     def __init__(self, path: str, found: int, known: int, advice: str) -> None:
         self.path, self.found, self.known = path, found, known
         super().__init__(
-            f"state database {path} is at schema version {found}; this pearlctl knows versions up to "
-            f"{known}. {advice}"
+            f"state database {path} is at schema version {found}; this pearlctl knows versions up to {known}. {advice}"
         )

@@ -185,8 +185,7 @@ WORKER_EDGES: Edges = {
     (W.SLEEPING, W.STOPPED): "retired while asleep",
     (W.SLEEPING, W.FAILED): "the wake-up failed or the process died while asleep",
     (W.SLEEPING, W.LOST): "its agent stopped reporting while the worker slept",
-    (W.LOST, W.READY): "its agent came back and the worker was still serving (daemon restarts never "
-    "kill workers)",
+    (W.LOST, W.READY): "its agent came back and the worker was still serving (daemon restarts never kill workers)",
     (W.LOST, W.SLEEPING): "its agent came back and the worker was still asleep",
     (W.LOST, W.STOPPED): "truth learned later: the process is gone (allocation ended)",
     (W.LOST, W.FAILED): "truth learned later: the process died",
@@ -195,23 +194,20 @@ WORKER_EDGES: Edges = {
 T = TransitionState
 TRANSITION_EDGES: Edges = {
     (T.PLANNED, T.RUNNING): "the executor wrote its first step intent",
-    (T.PLANNED, T.ROLLED_BACK): "dropped before any step ran (superseded or vetoed by the policy); "
-    "nothing to undo",
+    (T.PLANNED, T.ROLLED_BACK): "dropped before any step ran (superseded or vetoed by the policy); nothing to undo",
     (T.RUNNING, T.DONE): "every step is DONE",
     (T.RUNNING, T.ROLLING_BACK): "a step FAILED (or a return deadline came first); compensating steps run",
     (T.RUNNING, T.FAILED): "a step is HELD (effect unprovable after a crash) or cannot be compensated",
     (T.ROLLING_BACK, T.ROLLED_BACK): "every compensating step is DONE; the GPUs are in from_role again",
     (T.ROLLING_BACK, T.FAILED): "a compensating step failed or is HELD",
-    (T.FAILED, T.ROLLING_BACK): "what was held got resolved (a later probe or an operator); undo the "
-    "partial change",
+    (T.FAILED, T.ROLLING_BACK): "what was held got resolved (a later probe or an operator); undo the partial change",
 }
 
 S = StepState
 STEP_EDGES: Edges = {
     (S.INTENT, S.DONE): "the effect happened and was confirmed (or a probe after a crash proved it)",
     (S.INTENT, S.FAILED): "the effect reported an error, or a probe proved it cannot happen",
-    (S.INTENT, S.HELD): "after a crash the probe could prove neither that the effect happened nor that "
-    "it did not",
+    (S.INTENT, S.HELD): "after a crash the probe could prove neither that the effect happened nor that it did not",
     (S.HELD, S.DONE): "a later probe or an operator confirmed the effect",
     (S.HELD, S.FAILED): "a later probe or an operator confirmed there was no effect, and it is given up",
     (S.HELD, S.INTENT): "a probe proved there was no effect (or an operator released the hold): redo it "

@@ -172,7 +172,17 @@ CREATE TABLE leases (
 );
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1,)
+# Agents (one per allocation) and the workers they report. The daemon marks an agent's GPUs and
+# workers LOST when its heartbeats stop, whatever Slurm says about the allocation.
+MIGRATION_2 = """
+ALTER TABLE allocations ADD COLUMN agent_pid INTEGER;
+ALTER TABLE allocations ADD COLUMN agent_seen_at REAL;
+ALTER TABLE workers ADD COLUMN worker_key TEXT;
+ALTER TABLE workers ADD COLUMN gpu_idx TEXT CHECK (gpu_idx IS NULL OR json_valid(gpu_idx));
+CREATE UNIQUE INDEX workers_by_key ON workers (allocation_id, worker_key);
+"""
+
+MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -180,6 +190,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
     "runs": frozenset({"spec"}),
     "transitions": frozenset({"gpu_ids"}),
+    "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),
     "journal": frozenset({"data"}),
 }

@@ -68,9 +68,7 @@ _MANAGED_COLUMNS = frozenset({"id", "run_id", "state", "version", "updated_at", 
 # Tables with their own write paths: the journal is append-only, leases go through the lease methods.
 _NO_FIELD_UPDATES = frozenset({"journal", "leases"})
 # Steps may only be added while their transition is still moving.
-_OPEN_TRANSITION_STATES = frozenset(
-    {TransitionState.PLANNED, TransitionState.RUNNING, TransitionState.ROLLING_BACK}
-)
+_OPEN_TRANSITION_STATES = frozenset({TransitionState.PLANNED, TransitionState.RUNNING, TransitionState.ROLLING_BACK})
 
 
 def run_lease_name(run_id: str) -> str:
@@ -153,9 +151,7 @@ class Store:
             raise InvalidWrite(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         checked = [_check_pool(pool) for pool in pools]
         with self._write() as conn:
-            clash = conn.execute(
-                "SELECT id, name FROM runs WHERE id = ? OR name = ?", (run_id, name)
-            ).fetchone()
+            clash = conn.execute("SELECT id, name FROM runs WHERE id = ? OR name = ?", (run_id, name)).fetchone()
             if clash is not None:
                 raise DuplicateRun(f"a run with id {clash[0]!r} / name {clash[1]!r} already exists")
             now = self._clock()
@@ -291,9 +287,7 @@ class Store:
             if not row:  # nothing differed: keep the write idempotent
                 return _current_version(conn, table, row_id) if versioned else None
             if event is not None:
-                self._journal(
-                    conn, now, run_id, table, row_id, event, epoch=epoch, data=_with_fields(data, fields)
-                )
+                self._journal(conn, now, run_id, table, row_id, event, epoch=epoch, data=_with_fields(data, fields))
             return row[0][0] if versioned else None
 
     def journal_event(
@@ -307,9 +301,7 @@ class Store:
     ) -> int:
         """Append an observation to the journal (no fencing: observations are facts). Returns its id."""
         with self._write() as conn:
-            return self._journal(
-                conn, self._clock(), run_id, entity, entity_id, event, epoch=epoch, data=data
-            )
+            return self._journal(conn, self._clock(), run_id, entity, entity_id, event, epoch=epoch, data=data)
 
     # ------------------------------------------------------------------ nodes, GPUs, workers, transitions
 
@@ -342,12 +334,8 @@ class Store:
                 raise NotFound(f"run {run_id!r} has no allocation {allocation_id}")
             self._fence(conn, run_id, epoch)
             now = self._clock()
-            conn.execute(
-                "INSERT INTO nodes (run_id, name) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, node)
-            )
-            (node_id,) = conn.execute(
-                "SELECT id FROM nodes WHERE run_id = ? AND name = ?", (run_id, node)
-            ).fetchone()
+            conn.execute("INSERT INTO nodes (run_id, name) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, node))
+            (node_id,) = conn.execute("SELECT id FROM nodes WHERE run_id = ? AND name = ?", (run_id, node)).fetchone()
             existing = {
                 idx: (gpu_id, state, old_node_id)
                 for gpu_id, idx, state, old_node_id in conn.execute(
@@ -555,9 +543,7 @@ class Store:
         if kind not in _values(StepKind):
             raise InvalidWrite(f"step kind {kind!r} is not one of {', '.join(StepKind)}")
         with self._write() as conn:
-            owner = conn.execute(
-                "SELECT run_id, state FROM transitions WHERE id = ?", (transition_id,)
-            ).fetchone()
+            owner = conn.execute("SELECT run_id, state FROM transitions WHERE id = ?", (transition_id,)).fetchone()
             if owner is None:
                 raise NotFound(f"no transition with id {transition_id}")
             run_id, transition_state = owner
@@ -645,14 +631,10 @@ class Store:
         return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,))
 
     def transitions(self, run_id: str) -> list[Row]:
-        return self._query(
-            "SELECT * FROM transitions WHERE run_id = ? ORDER BY id", (run_id,), table="transitions"
-        )
+        return self._query("SELECT * FROM transitions WHERE run_id = ? ORDER BY id", (run_id,), table="transitions")
 
     def steps(self, transition_id: int) -> list[Row]:
-        return self._query(
-            "SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,), table="steps"
-        )
+        return self._query("SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,), table="steps")
 
     def journal(self, run_id: str | None = None, since_id: int = 0, limit: int | None = None) -> list[Row]:
         """Journal rows with ``id > since_id``, oldest first; only the run's if ``run_id`` is given."""
@@ -692,9 +674,7 @@ class Store:
         """
         with self._write() as conn:
             now = self._clock()
-            row = conn.execute(
-                "SELECT holder, epoch, expires_at FROM leases WHERE name = ?", (name,)
-            ).fetchone()
+            row = conn.execute("SELECT holder, epoch, expires_at FROM leases WHERE name = ?", (name,)).fetchone()
             if row is not None and row[2] > now:
                 if row[0] != holder:
                     return None
@@ -725,8 +705,7 @@ class Store:
         with self._write() as conn:
             now = self._clock()
             renewed = conn.execute(
-                "UPDATE leases SET expires_at = ?"
-                " WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
+                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
                 (now + ttl_s, name, holder, epoch, now),
             ).rowcount
             return renewed == 1
@@ -740,9 +719,7 @@ class Store:
                 (now, name, holder, now),
             ).rowcount
             if released:
-                self._journal(
-                    conn, now, _lease_run(name), "leases", name, "lease.released", data={"holder": holder}
-                )
+                self._journal(conn, now, _lease_run(name), "leases", name, "lease.released", data={"holder": holder})
 
     def lease(self, name: str) -> Row | None:
         rows = self._query("SELECT * FROM leases WHERE name = ?", (name,))
@@ -768,19 +745,14 @@ class Store:
         check_edge(table, expect, to)
         now = self._clock()
         sets = "".join(f', "{c}" = ?' for c in columns)
-        sql = (
-            f'UPDATE "{table}" SET state = ?, version = version + 1, updated_at = ?{sets}'
-            " WHERE id = ? AND state = ?"
-        )
+        sql = f'UPDATE "{table}" SET state = ?, version = version + 1, updated_at = ?{sets} WHERE id = ? AND state = ?'
         params: list[Any] = [str(to), now, *columns.values(), row_id, str(expect)]
         if expect_version is not None:
             sql += " AND version = ?"
             params.append(expect_version)
         updated = conn.execute(sql + " RETURNING version", params).fetchall()
         if not updated:
-            state, version = conn.execute(
-                f'SELECT state, version FROM "{table}" WHERE id = ?', (row_id,)
-            ).fetchone()
+            state, version = conn.execute(f'SELECT state, version FROM "{table}" WHERE id = ?', (row_id,)).fetchone()
             raise StaleWrite(
                 table,
                 row_id,
@@ -789,9 +761,7 @@ class Store:
                 current_state=state,
                 current_version=version,
             )
-        self._journal(
-            conn, now, run_id, table, row_id, event, from_state=expect, to_state=to, epoch=epoch, data=data
-        )
+        self._journal(conn, now, run_id, table, row_id, event, from_state=expect, to_state=to, epoch=epoch, data=data)
         return int(updated[0][0])
 
     def _journal(
@@ -854,8 +824,7 @@ class Store:
         managed = sorted(_MANAGED_COLUMNS & fields.keys())
         if managed:
             raise InvalidWrite(
-                f"{table}: {', '.join(managed)} cannot be written as fields "
-                "(state changes go through set_state)"
+                f"{table}: {', '.join(managed)} cannot be written as fields (state changes go through set_state)"
             )
         unknown = sorted(fields.keys() - self._columns[table])
         if unknown:
@@ -877,9 +846,7 @@ def _check_pool(pool: Mapping[str, Any]) -> dict[str, Any]:
             f"keys are {sorted(POOL_REQUIRED | POOL_OPTIONAL)}"
         )
     if pool["kind"] not in _values(PoolKind):
-        raise InvalidWrite(
-            f"pool {pool['name']!r}: kind {pool['kind']!r} is not one of {', '.join(PoolKind)}"
-        )
+        raise InvalidWrite(f"pool {pool['name']!r}: kind {pool['kind']!r} is not one of {', '.join(PoolKind)}")
     _check_role(pool["role"])
     if not isinstance(pool["nodes"], int) or pool["nodes"] < 1:
         raise InvalidWrite(f"pool {pool['name']!r}: nodes must be an int >= 1, got {pool['nodes']!r}")

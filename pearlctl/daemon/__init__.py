@@ -1,0 +1,8 @@
+"""The daemon: the single writer of a run's state while it runs (design.md §2, §4).
+
+- ``lease``: one daemon per run, fenced by an epoch that every write and every command carries;
+- ``controller``: what the daemon knows and decides — agent registrations, heartbeats, reported
+  workers, desired workers per allocation, agent loss;
+- ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
+- ``main``: the process — lease, HTTP server thread, and the observe → decide → act loop.
+"""
