@@ -79,7 +79,7 @@ def main() -> int:
         wake.wait(interval)
         wake.clear()
     seconds = workers.stop_all(grace_s)
-    client.heartbeat(workers.report())
+    client.heartbeat(workers.report(), leaving=True)
     _log("stop", draining=draining.is_set(), stop_s=round(seconds, 3))
     client.close()
     return 0

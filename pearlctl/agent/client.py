@@ -74,13 +74,14 @@ class DaemonClient:
             self.allocation_id = int(answer["allocation_id"])
         return answer
 
-    def heartbeat(self, workers: list[dict]) -> dict | None:
+    def heartbeat(self, workers: list[dict], *, leaving: bool = False) -> dict | None:
+        """Report ``workers``; ``leaving`` tells the daemon this agent's GPUs are going away now."""
         if self.allocation_id is None and self.register() is None:
             return None
-        return self._post(
-            "/v1/agents/heartbeat",
-            {"allocation_id": self.allocation_id, "workers": workers, "epoch_seen": self.epoch_seen},
-        )
+        body = {"allocation_id": self.allocation_id, "workers": workers, "epoch_seen": self.epoch_seen}
+        if leaving:
+            body["leaving"] = True
+        return self._post("/v1/agents/heartbeat", body)
 
     @staticmethod
     def _pid() -> int:

@@ -32,6 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the agent dies (PR_SET_PDEATHSIG), so an engine never
+    outlives a SIGKILLed agent even though it runs in its own session (torchrun ranks do too).
+    The signal follows the parent *thread* that forked: the agent forks from its main thread."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+
+
 class WorkerHandle(Protocol):
     key: str
     role: str
@@ -137,7 +147,12 @@ class CommandWorker:
         env = dict(os.environ, **self.env, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     def state(self) -> str:

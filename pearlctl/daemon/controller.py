@@ -115,14 +115,29 @@ class Controller:
             if alloc["run_id"] != self.run_id:
                 raise ControlError(f"allocation {alloc_id} is not in run {self.run_id}", 404)
             self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            self._revive_gpus(alloc_id)
             for report in body.get("workers", []):
                 self._record_worker(alloc, report)
+            if body.get("leaving"):
+                # The agent is going away (scancel, end of the allocation): its GPUs are not plannable any
+                # more from this moment, whatever Slurm says a poll later.
+                self._mark_gpus_lost(alloc_id, "agent leaving")
+                return {"epoch": self.epoch, "desired": [], "heartbeat_s": self.heartbeat_s}
+            self._revive_gpus(alloc_id)
             return {
                 "epoch": self.epoch,
                 "desired": [w.as_dict() for w in self.desired(alloc_id)],
                 "heartbeat_s": self.heartbeat_s,
             }
+
+    def _mark_gpus_lost(self, alloc_id: int, why: str, data: dict | None = None) -> bool:
+        hit = False
+        for g in self.store.gpus(self.run_id):
+            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.DRAINING):
+                self.store.set_state(
+                    "gpus", g["id"], expect=g["state"], to=G.LOST, epoch=self.epoch, event=why, data=data
+                )
+                hit = True
+        return hit
 
     def _revive_gpus(self, alloc_id: int) -> None:
         for g in self.store.gpus(self.run_id):
@@ -209,25 +224,13 @@ class Controller:
         with self._lock:
             deadline = self.clock() - self.lost_after * self.heartbeat_s
             marked = []
-            gpus, workers = self.store.gpus(self.run_id), self.store.workers(self.run_id)
+            workers = self.store.workers(self.run_id)
             for alloc in self.store.allocations(self.run_id):
                 seen = alloc.get("agent_seen_at")
                 gone = alloc["state"] in (A.ENDED, A.LOST)
                 if seen is None or (seen > deadline and not gone):
                     continue
-                hit = False
-                for g in gpus:
-                    if g["allocation_id"] == alloc["id"] and g["state"] in (G.UP, G.DRAINING):
-                        self.store.set_state(
-                            "gpus",
-                            g["id"],
-                            expect=g["state"],
-                            to=G.LOST,
-                            epoch=self.epoch,
-                            event="agent silent",
-                            data={"last_seen": seen},
-                        )
-                        hit = True
+                hit = self._mark_gpus_lost(alloc["id"], "agent silent", {"last_seen": seen})
                 for w in workers:
                     if w["allocation_id"] == alloc["id"] and w["state"] not in (W.STOPPED, W.FAILED, W.LOST):
                         self.store.set_state(

@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""A small GRPO-style trainer that really trains a (tiny) HF causal LM with DeepSpeed, using pearlctl's hook.
+
+Each step: wait for a rollout batch — prompts, a group of completions per prompt, their rewards —
+normalise rewards within each group (advantage = (r - mean) / (std + eps)), and minimise the
+policy-gradient loss ``-mean over completion tokens of log p(token) * advantage`` (no KL term, no
+clipping: one update per batch, so the ratio is 1). Then export the weights (version = step) for the
+rollout workers and report "waiting" with the expected wait for the next batch. Between steps pearlctl
+may borrow the GPUs (``release``/``reclaim`` through the hook's channel); USR2/TERM checkpoint jointly.
+
+Rollout sources:
+
+- ``synthetic``: rank 0 samples completions from the model itself (HF generate) for "a + b =" prompts
+  and scores them by rule (1 for the right sum, partial credit for digits); works standalone.
+- ``file:DIR``: the batch for step N is ``DIR/step-00000N.jsonl``, one group per line:
+  ``{"prompt": str, "completions": [str, ...], "rewards": [float, ...]}``. The rollout driver writes it
+  to a temporary name and renames it; the trainer waits for it (serving pearlctl's commands meanwhile).
+
+Run (two CPU ranks, from the repository root)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/grpo/train.py \\
+        --model examples/models/tiny --steps 5 --out /tmp/grpo-run
+
+or start each rank directly with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (faster).
+Logs JSON lines on rank 0's stdout and in ``OUT/train.jsonl``: ``start``, ``resume``, ``step`` (loss,
+reward_mean, timings), ``release``/``reclaim`` results, ``checkpoint``, ``done``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: unset, 2 CPU ranks run ~14x slower
+
+import argparse
+import ctypes
+import json
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+T_PROCESS_START = time.monotonic()
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(REPO))
+
+
+def die_with_parent() -> None:
+    """torchrun starts each rank in its own session: without this a killed launcher leaves ranks training."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, type=Path, help="HF model directory (config, weights, tokenizer)")
+    p.add_argument("--steps", type=int, default=5, help="train until this step number (a resumed run continues)")
+    p.add_argument("--out", required=True, type=Path, help="run directory: checkpoints/, weights/, train.jsonl")
+    p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on signals)")
+    p.add_argument("--rollouts", default="synthetic", help="synthetic | file:DIR")
+    p.add_argument("--channel", default="none", help="pearlctl control channel: none | file:DIR")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--prompts", type=int, default=4, help="synthetic: prompts per step (groups)")
+    p.add_argument("--group-size", type=int, default=4, help="synthetic: completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="synthetic: completion length")
+    p.add_argument("--max-completion-tokens", type=int, default=128, help="longer completions are cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-weights", type=int, default=3, help="exported weight versions kept on disk")
+    p.add_argument("--release-mode", default="offload", choices=("offload", "checkpoint"))
+    p.add_argument("--poll-interval", type=float, default=0.1, help="seconds between channel polls while waiting")
+    p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
+    return p.parse_args(argv)
+
+
+class Logger:
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def __call__(self, event: str, **data) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"event": event, "ts": round(time.time(), 3), **data})
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+# ---------------------------------------------------------------------- rewards and advantages
+def sum_reward(prompt: str, completion: str) -> float:
+    """1.0 when the completion contains the right sum of an "a + b =" prompt; else partial credit: 0.1 for
+    any digits, plus up to 0.4 for the longest right prefix of the answer among the digit runs."""
+    m = re.search(r"(\d+)\s*\+\s*(\d+)\s*=", prompt)
+    if m is None:
+        return 0.0
+    answer = str(int(m.group(1)) + int(m.group(2)))
+    if re.search(rf"(?<!\d){answer}(?!\d)", completion):
+        return 1.0
+    runs = re.findall(r"\d+", completion)
+    if not runs:
+        return 0.0
+    best = max(len(os.path.commonprefix([run, answer])) for run in runs)
+    return 0.1 + 0.4 * best / len(answer)
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-4) -> list[float]:
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+# ---------------------------------------------------------------------- rollout sources
+class SyntheticRollouts:
+    """Rank 0 samples from the model itself and broadcasts the batch. Deterministic per step (prompts and
+    sampling are seeded by step), so a resumed run sees the batches an uninterrupted run would."""
+
+    def __init__(self, engine, tokenizer, args, rank: int, world_size: int):
+        self.engine, self.tok, self.args = engine, tokenizer, args
+        self.rank, self.world_size = rank, world_size
+
+    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[dict] | None:
+        import torch
+        import torch.distributed as dist
+
+        hook.phase("waiting", step=step, expected_wait_s=expected_wait_s)  # the daemon may release here
+        if hook.should_stop():
+            return None
+        hook.ensure_reclaimed()  # generating needs the weights back
+        groups = None
+        if self.rank == 0:
+            rng = random.Random(self.args.seed * 1_000_003 + step)
+            prompts = [f"{rng.randint(0, 99)} + {rng.randint(0, 99)} =" for _ in range(self.args.prompts)]
+            groups = self._generate(prompts, step)
+        if self.world_size > 1:
+            box = [groups]
+            with torch.no_grad():
+                dist.broadcast_object_list(box, src=0)
+            groups = box[0]
+        return groups
+
+    def _generate(self, prompts: list[str], step: int) -> list[dict]:
+        import torch
+
+        module = self.engine.module
+        gathered = _gathered_params(self.engine)
+        with gathered, torch.no_grad():
+            module.eval()
+            torch.manual_seed(self.args.seed * 1_000_003 + step)
+            self.tok.padding_side = "left"
+            enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.engine.device)
+            out = module.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=self.args.max_new_tokens,
+                num_return_sequences=self.args.group_size,
+                pad_token_id=self.tok.pad_token_id,
+                eos_token_id=self.tok.eos_token_id,
+            )
+            module.train()
+        texts = self.tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        groups = []
+        for i, prompt in enumerate(prompts):
+            completions = texts[i * self.args.group_size : (i + 1) * self.args.group_size]
+            groups.append(
+                {"prompt": prompt, "completions": completions, "rewards": [sum_reward(prompt, c) for c in completions]}
+            )
+        return groups
+
+
+def _gathered_params(engine):
+    """ZeRO-3 partitions parameters: gather them for generation (every rank enters). Else nothing to do."""
+    import contextlib
+
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+class FileRollouts:
+    """Reads ``DIR/step-NNNNNN.jsonl`` written (atomically, by rename) by a rollout driver."""
+
+    def __init__(self, root: Path, poll_interval_s: float):
+        self.root = root
+        self.poll_interval_s = poll_interval_s
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:06d}.jsonl"
+
+    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[dict] | None:
+        path = self.path(step)
+        ready = hook.wait_until(
+            path.exists, step=step, expected_wait_s=expected_wait_s, poll_interval_s=self.poll_interval_s
+        )
+        if not ready:
+            return None  # the ranks agreed to stop while waiting
+        hook.ensure_reclaimed()
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------- the policy-gradient step
+def pg_loss(engine, tokenizer, groups: list[dict], max_completion_tokens: int):
+    """Loss on this rank's groups: -sum(logp * advantage) / completion tokens. Returns (loss, tokens)."""
+    import torch
+
+    seqs, starts, advs = [], [], []
+    for g in groups:
+        adv = group_advantages([float(r) for r in g["rewards"]])
+        p_ids = tokenizer(g["prompt"], add_special_tokens=False)["input_ids"]
+        for completion, a in zip(g["completions"], adv, strict=True):
+            c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"][:max_completion_tokens]
+            if c_ids and a != 0.0:
+                seqs.append(p_ids + c_ids)
+                starts.append(len(p_ids))
+                advs.append(a)
+    device = engine.device
+    pad = tokenizer.pad_token_id
+    if not seqs:  # nothing to learn on this rank: a zero loss that still runs backward (ZeRO's hooks)
+        logits = engine(input_ids=torch.tensor([[pad]], device=device)).logits
+        return logits.float().sum() * 0.0, 0
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        mask[i, start - 1 : len(s) - 1] = 1.0  # logits at t predict token t+1: completion tokens only
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    logits = engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    adv = torch.tensor(advs, dtype=torch.float32, device=device).unsqueeze(1)
+    tokens = mask.sum()
+    loss = -(logp * adv * mask).sum() / tokens.clamp(min=1.0)
+    return loss, int(tokens.item())
+
+
+# ---------------------------------------------------------------------- main
+def ds_config(args: argparse.Namespace) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # the loop batches itself: one forward per rank per step
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000,
+        "zero_optimization": {"stage": args.zero},
+        "bf16": {"enabled": args.dtype == "bf16"},
+        # torch's AdamW: DeepSpeed's own Adam ops would be JIT-compiled (minutes) on first use.
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0, "torch_adam": True}},
+    }
+
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (``deepspeed_shm_comm``,
+    50-80 s) on the first distributed start; training does not need it (gloo does the collectives).
+    Seeding the op-compatibility table skips both that compile and the probing of every op."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu" and os.environ.get("PEARL_DS_SHM_COMM", "0") != "1":
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = parse_args(argv)
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pearlctl.trainer import FileChannel, NullChannel, TrainerHook
+
+    skip_shm_comm_build()
+    deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=args.timeout), verbose=False)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    args.out.mkdir(parents=True, exist_ok=True)
+    say = Logger(args.out / "train.jsonl" if rank == 0 else None)
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+
+    channel = NullChannel()
+    if args.channel.startswith("file:"):
+        channel = FileChannel(args.channel.removeprefix("file:"))
+    elif args.channel != "none":
+        raise SystemExit(f"--channel must be none or file:DIR, not {args.channel!r}")
+    ckpt_dir = args.out / "checkpoints"
+    hook = TrainerHook(
+        engine,
+        channel=channel,
+        ckpt_dir=ckpt_dir,
+        base_model_dir=args.model,
+        release_mode=args.release_mode,
+        poll_interval_s=args.poll_interval,
+        on_command=lambda done: say(done["command"], command_id=done["command_id"], **done["result"]),
+    )
+    hook.save_on_signal(ckpt_dir)
+
+    if args.rollouts == "synthetic":
+        source = SyntheticRollouts(engine, tokenizer, args, rank, world_size)
+    elif args.rollouts.startswith("file:"):
+        source = FileRollouts(Path(args.rollouts.removeprefix("file:")), args.poll_interval)
+    else:
+        raise SystemExit(f"--rollouts must be synthetic or file:DIR, not {args.rollouts!r}")
+
+    t = time.monotonic()
+    step = hook.resume(ckpt_dir)
+    if step:
+        say("resume", step=step, load_s=round(time.monotonic() - t, 6))
+    say("start", rank=rank, world_size=world_size, zero=args.zero, dtype=args.dtype, first_step=step + 1,
+        init_s=round(time.monotonic() - T_PROCESS_START, 3))  # fmt: skip
+
+    weights_dir = args.out / "weights"
+    expected_wait = None
+    while step < args.steps:
+        step += 1
+        t_wait = time.monotonic()
+        released_before = hook.released
+        groups = source.next_batch(hook, step, expected_wait)
+        if groups is None:  # a signal arrived while waiting: the last finished step is step - 1
+            say("checkpoint", step=step - 1, reason="signal")
+            hook.checkpoint_and_exit(step - 1)
+        wait_s = time.monotonic() - t_wait
+        expected_wait = wait_s if expected_wait is None else 0.7 * expected_wait + 0.3 * wait_s
+
+        hook.ensure_reclaimed()
+        hook.phase("training", step=step)
+        t_train = time.monotonic()
+        mine = groups[rank::world_size]
+        loss, tokens = pg_loss(engine, tokenizer, mine, args.max_completion_tokens)
+        engine.backward(loss)
+        engine.step()
+        stats = torch.tensor([loss.item() * tokens, float(tokens)], dtype=torch.float64)
+        if world_size > 1:
+            dist.all_reduce(stats)
+        train_s = time.monotonic() - t_train
+
+        hook.export_weights(weights_dir, version=str(step))
+        prune_weights(weights_dir, keep=args.keep_weights, rank=rank)
+        rewards = [float(r) for g in groups for r in g["rewards"]]
+        say(
+            "step",
+            step=step,
+            loss=stats[0].item() / max(stats[1].item(), 1.0),
+            tokens=int(stats[1].item()),
+            reward_mean=sum(rewards) / max(len(rewards), 1),
+            global_steps=engine.global_steps,
+            weight_version=hook.weight_version,
+            was_released=released_before,
+            timings={
+                "wait_s": round(wait_s, 4),
+                "train_s": round(train_s, 4),
+                "export_s": hook.last_export["export_s"],
+                "since_start_s": round(time.monotonic() - T_PROCESS_START, 3),
+            },
+        )
+        if args.save_every and step % args.save_every == 0:
+            info = hook.checkpoint(step)
+            say("checkpoint", step=step, reason="save_every", save_s=info["save_s"])
+        if hook.should_stop():
+            say("checkpoint", step=step, reason="signal")
+            hook.checkpoint_and_exit(step)
+    say("done", step=step)
+    dist.barrier()
+    return 0
+
+
+def prune_weights(weights_dir: Path, *, keep: int, rank: int) -> None:
+    if rank != 0 or keep <= 0:
+        return
+    versions = sorted((p for p in weights_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

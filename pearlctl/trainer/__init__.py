@@ -1,0 +1,871 @@
+"""The trainer hook: what a DeepSpeed training loop calls so pearlctl can borrow its GPUs between steps.
+
+While the trainer waits for rollouts its GPUs sit idle; the daemon may lend them to vLLM rollout workers
+and must get them back before the next step. The loop tells the daemon where it is (``phase``), and at
+the points where it is safe the daemon's command — ``release`` or ``reclaim`` — is carried out on every
+rank at the same moment::
+
+    hook = TrainerHook(engine, channel=channel, ckpt_dir=run_dir / "checkpoints", base_model_dir=model)
+    hook.save_on_signal(run_dir / "checkpoints")          # Slurm preemption (USR2) and TERM
+    step = hook.resume()                                   # 0 on a fresh run
+    while step < steps:
+        step += 1
+        hook.phase("waiting", step=step, expected_wait_s=eta)   # a release may happen here
+        batch = wait_for_rollouts()       # or hook.wait_until(ready, step=step): serves commands while waiting
+        hook.ensure_reclaimed()           # top of every train step: blocks while the GPUs are lent out
+        hook.phase("training", step=step)
+        ...forward, backward, engine.step()...
+        hook.export_weights(run_dir / "weights", version=str(step))
+        if hook.should_stop():
+            hook.checkpoint_and_exit()
+
+Invariants:
+
+- **Every rank acts on the same decision at the same point.** Only rank 0 talks to the channel; its
+  decision travels to all ranks in one tiny all-reduce (MAX over a 5-element tensor that also carries
+  the stop flag, a readiness flag and a call-site id, so ranks that call hook methods in different
+  orders fail loudly instead of agreeing on garbage). Hence every method except ``released`` and the
+  channel classes is *collective*: call it on every rank, in the same order.
+- **The trainer never trains on released GPUs.** ``release`` is carried out only at waiting points
+  (``phase("waiting")``, ``wait_until``, ``ensure_reclaimed``); a release that arrives with
+  ``phase("training")`` is held until the next waiting point, and ``phase("training")`` while released
+  blocks like ``ensure_reclaimed``.
+- **The ack means all ranks are done.** Release and reclaim end with an all-reduce of their duration, so
+  rank 0 acks (and the daemon starts a vLLM worker on the GPUs) only after every rank has offloaded.
+- **Idempotent by command id.** A release while released, or a reclaim while not released, is a no-op;
+  a command id seen before is answered with the stored result and not carried out again (an HTTP retry).
+- **A daemon that is down never stops training.** A channel error counts as "no command". (While the
+  GPUs are lent out, the hook keeps polling: only the daemon knows when vLLM has left them.)
+- **Signals only set a flag.** The ranks agree at the next collective; a joint checkpoint follows.
+
+DeepSpeed 0.19.8 facts this module is shaped by (docs: engines-on-cpu.md): ``offload_states`` /
+``reload_states`` exist for ZeRO-1/2/3 only, and ZeRO-3's needs DeepSpeed's FusedAdam; ZeRO-0 (and
+ZeRO-3 with another optimizer) release by checkpoint instead. On a CPU-only machine offloading moves
+CPU to CPU: the call flow is real, the memory release is not.
+
+Import-light: importing this module imports neither torch nor deepspeed (the daemon and the CLI import
+the channel protocol from here); torch is imported inside the methods that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Protocol, runtime_checkable
+
+__all__ = [
+    "COMMANDS",
+    "PHASES",
+    "RELEASE_MODES",
+    "ControlChannel",
+    "FileChannel",
+    "NullChannel",
+    "QueueChannel",
+    "TrainerHook",
+]
+
+log = logging.getLogger("pearlctl.trainer")
+
+PHASES = ("training", "waiting")
+"""What ``phase()`` accepts. Events also carry ``"stopped"`` once, from ``checkpoint_and_exit``."""
+COMMANDS = ("release", "reclaim")
+RELEASE_MODES = ("offload", "checkpoint")
+
+WEIGHT_VERSION_FILE = "pearl_weight_version.txt"
+LATEST_WEIGHTS_FILE = "LATEST"
+
+# The decision carried by the all-reduce (slot 0).
+_NONE, _RELEASE_OFFLOAD, _RELEASE_CHECKPOINT, _RECLAIM = 0, 1, 2, 3
+_CODE_OF = {("release", "offload"): _RELEASE_OFFLOAD, ("release", "checkpoint"): _RELEASE_CHECKPOINT}
+# Call sites, so a rank calling hook methods out of order is detected (slots 3 and 4: site and -site).
+_SITE_PHASE, _SITE_RECLAIM_WAIT, _SITE_WAIT_UNTIL, _SITE_STOP, _SITE_TIMING, _SITE_BARRIER = 1, 2, 3, 4, 5, 6
+# Files of a base model directory that an export copies (tokenizer, chat template, generation config):
+# everything except weights, which the export writes itself.
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|gguf)$|.*\.(safetensors|bin)\.index\.json$")
+_SAFE_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+@runtime_checkable
+class ControlChannel(Protocol):
+    """How rank 0 talks to the daemon. Implementations must be safe to call from the training thread.
+
+    ``report(event)`` sends where the trainer is and returns a command, or ``None``. An event is::
+
+        {"phase": "training" | "waiting" | "stopped", "step": int, "expected_wait_s": float | None,
+         "metrics": dict | None, "released": bool, "release_mode": "offload" | "checkpoint" | None,
+         "blocked_s": float | None,  # set while ensure_reclaimed blocks
+         "weight_version": str | None, "world_size": int, "zero_stage": int | None, "ts": unix seconds}
+
+    A command is ``{"command": "release" | "reclaim" | None, "command_id": str, "mode": "offload" |
+    "checkpoint"}`` (``mode`` only for release, optional: the hook's ``release_mode`` by default).
+    ``{"command": None}`` and ``None`` both mean "nothing to do".
+
+    ``ack(command_id, result)`` is called once the command was carried out on every rank (or refused):
+    ``result`` has ``"ok": bool``, ``"command"``, the timings of ``release()``/``reclaim()``, and
+    ``"error"`` when not ok.
+    """
+
+    def report(self, event: dict) -> dict | None: ...
+
+    def ack(self, command_id: str, result: dict) -> None: ...
+
+
+class NullChannel:
+    """No daemon: never commands. The hook still works (signals, checkpoints, export)."""
+
+    def report(self, event: dict) -> dict | None:
+        return None
+
+    def ack(self, command_id: str, result: dict) -> None:
+        return None
+
+
+class QueueChannel:
+    """In-process channel for tests and threads: the controller side calls ``send`` and ``wait_ack``."""
+
+    def __init__(self) -> None:
+        self.commands: queue.Queue[dict] = queue.Queue()
+        self.events: list[dict] = []
+        self.acks: dict[str, dict] = {}
+        self._cond = threading.Condition()
+
+    # trainer side
+    def report(self, event: dict) -> dict | None:
+        with self._cond:
+            self.events.append(dict(event))
+            self._cond.notify_all()
+        try:
+            return self.commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def ack(self, command_id: str, result: dict) -> None:
+        with self._cond:
+            self.acks[command_id] = dict(result)
+            self._cond.notify_all()
+
+    # controller side
+    def send(self, command: str | None, *, command_id: str | None = None, **fields: Any) -> str:
+        command_id = command_id or uuid.uuid4().hex[:12]
+        self.commands.put({"command": command, "command_id": command_id, **fields})
+        return command_id
+
+    def wait_ack(self, command_id: str, timeout: float = 30.0) -> dict:
+        with self._cond:
+            if not self._cond.wait_for(lambda: command_id in self.acks, timeout):
+                raise TimeoutError(f"no ack for command {command_id} within {timeout} s")
+            return self.acks[command_id]
+
+    def wait_event(self, predicate: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+        with self._cond:
+            found: list[dict] = []
+
+            def seen() -> bool:
+                found[:] = [e for e in self.events if predicate(e)]
+                return bool(found)
+
+            if not self._cond.wait_for(seen, timeout):
+                raise TimeoutError(f"no matching trainer event within {timeout} s")
+            return found[0]
+
+
+class FileChannel:
+    """A directory both sides can write: for tests that run the ranks as separate processes.
+
+    Layout: ``events.jsonl`` (one reported event per line), ``commands/*.json`` (taken in name order,
+    each exactly once: the trainer renames it into ``commands/taken/``), ``acks/<command_id>.json``.
+    Every file is written to a temporary name and renamed, so no side reads half a file. Not for
+    production across nodes: NFS attribute caching delays new files by seconds (design.md §2); the
+    daemon uses HTTP.
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.commands_dir = self.root / "commands"
+        self.taken_dir = self.commands_dir / "taken"
+        self.acks_dir = self.root / "acks"
+        self.events_file = self.root / "events.jsonl"
+        for d in (self.taken_dir, self.acks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # trainer side
+    def report(self, event: dict) -> dict | None:
+        with self.events_file.open("a") as f:
+            f.write(json.dumps(event) + "\n")
+        for path in sorted(self.commands_dir.glob("*.json")):
+            taken = self.taken_dir / path.name
+            try:
+                os.rename(path, taken)
+            except FileNotFoundError:  # another reader took it
+                continue
+            return json.loads(taken.read_text())
+        return None
+
+    def ack(self, command_id: str, result: dict) -> None:
+        _write_atomic(self.acks_dir / f"{_safe_name(command_id)}.json", json.dumps(result))
+
+    # controller side
+    def send(self, command: str | None, *, command_id: str | None = None, **fields: Any) -> str:
+        command_id = command_id or uuid.uuid4().hex[:12]
+        body = json.dumps({"command": command, "command_id": command_id, **fields})
+        _write_atomic(self.commands_dir / f"{time.time_ns():020d}-{_safe_name(command_id)}.json", body)
+        return command_id
+
+    def read_events(self) -> list[dict]:
+        if not self.events_file.exists():
+            return []
+        lines = self.events_file.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def read_ack(self, command_id: str) -> dict | None:
+        path = self.acks_dir / f"{_safe_name(command_id)}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def wait_ack(self, command_id: str, timeout: float = 30.0, poll_s: float = 0.05) -> dict:
+        deadline = time.monotonic() + timeout
+        while (result := self.read_ack(command_id)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no ack for command {command_id} within {timeout} s")
+            time.sleep(poll_s)
+        return result
+
+
+class TrainerHook:
+    """See the module docstring. ``engine`` is a DeepSpeed engine (``deepspeed.initialize``'s first value).
+
+    Keyword arguments beyond the brief's three: ``ckpt_dir`` (checkpoints for ``release(mode=
+    "checkpoint")``, ``checkpoint_and_exit`` and ``resume``; ``save_on_signal`` sets it too),
+    ``base_model_dir`` (config and tokenizer files copied into weight exports), ``release_mode``
+    (used when a release command names none), ``poll_interval_s`` (how often a blocked or waiting
+    trainer asks the channel), ``on_command`` (called on every rank with ``{"command", "command_id",
+    "result"}`` after a command was carried out: for the loop's log), and ``all_reduce_max`` — the one
+    seam unit tests replace: a function that takes this rank's list of floats and returns the
+    element-wise maximum over all ranks.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        channel: ControlChannel | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ckpt_dir: str | os.PathLike | None = None,
+        base_model_dir: str | os.PathLike | None = None,
+        release_mode: str = "offload",
+        poll_interval_s: float = 0.2,
+        all_reduce_max: Callable[[list[float]], list[float]] | None = None,
+        on_command: Callable[[dict], None] | None = None,
+    ) -> None:
+        if release_mode not in RELEASE_MODES:
+            raise ValueError(f"release_mode must be one of {RELEASE_MODES}, not {release_mode!r}")
+        self.engine = engine
+        self.channel: ControlChannel = channel if channel is not None else NullChannel()
+        dist_rank, dist_world = _dist_rank_world()
+        self.rank = dist_rank if rank is None else rank
+        self.world_size = dist_world if world_size is None else world_size
+        self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else None
+        self.base_model_dir = Path(base_model_dir) if base_model_dir is not None else None
+        self.release_mode = release_mode
+        self.poll_interval_s = poll_interval_s
+        self._all_reduce_max = all_reduce_max
+        self.on_command = on_command
+        self.step: int | None = None  # the step of the latest phase() report
+        self.weight_version: str | None = None  # the latest export
+        self.last_export: dict | None = None  # timings of the latest export
+        self._released: dict | None = None  # how we released: mode, ckpt_dir, tag, how
+        self._signal: int | None = None  # set by the signal handler only
+        self._stop_agreed = False
+        self._deferred: deque[dict] = deque()  # rank 0: releases that arrived while training
+        self._handled: OrderedDict[str, dict] = OrderedDict()  # rank 0: command_id -> result
+
+    # ------------------------------------------------------------------ state
+    @property
+    def released(self) -> bool:
+        """True while the GPUs are lent out (offloaded or checkpointed and freed)."""
+        return self._released is not None
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.engine.zero_optimization_stage())
+
+    # ------------------------------------------------------------------ phases and commands
+    def phase(
+        self, name: str, *, step: int, expected_wait_s: float | None = None, metrics: dict | None = None
+    ) -> dict | None:
+        """Report where the loop is; carry out the daemon's command, if any, on every rank. Collective.
+
+        Returns ``{"command", "command_id", "result"}`` for a command carried out here, else ``None``.
+        ``phase("training")`` never releases (a release then waits for the next waiting point), and
+        blocks until reclaimed if called while released.
+        """
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, not {name!r}")
+        self.step = step
+        if name == "training" and self.released:
+            log.warning("phase('training') while released: blocking until reclaimed (call ensure_reclaimed first)")
+            self.ensure_reclaimed()
+        cmd, code = None, _NONE
+        if self.rank == 0:
+            event = self._event(name, step=step, expected_wait_s=expected_wait_s, metrics=metrics)
+            cmd, code = self._poll(event, can_release=name == "waiting")
+        code, _ready = self._agree(_SITE_PHASE, code)
+        return self._carry_out(code, cmd)
+
+    def wait_until(
+        self,
+        ready: Callable[[], bool],
+        *,
+        step: int,
+        expected_wait_s: float | None = None,
+        metrics: dict | None = None,
+        poll_interval_s: float | None = None,
+    ) -> bool:
+        """Wait (reporting "waiting" and serving commands) until ``ready()`` on rank 0 says so. Collective.
+
+        ``ready`` is evaluated on rank 0 only (e.g. "the rollout batch file exists"). Returns True when
+        ready — possibly still released: call ``ensure_reclaimed()`` before training — or False as soon
+        as the ranks agreed to stop (a signal arrived; the caller checkpoints and exits).
+        """
+        poll = self.poll_interval_s if poll_interval_s is None else poll_interval_s
+        self.step = step
+        t0 = time.monotonic()
+        while True:
+            cmd, code, is_ready = None, _NONE, 0
+            if self.rank == 0:
+                is_ready = 1 if ready() else 0
+                left = None if expected_wait_s is None else max(0.0, expected_wait_s - (time.monotonic() - t0))
+                event = self._event("waiting", step=step, expected_wait_s=left, metrics=metrics)
+                cmd, code = self._poll(event, can_release=True)
+            code, agreed_ready = self._agree(_SITE_WAIT_UNTIL, code, ready=is_ready)
+            self._carry_out(code, cmd)
+            if self._stop_agreed:
+                return False
+            if agreed_ready:
+                return True
+            time.sleep(poll)
+
+    def ensure_reclaimed(self) -> dict | None:
+        """Call at the top of every train step. Returns at once when not released (no collective);
+        else blocks, polling the channel, until a ``reclaim`` arrives and is carried out.
+
+        A stop agreed while released (a signal) ends here: joint checkpoint and exit, without taking the
+        lent GPUs back (``checkpoint_and_exit``). Returns ``{"blocked_s", "reclaim"}`` after a block.
+        """
+        if not self.released:
+            return None
+        t0 = time.monotonic()
+        outcome = None
+        while self.released:
+            cmd, code = None, _NONE
+            if self.rank == 0:
+                event = self._event("waiting", step=self.step, blocked_s=round(time.monotonic() - t0, 3))
+                cmd, code = self._poll(event, can_release=True)
+            code, _ready = self._agree(_SITE_RECLAIM_WAIT, code)
+            done = self._carry_out(code, cmd)
+            if done is not None and done["command"] == "reclaim":
+                outcome = done
+            if self._stop_agreed and self.released:
+                self.checkpoint_and_exit()
+            if self.released and done is None:
+                time.sleep(self.poll_interval_s)
+        return {"blocked_s": round(time.monotonic() - t0, 6), "reclaim": outcome}
+
+    # ------------------------------------------------------------------ release / reclaim
+    def release(self, mode: str | None = None, ckpt_dir: str | os.PathLike | None = None) -> dict:
+        """Give the GPUs up. Collective (every rank calls it). Idempotent: a second call is a no-op.
+
+        ``offload`` (ZeRO-1/2/3): ``engine.offload_states()`` — optimizer states, fp32 master and bf16
+        parameters, gradients move to host memory. ``checkpoint`` (and ZeRO-0, or ZeRO-3 without
+        FusedAdam, where offloading is not possible): ``save_checkpoint`` into ``ckpt_dir``, then free what
+        can be freed (ZeRO-1/2/3: offload_states; ZeRO-0: gradients dropped, optimizer states to host).
+        Returns timings in seconds (``total_s`` this rank, ``max_rank_s`` the slowest rank) and, on CUDA,
+        ``memory_before``/``memory_after`` (``torch.cuda.memory_allocated``).
+        """
+        if self.released:
+            return {"noop": True, "released": True, "mode": self._released["mode"]}
+        mode = mode or self.release_mode
+        if mode not in RELEASE_MODES:
+            raise ValueError(f"release mode must be one of {RELEASE_MODES}, not {mode!r}")
+        ckpt = Path(ckpt_dir) if ckpt_dir is not None else self.ckpt_dir
+        result: dict[str, Any] = {"noop": False, "zero_stage": self.zero_stage, "requested_mode": mode}
+        cannot = self._cannot_offload()
+        if mode == "offload" and cannot:
+            if ckpt is None:
+                raise RuntimeError(f"cannot offload ({cannot}) and no ckpt_dir to release by checkpoint")
+            mode, result["fallback"] = "checkpoint", cannot
+        if mode == "checkpoint" and ckpt is None:
+            raise ValueError("release(mode='checkpoint') needs ckpt_dir (argument, constructor, or save_on_signal)")
+        result["mode"] = mode
+        t0 = time.monotonic()
+        result["memory_before"] = self._device_memory()
+        tag = None
+        if mode == "checkpoint":
+            tag = f"global_step{self.engine.global_steps}"
+            t = time.monotonic()
+            client_state = {"step": self.engine.global_steps, "pearl_release": True}
+            self.engine.save_checkpoint(str(ckpt), tag=tag, client_state=client_state)
+            result["checkpoint_s"] = round(time.monotonic() - t, 6)
+            result["checkpoint"] = str(ckpt / tag)
+        t = time.monotonic()
+        how = self._free()
+        result["offload_s" if mode == "offload" else "free_s"] = round(time.monotonic() - t, 6)
+        result["freed_by"] = how
+        result["memory_after"] = self._device_memory()
+        self._released = {"mode": mode, "ckpt_dir": ckpt, "tag": tag, "how": how}
+        result["total_s"] = round(time.monotonic() - t0, 6)
+        result["max_rank_s"] = round(self._max_over_ranks(result["total_s"]), 6)
+        result["released"] = True
+        return result
+
+    def reclaim(self) -> dict:
+        """Take the GPUs back. Collective. A no-op when not released.
+
+        After ``offload``: ``engine.reload_states()``. After ``checkpoint``: undo the free, then
+        ``load_checkpoint`` of the release checkpoint (the state the trainer released with).
+        """
+        if not self.released:
+            return {"noop": True, "released": False}
+        rel = self._released
+        result: dict[str, Any] = {"noop": False, "mode": rel["mode"], "zero_stage": self.zero_stage}
+        t0 = time.monotonic()
+        result["memory_before"] = self._device_memory()
+        t = time.monotonic()
+        self._unfree(rel["how"])
+        result["reload_s"] = round(time.monotonic() - t, 6)
+        if rel["mode"] == "checkpoint":
+            t = time.monotonic()
+            path, _client = self.engine.load_checkpoint(str(rel["ckpt_dir"]), tag=rel["tag"])
+            if path is None:
+                raise RuntimeError(f"load_checkpoint found no checkpoint {rel['tag']} in {rel['ckpt_dir']}")
+            result["load_s"] = round(time.monotonic() - t, 6)
+        result["memory_after"] = self._device_memory()
+        self._released = None
+        result["total_s"] = round(time.monotonic() - t0, 6)
+        result["max_rank_s"] = round(self._max_over_ranks(result["total_s"]), 6)
+        result["released"] = False
+        return result
+
+    # ------------------------------------------------------------------ signals and checkpoints
+    def save_on_signal(self, ckpt_dir: str | os.PathLike, signals: Sequence[str] = ("USR2", "TERM")) -> None:
+        """Install flag-only handlers (main thread only). Slurm sends USR2 before preemption
+        (``--signal=B:USR2@T``) and TERM at the end; the checkpoint happens at the next step boundary."""
+        self.ckpt_dir = Path(ckpt_dir)
+        for name in signals:
+            signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name)
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._signal is None:
+            self._signal = signum
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got a signal. Collective (one all-reduce at the step boundary)."""
+        if self._stop_agreed:
+            return True
+        self._agree(_SITE_STOP, _NONE)
+        return self._stop_agreed
+
+    def checkpoint(self, step: int | None = None, ckpt_dir: str | os.PathLike | None = None) -> dict:
+        """Joint checkpoint (every rank calls it): tag ``global_step{N}``, ``client_state["step"] = step``
+        (default: the engine's completed optimizer steps). Returns ``{"path", "step", "save_s"}``."""
+        ckpt = Path(ckpt_dir) if ckpt_dir is not None else self.ckpt_dir
+        if ckpt is None:
+            raise ValueError("checkpoint needs ckpt_dir (argument, constructor, or save_on_signal)")
+        step = self.engine.global_steps if step is None else step
+        tag = f"global_step{self.engine.global_steps}"
+        t = time.monotonic()
+        self.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": step})
+        return {"path": str(ckpt / tag), "step": step, "save_s": round(time.monotonic() - t, 6)}
+
+    def checkpoint_and_exit(
+        self, step: int | None = None, ckpt_dir: str | os.PathLike | None = None, exit_code: int = 0
+    ) -> NoReturn:
+        """Joint checkpoint on every rank, report ``"stopped"``, then ``sys.exit(exit_code)``.
+
+        While released the lent GPUs are not taken back: DeepSpeed saves from host memory (offloaded
+        states), so a preempted job does not fight the rollout worker for GPU memory.
+        """
+        info = self.checkpoint(step, ckpt_dir)
+        self._barrier()
+        if self.rank == 0:
+            signame = signal.Signals(self._signal).name if self._signal else None
+            event = self._event("stopped", step=info["step"], metrics={"checkpoint": info, "signal": signame})
+            try:
+                self.channel.report(event)
+            except Exception as exc:  # the daemon being down must not block the exit
+                log.warning("could not report the stop to the daemon: %s", exc)
+        log.info("checkpoint %s at step %s (%.3f s); exit %d", info["path"], info["step"], info["save_s"], exit_code)
+        sys.stdout.flush()
+        sys.exit(exit_code)
+
+    def resume(self, ckpt_dir: str | os.PathLike | None = None) -> int:
+        """Load the latest checkpoint in ``ckpt_dir`` (every rank calls it); return its step, 0 if none."""
+        ckpt = Path(ckpt_dir) if ckpt_dir is not None else self.ckpt_dir
+        if ckpt is None:
+            raise ValueError("resume needs ckpt_dir (argument, constructor, or save_on_signal)")
+        self.ckpt_dir = ckpt
+        if not (ckpt / "latest").exists():
+            return 0
+        path, client_state = self.engine.load_checkpoint(str(ckpt))
+        if path is None:
+            raise RuntimeError(f"load_checkpoint could not load the checkpoint named by {ckpt / 'latest'}")
+        return int((client_state or {}).get("step", self.engine.global_steps))
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(
+        self,
+        out_dir: str | os.PathLike,
+        version: str,
+        *,
+        base_model_dir: str | os.PathLike | None = None,
+        dtype: Any = None,
+    ) -> Path:
+        """Write the live weights as an HF directory vLLM's ``reload_weights`` can take. Collective.
+
+        ``out_dir/<version>/``: ``config.json``, ``model.safetensors``, the tokenizer and other non-weight
+        files of the base model directory, and ``pearl_weight_version.txt``; then ``out_dir/LATEST`` names
+        the version. Rank 0 writes into a temporary directory and renames it, so readers never see half a
+        directory (a re-export of the same version swaps the old one out). ZeRO 0-2 read
+        ``module.state_dict()``; ZeRO-3 gathers with ``_zero3_consolidated_16bit_state_dict()`` (every
+        rank). Tensors are cast to ``dtype``, default the base config's dtype. Timings: ``last_export``.
+        """
+        version = str(version)
+        if not _SAFE_VERSION.match(version):
+            raise ValueError(f"version must be one path component of [A-Za-z0-9._+-], not {version!r}")
+        out = Path(out_dir)
+        final = out / version
+        base = Path(base_model_dir) if base_model_dir is not None else self.base_model_dir
+        t0 = time.monotonic()
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.engine.module.state_dict() if self.rank == 0 else None
+        gather_s = time.monotonic() - t0
+        write_s = 0.0
+        if self.rank == 0:
+            t = time.monotonic()
+            config = self._export_config(base)
+            target = _torch_dtype(dtype) if dtype is not None else _torch_dtype(_config_dtype(config))
+            tensors = {}
+            for name, tensor in state.items():
+                # A real copy on the host: GPU tensors come over, host tensors are cloned, so tied weights
+                # do not share storage (safetensors refuses shared tensors) and training may go on.
+                tensors[name] = tensor.detach().to(device="cpu", dtype=target or tensor.dtype, copy=True).contiguous()
+            if target is not None:
+                dtype_name = str(target).removeprefix("torch.")
+                config["dtype"] = dtype_name
+                if "torch_dtype" in config:
+                    config["torch_dtype"] = dtype_name
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / f".{version}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                if base is not None:
+                    for f in sorted(base.iterdir()):
+                        if f.is_file() and not _WEIGHT_FILE.match(f.name) and f.name not in ("config.json",):
+                            shutil.copy2(f, tmp / f.name)
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                from safetensors.torch import save_file
+
+                save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600; workers may be another user
+                (tmp / WEIGHT_VERSION_FILE).write_text(version + "\n")
+                _swap_in(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n")
+            del tensors
+            write_s = time.monotonic() - t
+        del state
+        self._barrier()  # when export_weights returns on any rank, the directory is there
+        self.weight_version = version
+        self.last_export = {
+            "version": version,
+            "path": str(final),
+            "gather_s": round(gather_s, 6),
+            "write_s": round(write_s, 6),
+            "export_s": round(time.monotonic() - t0, 6),
+        }
+        return final
+
+    def _export_config(self, base: Path | None) -> dict:
+        if base is not None and (base / "config.json").exists():
+            return json.loads((base / "config.json").read_text())
+        config = getattr(self.engine.module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            raise ValueError("export_weights needs base_model_dir (the module has no HF config)")
+        return config.to_dict()
+
+    # ------------------------------------------------------------------ internals: the channel
+    def _event(self, phase: str, *, step: int | None, expected_wait_s: float | None = None, **extra: Any) -> dict:
+        event = {
+            "phase": phase,
+            "step": step,
+            "expected_wait_s": None if expected_wait_s is None else round(float(expected_wait_s), 3),
+            "metrics": extra.pop("metrics", None),
+            "released": self.released,
+            "release_mode": self._released["mode"] if self._released else None,
+            "weight_version": self.weight_version,
+            "world_size": self.world_size,
+            "zero_stage": _safe_zero_stage(self.engine),
+            "ts": round(time.time(), 3),
+        }
+        event.update(extra)
+        return event
+
+    def _poll(self, event: dict, *, can_release: bool) -> tuple[dict | None, int]:
+        """Rank 0: report, and turn the answer (or a held release) into a decision code."""
+        try:
+            cmd = self.channel.report(event)
+        except Exception as exc:
+            log.warning("trainer channel report failed (treated as no command): %s", exc)
+            cmd = None
+        if cmd is not None and cmd.get("command") is not None:
+            cmd = self._triage(cmd)
+            if cmd is not None and cmd["command"] == "release" and not can_release:
+                self._deferred.append(cmd)  # never release in the middle of a training step
+                log.info("release %s held until the next waiting point", cmd.get("command_id"))
+                cmd = None
+        else:
+            cmd = None
+        if cmd is None and can_release and self._deferred:
+            cmd = self._deferred.popleft()
+        if cmd is None:
+            return None, _NONE
+        if cmd["command"] == "reclaim":
+            return cmd, _RECLAIM
+        return cmd, _CODE_OF[("release", cmd["_mode"])]
+
+    def _triage(self, cmd: dict) -> dict | None:
+        """Rank 0: validate a command; answer repeats and invalid ones at once. Returns what to carry out."""
+        cmd = dict(cmd)
+        command_id = str(cmd.get("command_id") or uuid.uuid4().hex[:12])
+        cmd["command_id"] = command_id
+        if command_id in self._handled:  # a retry of a command already carried out: same answer
+            self._ack(command_id, self._handled[command_id])
+            return None
+        error = None
+        name = cmd.get("command")
+        if name not in COMMANDS:
+            error = f"unknown command {name!r}; expected one of {COMMANDS}"
+        elif name == "release":
+            mode = cmd.get("mode") or self.release_mode
+            if mode not in RELEASE_MODES:
+                error = f"unknown release mode {mode!r}; expected one of {RELEASE_MODES}"
+            elif (mode == "checkpoint" or self._cannot_offload()) and self.ckpt_dir is None:
+                error = "release by checkpoint needs the trainer's ckpt_dir, and it has none"
+            cmd["_mode"] = mode
+        if error is not None:
+            self._ack(command_id, {"ok": False, "command": name, "error": error})
+            return None
+        return cmd
+
+    def _carry_out(self, code: int, cmd: dict | None) -> dict | None:
+        """Every rank: act on the agreed decision; rank 0 acks once all ranks are done."""
+        if code == _NONE:
+            return None
+        name = "reclaim" if code == _RECLAIM else "release"
+        try:
+            if code == _RECLAIM:
+                result = self.reclaim()
+            else:
+                result = self.release(mode="offload" if code == _RELEASE_OFFLOAD else "checkpoint")
+        except Exception as exc:
+            if self.rank == 0 and cmd is not None:
+                self._ack(cmd["command_id"], {"ok": False, "command": name, "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        result = {"ok": True, "command": name, **result}
+        command_id = cmd["command_id"] if cmd is not None else None
+        if self.rank == 0 and command_id is not None:
+            self._handled[command_id] = result
+            while len(self._handled) > 256:
+                self._handled.popitem(last=False)
+            self._ack(command_id, result)
+        done = {"command": name, "command_id": command_id, "result": result}
+        if self.on_command is not None:
+            self.on_command(done)
+        return done
+
+    def _ack(self, command_id: str, result: dict) -> None:
+        try:
+            self.channel.ack(command_id, result)
+        except Exception as exc:
+            log.warning("trainer channel ack of %s failed: %s", command_id, exc)
+
+    # ------------------------------------------------------------------ internals: collectives
+    def _agree(self, site: int, code: int, *, ready: int = 0) -> tuple[int, bool]:
+        """One all-reduce MAX: rank 0's decision, anyone's stop flag, rank 0's readiness, the call site."""
+        stop = 1 if self._signal is not None else 0
+        values = [float(code if self.rank == 0 else 0), float(stop), float(ready if self.rank == 0 else 0)]
+        out = self._reduce_max([*values, float(site), float(-site)])
+        if out[3] != -out[4]:
+            raise RuntimeError(
+                f"trainer hook ranks out of step: rank {self.rank} is at call site {site}, another rank at "
+                f"{int(out[3]) if out[3] != site else int(-out[4])}; call hook methods on every rank in the same order"
+            )
+        if out[1] > 0:
+            self._stop_agreed = True
+        return int(out[0]), out[2] > 0
+
+    def _max_over_ranks(self, value: float) -> float:
+        out = self._reduce_max([float(value), float(_SITE_TIMING), float(-_SITE_TIMING)])
+        if out[1] != -out[2]:
+            raise RuntimeError("trainer hook ranks out of step in release/reclaim")
+        return out[0]
+
+    def _barrier(self) -> None:
+        self._reduce_max([float(_SITE_BARRIER), float(-_SITE_BARRIER)])
+
+    def _reduce_max(self, values: list[float]) -> list[float]:
+        if self._all_reduce_max is not None:
+            return list(self._all_reduce_max(values))
+        if self.world_size <= 1:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu"
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ internals: the engine
+    def _cannot_offload(self) -> str | None:
+        """Why offload_states cannot be used on this engine, or None."""
+        stage = self.zero_stage
+        if stage == 0:
+            return "ZeRO-0 has no offload_states (DeepSpeed 0.19.8)"
+        if stage == 3:
+            inner = getattr(self.engine.optimizer, "optimizer", None)
+            if type(inner).__name__ != "FusedAdam":
+                return f"ZeRO-3 offload_states needs DeepSpeed's FusedAdam, not {type(inner).__name__}"
+        return None
+
+    def _free(self) -> str:
+        if self._cannot_offload() is None:
+            self.engine.offload_states()
+            return "offload_states"
+        # ZeRO-0 (or ZeRO-3 without FusedAdam): drop gradients, move the optimizer's states to host memory.
+        # Parameters stay: with a bf16/fp16 wrapper they are views into flat buffers.
+        opt = self.engine.optimizer
+        if hasattr(opt, "zero_grad"):
+            try:
+                opt.zero_grad(set_to_none=True)
+            except TypeError:
+                opt.zero_grad()
+        _move_optimizer_states(_innermost_optimizer(opt), "cpu")
+        _empty_cache()
+        return "optimizer_states_to_host"
+
+    def _unfree(self, how: str) -> None:
+        if how == "offload_states":
+            self.engine.reload_states()
+        else:
+            _move_optimizer_states(_innermost_optimizer(self.engine.optimizer), str(self.engine.device))
+
+    def _device_memory(self) -> int | None:
+        device = getattr(self.engine, "device", None)
+        if device is None or "cuda" not in str(device):
+            return None
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+
+
+# ---------------------------------------------------------------------- helpers
+def _dist_rank_world() -> tuple[int, int]:
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _safe_zero_stage(engine: Any) -> int | None:
+    try:
+        return int(engine.zero_optimization_stage())
+    except Exception:
+        return None
+
+
+def _innermost_optimizer(opt: Any) -> Any:
+    """The torch optimizer under DeepSpeed's wrappers (BF16_Optimizer, FP16_Optimizer, ...)."""
+    import torch
+
+    for _ in range(8):
+        if isinstance(opt, torch.optim.Optimizer) or getattr(opt, "optimizer", None) is None:
+            break
+        opt = opt.optimizer
+    return opt
+
+
+def _move_optimizer_states(opt: Any, device: str) -> None:
+    """What DeepSpeed's offload_optimizer_states does, without importing deepspeed: every tensor in
+    ``optimizer.state`` moves to ``device``."""
+    import torch
+
+    for state in getattr(opt, "state", {}).values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and str(value.device) != device:
+                state[key] = value.to(device)
+
+
+def _empty_cache() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _config_dtype(config: dict) -> str | None:
+    return config.get("dtype") or config.get("torch_dtype")
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    value = getattr(torch, names.get(str(dtype), str(dtype)), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:128]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename a finished directory into place. An existing one is renamed aside first and removed after,
+    so a reader sees the old directory, the new one, or (for an instant) none — never half of one."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)

@@ -1,0 +1,160 @@
+"""The daemon and agents on the real local Slurm cluster: auth, one daemon per run, registration,
+agent loss, and a daemon restart that kills no worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+from pearlctl.runfiles import read_address, read_secret
+from tests.conftest import Pearlctl, write_spec
+
+HEARTBEAT_S = 1.0
+
+# No vLLM here: the rollout pool asks for no GPU (so no rollout worker) and the trainer's worker is a
+# plain long-running command. Engines are covered by tests/engines and the end-to-end test.
+POOLS = f"""
+[pools.trainer]
+partition = "debug"
+nodes = 2
+gpus_per_node = 2
+train_command = ["{sys.executable}", "-c", "import time; time.sleep(3600)"]
+[pools.rollout]
+partition = "debug"
+nodes = 1
+gpus_per_node = 0
+"""
+
+
+@pytest.fixture
+def run(slurm_cluster, tmp_path, model_dir):
+    slurm_cluster.cancel_all()
+    d = slurm_cluster.new_shared_dir("daemon")
+    spec = write_spec(d / "d.toml", name="d", model=model_dir, run_dir=d / "run", pools=POOLS, backend="slurm", poll=10)
+    pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
+    pc("launch", str(spec), "--wait", "--timeout", "60")
+    yield pc, d / "run"
+    address = read_address(d / "run")
+    if address:
+        try:
+            os.kill(address["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    slurm_cluster.cancel_all()
+
+
+def api(run_dir, path, *, token=None, run_id=None):
+    address = read_address(run_dir)
+    headers = {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    if run_id is not None:
+        headers["X-Pearl-Run"] = run_id
+    return httpx.get(address["url"] + path, headers=headers, timeout=5)
+
+
+def wait_for(fn, timeout, every=0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout}s")
+
+
+def start_daemon(pc):
+    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "3", "--json")
+    return json.loads(out.stdout)
+
+
+def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
+    pc, run_dir = run
+    address = start_daemon(pc)
+    run_id = pc.json("status", "d")["run"]["id"]
+    secret = read_secret(run_dir)
+    assert oct((run_dir / ".pearl" / "secret").stat().st_mode & 0o777) == "0o600"
+
+    # auth: no token, wrong token, wrong run are refused; the right ones get through
+    assert api(run_dir, "/v1/health").status_code == 401
+    assert api(run_dir, "/v1/health", token="x" * 43, run_id=run_id).status_code == 401
+    assert api(run_dir, "/v1/health", token=secret, run_id="another-run").status_code == 403
+    ok = api(run_dir, "/v1/health", token=secret, run_id=run_id)
+    assert ok.status_code == 200 and ok.json()["epoch"] == address["epoch"]
+    assert secret not in (run_dir / "logs" / "daemon.log").read_text()
+
+    # one daemon per run
+    second = pc("daemon", "d", check=5)
+    assert "a daemon already runs for run" in second.stderr
+
+    # every agent registers; the trainer agents run their TRAIN worker
+    def workers_ready():
+        doc = pc.json("status", "d")
+        ready = [w for w in doc["workers"] if w["state"] == "READY" and w["role"] == "TRAIN"]
+        return doc if len(ready) == 2 else None
+
+    doc = wait_for(workers_ready, 30)
+    assert all(a["agent_seen_at"] for a in doc["allocations"])
+    pids = {w["pid"] for w in doc["workers"]}
+
+    # a daemon restart kills no worker: SIGKILL the daemon, start another, the same processes report
+    os.kill(address["pid"], signal.SIGKILL)
+    time.sleep(2 * HEARTBEAT_S)
+    assert all(alive(p) for p in pids)
+    new = wait_for(lambda: _try_start(pc), 10, every=0.5)  # refused until the old lease expires
+    assert new["epoch"] > address["epoch"]
+
+    def reattached():
+        doc = pc.json("status", "d")
+        seen = [a["agent_seen_at"] or 0 for a in doc["allocations"]]
+        return doc if min(seen) > time.time() - 3 * HEARTBEAT_S else None
+
+    doc = wait_for(reattached, 15)
+    assert {w["pid"] for w in doc["workers"] if w["state"] == "READY"} == pids
+
+    trainers = [a for a in doc["allocations"] if a["pool"] == "trainer"]
+
+    def gpus_and_workers(alloc_id):
+        doc = pc.json("status", "d")
+        gpus = {g["state"] for g in doc["gpus"] if g["allocation_id"] == alloc_id}
+        workers = {w["state"] for w in doc["workers"] if w["allocation_id"] == alloc_id}
+        return gpus, workers
+
+    # agent lost hard (SIGKILL, as when its node dies): GPUs and workers LOST within two heartbeats,
+    # and its trainer process does not outlive it
+    victim = trainers[0]
+    victim_worker = next(w["pid"] for w in doc["workers"] if w["allocation_id"] == victim["id"])
+    os.kill(victim["agent_pid"], signal.SIGKILL)
+    killed_at = time.time()
+    seen_at = wait_for(lambda: time.time() if gpus_and_workers(victim["id"]) == ({"LOST"}, {"LOST"}) else None, 15)
+    print(f"agent loss seen {seen_at - killed_at:.2f}s after SIGKILL (heartbeat {HEARTBEAT_S}s)")
+    assert seen_at - killed_at <= 2 * HEARTBEAT_S + 1.5  # + one daemon check tick and the status call
+    wait_for(lambda: not alive(victim_worker), 5)
+
+    # the node job cancelled (scancel): the agent stops its worker and says so; its GPUs leave the plan
+    # at once (LOST), the worker is STOPPED, and Slurm's end is recorded a poll later
+    other = trainers[1]
+    slurm_cluster.run("scancel", f"{other['job_id']}_{other['array_index']}")
+    cancelled_at = time.time()
+    seen_at = wait_for(lambda: time.time() if gpus_and_workers(other["id"]) == ({"LOST"}, {"STOPPED"}) else None, 15)
+    assert seen_at - cancelled_at <= 2 * HEARTBEAT_S + 1.5
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (PID 1 here may reap orphans late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _try_start(pc):
+    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "3", "--json", check=None)
+    return json.loads(out.stdout) if out.returncode == 0 else None
