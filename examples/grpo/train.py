@@ -128,22 +128,22 @@ class SyntheticRollouts:
         self.rank, self.world_size = rank, world_size
 
     def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[dict] | None:
-        import torch
         import torch.distributed as dist
 
         hook.phase("waiting", step=step, expected_wait_s=expected_wait_s)  # the daemon may release here
         if hook.should_stop():
             return None
         hook.ensure_reclaimed()  # generating needs the weights back
-        groups = None
-        if self.rank == 0:
-            rng = random.Random(self.args.seed * 1_000_003 + step)
-            prompts = [f"{rng.randint(0, 99)} + {rng.randint(0, 99)} =" for _ in range(self.args.prompts)]
-            groups = self._generate(prompts, step)
+        rng = random.Random(self.args.seed * 1_000_003 + step)
+        prompts = [f"{rng.randint(0, 99)} + {rng.randint(0, 99)} =" for _ in range(self.args.prompts)]
+        if self.engine.zero_optimization_stage() == 3:
+            # ZeRO-3 forwards are collective (parameters are gathered layer by layer): every rank generates
+            # the same batch in lockstep, with the same seed, so no broadcast is needed.
+            return self._generate(prompts, step)
+        groups = self._generate(prompts, step) if self.rank == 0 else None
         if self.world_size > 1:
             box = [groups]
-            with torch.no_grad():
-                dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0)
             groups = box[0]
         return groups
 
@@ -151,8 +151,7 @@ class SyntheticRollouts:
         import torch
 
         module = self.engine.module
-        gathered = _gathered_params(self.engine)
-        with gathered, torch.no_grad():
+        with torch.no_grad():
             module.eval()
             torch.manual_seed(self.args.seed * 1_000_003 + step)
             self.tok.padding_side = "left"
@@ -176,17 +175,6 @@ class SyntheticRollouts:
                 {"prompt": prompt, "completions": completions, "rewards": [sum_reward(prompt, c) for c in completions]}
             )
         return groups
-
-
-def _gathered_params(engine):
-    """ZeRO-3 partitions parameters: gather them for generation (every rank enters). Else nothing to do."""
-    import contextlib
-
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-    return contextlib.nullcontext()
 
 
 class FileRollouts:

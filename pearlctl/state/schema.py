@@ -182,14 +182,23 @@ ALTER TABLE workers ADD COLUMN gpu_idx TEXT CHECK (gpu_idx IS NULL OR json_valid
 CREATE UNIQUE INDEX workers_by_key ON workers (allocation_id, worker_key);
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2)
+# Role transitions: a worker is routable once REGISTER made it so (rollout clients discover routable
+# workers); a transition carries its parameters (return deadline, policy); the run carries the trainer's
+# last phase report.
+MIGRATION_3 = """
+ALTER TABLE workers ADD COLUMN routable INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE transitions ADD COLUMN detail TEXT CHECK (detail IS NULL OR json_valid(detail));
+ALTER TABLE runs ADD COLUMN trainer TEXT CHECK (trainer IS NULL OR json_valid(trainer));
+"""
+
+MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Columns holding JSON text: encoded on write, decoded on read by the Store.
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec"}),
-    "transitions": frozenset({"gpu_ids"}),
+    "runs": frozenset({"spec", "trainer"}),
+    "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),
     "journal": frozenset({"data"}),

@@ -213,19 +213,27 @@ def test_reload_weights_changes_and_restores_greedy_output(server: VllmServer, t
 
 
 def test_drain_loses_nothing_then_stop_ends_the_group(server: VllmServer) -> None:
+    """Requests in flight complete; one that arrives while the drain has the server paused is served too
+    (not left queued); then stop ends the whole process group."""
     n, tokens = 6, 400
     threads = [
         in_background(complete, server, f"in flight {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)
     ]
     wait_for(lambda: server.metrics()["num_requests_running"] > 0, 30, "requests to run")
     t0 = time.monotonic()
-    assert server.drain(timeout=120)
+    drainer, drained = in_background(server.drain, timeout=120)
+    wait_for(server.is_paused, 30, "the drain to pause the server")
+    threads.append(in_background(complete, server, "late arrival", max_tokens=tokens, ignore_eos=True))
+    drainer.join(130)
     drain_s = time.monotonic() - t0
+    assert drained == [True]
+    assert server.is_paused()
+    m = server.metrics()
+    assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
     for t, box in threads:
         t.join(30)
         assert not t.is_alive() and isinstance(box[0], dict), box
-        choice = box[0]["choices"][0]
-        assert choice["finish_reason"] == "length"
+        assert box[0]["choices"][0]["finish_reason"] == "length"
         assert box[0]["usage"]["completion_tokens"] == tokens
     pid = server.pid
     t0 = time.monotonic()

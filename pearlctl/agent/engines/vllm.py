@@ -464,26 +464,40 @@ class VllmServer:
         """``GET /weight_info``: the label last set (vLLM's initial value when never set)."""
         return (self._json("GET", "/weight_info") or {}).get("weight_version")
 
-    def drain(self, timeout: float = 60.0) -> bool:
-        """Finish what is in flight, start nothing new: ``pause(wait)`` (in-flight requests complete; any
-        request arriving later is queued, not run), then poll metrics until running + waiting is 0.
-        True when drained within ``timeout``. Remove the server from the router first: a request that
-        arrives during the drain stays queued and makes this return False."""
+    def drain(self, timeout: float = 60.0, *, quiet_s: float = 0.2) -> bool:
+        """Let every request in flight complete and leave the server paused and idle, losing nothing.
+
+        Each round: ``pause(wait)`` (blocks until running requests finish; a request that arrives
+        meanwhile is queued, not run), then metrics must show running + waiting = 0 twice, ``quiet_s``
+        apart. A queued late arrival means the server is still receiving traffic: `resume()` to serve it
+        and try again. True once drained (the server stays paused: `stop()` or `sleep()` next; `resume()`
+        to serve again). False at ``timeout``, with the server resumed so that no request stays stuck.
+
+        Remove the server from the router first: vLLM cannot refuse requests, it can only queue them."""
         deadline = time.monotonic() + timeout
-        try:
-            self.pause("wait", timeout=max(0.1, deadline - time.monotonic()))
-        except EngineError:
-            if not self.alive():
-                raise
+
+        def idle() -> bool:
+            m = self.metrics()
+            return m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0
+
         while True:
             try:
-                m = self.metrics()
-                if m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0:
-                    return True
+                self.pause("wait", timeout=max(0.1, deadline - time.monotonic()))
+                if idle():
+                    time.sleep(quiet_s)
+                    if idle():
+                        return True
+                # queued late arrivals: serve them, then pause again
+                self.resume()
             except EngineError:
                 if not self.alive():
                     raise
             if time.monotonic() >= deadline:
+                try:
+                    self.resume()
+                except EngineError:
+                    if not self.alive():
+                        raise
                 return False
             time.sleep(0.1)
 

@@ -1,0 +1,164 @@
+"""Checkpointed role transitions: a transition is a fixed sequence of idempotent steps, each journaled
+INTENT → effect → DONE/FAILED in state (design.md §4).
+
+- borrow (TRAIN → ROLLOUT):  OFFLOAD → START → VERIFY → REGISTER
+- return (ROLLOUT → TRAIN):  DEREGISTER → DRAIN → STOP → RELOAD → VERIFY
+
+The executor never blocks: ``advance`` moves a transition as far as its probes allow and returns; the
+daemon calls it every tick. A step's INTENT (with its idempotency key ``<transition>:<seq>:<kind>``) is
+durable before its effect is issued. After a daemon crash, ``recover`` probes every step left in
+INTENT: a proven effect becomes DONE; an unproven one is issued again only if its effect is idempotent
+for its key (every effect here is a desired-state write that agents and the trainer apply once per
+key, so no engine ever starts twice); otherwise it is HELD for a person to look at.
+
+A failed borrow step, or a return deadline reached mid-borrow, rolls back: the return steps run as
+compensation (seq 100+), so the trainer always gets its GPUs back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from pearlctl.state.machines import StepState as S
+from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.store import Store
+
+log = logging.getLogger("pearlctl.daemon")
+
+PLANS: dict[str, tuple[str, ...]] = {
+    "borrow": ("OFFLOAD", "START", "VERIFY", "REGISTER"),
+    "return": ("DEREGISTER", "DRAIN", "STOP", "RELOAD", "VERIFY"),
+}
+ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
+
+DONE, PENDING, FAILED = "done", "pending", "failed"
+
+
+class Effects(Protocol):
+    """The seam between the executor and the world. ``do`` must be idempotent for ``key``."""
+
+    def do(self, kind: str, transition: dict, key: str) -> None: ...
+
+    def probe(self, kind: str, transition: dict, key: str) -> str: ...  # DONE | PENDING | FAILED
+
+
+def step_key(transition_id: int, seq: int, kind: str) -> str:
+    return f"{transition_id}:{seq}:{kind}"
+
+
+class Executor:
+    def __init__(
+        self, store: Store, effects: Effects, *, run_id: str, epoch: int, step_timeout_s: float = 120.0, clock=time.time
+    ):
+        self.store, self.effects, self.run_id, self.epoch = store, effects, run_id, epoch
+        self.step_timeout_s, self.clock = step_timeout_s, clock
+        self.issued: set[str] = set()  # keys whose effect this process issued (empty after a restart)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, kind: str, gpu_ids: list[int], *, detail: dict | None = None) -> int:
+        from_role, to_role = ("TRAIN", "ROLLOUT") if kind == "borrow" else ("ROLLOUT", "TRAIN")
+        tid = self.store.add_transition(
+            run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
+        )
+        if detail:
+            self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail)
+        return tid
+
+    def open_transitions(self) -> list[dict]:
+        return [t for t in self.store.transitions(self.run_id) if t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK)]
+
+    # -- moving -----------------------------------------------------------------------------------
+    def _set(self, t: dict, to: str, event: str, data: dict | None = None) -> dict:
+        self.store.set_state("transitions", t["id"], expect=t["state"], to=to, epoch=self.epoch, event=event, data=data)
+        return self.store.get("transitions", t["id"])
+
+    def _steps_for(self, t: dict) -> list[tuple[int, str]]:
+        plan = [(i, k) for i, k in enumerate(PLANS[t["kind"]])]
+        if t["state"] == T.ROLLING_BACK:
+            plan = [(ROLLBACK_SEQ + i, k) for i, k in enumerate(PLANS["return"])]
+        return plan
+
+    def abort(self, tid: int, why: str) -> None:
+        """Stop a running borrow and compensate (deadline reached, operator `return --now`)."""
+        t = self.store.get("transitions", tid)
+        if t["state"] == T.RUNNING and t["kind"] == "borrow":
+            for step in self.store.steps(tid):  # an effect still pending is superseded, not awaited
+                if step["state"] == S.INTENT:
+                    self._finish(step, S.FAILED, f"aborted: {why}")
+            self._set(t, T.ROLLING_BACK, "rollback", {"why": why})
+        elif t["state"] == T.PLANNED:
+            self._set(t, T.ROLLED_BACK, "dropped", {"why": why})
+
+    def advance(self, tid: int) -> str:
+        """Move one transition as far as its probes allow. Returns its state."""
+        t = self.store.get("transitions", tid)
+        if t["state"] == T.PLANNED:
+            t = self._set(t, T.RUNNING, "started")
+        while t["state"] in (T.RUNNING, T.ROLLING_BACK):
+            outcome = self._walk(t)
+            if outcome == PENDING:
+                break
+            if outcome == DONE:
+                t = self._set(t, T.DONE if t["state"] == T.RUNNING else T.ROLLED_BACK, "completed")
+            elif outcome == "held":
+                t = self._set(t, T.FAILED, "held: a step's effect could not be proven")
+            elif t["state"] == T.RUNNING and t["kind"] == "borrow":
+                t = self._set(t, T.ROLLING_BACK, "rollback", {"why": "a step failed"})  # GPUs go back
+            else:
+                t = self._set(t, T.FAILED, "failed")  # a failed return or rollback needs a person
+        return t["state"]
+
+    def _walk(self, t: dict) -> str:
+        """Go through the steps in order; stop at the first that is not DONE."""
+        existing = {s["seq"]: s for s in self.store.steps(t["id"])}
+        for seq, kind in self._steps_for(t):
+            step = existing.get(seq) or self._intend(t, seq, kind)
+            if step["state"] == S.DONE:
+                continue
+            if step["state"] == S.HELD:
+                return "held"
+            if step["state"] == S.FAILED:
+                return FAILED
+            key = step["idempotency_key"]
+            if key not in self.issued:  # after a restart: effects are idempotent per key, so issue again
+                self._issue(kind, t, key, again=True)
+            result = self.effects.probe(kind, t, key)
+            if result == DONE:
+                self._finish(step, S.DONE, "done")
+                continue
+            started = (step.get("detail") or {}).get("started_at", self.clock())
+            if result == FAILED or self.clock() - started > self.step_timeout_s:
+                self._finish(step, S.FAILED, "probe failed" if result == FAILED else "no effect in time")
+                return FAILED
+            return PENDING
+        return DONE
+
+    def _intend(self, t: dict, seq: int, kind: str) -> dict:
+        """Write the step's INTENT durably, then issue its effect."""
+        key = step_key(t["id"], seq, kind)
+        sid = self.store.add_step(
+            transition_id=t["id"],
+            seq=seq,
+            kind=kind,
+            idempotency_key=key,
+            detail={"started_at": self.clock()},
+            epoch=self.epoch,
+        )
+        self._issue(kind, t, key)
+        return self.store.get("steps", sid)
+
+    def _issue(self, kind: str, t: dict, key: str, *, again: bool = False) -> None:
+        self.effects.do(kind, t, key)
+        self.issued.add(key)
+        if again:
+            self.store.journal_event(
+                self.run_id, "steps", key, "effect re-issued after restart", data={"kind": kind}, epoch=self.epoch
+            )
+
+    def _finish(self, step: dict, to: str, why: str) -> None:
+        detail = dict(step.get("detail") or {}, finished_at=self.clock(), why=why)
+        self.store.set_state(
+            "steps", step["id"], expect=step["state"], to=to, epoch=self.epoch, event=why, detail=detail
+        )
