@@ -9,6 +9,11 @@ Routes (JSON in, JSON out):
   POST /v1/agents/register     an agent binds to its allocation → {allocation_id, epoch, heartbeat_s}
   POST /v1/agents/heartbeat    reported workers in, desired workers out
   GET  /v1/status              the run's state document (what `pearlctl status --json` prints)
+  POST /v1/trainer/phase       the trainer hook reports its phase → the command the current step asks for
+  POST /v1/trainer/ack         the trainer hook says a command was carried out (or refused)
+  POST /v1/borrow              {policy, gpus?, dry_run?}: turn borrowing on (or show the plan)
+  POST /v1/return              {now?}: turn borrowing off; lent GPUs go back
+  GET  /v1/workers             READY, routable rollout workers (for rollout clients)
 """
 
 from __future__ import annotations
@@ -73,5 +78,10 @@ def build_app(controller: Controller, *, secret: str, status: Callable[[], dict]
         Route("/v1/agents/register", _handler(controller.register), methods=["POST"]),
         Route("/v1/agents/heartbeat", _handler(controller.heartbeat), methods=["POST"]),
         Route("/v1/status", _handler(lambda body: status()), methods=["GET"]),
+        Route("/v1/trainer/phase", _handler(controller.trainer_phase), methods=["POST"]),
+        Route("/v1/trainer/ack", _handler(controller.trainer_ack), methods=["POST"]),
+        Route("/v1/borrow", _handler(controller.borrow), methods=["POST"]),
+        Route("/v1/return", _handler(controller.give_back), methods=["POST"]),
+        Route("/v1/workers", _handler(controller.routable_workers), methods=["GET"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_Auth, secret=secret, run_id=controller.run_id)])

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
@@ -73,7 +74,9 @@ class Controller:
     ):
         self.store, self.run_id, self.epoch = store, run_id, epoch
         self.heartbeat_s, self.lost_after, self.clock = heartbeat_s, lost_after, clock
-        self._lock = threading.Lock()  # one decision at a time: HTTP threads and the loop share state
+        self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
+        # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
+        self.lock = threading.RLock()
 
     # -- agents -----------------------------------------------------------------------------------
     def _allocation(self, job_id: str, task_id: int) -> dict:
@@ -84,12 +87,12 @@ class Controller:
 
     def register(self, body: dict) -> dict:
         """An agent starts (or restarts): bind it to its allocation and its GPUs."""
-        with self._lock:
+        with self.lock:
             alloc = self._allocation(body["job_id"], body["task_id"])
             if alloc["state"] in (A.ENDED, A.REQUESTED):
                 raise ControlError(f"allocation {alloc['id']} is {alloc['state']}: not accepting agents", 409)
             gpus = [int(g) for g in body.get("gpus", [])]
-            pool = next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
+            pool = self._pool_of(alloc)
             if not gpus and pool["gpus_per_node"]:
                 gpus = list(range(pool["gpus_per_node"]))  # no device list in the environment (local backend)
             self.store.update_fields(
@@ -109,7 +112,7 @@ class Controller:
 
     def heartbeat(self, body: dict) -> dict:
         """Record what the agent runs; answer with what it should run."""
-        with self._lock:
+        with self.lock:
             alloc_id = int(body["allocation_id"])
             alloc = self.store.get("allocations", alloc_id)
             if alloc["run_id"] != self.run_id:
@@ -147,14 +150,22 @@ class Controller:
                 )
 
     def _record_worker(self, alloc: dict, report: dict) -> None:
+        """Fold one reported worker into state: create it, move it along legal edges, keep its facts."""
         key, state = str(report["key"]), str(report["state"])
-        existing = [
-            w
-            for w in self.store.workers(self.run_id)
-            if w["allocation_id"] == alloc["id"] and w.get("worker_key") == key
-        ]
         fields = {k: report[k] for k in ("url", "pid", "weight_version") if report.get(k) is not None}
-        if not existing:
+        worker = next(
+            (
+                w
+                for w in self.store.workers(self.run_id)
+                if w["allocation_id"] == alloc["id"] and w.get("worker_key") == key
+            ),
+            None,
+        )
+        if worker is not None and worker["state"] in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
+            # a new process under a key whose last one ended (a second borrow): archive the old row
+            self.store.update_fields("workers", worker["id"], epoch=self.epoch, worker_key=f"{key}#{worker['id']}")
+            worker = None
+        if worker is None:
             if state in (W.STOPPED, W.FAILED):
                 return
             wid = self.store.add_worker(
@@ -169,39 +180,48 @@ class Controller:
                 "workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.get("gpus", []))
             )
             worker = self.store.get("workers", wid)
-        else:
-            worker = existing[0]
-            if fields:
-                self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
+        elif fields:
+            self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
         current = worker["state"]
-        if current == state or current in (W.STOPPED, W.FAILED) and state not in (W.STARTING,):
-            return
-        path = edge_path("workers", current, state)
-        if not path:
-            self.store.journal_event(
-                self.run_id,
-                "workers",
-                str(worker["id"]),
-                "unexpected report",
-                data={"state": current, "reported": state},
-                epoch=self.epoch,
-            )
-            return
-        for step in path:
-            self.store.set_state(
-                "workers",
-                worker["id"],
-                expect=current,
-                to=step,
-                epoch=self.epoch,
-                event="agent reported",
-                data={"reported": state},
-            )
-            current = step
+        if current != state:
+            path = edge_path("workers", current, state)
+            if not path:
+                self.store.journal_event(
+                    self.run_id,
+                    "workers",
+                    str(worker["id"]),
+                    "unexpected report",
+                    data={"state": current, "reported": state},
+                    epoch=self.epoch,
+                )
+            for step in path:
+                self.store.set_state(
+                    "workers",
+                    worker["id"],
+                    expect=current,
+                    to=step,
+                    epoch=self.epoch,
+                    event="agent reported",
+                    data={"reported": state},
+                )
+                current = step
+        if report.get("engine") == "vllm" and self._pool_of(alloc)["name"] != "trainer":
+            # a worker of a rollout/elastic/reward pool takes traffic while READY; one on borrowed trainer
+            # GPUs only between its transition's REGISTER and DEREGISTER steps
+            routable = int(current == W.READY)
+            if routable != self.store.get("workers", worker["id"])["routable"]:
+                self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
+
+    def _pool_of(self, alloc: dict) -> dict:
+        return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
 
     # -- desired state ----------------------------------------------------------------------------
     def desired(self, alloc_id: int) -> list[DesiredWorker]:
-        """One worker per role among the allocation's live GPUs; none while the allocation is not RUNNING."""
+        """One worker per role among the allocation's live GPUs; none while the allocation is not RUNNING.
+
+        A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
+        (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted.
+        """
         alloc = self.store.get("allocations", alloc_id)
         if alloc["state"] not in (A.RUNNING,):
             return []
@@ -209,6 +229,8 @@ class Controller:
         for g in self.store.gpus(self.run_id):
             if g["allocation_id"] == alloc_id and g["state"] == G.UP:
                 by_role.setdefault(g["role"], []).append(g["idx"])
+                if g["borrowed"]:
+                    by_role.setdefault("TRAIN", []).append(g["idx"])
         out = []
         for role, idx in sorted(by_role.items()):
             if role == "IDLE":
@@ -218,10 +240,105 @@ class Controller:
             )
         return out
 
+    # -- the trainer hook -------------------------------------------------------------------------
+    def trainer_phase(self, body: dict) -> dict:
+        """The trainer reports where it is; the answer is the command the current step asks for."""
+        with self.lock:
+            run = self.store.get_run(self.run_id)
+            before = run.get("trainer") or {}
+            report = dict(body, reported_at=self.clock())
+            event = "trainer phase" if before.get("phase") != body.get("phase") else None
+            self.store.update_fields(
+                "runs",
+                self.run_id,
+                epoch=self.epoch,
+                event=event,
+                data={"phase": body.get("phase"), "step": body.get("step")} if event else None,
+                trainer=report,
+            )
+            return {"epoch": self.epoch, **pending_trainer_command(self.store, self.run_id)}
+
+    def trainer_ack(self, body: dict) -> dict:
+        with self.lock:
+            found = record_trainer_ack(
+                self.store, self.run_id, str(body["command_id"]), dict(body["result"]), self.epoch
+            )
+            if not found:
+                raise ControlError(f"no step {body['command_id']!r} in run {self.run_id}", 404)
+            return {"epoch": self.epoch, "ok": True}
+
+    # -- borrowing --------------------------------------------------------------------------------
+    def borrow(self, body: dict) -> dict:
+        """Turn borrowing on under a policy (``dry_run``: only say what it would do now)."""
+        from pearlctl.daemon.borrowing import PolicyError, load_policy
+
+        policy = str(body.get("policy") or "")
+        max_gpus = body.get("gpus")
+        if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus < 1):
+            raise ControlError(f"gpus must be an integer >= 1, got {max_gpus!r}")
+        try:
+            load_policy(policy)
+        except PolicyError as exc:
+            raise ControlError(str(exc)) from None
+        with self.lock:
+            settings = {"policy": policy, "max_gpus": max_gpus}
+            if body.get("dry_run"):
+                previous = self.store.get_run(self.run_id).get("borrow")
+                # plan under the asked-for settings without keeping them
+                self.store.update_fields("runs", self.run_id, epoch=self.epoch, borrow=settings)
+                try:
+                    plan = self.borrowing.plan_borrow(self.clock())
+                    view = self.borrowing.view(self.clock())
+                finally:
+                    self.store.update_fields("runs", self.run_id, epoch=self.epoch, borrow=previous)
+                return {"epoch": self.epoch, "dry_run": True, "settings": settings, "plan": plan, "view": view}
+            self.store.update_fields(
+                "runs",
+                self.run_id,
+                epoch=self.epoch,
+                event="borrowing set",
+                data=settings,
+                borrow=settings,
+                policy=policy,
+            )
+            return {"epoch": self.epoch, "settings": settings}
+
+    def give_back(self, body: dict) -> dict:
+        """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting)."""
+        with self.lock:
+            settings = {"policy": "never", "max_gpus": None}
+            self.store.update_fields(
+                "runs",
+                self.run_id,
+                epoch=self.epoch,
+                event="return requested",
+                data={"now": bool(body.get("now"))},
+                borrow=settings,
+                policy="never",
+            )
+            aborted = []
+            if body.get("now"):
+                for t in self.borrowing.executor.open_transitions():
+                    if t["kind"] == "borrow":
+                        self.borrowing.executor.abort(t["id"], "pearlctl return --now")
+                        aborted.append(t["id"])
+            lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
+            return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
+
+    # -- rollout clients --------------------------------------------------------------------------
+    def routable_workers(self, body: dict) -> dict:
+        """READY, registered rollout workers: where rollout clients may send requests now."""
+        workers = [
+            {"id": w["id"], "url": w["url"], "role": w["role"], "weight_version": w.get("weight_version")}
+            for w in self.store.workers(self.run_id)
+            if w["routable"] and w["state"] == W.READY and w["url"]
+        ]
+        return {"epoch": self.epoch, "workers": workers}
+
     # -- agent loss -------------------------------------------------------------------------------
     def check_agents(self) -> list[int]:
         """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked."""
-        with self._lock:
+        with self.lock:
             deadline = self.clock() - self.lost_after * self.heartbeat_s
             marked = []
             workers = self.store.workers(self.run_id)

@@ -22,7 +22,10 @@ import uvicorn
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.daemon.api import build_app
+from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
 from pearlctl.state.store import Store
 from pearlctl.state.views import run_document
@@ -100,6 +103,8 @@ class Daemon:
         controller = Controller(
             self.store, self.run_id, epoch, heartbeat_s=self.settings.heartbeat_s, lost_after=self.settings.lost_after
         )
+        executor = Executor(self.store, DaemonEffects(self.store, self.run_id, epoch), run_id=self.run_id, epoch=epoch)
+        controller.borrowing = borrowing = Borrowing(self.store, executor, self.run_id)
         secret = ensure_secret(run["run_dir"])
         self.url = self.start_server(controller, secret)
         write_address(
@@ -125,6 +130,8 @@ class Daemon:
                     except BackendError as exc:  # Slurm hiccups do not stop the daemon
                         log.warning("poll failed: %s", exc)
                 controller.check_agents()
+                with controller.lock:
+                    borrowing.tick()
                 self.stopping.wait(self.settings.tick_s)
         finally:
             if self._server is not None:

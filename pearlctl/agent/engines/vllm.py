@@ -65,7 +65,8 @@ GPU_ENV: dict[str, str] = {
     "PYTHONUNBUFFERED": "1",
 }
 # Engine flags used unless engine_args overrides them (a value of None or False removes one).
-COMMON_ARGS: dict[str, Any] = {"shutdown_timeout": 10}
+# --enable-server-load-tracking makes GET /load count requests the API server holds (drain needs it).
+COMMON_ARGS: dict[str, Any] = {"shutdown_timeout": 10, "enable_server_load_tracking": True}
 CPU_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "dtype": "bfloat16",
@@ -464,31 +465,41 @@ class VllmServer:
         """``GET /weight_info``: the label last set (vLLM's initial value when never set)."""
         return (self._json("GET", "/weight_info") or {}).get("weight_version")
 
+    def load(self) -> int:
+        """``GET /load``: generation requests the API server holds right now, from the moment their
+        handler starts until their response is sent (``--enable-server-load-tracking``, which the adapter
+        passes; 0 when it is off). Unlike the scheduler gauges in `metrics()` (updated only when the
+        engine steps) it also counts requests queued while the server is paused."""
+        return int((self._json("GET", "/load") or {}).get("server_load", 0))
+
+    def idle(self) -> bool:
+        """Nothing in flight: no request held by the API server and none running or waiting."""
+        m = self.metrics()
+        return self.load() <= 0 and m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0
+
     def drain(self, timeout: float = 60.0, *, quiet_s: float = 0.2) -> bool:
         """Let every request in flight complete and leave the server paused and idle, losing nothing.
 
         Each round: ``pause(wait)`` (blocks until running requests finish; a request that arrives
-        meanwhile is queued, not run), then metrics must show running + waiting = 0 twice, ``quiet_s``
-        apart. A queued late arrival means the server is still receiving traffic: `resume()` to serve it
-        and try again. True once drained (the server stays paused: `stop()` or `sleep()` next; `resume()`
-        to serve again). False at ``timeout``, with the server resumed so that no request stays stuck.
+        meanwhile is queued, not run), then the server must be `idle()` twice, ``quiet_s`` apart. A
+        request still held (a late arrival queued by the pause) means traffic is still coming: `resume()`
+        to serve it and go round again. True once drained (the server stays paused: `stop()` or `sleep()`
+        next; `resume()` to serve again). False at ``timeout``, with the server resumed so that no
+        request stays stuck in the queue.
 
         Remove the server from the router first: vLLM cannot refuse requests, it can only queue them."""
         deadline = time.monotonic() + timeout
-
-        def idle() -> bool:
-            m = self.metrics()
-            return m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0
-
         while True:
             try:
                 self.pause("wait", timeout=max(0.1, deadline - time.monotonic()))
-                if idle():
+                settle = min(deadline, time.monotonic() + 1.0)  # responses of the last requests go out
+                while not self.idle() and time.monotonic() < settle:
+                    time.sleep(0.05)
+                if self.idle():
                     time.sleep(quiet_s)
-                    if idle():
+                    if self.idle():
                         return True
-                # queued late arrivals: serve them, then pause again
-                self.resume()
+                self.resume()  # queued late arrivals: serve them, then pause again
             except EngineError:
                 if not self.alive():
                     raise
@@ -499,7 +510,7 @@ class VllmServer:
                     if not self.alive():
                         raise
                 return False
-            time.sleep(0.1)
+            time.sleep(0.2)
 
 
 SELECTED_METRICS = {

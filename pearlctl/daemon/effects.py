@@ -1,0 +1,136 @@
+"""What each transition step does and how it is proven, in terms of state the agents and the trainer
+act on (design.md §4). Every effect is a desired-state write, idempotent for its step key:
+
+| step | effect | proven when |
+|---|---|---|
+| OFFLOAD | the trainer is asked to release (command id = step key) | the trainer acked it ok |
+| START | the GPUs take role ROLLOUT (borrowed, with a deadline): the agent starts vLLM | the agent reports it |
+| VERIFY (borrow) | — | the worker is READY (health checked by its agent) |
+| REGISTER | the worker becomes routable | recorded |
+| DEREGISTER | the worker stops being routable: rollout clients send it nothing new | recorded |
+| DRAIN | the GPUs go back to role TRAIN: the agent drains the worker, then stops it | the worker drains or is gone |
+| STOP | — | the worker is STOPPED (or FAILED/LOST: it is gone either way) |
+| RELOAD | the trainer is asked to reclaim (command id = step key) | the trainer acked it ok |
+| VERIFY (return) | — | the trainer reports itself not released |
+
+Trainer commands are not stored separately: the pending one is the OFFLOAD/RELOAD step still in
+INTENT, so a restarted daemon asks again under the same id and the hook answers a repeat with its
+first answer.
+"""
+
+from __future__ import annotations
+
+from pearlctl.daemon.transitions import DONE, FAILED, PENDING
+from pearlctl.state.machines import StepState as S
+from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.store import Store
+
+GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
+
+
+class DaemonEffects:
+    def __init__(self, store: Store, run_id: str, epoch: int | None):
+        self.store, self.run_id, self.epoch = store, run_id, epoch
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _gpus(self, t: dict) -> list[dict]:
+        ids = set(t["gpu_ids"])
+        return [g for g in self.store.gpus(self.run_id) if g["id"] in ids]
+
+    def _workers_on(self, t: dict, role: str = "ROLLOUT") -> list[dict]:
+        places = {(g["allocation_id"], g["idx"]) for g in self._gpus(t)}
+        out = []
+        for w in self.store.workers(self.run_id):
+            if w["role"] == role and any((w["allocation_id"], i) in places for i in (w.get("gpu_idx") or [])):
+                out.append(w)
+        return out
+
+    def _live_worker(self, t: dict) -> dict | None:
+        live = [w for w in self._workers_on(t) if w["state"] not in GONE_WORKER]
+        return live[0] if live else None
+
+    def _ack(self, key: str) -> dict | None:
+        for t in self.store.transitions(self.run_id):
+            for s in self.store.steps(t["id"]):
+                if s["idempotency_key"] == key:
+                    return (s.get("detail") or {}).get("ack")
+        return None
+
+    # -- Effects protocol -------------------------------------------------------------------------
+    def do(self, kind: str, t: dict, key: str) -> None:
+        if kind == "START":
+            deadline = (t.get("detail") or {}).get("return_deadline")
+            for g in self._gpus(t):
+                self.store.update_fields(
+                    "gpus", g["id"], epoch=self.epoch, role="ROLLOUT", borrowed=1, return_deadline=deadline
+                )
+        elif kind in ("REGISTER", "DEREGISTER"):
+            for w in self._workers_on(t):
+                self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=int(kind == "REGISTER"))
+        elif kind == "DRAIN":
+            for g in self._gpus(t):
+                self.store.update_fields(
+                    "gpus", g["id"], epoch=self.epoch, role="TRAIN", borrowed=0, return_deadline=None
+                )
+        # OFFLOAD / RELOAD: the command is the step's INTENT itself (see pending_trainer_command)
+
+    def probe(self, kind: str, t: dict, key: str) -> str:
+        if kind in ("OFFLOAD", "RELOAD"):
+            ack = self._ack(key)
+            if ack is None:
+                return PENDING
+            return DONE if ack.get("ok") else FAILED
+        if kind == "START":
+            w = self._live_worker(t)
+            if w is None:
+                failed = [w for w in self._workers_on(t) if w["state"] == W.FAILED]
+                return FAILED if failed else PENDING
+            return DONE
+        if kind == "VERIFY" and t["kind"] == "borrow" and t["state"] == T.RUNNING:
+            w = self._live_worker(t)
+            if w is None:
+                return FAILED if any(x["state"] == W.FAILED for x in self._workers_on(t)) else PENDING
+            return DONE if w["state"] == W.READY else PENDING
+        if kind == "REGISTER":
+            return DONE if all(w["routable"] for w in self._workers_on(t) if w["state"] not in GONE_WORKER) else PENDING
+        if kind == "DEREGISTER":
+            return DONE if not any(w["routable"] for w in self._workers_on(t)) else PENDING
+        if kind == "DRAIN":
+            return (
+                DONE
+                if all(w["state"] != W.READY and w["state"] != W.STARTING for w in self._workers_on(t))
+                else PENDING
+            )
+        if kind == "STOP":
+            return DONE if all(w["state"] in GONE_WORKER for w in self._workers_on(t)) else PENDING
+        if kind == "VERIFY":  # the return's: the trainer has its GPUs back
+            trainer = self.store.get_run(self.run_id).get("trainer") or {}
+            return DONE if trainer and not trainer.get("released") else PENDING
+        raise ValueError(f"no probe for step {kind}")
+
+
+def pending_trainer_command(store: Store, run_id: str) -> dict:
+    """The trainer command the current step of an open transition asks for, or no command."""
+    for t in store.transitions(run_id):
+        if t["state"] not in (T.RUNNING, T.ROLLING_BACK):
+            continue
+        for s in sorted(store.steps(t["id"]), key=lambda s: s["seq"]):
+            if s["state"] == S.INTENT and s["kind"] in ("OFFLOAD", "RELOAD") and not (s.get("detail") or {}).get("ack"):
+                return {
+                    "command": "release" if s["kind"] == "OFFLOAD" else "reclaim",
+                    "command_id": s["idempotency_key"],
+                }
+    return {"command": None}
+
+
+def record_trainer_ack(store: Store, run_id: str, command_id: str, result: dict, epoch: int | None) -> bool:
+    for t in store.transitions(run_id):
+        for s in store.steps(t["id"]):
+            if s["idempotency_key"] == command_id:
+                detail = dict(s.get("detail") or {}, ack=result)
+                store.update_fields(
+                    "steps", s["id"], epoch=epoch, event="trainer ack", data={"ok": result.get("ok")}, detail=detail
+                )
+                return True
+    return False
