@@ -10,6 +10,7 @@ Results go to stdout (``--json`` on every read), progress and logs to stderr. Ex
   4  no such run
   5  conflict: the run exists already, or state changed under us; re-read and retry
   6  `doctor` found a failing check
+  7  the run's daemon is not running or does not answer (`borrow`, `return`)
   124 `launch --wait` or `cancel` timed out (the run goes on; `status` shows where it is)
 """
 
@@ -43,9 +44,9 @@ def _root(
     """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
 
 
-from pearlctl.cli import cancel, daemon, doctor, launch, status  # noqa: E402  (commands register themselves)
+from pearlctl.cli import borrow, cancel, daemon, doctor, journal, launch, status  # noqa: E402  (they register)
 
-__all__ = ["app", "main", "cancel", "daemon", "doctor", "launch", "status"]
+__all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "launch", "status"]
 
 
 def main() -> None:

@@ -15,11 +15,13 @@ from rich.markup import escape
 from pearlctl import home
 from pearlctl.backends import BackendError
 from pearlctl.config import SpecError
+from pearlctl.daemon.client import DaemonUnavailable
 from pearlctl.launcher import LaunchError
 from pearlctl.state.errors import StateError
 from pearlctl.state.store import Store
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SCHEDULER, EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_DOCTOR = 0, 1, 2, 3, 4, 5, 6
+EXIT_NO_DAEMON = 7
 EXIT_TIMEOUT = 124
 
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
@@ -58,6 +60,8 @@ def exits() -> Iterator[None]:
         raise fail(str(exc), exc.exit_code) from None
     except BackendError as exc:
         raise fail(f"scheduler: {exc}", EXIT_SCHEDULER) from None
+    except DaemonUnavailable as exc:
+        raise fail(str(exc), EXIT_NO_DAEMON) from None
     except StateError as exc:
         raise fail(f"state: {exc}", EXIT_CONFLICT) from None
     except Exception:  # a bug: show it all

@@ -8,13 +8,13 @@ two ranks started directly (the fastest way, engines-on-cpu.md), the tiny model.
   an uninterrupted run;
 - the exported weight directory loads with transformers and matches the base model's shapes and dtypes.
 
-Every test holds an exclusive flock on /tmp/pearl-engine.lock while ranks run (the machine has 2 cores
-and the vLLM tests take the same lock), and kills the ranks it started, by PID, whatever happens.
+Every test runs under the engine lock (tests/engines/conftest.py: an exclusive flock on
+/tmp/pearl-engine.lock, shared with the vLLM tests; the machine has 2 cores) and kills the ranks it
+started, by PID, whatever happens. Each test's ranks finish in well under 60 s.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -33,20 +33,6 @@ pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "grpo" / "train.py"
 TINY = REPO / "examples" / "models" / "tiny"
-LOCK = Path("/tmp/pearl-engine.lock")
-
-pytestmark = pytest.mark.timeout(180)  # generous: includes waiting for the engine lock
-
-
-@pytest.fixture
-def engine_lock():
-    """Exclusive use of the machine's cores for real engines (shared with the vLLM tests)."""
-    with LOCK.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def free_port() -> int:
@@ -114,7 +100,7 @@ class Ranks:
 
 
 @pytest.fixture
-def ranks(engine_lock):
+def ranks(engine_lock):  # engine_lock: tests/engines/conftest.py
     """Start ranks with ``ranks(out, *args)``; every rank started is killed (by PID) at teardown."""
     started: list[Ranks] = []
 
