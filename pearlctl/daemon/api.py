@@ -14,6 +14,7 @@ Routes (JSON in, JSON out):
   POST /v1/borrow              {policy, gpus?, dry_run?}: turn borrowing on (or show the plan)
   POST /v1/return              {now?}: turn borrowing off; lent GPUs go back
   GET  /v1/workers             READY, routable rollout workers (for rollout clients)
+  POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens
 """
 
 from __future__ import annotations
@@ -83,5 +84,6 @@ def build_app(controller: Controller, *, secret: str, status: Callable[[], dict]
         Route("/v1/borrow", _handler(controller.borrow), methods=["POST"]),
         Route("/v1/return", _handler(controller.give_back), methods=["POST"]),
         Route("/v1/workers", _handler(controller.routable_workers), methods=["GET"]),
+        Route("/v1/rollout/progress", _handler(controller.rollout_progress), methods=["POST"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_Auth, secret=secret, run_id=controller.run_id)])

@@ -325,6 +325,20 @@ class Controller:
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
+    def rollout_progress(self, body: dict) -> dict:
+        """The rollout driver's counts (queued, generating, tool_wait, done, tokens): kept for status and
+        the planner; throughput is derived from successive reports."""
+        with self.lock:
+            run = self.store.get_run(self.run_id)
+            before = run.get("rollout") or {}
+            now = self.clock()
+            report = {k: body.get(k) for k in ("step", "queued", "generating", "tool_wait", "done", "tokens")}
+            report["reported_at"] = now
+            if before.get("tokens") is not None and report.get("tokens") is not None and now > before["reported_at"]:
+                report["tokens_per_s"] = round((report["tokens"] - before["tokens"]) / (now - before["reported_at"]), 2)
+            self.store.update_fields("runs", self.run_id, epoch=self.epoch, rollout=report)
+            return {"epoch": self.epoch}
+
     # -- rollout clients --------------------------------------------------------------------------
     def routable_workers(self, body: dict) -> dict:
         """READY, registered rollout workers: where rollout clients may send requests now."""

@@ -190,6 +190,7 @@ ALTER TABLE workers ADD COLUMN routable INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE transitions ADD COLUMN detail TEXT CHECK (detail IS NULL OR json_valid(detail));
 ALTER TABLE runs ADD COLUMN trainer TEXT CHECK (trainer IS NULL OR json_valid(trainer));
 ALTER TABLE runs ADD COLUMN borrow TEXT CHECK (borrow IS NULL OR json_valid(borrow));
+ALTER TABLE runs ADD COLUMN rollout TEXT CHECK (rollout IS NULL OR json_valid(rollout));
 """
 
 MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3)
@@ -198,7 +199,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 # Columns holding JSON text: encoded on write, decoded on read by the Store.
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec", "trainer", "borrow"}),
+    "runs": frozenset({"spec", "trainer", "borrow", "rollout"}),
     "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),

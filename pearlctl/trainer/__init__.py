@@ -91,6 +91,14 @@ _NONE, _RELEASE_OFFLOAD, _RELEASE_CHECKPOINT, _RECLAIM = 0, 1, 2, 3
 _CODE_OF = {("release", "offload"): _RELEASE_OFFLOAD, ("release", "checkpoint"): _RELEASE_CHECKPOINT}
 # Call sites, so a rank calling hook methods out of order is detected (slots 3 and 4: site and -site).
 _SITE_PHASE, _SITE_RECLAIM_WAIT, _SITE_WAIT_UNTIL, _SITE_STOP, _SITE_TIMING, _SITE_BARRIER = 1, 2, 3, 4, 5, 6
+_SITE_NAMES = {
+    _SITE_PHASE: "phase()",
+    _SITE_RECLAIM_WAIT: "ensure_reclaimed()",
+    _SITE_WAIT_UNTIL: "wait_until()",
+    _SITE_STOP: "should_stop()",
+    _SITE_TIMING: "release()/reclaim()",
+    _SITE_BARRIER: "export_weights()/checkpoint_and_exit()",
+}
 # Files of a base model directory that an export copies (tokenizer, chat template, generation config):
 # everything except weights, which the export writes itself.
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|gguf)$|.*\.(safetensors|bin)\.index\.json$")
@@ -434,7 +442,8 @@ class TrainerHook:
         """Take the GPUs back. Collective. A no-op when not released.
 
         After ``offload``: ``engine.reload_states()``. After ``checkpoint``: undo the free, then
-        ``load_checkpoint`` of the release checkpoint (the state the trainer released with).
+        ``load_checkpoint`` of the release checkpoint (the state the trainer released with) — except on
+        ZeRO-3, where DeepSpeed cannot load into a live partitioned engine and the kept state is used.
         """
         if not self.released:
             return {"noop": True, "released": False}
@@ -445,7 +454,12 @@ class TrainerHook:
         t = time.monotonic()
         self._unfree(rel["how"])
         result["reload_s"] = round(time.monotonic() - t, 6)
-        if rel["mode"] == "checkpoint":
+        if rel["mode"] == "checkpoint" and self.zero_stage == 3:
+            # DeepSpeed: under ZeRO-3 load_checkpoint right after save_checkpoint needs a fresh engine (the
+            # module is partitioned). The in-process state was kept, so there is nothing to restore; the
+            # checkpoint is what a restarted trainer resumes from.
+            result["load_skipped"] = "ZeRO-3 cannot load_checkpoint into a live engine; in-process state was kept"
+        elif rel["mode"] == "checkpoint":
             t = time.monotonic()
             path, _client = self.engine.load_checkpoint(str(rel["ckpt_dir"]), tag=rel["tag"])
             if path is None:
@@ -708,27 +722,30 @@ class TrainerHook:
 
     # ------------------------------------------------------------------ internals: collectives
     def _agree(self, site: int, code: int, *, ready: int = 0) -> tuple[int, bool]:
-        """One all-reduce MAX: rank 0's decision, anyone's stop flag, rank 0's readiness, the call site."""
+        """One all-reduce MAX: rank 0's decision, anyone's stop flag, rank 0's readiness."""
         stop = 1 if self._signal is not None else 0
-        values = [float(code if self.rank == 0 else 0), float(stop), float(ready if self.rank == 0 else 0)]
-        out = self._reduce_max([*values, float(site), float(-site)])
-        if out[3] != -out[4]:
-            raise RuntimeError(
-                f"trainer hook ranks out of step: rank {self.rank} is at call site {site}, another rank at "
-                f"{int(out[3]) if out[3] != site else int(-out[4])}; call hook methods on every rank in the same order"
-            )
+        out = self._collective(site, code if self.rank == 0 else 0, stop, ready if self.rank == 0 else 0)
         if out[1] > 0:
             self._stop_agreed = True
         return int(out[0]), out[2] > 0
 
     def _max_over_ranks(self, value: float) -> float:
-        out = self._reduce_max([float(value), float(_SITE_TIMING), float(-_SITE_TIMING)])
-        if out[1] != -out[2]:
-            raise RuntimeError("trainer hook ranks out of step in release/reclaim")
-        return out[0]
+        return self._collective(_SITE_TIMING, value, 0, 0)[0]
 
     def _barrier(self) -> None:
-        self._reduce_max([float(_SITE_BARRIER), float(-_SITE_BARRIER)])
+        self._collective(_SITE_BARRIER, 0, 0, 0)
+
+    def _collective(self, site: int, a: float, b: float, c: float) -> list[float]:
+        """All-reduce MAX of ``[a, b, c, site, -site]`` (always 5 values). If the ranks are at different call
+        sites, max(site) != -max(-site) = min(site): fail loudly rather than agree on garbage."""
+        out = self._reduce_max([float(a), float(b), float(c), float(site), float(-site)])
+        if out[3] != -out[4]:
+            sites = sorted({_SITE_NAMES.get(int(out[3]), "?"), _SITE_NAMES.get(int(-out[4]), "?")})
+            raise RuntimeError(
+                f"trainer hook ranks out of step: rank {self.rank} is in {_SITE_NAMES[site]}, the ranks are in "
+                f"{' and '.join(sites)}; call the hook's methods on every rank in the same order"
+            )
+        return out
 
     def _reduce_max(self, values: list[float]) -> list[float]:
         if self._all_reduce_max is not None:

@@ -220,6 +220,46 @@ def test_release_blocks_training_until_reclaim_and_no_step_is_lost(
     assert channel.read_ack(release_id)["total_s"] == ack["total_s"]  # the retry got the stored answer
 
 
+def write_batch(root: Path, step: int, groups: list[dict]) -> None:
+    """What a rollout driver does: write the step's batch under a temporary name, then rename it."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".step-{step:06d}.tmp"
+    tmp.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    tmp.rename(root / f"step-{step:06d}.jsonl")
+
+
+def test_file_rollouts_release_while_waiting_for_the_batch(ranks, tmp_path):
+    from pearlctl.trainer import FileChannel
+
+    rollouts, out = tmp_path / "rollouts", tmp_path / "run"
+    channel = FileChannel(tmp_path / "channel")
+    groups = [
+        {
+            "prompt": f"{a} + {b} =",
+            "completions": [f" {a + b}.", " 7", " the", f" {a + b + 1}"],
+            "rewards": [1, 0.2, 0, 0.3],
+        }
+        for a, b in ((1, 2), (30, 4), (5, 60), (7, 7))
+    ]
+    write_batch(rollouts, 1, groups)
+    r = ranks(out, "--steps", "2", "--rollouts", f"file:{rollouts}", "--channel", f"file:{channel.root}",
+              "--poll-interval", "0.05")  # fmt: skip
+    waiting = wait_for(
+        lambda: [e for e in channel.read_events() if e["phase"] == "waiting" and e["step"] == 2], 60, "the wait", r
+    )
+    assert waiting[0]["weight_version"] == "1" and waiting[0]["expected_wait_s"] is not None
+    ack = channel.wait_ack(channel.send("release"), timeout=30)  # served while waiting for the batch
+    assert ack["ok"] and ack["mode"] == "offload"
+    write_batch(rollouts, 2, groups)
+    time.sleep(1.0)
+    assert [e["step"] for e in events(out, "step")] == [1], "trained on released GPUs"
+    assert channel.wait_ack(channel.send("reclaim"), timeout=30)["ok"]
+    assert r.wait(60) == [0, 0], r.tail()
+    steps = events(out, "step")
+    assert [e["step"] for e in steps] == [1, 2] and all(math.isfinite(e["loss"]) for e in steps)
+    assert steps[0]["reward_mean"] == pytest.approx(0.375)
+
+
 # ---------------------------------------------------------------------- (c) signals, joint checkpoint, resume
 def test_usr2_checkpoints_jointly_and_resume_matches_an_uninterrupted_run(ranks, tmp_path):
     args = ("--steps", "8", "--zero", "2", "--seed", "3")

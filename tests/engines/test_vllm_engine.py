@@ -62,7 +62,7 @@ def in_background(fn, *args, **kw) -> tuple[threading.Thread, list]:
     def run() -> None:
         try:
             box.append(fn(*args, **kw))
-        except BaseException as e:  # noqa: BLE001 - reported by the test
+        except BaseException as e:  # reported by the test
             box.append(e)
 
     t = threading.Thread(target=run, daemon=True)
@@ -179,9 +179,7 @@ def test_sleep_wake_contract_on_cpu(server: VllmServer) -> None:
 
 
 def test_abort_requests_ends_them_with_partial_output(server: VllmServer) -> None:
-    threads = [
-        in_background(complete, server, f"long request {i}", max_tokens=400, ignore_eos=True) for i in range(2)
-    ]
+    threads = [in_background(complete, server, f"long request {i}", max_tokens=400, ignore_eos=True) for i in range(2)]
     wait_for(lambda: server.metrics()["num_requests_running"] > 0, 30, "requests to run")
     assert server.abort_requests() >= 1
     for t, box in threads:
@@ -216,9 +214,7 @@ def test_drain_loses_nothing_then_stop_ends_the_group(server: VllmServer) -> Non
     """Requests in flight complete; one that arrives while the drain has the server paused is served too
     (not left queued); then stop ends the whole process group."""
     n, tokens = 6, 400
-    threads = [
-        in_background(complete, server, f"in flight {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)
-    ]
+    threads = [in_background(complete, server, f"in flight {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)]
     wait_for(lambda: server.metrics()["num_requests_running"] > 0, 30, "requests to run")
     t0 = time.monotonic()
     drainer, drained = in_background(server.drain, timeout=120)

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""The reference rollout driver: multi-turn agentic episodes with a calculator tool, through the run's
+rollout workers (pearlctl.router.client), scored by a rule, written as GRPO batches for train.py.
+
+An episode: the user asks "a + b ="; the policy answers (turn 1); the environment runs the calculator
+tool — with a real latency (``--tool-latency-s``, exponential with that mean), during which the episode
+does not decode — and returns the tool result; the policy answers again (turn 2). The reward is 1 if
+the final answer contains the right sum, partial credit for matching digits (train.sum_reward).
+
+Each step writes ``OUT/step-NNNNNN.jsonl`` (groups: prompt, completions, rewards, and per completion
+the worker and weight version that produced it) by rename, and reports progress to the daemon
+(queued / generating / tool_wait / done, tokens). Run next to train.py with ``--rollouts file:OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import sum_reward  # noqa: E402  (the same rule the synthetic source uses)
+
+from pearlctl.router.client import RolloutClient  # noqa: E402
+
+
+def chat(turns: list[tuple[str, str]]) -> str:
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    return text + "<|im_start|>assistant\n"
+
+
+def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: random.Random) -> dict:
+    prompt = f"{a} + {b} ="
+    turns = [("user", prompt)]
+    first = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    turns.append(("assistant", first.text))
+    client.count("tool_wait")
+    time.sleep(rng.expovariate(1.0 / args.tool_latency_s) if args.tool_latency_s > 0 else 0)  # the tool call
+    client.count("tool_wait", -1)
+    turns.append(("tool", f"calc({a},{b}) = {a + b}"))
+    second = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    completion = first.text + "\n" + second.text
+    return {
+        "prompt": prompt,
+        "completion": completion,
+        "reward": sum_reward(prompt, completion),
+        "worker": second.worker,
+        "weight_version": second.weight_version,
+        "retries": first.retries + second.retries,
+        "tokens": first.tokens + second.tokens,
+    }
+
+
+def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor) -> list[dict]:
+    rng = random.Random(args.seed * 100_003 + step)
+    problems = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(args.prompts)]
+    client.count("queued", args.prompts * args.group_size)
+    futures = []
+    for p, (a, b) in enumerate(problems):
+        for g in range(args.group_size):
+
+            def job(a=a, b=b, p=p, g=g):
+                client.count("queued", -1)
+                result = episode(client, f"s{step}-p{p}-g{g}", a, b, args, random.Random(rng.random()))
+                client.count("done")
+                return p, result
+
+            futures.append(pool.submit(job))
+    groups: dict[int, list[dict]] = {}
+    for f in futures:
+        p, result = f.result()
+        groups.setdefault(p, []).append(result)
+    return [
+        {
+            "prompt": eps[0]["prompt"],
+            "completions": [e["completion"] for e in eps],
+            "rewards": [e["reward"] for e in eps],
+            "served_by": [{"worker": e["worker"], "weight_version": e["weight_version"]} for e in eps],
+        }
+        for _, eps in sorted(groups.items())
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", default=os.environ.get("PEARL_RUN_DIR"), help="the run directory (.pearl/)")
+    ap.add_argument("--run-id", default=os.environ.get("PEARL_RUN_ID"))
+    ap.add_argument("--out", required=True, type=Path, help="where step-NNNNNN.jsonl batches go")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--first-step", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--tool-latency-s", type=float, default=0.3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not args.run_dir or not args.run_id:
+        ap.error("--run-dir and --run-id (or PEARL_RUN_DIR / PEARL_RUN_ID) are required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    client = RolloutClient(args.run_dir, args.run_id)
+    stop = threading.Event()
+
+    def progress():
+        while not stop.wait(1.0):
+            client.report_progress()
+
+    threading.Thread(target=progress, daemon=True).start()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        for step in range(args.first_step, args.first_step + args.steps):
+            t0 = time.monotonic()
+            groups = run_step(client, step, args, pool)
+            tmp = args.out / f".step-{step:06d}.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(g) + "\n" for g in groups))
+            tmp.rename(args.out / f"step-{step:06d}.jsonl")
+            client.report_progress(step)
+            rewards = [r for g in groups for r in g["rewards"]]
+            versions = sorted({s["weight_version"] or "?" for g in groups for s in g["served_by"]})
+            print(
+                json.dumps(
+                    {
+                        "event": "rollout step",
+                        "step": step,
+                        "seconds": round(time.monotonic() - t0, 3),
+                        "reward_mean": round(sum(rewards) / len(rewards), 4),
+                        "tokens": client.counts["tokens"],
+                        "weight_versions": versions,
+                    }
+                ),
+                flush=True,
+            )
+    stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
