@@ -80,6 +80,7 @@ class VllmWorker:
         )
         self._stopping = False
         self._stopped = False
+        self.weight_version: str | None = None
 
     def start(self) -> None:
         self.server.start()
@@ -92,10 +93,18 @@ class VllmWorker:
         if not self.server.alive():
             return "FAILED"
         try:
-            self.server.health()
-            return "SLEEPING" if self.server.is_sleeping() else "READY"
+            return "READY" if self.server.health() else "STARTING"
         except Exception:
             return "STARTING"
+
+    def sync_weights(self, weights: dict | None) -> None:
+        """Reload weights from the trainer's export when the desired version differs from the served one."""
+        if not weights or weights.get("version") in (None, self.weight_version) or self.state() != "READY":
+            return
+        seconds = self.server.reload_weights(weights["path"])
+        self.server.set_weight_version(str(weights["version"]))
+        self.weight_version = str(weights["version"])
+        log.warning("worker %s now serves weights %s (reload %.3fs)", self.key, self.weight_version, seconds)
 
     def stop(self, drain_timeout: float) -> None:
         self._stopping = True
@@ -114,8 +123,10 @@ class VllmWorker:
             "engine": self.engine,
             "gpus": list(self.gpus),
             "state": self.state(),
-            "url": self.server.url,
+            # the server listens on every interface; clients on other nodes reach it by this host's name
+            "url": f"http://{socket.gethostname()}:{self.server.port}",
             "pid": self.server.pid,
+            "weight_version": self.weight_version,
         }
 
 
@@ -233,6 +244,11 @@ class Reconciler:
                 self.failed_at.pop(key, None)
                 handle.start()
                 self.workers[key] = handle
+            if isinstance(handle, VllmWorker):
+                try:
+                    handle.sync_weights(want.get("weights"))
+                except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries
+                    log.warning("weight reload of %s failed: %s", key, exc)
 
     def retire(self, key: str) -> None:
         handle = self.workers.pop(key)

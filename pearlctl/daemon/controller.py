@@ -57,8 +57,17 @@ class DesiredWorker:
     gpus: tuple[int, ...]
     state: str  # "RUNNING" | "SLEEPING" | "STOPPED"
 
+    weights: dict | None = None  # vLLM workers: the trainer's latest export to serve {version, path}
+
     def as_dict(self) -> dict:
-        return {"key": self.key, "role": self.role, "engine": self.engine, "gpus": list(self.gpus), "state": self.state}
+        return {
+            "weights": self.weights,
+            "key": self.key,
+            "role": self.role,
+            "engine": self.engine,
+            "gpus": list(self.gpus),
+            "state": self.state,
+        }
 
 
 class Controller:
@@ -231,12 +240,23 @@ class Controller:
                 by_role.setdefault(g["role"], []).append(g["idx"])
                 if g["borrowed"]:
                     by_role.setdefault("TRAIN", []).append(g["idx"])
+        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+        weights = None
+        if trainer.get("weight_version") is not None and trainer.get("weights_path"):
+            weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
         out = []
         for role, idx in sorted(by_role.items()):
             if role == "IDLE":
                 continue
             out.append(
-                DesiredWorker(f"{role.lower()}-{min(idx)}", role, ENGINE_FOR_ROLE[role], tuple(sorted(idx)), "RUNNING")
+                DesiredWorker(
+                    f"{role.lower()}-{min(idx)}",
+                    role,
+                    ENGINE_FOR_ROLE[role],
+                    tuple(sorted(idx)),
+                    "RUNNING",
+                    weights if ENGINE_FOR_ROLE[role] == "vllm" else None,
+                )
             )
         return out
 

@@ -20,7 +20,17 @@ log = logging.getLogger("pearlctl.trainer")
 
 
 class DaemonChannel:
-    def __init__(self, run_dir: str | None = None, run_id: str | None = None, *, timeout: float = 5.0):
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        run_id: str | None = None,
+        *,
+        weights_dir: str | os.PathLike | None = None,
+        timeout: float = 5.0,
+    ):
+        """``weights_dir``: where the hook's ``export_weights`` writes (``<weights_dir>/<version>/``); with
+        it, every report tells the daemon the path of the version to sync to the rollout workers."""
+        self.weights_dir = weights_dir
         self.run_dir = run_dir or os.environ["PEARL_RUN_DIR"]
         self.run_id = run_id or os.environ["PEARL_RUN_ID"]
         self._http = httpx.Client(timeout=timeout)
@@ -49,6 +59,8 @@ class DaemonChannel:
         return None
 
     def report(self, event: dict) -> dict | None:
+        if self.weights_dir is not None and event.get("weight_version") is not None:
+            event = dict(event, weights_path=os.path.join(os.fspath(self.weights_dir), str(event["weight_version"])))
         answer = self._post("/v1/trainer/phase", event)
         if not answer or answer.get("command") is None:
             return None
