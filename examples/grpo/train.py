@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             hook.checkpoint_and_exit(step)
     say("done", step=step)
     dist.barrier()
+    # Without this, a rank sometimes aborted at interpreter exit ("terminate called without an active
+    # exception", SIGABRT) after a clean run: the process group's threads outlived Python's teardown.
+    dist.destroy_process_group()
     return 0
 
 

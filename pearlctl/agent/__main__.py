@@ -64,7 +64,9 @@ def main() -> int:
             seconds = workers.stop_all(grace_s)
             drained = True
             _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
-        answer = client.heartbeat(workers.report())
+        # long poll while nothing is changing locally: the daemon answers as soon as desired state moves
+        settled = all(w["state"] in ("READY", "STOPPED") for w in workers.report())
+        answer = client.heartbeat(workers.report(), wait_s=interval if settled else 0.0)
         if answer is None:
             if reachable is not False:
                 _log("daemon unreachable", workers=len(workers.workers))
@@ -76,7 +78,8 @@ def main() -> int:
             interval = float(answer.get("heartbeat_s", interval))
             if not draining.is_set():
                 workers.apply(answer.get("desired", []))
-        wake.wait(interval)
+        if answer is None or not settled:
+            wake.wait(interval if answer is None else min(interval, 0.5))  # starting/draining: look again soon
         wake.clear()
     seconds = workers.stop_all(grace_s)
     client.heartbeat(workers.report(), leaving=True)

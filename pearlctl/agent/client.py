@@ -24,7 +24,11 @@ class DaemonClient:
         self.url: str | None = None
         self.allocation_id: int | None = None
         self.epoch_seen = 0
-        self._http = httpx.Client(timeout=timeout, transport=httpx.HTTPTransport(retries=2))
+        self.desired_hash: str | None = None
+        # the read timeout covers a long poll (held up to one heartbeat interval) with room to spare
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout, read=timeout + 30.0), transport=httpx.HTTPTransport(retries=2)
+        )
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {read_secret(self.run_dir)}", "X-Pearl-Run": self.me.run_id}
@@ -74,14 +78,19 @@ class DaemonClient:
             self.allocation_id = int(answer["allocation_id"])
         return answer
 
-    def heartbeat(self, workers: list[dict], *, leaving: bool = False) -> dict | None:
+    def heartbeat(self, workers: list[dict], *, leaving: bool = False, wait_s: float = 0.0) -> dict | None:
         """Report ``workers``; ``leaving`` tells the daemon this agent's GPUs are going away now."""
         if self.allocation_id is None and self.register() is None:
             return None
         body = {"allocation_id": self.allocation_id, "workers": workers, "epoch_seen": self.epoch_seen}
         if leaving:
             body["leaving"] = True
-        return self._post("/v1/agents/heartbeat", body)
+        elif self.desired_hash is not None and wait_s > 0:
+            body.update(desired_hash=self.desired_hash, wait_s=wait_s)  # long poll: held until it changes
+        answer = self._post("/v1/agents/heartbeat", body)
+        if answer is not None:
+            self.desired_hash = answer.get("desired_hash")
+        return answer
 
     @staticmethod
     def _pid() -> int:

@@ -33,6 +33,8 @@ from starlette.routing import Route
 from pearlctl.daemon.controller import ControlError, Controller
 
 RUN_HEADER = "X-Pearl-Run"
+# Agents long-poll (one held request each): allow far more concurrent handler threads than anyio's 40.
+_LIMITER = anyio.CapacityLimiter(1024)
 
 
 class _Auth(BaseHTTPMiddleware):
@@ -60,7 +62,7 @@ def _handler(fn: Callable[[dict], dict]):
             return JSONResponse({"error": "body must be a JSON object"}, 400)
         try:
             # the controller is synchronous (SQLite): run it off the event loop
-            return JSONResponse(await anyio.to_thread.run_sync(fn, body))
+            return JSONResponse(await anyio.to_thread.run_sync(fn, body, limiter=_LIMITER))
         except ControlError as exc:
             return JSONResponse({"error": str(exc)}, exc.status)
         except KeyError as exc:

@@ -49,6 +49,13 @@ def edge_path(table: str, old: str, new: str) -> list[str]:
     return []
 
 
+def desired_hash(desired: list[dict]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class DesiredWorker:
     key: str  # stable per allocation: "<role>-<first gpu>"
@@ -84,6 +91,8 @@ class Controller:
         self.store, self.run_id, self.epoch = store, run_id, epoch
         self.heartbeat_s, self.lost_after, self.clock = heartbeat_s, lost_after, clock
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
+        self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
+        self.wake = threading.Event()  # set when a report may let the control loop make progress
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
         self.lock = threading.RLock()
 
@@ -120,26 +129,45 @@ class Controller:
             return {"allocation_id": alloc["id"], "epoch": self.epoch, "heartbeat_s": self.heartbeat_s}
 
     def heartbeat(self, body: dict) -> dict:
-        """Record what the agent runs; answer with what it should run."""
+        """Record what the agent runs; answer with what it should run.
+
+        Long poll: an agent that sends the ``desired_hash`` of its last answer and ``wait_s`` is held
+        until its desired workers change (or ``wait_s``, at most one heartbeat interval, passes), so a
+        transition's effect reaches the agent in milliseconds, not a heartbeat later.
+        """
+        alloc_id = int(body["allocation_id"])
         with self.lock:
-            alloc_id = int(body["allocation_id"])
             alloc = self.store.get("allocations", alloc_id)
             if alloc["run_id"] != self.run_id:
                 raise ControlError(f"allocation {alloc_id} is not in run {self.run_id}", 404)
             self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            for report in body.get("workers", []):
-                self._record_worker(alloc, report)
+            changed = [self._record_worker(alloc, report) for report in body.get("workers", [])]
             if body.get("leaving"):
                 # The agent is going away (scancel, end of the allocation): its GPUs are not plannable any
                 # more from this moment, whatever Slurm says a poll later.
                 self._mark_gpus_lost(alloc_id, "agent leaving")
+                self.wake.set()
                 return {"epoch": self.epoch, "desired": [], "heartbeat_s": self.heartbeat_s}
             self._revive_gpus(alloc_id)
-            return {
-                "epoch": self.epoch,
-                "desired": [w.as_dict() for w in self.desired(alloc_id)],
-                "heartbeat_s": self.heartbeat_s,
-            }
+            desired = [w.as_dict() for w in self.desired(alloc_id)]
+        if any(changed):
+            self.wake.set()  # a worker moved: a transition step may complete now
+        digest = desired_hash(desired)
+        wait = min(float(body.get("wait_s") or 0.0), self.heartbeat_s)
+        if wait > 0 and body.get("desired_hash") == digest:
+            deadline = time.monotonic() + wait
+            with self.changed:
+                while digest == body["desired_hash"] and (left := deadline - time.monotonic()) > 0:
+                    self.changed.wait(left)
+                    with self.lock:
+                        desired = [w.as_dict() for w in self.desired(alloc_id)]
+                    digest = desired_hash(desired)
+        return {"epoch": self.epoch, "desired": desired, "desired_hash": digest, "heartbeat_s": self.heartbeat_s}
+
+    def notify(self) -> None:
+        """Desired state may have changed: wake every long-polling agent to look."""
+        with self.changed:
+            self.changed.notify_all()
 
     def _mark_gpus_lost(self, alloc_id: int, why: str, data: dict | None = None) -> bool:
         hit = False
@@ -158,8 +186,9 @@ class Controller:
                     "gpus", g["id"], expect=G.LOST, to=G.UP, epoch=self.epoch, event="agent reporting again"
                 )
 
-    def _record_worker(self, alloc: dict, report: dict) -> None:
-        """Fold one reported worker into state: create it, move it along legal edges, keep its facts."""
+    def _record_worker(self, alloc: dict, report: dict) -> bool:
+        """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
+        Returns whether its state moved."""
         key, state = str(report["key"]), str(report["state"])
         fields = {k: report[k] for k in ("url", "pid", "weight_version") if report.get(k) is not None}
         worker = next(
@@ -176,7 +205,7 @@ class Controller:
             worker = None
         if worker is None:
             if state in (W.STOPPED, W.FAILED):
-                return
+                return False
             wid = self.store.add_worker(
                 run_id=self.run_id,
                 allocation_id=alloc["id"],
@@ -192,7 +221,8 @@ class Controller:
         elif fields:
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
         current = worker["state"]
-        if current != state:
+        moved = current != state
+        if moved:
             path = edge_path("workers", current, state)
             if not path:
                 self.store.journal_event(
@@ -220,6 +250,7 @@ class Controller:
             routable = int(current == W.READY)
             if routable != self.store.get("workers", worker["id"])["routable"]:
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
+        return moved
 
     def _pool_of(self, alloc: dict) -> dict:
         return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
@@ -276,6 +307,7 @@ class Controller:
                 data={"phase": body.get("phase"), "step": body.get("step")} if event else None,
                 trainer=report,
             )
+            self.wake.set()
             return {"epoch": self.epoch, **pending_trainer_command(self.store, self.run_id)}
 
     def trainer_ack(self, body: dict) -> dict:
@@ -285,6 +317,7 @@ class Controller:
             )
             if not found:
                 raise ControlError(f"no step {body['command_id']!r} in run {self.run_id}", 404)
+            self.wake.set()
             return {"epoch": self.epoch, "ok": True}
 
     # -- borrowing --------------------------------------------------------------------------------

@@ -132,7 +132,9 @@ class Daemon:
                 controller.check_agents()
                 with controller.lock:
                     borrowing.tick()
-                self.stopping.wait(self.settings.tick_s)
+                controller.notify()  # desired state may have changed: long-polling agents look now
+                controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
+                controller.wake.clear()
         finally:
             if self._server is not None:
                 self._server.should_exit = True

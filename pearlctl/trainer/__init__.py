@@ -523,6 +523,7 @@ class TrainerHook:
                 log.warning("could not report the stop to the daemon: %s", exc)
         log.info("checkpoint %s at step %s (%.3f s); exit %d", info["path"], info["step"], info["save_s"], exit_code)
         sys.stdout.flush()
+        _destroy_process_group()  # else a rank may abort in teardown ("terminate called ...")
         sys.exit(exit_code)
 
     def resume(self, ckpt_dir: str | os.PathLike | None = None) -> int:
@@ -811,6 +812,12 @@ def _dist_rank_world() -> tuple[int, int]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _destroy_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _safe_zero_stage(engine: Any) -> int | None:
