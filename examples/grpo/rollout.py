@@ -87,6 +87,17 @@ def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor) -
     ]
 
 
+def wait_for_weights(client: RolloutClient, version: str, timeout_s: float) -> None:
+    """Synchronous (on-policy) RL: step N's rollouts use the weights of step N-1 on every worker."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = client.workers(force=True)
+        if workers and all(w.get("weight_version") == version for w in workers):
+            return
+        time.sleep(0.2)
+    print(json.dumps({"event": "weights not synced in time", "version": version}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", default=os.environ.get("PEARL_RUN_DIR"), help="the run directory (.pearl/)")
@@ -100,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-latency-s", type=float, default=0.3)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--off-policy",
+        dest="on_policy",
+        action="store_false",
+        help="do not wait for the workers to serve the previous step's weights",
+    )
+    ap.add_argument("--weights-timeout-s", type=float, default=180.0)
     args = ap.parse_args(argv)
     if not args.run_dir or not args.run_id:
         ap.error("--run-dir and --run-id (or PEARL_RUN_DIR / PEARL_RUN_ID) are required")
@@ -114,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=progress, daemon=True).start()
     with ThreadPoolExecutor(args.concurrency) as pool:
         for step in range(args.first_step, args.first_step + args.steps):
+            if args.on_policy and step > 1:
+                wait_for_weights(client, str(step - 1), args.weights_timeout_s)
             t0 = time.monotonic()
             groups = run_step(client, step, args, pool)
             tmp = args.out / f".step-{step:06d}.jsonl.tmp"

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on signals)")
     p.add_argument("--rollouts", default="synthetic", help="synthetic | file:DIR")
-    p.add_argument("--channel", default="none", help="pearlctl control channel: none | file:DIR")
+    p.add_argument("--channel", default="none", help="pearlctl control channel: none | daemon | file:DIR")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prompts", type=int, default=4, help="synthetic: prompts per step (groups)")
@@ -284,8 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     channel = NullChannel()
     if args.channel.startswith("file:"):
         channel = FileChannel(args.channel.removeprefix("file:"))
+    elif args.channel == "daemon":  # the run's daemon (PEARL_RUN_DIR / PEARL_RUN_ID, set by the agent)
+        from pearlctl.trainer.channel import DaemonChannel
+
+        channel = DaemonChannel(weights_dir=args.out / "weights")
     elif args.channel != "none":
-        raise SystemExit(f"--channel must be none or file:DIR, not {args.channel!r}")
+        raise SystemExit(f"--channel must be none, daemon or file:DIR, not {args.channel!r}")
     ckpt_dir = args.out / "checkpoints"
     hook = TrainerHook(
         engine,

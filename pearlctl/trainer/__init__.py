@@ -398,7 +398,7 @@ class TrainerHook:
         ``offload`` (ZeRO-1/2/3): ``engine.offload_states()`` — optimizer states, fp32 master and bf16
         parameters, gradients move to host memory. ``checkpoint`` (and ZeRO-0, or ZeRO-3 without
         FusedAdam, where offloading is not possible): ``save_checkpoint`` into ``ckpt_dir``, then free what
-        can be freed (ZeRO-1/2/3: offload_states; ZeRO-0: gradients dropped, optimizer states to host).
+        can be freed (offload_states where it works; else gradients dropped, optimizer states to host).
         Returns timings in seconds (``total_s`` this rank, ``max_rank_s`` the slowest rank) and, on CUDA,
         ``memory_before``/``memory_after`` (``torch.cuda.memory_allocated``).
         """

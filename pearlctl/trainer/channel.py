@@ -64,7 +64,7 @@ class DaemonChannel:
         answer = self._post("/v1/trainer/phase", event)
         if not answer or answer.get("command") is None:
             return None
-        return {"command": answer["command"], "command_id": answer["command_id"]}
+        return {k: answer[k] for k in ("command", "command_id", "mode") if answer.get(k) is not None}
 
     def ack(self, command_id: str, result: dict) -> None:
         self._post("/v1/trainer/ack", {"command_id": command_id, "result": result})

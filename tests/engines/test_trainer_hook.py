@@ -288,6 +288,38 @@ def test_usr2_checkpoints_jointly_and_resume_matches_an_uninterrupted_run(ranks,
         assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-6, abs=1e-9), e
 
 
+def test_preempted_while_released_checkpoints_without_reclaiming_and_resumes_exactly(ranks, tmp_path):
+    """Slurm's USR2 arrives while the GPUs are lent out: the ranks checkpoint from the offloaded (host)
+    state without taking the GPUs back, and a restart continues as if nothing happened."""
+    from pearlctl.trainer import FileChannel
+
+    args = ("--steps", "6", "--zero", "2", "--seed", "5")
+    ref_out = tmp_path / "uninterrupted"
+    assert ranks(ref_out, *args).wait(60) == [0, 0]
+    reference = {e["step"]: e["loss"] for e in events(ref_out, "step")}
+
+    out, channel = tmp_path / "run", FileChannel(tmp_path / "channel")
+    r = ranks(out, *args, "--channel", f"file:{channel.root}", "--poll-interval", "0.05")
+    wait_for(lambda: any(e["phase"] == "training" and e["step"] == 2 for e in channel.read_events()), 60, "step 2", r)
+    assert channel.wait_ack(channel.send("release"), timeout=30)["ok"]
+    wait_for(lambda: any(e.get("blocked_s") for e in channel.read_events()), 10, "a blocked poll", r)
+    r.signal(signal.SIGUSR2)
+    assert r.wait(30) == [0, 0], r.tail()
+    stopped = [e for e in channel.read_events() if e["phase"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["released"] is True  # checkpointed while still released
+    assert not events(out, "reclaim")
+    done = [e["step"] for e in events(out, "step")]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step{done[-1]}"
+
+    again = ranks(out, *args)
+    assert again.wait(60) == [0, 0], again.tail()
+    assert events(out, "resume")[-1]["step"] == done[-1]
+    steps = events(out, "step")
+    assert [e["step"] for e in steps] == list(range(1, 7))
+    for e in steps:
+        assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-6, abs=1e-9), e
+
+
 # ---------------------------------------------------------------------- (d) weight export
 @pytest.mark.parametrize("zero", ["2", "3"])
 def test_exported_weights_load_with_transformers_and_match_the_base_model(ranks, tmp_path, zero):
