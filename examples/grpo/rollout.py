@@ -41,7 +41,10 @@ def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: rand
     first = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
     turns.append(("assistant", first.text))
     client.count("tool_wait")
-    time.sleep(rng.expovariate(1.0 / args.tool_latency_s) if args.tool_latency_s > 0 else 0)  # the tool call
+    latency = args.tool_latency_s
+    if args.tool_latency_dist == "exp" and latency > 0:
+        latency = rng.expovariate(1.0 / latency)
+    time.sleep(latency)  # the tool call: this episode does not decode meanwhile
     client.count("tool_wait", -1)
     turns.append(("tool", f"calc({a},{b}) = {a + b}"))
     second = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--tool-latency-s", type=float, default=0.3)
+    ap.add_argument("--tool-latency-s", type=float, default=0.3, help="mean latency of one tool call")
+    ap.add_argument("--tool-latency-dist", choices=("exp", "fixed"), default="exp")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -65,8 +65,11 @@ def main() -> int:
             drained = True
             _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
         # long poll while nothing is changing locally: the daemon answers as soon as desired state moves
-        settled = all(w["state"] in ("READY", "STOPPED") for w in workers.report())
-        answer = client.heartbeat(workers.report(), wait_s=interval if settled else 0.0)
+        report = workers.report()
+        settled = all(w["state"] in ("READY", "STOPPED") for w in report)
+        answer = client.heartbeat(report, wait_s=interval if settled else 0.0)
+        if answer is not None:
+            workers.delivered(report)
         if answer is None:
             if reachable is not False:
                 _log("daemon unreachable", workers=len(workers.workers))

@@ -260,12 +260,14 @@ class Reconciler:
         threading.Thread(target=run, name=f"retire-{key}", daemon=True).start()
 
     def report(self) -> list[dict]:
-        out = [h.report() for h in self.workers.values()]
-        for key, h in list(self.retiring.items()):
-            out.append(h.report())
-            if h.state() in ("STOPPED", "FAILED"):
-                del self.retiring[key]
-        return out
+        """Every worker's state; a retired one until the daemon has seen it STOPPED or FAILED."""
+        return [h.report() for h in self.workers.values()] + [h.report() for h in self.retiring.values()]
+
+    def delivered(self, report: list[dict]) -> None:
+        """The daemon has this report: retired workers it saw ended need not be reported again."""
+        for r in report:
+            if r["state"] in ("STOPPED", "FAILED") and r["key"] in self.retiring:
+                del self.retiring[r["key"]]
 
     def stop_all(self, drain_timeout: float) -> float:
         """Drain and stop every worker (preemption notice or shutdown); returns the seconds it took."""

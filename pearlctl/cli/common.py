@@ -24,9 +24,9 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SCHEDULER, EXIT_NOT_FOUND, EXIT_CONFLIC
 EXIT_NO_DAEMON = 7
 EXIT_TIMEOUT = 124
 
-err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+err = Console(stderr=True, highlight=False, emoji=False, width=None if sys.stderr.isatty() else 200)
 # Piped output gets a wide console (rich would assume 80 columns and truncate ids); a terminal keeps its width.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+out = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
 
 
 def emit_json(doc) -> None:

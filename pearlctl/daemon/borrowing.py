@@ -75,7 +75,8 @@ class Borrowing:
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
         settings = self.settings()
         wait = trainer.get("expected_wait_s")
-        left = (trainer["reported_at"] + wait - now) if wait is not None and trainer.get("reported_at") else 0.0
+        since = trainer.get("phase_since") or trainer.get("reported_at")
+        left = (since + wait - now) if wait is not None and since else 0.0
         idle = [g for g in self.trainer_gpus() if not g["borrowed"]]
         return {
             "phase": trainer.get("phase"),

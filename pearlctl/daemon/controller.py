@@ -297,8 +297,12 @@ class Controller:
         with self.lock:
             run = self.store.get_run(self.run_id)
             before = run.get("trainer") or {}
-            report = dict(body, reported_at=self.clock())
-            event = "trainer phase" if before.get("phase") != body.get("phase") else None
+            now = self.clock()
+            report = dict(body, reported_at=now)
+            new_phase = (before.get("phase"), before.get("step")) != (body.get("phase"), body.get("step"))
+            # the expected wait counts from when this wait began, not from each report of it
+            report["phase_since"] = now if new_phase else before.get("phase_since", now)
+            event = "trainer phase" if new_phase else None
             self.store.update_fields(
                 "runs",
                 self.run_id,

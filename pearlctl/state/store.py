@@ -628,7 +628,7 @@ class Store:
         )
 
     def workers(self, run_id: str) -> list[Row]:
-        return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,))
+        return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,), table="workers")
 
     def transitions(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM transitions WHERE run_id = ? ORDER BY id", (run_id,), table="transitions")

@@ -1,0 +1,163 @@
+"""End to end on the local Slurm cluster with real engines: a DeepSpeed trainer (2 CPU ranks) and a
+vLLM rollout worker, the daemon, the reference rollout driver (multi-turn episodes with a tool), and
+borrowing under the greedy policy: an idle trainer GPU becomes a serving vLLM worker and comes back,
+weights sync every step, and the trainer loses no step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pearlctl.runfiles import read_address
+from tests.conftest import REPO, Pearlctl
+
+STEPS = 3
+
+
+def spec_text(run_dir: Path) -> str:
+    py = sys.executable
+    train = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "examples/grpo/train.py"),
+        "--model",
+        str(REPO / "examples/models/tiny"),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(run_dir / "trainer"),
+        "--rollouts",
+        f"file:{run_dir / 'rollouts'}",
+        "--channel",
+        "daemon",
+    ]
+    return f"""
+[run]
+name = "e2e"
+model = "{REPO / "examples/models/tiny"}"
+run_dir = "{run_dir}"
+poll_interval_s = 2
+[pools.trainer]
+partition = "debug"
+nodes = 1
+gpus_per_node = 2
+env = {{ OMP_NUM_THREADS = "1" }}
+train_command = {json.dumps(train)}
+[pools.rollout]
+partition = "debug"
+nodes = 1
+gpus_per_node = 1
+engine_args = {{ max_model_len = 512 }}
+"""
+
+
+@pytest.fixture
+def e2e(slurm_cluster, tmp_path):
+    slurm_cluster.cancel_all()
+    d = slurm_cluster.new_shared_dir("e2e")
+    (d / "run.toml").write_text(spec_text(d / "run"))
+    pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
+    yield pc, d
+    address = read_address(d / "run")
+    if address:
+        try:
+            os.kill(address["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    slurm_cluster.cancel_all()
+
+
+def test_borrow_end_to_end_with_real_engines(e2e):
+    pc, d = e2e
+    run_dir = d / "run"
+    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
+    pc("daemon", "e2e", "--heartbeat-s", "1")
+    pc("borrow", "e2e", "--policy", "greedy", "--gpus", "1")
+    run_id = pc.json("status", "e2e")["run"]["id"]
+    driver = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/grpo/rollout.py"),
+            "--run-dir",
+            str(run_dir),
+            "--run-id",
+            run_id,
+            "--out",
+            str(run_dir / "rollouts"),
+            "--steps",
+            str(STEPS),
+            "--prompts",
+            "4",
+            "--group-size",
+            "4",
+            "--concurrency",
+            "4",
+            "--tool-latency-s",
+            "12",
+            "--tool-latency-dist",
+            "fixed",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=pc.env,
+    )
+    assert driver.returncode == 0, driver.stderr[-3000:]
+
+    # the trainer trained every step, in order, with finite losses (no step lost to a borrow)
+    log = run_dir / "trainer" / "train.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and '"done"' not in (log.read_text() if log.exists() else ""):
+        time.sleep(1)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(e["loss"]) for e in steps)
+    releases = [e for e in events if e["event"] == "release" and e["ok"]]
+    reclaims = [e for e in events if e["event"] == "reclaim" and e["ok"]]
+    assert releases and len(reclaims) >= len(releases)
+
+    doc = pc.json("status", "e2e")
+    borrows = [t for t in doc["transitions"] if t["kind"] == "borrow" and t["state"] == "DONE"]
+    returns = [t for t in doc["transitions"] if t["kind"] == "return" and t["state"] == "DONE"]
+    assert borrows and returns, doc["transitions"]
+    trainer_alloc = next(a["id"] for a in doc["allocations"] if a["pool"] == "trainer")
+    borrowed = [w for w in doc["workers"] if w["allocation_id"] == trainer_alloc and w["role"] == "ROLLOUT"]
+    assert borrowed and all(w["state"] == "STOPPED" for w in borrowed)  # back to the trainer
+    assert not any(g["borrowed"] for g in doc["gpus"])
+
+    # the borrowed worker served episodes, and every step after the first ran on the previous step's weights
+    served = {}
+    for step in range(1, STEPS + 1):
+        groups = [json.loads(x) for x in (run_dir / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()]
+        served[step] = [s for g in groups for s in g["served_by"]]
+    borrowed_urls = {w["url"] for w in borrowed}
+    assert any(s["worker"] in borrowed_urls for ss in served.values() for s in ss)
+    for step in range(2, STEPS + 1):
+        assert {s["weight_version"] for s in served[step]} == {str(step - 1)}
+
+    journal = pc.json("journal", "e2e")
+    assert any(j["event"] in ("deadline met", "deadline missed") for j in journal)
+    done_kinds = [j["data"]["kind"] for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
+    assert done_kinds[:4] == ["OFFLOAD", "START", "VERIFY", "REGISTER"]
+    print(
+        json.dumps(
+            {
+                "borrows": len(borrows),
+                "returns": len(returns),
+                "deadline": [j["event"] for j in journal if j["event"].startswith("deadline")],
+            }
+        )
+    )
