@@ -24,6 +24,8 @@ from pearlctl.agent.client import DaemonClient
 from pearlctl.agent.identity import identity_from_env
 from pearlctl.agent.workers import Reconciler
 
+POLL_UNSETTLED_S = 0.05  # how often a starting or draining worker is probed (READY is noticed this fast)
+
 
 def _log(event: str, **data) -> None:
     print(json.dumps({"ts": round(time.time(), 3), "event": event, **data}), flush=True)
@@ -59,30 +61,36 @@ def main() -> int:
     client = DaemonClient(me, run_dir)
     workers = Reconciler(me, run_dir, drain_timeout=grace_s)
     interval, reachable, drained = 2.0, None, False
+    last_sent: list[dict] | None = None
+    last_sent_at = 0.0
     while not stop.is_set():
         if draining.is_set() and not drained:
             seconds = workers.stop_all(grace_s)
             drained = True
             _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
-        # long poll while nothing is changing locally: the daemon answers as soon as desired state moves
         report = workers.report()
         settled = all(w["state"] in ("READY", "STOPPED") for w in report)
+        if not settled and report == last_sent and time.monotonic() - last_sent_at < interval:
+            # a worker is starting or draining: watch it closely, but tell the daemon only what changed
+            wake.wait(POLL_UNSETTLED_S)
+            wake.clear()
+            continue
+        # settled: long poll, the daemon answers as soon as this allocation's desired state moves
         answer = client.heartbeat(report, wait_s=interval if settled else 0.0)
-        if answer is not None:
-            workers.delivered(report)
+        last_sent, last_sent_at = report, time.monotonic()
         if answer is None:
             if reachable is not False:
                 _log("daemon unreachable", workers=len(workers.workers))
             reachable = False
+            wake.wait(interval)  # keep the workers; try again (the daemon may be restarting)
         else:
+            workers.delivered(report)
             if reachable is not True:
                 _log("registered", allocation_id=client.allocation_id, epoch=client.epoch_seen)
             reachable = True
             interval = float(answer.get("heartbeat_s", interval))
             if not draining.is_set():
                 workers.apply(answer.get("desired", []))
-        if answer is None or not settled:
-            wake.wait(interval if answer is None else min(interval, 0.5))  # starting/draining: look again soon
         wake.clear()
     seconds = workers.stop_all(grace_s)
     client.heartbeat(workers.report(), leaving=True)

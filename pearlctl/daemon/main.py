@@ -34,6 +34,21 @@ from pearlctl.watcher import daemon_lease_name, sync_run
 log = logging.getLogger("pearlctl.daemon")
 
 
+def fault_from_env(spec: str | None):
+    """``PEARL_FAULT=POINT:KIND`` (e.g. ``after_intent:START``): SIGKILL this daemon the first time a step
+    of that kind reaches that boundary — for crash tests of the real process. Unset: no fault."""
+    if not spec:
+        return lambda point, key: None
+    point, _, kind = spec.partition(":")
+
+    def fault(at: str, key: str) -> None:
+        if at == point and key.rsplit(":", 1)[-1] == kind:
+            log.warning("PEARL_FAULT %s: SIGKILL at %s of %s", spec, at, key)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
 class DaemonRefused(Exception):
     """The daemon cannot start or must stop (lease held elsewhere, or lost)."""
 
@@ -105,6 +120,7 @@ class Daemon:
         )
         executor = Executor(self.store, DaemonEffects(self.store, self.run_id, epoch), run_id=self.run_id, epoch=epoch)
         controller.borrowing = borrowing = Borrowing(self.store, executor, self.run_id)
+        executor.fault = fault_from_env(os.environ.get("PEARL_FAULT"))
         secret = ensure_secret(run["run_dir"])
         self.url = self.start_server(controller, secret)
         write_address(

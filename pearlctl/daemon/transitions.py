@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from pearlctl.state.machines import StepState as S
@@ -55,6 +56,8 @@ class Executor:
         self.store, self.effects, self.run_id, self.epoch = store, effects, run_id, epoch
         self.step_timeout_s, self.clock = step_timeout_s, clock
         self.issued: set[str] = set()  # keys whose effect this process issued (empty after a restart)
+        # fault injection for the crash tests: called at every step boundary with (point, step key)
+        self.fault: Callable[[str, str], None] = lambda point, key: None
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, kind: str, gpu_ids: list[int], *, detail: dict | None = None) -> int:
@@ -127,6 +130,7 @@ class Executor:
             result = self.effects.probe(kind, t, key)
             if result == DONE:
                 self._finish(step, S.DONE, "done")
+                self.fault("after_done", key)
                 continue
             started = (step.get("detail") or {}).get("started_at", self.clock())
             if result == FAILED or self.clock() - started > self.step_timeout_s:
@@ -138,6 +142,7 @@ class Executor:
     def _intend(self, t: dict, seq: int, kind: str) -> dict:
         """Write the step's INTENT durably, then issue its effect."""
         key = step_key(t["id"], seq, kind)
+        self.fault("before_intent", key)
         sid = self.store.add_step(
             transition_id=t["id"],
             seq=seq,
@@ -146,7 +151,9 @@ class Executor:
             detail={"started_at": self.clock()},
             epoch=self.epoch,
         )
+        self.fault("after_intent", key)
         self._issue(kind, t, key)
+        self.fault("after_effect", key)
         return self.store.get("steps", sid)
 
     def _issue(self, kind: str, t: dict, key: str, *, again: bool = False) -> None:

@@ -1,0 +1,199 @@
+"""Crash matrix: the daemon dies at every step boundary of a borrow and of a return (before intent,
+after intent, after effect, after done); a new daemon over the same state converges, starts no engine
+twice, and the trainer gets its GPUs back. The daemon's own objects (controller, executor, effects,
+borrowing) run for real against a real SQLite state; a "crash" drops them all mid-step and builds new
+ones, as a restart does. Agents and the trainer are simulated at the HTTP-handler seam, counting every
+engine start and every command they carry out. (tests/integration/test_borrow_e2e.py kills the real
+daemon process with real engines.)"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from pearlctl.daemon.borrowing import Borrowing
+from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.transitions import PLANS, Executor
+from pearlctl.state.store import Store
+
+POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
+CASES = [("borrow", k, p) for k, p in itertools.product(PLANS["borrow"], POINTS)] + [
+    ("return", k, p) for k, p in itertools.product(PLANS["return"], POINTS)
+]
+
+
+class Crash(Exception):
+    pass
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_000_000.0
+
+    def __call__(self):
+        return self.t
+
+
+class SimAgent:
+    """An agent: reports its workers, starts what desired state adds (counted), stops what it drops."""
+
+    def __init__(self):
+        self.running: dict[str, dict] = {}
+        self.starts: dict[str, int] = {}
+
+    def tick(self, daemon: Daemon) -> None:
+        report = [dict(w) for w in self.running.values()]
+        answer = daemon.controller.heartbeat({"allocation_id": daemon.alloc_id, "workers": report})
+        for w in self.running.values():  # what was STARTING becomes READY; STOPPED ones are gone
+            if w["state"] == "STARTING":
+                w["state"] = "READY"
+        self.running = {k: w for k, w in self.running.items() if w["state"] != "STOPPED"}
+        wanted = {d["key"]: d for d in answer["desired"]}
+        for key, d in wanted.items():
+            if key not in self.running:
+                self.starts[key] = self.starts.get(key, 0) + 1
+                self.running[key] = {
+                    "key": key,
+                    "role": d["role"],
+                    "engine": d["engine"],
+                    "gpus": d["gpus"],
+                    "state": "STARTING",
+                    "url": f"http://node:{9000 + len(self.starts)}",
+                }
+        for key, w in self.running.items():
+            if key not in wanted:
+                w["state"] = "STOPPED"
+
+
+class SimTrainer:
+    """The trainer hook: reports waiting with a long expected wait, carries out each command id once."""
+
+    def __init__(self):
+        self.released = False
+        self.done: dict[str, dict] = {}
+        self.carried_out: list[str] = []
+
+    def tick(self, daemon: Daemon) -> None:
+        answer = daemon.controller.trainer_phase(
+            {"phase": "waiting", "step": 1, "expected_wait_s": 600.0, "released": self.released}
+        )
+        if answer.get("command") is None:
+            return
+        cid = answer["command_id"]
+        if cid not in self.done:  # like TrainerHook: a repeated command id gets its first answer again
+            self.carried_out.append(cid)
+            self.released = answer["command"] == "release"
+            self.done[cid] = {"ok": True, "command": answer["command"]}
+        daemon.controller.trainer_ack({"command_id": cid, "result": self.done[cid]})
+
+
+class Daemon:
+    def __init__(self, store: Store, alloc_id: int, epoch: int, clock: Clock, crash_at=None):
+        self.alloc_id = alloc_id
+        self.controller = Controller(store, "r", epoch, clock=clock)
+        self.executor = Executor(store, DaemonEffects(store, "r", epoch), run_id="r", epoch=epoch, clock=clock)
+        self.controller.borrowing = self.borrowing = Borrowing(store, self.executor, "r", clock=clock)
+        if crash_at is not None:
+            self.executor.fault = crash_at
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    store = Store.open(tmp_path / "state.db")
+    store.create_run(
+        run_id="r",
+        name="r",
+        spec={},
+        spec_path="r.toml",
+        run_dir=str(tmp_path),
+        backend="slurm",
+        policy="greedy",
+        pools=[
+            {
+                "name": "trainer",
+                "kind": "trainer",
+                "role": "TRAIN",
+                "partition": None,
+                "nodes": 1,
+                "gpus_per_node": 2,
+                "job_name": "pearl.r.trainer",
+            }
+        ],
+    )
+    alloc = store.allocations("r")[0]
+    store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id="7")
+    store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
+    store.update_fields("runs", "r", borrow={"policy": "greedy", "max_gpus": 1})
+    yield store, alloc["id"]
+    store.close()
+
+
+def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=200):
+    epochs = itertools.count(1)
+    daemon = Daemon(store, alloc_id, next(epochs), clock, crash_at)
+    daemon.controller.register({"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1})
+    crashes = 0
+    for _ in range(limit):
+        try:
+            trainer.tick(daemon)
+            agent.tick(daemon)
+            with daemon.controller.lock:
+                daemon.borrowing.tick()
+        except Crash:
+            crashes += 1
+            daemon = Daemon(store, alloc_id, next(epochs), clock)  # restarted: nothing in memory survives
+        clock.t += 1.0
+        if done(store):
+            return crashes
+    raise AssertionError("did not converge")
+
+
+def transitions(store, kind):
+    return [t for t in store.transitions("r") if t["kind"] == kind]
+
+
+@pytest.mark.parametrize("kind,step,point", CASES, ids=[f"{k}-{s}-{p}" for k, s, p in CASES])
+def test_daemon_crash_at_every_step_boundary_converges(world, kind, step, point):
+    store, alloc_id = world
+    clock, agent, trainer = Clock(), SimAgent(), SimTrainer()
+    fired = []
+
+    def crash_at(at, key):
+        _, _, step_kind = key.split(":")
+        tid = int(key.split(":")[0])
+        if not fired and at == point and step_kind == step and store.get("transitions", tid)["kind"] == kind:
+            fired.append(key)
+            raise Crash(key)
+
+    def borrowed(store):
+        return any(t["state"] == "DONE" for t in transitions(store, "borrow"))
+
+    crashes = run_until(
+        store, alloc_id, clock, agent, trainer, crash_at=crash_at if kind == "borrow" else None, done=borrowed
+    )
+    # now take the GPU back (the crash is armed for the return this time)
+    store.update_fields("runs", "r", borrow={"policy": "never", "max_gpus": None})
+
+    def returned(store):
+        return any(t["state"] == "DONE" for t in transitions(store, "return"))
+
+    crashes += run_until(
+        store, alloc_id, clock, agent, trainer, crash_at=crash_at if kind == "return" else None, done=returned
+    )
+    assert fired and crashes == 1, "the crash point was never reached"
+
+    # converged: the borrow and the return both completed, and nothing is lent any more
+    assert [t["state"] for t in transitions(store, "borrow")] == ["DONE"]
+    assert [t["state"] for t in transitions(store, "return")] == ["DONE"]
+    assert not any(g["borrowed"] for g in store.gpus("r")) and {g["role"] for g in store.gpus("r")} == {"TRAIN"}
+    # no engine started twice: one vLLM start for the one borrow, the trainer worker started once
+    assert agent.starts == {"rollout-0": 1, "train-0": 1}
+    # the trainer released once and reclaimed once, and has its GPUs back
+    assert [c.split(":")[-1] for c in trainer.carried_out] == ["OFFLOAD", "RELOAD"] and not trainer.released
+    # the journal tells what happened
+    events = [j["event"] for j in store.journal("r")]
+    if point in ("after_intent", "after_effect"):
+        assert "effect re-issued after restart" in events
