@@ -16,7 +16,7 @@ TINY = REPO / "examples" / "tiny.toml"
 
 class Pearlctl:
     def __init__(self, state_dir: Path, env: dict[str, str] | None = None):
-        self.env = dict(os.environ, PEARL_STATE_DIR=str(state_dir), **(env or {}))
+        self.env = {**os.environ, "PEARL_STATE_DIR": str(state_dir), **(env or {})}
 
     def __call__(self, *args: str, check: int | None = 0, timeout: float = 180) -> subprocess.CompletedProcess:
         proc = subprocess.run(

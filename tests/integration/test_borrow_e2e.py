@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,14 @@ from pearlctl.runfiles import read_address
 from tests.conftest import REPO, Pearlctl
 
 STEPS = 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def spec_text(run_dir: Path) -> str:
@@ -71,7 +80,7 @@ def e2e(slurm_cluster, tmp_path):
     pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
     yield pc, d
     address = read_address(d / "run")
-    if address:
+    if address and _alive(address["pid"]):
         try:
             os.kill(address["pid"], signal.SIGTERM)
         except ProcessLookupError:
@@ -83,9 +92,25 @@ def test_borrow_end_to_end_with_real_engines(e2e):
     pc, d = e2e
     run_dir = d / "run"
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
-    pc("daemon", "e2e", "--heartbeat-s", "1")
+    # The first daemon SIGKILLs itself right after writing the INTENT of the first START (vLLM on a lent
+    # GPU); a second daemon takes over and must finish that borrow without starting a second vLLM.
+    faulty = Pearlctl(pc.env["PEARL_STATE_DIR"], dict(pc.env, PEARL_FAULT="after_intent:START"))
+    first = json.loads(faulty("daemon", "e2e", "--heartbeat-s", "1", "--lease-ttl-s", "3", "--json").stdout)
     pc("borrow", "e2e", "--policy", "greedy", "--gpus", "1")
     run_id = pc.json("status", "e2e")["run"]["id"]
+    restarted = []
+
+    def restart_after_crash():
+        while _alive(first["pid"]):
+            time.sleep(0.2)
+        for _ in range(50):  # the lease of the killed daemon must expire first
+            out = pc("daemon", "e2e", "--heartbeat-s", "1", "--lease-ttl-s", "3", "--json", check=None)
+            if out.returncode == 0:
+                restarted.append(json.loads(out.stdout))
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=restart_after_crash, daemon=True).start()
     driver = subprocess.run(
         [
             sys.executable,
@@ -148,7 +173,13 @@ def test_borrow_end_to_end_with_real_engines(e2e):
     for step in range(2, STEPS + 1):
         assert {s["weight_version"] for s in served[step]} == {str(step - 1)}
 
+    # the crash happened where it was meant to, a second daemon finished the job, and no engine started twice
+    assert restarted and restarted[0]["epoch"] > first["epoch"]
+    assert "PEARL_FAULT after_intent:START" in (run_dir / "logs" / "daemon.log").read_text()
+    assert len(borrowed) == len(borrows)  # one vLLM worker per borrow on the trainer's GPU, never two
+
     journal = pc.json("journal", "e2e")
+    assert any(j["event"] == "effect re-issued after restart" for j in journal)
     assert any(j["event"] in ("deadline met", "deadline missed") for j in journal)
     done_kinds = [j["data"]["kind"] for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
     assert done_kinds[:4] == ["OFFLOAD", "START", "VERIFY", "REGISTER"]

@@ -95,10 +95,7 @@ def test_readers_never_see_locked_while_a_writer_writes(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     run_id, ids = _setup(path)
     results, stop, go = ctx.Queue(), ctx.Event(), ctx.Event()
-    readers = [
-        ctx.Process(target=_read_until_stopped, args=(str(path), run_id, stop, results))
-        for _ in range(READERS)
-    ]
+    readers = [ctx.Process(target=_read_until_stopped, args=(str(path), run_id, stop, results)) for _ in range(READERS)]
     writer = ctx.Process(target=_write, args=(str(path), ids[0], WRITES, go, results))
     for p in [*readers, writer]:
         p.start()

@@ -202,9 +202,7 @@ def test_every_state_reachable_through_the_store(shared: Store, table: str, stat
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(table=st.sampled_from(TABLES), data=st.data())
-def test_random_walks_keep_the_journal_a_faithful_history(
-    shared: Store, table: str, data: st.DataObject
-) -> None:
+def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: str, data: st.DataObject) -> None:
     m = MACHINES[table]
     row_id = new_row(shared, table)
     state = m.initial
@@ -412,9 +410,7 @@ def test_workers_transitions_and_steps(store: Store) -> None:
     assert [(s["id"], s["state"], s["detail"]) for s in store.steps(transition_id)] == [
         (step_id, "INTENT", {"ranks": [0, 1]})
     ]
-    store.set_state(
-        "steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True}
-    )
+    store.set_state("steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True})
     assert store.steps(transition_id)[0]["detail"] == {"ranks": [0, 1], "ok": True}
     with pytest.raises(DuplicateStep):
         store.add_step(transition_id=transition_id, seq=1, kind="RELOAD", idempotency_key="k0")
@@ -423,9 +419,7 @@ def test_workers_transitions_and_steps(store: Store) -> None:
     with pytest.raises(InvalidWrite, match="step kind"):
         store.add_step(transition_id=transition_id, seq=1, kind="REBOOT", idempotency_key="k1")
     with pytest.raises(InvalidWrite, match="no GPUs"):
-        store.add_transition(
-            run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999]
-        )
+        store.add_transition(run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999])
     store.set_state("transitions", transition_id, expect="PLANNED", to="RUNNING", event="go")
     store.set_state("transitions", transition_id, expect="RUNNING", to="DONE", event="done")
     with pytest.raises(InvalidWrite, match="DONE"):
@@ -517,9 +511,7 @@ def test_schema_from_newer_code_is_refused(tmp_path: Path) -> None:
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
     raw.close()
     for readonly in (False, True):
-        with pytest.raises(
-            IncompatibleSchema, match=rf"(?i)schema version {SCHEMA_VERSION + 5}.*upgrade pearlctl"
-        ):
+        with pytest.raises(IncompatibleSchema, match=rf"(?i)schema version {SCHEMA_VERSION + 5}.*upgrade pearlctl"):
             Store.open(path, readonly=readonly)
 
 
@@ -623,9 +615,7 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     before, since = store.get("allocations", allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleEpoch, match="epoch 2.*epoch 1") as refused:
-        store.set_state(
-            "allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old
-        )
+        store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old)
     assert (refused.value.epoch, refused.value.current_epoch) == (1, 2)
     with pytest.raises(StaleEpoch):
         store.update_fields("allocations", allocation_id, node="n1", epoch=old)
