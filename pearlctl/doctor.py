@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pearlctl import __version__, home
 from pearlctl.slurm.client import SlurmClient, SlurmError
+from pearlctl.state.errors import IncompatibleSchema
 from pearlctl.state.store import Store
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -135,6 +136,17 @@ def check_state(db: Path) -> list[Check]:
                 f"{health['journal_mode']}, {health['runs']} run(s), {health['journal_rows']} journal rows",
             )
         )
+    except IncompatibleSchema as exc:
+        if exc.found < exc.known:  # older: the next command that writes migrates it, nothing is wrong
+            checks.append(
+                Check(
+                    "state file",
+                    WARN,
+                    f"{db}: schema v{exc.found}; the next launch, status or daemon migrates it to v{exc.known}",
+                )
+            )
+        else:
+            checks.append(Check("state file", FAIL, str(exc)))
     except Exception as exc:  # any failure to open is the finding
         checks.append(Check("state file", FAIL, f"{db}: {exc}"))
     return checks

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.config import RunSpec, SpecError, SpecProblem
-from pearlctl.home import WORKER_SCRIPT
+from pearlctl.home import REPO_ROOT, WORKER_SCRIPT
 from pearlctl.runfiles import ensure_secret
 from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
@@ -101,12 +101,26 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
                 preempt_signal=pool.preempt_signal,
                 preempt_notice_s=pool.preempt_notice_s,
                 command=pool.command,
-                train_command=pool.train_command,
+                train_command=expand_command(pool.train_command, spec),
                 engine_args=pool.engine_args,
                 env=pool.env,
             )
         )
     return out
+
+
+def expand_command(argv: tuple[str, ...] | None, spec: RunSpec) -> tuple[str, ...] | None:
+    """Fill ``{python}``, ``{repo}``, ``{model}`` and ``{run_dir}`` in a pool's command, so a shipped spec
+    needs no absolute paths. Other braces are left alone."""
+    if not argv:
+        return argv
+    values = {"python": sys.executable, "repo": str(REPO_ROOT), "model": str(spec.model), "run_dir": str(spec.run_dir)}
+
+    class Keep(dict):
+        def __missing__(self, key):
+            return "{" + key + "}"
+
+    return tuple(a.format_map(Keep(values)) for a in argv)
 
 
 def new_run_id(name: str) -> str:

@@ -124,7 +124,38 @@ def status_tables(doc: dict) -> Group:
     else:
         parts.append(Text("workers: none (engines start with the daemon)", style="dim"))
     running = [t for t in doc["transitions"] if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
-    parts.append(Text(f"transitions: {len(running)} running, {len(doc['transitions'])} in all", style="dim"))
+    done = [t for t in doc["transitions"] if t["state"] == "DONE"]
+    parts.append(
+        Text(f"transitions: {len(running)} running, {len(done)} done, {len(doc['transitions'])} in all", style="dim")
+    )
+    for t in running:
+        current = t.get("current_step") or "-"
+        deadline = (t.get("detail") or {}).get("return_deadline")
+        parts.append(
+            Text(
+                f"  #{t['id']} {t['kind']} {t['from_role']}->{t['to_role']} {t['state']} at {current}"
+                + (f", return by {_when(deadline)}" if deadline else "")
+            )
+        )
+    trainer = run.get("trainer") or {}
+    if trainer:
+        parts.append(
+            Text(
+                f"trainer: {trainer.get('phase')} step {trainer.get('step')}"
+                + (" (GPUs released)" if trainer.get("released") else "")
+                + (f", weights v{trainer['weight_version']}" if trainer.get("weight_version") else "")
+            )
+        )
+    rollout = run.get("rollout") or {}
+    if rollout:
+        rate = rollout.get("tokens_per_s")
+        parts.append(
+            Text(
+                f"rollout: queued {rollout.get('queued')}, generating {rollout.get('generating')}, "
+                f"waiting on tools {rollout.get('tool_wait')}, done {rollout.get('done')}, "
+                f"{rollout.get('tokens')} tokens" + (f", {rate} tok/s" if rate is not None else "")
+            )
+        )
     return Group(*parts)
 
 

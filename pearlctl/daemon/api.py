@@ -15,6 +15,7 @@ Routes (JSON in, JSON out):
   POST /v1/return              {now?}: turn borrowing off; lent GPUs go back
   GET  /v1/workers             READY, routable rollout workers (for rollout clients)
   POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens
+  GET  /metrics                Prometheus text format (pearlctl.daemon.metrics)
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ import hmac
 from collections.abc import Callable
 
 import anyio
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pearlctl.daemon.controller import ControlError, Controller
+from pearlctl.daemon.metrics import render as render_metrics
 
 RUN_HEADER = "X-Pearl-Run"
 # Agents long-poll (one held request each): allow far more concurrent handler threads than anyio's 40.
@@ -88,4 +91,12 @@ def build_app(controller: Controller, *, secret: str, status: Callable[[], dict]
         Route("/v1/workers", _handler(controller.routable_workers), methods=["GET"]),
         Route("/v1/rollout/progress", _handler(controller.rollout_progress), methods=["POST"]),
     ]
+
+    async def metrics(request: Request):
+        body = await anyio.to_thread.run_sync(
+            lambda: render_metrics(controller.store, controller.run_id), limiter=_LIMITER
+        )
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    routes.append(Route("/metrics", metrics, methods=["GET"]))
     return Starlette(routes=routes, middleware=[Middleware(_Auth, secret=secret, run_id=controller.run_id)])

@@ -14,5 +14,13 @@ def run_document(store: Store, run_id: str) -> dict:
         "nodes": store.nodes(run_id),
         "gpus": store.gpus(run_id),
         "workers": store.workers(run_id),
-        "transitions": store.transitions(run_id),
+        "transitions": [_with_current_step(store, t) for t in store.transitions(run_id)],
     }
+
+
+def _with_current_step(store: Store, t: dict) -> dict:
+    """A transition with ``current_step``: the kind of its first step not DONE (None when finished)."""
+    if t["state"] in ("DONE", "ROLLED_BACK", "FAILED"):
+        return dict(t, current_step=None)
+    pending = [s for s in store.steps(t["id"]) if s["state"] != "DONE"]
+    return dict(t, current_step=pending[-1]["kind"] if pending else None)

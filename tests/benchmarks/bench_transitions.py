@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Benchmark: how long a borrow and a return take on this machine, split into the engines' own time and
+pearlctl's overhead. Not a test: it prints medians side by side, and docs/benchmarks.md keeps the table.
+
+It runs the tiny run for real on the bundled Slurm cluster (DeepSpeed trainer with 2 CPU ranks, one fixed
+vLLM rollout worker), with borrowing under the greedy policy and the reference rollout driver, then reads
+every completed transition from state:
+
+- borrow = OFFLOAD (trainer ``offload_states``) + START/VERIFY (vLLM process start to healthy) + REGISTER
+- return = DEREGISTER + DRAIN/STOP (vLLM drain and exit) + RELOAD (trainer ``reload_states``) + VERIFY
+
+Engine time is what the engines report or what their process took (OFFLOAD/RELOAD: the trainer's slowest
+rank; vLLM: from the worker's first report to READY, from DRAINING to STOPPED). pearlctl's overhead is
+the rest: writing intents and journal rows, propagating desired state to the agent, probing.
+
+    python tests/benchmarks/bench_transitions.py [--steps 4] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from pearlctl.runfiles import read_address  # noqa: E402
+from pearlctl.state.store import Store  # noqa: E402
+
+
+def sh(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def worker_times(journal: list[dict]) -> dict[int, dict[str, float]]:
+    """Per worker: when it was first reported, and when it reached each state."""
+    out: dict[int, dict[str, float]] = {}
+    for j in journal:
+        if j["entity"] != "workers":
+            continue
+        w = out.setdefault(int(j["entity_id"]), {})
+        if j["event"] == "worker.created":
+            w["created"] = j["ts"]
+        if j["to_state"] and j["to_state"] not in w:
+            w[j["to_state"]] = j["ts"]
+    return out
+
+
+def analyze(store: Store, run_id: str) -> list[dict]:
+    journal = store.journal(run_id)
+    wt = worker_times(journal)
+    workers = store.workers(run_id)
+    gpus = {g["id"]: g for g in store.gpus(run_id)}
+    rows = []
+    for t in store.transitions(run_id):
+        if t["state"] != "DONE":
+            continue
+        steps = {s["kind"]: s for s in store.steps(t["id"])}
+        total = max(s["detail"]["finished_at"] for s in steps.values()) - min(
+            s["detail"]["started_at"] for s in steps.values()
+        )
+        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t["gpu_ids"]}
+        mine = [
+            w
+            for w in workers
+            if w["role"] == "ROLLOUT" and any((w["allocation_id"], i) in places for i in (w["gpu_idx"] or []))
+        ]
+        begun = min(s["detail"]["started_at"] for s in steps.values())
+        if t["kind"] == "borrow":
+            trainer_s = steps["OFFLOAD"]["detail"]["ack"]["max_rank_s"]
+            w = next(w for w in mine if wt.get(w["id"], {}).get("created", 0) >= begun - 1)
+            engine_s = wt[w["id"]]["READY"] - wt[w["id"]]["created"]
+            rows.append(
+                {
+                    "kind": "borrow",
+                    "total_s": total,
+                    "trainer_s": trainer_s,
+                    "vllm_s": engine_s,
+                    "overhead_s": total - trainer_s - engine_s,
+                }
+            )
+        else:
+            trainer_s = steps["RELOAD"]["detail"]["ack"]["max_rank_s"]
+            drained = [w for w in mine if "STOPPED" in wt.get(w["id"], {}) and wt[w["id"]]["STOPPED"] >= begun]
+            w = drained[-1]
+            engine_s = wt[w["id"]]["STOPPED"] - wt[w["id"]].get("DRAINING", wt[w["id"]]["STOPPED"])
+            rows.append(
+                {
+                    "kind": "return",
+                    "total_s": total,
+                    "trainer_s": trainer_s,
+                    "vllm_s": engine_s,
+                    "overhead_s": total - trainer_s - engine_s,
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| transition | n | total (median) | trainer engine | vLLM engine | pearlctl overhead | overhead / total |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in ("borrow", "return"):
+        rs = [r for r in rows if r["kind"] == kind]
+        if not rs:
+            continue
+        med = {k: statistics.median(r[k] for r in rs) for k in ("total_s", "trainer_s", "vllm_s", "overhead_s")}
+        lines.append(
+            f"| {kind} | {len(rs)} | {med['total_s']:.3f} s | {med['trainer_s']:.3f} s | "
+            f"{med['vllm_s']:.3f} s | {med['overhead_s'] * 1000:.0f} ms | "
+            f"{med['overhead_s'] / med['total_s']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="leave the cluster and the run directory")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pearl-bench-"))
+    env = dict(os.environ, PEARL_STATE_DIR=str(work / "state"))
+    up = sh("python3", str(REPO / "scripts/localslurm.py"), "up", "--dir", "/tmp/pearl-bench", env=env)
+    env["SLURM_CONF"] = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    py = sys.executable
+    run_dir = work / "run"
+    spec = work / "bench.toml"
+    spec.write_text(
+        (REPO / "examples/tiny.toml")
+        .read_text()
+        .split("[pools.elastic]")[0]
+        .replace('model = "models/tiny"', f'model = "{REPO}/examples/models/tiny"')
+        .replace('"--steps", "4"', f'"--steps", "{args.steps}"')
+    )
+    pearl = [py, "-m", "pearlctl"]
+    try:
+        sh(*pearl, "launch", str(spec), "--name", "bench", "--run-dir", str(run_dir), "--wait", env=env)
+        sh(*pearl, "daemon", "bench", "--heartbeat-s", "1", env=env)
+        sh(*pearl, "borrow", "bench", "--policy", "greedy", "--gpus", "1", env=env)
+        run_id = json.loads(sh(*pearl, "status", "bench", "--json", "--no-sync", env=env).stdout)["run"]["id"]
+        sh(
+            py,
+            str(REPO / "examples/grpo/rollout.py"),
+            "--run-dir",
+            str(run_dir),
+            "--run-id",
+            run_id,
+            "--out",
+            str(run_dir / "rollouts"),
+            "--steps",
+            str(args.steps),
+            "--prompts",
+            "4",
+            "--group-size",
+            "4",
+            "--concurrency",
+            "4",
+            "--tool-latency-s",
+            "12",
+            "--tool-latency-dist",
+            "fixed",
+            env=env,
+        )
+        time.sleep(5)
+        with Store.open(work / "state" / "state.db", readonly=True) as store:
+            rows = analyze(store, run_id)
+        for r in rows:
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+        print(table(rows))
+    finally:
+        address = read_address(run_dir)
+        if address:
+            try:
+                os.kill(address["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        sh(*pearl, "cancel", "bench", env=env, check=False)
+        if not args.keep:
+            sh(
+                "python3",
+                str(REPO / "scripts/localslurm.py"),
+                "down",
+                "--dir",
+                "/tmp/pearl-bench",
+                "--wipe",
+                env=env,
+                check=False,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
