@@ -89,6 +89,11 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     assert ok.status_code == 200 and ok.json()["epoch"] == address["epoch"]
     assert secret not in (run_dir / "logs" / "daemon.log").read_text()
 
+    # metrics need the token too, and come from state
+    assert api(run_dir, "/metrics").status_code == 401
+    metrics = api(run_dir, "/metrics", token=secret, run_id=run_id)
+    assert metrics.status_code == 200 and "pearl_gpus" in metrics.text and "pearl_transition_seconds" in metrics.text
+
     # one daemon per run
     second = pc("daemon", "d", check=5)
     assert "a daemon already runs for run" in second.stderr
