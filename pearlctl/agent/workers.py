@@ -26,6 +26,15 @@ log = logging.getLogger("pearlctl.agent")
 RESTART_BACKOFF_S = 10.0
 
 
+def engine_device() -> str:
+    """``gpu`` when an NVIDIA driver is loaded here, else ``cpu`` (``PEARL_ENGINE_DEVICE`` overrides).
+    Decided without importing torch: that import takes seconds and would stall the agent's heartbeats."""
+    forced = os.environ.get("PEARL_ENGINE_DEVICE")
+    if forced in ("cpu", "gpu"):
+        return forced
+    return "gpu" if Path("/proc/driver/nvidia/version").exists() else "cpu"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -77,6 +86,7 @@ class VllmWorker:
             engine_args=engine_args,
             log_path=log_path,
             host="0.0.0.0",
+            device=engine_device(),
         )
         self._stopping = False
         self._stopped = False

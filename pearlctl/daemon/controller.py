@@ -10,10 +10,13 @@ epoch, so a deposed daemon cannot write; every answer carries it, so agents can 
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
 
+from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
@@ -50,9 +53,6 @@ def edge_path(table: str, old: str, new: str) -> list[str]:
 
 
 def desired_hash(desired: list[dict]) -> str:
-    import hashlib
-    import json
-
     return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -327,8 +327,6 @@ class Controller:
     # -- borrowing --------------------------------------------------------------------------------
     def borrow(self, body: dict) -> dict:
         """Turn borrowing on under a policy (``dry_run``: only say what it would do now)."""
-        from pearlctl.daemon.borrowing import PolicyError, load_policy
-
         policy = str(body.get("policy") or "")
         max_gpus = body.get("gpus")
         if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus < 1):

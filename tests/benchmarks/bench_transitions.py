@@ -92,8 +92,8 @@ def analyze(store: Store, run_id: str) -> list[dict]:
             )
         else:
             trainer_s = steps["RELOAD"]["detail"]["ack"]["max_rank_s"]
-            drained = [w for w in mine if "STOPPED" in wt.get(w["id"], {}) and wt[w["id"]]["STOPPED"] >= begun]
-            w = drained[-1]
+            ended = max(s["detail"]["finished_at"] for s in steps.values())
+            w = next(w for w in mine if begun <= wt.get(w["id"], {}).get("STOPPED", 0) <= ended + 0.5)
             engine_s = wt[w["id"]]["STOPPED"] - wt[w["id"]].get("DRAINING", wt[w["id"]]["STOPPED"])
             rows.append(
                 {
