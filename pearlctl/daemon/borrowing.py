@@ -71,9 +71,10 @@ class Borrowing:
             if g["state"] == G.UP and pools[allocs[g["allocation_id"]]["pool_id"]]["name"] == "trainer"
         ]
 
-    def view(self, now: float) -> dict:
+    def view(self, now: float, settings: dict | None = None) -> dict:
+        """What a policy sees (pure data). ``settings``: borrowing settings to assume (default: the run's)."""
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
-        settings = self.settings()
+        settings = settings or self.settings()
         wait = trainer.get("expected_wait_s")
         since = trainer.get("phase_since") or trainer.get("reported_at")
         left = (since + wait - now) if wait is not None and since else 0.0
@@ -88,12 +89,13 @@ class Borrowing:
             "released": bool(trainer.get("released")),
         }
 
-    def plan_borrow(self, now: float) -> dict | None:
-        """What a borrow would do now: GPUs, deadline (None: the policy declines). Pure read."""
-        settings = self.settings()
+    def plan_borrow(self, now: float, settings: dict | None = None) -> dict | None:
+        """What a borrow would do now: GPUs, deadline (None: the policy declines). Pure read.
+        ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's."""
+        settings = settings or self.settings()
         policy = self._policies.get(settings["policy"]) or load_policy(settings["policy"])
         self._policies[settings["policy"]] = policy
-        view = self.view(now)
+        view = self.view(now, settings)
         n = int(policy.borrow_gpus(view))
         if n <= 0:
             return None

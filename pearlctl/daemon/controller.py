@@ -338,14 +338,8 @@ class Controller:
         with self.lock:
             settings = {"policy": policy, "max_gpus": max_gpus}
             if body.get("dry_run"):
-                previous = self.store.get_run(self.run_id).get("borrow")
-                # plan under the asked-for settings without keeping them
-                self.store.update_fields("runs", self.run_id, epoch=self.epoch, borrow=settings)
-                try:
-                    plan = self.borrowing.plan_borrow(self.clock())
-                    view = self.borrowing.view(self.clock())
-                finally:
-                    self.store.update_fields("runs", self.run_id, epoch=self.epoch, borrow=previous)
+                plan = self.borrowing.plan_borrow(self.clock(), settings)
+                view = self.borrowing.view(self.clock(), settings)
                 return {"epoch": self.epoch, "dry_run": True, "settings": settings, "plan": plan, "view": view}
             self.store.update_fields(
                 "runs",

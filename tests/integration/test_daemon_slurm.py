@@ -94,6 +94,14 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     metrics = api(run_dir, "/metrics", token=secret, run_id=run_id)
     assert metrics.status_code == 200 and "pearl_gpus" in metrics.text and "pearl_transition_seconds" in metrics.text
 
+    # borrowing is asked of the daemon: a bad policy is refused with the valid ones; a dry run changes nothing
+    bad = pc("borrow", "d", "--policy", "yolo", check=2)
+    assert "no policy 'yolo'" in bad.stderr and "greedy" in bad.stderr
+    dry = json.loads(pc("borrow", "d", "--policy", "greedy", "--dry-run", "--json").stdout)
+    assert dry["dry_run"] and dry["plan"] is None and dry["view"]["phase"] is None  # no trainer report yet
+    assert pc.json("status", "d")["run"]["policy"] == "never"
+    assert json.loads(pc("return", "d", "--json").stdout)["lent_gpus"] == []
+
     # one daemon per run
     second = pc("daemon", "d", check=5)
     assert "a daemon already runs for run" in second.stderr
