@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-weights", type=int, default=3, help="exported weight versions kept on disk")
     p.add_argument("--release-mode", default="offload", choices=("offload", "checkpoint"))
-    p.add_argument("--poll-interval", type=float, default=0.05, help="seconds between channel polls while waiting")
+    p.add_argument("--poll-interval", type=float, default=0.02, help="seconds between channel polls while waiting")
     p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
     return p.parse_args(argv)
 

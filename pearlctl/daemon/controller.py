@@ -203,6 +203,7 @@ class Controller:
             # a new process under a key whose last one ended (a second borrow): archive the old row
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, worker_key=f"{key}#{worker['id']}")
             worker = None
+        created = worker is None
         if worker is None:
             if state in (W.STOPPED, W.FAILED):
                 return False
@@ -221,7 +222,7 @@ class Controller:
         elif fields:
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
         current = worker["state"]
-        moved = current != state
+        moved = created or current != state
         if moved:
             path = edge_path("workers", current, state)
             if not path:
@@ -311,7 +312,12 @@ class Controller:
                 data={"phase": body.get("phase"), "step": body.get("step")} if event else None,
                 trainer=report,
             )
-            self.wake.set()
+            # wake the control loop only for what a decision or a probe depends on, not for every poll
+            watched = ("phase", "step", "released")
+            if any(before.get(k) != body.get(k) for k in watched) or (body.get("blocked_s") is None) != (
+                before.get("blocked_s") is None
+            ):
+                self.wake.set()
             return {"epoch": self.epoch, **pending_trainer_command(self.store, self.run_id)}
 
     def trainer_ack(self, body: dict) -> dict:
