@@ -69,7 +69,7 @@ def main() -> int:
             drained = True
             _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
         report = workers.report()
-        settled = all(w["state"] in ("READY", "STOPPED") for w in report)
+        settled = all(w["state"] in ("READY", "SLEEPING", "STOPPED") for w in report)
         if not settled and report == last_sent and time.monotonic() - last_sent_at < interval:
             # a worker is starting or draining: watch it closely, but tell the daemon only what changed
             wake.wait(POLL_UNSETTLED_S)

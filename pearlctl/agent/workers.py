@@ -90,6 +90,7 @@ class VllmWorker:
         )
         self._stopping = False
         self._stopped = False
+        self._sleep_state: str | None = None
         self.weight_version: str | None = None
 
     def start(self) -> None:
@@ -102,10 +103,47 @@ class VllmWorker:
             return "DRAINING"
         if not self.server.alive():
             return "FAILED"
+        if self._sleep_state is not None:  # parking or waking: "DRAINING", "SLEEPING" or "WAKING"
+            return "SLEEPING" if self._sleep_state == "WAKING" else self._sleep_state
         try:
             return "READY" if self.server.health() else "STARTING"
         except Exception:
             return "STARTING"
+
+    def park(self, drain_timeout: float) -> None:
+        """Drain, then sleep (level 1: on a GPU the weights go to host memory and the KV cache is freed),
+        in the background. Idempotent."""
+        if self._sleep_state is not None or self._stopping:
+            return
+        self._sleep_state = "DRAINING"
+
+        def run() -> None:
+            try:
+                self.server.drain(drain_timeout)
+                self.server.sleep(level=1)
+                self._sleep_state = "SLEEPING"
+            except Exception as exc:
+                log.warning("parking %s failed (%s): stopping it instead", self.key, exc)
+                self.stop(drain_timeout)
+
+        threading.Thread(target=run, name=f"park-{self.key}", daemon=True).start()
+
+    def unpark(self) -> None:
+        """Wake a parked worker in the background (READY once awake and resumed). Idempotent."""
+        if self._sleep_state != "SLEEPING":
+            return
+        self._sleep_state = "WAKING"
+
+        def run() -> None:
+            try:
+                self.server.wake_up()
+                self.server.resume()  # drain() left the scheduler paused
+                self._sleep_state = None
+            except Exception as exc:
+                log.warning("waking %s failed (%s): stopping it", self.key, exc)
+                self.stop(5.0)
+
+        threading.Thread(target=run, name=f"wake-{self.key}", daemon=True).start()
 
     def sync_weights(self, weights: dict | None) -> None:
         """Reload weights from the trainer's export when the desired version differs from the served one."""
@@ -234,13 +272,17 @@ class Reconciler:
         )
 
     def apply(self, desired: list[dict]) -> None:
-        wanted = {d["key"]: d for d in desired if d.get("state", "RUNNING") == "RUNNING"}
+        wanted = {d["key"]: d for d in desired if d.get("state", "RUNNING") in ("RUNNING", "SLEEPING")}
         for key in list(self.workers):
             if key not in wanted:
                 self.retire(key)
         now = time.monotonic()
         for key, want in wanted.items():
             handle = self.workers.get(key)
+            if want.get("state") == "SLEEPING":
+                if isinstance(handle, VllmWorker):  # parked on trainer GPUs: asleep until the next borrow
+                    handle.park(self.drain_timeout)
+                continue  # nothing running under that key: nothing to park
             if handle is not None and handle.state() == "FAILED":
                 if now - self.failed_at.setdefault(key, now) < RESTART_BACKOFF_S:
                     continue
@@ -255,6 +297,7 @@ class Reconciler:
                 handle.start()
                 self.workers[key] = handle
             if isinstance(handle, VllmWorker):
+                handle.unpark()
                 try:
                     handle.sync_weights(want.get("weights"))
                 except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries

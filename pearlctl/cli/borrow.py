@@ -24,13 +24,21 @@ def borrow(
     policy: str = typer.Option(..., "--policy", help="Policy name (policies/*.py), e.g. greedy or never."),
     gpus: int = typer.Option(None, "--gpus", min=1, help="Lend at most this many trainer GPUs."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what the policy would lend now; change nothing."),
+    stop_on_return: bool = typer.Option(
+        False, "--stop-on-return", help="Stop a returned vLLM worker instead of parking it asleep for the next borrow."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the answer as JSON."),
 ) -> None:
     """Turn on borrowing of idle trainer GPUs under a policy (the daemon returns them before the deadline)."""
     with exits():
         run = _run(run_ref)
         try:
-            answer = call(run, "POST", "/v1/borrow", {"policy": policy, "gpus": gpus, "dry_run": dry_run})
+            answer = call(
+                run,
+                "POST",
+                "/v1/borrow",
+                {"policy": policy, "gpus": gpus, "dry_run": dry_run, "keep_warm": not stop_on_return},
+            )
         except DaemonRefusal as exc:
             raise fail(str(exc), EXIT_USAGE if exc.status == 400 else 1) from None
         if json_out:

@@ -99,17 +99,40 @@ class Borrowing:
         n = int(policy.borrow_gpus(view))
         if n <= 0:
             return None
+        # GPUs where a returned worker sleeps come first: waking it costs far less than a cold start
         idle = sorted(
-            (g for g in self.trainer_gpus() if not g["borrowed"]), key=lambda g: (g["allocation_id"], g["idx"])
+            (g for g in self.trainer_gpus() if not g["borrowed"]),
+            key=lambda g: (g["worker_id"] is None, g["allocation_id"], g["idx"]),
         )
         chosen = idle[:n]
+        parked = {g["worker_id"] for g in chosen}
+        warm = len(parked) == 1 and None not in parked and self._asleep(parked.pop())
+        keep_warm = settings.get("keep_warm", True)
         return {
             "gpu_ids": [g["id"] for g in chosen],
             "gpus": [(g["node"], g["idx"]) for g in chosen],
             "return_deadline": now + view["wait_left_s"],
             "policy": settings["policy"],
+            "plan": "borrow_warm" if warm else "borrow",
+            "rollback": "return_sleep" if keep_warm else "return",
             "view": view,
         }
+
+    def _unpark(self) -> None:
+        """Keeping workers warm was turned off: parked workers are no longer desired (their agents stop them)."""
+        for g in self.trainer_gpus():
+            if g["worker_id"] is not None and not g["borrowed"]:
+                self.store.update_fields(
+                    "gpus",
+                    g["id"],
+                    epoch=self.executor.epoch,
+                    event="unparked",
+                    data={"worker_id": g["worker_id"]},
+                    worker_id=None,
+                )
+
+    def _asleep(self, worker_id: int) -> bool:
+        return self.store.get("workers", worker_id)["state"] == "SLEEPING"
 
     def tick(self) -> None:
         now = self.clock()
@@ -123,6 +146,8 @@ class Borrowing:
                 self._judge_return(t)
         if self.executor.open_transitions():
             return
+        if not self.settings().get("keep_warm", True):
+            self._unpark()
         lent = [g for g in self.trainer_gpus() if g["borrowed"]]
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
@@ -135,11 +160,18 @@ class Borrowing:
             elif now >= deadline - self.cost("return"):
                 why = "return deadline"
             if why:
-                self.executor.plan("return", [g["id"] for g in lent], detail={"return_deadline": deadline, "why": why})
+                plan = "return_sleep" if self.settings().get("keep_warm", True) else "return"
+                self.executor.plan(
+                    "return", [g["id"] for g in lent], detail={"return_deadline": deadline, "why": why, "plan": plan}
+                )
             return
         plan = self.plan_borrow(now)
         if plan is not None:
-            self.executor.plan("borrow", plan["gpu_ids"], detail={k: plan[k] for k in ("return_deadline", "policy")})
+            self.executor.plan(
+                "borrow",
+                plan["gpu_ids"],
+                detail={k: plan[k] for k in ("return_deadline", "policy", "plan", "rollback")},
+            )
 
     def _judge_return(self, t: dict) -> None:
         deadline = (t.get("detail") or {}).get("return_deadline")

@@ -261,17 +261,21 @@ class Controller:
         """One worker per role among the allocation's live GPUs; none while the allocation is not RUNNING.
 
         A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
-        (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted.
+        (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
+        worker parked on trainer GPUs after a return is desired asleep, ready to be woken by the next borrow.
         """
         alloc = self.store.get("allocations", alloc_id)
         if alloc["state"] not in (A.RUNNING,):
             return []
         by_role: dict[str, list[int]] = {}
+        parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
         for g in self.store.gpus(self.run_id):
             if g["allocation_id"] == alloc_id and g["state"] == G.UP:
                 by_role.setdefault(g["role"], []).append(g["idx"])
                 if g["borrowed"]:
                     by_role.setdefault("TRAIN", []).append(g["idx"])
+                if g["worker_id"] is not None and g["role"] == "TRAIN":
+                    parked.setdefault(g["worker_id"], []).append(g["idx"])
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
         weights = None
         if trainer.get("weight_version") is not None and trainer.get("weights_path"):
@@ -290,6 +294,10 @@ class Controller:
                     weights if ENGINE_FOR_ROLE[role] == "vllm" else None,
                 )
             )
+        for wid, idx in sorted(parked.items()):
+            w = self.store.get("workers", wid)
+            if w["state"] not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
+                out.append(DesiredWorker(w["worker_key"], w["role"], w["engine"], tuple(sorted(idx)), "SLEEPING"))
         return out
 
     # -- the trainer hook -------------------------------------------------------------------------
@@ -342,7 +350,7 @@ class Controller:
         except PolicyError as exc:
             raise ControlError(str(exc)) from None
         with self.lock:
-            settings = {"policy": policy, "max_gpus": max_gpus}
+            settings = {"policy": policy, "max_gpus": max_gpus, "keep_warm": bool(body.get("keep_warm", True))}
             if body.get("dry_run"):
                 plan = self.borrowing.plan_borrow(self.clock(), settings)
                 view = self.borrowing.view(self.clock(), settings)
@@ -361,7 +369,8 @@ class Controller:
     def give_back(self, body: dict) -> dict:
         """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting)."""
         with self.lock:
-            settings = {"policy": "never", "max_gpus": None}
+            # a forced return gives everything back: lent GPUs return with their worker stopped, not parked
+            settings = {"policy": "never", "max_gpus": None, "keep_warm": False}
             self.store.update_fields(
                 "runs",
                 self.run_id,

@@ -10,6 +10,8 @@ act on (design.md §4). Every effect is a desired-state write, idempotent for it
 | DEREGISTER | the worker stops being routable: rollout clients send it nothing new | recorded |
 | DRAIN | the GPUs go back to role TRAIN: the agent drains the worker, then stops it | the worker drains or is gone |
 | STOP | — | the worker is STOPPED (or FAILED/LOST: it is gone either way) |
+| WAKE (not START) | the GPUs serve rollout again: the agent wakes the worker parked there | it is READY |
+| SLEEP (not STOP) | DRAIN parked the worker: the agent drains it and puts it to sleep | it SLEEPS (or is gone) |
 | RELOAD | the trainer is asked to reclaim (command id = step key) | the trainer acked it ok |
 | VERIFY (return) | — | the trainer reports itself not released |
 
@@ -20,7 +22,7 @@ first answer.
 
 from __future__ import annotations
 
-from pearlctl.daemon.transitions import DONE, FAILED, PENDING
+from pearlctl.daemon.transitions import DONE, FAILED, PENDING, PLANS
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
@@ -59,21 +61,43 @@ class DaemonEffects:
 
     # -- Effects protocol -------------------------------------------------------------------------
     def do(self, kind: str, t: dict, key: str) -> None:
-        if kind == "START":
+        if kind in ("START", "WAKE"):
+            # the GPUs serve rollout now: their agent starts a vLLM worker, or wakes the one parked there
             deadline = (t.get("detail") or {}).get("return_deadline")
             for g in self._gpus(t):
                 self.store.update_fields(
-                    "gpus", g["id"], epoch=self.epoch, role="ROLLOUT", borrowed=1, return_deadline=deadline
+                    "gpus",
+                    g["id"],
+                    epoch=self.epoch,
+                    role="ROLLOUT",
+                    borrowed=1,
+                    return_deadline=deadline,
+                    worker_id=None,
                 )
         elif kind in ("REGISTER", "DEREGISTER"):
             for w in self._workers_on(t):
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=int(kind == "REGISTER"))
         elif kind == "DRAIN":
+            # back to the trainer; with a SLEEP next, the worker stays parked on the GPUs (desired: asleep)
+            parked = self._live_worker(t) if "SLEEP" in self._current_plan(t) else None
             for g in self._gpus(t):
                 self.store.update_fields(
-                    "gpus", g["id"], epoch=self.epoch, role="TRAIN", borrowed=0, return_deadline=None
+                    "gpus",
+                    g["id"],
+                    epoch=self.epoch,
+                    role="TRAIN",
+                    borrowed=0,
+                    return_deadline=None,
+                    worker_id=parked["id"] if parked else None,
                 )
         # OFFLOAD / RELOAD: the command is the step's INTENT itself (see pending_trainer_command)
+
+    @staticmethod
+    def _current_plan(t: dict) -> tuple[str, ...]:
+        detail = t.get("detail") or {}
+        if t["state"] == T.ROLLING_BACK:
+            return PLANS[detail.get("rollback", "return")]
+        return PLANS[detail.get("plan", t["kind"])]
 
     def probe(self, kind: str, t: dict, key: str) -> str:
         if kind in ("OFFLOAD", "RELOAD"):
@@ -81,6 +105,14 @@ class DaemonEffects:
             if ack is None:
                 return PENDING
             return DONE if ack.get("ok") else FAILED
+        if kind == "WAKE":
+            w = self._live_worker(t)
+            if w is None:
+                return FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
+            return DONE if w["state"] == W.READY else PENDING
+        if kind == "SLEEP":
+            workers = self._workers_on(t)
+            return DONE if all(w["state"] in (W.SLEEPING, *GONE_WORKER) for w in workers) else PENDING
         if kind == "START":
             w = self._live_worker(t)
             if w is None:

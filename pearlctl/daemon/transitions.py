@@ -1,8 +1,10 @@
 """Checkpointed role transitions: a transition is a fixed sequence of idempotent steps, each journaled
 INTENT → effect → DONE/FAILED in state (design.md §4).
 
-- borrow (TRAIN → ROLLOUT):  OFFLOAD → START → VERIFY → REGISTER
-- return (ROLLOUT → TRAIN):  DEREGISTER → DRAIN → STOP → RELOAD → VERIFY
+- borrow (TRAIN → ROLLOUT):  OFFLOAD → START → VERIFY → REGISTER, or OFFLOAD → WAKE → VERIFY → REGISTER
+  when a vLLM worker parked asleep on those GPUs can be woken instead of cold-started
+- return (ROLLOUT → TRAIN):  DEREGISTER → DRAIN → STOP → RELOAD → VERIFY, or … → SLEEP → … to park the
+  worker asleep (its GPU memory released) for the next borrow
 
 The executor never blocks: ``advance`` moves a transition as far as its probes allow and returns; the
 daemon calls it every tick. A step's INTENT (with its idempotency key ``<transition>:<seq>:<kind>``) is
@@ -29,8 +31,10 @@ from pearlctl.state.store import Store
 log = logging.getLogger("pearlctl.daemon")
 
 PLANS: dict[str, tuple[str, ...]] = {
-    "borrow": ("OFFLOAD", "START", "VERIFY", "REGISTER"),
-    "return": ("DEREGISTER", "DRAIN", "STOP", "RELOAD", "VERIFY"),
+    "borrow": ("OFFLOAD", "START", "VERIFY", "REGISTER"),  # cold: a new vLLM process
+    "borrow_warm": ("OFFLOAD", "WAKE", "VERIFY", "REGISTER"),  # a vLLM parked asleep on these GPUs wakes
+    "return": ("DEREGISTER", "DRAIN", "STOP", "RELOAD", "VERIFY"),  # the vLLM process exits
+    "return_sleep": ("DEREGISTER", "DRAIN", "SLEEP", "RELOAD", "VERIFY"),  # it is parked asleep for next time
 }
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 
@@ -78,10 +82,11 @@ class Executor:
         return self.store.get("transitions", t["id"])
 
     def _steps_for(self, t: dict) -> list[tuple[int, str]]:
-        plan = [(i, k) for i, k in enumerate(PLANS[t["kind"]])]
+        """The transition's plan (``detail.plan``, default its kind); a rollback runs ``detail.rollback``."""
+        detail = t.get("detail") or {}
         if t["state"] == T.ROLLING_BACK:
-            plan = [(ROLLBACK_SEQ + i, k) for i, k in enumerate(PLANS["return"])]
-        return plan
+            return [(ROLLBACK_SEQ + i, k) for i, k in enumerate(PLANS[detail.get("rollback", "return")])]
+        return list(enumerate(PLANS[detail.get("plan", t["kind"])]))
 
     def abort(self, tid: int, why: str) -> None:
         """Stop a running borrow and compensate (deadline reached, operator `return --now`)."""

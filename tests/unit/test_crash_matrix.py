@@ -20,9 +20,10 @@ from pearlctl.daemon.transitions import PLANS, Executor
 from pearlctl.state.store import Store
 
 POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
-CASES = [("borrow", k, p) for k, p in itertools.product(PLANS["borrow"], POINTS)] + [
-    ("return", k, p) for k, p in itertools.product(PLANS["return"], POINTS)
-]
+# Four transitions in a row: a cold borrow, a return that parks the vLLM worker asleep, a warm borrow that
+# wakes it, and a return that stops it. The daemon dies once, at one step boundary of one of them.
+CYCLES = ("borrow", "return_sleep", "borrow_warm", "return")
+CASES = [(c, k, p) for c in CYCLES for k in PLANS[c] for p in POINTS]
 
 
 class Crash(Exception):
@@ -38,7 +39,8 @@ class Clock:
 
 
 class SimAgent:
-    """An agent: reports its workers, starts what desired state adds (counted), stops what it drops."""
+    """An agent: reports its workers, starts what desired state adds (counted), parks and wakes what it
+    asks to sleep or run, stops what it drops."""
 
     def __init__(self):
         self.running: dict[str, dict] = {}
@@ -47,13 +49,17 @@ class SimAgent:
     def tick(self, daemon: Daemon) -> None:
         report = [dict(w) for w in self.running.values()]
         answer = daemon.controller.heartbeat({"allocation_id": daemon.alloc_id, "workers": report})
-        for w in self.running.values():  # what was STARTING becomes READY; STOPPED ones are gone
+        for w in self.running.values():  # what was starting becomes READY; STOPPED ones are gone
             if w["state"] == "STARTING":
                 w["state"] = "READY"
         self.running = {k: w for k, w in self.running.items() if w["state"] != "STOPPED"}
         wanted = {d["key"]: d for d in answer["desired"]}
         for key, d in wanted.items():
-            if key not in self.running:
+            w = self.running.get(key)
+            if d["state"] == "SLEEPING":
+                if w is not None:
+                    w["state"] = "SLEEPING"
+            elif w is None:
                 self.starts[key] = self.starts.get(key, 0) + 1
                 self.running[key] = {
                     "key": key,
@@ -63,6 +69,8 @@ class SimAgent:
                     "state": "STARTING",
                     "url": f"http://node:{9000 + len(self.starts)}",
                 }
+            elif w["state"] == "SLEEPING":
+                w["state"] = "READY"  # woken
         for key, w in self.running.items():
             if key not in wanted:
                 w["state"] = "STOPPED"
@@ -155,44 +163,51 @@ def transitions(store, kind):
     return [t for t in store.transitions("r") if t["kind"] == kind]
 
 
-@pytest.mark.parametrize("kind,step,point", CASES, ids=[f"{k}-{s}-{p}" for k, s, p in CASES])
-def test_daemon_crash_at_every_step_boundary_converges(world, kind, step, point):
+@pytest.mark.parametrize("cycle,step,point", CASES, ids=[f"{c}-{k}-{p}" for c, k, p in CASES])
+def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point):
     store, alloc_id = world
     clock, agent, trainer = Clock(), SimAgent(), SimTrainer()
     fired = []
 
     def crash_at(at, key):
-        _, _, step_kind = key.split(":")
-        tid = int(key.split(":")[0])
-        if not fired and at == point and step_kind == step and store.get("transitions", tid)["kind"] == kind:
+        tid, _, step_kind = key.split(":")
+        detail = store.get("transitions", int(tid)).get("detail") or {}
+        if not fired and at == point and step_kind == step and detail.get("plan") == cycle:
             fired.append(key)
             raise Crash(key)
 
-    def borrowed(store):
-        return any(t["state"] == "DONE" for t in transitions(store, "borrow"))
+    def completed(kind, n):
+        return lambda store: sum(t["state"] == "DONE" for t in transitions(store, kind)) >= n
 
-    crashes = run_until(
-        store, alloc_id, clock, agent, trainer, crash_at=crash_at if kind == "borrow" else None, done=borrowed
-    )
-    # now take the GPU back (the crash is armed for the return this time)
-    store.update_fields("runs", "r", borrow={"policy": "never", "max_gpus": None})
-
-    def returned(store):
-        return any(t["state"] == "DONE" for t in transitions(store, "return"))
-
-    crashes += run_until(
-        store, alloc_id, clock, agent, trainer, crash_at=crash_at if kind == "return" else None, done=returned
-    )
+    crashes = 0
+    for n, (cycle_plan, settings) in enumerate(
+        [
+            ("borrow", {"policy": "greedy", "max_gpus": 1, "keep_warm": True}),
+            ("return_sleep", {"policy": "never", "max_gpus": None, "keep_warm": True}),
+            ("borrow_warm", {"policy": "greedy", "max_gpus": 1, "keep_warm": True}),
+            ("return", {"policy": "never", "max_gpus": None, "keep_warm": False}),
+        ]
+    ):
+        store.update_fields("runs", "r", borrow=settings)
+        kind = "borrow" if cycle_plan.startswith("borrow") else "return"
+        crashes += run_until(
+            store, alloc_id, clock, agent, trainer, crash_at=crash_at, done=completed(kind, n // 2 + 1)
+        )
+        last = transitions(store, kind)[-1]
+        assert (last.get("detail") or {}).get("plan") == cycle_plan
     assert fired and crashes == 1, "the crash point was never reached"
 
-    # converged: the borrow and the return both completed, and nothing is lent any more
-    assert [t["state"] for t in transitions(store, "borrow")] == ["DONE"]
-    assert [t["state"] for t in transitions(store, "return")] == ["DONE"]
-    assert not any(g["borrowed"] for g in store.gpus("r")) and {g["role"] for g in store.gpus("r")} == {"TRAIN"}
-    # no engine started twice: one vLLM start for the one borrow, the trainer worker started once
+    # converged: two borrows and two returns completed, and nothing is lent or parked any more
+    assert [t["state"] for t in transitions(store, "borrow")] == ["DONE", "DONE"]
+    assert [t["state"] for t in transitions(store, "return")] == ["DONE", "DONE"]
+    gpus = store.gpus("r")
+    assert not any(g["borrowed"] for g in gpus) and {g["role"] for g in gpus} == {"TRAIN"}
+    assert all(g["worker_id"] is None for g in gpus)
+    # no engine started twice: one vLLM start for two borrows (the second woke it), one trainer worker
     assert agent.starts == {"rollout-0": 1, "train-0": 1}
-    # the trainer released once and reclaimed once, and has its GPUs back
-    assert [c.split(":")[-1] for c in trainer.carried_out] == ["OFFLOAD", "RELOAD"] and not trainer.released
+    # the trainer released and reclaimed once per transition, and has its GPUs back
+    assert [c.split(":")[-1] for c in trainer.carried_out] == ["OFFLOAD", "RELOAD", "OFFLOAD", "RELOAD"]
+    assert not trainer.released
     # the journal tells what happened
     events = [j["event"] for j in store.journal("r")]
     if point in ("after_intent", "after_effect"):
