@@ -6,8 +6,10 @@ It runs the tiny run for real on the bundled Slurm cluster (DeepSpeed trainer wi
 vLLM rollout worker), with borrowing under the greedy policy and the reference rollout driver, then reads
 every completed transition from state:
 
-- borrow = OFFLOAD (trainer ``offload_states``) + START/VERIFY (vLLM process start to healthy) + REGISTER
-- return = DEREGISTER + DRAIN/STOP (vLLM drain and exit) + RELOAD (trainer ``reload_states``) + VERIFY
+- borrow (cold) = OFFLOAD (trainer ``offload_states``) + START/VERIFY (vLLM process start to healthy) + REGISTER
+- borrow_warm = OFFLOAD + WAKE/VERIFY (the vLLM worker parked on the GPU wakes up) + REGISTER
+- return_sleep = DEREGISTER + DRAIN/SLEEP (vLLM drains and sleeps) + RELOAD (``reload_states``) + VERIFY
+- return (``pearlctl return``, or ``--stop-on-return``) = … DRAIN/STOP (vLLM drains and exits) …
 
 Engine time is what the engines report or what their process took (OFFLOAD/RELOAD: the trainer's slowest
 rank; vLLM: from the worker's first report to READY, from DRAINING to STOPPED). pearlctl's overhead is
@@ -43,67 +45,61 @@ def sh(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess
     return proc
 
 
-def worker_times(journal: list[dict]) -> dict[int, dict[str, float]]:
-    """Per worker: when it was first reported, and when it reached each state."""
-    out: dict[int, dict[str, float]] = {}
+def worker_times(journal: list[dict]) -> dict[int, list[tuple[float, str]]]:
+    """Per worker: (time, state) for its creation and every state it was reported in."""
+    out: dict[int, list[tuple[float, str]]] = {}
     for j in journal:
-        if j["entity"] != "workers":
-            continue
-        w = out.setdefault(int(j["entity_id"]), {})
-        if j["event"] == "worker.created":
-            w["created"] = j["ts"]
-        if j["to_state"] and j["to_state"] not in w:
-            w[j["to_state"]] = j["ts"]
+        if j["entity"] == "workers" and j["to_state"]:
+            out.setdefault(int(j["entity_id"]), []).append((j["ts"], j["to_state"]))
     return out
 
 
+def first(times: list[tuple[float, str]], state: str, after: float) -> float | None:
+    return next((ts for ts, st in times if st == state and ts >= after), None)
+
+
 def analyze(store: Store, run_id: str) -> list[dict]:
-    journal = store.journal(run_id)
-    wt = worker_times(journal)
-    workers = store.workers(run_id)
+    """One row per completed transition: total, the trainer's and vLLM's own time, and the rest."""
+    wt = worker_times(store.journal(run_id))
     gpus = {g["id"]: g for g in store.gpus(run_id)}
     rows = []
     for t in store.transitions(run_id):
         if t["state"] != "DONE":
             continue
+        plan = (t.get("detail") or {}).get("plan", t["kind"])
         steps = {s["kind"]: s for s in store.steps(t["id"])}
-        total = max(s["detail"]["finished_at"] for s in steps.values()) - min(
-            s["detail"]["started_at"] for s in steps.values()
-        )
-        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t["gpu_ids"]}
-        mine = [
-            w
-            for w in workers
-            if w["role"] == "ROLLOUT" and any((w["allocation_id"], i) in places for i in (w["gpu_idx"] or []))
-        ]
         begun = min(s["detail"]["started_at"] for s in steps.values())
+        ended = max(s["detail"]["finished_at"] for s in steps.values())
+        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t["gpu_ids"]}
+        (w,) = [
+            w
+            for w in store.workers(run_id)
+            if w["role"] == "ROLLOUT"
+            and any((w["allocation_id"], i) in places for i in (w["gpu_idx"] or []))
+            and any(begun - 1 <= ts <= ended + 0.5 for ts, _ in wt.get(w["id"], []))
+        ]
+        times = wt[w["id"]]
         if t["kind"] == "borrow":
             trainer_s = steps["OFFLOAD"]["detail"]["ack"]["max_rank_s"]
-            w = next(w for w in mine if wt.get(w["id"], {}).get("created", 0) >= begun - 1)
-            engine_s = wt[w["id"]]["READY"] - wt[w["id"]]["created"]
-            rows.append(
-                {
-                    "kind": "borrow",
-                    "total_s": total,
-                    "trainer_s": trainer_s,
-                    "vllm_s": engine_s,
-                    "overhead_s": total - trainer_s - engine_s,
-                }
-            )
+            if plan == "borrow":  # cold: process start (first report) to healthy
+                vllm_s = first(times, "READY", begun) - first(times, "STARTING", begun - 1)
+            else:  # warm: from the WAKE step's intent to the worker READY (wake_up + resume; this window
+                # also holds the few ms it takes desired state to reach the agent, counted as engine here)
+                wake = steps["WAKE"]["detail"]["started_at"]
+                vllm_s = first(times, "READY", wake) - wake
         else:
             trainer_s = steps["RELOAD"]["detail"]["ack"]["max_rank_s"]
-            ended = max(s["detail"]["finished_at"] for s in steps.values())
-            w = next(w for w in mine if begun <= wt.get(w["id"], {}).get("STOPPED", 0) <= ended + 0.5)
-            engine_s = wt[w["id"]]["STOPPED"] - wt[w["id"]].get("DRAINING", wt[w["id"]]["STOPPED"])
-            rows.append(
-                {
-                    "kind": "return",
-                    "total_s": total,
-                    "trainer_s": trainer_s,
-                    "vllm_s": engine_s,
-                    "overhead_s": total - trainer_s - engine_s,
-                }
-            )
+            end_state = "STOPPED" if plan == "return" else "SLEEPING"
+            vllm_s = first(times, end_state, begun) - first(times, "DRAINING", begun)
+        rows.append(
+            {
+                "kind": plan,
+                "total_s": ended - begun,
+                "trainer_s": trainer_s,
+                "vllm_s": vllm_s,
+                "overhead_s": ended - begun - trainer_s - vllm_s,
+            }
+        )
     return rows
 
 
@@ -112,7 +108,7 @@ def table(rows: list[dict]) -> str:
         "| transition | n | total (median) | trainer engine | vLLM engine | pearlctl overhead | overhead / total |",
         "|---|---|---|---|---|---|---|",
     ]
-    for kind in ("borrow", "return"):
+    for kind in ("borrow", "borrow_warm", "return", "return_sleep"):
         rs = [r for r in rows if r["kind"] == kind]
         if not rs:
             continue
