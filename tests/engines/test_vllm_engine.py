@@ -179,9 +179,15 @@ def test_sleep_wake_contract_on_cpu(server: VllmServer) -> None:
 
 
 def test_abort_requests_ends_them_with_partial_output(server: VllmServer) -> None:
-    threads = [in_background(complete, server, f"long request {i}", max_tokens=400, ignore_eos=True) for i in range(2)]
+    threads = [in_background(complete, server, f"long request {i}", max_tokens=480, ignore_eos=True) for i in range(8)]
     wait_for(lambda: server.metrics()["num_requests_running"] > 0, 30, "requests to run")
-    assert server.abort_requests() >= 1
+    # freeze them mid-generation first: the tiny model can finish 480 tokens before an abort arrives
+    server.pause("keep")
+    try:
+        aborted = server.abort_requests()
+    finally:
+        server.resume()
+    assert aborted >= 1
     for t, box in threads:
         t.join(60)
         assert isinstance(box[0], dict), box
