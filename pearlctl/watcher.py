@@ -21,7 +21,7 @@ from pearlctl.backends import Backend
 from pearlctl.slurm.records import JobPhase, JobRecord
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState, RunState
-from pearlctl.state.store import Store
+from pearlctl.state.store import Store, run_lease_name
 
 LIVE = (A.PENDING, A.RUNNING, A.PREEMPTING, A.LOST)
 
@@ -30,10 +30,6 @@ LIVE = (A.PENDING, A.RUNNING, A.PREEMPTING, A.LOST)
 class SyncReport:
     polled: bool
     events: list[str] = field(default_factory=list)
-
-
-def daemon_lease_name(run_id: str) -> str:
-    return f"run:{run_id}"
 
 
 def poll_lease_name(run_id: str) -> str:
@@ -205,7 +201,7 @@ def maybe_sync(store: Store, backend: Backend, run: dict, *, holder: str | None 
     """Sync unless a daemon owns the run or another reader polled within the poll interval."""
     if run["state"] not in (RunState.ACTIVE, RunState.CANCELLING, RunState.SUBMITTING):
         return SyncReport(polled=False)
-    daemon = store.lease(daemon_lease_name(run["id"]))
+    daemon = store.lease(run_lease_name(run["id"]))
     if daemon and daemon["expires_at"] > time.time():
         return SyncReport(polled=False)
     interval = float(run["spec"].get("poll_interval_s", 5.0))

@@ -27,9 +27,9 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
-from pearlctl.state.store import Store
+from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
-from pearlctl.watcher import daemon_lease_name, sync_run
+from pearlctl.watcher import sync_run
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -75,7 +75,7 @@ class Daemon:
         self._server: uvicorn.Server | None = None
 
     def acquire(self) -> int:
-        name = daemon_lease_name(self.run_id)
+        name = run_lease_name(self.run_id)
         epoch = self.store.acquire_lease(name, self.holder, self.settings.lease_ttl_s)
         if epoch is None:
             held = self.store.lease(name) or {}
@@ -133,7 +133,7 @@ class Daemon:
         try:
             while not self.stopping.is_set():
                 if not self.store.renew_lease(
-                    daemon_lease_name(self.run_id), self.holder, epoch, self.settings.lease_ttl_s
+                    run_lease_name(self.run_id), self.holder, epoch, self.settings.lease_ttl_s
                 ):
                     raise DaemonRefused(
                         f"lost the lease of run {self.run_id} (epoch {epoch}): another daemon took over"
@@ -157,7 +157,7 @@ class Daemon:
             self.store.journal_event(
                 self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
             )
-            self.store.release_lease(daemon_lease_name(self.run_id), self.holder)
+            self.store.release_lease(run_lease_name(self.run_id), self.holder)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
