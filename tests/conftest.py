@@ -35,6 +35,28 @@ class Pearlctl:
         return json.loads(self(*args, "--json").stdout)
 
 
+def alive(pid: int) -> bool:
+    """Running and not a zombie (PID 1 on these machines may reap orphans late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(fn, timeout: float, every: float = 0.5):
+    """Call ``fn`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
 @pytest.fixture
 def pearlctl(tmp_path: Path) -> Pearlctl:
     return Pearlctl(tmp_path / "state")

@@ -66,6 +66,17 @@ class WorkerHandle(Protocol):
     def report(self) -> dict: ...
 
 
+def identity(handle: WorkerHandle) -> dict:
+    """What every worker report starts with: which worker, on which GPUs, in which state."""
+    return {
+        "key": handle.key,
+        "role": handle.role,
+        "engine": handle.engine,
+        "gpus": list(handle.gpus),
+        "state": handle.state(),
+    }
+
+
 class VllmWorker:
     """A vLLM server (rollout, prefill, decode or reward) on some of the allocation's GPUs."""
 
@@ -166,11 +177,7 @@ class VllmWorker:
 
     def report(self) -> dict:
         return {
-            "key": self.key,
-            "role": self.role,
-            "engine": self.engine,
-            "gpus": list(self.gpus),
-            "state": self.state(),
+            **identity(self),
             # the server listens on every interface; clients on other nodes reach it by this host's name
             "url": f"http://{socket.gethostname()}:{self.server.port}",
             "pid": self.server.pid,
@@ -234,14 +241,7 @@ class CommandWorker:
             self.proc.wait()
 
     def report(self) -> dict:
-        return {
-            "key": self.key,
-            "role": self.role,
-            "engine": self.engine,
-            "gpus": list(self.gpus),
-            "state": self.state(),
-            "pid": self.proc.pid if self.proc else None,
-        }
+        return {**identity(self), "pid": self.proc.pid if self.proc else None}
 
 
 class Reconciler:

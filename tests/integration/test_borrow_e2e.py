@@ -19,17 +19,9 @@ from pathlib import Path
 import pytest
 
 from pearlctl.runfiles import read_address
-from tests.conftest import REPO, Pearlctl
+from tests.conftest import REPO, Pearlctl, alive
 
 STEPS = 3
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def spec_text(run_dir: Path) -> str:
@@ -81,7 +73,7 @@ def e2e(slurm_cluster, tmp_path):
     pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
     yield pc, d
     address = read_address(d / "run")
-    if address and _alive(address["pid"]):
+    if address and alive(address["pid"]):
         try:
             os.kill(address["pid"], signal.SIGTERM)
         except ProcessLookupError:
@@ -102,7 +94,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
     restarted = []
 
     def restart_after_crash():
-        while _alive(first["pid"]):
+        while alive(first["pid"]):
             time.sleep(0.2)
         for _ in range(50):  # the lease of the killed daemon must expire first
             out = pc("daemon", "e2e", "--heartbeat-s", "1", "--lease-ttl-s", "3", "--json", check=None)

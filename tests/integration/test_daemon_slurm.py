@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pearlctl.runfiles import read_address, read_secret
-from tests.conftest import Pearlctl, write_spec
+from tests.conftest import Pearlctl, alive, wait_for, write_spec
 
 HEARTBEAT_S = 1.0
 
@@ -57,16 +57,6 @@ def api(run_dir, path, *, token=None, run_id=None):
     if run_id is not None:
         headers["X-Pearl-Run"] = run_id
     return httpx.get(address["url"] + path, headers=headers, timeout=5)
-
-
-def wait_for(fn, timeout, every=0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout}s")
 
 
 def start_daemon(pc):
@@ -145,7 +135,9 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     victim_worker = next(w["pid"] for w in doc["workers"] if w["allocation_id"] == victim["id"])
     os.kill(victim["agent_pid"], signal.SIGKILL)
     killed_at = time.time()
-    seen_at = wait_for(lambda: time.time() if gpus_and_workers(victim["id"]) == ({"LOST"}, {"LOST"}) else None, 15)
+    seen_at = wait_for(
+        lambda: time.time() if gpus_and_workers(victim["id"]) == ({"LOST"}, {"LOST"}) else None, 15, every=0.25
+    )
     print(f"agent loss seen {seen_at - killed_at:.2f}s after SIGKILL (heartbeat {HEARTBEAT_S}s)")
     assert seen_at - killed_at <= 2 * HEARTBEAT_S + 1.5  # + one daemon check tick and the status call
     wait_for(lambda: not alive(victim_worker), 5)
@@ -155,17 +147,10 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     other = trainers[1]
     slurm_cluster.run("scancel", f"{other['job_id']}_{other['array_index']}")
     cancelled_at = time.time()
-    seen_at = wait_for(lambda: time.time() if gpus_and_workers(other["id"]) == ({"LOST"}, {"STOPPED"}) else None, 15)
+    seen_at = wait_for(
+        lambda: time.time() if gpus_and_workers(other["id"]) == ({"LOST"}, {"STOPPED"}) else None, 15, every=0.25
+    )
     assert seen_at - cancelled_at <= 2 * HEARTBEAT_S + 1.5
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie (PID 1 here may reap orphans late)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _try_start(pc):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.state.store import Store
-from tests.conftest import Pearlctl, write_spec
+from tests.conftest import Pearlctl, wait_for, write_spec
 
 POLL_S = 2.0
 
@@ -59,16 +59,6 @@ def spec(cluster, model_dir, name, pools) -> Path:
     return write_spec(
         d / f"{name}.toml", name=name, model=model_dir, run_dir=d / "run", pools=pools, backend="slurm", poll=POLL_S
     )
-
-
-def wait_for(fn, timeout: float, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def test_dry_run_prints_array_scripts_validated_against_sinfo(pc, cluster, model_dir):

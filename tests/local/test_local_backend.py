@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-from tests.conftest import write_spec
+from tests.conftest import alive, write_spec
 
 POOLS = """
 [pools.trainer]
@@ -32,14 +31,6 @@ def agent_pids(run_dir: Path) -> list[int]:
             if line.startswith("{") and json.loads(line)["event"] == "start":
                 pids.append(json.loads(line)["pid"])
     return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_launch_status_cancel_on_the_local_backend(pearlctl, tmp_path, model_dir):
