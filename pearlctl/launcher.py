@@ -109,6 +109,17 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
     return out
 
 
+def _move_run(
+    store: Store, run_id: str, *, to: str, event: str, expect: str | None = None, data: dict | None = None
+) -> None:
+    """Move the run to ``to``, compare-and-set on the version just read and on ``expect`` (default: the
+    state just read), so a concurrent writer makes this fail loudly (StaleWrite) instead of being undone."""
+    run = store.get_run(run_id)
+    store.set_state(
+        "runs", run_id, expect=expect or run["state"], expect_version=run["version"], to=to, event=event, data=data
+    )
+
+
 def expand_command(argv: tuple[str, ...] | None, spec: RunSpec) -> tuple[str, ...] | None:
     """Fill ``{python}``, ``{repo}``, ``{model}`` and ``{run_dir}`` in a pool's command, so a shipped spec
     needs no absolute paths. Other braces are left alone."""
@@ -177,16 +188,8 @@ def launch(
                 for r in reqs
             ],
         )
-    run = store.get_run(run_id)
-    if run["state"] == RunState.CREATED:
-        store.set_state(
-            "runs",
-            run_id,
-            expect=RunState.CREATED,
-            expect_version=run["version"],
-            to=RunState.SUBMITTING,
-            event="submitting",
-        )
+    if store.get_run(run_id)["state"] == RunState.CREATED:
+        _move_run(store, run_id, expect=RunState.CREATED, to=RunState.SUBMITTING, event="submitting")
     pools = {p["name"]: p for p in store.pools(run_id)}
     adopted: list[str] = []
     job_ids: dict[str, str] = {}
@@ -221,15 +224,8 @@ def launch(
     except BackendError as exc:
         _abort(store, backend, run_id, job_ids, str(exc))
         raise LaunchError(f"submission failed, run {run_id} cancelled: {exc}", 3) from exc
-    run = store.get_run(run_id)
-    store.set_state(
-        "runs",
-        run_id,
-        expect=RunState.SUBMITTING,
-        expect_version=run["version"],
-        to=RunState.ACTIVE,
-        event="submitted",
-        data={"job_ids": job_ids},
+    _move_run(
+        store, run_id, expect=RunState.SUBMITTING, to=RunState.ACTIVE, event="submitted", data={"job_ids": job_ids}
     )
     return LaunchResult(run_id, adopted, job_ids)
 
@@ -250,16 +246,7 @@ def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str],
                 event="launch failed",
                 data={"why": why},
             )
-    run = store.get_run(run_id)
-    store.set_state(
-        "runs",
-        run_id,
-        expect=run["state"],
-        expect_version=run["version"],
-        to=RunState.FAILED,
-        event="launch failed",
-        data={"why": why, "cancelled": job_ids},
-    )
+    _move_run(store, run_id, to=RunState.FAILED, event="launch failed", data={"why": why, "cancelled": job_ids})
 
 
 def wait_running(
@@ -296,14 +283,7 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     if run["state"] in (RunState.CANCELLED, RunState.ENDED, RunState.FAILED):
         return True
     if run["state"] != RunState.CANCELLING:
-        store.set_state(
-            "runs",
-            run_id,
-            expect=run["state"],
-            expect_version=run["version"],
-            to=RunState.CANCELLING,
-            event="cancel requested",
-        )
+        _move_run(store, run_id, expect=run["state"], to=RunState.CANCELLING, event="cancel requested")
     job_ids = sorted({p["job_id"] for p in store.pools(run_id) if p["job_id"]})
     backend.cancel(job_ids)
     for alloc in store.allocations(run_id):
@@ -335,15 +315,8 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
-    run = store.get_run(run_id)
-    store.set_state(
-        "runs",
-        run_id,
-        expect=RunState.CANCELLING,
-        expect_version=run["version"],
-        to=RunState.CANCELLED,
-        event="cancelled",
-        data={"job_ids": job_ids},
+    _move_run(
+        store, run_id, expect=RunState.CANCELLING, to=RunState.CANCELLED, event="cancelled", data={"job_ids": job_ids}
     )
     return True
 

@@ -35,6 +35,33 @@ class Pearlctl:
         return json.loads(self(*args, "--json").stdout)
 
 
+def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
+    """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
+    store.create_run(
+        run_id="r",
+        name="r",
+        spec={},
+        spec_path="r.toml",
+        run_dir=str(run_dir),
+        backend="slurm",
+        policy="greedy",
+        pools=[
+            {
+                "name": "trainer",
+                "kind": "trainer",
+                "role": "TRAIN",
+                "partition": None,
+                "nodes": 1,
+                "gpus_per_node": 2,
+                "job_name": "pearl.r.trainer",
+            }
+        ],
+    )
+    alloc = store.allocations("r")[0]
+    store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
+    return store.get("allocations", alloc["id"])
+
+
 def alive(pid: int) -> bool:
     """Running and not a zombie (PID 1 on these machines may reap orphans late)."""
     try:

@@ -18,6 +18,7 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import PLANS, Executor
 from pearlctl.state.store import Store
+from tests.conftest import create_trainer_run
 
 POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
 # Four transitions in a row: a cold borrow, a return that parks the vLLM worker asleep, a warm borrow that
@@ -111,28 +112,7 @@ class Daemon:
 @pytest.fixture
 def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
-    store.create_run(
-        run_id="r",
-        name="r",
-        spec={},
-        spec_path="r.toml",
-        run_dir=str(tmp_path),
-        backend="slurm",
-        policy="greedy",
-        pools=[
-            {
-                "name": "trainer",
-                "kind": "trainer",
-                "role": "TRAIN",
-                "partition": None,
-                "nodes": 1,
-                "gpus_per_node": 2,
-                "job_name": "pearl.r.trainer",
-            }
-        ],
-    )
-    alloc = store.allocations("r")[0]
-    store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id="7")
+    alloc = create_trainer_run(store, tmp_path, job_id="7")
     store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
     store.update_fields("runs", "r", borrow={"policy": "greedy", "max_gpus": 1})
     yield store, alloc["id"]

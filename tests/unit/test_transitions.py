@@ -6,6 +6,7 @@ import pytest
 
 from pearlctl.daemon.transitions import DONE, FAILED, PENDING, PLANS, ROLLBACK_SEQ, Executor
 from pearlctl.state.store import Store
+from tests.conftest import create_trainer_run
 
 
 class Script:
@@ -25,28 +26,7 @@ class Script:
 @pytest.fixture
 def store(tmp_path: Path):
     with Store.open(tmp_path / "s.db") as s:
-        s.create_run(
-            run_id="r",
-            name="r",
-            spec={},
-            spec_path="r.toml",
-            run_dir=str(tmp_path),
-            backend="slurm",
-            policy="greedy",
-            pools=[
-                {
-                    "name": "trainer",
-                    "kind": "trainer",
-                    "role": "TRAIN",
-                    "partition": None,
-                    "nodes": 1,
-                    "gpus_per_node": 2,
-                    "job_name": "pearl.r.trainer",
-                }
-            ],
-        )
-        alloc = s.allocations("r")[0]
-        s.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id="1")
+        alloc = create_trainer_run(s, tmp_path, job_id="1")
         s.upsert_node_gpus("r", alloc["id"], "gpu1", [0, 1], "TRAIN")
         yield s
 
