@@ -285,7 +285,8 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     if run["state"] != RunState.CANCELLING:
         _move_run(store, run_id, expect=run["state"], to=RunState.CANCELLING, event="cancel requested")
     job_ids = sorted({p["job_id"] for p in store.pools(run_id) if p["job_id"]})
-    backend.cancel(job_ids)
+    daemon_jobs = [r.job_id for r in backend.find_by_name(job_name(run_id, DAEMON_POOL)) if r.phase != "ENDED"]
+    backend.cancel(job_ids + daemon_jobs)  # the daemon's job too: SIGTERM stops it cleanly
     for alloc in store.allocations(run_id):
         if alloc["state"] == A.REQUESTED:
             store.set_state(
@@ -319,6 +320,53 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
         store, run_id, expect=RunState.CANCELLING, to=RunState.CANCELLED, event="cancelled", data={"job_ids": job_ids}
     )
     return True
+
+
+DAEMON_POOL = "daemon"  # the job name of a run's daemon when it runs as a Slurm job: pearl.<run_id>.daemon
+
+
+def daemon_request(
+    run: dict,
+    argv: tuple[str, ...],
+    *,
+    env: dict[str, str],
+    partition: str | None = None,
+    nodelist: str | None = None,
+    time_limit: str | None = None,
+) -> SubmitRequest:
+    """The daemon of ``run`` as a small Slurm job: one task, one CPU, no GPU, run by the same worker
+    wrapper (which forwards scancel's SIGTERM, so the daemon stops cleanly and leaves every worker).
+    The state directory must be on that node's local disk: pin the job with ``nodelist``."""
+    return SubmitRequest(
+        run_id=run["id"],
+        pool=DAEMON_POOL,
+        role="DAEMON",
+        array_size=1,
+        gpus_per_node=0,
+        run_dir=run["run_dir"],
+        model=run["spec"].get("model", ""),
+        python=sys.executable,
+        worker_script=str(WORKER_SCRIPT),
+        partition=partition,
+        time_limit=time_limit,
+        cpus_per_task=1,
+        command=argv,
+        env=env,
+        array=False,
+        nodelist=nodelist,
+    )
+
+
+def submit_daemon(backend: Backend, req: SubmitRequest) -> str:
+    """Submit the daemon job unless one of the run's is already queued or running; returns its job id."""
+    queued = [r for r in backend.find_by_name(req.job_name) if r.phase != "ENDED"]
+    if queued:
+        raise LaunchError(
+            f"a daemon job of run {req.run_id} is already in Slurm (job {queued[0].job_id}, {queued[0].phase}); "
+            "scancel it first, or wait for it to start",
+            5,
+        )
+    return backend.submit(req, render_script(req))
 
 
 def dry_run(spec: RunSpec, backend: Backend) -> list[tuple[str, str]]:

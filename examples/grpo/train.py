@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-weights", type=int, default=3, help="exported weight versions kept on disk")
     p.add_argument("--release-mode", default="offload", choices=("offload", "checkpoint"))
     p.add_argument("--poll-interval", type=float, default=0.02, help="seconds between channel polls while waiting")
+    p.add_argument(
+        "--first-wait-s",
+        type=float,
+        default=None,
+        help="expected wait for the first rollout batch (default: unknown, so nothing is lent before it)",
+    )
     p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
     return p.parse_args(argv)
 
@@ -317,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         init_s=round(time.monotonic() - T_PROCESS_START, 3))  # fmt: skip
 
     weights_dir = args.out / "weights"
-    expected_wait = None
+    expected_wait = args.first_wait_s  # then a moving average of the measured waits
     while step < args.steps:
         step += 1
         t_wait = time.monotonic()

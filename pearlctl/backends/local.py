@@ -33,6 +33,10 @@ LOCAL_PARTITION = "local"
 NODE = socket.gethostname()
 
 
+def _visible_gpus() -> list[str]:
+    return [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+
+
 def _start_ticks(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat (start time); None if gone or a zombie."""
     try:
@@ -55,7 +59,7 @@ class LocalBackend:
     def partitions(self) -> dict[str, PartitionInfo]:
         # One node; GPUs are whatever CUDA_VISIBLE_DEVICES lists here (none on a CPU box, which
         # pools with gpus_per_node = 0 or the CPU engines accept).
-        gpus = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()])
+        gpus = len(_visible_gpus())
         return {LOCAL_PARTITION: PartitionInfo(LOCAL_PARTITION, True, 1, gpus, default=True)}
 
     def _job_dir(self, job_id: str) -> Path:
@@ -74,6 +78,9 @@ class LocalBackend:
         for task in range(req.array_size):
             log_path = req.log_pattern.replace("%A", job_id).replace("%a", str(task))
             env = dict(os.environ, PEARL_LOCAL_JOB_ID=job_id, PEARL_LOCAL_TASK_ID=str(task))
+            # As Slurm's --gres would, a task sees only its pool's share of this machine's GPUs (the first
+            # gpus_per_node of them: there is no ledger sharing GPUs out among local jobs).
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(_visible_gpus()[: req.gpus_per_node])
             rc_file = jdir / f"task-{task}.rc"
             # The outer bash records the exit status atomically (tmp + rename) once the script ends.
             wrapper = 'bash "$0"; rc=$?; echo $rc > "$1.tmp" && mv "$1.tmp" "$1"; exit $rc'

@@ -67,12 +67,16 @@ def borrow(
 def give_back(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
     now: bool = typer.Option(False, "--now", help="Also abort a borrow that is still starting."),
+    keep_warm: bool = typer.Option(
+        False, "--keep-warm", help="Park the returned vLLM workers asleep for a later borrow instead of stopping them."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the answer as JSON."),
 ) -> None:
-    """Turn borrowing off (policy never): every lent trainer GPU goes back to training."""
+    """Turn borrowing off (policy never): every lent trainer GPU goes back to training, its vLLM worker
+    stopped (or parked asleep with --keep-warm)."""
     with exits():
         run = _run(run_ref)
-        answer = call(run, "POST", "/v1/return", {"now": now})
+        answer = call(run, "POST", "/v1/return", {"now": now, "keep_warm": keep_warm})
         if json_out:
             emit_json(answer)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -10,10 +11,20 @@ from pathlib import Path
 
 import typer
 
-from pearlctl import home
+from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_CONFLICT, EXIT_TIMEOUT, emit_json, err, exits, fail, open_store, resolve_run
+from pearlctl.cli.common import (
+    EXIT_CONFLICT,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+    emit_json,
+    err,
+    exits,
+    fail,
+    open_store,
+    resolve_run,
+)
 from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings
 from pearlctl.runfiles import read_address
 
@@ -22,14 +33,25 @@ from pearlctl.runfiles import read_address
 def daemon(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
     foreground: bool = typer.Option(False, "--foreground", help="Stay in the foreground and log to stderr."),
+    slurm: bool = typer.Option(False, "--slurm", help="Run the daemon as a small Slurm job (1 CPU, no GPU)."),
+    partition: str = typer.Option(None, "--partition", help="--slurm: the partition of the daemon's job."),
+    nodelist: str = typer.Option(
+        None, "--nodelist", help="--slurm: the node to run on; it must hold the state directory on local disk."
+    ),
+    time_limit: str = typer.Option(None, "--time", help="--slurm: the job's time limit (default: the partition's)."),
     host: str = typer.Option("0.0.0.0", "--host", help="Address the control API binds to."),
     port: int = typer.Option(0, "--port", help="Port of the control API (0: any free port)."),
     advertise: str = typer.Option(None, "--advertise", help="Host name agents should use (default: this host)."),
     heartbeat_s: float = typer.Option(2.0, "--heartbeat-s", help="Agent heartbeat interval."),
     lease_ttl_s: float = typer.Option(6.0, "--lease-ttl-s", help="How long the run's lease outlives a stalled daemon."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait until the daemon serves."),
     json_out: bool = typer.Option(False, "--json", help="Print where the daemon listens as JSON."),
 ) -> None:
-    """Run the daemon of RUN: the single writer of its state, serving agents on an authenticated API."""
+    """Run the daemon of RUN: the single writer of its state, serving agents on an authenticated API.
+
+    Detached by default (log in the run directory's logs/daemon.log); ``--slurm`` submits it as a job
+    named ``pearl.<run>.daemon`` instead (log logs/daemon-<jobid>.log), which `pearlctl cancel` ends too.
+    Either way this command returns once the daemon serves, printing its address."""
     with exits():
         store = open_store()
         run = resolve_run(store, run_ref)
@@ -49,45 +71,69 @@ def daemon(
             return
         store.close()
         before = read_address(run["run_dir"]) or {}
-        log_path = Path(run["run_dir"], "logs", "daemon.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "pearlctl",
-            "daemon",
-            run["id"],
-            "--foreground",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--heartbeat-s",
-            str(heartbeat_s),
-            "--lease-ttl-s",
-            str(lease_ttl_s),
-        ]
+        argv = [sys.executable, "-m", "pearlctl", "daemon", run["id"], "--foreground", "--host", host]
+        argv += ["--port", str(port), "--heartbeat-s", str(heartbeat_s), "--lease-ttl-s", str(lease_ttl_s)]
         if advertise:
             argv += ["--advertise", advertise]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        if slurm:
+            if run["backend"] != "slurm":
+                raise fail(f"run {run['id']} uses the {run['backend']} backend; --slurm needs a Slurm run", EXIT_USAGE)
+            backend = open_backend("slurm", state_dir=str(home.state_dir()))
+            env = {k: v for k, v in os.environ.items() if k.startswith("PEARL_") and k != "PEARL_FAULT"}
+            env["PEARL_STATE_DIR"] = str(home.state_dir())
+            req = launcher.daemon_request(
+                run, tuple(argv), env=env, partition=partition, nodelist=nodelist, time_limit=time_limit
             )
-        deadline = time.monotonic() + 30
+            try:
+                job_id = launcher.submit_daemon(backend, req)
+            except launcher.LaunchError as exc:
+                raise fail(str(exc), exc.exit_code) from None
+            log_path = Path(run["run_dir"], "logs", f"daemon-{job_id}.log")
+            err.print(f"submitted the daemon of {run['id']} as Slurm job {job_id} ({req.job_name})")
+
+            def started() -> dict | None:
+                address = read_address(run["run_dir"]) or {}
+                return address if address.get("slurm_job_id") == job_id and address != before else None
+
+            def gone() -> str | None:
+                ended = [r for r in backend.poll([job_id]) if r.phase == "ENDED"]
+                return f"the daemon's job {job_id} ended ({ended[0].state}); see {log_path}" if ended else None
+
+        else:
+            log_path = Path(run["run_dir"], "logs", "daemon.log")
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                )
+
+            def started() -> dict | None:
+                address = read_address(run["run_dir"]) or {}
+                return address if address.get("pid") == proc.pid and address != before else None
+
+            def gone() -> str | None:
+                if proc.poll() is None:
+                    return None
+                if proc.returncode == EXIT_CONFLICT:
+                    raise fail("the daemon refused to start:\n" + _tail(log_path), EXIT_CONFLICT)
+                return "the daemon exited at start:\n" + _tail(log_path)
+
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            address = read_address(run["run_dir"]) or {}
-            if address.get("pid") == proc.pid and address != before:
+            address = started()
+            if address:
                 if json_out:
                     emit_json(address)
                 else:
-                    err.print(f"daemon of {run['id']} running (pid {proc.pid}), log {log_path}")
+                    err.print(f"daemon of {run['id']} running (pid {address['pid']}), log {log_path}")
                     print(address["url"])
                 return
-            if proc.poll() is not None:
-                tail = log_path.read_text().splitlines()[-5:]
-                raise fail(
-                    "the daemon exited at start:\n" + "\n".join(tail),
-                    EXIT_CONFLICT if proc.returncode == EXIT_CONFLICT else proc.returncode or 1,
-                )
-            time.sleep(0.1)
-        raise fail(f"the daemon did not write its address within 30s; see {log_path}", EXIT_TIMEOUT)
+            why = gone()
+            if why:
+                raise fail(why, 1)
+            time.sleep(0.2 if not slurm else 1.0)  # --slurm: one squeue a second at most
+        raise fail(f"the daemon did not write its address within {timeout:g}s; see {log_path}", EXIT_TIMEOUT)
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

@@ -367,16 +367,18 @@ class Controller:
             return {"epoch": self.epoch, "settings": settings}
 
     def give_back(self, body: dict) -> dict:
-        """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting)."""
+        """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting).
+
+        Their vLLM workers stop, unless ``keep_warm``: then they are parked asleep for a later borrow."""
         with self.lock:
-            # a forced return gives everything back: lent GPUs return with their worker stopped, not parked
-            settings = {"policy": "never", "max_gpus": None, "keep_warm": False}
+            keep_warm = bool(body.get("keep_warm", False))
+            settings = {"policy": "never", "max_gpus": None, "keep_warm": keep_warm}
             self.store.update_fields(
                 "runs",
                 self.run_id,
                 epoch=self.epoch,
                 event="return requested",
-                data={"now": bool(body.get("now"))},
+                data={"now": bool(body.get("now")), "keep_warm": keep_warm},
                 borrow=settings,
                 policy="never",
             )

@@ -27,26 +27,39 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
+from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
 from pearlctl.watcher import sync_run
 
 log = logging.getLogger("pearlctl.daemon")
 
+RUN_OVER = (RunState.CANCELLED, RunState.ENDED, RunState.FAILED)  # a daemon has nothing left to do
+
 
 def fault_from_env(spec: str | None):
-    """``PEARL_FAULT=POINT:KIND`` (e.g. ``after_intent:START``): SIGKILL this daemon the first time a step
-    of that kind reaches that boundary — for crash tests of the real process. Unset: no fault."""
+    """``PEARL_FAULT=POINT:KIND`` or ``POINT:SEQ:KIND`` (e.g. ``after_intent:START``, ``after_done:4:VERIFY``):
+    SIGKILL this daemon the first time a step of that kind (at that place in its plan) reaches that
+    boundary — for crash tests of the real process. Unset: no fault."""
     if not spec:
         return lambda point, key: None
-    point, _, kind = spec.partition(":")
+    point, _, step = spec.partition(":")
 
     def fault(at: str, key: str) -> None:
-        if at == point and key.rsplit(":", 1)[-1] == kind:
+        if at == point and key.endswith(":" + step):
             log.warning("PEARL_FAULT %s: SIGKILL at %s of %s", spec, at, key)
             os.kill(os.getpid(), signal.SIGKILL)
 
     return fault
+
+
+def process_alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class DaemonRefused(Exception):
@@ -77,6 +90,8 @@ class Daemon:
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
         epoch = self.store.acquire_lease(name, self.holder, self.settings.lease_ttl_s)
+        if epoch is None and self._break_dead_holder(name):
+            epoch = self.store.acquire_lease(name, self.holder, self.settings.lease_ttl_s)
         if epoch is None:
             held = self.store.lease(name) or {}
             left = max(0.0, float(held.get("expires_at", 0)) - time.time())
@@ -87,6 +102,18 @@ class Daemon:
             )
         self.epoch = epoch
         return epoch
+
+    def _break_dead_holder(self, name: str) -> bool:
+        """A holder on this host whose process is gone (a crashed daemon) need not be waited out: its lease
+        is broken at once, so a restart after a crash takes over in well under the lease's TTL. A holder on
+        another host is always waited out — its liveness cannot be seen from here."""
+        held = self.store.lease(name)
+        if not held:
+            return False
+        host, _, pid = str(held["holder"]).rpartition(":")
+        if host != socket.gethostname() or not pid.isdigit() or process_alive(int(pid)):
+            return False
+        return self.store.break_lease(name, held["holder"], held["epoch"], f"process {pid} on {host} is gone")
 
     def start_server(self, controller: Controller, secret: str) -> str:
         app = build_app(controller, secret=secret, status=lambda: run_document(self.store, self.run_id))
@@ -125,7 +152,14 @@ class Daemon:
         self.url = self.start_server(controller, secret)
         write_address(
             run["run_dir"],
-            {"url": self.url, "pid": os.getpid(), "epoch": epoch, "holder": self.holder, "started_at": time.time()},
+            {
+                "url": self.url,
+                "pid": os.getpid(),
+                "epoch": epoch,
+                "holder": self.holder,
+                "started_at": time.time(),
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),  # set when it runs as `pearlctl daemon --slurm`
+            },
         )
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
         poll_s = float(run["spec"].get("poll_interval_s", 5.0))
@@ -145,6 +179,9 @@ class Daemon:
                         sync_run(self.store, self.backend, self.run_id)
                     except BackendError as exc:  # Slurm hiccups do not stop the daemon
                         log.warning("poll failed: %s", exc)
+                if self.store.get_run(self.run_id)["state"] in RUN_OVER:
+                    log.warning("run %s is over: the daemon stops", self.run_id)
+                    break
                 controller.check_agents()
                 with controller.lock:
                     borrowing.tick()

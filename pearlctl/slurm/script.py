@@ -38,6 +38,8 @@ class SubmitRequest:
     train_command: tuple[str, ...] | None = None
     engine_args: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    array: bool = True  # False: a single job (the daemon), no --array
+    nodelist: str | None = None
 
     @property
     def job_name(self) -> str:
@@ -45,7 +47,7 @@ class SubmitRequest:
 
     @property
     def log_pattern(self) -> str:
-        return f"{self.run_dir}/logs/{self.pool}-%A_%a.log"
+        return f"{self.run_dir}/logs/{self.pool}-%A_%a.log" if self.array else f"{self.run_dir}/logs/{self.pool}-%j.log"
 
 
 def job_name(run_id: str, pool: str) -> str:
@@ -54,12 +56,10 @@ def job_name(run_id: str, pool: str) -> str:
 
 
 def sbatch_directives(req: SubmitRequest) -> list[str]:
-    d = [
-        f"--job-name={req.job_name}",
-        f"--array=0-{req.array_size - 1}",
-        "--nodes=1",
-        "--ntasks-per-node=1",
-    ]
+    d = [f"--job-name={req.job_name}"]
+    if req.array:
+        d.append(f"--array=0-{req.array_size - 1}")
+    d += ["--nodes=1", "--ntasks-per-node=1"]
     if req.gpus_per_node:
         d.append(f"--gres=gpu:{req.gpus_per_node}")
     for flag, value in (
@@ -69,6 +69,7 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
         ("qos", req.qos),
         ("cpus-per-task", req.cpus_per_task),
         ("mem", req.mem),
+        ("nodelist", req.nodelist),
     ):
         if value is not None:
             d.append(f"--{flag}={value}")

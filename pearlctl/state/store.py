@@ -721,6 +721,21 @@ class Store:
             if released:
                 self._journal(conn, now, _lease_run(name), "leases", name, "lease.released", data={"holder": holder})
 
+    def break_lease(self, name: str, holder: str, epoch: int, why: str) -> bool:
+        """Expire the lease now if ``holder`` still has it at ``epoch`` — for a holder known to be dead
+        (its process is gone). Compare-and-set: a lease renewed or taken meanwhile is left alone."""
+        with self._write() as conn:
+            now = self._clock()
+            broken = conn.execute(
+                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
+                (now, name, holder, epoch, now),
+            ).rowcount
+            if broken:
+                self._journal(
+                    conn, now, _lease_run(name), "leases", name, "lease.broken", data={"holder": holder, "why": why}
+                )
+            return broken == 1
+
     def lease(self, name: str) -> Row | None:
         rows = self._query("SELECT * FROM leases WHERE name = ?", (name,))
         return rows[0] if rows else None

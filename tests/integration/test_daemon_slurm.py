@@ -1,5 +1,5 @@
 """The daemon and agents on the real local Slurm cluster: auth, one daemon per run, registration,
-agent loss, and a daemon restart that kills no worker."""
+agent loss, a daemon restart that kills no worker, and the daemon run as a Slurm job."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def api(run_dir, path, *, token=None, run_id=None):
 
 
 def start_daemon(pc):
-    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "3", "--json")
+    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "30", "--json")
     return json.loads(out.stdout)
 
 
@@ -110,8 +110,9 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     os.kill(address["pid"], signal.SIGKILL)
     time.sleep(2 * HEARTBEAT_S)
     assert all(alive(p) for p in pids)
-    new = wait_for(lambda: _try_start(pc), 10, every=0.5)  # refused until the old lease expires
-    assert new["epoch"] > address["epoch"]
+    new = _try_start(pc)  # at once: the killed holder's process is gone, so its lease is broken
+    assert new and new["epoch"] > address["epoch"]
+    assert any(j["event"] == "lease.broken" for j in pc.json("journal", "d"))
 
     def reattached():
         doc = pc.json("status", "d")
@@ -154,5 +155,36 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
 
 
 def _try_start(pc):
-    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "3", "--json", check=None)
+    out = pc("daemon", "d", "--heartbeat-s", str(HEARTBEAT_S), "--lease-ttl-s", "30", "--json", check=None)
     return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def test_daemon_as_a_slurm_job(run, slurm_cluster):
+    pc, run_dir = run
+    out = pc("daemon", "d", "--slurm", "--partition", "debug", "--heartbeat-s", "1", "--json", "--timeout", "60")
+    address = json.loads(out.stdout)
+    job_id = address["slurm_job_id"]
+    run_id = pc.json("status", "d")["run"]["id"]
+    squeue = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%j %T %b").stdout.split()
+    assert squeue[:2] == [f"pearl.{run_id}.daemon", "RUNNING"]  # its own small job, without a GPU
+    assert "gpu" not in squeue[2]
+    assert (run_dir / "logs" / f"daemon-{job_id}.log").exists()
+
+    # a second daemon job for the run is refused before it reaches Slurm
+    again = pc("daemon", "d", "--slurm", "--partition", "debug", check=5)
+    assert "already" in again.stderr
+
+    # the agents found it through the run directory and report to it
+    def registered():
+        doc = pc.json("status", "d")
+        ready = [w for w in doc["workers"] if w["state"] == "READY" and w["role"] == "TRAIN"]
+        return doc if len(ready) == 2 and all(a["agent_seen_at"] for a in doc["allocations"]) else None
+
+    wait_for(registered, 30)
+
+    # cancelling the run ends the daemon's job too, and the daemon stops cleanly (SIGTERM, lease released)
+    pc("cancel", "d")
+    slurm_cluster.wait_job_states(job_id, {"CANCELLED", "COMPLETED"}, timeout=30)
+    wait_for(lambda: not alive(address["pid"]), 15)
+    events = [j["event"] for j in pc.json("journal", "d")]
+    assert "daemon stopped" in events and "lease.released" in events

@@ -1,0 +1,9 @@
+"""The planner: pure functions of a snapshot (design.md §5). No I/O, no clock, no state access — the
+daemon and the simulator (pearlctl.sim) call the same code with the snapshots they build.
+
+- ``model``    the vocabulary: Snapshot (GPUs, rollout work, trainer), Deployment, Target, Move, Plan
+- ``profile``  engine performance and transition costs (Profile), loaded from and saved to TOML files
+- ``predict``  rollout batch completion time for a deployment, with tool waits and a straggler floor
+- ``choose``   the PD mode and ratio and the GPUs to use that minimise predicted time
+- ``diff``     the smallest set of moves from the current assignment to a target
+"""

@@ -1,0 +1,108 @@
+"""Which GPUs may serve rollout now: the pool limits and return deadlines that ``choose``, ``diff`` and the
+policies share, so a target the chooser builds is one the diff can reach.
+
+Guarantees (what ``diff`` enforces and the property tests check):
+
+- a trainer GPU is lent only while the trainer reports phase "waiting", never beyond ``max_lend`` lent GPUs
+  in all, and never when its return would be late: ``now + borrow cost + return cost + RETURN_SLACK_S`` must
+  not pass the deadline ``now + trainer.wait_left_s``;
+- a lent GPU must go back (``must_return``) once its deadline is within its return cost plus the slack, or
+  as soon as the trainer reports phase "training" (it is already waiting for its GPUs);
+- an idle GPU whose allocation ends (``ends_at``: an elastic GPU's preemption notice) before a worker could
+  be up on it is not used.
+
+Return costs assume the worker parks asleep (``TransitionCosts.return_s(park=True)``), as the executor does
+for a GPU that may be lent again.
+"""
+
+from __future__ import annotations
+
+from pearlctl.planner.model import SERVING, GpuSlot, Role, Snapshot
+
+# Slack on every deadline: one slow control-loop tick or one slow agent (the same as policy greedy's).
+RETURN_SLACK_S = 2.0
+
+
+def return_cost_s(snapshot: Snapshot) -> float:
+    return snapshot.costs.return_s(park=True)
+
+
+def bring_up_s(snapshot: Snapshot, gpu: GpuSlot) -> float:
+    """Seconds until a worker serves on ``gpu`` (not serving now)."""
+    costs = snapshot.costs
+    if gpu.pool == "trainer":
+        return costs.borrow_s(warm=gpu.parked)
+    return costs.wake_s if gpu.parked else costs.start_s
+
+
+def trainer_deadline(snapshot: Snapshot) -> float:
+    """When the trainer needs its GPUs back, from its own report."""
+    return snapshot.now + max(snapshot.trainer.wait_left_s, 0.0)
+
+
+def deadline(snapshot: Snapshot, gpu: GpuSlot) -> float:
+    """A lent GPU's return deadline (the trainer's report when the slot carries none)."""
+    return gpu.return_deadline if gpu.return_deadline is not None else trainer_deadline(snapshot)
+
+
+def must_return(snapshot: Snapshot, gpu: GpuSlot) -> bool:
+    """A lent GPU that has to start its return now to be back in time."""
+    if not gpu.borrowed:
+        return False
+    if snapshot.trainer.phase == "training":
+        return True
+    return deadline(snapshot, gpu) - snapshot.now <= return_cost_s(snapshot) + RETURN_SLACK_S
+
+
+def is_lent(gpu: GpuSlot) -> bool:
+    return gpu.pool == "trainer" and gpu.borrowed and gpu.role in SERVING
+
+
+def lendable(snapshot: Snapshot) -> list[GpuSlot]:
+    """Trainer GPUs that may be lent now (not yet lent), best first (parked: a warm borrow), capped so that
+    kept lent GPUs plus these never exceed ``max_lend``."""
+    if snapshot.trainer.phase != "waiting":
+        return []
+    limit = trainer_deadline(snapshot) - RETURN_SLACK_S - return_cost_s(snapshot)
+    out = [
+        g
+        for g in snapshot.gpus
+        if g.pool == "trainer"
+        and g.role is Role.TRAIN
+        and not g.borrowed
+        and snapshot.now + bring_up_s(snapshot, g) <= limit
+    ]
+    out.sort(key=lambda g: (not g.parked, g.node, g.id))
+    if snapshot.max_lend is not None:
+        kept = sum(1 for g in snapshot.gpus if is_lent(g) and not must_return(snapshot, g))
+        out = out[: max(0, snapshot.max_lend - kept)]
+    return out
+
+
+def may_start(snapshot: Snapshot, gpu: GpuSlot) -> bool:
+    """An idle rollout/elastic GPU whose allocation lasts long enough for a worker to come up on it."""
+    if gpu.role is not Role.IDLE or gpu.pool not in ("rollout", "elastic"):
+        return False
+    if gpu.ends_at is None:
+        return True
+    return gpu.ends_at > snapshot.now + bring_up_s(snapshot, gpu) + RETURN_SLACK_S
+
+
+def may_serve(snapshot: Snapshot, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
+    """The GPUs a deployment may use: the rollout pool's serving or startable GPUs; with ``elastic`` the
+    elastic pool's; with ``borrow`` the lent trainer GPUs that need not return yet and the lendable ones
+    (``warm_borrow_only``: only those with a parked worker, whose borrow is a wake)."""
+    out: list[GpuSlot] = []
+    for g in snapshot.gpus:
+        if g.pool == "rollout" or (elastic and g.pool == "elastic"):
+            if g.role in SERVING or may_start(snapshot, g):
+                out.append(g)
+    if borrow:
+        kept = [g for g in snapshot.gpus if is_lent(g) and not must_return(snapshot, g)]
+        if snapshot.max_lend is not None:
+            kept = kept[: snapshot.max_lend]
+        fresh = lendable(snapshot)
+        if warm_borrow_only:
+            fresh = [g for g in fresh if g.parked]
+        out += kept + fresh
+    return out

@@ -1,0 +1,159 @@
+"""The planner's vocabulary (design.md §3, §5) as frozen data: what the planner and the policies see
+(``Snapshot``), what they decide (``Target``), and how the current assignment gets there (``Plan`` of
+``Move``\\ s). The daemon builds snapshots from state, the simulator from its simulated cluster.
+
+GPU roles: a trainer-pool GPU is TRAIN, or lent (``borrowed``) to a rollout role; rollout and elastic GPUs
+serve ROLLOUT (prefill and decode colocated) or PREFILL / DECODE (disaggregated); IDLE GPUs hold nothing
+running (a vLLM worker may be parked asleep on them: ``parked``). REWARD is reserved for a generative
+reward model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pearlctl.planner.profile import Profile, TransitionCosts
+
+
+class Role(StrEnum):
+    TRAIN = "TRAIN"
+    ROLLOUT = "ROLLOUT"  # colocated prefill + decode
+    PREFILL = "PREFILL"
+    DECODE = "DECODE"
+    REWARD = "REWARD"
+    IDLE = "IDLE"
+
+
+SERVING = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+
+
+class Mode(StrEnum):
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    id: int
+    node: str
+    pool: str  # trainer | rollout | elastic | reward
+    role: Role
+    parked: bool = False  # a vLLM worker sleeps here: a wake, not a cold start, brings it back
+    borrowed: bool = False  # a trainer GPU lent to a rollout role
+    return_deadline: float | None = None  # borrowed: when the trainer needs it back (absolute seconds)
+    ends_at: float | None = None  # the allocation's known end (elastic: preemption notice), absolute seconds
+
+
+@dataclass(frozen=True)
+class Work:
+    """The remaining work of the current rollout batch (means over unfinished trajectories; ``*_max``:
+    the straggler's). Live, the rollout driver's progress reports fill it; the simulator knows it exactly."""
+
+    trajectories: int = 0  # unfinished
+    tool_waiting: int = 0  # of which waiting on a tool (or the environment) right now
+    turns_left: float = 0.0
+    turns_left_max: float = 0.0
+    decode_tokens_per_turn: float = 0.0  # response tokens per turn
+    decode_tokens_per_turn_max: float = 0.0
+    prefill_tokens_per_turn: float = 0.0  # new tokens per turn: the prompt, then tool output
+    context_tokens: float = 0.0  # current context of a trajectory
+    tool_latency_s: float = 0.0  # mean latency of one tool call
+    tool_latency_max_s: float = 0.0  # a tail latency (p99) for the straggler
+
+    @property
+    def empty(self) -> bool:
+        return self.trajectories <= 0
+
+
+@dataclass(frozen=True)
+class Trainer:
+    phase: str | None = None  # "training" | "waiting" | None (no report)
+    wait_left_s: float = 0.0  # how long the trainer still expects to wait for rollouts
+    step_time_s: float = 0.0  # its measured training step time
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How rollout GPUs are organised: ``workers`` colocated, or ``prefill`` + ``decode`` workers."""
+
+    mode: Mode
+    decode: int  # colocated: every rollout worker; disaggregated: the decode workers
+    prefill: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.decode + self.prefill
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    gpus: tuple[GpuSlot, ...]
+    work: Work
+    trainer: Trainer
+    profile: Profile
+    costs: TransitionCosts  # running estimates (journal), else the profile's
+    mode: Mode = Mode.COLOCATED  # the current PD mode
+    max_lend: int | None = None  # cap on lent trainer GPUs (`pearlctl borrow --gpus`)
+    preempt_per_hour: float = 0.0  # expected preemptions of one elastic GPU per hour
+    last_change_at: float | None = None  # when the last plan was applied (hysteresis)
+    horizon_s: float | None = None  # how far ahead gains count (default: the batch's predicted time)
+    extra: dict = field(default_factory=dict)  # what a simulator's oracle may know (never set live)
+
+    def by_pool(self, pool: str) -> list[GpuSlot]:
+        return [g for g in self.gpus if g.pool == pool]
+
+    def serving(self) -> list[GpuSlot]:
+        return [g for g in self.gpus if g.role in SERVING]
+
+    def lent(self) -> list[GpuSlot]:
+        return [g for g in self.gpus if g.borrowed]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the rollout side should look like: the PD layout, how many trainer GPUs it borrows and how many
+    elastic GPUs it uses. Counts are GPUs; the planner turns them into workers of the profile's size."""
+
+    mode: Mode
+    rollout_gpus: int  # GPUs serving (ROLLOUT, or PREFILL + DECODE)
+    prefill_gpus: int = 0  # disaggregated: of rollout_gpus, those in PREFILL
+    lend: int = 0  # trainer GPUs among rollout_gpus
+    elastic: int = 0  # elastic GPUs among rollout_gpus
+
+
+class MoveKind(StrEnum):
+    BORROW = "borrow"  # trainer GPU -> rollout role (offload + start or wake)
+    RETURN = "return"  # lent GPU -> TRAIN (drain + sleep or stop + reload)
+    START = "start"  # idle rollout/elastic GPU -> rollout role (cold start)
+    WAKE = "wake"  # idle GPU with a parked worker -> rollout role
+    RETIRE = "retire"  # rollout role -> IDLE (drain + stop, or sleep when it may come back)
+    SWITCH = "switch"  # one rollout role -> another (ROLLOUT <-> PREFILL/DECODE)
+
+
+@dataclass(frozen=True)
+class Move:
+    gpu: int
+    kind: MoveKind
+    from_role: Role
+    to_role: Role
+    cost_s: float  # seconds the GPU does no rollout work while it moves
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: Target
+    moves: tuple[Move, ...]
+    predicted_now_s: float  # the batch's predicted completion time without the plan
+    predicted_s: float  # with it (transition time included)
+    cost_s: float  # GPU-seconds of rollout work lost to the moves
+    why: str = ""
+
+    @property
+    def gain_s(self) -> float:
+        return self.predicted_now_s - self.predicted_s
+
+    @property
+    def empty(self) -> bool:
+        return not self.moves

@@ -1,0 +1,234 @@
+"""Rollout batch completion time for one deployment (design.md §5.1): how long the unfinished trajectories of
+the current batch take on ``decode`` (+ ``prefill``) workers of a profile. Pure and cheap (a few hundred
+microseconds): the policies call it dozens of times a decision, the simulator thousands of times a run.
+
+The model — closed-loop trajectories. Each trajectory repeats a turn: prefill its new tokens (the prompt,
+then tool output), decode a response, wait on a tool. Only trajectories in the decode step occupy a decode
+batch, so the *effective* decode concurrency per worker is below trajectories / workers (PEARL's
+environment-induced reduction). It is the fixed point
+
+    B = K * T * it(B) / cycle(B),     cycle(B) = W + prefill latency + T * it(B)
+
+with ``K`` trajectories per decode worker, ``T`` response tokens per turn, ``W`` the tool latency and
+``it(B)`` the seconds of one decode iteration at batch ``B``: the profile's ``itl(B, L)``, plus — colocated
+only — the prefill that time-shares the worker (each iteration finishes ``B / T`` turns, each needing
+``P / prefill_tok_s`` seconds of prefill). ``g(B)`` is increasing and concave with ``g(0) > 0``, so the fixed
+point is unique: bisection finds it.
+
+Caps. A worker runs at most ``max_num_seqs`` sequences, and at most ``kv_capacity_tokens / L`` fit its KV
+cache; beyond the cap, sequences queue and the cycle becomes ``K * T * it(B) / B``. Tool-waiting sequences
+keep their context cached only while it fits: the fraction that does not must re-prefill its whole context
+next turn (``recompute_tokens_per_turn``) — on the decode workers when colocated, on the (fewer) prefill
+workers when disaggregated.
+
+Disaggregated: prefill workers and decode workers run in parallel; each turn adds the KV transfer of the
+context (``Profile.kv_transfer_s``); prefill capacity floors the cycle at ``n * P / (prefill workers *
+prefill_tok_s)`` — the slower side bounds.
+
+The batch drains: trajectories have different numbers of turns left. Turns left follow ``M * q ** a`` over
+quantiles ``q`` (``a = M / m - 1`` makes the mean ``m`` and the maximum ``M`` exact); the model runs
+``PHASES`` phases, each with the trajectories still unfinished, so concurrency falls in the tail. Contexts
+grow by ``P + T`` per turn. Finally no trajectory beats its own sequential time: the straggler floor is
+``turns_left_max * (decode_tokens_per_turn_max * it(B_last) + tool_latency_max_s + prefill latency + queue)``,
+with
+``it(B) >= itl(1, L)`` — batch-1 decode speed.
+
+What it does not model: the transient of trajectories on tools right now (``Work.tool_waiting``; the steady
+state decides), queueing variance (means only), chunked-prefill details, and speculative decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pearlctl.planner.model import Deployment, Mode, Work
+from pearlctl.planner.profile import Profile
+
+PHASES = 4  # drain phases: enough to see the tail, few enough to stay cheap
+_BISECTIONS = 24  # B to ~6e-8 of its range: far below what the profile is accurate to
+
+
+class Bound(StrEnum):
+    """What limits the batch's completion."""
+
+    NONE = "none"  # no work left
+    UNSERVED = "unserved"  # no worker can serve it (no decode or, disaggregated, no prefill worker)
+    THROUGHPUT = "throughput"  # decode iterations of the whole batch (incl. the max_num_seqs cap)
+    KV_CAPACITY = "kv_capacity"  # the running batch is capped by KV cache: sequences queue
+    PREFILL = "prefill"  # disaggregated: the prefill workers cannot keep up
+    STRAGGLER = "straggler"  # the longest trajectory, at (near) batch-1 speed
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float  # until the last trajectory of the batch finishes (inf: never)
+    batch: float  # effective decode batch per decode worker, first phase
+    bound: Bound
+    turn_s: float = 0.0  # one turn of a mean trajectory, first phase (decode + prefill + tool + queue)
+    straggler_s: float = 0.0  # the straggler floor
+    recompute_tokens_per_turn: float = 0.0  # context re-prefilled per turn (evicted while on a tool), first phase
+    phases_s: tuple[float, ...] = ()  # the duration of each drain phase
+
+
+@dataclass(frozen=True)
+class _Steady:
+    """One phase's steady state."""
+
+    turn_s: float
+    batch: float
+    it_s: float  # one decode iteration at ``batch``
+    prefill_s: float  # a trajectory's own non-decode, non-tool latency per turn
+    queue_s: float  # waiting per turn for a batch slot or the prefill workers
+    recompute: float
+    bound: Bound
+
+
+def completion_s(work: Work, dep: Deployment, profile: Profile) -> float:
+    """Predicted seconds until the batch's last trajectory finishes on ``dep`` (inf if it cannot)."""
+    return predict(work, dep, profile).seconds
+
+
+def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
+    """The completion time, the effective decode batch and the bound that dominates (see the module doc)."""
+    n = float(work.trajectories)
+    if n <= 0:
+        return Prediction(0.0, 0.0, Bound.NONE)
+    disaggregated = dep.mode is Mode.DISAGGREGATED
+    if dep.decode <= 0 or (disaggregated and dep.prefill <= 0):
+        return Prediction(math.inf, 0.0, Bound.UNSERVED)
+
+    mean_turns = max(work.turns_left, 0.0)
+    max_turns = max(work.turns_left_max, mean_turns)
+    decode_tokens = max(work.decode_tokens_per_turn, 1.0)  # a turn always emits at least one token
+    prefill_tokens = max(work.prefill_tokens_per_turn, 0.0)
+    tool_s = max(work.tool_latency_s, 0.0)
+    growth = decode_tokens + prefill_tokens  # context tokens one turn adds
+    context0 = max(work.context_tokens, 0.0)
+
+    groups = _turn_groups(mean_turns, max_turns)
+    total = 0.0
+    phases: list[float] = []
+    first: _Steady | None = None
+    last: _Steady | None = None
+    slowest: tuple[float, Bound] = (-1.0, Bound.THROUGHPUT)
+    done_turns = 0.0
+    for k, turns in enumerate(groups):
+        delta = turns - done_turns
+        if delta <= 1e-12:
+            phases.append(0.0)
+            continue
+        active = n * (PHASES - k) / PHASES  # groups k.. are still running
+        context = context0 + (done_turns + delta / 2) * growth
+        steady = _steady(active, context, dep, profile, decode_tokens, prefill_tokens, tool_s)
+        duration = delta * steady.turn_s
+        phases.append(duration)
+        total += duration
+        first = first or steady
+        last = steady
+        if duration > slowest[0]:
+            slowest = (duration, steady.bound)
+        done_turns = turns
+
+    if first is None or last is None:  # no turns left at all: the batch is done
+        return Prediction(0.0, 0.0, Bound.NONE)
+
+    # The straggler: its own turns one after another, in the last phase's batch (never faster than batch 1)
+    # and behind the last phase's queue for a batch slot or a prefill worker.
+    s_decode = max(work.decode_tokens_per_turn_max, decode_tokens)
+    s_tool = max(work.tool_latency_max_s, tool_s)
+    s_context = context0 + max_turns * (prefill_tokens + s_decode) / 2
+    s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
+    straggler = max_turns * (s_decode * s_it + s_tool + last.prefill_s + last.queue_s)
+
+    seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total else (total, slowest[1])
+    return Prediction(
+        seconds=seconds,
+        batch=first.batch,
+        bound=bound,
+        turn_s=first.turn_s,
+        straggler_s=straggler,
+        recompute_tokens_per_turn=first.recompute,
+        phases_s=tuple(phases),
+    )
+
+
+def _turn_groups(mean_turns: float, max_turns: float) -> list[float]:
+    """Mean turns left of each quantile group (ascending): turns(q) = M * q ** a, a = M / m - 1, so the groups'
+    mean is exactly ``mean_turns`` and the top of the last group is ``max_turns``."""
+    if mean_turns <= 0:
+        return [0.0] * PHASES
+    a = max(max_turns / mean_turns - 1.0, 0.0)
+    # mean of M q^a over [k/K, (k+1)/K] = M * K * ((k+1)^(a+1) - k^(a+1)) / ((a+1) K^(a+1))
+    scale = max_turns / ((a + 1.0) * PHASES**a)
+    return [scale * ((k + 1) ** (a + 1.0) - k ** (a + 1.0)) for k in range(PHASES)]
+
+
+def _steady(
+    active: float,
+    context: float,
+    dep: Deployment,
+    profile: Profile,
+    decode_tokens: float,
+    prefill_tokens: float,
+    tool_s: float,
+) -> _Steady:
+    """The steady state of ``active`` trajectories of mean context ``context`` on ``dep``."""
+    decode = profile.decode
+    per_worker = active / dep.decode
+    kv = float(profile.kv_capacity_tokens)
+    context = max(context, 1.0)
+    kv_cap = kv / context
+    cap = min(float(profile.max_num_seqs), kv_cap)
+
+    # Whose cache holds the contexts between turns: the colocated workers, or the prefill workers.
+    holders = dep.prefill if dep.mode is Mode.DISAGGREGATED else dep.decode
+    resident = active / holders * context
+    evicted = max(0.0, 1.0 - kv / resident) if resident > 0 else 0.0
+    recompute = evicted * context
+    prefill_eff = prefill_tokens + recompute
+
+    pf = profile.prefill_tok_s
+    if dep.mode is Mode.DISAGGREGATED:
+        own_prefill = prefill_eff / pf + profile.kv_transfer_s(context)
+        steal = 0.0
+        floor = active * prefill_eff / (dep.prefill * pf)
+    else:
+        own_prefill = prefill_eff / pf
+        steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
+        floor = 0.0
+
+    def it(b: float) -> float:
+        return decode.itl(b, context) + b * steal
+
+    def cycle(b: float) -> float:
+        return max(tool_s + own_prefill + decode_tokens * it(b), floor)
+
+    hi = min(per_worker, cap)
+    capped = False
+    if per_worker * decode_tokens * it(hi) / cycle(hi) >= hi:
+        batch = hi  # more would decode if they could: the cap binds (or every trajectory decodes)
+        capped = hi < per_worker
+    else:
+        lo = 0.0
+        for _ in range(_BISECTIONS):
+            mid = 0.5 * (lo + hi)
+            if per_worker * decode_tokens * it(mid) / cycle(mid) > mid:
+                lo = mid
+            else:
+                hi = mid
+        batch = 0.5 * (lo + hi)
+    it_s = it(batch)
+    c = cycle(batch)
+    # Queued behind the cap: a turn's decode waits for a slot, so the cycle is set by throughput.
+    turn = max(c, per_worker * decode_tokens * it_s / batch) if batch > 0 else math.inf
+
+    if floor > 0 and floor >= tool_s + own_prefill + decode_tokens * it_s:
+        bound = Bound.PREFILL
+    elif capped and kv_cap < profile.max_num_seqs:
+        bound = Bound.KV_CAPACITY
+    else:
+        bound = Bound.THROUGHPUT
+    queue = max(0.0, turn - (tool_s + own_prefill + decode_tokens * it_s))
+    return _Steady(turn, batch, it_s, own_prefill, queue, recompute, bound)

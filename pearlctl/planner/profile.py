@@ -1,0 +1,200 @@
+"""Engine profiles: how fast one rollout worker prefills and decodes, how much KV cache it holds, and what
+each role transition costs. Pure data with pure functions; files are TOML (``[profile]``,
+``[profile.decode]``, ``[profile.costs]``, ``[sources]``) so shipped profiles cite where each number
+comes from.
+
+Decode model (one iteration of a continuous batch of ``B`` sequences whose mean context is ``L``)::
+
+    itl(B, L) = weights_s + experts_s * distinct_experts(B) + seq_s * B + kv_s_per_token * B * L
+
+- ``weights_s``: reading the dense weights once per iteration — the memory-bound floor at batch 1;
+- ``experts_s``: reading one expert's weights (all layers); an MoE batch touches
+  ``E * (1 - (1 - k/E) ** B)`` distinct experts (uniform routing), so MoE decode speed grows far less than
+  linearly with batch — a dense model has ``moe_experts = 0``;
+- ``seq_s``: per-sequence compute in an iteration;
+- ``kv_s_per_token``: reading one token of KV cache (attention is memory-bound in decode).
+
+Aggregate decode throughput is ``B / itl(B, L)``: sublinear in ``B`` and never above the compute line.
+A single sequence cannot go faster than ``1 / itl(1, L)`` tokens/s — the straggler floor.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    weights_s: float
+    seq_s: float
+    kv_s_per_token: float
+    experts_s: float = 0.0
+    moe_experts: int = 0
+    moe_top_k: int = 0
+
+    def distinct_experts(self, batch: float) -> float:
+        if not self.moe_experts:
+            return 0.0
+        e, k = self.moe_experts, self.moe_top_k
+        return e * (1.0 - (1.0 - k / e) ** max(batch, 1.0))
+
+    def itl(self, batch: float, context: float) -> float:
+        """Seconds of one decode iteration for ``batch`` sequences of mean context ``context`` tokens."""
+        b = max(batch, 1.0)
+        return (
+            self.weights_s
+            + self.experts_s * self.distinct_experts(b)
+            + self.seq_s * b
+            + self.kv_s_per_token * b * max(context, 0.0)
+        )
+
+    def tok_s(self, batch: float, context: float) -> float:
+        """Aggregate decode tokens/s of one worker."""
+        return max(batch, 1.0) / self.itl(batch, context)
+
+
+@dataclass(frozen=True)
+class TransitionCosts:
+    """Seconds each step takes (running estimates replace these once the journal has measured ones)."""
+
+    start_s: float = 60.0  # cold start of a vLLM worker: load weights, allocate KV, warm up
+    wake_s: float = 3.0  # wake a worker parked asleep
+    sleep_s: float = 3.0  # park a worker asleep (level 1: weights to host memory, KV freed)
+    stop_s: float = 5.0  # drain and stop a worker
+    offload_s: float = 2.0  # trainer releases its GPUs (DeepSpeed offload_states)
+    reload_s: float = 2.0  # trainer takes them back (reload_states)
+    weight_sync_s: float = 10.0  # new policy weights reach every rollout worker
+    role_switch_s: float = 5.0  # a rollout worker changes role (ROLLOUT <-> PREFILL/DECODE): drain + restart KV config
+
+    def borrow_s(self, warm: bool) -> float:
+        return self.offload_s + (self.wake_s if warm else self.start_s)
+
+    def return_s(self, park: bool) -> float:
+        return (self.sleep_s if park else self.stop_s) + self.reload_s
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    hardware: str
+    decode: DecodeModel
+    prefill_tok_s: float  # one worker, compute-bound prefill throughput
+    kv_capacity_tokens: int  # one worker's KV cache, in tokens
+    max_num_seqs: int = 256  # vLLM's cap on a worker's running batch
+    gpus_per_worker: int = 1  # tensor parallel size
+    kv_bytes_per_token: int = 0
+    kv_transfer_gb_s: float = 10.0  # prefill -> decode KV transfer bandwidth (disaggregated mode)
+    costs: TransitionCosts = field(default_factory=TransitionCosts)
+    sources: dict[str, str] = field(default_factory=dict)  # field -> citation
+
+    def __post_init__(self):
+        problems = []
+        for name in ("prefill_tok_s", "kv_capacity_tokens", "max_num_seqs", "gpus_per_worker", "kv_transfer_gb_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0 (got {getattr(self, name)!r})")
+        d = self.decode
+        if not d.weights_s > 0 or d.seq_s < 0 or d.kv_s_per_token < 0 or d.experts_s < 0:
+            problems.append("decode: weights_s must be > 0; seq_s, kv_s_per_token, experts_s >= 0")
+        if d.moe_experts and not 0 < d.moe_top_k <= d.moe_experts:
+            problems.append("decode: moe_top_k must be in 1..moe_experts")
+        for name, value in asdict(self.costs).items():
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                problems.append(f"costs.{name} must be a finite number >= 0 (got {value!r})")
+        if problems:
+            raise ProfileError(f"profile {self.name!r}: " + "; ".join(problems))
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        """Seconds to move the KV cache of ``tokens`` tokens from a prefill to a decode worker."""
+        if not self.kv_bytes_per_token:
+            return 0.0
+        return tokens * self.kv_bytes_per_token / (self.kv_transfer_gb_s * 1e9)
+
+    def with_costs(self, **changes: float) -> Profile:
+        from dataclasses import replace
+
+        return replace(self, costs=replace(self.costs, **changes))
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+_TOP = {f.name for f in fields(Profile)} - {"decode", "costs", "sources"}
+_DECODE = {f.name for f in fields(DecodeModel)}
+_COSTS = {f.name for f in fields(TransitionCosts)}
+
+
+def _known(table: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ProfileError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+
+
+def from_dict(doc: dict, *, where: str = "profile") -> Profile:
+    """A profile from its TOML document (``[profile]`` with ``decode`` and ``costs`` tables; ``[sources]``)."""
+    body = dict(doc.get("profile") or {})
+    if not body:
+        raise ProfileError(f"{where}: no [profile] table")
+    decode = body.pop("decode", None)
+    costs = body.pop("costs", {})
+    if decode is None:
+        raise ProfileError(f"{where}: no [profile.decode] table (weights_s, seq_s, kv_s_per_token)")
+    _known(body, _TOP, f"{where} [profile]")
+    _known(decode, _DECODE, f"{where} [profile.decode]")
+    _known(costs, _COSTS, f"{where} [profile.costs]")
+    missing = [k for k in ("name", "model", "hardware", "prefill_tok_s", "kv_capacity_tokens") if k not in body]
+    if missing:
+        raise ProfileError(f"{where} [profile]: missing {', '.join(missing)}")
+    try:
+        return Profile(
+            decode=DecodeModel(**decode),
+            costs=TransitionCosts(**costs),
+            sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
+            **body,
+        )
+    except TypeError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def load(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc}") from None
+    return from_dict(doc, where=str(path))
+
+
+def to_dict(profile: Profile) -> dict:
+    body = {k: v for k, v in asdict(profile).items() if k not in ("decode", "costs", "sources")}
+    body["decode"] = asdict(profile.decode)
+    body["costs"] = asdict(profile.costs)
+    return {"profile": body, "sources": dict(profile.sources)}
+
+
+def dumps(profile: Profile) -> str:
+    """The profile as TOML (what ``pearlctl profile --export`` writes and ``load`` reads back)."""
+    doc = to_dict(profile)
+    lines = ["[profile]"]
+    lines += [f"{k} = {_toml(v)}" for k, v in doc["profile"].items() if not isinstance(v, dict)]
+    for table in ("decode", "costs"):
+        lines += ["", f"[profile.{table}]"] + [f"{k} = {_toml(v)}" for k, v in doc["profile"][table].items()]
+    if doc["sources"]:
+        lines += ["", "[sources]"] + [f"{k} = {_toml(v)}" for k, v in doc["sources"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(v) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))

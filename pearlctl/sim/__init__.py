@@ -1,0 +1,1 @@
+"""The trace-driven simulator: see pearlctl/sim/README or docs/simulator.md."""

@@ -1,0 +1,334 @@
+"""Simulator scenarios: a validated TOML file describing the cluster, the elastic capacity, the model
+profile, the agentic workload and the RL loop (docs/simulator.md has the format).
+
+Guarantees: ``load`` either returns a complete, internally consistent ``Scenario`` or raises
+``ScenarioError`` naming the key (``[workload] turns.p99``) and what would be allowed. The profile is
+referenced by path relative to the scenario file and loaded with the planner's own loader
+(``pearlctl.planner.profile.load``), so the simulator and the planner read the same numbers.
+
+Sampling is deterministic for a seed: ``Distribution.sample`` draws from the ``numpy.random.Generator``
+it is given and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from pearlctl.planner.profile import Profile, ProfileError
+from pearlctl.planner.profile import load as load_profile
+
+
+class ScenarioError(ValueError):
+    pass
+
+
+# z of the 99th percentile of a standard normal: a lognormal given by (median, p99) has sigma = ln(p99/median)/Z99.
+Z99 = 2.3263478740408408
+
+DISTRIBUTION_KINDS = ("const", "uniform", "lognormal")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A scalar distribution: ``const`` (value), ``uniform`` (low, high) or ``lognormal`` (median, p99 —
+    the long tail), each optionally clipped to [min, max]. Integer quantities are rounded by the caller."""
+
+    kind: str
+    value: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    median: float = 0.0
+    p99: float = 0.0
+    min: float = 0.0
+    max: float = math.inf
+
+    def sample(self, rng: np.random.Generator, size) -> np.ndarray:
+        if self.kind == "const":
+            x = np.full(size, float(self.value))
+        elif self.kind == "uniform":
+            x = rng.uniform(self.low, self.high, size)
+        else:
+            sigma = math.log(self.p99 / self.median) / Z99 if self.p99 > self.median else 0.0
+            x = self.median * np.exp(sigma * rng.standard_normal(size))
+        return np.clip(x, self.min, self.max)
+
+    def summary(self, rng_seed: int = 12345, n: int = 20000) -> tuple[float, float]:
+        """(mean, p99) of the clipped distribution, estimated from a fixed sample (what history tells a live
+        system about the workload; the simulator gives these to policies, never the drawn values)."""
+        x = self.sample(np.random.default_rng(rng_seed), n)
+        return float(x.mean()), float(np.quantile(x, 0.99))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    trainer_gpus: int
+    rollout_gpus: int
+    elastic_gpus: int = 0  # the most elastic GPUs that can be granted at once
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class AvailabilityEvent:
+    at_s: float
+    grant: int = 0  # GPUs granted at at_s
+    preempt: int = 0  # GPUs preempted at at_s (the newest grants first); notice_s before, ends_at is known
+    notice_s: float | None = None  # None: the scenario's notice window
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Elastic capacity: explicit events and/or a seeded random process. Random grants arrive as a Poisson
+    process of node-sized grants, each living an exponential lifetime; cluster-wide reclaims (a higher-priority
+    job takes the partition) preempt every granted GPU at once — the correlated preemption."""
+
+    events: tuple[AvailabilityEvent, ...] = ()
+    initial_gpus: int = 0  # granted at t=0
+    grant_interval_s: float = 0.0  # mean time between random grants; 0: no random grants
+    grant_gpus: int = 8  # GPUs per random grant (a node)
+    lifetime_s: float = 0.0  # mean lifetime of a random grant; 0: lives until reclaimed
+    reclaim_interval_s: float = 0.0  # mean time between cluster-wide reclaims; 0: none
+    notice_s: float = 30.0  # warning before a preemption (ends_at is visible this long before)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int
+    group_size: int
+    turns: Distribution  # model turns per trajectory (a tool call between two turns)
+    prompt_tokens: Distribution
+    response_tokens: Distribution  # generated tokens per turn
+    tool_output_tokens: Distribution  # tokens a tool returns (prefilled at the next turn)
+    tool_latency_s: Distribution
+    max_context_tokens: int = 32768  # a trajectory ends when its context reaches this
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class Training:
+    mode: str  # sync | async
+    train_step_s: float
+    weight_sync_s: float  # rollout workers pause this long after each step while new weights load
+    staleness: int = 0  # async: a batch may be generated at most this many steps ahead of the trainer
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: Path | None
+    profile: Profile
+    profile_path: Path
+    cluster: Cluster
+    availability: Availability
+    workload: Workload
+    training: Training
+    steps: int = 8
+    seed: int = 0
+    tick_s: float = 0.5  # simulated time per engine step (fluid between ticks)
+    control_interval_s: float = 5.0  # the daemon's planning tick
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def with_overrides(self, *, steps: int | None = None, seed: int | None = None) -> Scenario:
+        return replace(self, steps=self.steps if steps is None else steps, seed=self.seed if seed is None else seed)
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+_SECTIONS = {"scenario", "cluster", "availability", "workload", "training", "sources"}
+
+
+def _table(doc: dict, name: str, where: str, *, required: bool = True) -> dict:
+    t = doc.get(name)
+    if t is None:
+        if required:
+            raise ScenarioError(f"{where}: missing [{name}] table")
+        return {}
+    if not isinstance(t, dict):
+        raise ScenarioError(f"{where}: {name} must be a table [{name}]")
+    return dict(t)
+
+
+def _known(t: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(t) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _number(t: dict, key: str, where: str, *, default=None, minimum: float = 0.0, strict: bool = False, integer=False):
+    if key not in t:
+        if default is None:
+            raise ScenarioError(f"{where} {key}: required ({'an integer' if integer else 'a number'})")
+        return default
+    v = t[key]
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not math.isfinite(v):
+        raise ScenarioError(f"{where} {key}: must be {'an integer' if integer else 'a number'} (got {v!r})")
+    if v < minimum or (strict and v == minimum):
+        raise ScenarioError(f"{where} {key}: must be {'>' if strict else '>='} {minimum} (got {v!r})")
+    return v
+
+
+def _distribution(t: dict, key: str, where: str) -> Distribution:
+    w = f"{where} {key}"
+    spec = t.get(key)
+    if spec is None:
+        raise ScenarioError(f"{w}: required, e.g. {{kind = \"lognormal\", median = 500, p99 = 4000}}")
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return Distribution("const", value=float(spec))
+    if not isinstance(spec, dict):
+        raise ScenarioError(f"{w}: must be a number or an inline table with kind = {'|'.join(DISTRIBUTION_KINDS)}")
+    kind = spec.get("kind")
+    allowed = {"const": {"value"}, "uniform": {"low", "high"}, "lognormal": {"median", "p99"}}
+    if kind not in allowed:
+        raise ScenarioError(f"{w}.kind: must be one of {', '.join(DISTRIBUTION_KINDS)} (got {kind!r})")
+    _known(spec, allowed[kind] | {"kind", "min", "max"}, w)
+    vals = {k: float(_number(spec, k, f"{w}.")) for k in allowed[kind]}
+    lo = float(_number(spec, "min", f"{w}.", default=0.0))
+    hi = float(_number(spec, "max", f"{w}.", default=math.inf)) if "max" in spec else math.inf
+    if kind == "uniform" and vals["high"] < vals["low"]:
+        raise ScenarioError(f"{w}: high must be >= low")
+    if kind == "lognormal":
+        if vals["median"] <= 0:
+            raise ScenarioError(f"{w}.median: must be > 0")
+        if vals["p99"] < vals["median"]:
+            raise ScenarioError(f"{w}.p99: must be >= median ({vals['median']})")
+    if hi < lo:
+        raise ScenarioError(f"{w}: max must be >= min")
+    return Distribution(kind, min=lo, max=hi, **vals)
+
+
+def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
+    _known(doc, _SECTIONS, where)
+    top = _table(doc, "scenario", where)
+    _known(top, {"name", "description", "profile", "steps", "seed", "tick_s", "control_interval_s"}, f"{where} [scenario]")
+    if not isinstance(top.get("name"), str) or not top["name"]:
+        raise ScenarioError(f"{where} [scenario] name: required (a string)")
+    if not isinstance(top.get("profile"), str):
+        raise ScenarioError(f"{where} [scenario] profile: required: a profile TOML path relative to the scenario file")
+    profile_path = (base / top["profile"]).resolve()
+    try:
+        profile = load_profile(profile_path)
+    except ProfileError as exc:
+        raise ScenarioError(f"{where} [scenario] profile: {exc}") from None
+
+    w = f"{where} [cluster]"
+    c = _table(doc, "cluster", where)
+    _known(c, {"trainer_gpus", "rollout_gpus", "elastic_gpus", "gpus_per_node"}, w)
+    cluster = Cluster(
+        trainer_gpus=_number(c, "trainer_gpus", w, minimum=1, integer=True),
+        rollout_gpus=_number(c, "rollout_gpus", w, minimum=0, integer=True),
+        elastic_gpus=_number(c, "elastic_gpus", w, default=0, integer=True),
+        gpus_per_node=_number(c, "gpus_per_node", w, default=8, minimum=1, integer=True),
+    )
+    g = profile.gpus_per_worker
+    for key in ("trainer_gpus", "rollout_gpus", "elastic_gpus", "gpus_per_node"):
+        if getattr(cluster, key) % g:
+            raise ScenarioError(f"{w} {key}: must be a multiple of the profile's gpus_per_worker ({g})")
+    if cluster.rollout_gpus == 0 and cluster.elastic_gpus == 0:
+        raise ScenarioError(f"{w}: rollout_gpus and elastic_gpus are both 0: nothing could ever generate rollouts")
+
+    w = f"{where} [availability]"
+    a = _table(doc, "availability", where, required=False)
+    _known(
+        a,
+        {"events", "initial_gpus", "grant_interval_s", "grant_gpus", "lifetime_s", "reclaim_interval_s", "notice_s"},
+        w,
+    )
+    events = []
+    for i, e in enumerate(a.get("events", [])):
+        we = f"{w} events[{i}]"
+        if not isinstance(e, dict):
+            raise ScenarioError(f"{we}: must be an inline table {{at_s = ..., grant = N}} or {{at_s, preempt = N}}")
+        _known(e, {"at_s", "grant", "preempt", "notice_s"}, we)
+        ev = AvailabilityEvent(
+            at_s=float(_number(e, "at_s", we)),
+            grant=_number(e, "grant", we, default=0, integer=True),
+            preempt=_number(e, "preempt", we, default=0, integer=True),
+            notice_s=float(_number(e, "notice_s", we)) if "notice_s" in e else None,
+        )
+        if (ev.grant > 0) == (ev.preempt > 0):
+            raise ScenarioError(f"{we}: give exactly one of grant = N or preempt = N (N > 0)")
+        events.append(ev)
+    availability = Availability(
+        events=tuple(sorted(events, key=lambda e: e.at_s)),
+        initial_gpus=_number(a, "initial_gpus", w, default=0, integer=True),
+        grant_interval_s=float(_number(a, "grant_interval_s", w, default=0.0)),
+        grant_gpus=_number(a, "grant_gpus", w, default=cluster.gpus_per_node, minimum=1, integer=True),
+        lifetime_s=float(_number(a, "lifetime_s", w, default=0.0)),
+        reclaim_interval_s=float(_number(a, "reclaim_interval_s", w, default=0.0)),
+        notice_s=float(_number(a, "notice_s", w, default=30.0)),
+    )
+    if (availability.initial_gpus or availability.grant_interval_s or events) and not cluster.elastic_gpus:
+        raise ScenarioError(f"{w}: grants need [cluster] elastic_gpus > 0")
+    if availability.initial_gpus > cluster.elastic_gpus:
+        raise ScenarioError(f"{w} initial_gpus: must be <= [cluster] elastic_gpus ({cluster.elastic_gpus})")
+    if availability.grant_gpus % g:
+        raise ScenarioError(f"{w} grant_gpus: must be a multiple of the profile's gpus_per_worker ({g})")
+
+    w = f"{where} [workload]"
+    wl = _table(doc, "workload", where)
+    dists = ("turns", "prompt_tokens", "response_tokens", "tool_output_tokens", "tool_latency_s")
+    _known(wl, {"prompts_per_step", "group_size", "max_context_tokens", *dists}, w)
+    workload = Workload(
+        prompts_per_step=_number(wl, "prompts_per_step", w, minimum=1, integer=True),
+        group_size=_number(wl, "group_size", w, minimum=1, integer=True),
+        max_context_tokens=_number(wl, "max_context_tokens", w, default=32768, minimum=1, integer=True),
+        **{k: _distribution(wl, k, w) for k in dists},
+    )
+    if workload.turns.min < 1:
+        workload = replace(workload, turns=replace(workload.turns, min=1.0))
+
+    w = f"{where} [training]"
+    tr = _table(doc, "training", where)
+    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness"}, w)
+    mode = tr.get("mode", "sync")
+    if mode not in ("sync", "async"):
+        raise ScenarioError(f"{w} mode: must be \"sync\" or \"async\" (got {mode!r})")
+    training = Training(
+        mode=mode,
+        train_step_s=float(_number(tr, "train_step_s", w, strict=True)),
+        weight_sync_s=float(_number(tr, "weight_sync_s", w, default=profile.costs.weight_sync_s)),
+        staleness=_number(tr, "staleness", w, default=1 if mode == "async" else 0, integer=True),
+    )
+    if mode == "async" and training.staleness < 1:
+        raise ScenarioError(f"{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = \"sync\")")
+    if mode == "sync" and training.staleness:
+        raise ScenarioError(f"{w} staleness: only for mode = \"async\"")
+
+    w = f"{where} [scenario]"
+    return Scenario(
+        name=top["name"],
+        path=None,
+        profile=profile,
+        profile_path=profile_path,
+        cluster=cluster,
+        availability=availability,
+        workload=workload,
+        training=training,
+        steps=_number(top, "steps", w, default=8, minimum=1, integer=True),
+        seed=_number(top, "seed", w, default=0, integer=True),
+        tick_s=float(_number(top, "tick_s", w, default=0.5, strict=True)),
+        control_interval_s=float(_number(top, "control_interval_s", w, default=5.0, strict=True)),
+        description=str(top.get("description", "")),
+        sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
+    )
+
+
+def load(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+    scenario = from_dict(doc, base=path.resolve().parent, where=str(path))
+    return replace(scenario, path=path)

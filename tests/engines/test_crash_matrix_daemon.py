@@ -1,0 +1,244 @@
+"""Crash matrix on the real daemon process: the daemon is SIGKILLed at every step boundary (before intent,
+after intent, after effect, after done) of a cold borrow, a stopping return, a warm borrow and a parking
+return, with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the tiny model, started by a
+real agent (local backend: process groups on this machine). After each kill a new daemon takes over the
+same state; the test checks that it converges (the transition DONE, each step journaled once), that no
+vLLM process was started twice, that the trainer got its GPUs back, and that the journal says what
+happened (a re-issued effect, or none needed).
+
+The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env). Cases run in an order
+that chains them: a borrow case leaves a GPU lent for the return case after it; a test that finds its
+precondition missing (a GPU lent or not, a worker parked or not) sets it up first without a fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from pearlctl.daemon.transitions import PLANS
+from pearlctl.runfiles import read_address
+from pearlctl.state.store import Store
+from tests.conftest import REPO, Pearlctl, alive, wait_for
+from tests.engines.conftest import TINY_MODEL
+
+POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
+RUN = "crash"
+
+
+def cases() -> list[tuple[str, int, str, str]]:
+    """(plan, seq, kind, point), ordered so one case leaves what the next one needs."""
+
+    def of(plan):
+        return [(plan, seq, kind, p) for seq, kind in enumerate(PLANS[plan]) for p in POINTS]
+
+    cold, stop, warm, park = of("borrow"), of("return"), of("borrow_warm"), of("return_sleep")
+    ordered = []
+    for i in range(max(len(cold), len(stop))):  # no worker parked in this phase: every borrow is cold
+        ordered += cold[i : i + 1] + stop[i : i + 1]
+    ordered.append(park[0])  # parks the first worker
+    for i in range(max(len(warm), len(park) - 1)):
+        ordered += warm[i : i + 1] + park[i + 1 : i + 2]
+    return ordered
+
+
+CASES = cases()
+
+
+def spec(d: Path) -> str:
+    train = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "examples/grpo/train.py"),
+        "--model",
+        str(TINY_MODEL),
+        "--steps",
+        "1",
+        "--out",
+        str(d / "run" / "trainer"),
+        "--rollouts",
+        f"file:{d / 'rollouts'}",  # never written: the trainer waits for its first batch all along
+        "--first-wait-s",
+        "36000",
+        "--channel",
+        "daemon",
+    ]
+    return f"""
+[run]
+name = "{RUN}"
+model = "{TINY_MODEL}"
+run_dir = "{d / "run"}"
+backend = "local"
+poll_interval_s = 2
+[pools.trainer]
+nodes = 1
+gpus_per_node = 2
+env = {{ OMP_NUM_THREADS = "1" }}
+train_command = {json.dumps(train)}
+engine_args = {{ max_model_len = 512 }}
+[pools.rollout]                # no GPU, so no worker: every vLLM here runs on a lent trainer GPU
+nodes = 1
+gpus_per_node = 0
+"""
+
+
+class Harness:
+    def __init__(self, pc: Pearlctl, run_dir: Path):
+        self.pc, self.run_dir = pc, run_dir
+        self.store = Store.open(Path(pc.env["PEARL_STATE_DIR"]) / "state.db", readonly=True)
+        self.run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
+
+    # -- the daemon ---------------------------------------------------------------------------------
+    def start_daemon(self, fault: str | None = None) -> dict:
+        self.stop_daemon()
+        env = {k: v for k, v in self.pc.env.items() if k != "PEARL_FAULT"}
+        if fault:
+            env["PEARL_FAULT"] = fault
+        pc = Pearlctl(self.pc.env["PEARL_STATE_DIR"], env)
+        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", "30", "--json").stdout)
+
+    def stop_daemon(self) -> None:
+        address = read_address(self.run_dir)
+        if address and alive(address["pid"]):
+            os.kill(address["pid"], signal.SIGTERM)
+            wait_for(lambda: not alive(address["pid"]), 30, every=0.1)
+
+    # -- what state says ----------------------------------------------------------------------------
+    def transitions(self) -> list[dict]:
+        return self.store.transitions(self.run_id)
+
+    def lent(self) -> list[dict]:
+        return [g for g in self.store.gpus(self.run_id) if g["borrowed"]]
+
+    def parked(self) -> list[dict]:
+        return [g for g in self.store.gpus(self.run_id) if g["worker_id"] is not None and not g["borrowed"]]
+
+    def settled(self) -> dict | None:
+        """The last transition once nothing is moving (None while one is open)."""
+        ts = self.transitions()
+        if any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in ts):
+            return None
+        return ts[-1] if ts else {}
+
+    def vllm_starts(self) -> int:
+        """vLLM processes ever started by the agent: one "starting" line per process in its logs."""
+        return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob("vllm-*.log"))
+
+    def trainer_events(self) -> list[dict]:
+        path = self.run_dir / "trainer" / "train.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    # -- moving GPUs ----------------------------------------------------------------------------------
+    def trigger(self, plan: str) -> None:
+        if plan in ("borrow", "borrow_warm"):
+            extra = ["--stop-on-return"] if plan == "borrow" else []
+            self.pc("borrow", RUN, "--policy", "greedy", "--gpus", "1", *extra)
+        else:
+            self.pc("return", RUN, *(["--keep-warm"] if plan == "return_sleep" else []))
+
+    def move(self, plan: str) -> dict:
+        """Run one transition to the end under a daemon without a fault (setting up a precondition)."""
+        before = len(self.transitions())
+        self.trigger(plan)
+        return wait_for(lambda: len(self.transitions()) > before and self.settled(), 180)
+
+    def ensure(self, plan: str) -> None:
+        """Bring the run where a transition of ``plan`` is what happens next."""
+        if read_address(self.run_dir) is None or not alive(read_address(self.run_dir)["pid"]):
+            self.start_daemon()
+        wants_parked = plan == "borrow_warm"
+        if plan in ("borrow", "borrow_warm"):
+            if self.lent():
+                self.move("return_sleep" if wants_parked else "return")
+            if wants_parked and not self.parked():
+                self.move("borrow")
+                self.move("return_sleep")
+            assert bool(self.parked()) == wants_parked, "a cold borrow needs no parked worker"
+        elif not self.lent():
+            self.move("borrow_warm" if self.parked() else "borrow")
+
+
+@pytest.fixture(scope="module")
+def harness(engine_lock, tmp_path_factory):
+    d = tmp_path_factory.mktemp("crash")
+    (d / "run.toml").write_text(spec(d))
+    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
+    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
+    h = Harness(pc, d / "run")
+    h.start_daemon()
+    # the trainer is up and waiting for its first batch, with the long wait it announced
+    wait_for(lambda: (h.store.get_run(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
+    yield h
+    h.stop_daemon()
+    pc("cancel", RUN, check=None)
+    h.store.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{s}{k}-{pt}" for p, s, k, pt in CASES])
+def test_daemon_killed_at_step_boundary_converges(harness, case):
+    h = harness
+    plan, seq, kind, point = case
+    h.ensure(plan)
+    fault = f"{point}:{seq}:{kind}"
+    starts_before = h.vllm_starts()
+    n_before = len(h.transitions())
+    releases_before = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
+    broken_before = sum(j["event"] == "lease.broken" for j in h.store.journal(h.run_id))
+
+    first = h.start_daemon(fault)
+    h.trigger(plan)
+    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
+    log = (h.run_dir / "logs" / "daemon.log").read_text()
+    assert f"PEARL_FAULT {fault}: SIGKILL" in log
+
+    second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out
+    assert second["epoch"] > first["epoch"]
+    t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 180)
+
+    # it converged: the transition the first daemon planned ran to the end, each step journaled once
+    assert (t["detail"] or {}).get("plan", t["kind"]) == plan and t["state"] == "DONE", t
+    steps = h.store.steps(t["id"])
+    assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
+    journal = h.store.journal(h.run_id)
+    intents = [j for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
+    keys = [j["data"]["key"] for j in intents if j["data"]["transition_id"] == t["id"]]
+    assert len(keys) == len(set(keys)) == len(PLANS[plan])
+
+    # no engine started twice: a cold borrow started exactly one vLLM process, any other case none
+    assert h.vllm_starts() - starts_before == (1 if plan == "borrow" else 0)
+    workers = [w for w in h.store.workers(h.run_id) if w["role"] == "ROLLOUT"]
+    live = [w for w in workers if w["state"] not in ("STOPPED", "LOST", "FAILED")]
+    assert len(live) <= 1, live
+
+    if plan.startswith("borrow"):
+        assert len(h.lent()) == 1 and live and live[0]["state"] == "READY" and live[0]["routable"]
+        releases = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
+        assert releases == releases_before + 1  # the trainer offloaded once, not twice
+    else:  # the trainer has its GPUs back, and the worker is parked asleep or stopped as asked
+        assert not h.lent() and not (h.store.get_run(h.run_id).get("trainer") or {}).get("released")
+        events = h.trainer_events()
+        last_release = max(i for i, e in enumerate(events) if e["event"] == "release")
+        assert any(e["event"] == "reclaim" and e["ok"] for e in events[last_release:])
+        if plan == "return_sleep":
+            assert len(live) == 1 and live[0]["state"] == "SLEEPING" and not live[0]["routable"]
+        else:
+            assert not live
+
+    # the journal tells it: the key of the step the first daemon died on; re-issued if its effect may be lost
+    key = f"{t['id']}:{seq}:{kind}"
+    reissued = [j for j in journal if j["event"] == "effect re-issued after restart" and j["entity_id"] == key]
+    if point in ("after_intent", "after_effect"):
+        assert reissued, f"no re-issue of {key} journaled"
+    else:
+        assert not reissued
+    # the second daemon did not wait the lease out: it saw the holder's process gone and broke the lease
+    assert sum(j["event"] == "lease.broken" for j in journal) == broken_before + 1
