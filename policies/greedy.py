@@ -1,20 +1,25 @@
-"""Policy `greedy`: lend every idle trainer GPU (up to the cap) whenever the trainer waits for
-rollouts long enough for a borrow and its return to fit in the wait.
+"""Policy `greedy`: lend every idle trainer GPU (up to the cap) whenever the trainer waits for rollouts
+long enough for a borrow and its return to fit in the wait; give them back only when they must go.
 
-``view`` (built by the daemon): ``phase`` ("training" | "waiting"), ``wait_left_s`` (seconds of the
-trainer's reported wait still ahead), ``idle_gpus`` (trainer GPUs not lent), ``max_gpus`` (cap from
-`pearlctl borrow --gpus`, or None), ``borrow_cost_s`` and ``return_cost_s`` (running estimates from
-past transitions). It weighs nothing else: the cost-aware `pearl` policy comes with the planner.
+It weighs nothing else — not whether rollout needs the GPUs, not what they would gain — so it needs no
+engine profile: the cost-aware policy is `pearl`. The pool rules (trainer waiting, ``max_lend``, a borrow
+plus its return fitting before the trainer's deadline, with a slack) are the planner's
+(pearlctl.planner.budget), shared with every policy. Loaded by name; pure: ``decide(snapshot)``.
 """
 
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pearlctl.planner import budget, plan
+from pearlctl.planner.model import Plan, Snapshot
+
 NAME = "greedy"
-MARGIN_S = 2.0  # slack for a slow poll or a slow agent
 
 
-def borrow_gpus(view: dict) -> int:
-    if view["phase"] != "waiting" or view["idle_gpus"] <= 0:
-        return 0
-    if view["wait_left_s"] <= view["borrow_cost_s"] + view["return_cost_s"] + MARGIN_S:
-        return 0  # the GPUs could not do any rollout work before they must go back
-    cap = view["max_gpus"] if view["max_gpus"] is not None else view["idle_gpus"]
-    return max(0, min(cap, view["idle_gpus"]))
+def decide(snapshot: Snapshot) -> Plan | None:
+    current = plan.current_target(snapshot)
+    lend = budget.lendable(snapshot)
+    target = replace(current, rollout_gpus=current.rollout_gpus + len(lend), lend=current.lend + len(lend))
+    planned = plan.make(snapshot, target, why=f"greedy: lend {len(lend)} idle trainer GPU(s)" if lend else "greedy")
+    return None if planned.empty else planned

@@ -1,13 +1,19 @@
-"""Policy `never`: never borrow trainer GPUs; every GPU keeps the role of its pool.
+"""Policy `never`: no borrowing. Lent GPUs go back (the daemon returns them as soon as borrowing is turned
+off); nothing is lent. Loaded by name; pure: ``decide(snapshot)``."""
 
-The fixed-allocation behaviour, and the default. Policies are loaded by name from this directory
-(pearlctl.daemon.borrowing.load_policy); the core never imports them. A policy is pure: it sees a
-plain dict and returns a number.
-"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pearlctl.planner import plan
+from pearlctl.planner.model import Plan, Snapshot
 
 NAME = "never"
 
 
-def borrow_gpus(view: dict) -> int:
-    """How many idle trainer GPUs to lend to rollout now: none."""
-    return 0
+def decide(snapshot: Snapshot) -> Plan | None:
+    current = plan.current_target(snapshot)
+    if not current.lend:
+        return None
+    back = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
+    return plan.make(snapshot, back, why="never: every lent GPU goes back")

@@ -35,10 +35,11 @@ def chat(turns: list[tuple[str, str]]) -> str:
     return text + "<|im_start|>assistant\n"
 
 
-def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: random.Random) -> dict:
+def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: random.Random, remaining) -> dict:
     prompt = f"{a} + {b} ="
     turns = [("user", prompt)]
     first = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    remaining.turn(session, first.tokens)
     turns.append(("assistant", first.text))
     client.count("tool_wait")
     latency = args.tool_latency_s
@@ -48,6 +49,7 @@ def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: rand
     client.count("tool_wait", -1)
     turns.append(("tool", f"calc({a},{b}) = {a + b}"))
     second = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    remaining.turn(session, second.tokens)
     completion = first.text + "\n" + second.text
     return {
         "prompt": prompt,
@@ -60,17 +62,66 @@ def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: rand
     }
 
 
-def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor) -> list[dict]:
+TURNS = 2  # an episode: answer, tool call, answer
+
+
+class Remaining:
+    """The remaining work of the current step, as the planner's Work fields (pearlctl.planner.model.Work):
+    turns left per unfinished episode, tokens per turn seen so far, the tool's latency law."""
+
+    def __init__(self, args):
+        self.args, self.lock = args, threading.Lock()
+        self.turns_done: dict[str, int] = {}
+        self.tokens: list[int] = []
+        self.prompt_chars: list[int] = []
+
+    def start(self, sessions: list[str]) -> None:
+        with self.lock:
+            self.turns_done = dict.fromkeys(sessions, 0)
+
+    def turn(self, session: str, tokens: int) -> None:
+        with self.lock:
+            self.turns_done[session] += 1
+            self.tokens.append(tokens)
+
+    def finish(self, session: str) -> None:
+        with self.lock:
+            self.turns_done.pop(session, None)
+
+    def work(self) -> dict:
+        with self.lock:
+            left = [TURNS - d for d in self.turns_done.values()]
+            recent = self.tokens[-200:]
+        mean_tokens = sum(recent) / len(recent) if recent else float(self.args.max_tokens)
+        latency = self.args.tool_latency_s
+        tail = latency * 4.6 if self.args.tool_latency_dist == "exp" else latency  # p99 of the law
+        return {
+            "trajectories": len(left),
+            "turns_left": sum(left) / len(left) if left else 0.0,
+            "turns_left_max": float(max(left, default=0)),
+            "decode_tokens_per_turn": mean_tokens,
+            "decode_tokens_per_turn_max": float(self.args.max_tokens),
+            "prefill_tokens_per_turn": 16.0,  # the question, then the tool's answer: a few words each
+            "context_tokens": 16.0 + mean_tokens * (TURNS - (sum(left) / len(left) if left else 0)),
+            "tool_latency_s": latency * (TURNS - 1) / TURNS,  # no tool call after the last answer
+            "tool_latency_max_s": tail,
+        }
+
+
+def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, remaining: Remaining) -> list[dict]:
     rng = random.Random(args.seed * 100_003 + step)
     problems = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(args.prompts)]
     client.count("queued", args.prompts * args.group_size)
+    remaining.start([f"s{step}-p{p}-g{g}" for p in range(args.prompts) for g in range(args.group_size)])
     futures = []
     for p, (a, b) in enumerate(problems):
         for g in range(args.group_size):
 
             def job(a=a, b=b, p=p, g=g):
                 client.count("queued", -1)
-                result = episode(client, f"s{step}-p{p}-g{g}", a, b, args, random.Random(rng.random()))
+                session = f"s{step}-p{p}-g{g}"
+                result = episode(client, session, a, b, args, random.Random(rng.random()), remaining)
+                remaining.finish(session)
                 client.count("done")
                 return p, result
 
@@ -129,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     client = RolloutClient(args.run_dir, args.run_id)
     stop = threading.Event()
 
+    remaining = Remaining(args)
+
     def progress():
         while not stop.wait(1.0):
-            client.report_progress()
+            client.report_progress(work=remaining.work())
 
     threading.Thread(target=progress, daemon=True).start()
     with ThreadPoolExecutor(args.concurrency) as pool:
@@ -139,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.on_policy and step > 1:
                 wait_for_weights(client, str(step - 1), args.weights_timeout_s)
             t0 = time.monotonic()
-            groups = run_step(client, step, args, pool)
+            groups = run_step(client, step, args, pool, remaining)
             tmp = args.out / f".step-{step:06d}.jsonl.tmp"
             tmp.write_text("".join(json.dumps(g) + "\n" for g in groups))
             tmp.rename(args.out / f"step-{step:06d}.jsonl")
-            client.report_progress(step)
+            client.report_progress(step, work=remaining.work())
             rewards = [r for g in groups for r in g["rewards"]]
             versions = sorted({s["weight_version"] or "?" for g in groups for s in g["served_by"]})
             print(

@@ -44,9 +44,10 @@ def _root(
     """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
 
 
-from pearlctl.cli import borrow, cancel, daemon, doctor, journal, launch, status  # noqa: E402  (they register)
+from pearlctl.cli import borrow, cancel, daemon, doctor, journal, launch, profile, status  # noqa: E402  (they register)
+from pearlctl.cli import simulate  # noqa: E402  (registers `pearlctl simulate`)
 
-__all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "launch", "status"]
+__all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "launch", "profile", "simulate", "status"]
 
 
 def main() -> None:

@@ -90,6 +90,7 @@ def build_app(controller: Controller, *, secret: str, status: Callable[[], dict]
         Route("/v1/return", _handler(controller.give_back), methods=["POST"]),
         Route("/v1/workers", _handler(controller.routable_workers), methods=["GET"]),
         Route("/v1/rollout/progress", _handler(controller.rollout_progress), methods=["POST"]),
+        Route("/v1/profile", _handler(controller.set_profile), methods=["POST"]),
     ]
 
     async def metrics(request: Request):

@@ -2,8 +2,15 @@
 
 Each tick: advance open transitions (aborting a borrow whose return deadline is too close); with GPUs
 lent, start their return early enough to meet the deadline — the deadline minus the running estimate
-of a return's duration — or at once when the trainer blocks waiting for them or borrowing was turned
-off; with nothing lent and nothing moving, ask the policy how many idle trainer GPUs to lend.
+of a return's duration — or at once when the trainer blocks waiting for them, borrowing was turned off,
+or the policy's plan returns them; with nothing lent and nothing moving, ask the policy what to lend.
+
+The policy is a module of ``policies/`` loaded by name (pearlctl.policies), the same one the simulator
+runs: ``decide(snapshot)`` gets a planner ``Snapshot`` built here from state (GPUs by pool and role, the
+rollout driver's progress as ``Work``, the trainer's phase, the run's profile, transition costs measured
+from the journal) and answers with a ``Plan``. Live, the daemon carries out the plan's BORROW and RETURN
+moves (trainer GPUs); its moves on rollout and elastic pools (START, WAKE, RETIRE, SWITCH) are what the
+simulator executes — the live pools keep the workers their agents run.
 
 The return deadline comes from the trainer's own report: when it said it would wait, plus how long it
 said. Whether a return met its deadline is journaled (``deadline met`` / ``deadline missed`` with the
@@ -12,102 +19,156 @@ lateness) and counted in the metrics.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import time
-from types import ModuleType
 
-from pearlctl import home
 from pearlctl.daemon.transitions import Executor
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Role, Snapshot, Trainer, Work
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+from pearlctl.policies import PolicyError, load_policy
+from pearlctl.profiling import STEP_COSTS
 from pearlctl.state.machines import GpuState as G
+from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
 
-DEFAULT_COST_S = {"borrow": 30.0, "return": 15.0}  # before any transition was measured (CPU vLLM start ~20 s)
+__all__ = ["Borrowing", "PolicyError", "load_policy"]
 
+# Before any transition was measured (a CPU vLLM cold start takes ~20 s, a return a few seconds).
+DEFAULT_COSTS = TransitionCosts(start_s=25.0, wake_s=3.0, sleep_s=3.0, stop_s=5.0, offload_s=2.0, reload_s=2.0)
 
-class PolicyError(Exception):
-    pass
+# What a run without a measured profile plans with: it carries the transition costs; its speeds are
+# placeholders, so policies that predict (NEEDS_PROFILE) are refused for such a run.
+UNMEASURED = Profile(
+    name="unmeasured",
+    model="",
+    hardware="",
+    decode=DecodeModel(weights_s=0.01, seq_s=0.0, kv_s_per_token=0.0),
+    prefill_tok_s=1e4,
+    kv_capacity_tokens=10**6,
+    costs=DEFAULT_COSTS,
+)
 
-
-def load_policy(name: str) -> ModuleType:
-    """A policy module by name from $PEARL_POLICY_PATH or policies/; it must define borrow_gpus(view)."""
-    for d in home.policy_dirs():
-        path = d / f"{name}.py"
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location(f"pearl_policy_{name}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            if not callable(getattr(module, "borrow_gpus", None)):
-                raise PolicyError(f"policy {name} ({path}) defines no borrow_gpus(view)")
-            return module
-    raise PolicyError(f"no policy {name!r}; known: {', '.join(home.known_policies())}")
+SERVING_ROLES = {r.value for r in (Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD)}
 
 
 class Borrowing:
     def __init__(self, store: Store, executor: Executor, run_id: str, *, clock=time.time):
         self.store, self.executor, self.run_id, self.clock = store, executor, run_id, clock
-        self._policies: dict[str, ModuleType] = {}
 
     def settings(self) -> dict:
         run = self.store.get_run(self.run_id)
         return run.get("borrow") or {"policy": run.get("policy") or "never", "max_gpus": None}
 
+    # -- what the policy sees ---------------------------------------------------------------------
+    def profile(self) -> Profile | None:
+        doc = self.store.get_run(self.run_id).get("profile")
+        return profiles.from_dict(doc) if doc else None
+
+    def costs(self, base: TransitionCosts) -> TransitionCosts:
+        """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
+        seen: dict[str, list[float]] = {}
+        for t in self.store.transitions(self.run_id):
+            for step in self.store.steps(t["id"]):
+                d = step.get("detail") or {}
+                if step["state"] == S.DONE and step["kind"] in STEP_COSTS and "finished_at" in d:
+                    seen.setdefault(STEP_COSTS[step["kind"]], []).append(d["finished_at"] - d["started_at"])
+        measured = {k: statistics.median(v[-5:]) for k, v in seen.items()}
+        return TransitionCosts(**{**vars(base), **measured})
+
     def cost(self, kind: str) -> float:
-        """Running estimate of a transition's duration: the median of the last 5 that completed."""
+        """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
+        the sum of its steps' estimates. The deadline rules use it."""
         done = [
             t["updated_at"] - t["created_at"]
             for t in self.store.transitions(self.run_id)
             if t["kind"] == kind and t["state"] == T.DONE
         ]
-        return statistics.median(done[-5:]) if done else DEFAULT_COST_S[kind]
+        if done:
+            return statistics.median(done[-5:])
+        costs = self.costs(DEFAULT_COSTS)
+        return costs.borrow_s(warm=False) if kind == "borrow" else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
-        pools = {p["id"]: p for p in self.store.pools(self.run_id)}
-        allocs = {a["id"]: a for a in self.store.allocations(self.run_id)}
-        return [
-            g
-            for g in self.store.gpus(self.run_id)
-            if g["state"] == G.UP and pools[allocs[g["allocation_id"]]["pool_id"]]["name"] == "trainer"
-        ]
+        return [g for g in self.store.gpus(self.run_id) if g["state"] == G.UP and g["pool"] == "trainer"]
 
-    def view(self, now: float, settings: dict | None = None) -> dict:
-        """What a policy sees (pure data). ``settings``: borrowing settings to assume (default: the run's)."""
-        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+    def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
+        """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
+        run = self.store.get_run(self.run_id)
         settings = settings or self.settings()
+        trainer = run.get("trainer") or {}
         wait = trainer.get("expected_wait_s")
         since = trainer.get("phase_since") or trainer.get("reported_at")
         left = (since + wait - now) if wait is not None and since else 0.0
-        idle = [g for g in self.trainer_gpus() if not g["borrowed"]]
+        asleep = {w["id"] for w in self.store.workers(self.run_id) if w["state"] == "SLEEPING"}
+        gpus = []
+        for g in self.store.gpus(self.run_id):
+            if g["state"] != G.UP:
+                continue
+            if g["pool"] == "trainer":
+                role = Role.ROLLOUT if g["borrowed"] else Role.TRAIN
+            else:
+                role = Role(g["role"]) if g["role"] in SERVING_ROLES else Role.IDLE
+            gpus.append(
+                GpuSlot(
+                    id=g["id"],
+                    node=g["node"],
+                    pool=g["pool"],
+                    role=role,
+                    parked=not g["borrowed"] and g["worker_id"] in asleep,
+                    borrowed=bool(g["borrowed"]),
+                    return_deadline=g["return_deadline"],
+                )
+            )
+        profile = self.profile() or UNMEASURED
+        transitions = self.store.transitions(self.run_id)
+        return Snapshot(
+            now=now,
+            gpus=tuple(gpus),
+            work=work_from_progress(run.get("rollout") or {}),
+            trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
+            profile=profile,
+            costs=self.costs(profile.costs),
+            mode=Mode.COLOCATED,
+            max_lend=settings.get("max_gpus"),
+            last_change_at=transitions[-1]["created_at"] if transitions else None,
+        )
+
+    def view(self, now: float, settings: dict | None = None) -> dict:
+        """A summary of the snapshot for people (``borrow --dry-run``)."""
+        s = self.snapshot(now, settings)
         return {
-            "phase": trainer.get("phase"),
-            "wait_left_s": left,
-            "idle_gpus": len(idle),
-            "max_gpus": settings.get("max_gpus"),
-            "borrow_cost_s": self.cost("borrow"),
-            "return_cost_s": self.cost("return"),
-            "released": bool(trainer.get("released")),
+            "phase": s.trainer.phase,
+            "wait_left_s": s.trainer.wait_left_s,
+            "idle_gpus": sum(1 for g in s.gpus if g.pool == "trainer" and not g.borrowed),
+            "max_gpus": s.max_lend,
+            "borrow_cost_s": s.costs.borrow_s(warm=False),
+            "warm_borrow_cost_s": s.costs.borrow_s(warm=True),
+            "return_cost_s": s.costs.return_s(park=True),
+            "trajectories_left": s.work.trajectories,
+            "profile": s.profile.name,
         }
 
+    def decide(self, now: float, settings: dict | None = None):
+        """The policy's plan for the run now (None: keep everything as it is). Pure read."""
+        settings = settings or self.settings()
+        return load_policy(settings["policy"]).decide(self.snapshot(now, settings))
+
     def plan_borrow(self, now: float, settings: dict | None = None) -> dict | None:
-        """What a borrow would do now: GPUs, deadline (None: the policy declines). Pure read.
+        """What a borrow would do now: GPUs, deadline (None: the policy lends nothing). Pure read.
         ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's."""
         settings = settings or self.settings()
-        policy = self._policies.get(settings["policy"]) or load_policy(settings["policy"])
-        self._policies[settings["policy"]] = policy
-        view = self.view(now, settings)
-        n = int(policy.borrow_gpus(view))
-        if n <= 0:
+        planned = self.decide(now, settings)
+        lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
+        if not lend:
             return None
-        # GPUs where a returned worker sleeps come first: waking it costs far less than a cold start
-        idle = sorted(
-            (g for g in self.trainer_gpus() if not g["borrowed"]),
-            key=lambda g: (g["worker_id"] is None, g["allocation_id"], g["idx"]),
-        )
-        chosen = idle[:n]
+        rows = {g["id"]: g for g in self.trainer_gpus()}
+        chosen = [rows[i] for i in lend if i in rows]
         parked = {g["worker_id"] for g in chosen}
         warm = len(parked) == 1 and None not in parked and self._asleep(parked.pop())
         keep_warm = settings.get("keep_warm", True)
+        view = self.view(now, settings)
         return {
             "gpu_ids": [g["id"] for g in chosen],
             "gpus": [(g["node"], g["idx"]) for g in chosen],
@@ -115,6 +176,8 @@ class Borrowing:
             "policy": settings["policy"],
             "plan": "borrow_warm" if warm else "borrow",
             "rollback": "return_sleep" if keep_warm else "return",
+            "why": planned.why,
+            "predicted_s": [planned.predicted_now_s, planned.predicted_s],
             "view": view,
         }
 
@@ -159,6 +222,10 @@ class Borrowing:
                 why = "the trainer is waiting for its GPUs"
             elif now >= deadline - self.cost("return"):
                 why = "return deadline"
+            else:  # the policy may want them back sooner (e.g. the batch is done)
+                planned = self.decide(now)
+                if planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
+                    why = f"policy: {planned.why}"
             if why:
                 plan = "return_sleep" if self.settings().get("keep_warm", True) else "return"
                 self.executor.plan(
@@ -187,3 +254,13 @@ class Borrowing:
             data={"lateness_s": round(late, 3)},
             epoch=self.executor.epoch,
         )
+
+
+def work_from_progress(report: dict) -> Work:
+    """The planner's Work from the rollout driver's last progress report: its counts, plus the ``work``
+    details it may send (turns left, tokens per turn, tool latency); empty without a report."""
+    unfinished = sum(int(report.get(k) or 0) for k in ("queued", "generating", "tool_wait"))
+    details = dict(report.get("work") or {})
+    details.setdefault("trajectories", unfinished)
+    details.setdefault("tool_waiting", int(report.get("tool_wait") or 0))
+    return Work(**details)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.model import Work
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
@@ -26,6 +29,18 @@ from pearlctl.state.store import Store
 
 # Which engine serves which role.
 ENGINE_FOR_ROLE = {"TRAIN": "deepspeed", "ROLLOUT": "vllm", "PREFILL": "vllm", "DECODE": "vllm", "REWARD": "vllm"}
+
+
+def _work_fields(work) -> dict:
+    """The ``work`` of a progress report: Work's numeric fields only, each a finite number >= 0."""
+    known = {f.name for f in fields(Work)}
+    if not isinstance(work, dict) or set(work) - known:
+        extra = sorted(set(work) - known) if isinstance(work, dict) else work
+        raise ControlError(f"work: unknown field(s) {extra}; known: {', '.join(sorted(known))}")
+    for k, v in work.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ControlError(f"work.{k} must be a finite number >= 0, got {v!r}")
+    return dict(work)
 
 
 class ControlError(Exception):
@@ -346,9 +361,15 @@ class Controller:
         if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus < 1):
             raise ControlError(f"gpus must be an integer >= 1, got {max_gpus!r}")
         try:
-            load_policy(policy)
+            module = load_policy(policy)
         except PolicyError as exc:
             raise ControlError(str(exc)) from None
+        if getattr(module, "NEEDS_PROFILE", False) and not self.store.get_run(self.run_id).get("profile"):
+            raise ControlError(
+                f"policy {policy} predicts rollout time with the run's engine profile, and run {self.run_id} has "
+                "none: measure one with `pearlctl profile RUN` (a serving worker) or import a file with "
+                "`pearlctl profile RUN --import FILE`"
+            )
         with self.lock:
             settings = {"policy": policy, "max_gpus": max_gpus, "keep_warm": bool(body.get("keep_warm", True))}
             if body.get("dry_run"):
@@ -391,6 +412,19 @@ class Controller:
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
+    def set_profile(self, body: dict) -> dict:
+        """Store the run's engine profile (``pearlctl profile``): the planner predicts with it."""
+        try:
+            profile = profiles.from_dict(body["profile"], where="the profile sent")
+        except profiles.ProfileError as exc:
+            raise ControlError(str(exc), 400) from None
+        with self.lock:
+            doc = profiles.to_dict(profile)
+            self.store.update_fields(
+                "runs", self.run_id, epoch=self.epoch, event="profile stored", data={"name": profile.name}, profile=doc
+            )
+            return {"epoch": self.epoch, "profile": doc}
+
     def rollout_progress(self, body: dict) -> dict:
         """The rollout driver's counts (queued, generating, tool_wait, done, tokens): kept for status and
         the planner; throughput is derived from successive reports."""
@@ -400,6 +434,8 @@ class Controller:
             now = self.clock()
             report = {k: body.get(k) for k in ("step", "queued", "generating", "tool_wait", "done", "tokens")}
             report["reported_at"] = now
+            if body.get("work") is not None:  # what the planner predicts with (planner.model.Work's fields)
+                report["work"] = _work_fields(body["work"])
             if before.get("tokens") is not None and report.get("tokens") is not None and now > before["reported_at"]:
                 report["tokens_per_s"] = round((report["tokens"] - before["tokens"]) / (now - before["reported_at"]), 2)
             self.store.update_fields("runs", self.run_id, epoch=self.epoch, rollout=report)

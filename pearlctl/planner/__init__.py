@@ -5,5 +5,7 @@ daemon and the simulator (pearlctl.sim) call the same code with the snapshots th
 - ``profile``  engine performance and transition costs (Profile), loaded from and saved to TOML files
 - ``predict``  rollout batch completion time for a deployment, with tool waits and a straggler floor
 - ``choose``   the PD mode and ratio and the GPUs to use that minimise predicted time
+- ``budget``   which GPUs may serve now: lending limits, return deadlines, allocations about to end
 - ``diff``     the smallest set of moves from the current assignment to a target
+- ``plan``     a target turned into a priced Plan (completion with and without it, moving time included)
 """

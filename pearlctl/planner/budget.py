@@ -17,6 +17,8 @@ for a GPU that may be lent again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pearlctl.planner.model import SERVING, GpuSlot, Role, Snapshot
 
 # Slack on every deadline: one slow control-loop tick or one slow agent (the same as policy greedy's).
@@ -88,21 +90,42 @@ def may_start(snapshot: Snapshot, gpu: GpuSlot) -> bool:
     return gpu.ends_at > snapshot.now + bring_up_s(snapshot, gpu) + RETURN_SLACK_S
 
 
+@dataclass(frozen=True)
+class Servable:
+    """The GPUs that may serve, by where they come from (one pass over the snapshot; budgets are unions)."""
+
+    rollout: tuple[GpuSlot, ...]  # rollout pool: serving, or idle and startable
+    elastic: tuple[GpuSlot, ...]  # elastic pool: serving, or idle and startable
+    lent: tuple[GpuSlot, ...]  # lent trainer GPUs that need not return yet (within max_lend)
+    lendable: tuple[GpuSlot, ...]  # trainer GPUs that may be lent now, parked first
+
+    def budget(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
+        out = list(self.rollout)
+        if elastic:
+            out += self.elastic
+        if borrow:
+            out += self.lent
+            out += [g for g in self.lendable if g.parked] if warm_borrow_only else self.lendable
+        return out
+
+
+def servable(snapshot: Snapshot) -> Servable:
+    rollout: list[GpuSlot] = []
+    elastic: list[GpuSlot] = []
+    lent: list[GpuSlot] = []
+    for g in snapshot.gpus:
+        if g.pool == "rollout" or g.pool == "elastic":
+            if g.role in SERVING or may_start(snapshot, g):
+                (rollout if g.pool == "rollout" else elastic).append(g)
+        elif is_lent(g) and not must_return(snapshot, g):
+            lent.append(g)
+    if snapshot.max_lend is not None:
+        lent = lent[: snapshot.max_lend]
+    return Servable(tuple(rollout), tuple(elastic), tuple(lent), tuple(lendable(snapshot)))
+
+
 def may_serve(snapshot: Snapshot, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
     """The GPUs a deployment may use: the rollout pool's serving or startable GPUs; with ``elastic`` the
     elastic pool's; with ``borrow`` the lent trainer GPUs that need not return yet and the lendable ones
     (``warm_borrow_only``: only those with a parked worker, whose borrow is a wake)."""
-    out: list[GpuSlot] = []
-    for g in snapshot.gpus:
-        if g.pool == "rollout" or (elastic and g.pool == "elastic"):
-            if g.role in SERVING or may_start(snapshot, g):
-                out.append(g)
-    if borrow:
-        kept = [g for g in snapshot.gpus if is_lent(g) and not must_return(snapshot, g)]
-        if snapshot.max_lend is not None:
-            kept = kept[: snapshot.max_lend]
-        fresh = lendable(snapshot)
-        if warm_borrow_only:
-            fresh = [g for g in fresh if g.parked]
-        out += kept + fresh
-    return out
+    return servable(snapshot).budget(elastic=elastic, borrow=borrow, warm_borrow_only=warm_borrow_only)

@@ -83,6 +83,7 @@ def _better(seconds: float, mode: Mode, best: Choice, current: Mode) -> bool:
         return True
     if seconds > best.seconds * (1 + 1e-9):
         return False
+
     # a tie: stay in the current mode, else prefer colocated
     def rank(m: Mode) -> tuple[bool, bool]:
         return (m is not current, m is not Mode.COLOCATED)

@@ -47,7 +47,7 @@ from pearlctl.planner.model import Deployment, Mode, Work
 from pearlctl.planner.profile import Profile
 
 PHASES = 4  # drain phases: enough to see the tail, few enough to stay cheap
-_BISECTIONS = 24  # B to ~6e-8 of its range: far below what the profile is accurate to
+_BISECTIONS = 18  # B to ~4e-6 of its range: far below what the profile is accurate to
 
 
 class Bound(StrEnum):
@@ -142,7 +142,9 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
     straggler = max_turns * (s_decode * s_it + s_tool + last.prefill_s + last.queue_s)
 
-    seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total else (total, slowest[1])
+    # (identical trajectories make the two equal: the drain's bound says more then)
+    seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest[1])
+    seconds = max(seconds, straggler)
     return Prediction(
         seconds=seconds,
         batch=first.batch,
@@ -199,8 +201,10 @@ def _steady(
         steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
         floor = 0.0
 
+    itl = decode.itl_at(context)
+
     def it(b: float) -> float:
-        return decode.itl(b, context) + b * steal
+        return itl(b) + b * steal
 
     def cycle(b: float) -> float:
         return max(tool_s + own_prefill + decode_tokens * it(b), floor)
@@ -221,8 +225,9 @@ def _steady(
         batch = 0.5 * (lo + hi)
     it_s = it(batch)
     c = cycle(batch)
-    # Queued behind the cap: a turn's decode waits for a slot, so the cycle is set by throughput.
-    turn = max(c, per_worker * decode_tokens * it_s / batch) if batch > 0 else math.inf
+    # Queued behind the cap: a turn's decode waits for a slot, so the cycle is set by throughput. Uncapped,
+    # the fixed point makes the two equal; the cycle is the one free of the bisection's error.
+    turn = max(c, per_worker * decode_tokens * it_s / batch) if capped else c
 
     if floor > 0 and floor >= tool_s + own_prefill + decode_tokens * it_s:
         bound = Bound.PREFILL

@@ -55,6 +55,25 @@ class DecodeModel:
             + self.kv_s_per_token * b * max(context, 0.0)
         )
 
+    def itl_at(self, context: float):
+        """``itl(batch, context)`` as a function of the batch alone, with the context's terms folded in: the
+        completion model calls it hundreds of times per prediction at one context."""
+        fixed = self.weights_s
+        per_seq = self.seq_s + self.kv_s_per_token * max(context, 0.0)
+        if not self.moe_experts:
+
+            def dense(batch: float) -> float:
+                return fixed + per_seq * (batch if batch > 1.0 else 1.0)
+
+            return dense
+        experts, keep = self.experts_s * self.moe_experts, 1.0 - self.moe_top_k / self.moe_experts
+
+        def moe(batch: float) -> float:
+            b = batch if batch > 1.0 else 1.0
+            return fixed + experts * (1.0 - keep**b) + per_seq * b
+
+        return moe
+
     def tok_s(self, batch: float, context: float) -> float:
         """Aggregate decode tokens/s of one worker."""
         return max(batch, 1.0) / self.itl(batch, context)

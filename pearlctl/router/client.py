@@ -85,9 +85,13 @@ class RolloutClient:
                     self._refreshed = time.monotonic()
             return list(self._workers)
 
-    def report_progress(self, step: int | None = None) -> None:
+    def report_progress(self, step: int | None = None, work: dict | None = None) -> None:
+        """Send the counts, and ``work`` — the remaining batch as the planner's Work fields (turns left,
+        tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it."""
         with self._lock:
             body = dict(self.counts, step=step)
+        if work is not None:
+            body["work"] = work
         self._daemon("POST", "/v1/rollout/progress", body)
 
     def count(self, key: str, delta: int = 1) -> None:

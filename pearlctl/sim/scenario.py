@@ -283,6 +283,11 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         max_context_tokens=_number(wl, "max_context_tokens", w, default=32768, minimum=1, integer=True),
         **{k: _distribution(wl, k, w) for k in dists},
     )
+    if workload.max_context_tokens > profile.kv_capacity_tokens:
+        raise ScenarioError(
+            f"{w} max_context_tokens: must be <= the profile's kv_capacity_tokens ({profile.kv_capacity_tokens}): "
+            "a longer trajectory could never fit one worker"
+        )
     if workload.turns.min < 1:
         workload = replace(workload, turns=replace(workload.turns, min=1.0))
 

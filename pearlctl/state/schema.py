@@ -193,13 +193,18 @@ ALTER TABLE runs ADD COLUMN borrow TEXT CHECK (borrow IS NULL OR json_valid(borr
 ALTER TABLE runs ADD COLUMN rollout TEXT CHECK (rollout IS NULL OR json_valid(rollout));
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3)
+# The run's engine profile (pearlctl profile): what the planner predicts with.
+MIGRATION_4 = """
+ALTER TABLE runs ADD COLUMN profile TEXT CHECK (profile IS NULL OR json_valid(profile));
+"""
+
+MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Columns holding JSON text: encoded on write, decoded on read by the Store.
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec", "trainer", "borrow", "rollout"}),
+    "runs": frozenset({"spec", "trainer", "borrow", "rollout", "profile"}),
     "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),

@@ -1,0 +1,116 @@
+"""`pearlctl profile RUN`: measure a serving vLLM worker of the run into an engine profile (decode speed vs
+batch and context, prefill speed, KV capacity; transition costs from the journal), store it through the
+daemon for the planner, and import or export profile files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import typer
+
+from pearlctl import profiling
+from pearlctl.cli import app
+from pearlctl.cli.common import EXIT_NOT_FOUND, EXIT_USAGE, emit_json, err, exits, fail, open_store, out, resolve_run
+from pearlctl.daemon.client import DaemonRefusal, call
+from pearlctl.planner import profile as profiles
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise fail(
+            f"{what} must be a comma-separated list of positive integers (got {text!r}), e.g. 1,2,4,8", EXIT_USAGE
+        )
+    return values
+
+
+@app.command()
+def profile(
+    run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
+    worker: str = typer.Option(None, "--worker", help="URL or worker key to measure (default: a serving worker)."),
+    batches: str = typer.Option("1,2,4,8", "--batches", help="Decode batch sizes to measure."),
+    contexts: str = typer.Option("32,256", "--contexts", help="Prompt lengths (tokens) to measure decode at."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements per point (medians are kept)."),
+    name: str = typer.Option(None, "--name", help="Profile name (default: <run>-<worker>)."),
+    out_file: Path = typer.Option(None, "--out", help="Also write the profile to this TOML file."),
+    import_file: Path = typer.Option(None, "--import", help="Store this profile file instead of measuring."),
+    export_file: Path = typer.Option(None, "--export", help="Write the run's stored profile to this file; no change."),
+    json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+) -> None:
+    """Measure a rollout worker (or import a profile file) and store it as the run's profile; --export reads it."""
+    with exits():
+        store = open_store(readonly=True)
+        try:
+            run = resolve_run(store, run_ref)
+            workers = store.workers(run["id"])
+            pool_of = {a["id"]: a["pool"] for a in store.allocations(run["id"])}
+            steps = [s for t in store.transitions(run["id"]) for s in store.steps(t["id"])]
+        finally:
+            store.close()
+        if export_file is not None:
+            if not run.get("profile"):
+                raise fail(f"run {run['id']} has no profile yet; measure one with `pearlctl profile {run['name']}`", 4)
+            export_file.write_text(profiles.dumps(profiles.from_dict(run["profile"])))
+            err.print(f"wrote the profile of {run['id']} to {export_file}")
+            return
+        if import_file is not None:
+            try:
+                prof = profiles.load(import_file)
+            except profiles.ProfileError as exc:
+                raise fail(str(exc), EXIT_USAGE) from None
+        else:
+            prof = _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name)
+        try:
+            call(run, "POST", "/v1/profile", {"profile": profiles.to_dict(prof)})
+        except DaemonRefusal as exc:
+            raise fail(f"the daemon refused the profile: {exc}", EXIT_USAGE) from None
+        if out_file is not None:
+            out_file.write_text(profiles.dumps(prof))
+            err.print(f"wrote {out_file}")
+        if json_out:
+            emit_json(profiles.to_dict(prof))
+            return
+        d = prof.decode
+        out.print(
+            f"{prof.name}: decode itl = {d.weights_s * 1e3:.3f} ms + {d.seq_s * 1e3:.4f} ms*B"
+            f" + {d.kv_s_per_token * 1e6:.4f} us*B*L; prefill {prof.prefill_tok_s:.0f} tok/s;"
+            f" KV {prof.kv_capacity_tokens} tokens (stored for run {run['id']})",
+            markup=False,
+        )
+
+
+def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
+    serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != "TRAIN"]
+    if worker:
+        serving = [w for w in serving if worker in (w["url"], w["worker_key"])]
+    if not serving:
+        known = ", ".join(f"{w['worker_key']} ({w['url']}, {w['state']})" for w in workers if w["url"]) or "none"
+        raise fail(f"no serving vLLM worker {worker or ''} in run {run['id']}; workers: {known}", EXIT_NOT_FOUND)
+    w = serving[0]
+    try:
+        model = httpx.get(w["url"] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        metrics = httpx.get(w["url"] + "/metrics", timeout=10).text
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(f"worker {w['url']} does not answer as a vLLM server: {exc}", 3) from None
+    err.print(f"measuring {w['worker_key']} at {w['url']} (model {model}); this takes a minute or two")
+    measurement = profiling.measure(
+        profiling.WorkerProbe(w["url"], model),
+        batches=_int_list(batches, "--batches"),
+        contexts=_int_list(contexts, "--contexts"),
+        repeats=repeats,
+        metrics_text=metrics,
+    )
+    engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w["allocation_id"])) or {}).get("engine_args") or {}
+    return profiling.build_profile(
+        measurement,
+        name=name or f"{run['name']}-{w['worker_key']}",
+        model=run["spec"].get("model", model),
+        hardware=f"worker {w['worker_key']} of run {run['id']} ({w['url']})",
+        costs=profiling.step_costs(steps),
+        max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
+        source=f"on {w['url']}",
+    )

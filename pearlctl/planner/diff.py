@@ -1,0 +1,208 @@
+"""Incremental plans (design.md §5.3): the smallest set of moves from the current GPU roles to a ``Target``.
+
+A target is counts: serving GPUs per pool (``lend`` trainer GPUs, ``elastic`` elastic GPUs, the rest from
+the rollout pool) and, disaggregated, how many of them prefill. ``moves`` reaches the nearest assignment with
+those counts that the pool rules (``budget``) allow, and guarantees:
+
+- minimal: every GPU that already serves keeps serving while its pool still needs it, and the GPUs that
+  leave are chosen so that the fewest remaining ones change role (an exact max-flow over pools × roles), so
+  ``len(moves)`` is the least number of GPUs whose role must change;
+- one move per GPU at most, each carrying its cost from ``snapshot.costs``;
+- adds prefer a parked worker (WAKE, or a warm BORROW) over a cold START, then the allocation that lasts
+  longest, then whole nodes (tensor-parallel workers sit on one node);
+- lending: only what ``budget.lendable`` allows (trainer "waiting", ``max_lend``, back before the deadline);
+  lent GPUs that ``budget.must_return`` go back whatever the target says;
+- shrinking a pool retires first the GPUs whose allocation ends soonest (elastic: the preemption notice;
+  lent: the return deadline), after the minimality rule.
+
+Counts the rules forbid are clipped, not errors: a policy may ask for more than is lendable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from pearlctl.planner import budget
+from pearlctl.planner.model import SERVING, GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
+
+POOLS = ("trainer", "rollout", "elastic")  # the pools that serve rollout (reward GPUs are not planned here)
+_ROLES = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+_ORDER = {
+    MoveKind.RETURN: 0,
+    MoveKind.RETIRE: 1,
+    MoveKind.SWITCH: 2,
+    MoveKind.WAKE: 3,
+    MoveKind.BORROW: 4,
+    MoveKind.START: 5,
+}  # the order an executor should run them in: deadlines first, capacity freed before it is used
+
+
+def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
+    s = snapshot
+    serving: dict[str, list[GpuSlot]] = {p: [] for p in POOLS}
+    for g in s.gpus:
+        if g.pool in serving and g.role in SERVING:
+            serving[g.pool].append(g)
+    forced = [g for g in serving["trainer"] if budget.must_return(s, g)]
+    forced_ids = {g.id for g in forced}
+    serving["trainer"] = [g for g in serving["trainer"] if g.id not in forced_ids]
+
+    lend = max(target.lend, 0)
+    if s.max_lend is not None:
+        lend = min(lend, s.max_lend)
+    want = {
+        "trainer": lend,
+        "elastic": max(target.elastic, 0),
+        "rollout": max(target.rollout_gpus - max(target.lend, 0) - max(target.elastic, 0), 0),
+    }
+    keep_n = {p: min(want[p], len(serving[p])) for p in POOLS}
+    # Only pools that grow need their candidates (sorting thousands of idle GPUs is most of a plan's cost).
+    candidates = {
+        "trainer": budget.lendable(s) if want["trainer"] > keep_n["trainer"] else [],
+        "rollout": _startable(s, "rollout") if want["rollout"] > keep_n["rollout"] else [],
+        "elastic": _startable(s, "elastic") if want["elastic"] > keep_n["elastic"] else [],
+    }
+    add_n = {p: min(want[p] - keep_n[p], len(candidates[p])) for p in POOLS}
+    drop_n = {p: len(serving[p]) - keep_n[p] for p in POOLS}
+    final = sum(keep_n.values()) + sum(add_n.values())
+    wanted_roles = _role_counts(target, final)
+
+    # Which serving GPUs leave: as many as possible from roles that have too many GPUs (each saves a switch).
+    have = {(p, r): 0 for p in POOLS for r in _ROLES}
+    for p in POOLS:
+        for g in serving[p]:
+            have[(p, g.role)] += 1
+    excess = {r: max(0, sum(have[(p, r)] for p in POOLS) - wanted_roles[r]) for r in _ROLES}
+    from_role = _max_flow(drop_n, have, excess)
+
+    out: list[Move] = [_move(s, g, MoveKind.RETURN, Role.TRAIN) for g in forced]
+    kept: list[GpuSlot] = []
+    for p in POOLS:
+        if not drop_n[p]:  # (the common case, cheap: nothing leaves this pool)
+            kept += serving[p]
+            continue
+        order = sorted(serving[p], key=lambda g: _leaves_first(s, g))
+        leaving: list[GpuSlot] = []
+        for r in _ROLES:
+            if from_role[(p, r)]:
+                leaving += [g for g in order if g.role is r][: from_role[(p, r)]]
+        left = {g.id for g in leaving}
+        rest = [g for g in order if g.id not in left]
+        extra = drop_n[p] - len(leaving)
+        leaving += rest[:extra]
+        kept += rest[extra:]
+        kind = MoveKind.RETURN if p == "trainer" else MoveKind.RETIRE
+        to = Role.TRAIN if p == "trainer" else Role.IDLE
+        out += [_move(s, g, kind, to) for g in leaving]
+
+    # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short.
+    kept_roles = {r: 0 for r in _ROLES}
+    for g in kept:
+        kept_roles[g.role] += 1
+    slots: list[Role] = []
+    for r in _ROLES:
+        slots += [r] * max(0, wanted_roles[r] - kept_roles[r])
+    over = {r: max(0, kept_roles[r] - wanted_roles[r]) for r in _ROLES}
+    switching: list[GpuSlot] = []
+    if any(over.values()):
+        for g in sorted(kept, key=lambda g: (g.node, g.id)):
+            if over[g.role] > 0:
+                over[g.role] -= 1
+                switching.append(g)
+
+    adding = [(p, g) for p in POOLS for g in candidates[p][: add_n[p]]]
+    slot = iter(slots)
+    for p, g in adding:
+        role = next(slot)
+        if p == "trainer":
+            out.append(_move(s, g, MoveKind.BORROW, role))
+        else:
+            out.append(_move(s, g, MoveKind.WAKE if g.parked else MoveKind.START, role))
+    for g in switching:
+        out.append(_move(s, g, MoveKind.SWITCH, next(slot)))
+    out.sort(key=lambda m: (_ORDER[m.kind], m.gpu))
+    return tuple(out)
+
+
+def _role_counts(target: Target, final: int) -> dict[Role, int]:
+    """How many of the ``final`` serving GPUs take each role (the target's prefill share if it was clipped)."""
+    if target.mode is Mode.COLOCATED or final <= 0:
+        return {Role.ROLLOUT: final, Role.PREFILL: 0, Role.DECODE: 0}
+    prefill = target.prefill_gpus
+    if final != target.rollout_gpus and target.rollout_gpus > 0:
+        prefill = round(target.prefill_gpus * final / target.rollout_gpus)
+    prefill = min(max(prefill, 0), final)
+    return {Role.ROLLOUT: 0, Role.PREFILL: prefill, Role.DECODE: final - prefill}
+
+
+def _startable(s: Snapshot, pool: str) -> list[GpuSlot]:
+    """Idle GPUs of ``pool`` a worker may come up on, best first: parked (a wake), the allocation that lasts
+    longest, then by node so that new tensor-parallel groups fill whole nodes."""
+    out = [g for g in s.gpus if g.pool == pool and budget.may_start(s, g)]
+    out.sort(key=lambda g: (not g.parked, -(g.ends_at if g.ends_at is not None else math.inf), g.node, g.id))
+    return out
+
+
+def _leaves_first(s: Snapshot, g: GpuSlot) -> tuple:
+    """Retire order inside a pool: the soonest end (preemption notice, return deadline) first."""
+    end = budget.deadline(s, g) if g.pool == "trainer" else g.ends_at
+    return (end if end is not None else math.inf, g.node, g.id)
+
+
+def _move(s: Snapshot, g: GpuSlot, kind: MoveKind, to: Role) -> Move:
+    c = s.costs
+    if kind is MoveKind.RETURN:
+        cost = c.return_s(park=True)
+    elif kind is MoveKind.BORROW:
+        cost = c.borrow_s(warm=g.parked)
+    elif kind is MoveKind.WAKE:
+        cost = c.wake_s
+    elif kind is MoveKind.START:
+        cost = c.start_s
+    elif kind is MoveKind.SWITCH:
+        cost = c.role_switch_s
+    else:  # RETIRE: an elastic allocation may end, so its worker stops; a rollout worker parks asleep
+        cost = c.stop_s if g.pool == "elastic" else c.sleep_s
+    return Move(gpu=g.id, kind=kind, from_role=g.role, to_role=to, cost_s=cost)
+
+
+def _max_flow(drop: dict[str, int], have: dict[tuple[str, Role], int], excess: dict[Role, int]):
+    """How many GPUs of each (pool, role) leave so that the most leave from over-full roles: a max flow
+    source → pool (``drop``) → role (``have``) → sink (``excess``). Edmonds–Karp on 8 nodes."""
+    nodes = ["src", *POOLS, *_ROLES, "sink"]
+    index = {n: i for i, n in enumerate(nodes)}
+    size = len(nodes)
+    cap = [[0] * size for _ in range(size)]
+    for p in POOLS:
+        cap[index["src"]][index[p]] = drop[p]
+        for r in _ROLES:
+            cap[index[p]][index[r]] = have[(p, r)]
+    for r in _ROLES:
+        cap[index[r]][index["sink"]] = excess[r]
+    flow = [[0] * size for _ in range(size)]
+    src, sink = index["src"], index["sink"]
+    while True:
+        parent = [-1] * size
+        parent[src] = src
+        queue = deque([src])
+        while queue and parent[sink] < 0:
+            u = queue.popleft()
+            for v in range(size):
+                if parent[v] < 0 and cap[u][v] - flow[u][v] > 0:
+                    parent[v] = u
+                    queue.append(v)
+        if parent[sink] < 0:
+            break
+        push, v = math.inf, sink
+        while v != src:
+            u = parent[v]
+            push = min(push, cap[u][v] - flow[u][v])
+            v = u
+        v = sink
+        while v != src:
+            u = parent[v]
+            flow[u][v] += push
+            flow[v][u] -= push
+            v = u
+    return {(p, r): flow[index[p]][index[r]] for p in POOLS for r in _ROLES}

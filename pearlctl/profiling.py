@@ -1,0 +1,208 @@
+"""Measure a running vLLM worker into a planner Profile (``pearlctl profile``), and observe transition costs
+from the journal.
+
+What is measured, over the worker's OpenAI-compatible API (requests with token-id prompts and
+``ignore_eos``, so every request prefills and decodes exactly the tokens asked for):
+
+- decode: for each (batch B, context L), B concurrent requests of L prompt tokens decode M1 and then M2
+  tokens; the inter-token latency is ``(T(M2) - T(M1)) / (M2 - M1)``, which cancels queueing and
+  prefill. The planner's decode model ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` is fitted to
+  those points by non-negative least squares;
+- prefill: one request of L2 and one of L1 prompt tokens, each decoding one token:
+  ``prefill_tok_s = (L2 - L1) / (T(L2) - T(L1))``;
+- KV capacity: vLLM's ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``) from /metrics.
+
+Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+
+# journal step kind -> TransitionCosts field it measures
+STEP_COSTS = {
+    "START": "start_s",
+    "WAKE": "wake_s",
+    "SLEEP": "sleep_s",
+    "STOP": "stop_s",
+    "OFFLOAD": "offload_s",
+    "RELOAD": "reload_s",
+    "SYNC_WEIGHTS": "weight_sync_s",
+}
+
+
+class ProfilingError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch: int
+    context: int
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    decode: tuple[DecodePoint, ...]
+    prefill_tok_s: float
+    kv_capacity_tokens: int | None
+
+
+def fit_decode(points: Iterable[DecodePoint]) -> DecodeModel:
+    """Fit ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` by least squares with every coefficient kept
+    >= 0 (a negative one is dropped and the rest refitted). Needs points at two batch sizes at least."""
+    pts = list(points)
+    if len({p.batch for p in pts}) < 2:
+        raise ProfilingError("fitting the decode model needs measurements at two batch sizes at least")
+    x = np.array([[1.0, p.batch, p.batch * p.context] for p in pts])
+    y = np.array([p.itl_s for p in pts])
+    active = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [a for a, c in zip(active, coef, strict=True) if c < 0 and a != 0]
+        if not negative:
+            break
+        active.remove(negative[0])
+    full = dict.fromkeys(range(3), 0.0)
+    full.update(zip(active, (float(c) for c in coef), strict=True))
+    if full[0] <= 0:  # the floor must be positive: take the fastest batch-1 iteration
+        full[0] = min(p.itl_s for p in pts if p.batch == min(q.batch for q in pts))
+    return DecodeModel(weights_s=full[0], seq_s=full[1], kv_s_per_token=full[2])
+
+
+def kv_capacity(metrics_text: str) -> int | None:
+    """Tokens of KV cache from vLLM's ``vllm:cache_config_info`` (None when the worker does not say)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info"):
+                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks not in (None, "", "None") and size not in (None, "", "None"):
+                    return int(blocks) * int(size)
+    return None
+
+
+class WorkerProbe:
+    """Timed requests against one worker. ``post`` is the seam for tests (default: httpx)."""
+
+    def __init__(self, url: str, model: str, *, post: Callable[[str, dict], dict] | None = None, timeout: float = 300):
+        self.url, self.model, self.timeout = url.rstrip("/"), model, timeout
+        self._post = post or self._http_post
+
+    def _http_post(self, path: str, body: dict) -> dict:
+        r = httpx.post(self.url + path, json=body, timeout=self.timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def complete(self, prompt_tokens: int, max_tokens: int, *, offset: int = 0) -> float:
+        """Seconds for one request of exactly ``prompt_tokens`` prompt and ``max_tokens`` output tokens.
+        ``offset`` varies the prompt so prefix caching cannot skip the prefill."""
+        prompt = [10 + (offset * 7 + i) % 200 for i in range(prompt_tokens)]
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        t0 = time.monotonic()
+        out = self._post("/v1/completions", body)
+        seconds = time.monotonic() - t0
+        got = (out.get("usage") or {}).get("completion_tokens")
+        if got is not None and got != max_tokens:
+            raise ProfilingError(f"asked for {max_tokens} tokens, the worker produced {got}")
+        return seconds
+
+    def batch(self, batch: int, prompt_tokens: int, max_tokens: int, *, offset: int) -> float:
+        """Wall seconds for ``batch`` concurrent requests."""
+        with ThreadPoolExecutor(batch) as pool:
+            t0 = time.monotonic()
+            list(pool.map(lambda i: self.complete(prompt_tokens, max_tokens, offset=offset + i), range(batch)))
+            return time.monotonic() - t0
+
+
+def measure(
+    probe: WorkerProbe,
+    *,
+    batches: tuple[int, ...] = (1, 2, 4, 8),
+    contexts: tuple[int, ...] = (32, 256),
+    tokens: tuple[int, int] = (8, 40),
+    prefill_lengths: tuple[int, int] = (32, 384),
+    repeats: int = 3,
+    metrics_text: str | None = None,
+) -> Measurement:
+    """Decode points for every (batch, context), prefill throughput, and KV capacity. Medians of ``repeats``."""
+    probe.complete(8, 2)  # warm-up: the first request pays for lazy initialisation
+    offset = 1000
+    points = []
+    m1, m2 = tokens
+    for context in contexts:
+        for b in batches:
+            short, long = [], []
+            for _ in range(repeats):
+                offset += 2 * b
+                short.append(probe.batch(b, context, m1, offset=offset))
+                long.append(probe.batch(b, context, m2, offset=offset + b))
+            itl = (statistics.median(long) - statistics.median(short)) / (m2 - m1)
+            points.append(DecodePoint(b, context + (m1 + m2) // 2, max(itl, 1e-6)))
+    l1, l2 = prefill_lengths
+    t1 = statistics.median(probe.complete(l1, 1, offset=offset + 10 + i) for i in range(repeats))
+    t2 = statistics.median(probe.complete(l2, 1, offset=offset + 20 + i) for i in range(repeats))
+    prefill = (l2 - l1) / max(t2 - t1, 1e-6)
+    return Measurement(tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None)
+
+
+def step_costs(steps: Iterable[dict]) -> dict[str, float]:
+    """Median seconds of each journaled step kind (DONE steps with start and finish times)."""
+    seen: dict[str, list[float]] = {}
+    for s in steps:
+        d = s.get("detail") or {}
+        if s.get("state") == "DONE" and s.get("kind") in STEP_COSTS and "started_at" in d and "finished_at" in d:
+            seen.setdefault(STEP_COSTS[s["kind"]], []).append(d["finished_at"] - d["started_at"])
+    return {k: statistics.median(v) for k, v in seen.items()}
+
+
+def build_profile(
+    m: Measurement,
+    *,
+    name: str,
+    model: str,
+    hardware: str,
+    costs: dict[str, float] | None = None,
+    max_num_seqs: int = 256,
+    kv_bytes_per_token: int = 0,
+    source: str = "",
+) -> Profile:
+    if m.kv_capacity_tokens is None:
+        raise ProfilingError("the worker does not report its KV cache size (vllm:cache_config_info in /metrics)")
+    decode = fit_decode(m.decode)
+    points = "; ".join(f"B={p.batch} L={p.context}: {p.itl_s * 1000:.2f} ms" for p in m.decode)
+    return Profile(
+        name=name,
+        model=model,
+        hardware=hardware,
+        decode=decode,
+        prefill_tok_s=m.prefill_tok_s,
+        kv_capacity_tokens=m.kv_capacity_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_bytes_per_token=kv_bytes_per_token,
+        costs=TransitionCosts(**(costs or {})),
+        sources={
+            "decode": f"measured by pearlctl profile {source}: {points}",
+            "prefill_tok_s": f"measured by pearlctl profile {source}",
+            "kv_capacity_tokens": "vllm:cache_config_info (num_gpu_blocks x block_size)",
+            "costs": "medians of the run's journaled steps" if costs else "defaults (no transition journaled yet)",
+        },
+    )

@@ -1,0 +1,426 @@
+"""The simulator's truth model of the rollout engines: what really happens to every trajectory, tick by tick.
+
+Everything is vectorised with numpy over trajectories; one ``Engine`` holds every trajectory of the run
+(drawn up front from the scenario, so each policy faces the same work) and the engine workers (one per
+``gpus_per_worker`` GPUs). The run loop (``pearlctl.sim.run``) tells it which workers serve in which role;
+the engine never decides anything a policy could.
+
+A trajectory is a chain of turns: prefill the new tokens (the prompt, then each tool's output), decode the
+turn's response, wait on a tool, repeat. Phases: PENDING (its batch not launched) → WAIT (ready, needs a
+decode slot) → PREFILL → [XFER: KV transfer to a decode worker, disaggregated only] → DECODE → TOOL → WAIT …
+→ DONE.
+
+What the model guarantees — it must not flatter any policy:
+
+- **Continuous batching, capped.** A decode worker runs at most ``max_num_seqs`` sequences and reserves KV
+  for each admitted one (context + the turn's response); sequences that do not fit wait, first come first
+  served (head-of-line blocking, as vLLM's waiting queue).
+- **KV eviction costs recompute.** A tool-waiting sequence keeps its KV on its worker while it fits; when
+  admissions need the space, the least recently used are evicted, and an evicted sequence re-prefills its
+  whole context when its tool returns. A worker that leaves its role (return, retire, switch, preemption)
+  loses its KV: its sequences re-queue with their context (the router's continuation) and re-prefill.
+- **Decode grows less than linearly with batch.** Each iteration of a worker's batch takes
+  ``profile.decode.itl(B, mean context)`` — the planner's own formula and numbers, so a dense model's
+  throughput saturates with KV reads and an MoE's with the experts the batch touches. A lone straggler
+  decodes at ``1 / itl(1, L)`` tokens/s: no configuration can finish it faster.
+- **Prefill shares the worker in colocated mode.** A ROLLOUT worker first spends its tick on the prefill queue
+  (at ``prefill_tok_s``), and only the rest of the tick decodes: prefill interferes with decode. In
+  disaggregated mode PREFILL workers serve one shared FIFO, then the KV crosses at ``kv_transfer_gb_s``
+  before the DECODE worker picks the sequence up.
+- **Transitions and weight syncs do no work.** A worker in transition is simply not in the role map; during a
+  weight sync (``pause_until``) no worker prefills or decodes (tool calls, outside the engines, go on).
+
+Fluid approximation: within a tick (``tick_s``) batch sizes are fixed; a turn's end time is exact (its
+tool call starts then), but a tool's return is noticed at the next tick (on average ``tick_s / 2`` late —
+the same for every policy). ``free_migration`` is the oracle's world: a worker that leaves keeps its
+sequences' KV (no recompute), everything else identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pearlctl.planner.profile import Profile
+from pearlctl.sim.scenario import Workload
+
+# Trajectory phases.
+PENDING, WAIT, PREFILL, XFER, DECODE, TOOL, DONE = range(7)
+RUNNING = (PREFILL, XFER, DECODE)  # hold a batch slot and a KV reservation on their worker (contiguous codes)
+
+# Worker roles as the engine sees them (OFF: not serving, or in transition).
+W_OFF, W_ROLLOUT, W_PREFILL, W_DECODE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Every trajectory's work, drawn once per run (read-only; shared by engine clones)."""
+
+    turns: np.ndarray  # int, >= 1
+    prompt: np.ndarray  # tokens
+    response: np.ndarray  # [N, max_turns] tokens generated per turn
+    tool_output: np.ndarray  # [N, max_turns] tokens each tool returns
+    tool_latency: np.ndarray  # [N, max_turns] seconds
+
+    @property
+    def n(self) -> int:
+        return len(self.turns)
+
+
+def draw(workload: Workload, n: int, rng: np.random.Generator) -> Draws:
+    turns = np.maximum(1, np.rint(workload.turns.sample(rng, n))).astype(np.int32)
+    t_max = int(turns.max())
+    cap = float(workload.max_context_tokens)
+    return Draws(
+        turns=turns,
+        prompt=np.minimum(np.rint(workload.prompt_tokens.sample(rng, n)), cap / 2).clip(1),
+        response=np.rint(workload.response_tokens.sample(rng, (n, t_max))).clip(1).astype(np.float32),
+        tool_output=np.rint(workload.tool_output_tokens.sample(rng, (n, t_max))).clip(0).astype(np.float32),
+        tool_latency=workload.tool_latency_s.sample(rng, (n, t_max)).astype(np.float32),
+    )
+
+
+class Engine:
+    """Trajectories and workers of one simulated run. ``launch`` a batch, set the worker roles, ``step``."""
+
+    _MUTABLE = (
+        "phase", "turn", "ctx", "new_tok", "dec_left", "pf_left", "pf_total", "run_w", "kv_w", "kv_hold",
+        "ready_at", "tool_start", "tool_end", "xfer_end", "done_at", "migrated", "w_role",
+    )  # fmt: skip
+
+    def __init__(self, profile: Profile, draws: Draws, n_workers: int, max_context: int, free_migration=False):
+        self.profile = profile
+        self.draws = draws
+        self.max_context = float(max_context)
+        self.free_migration = free_migration
+        n = draws.n
+        self.phase = np.full(n, PENDING, np.int8)
+        self.turn = np.zeros(n, np.int32)
+        self.ctx = np.zeros(n)  # tokens the next decoded token attends to
+        self.new_tok = np.zeros(n)  # tokens of the context not yet in any KV cache
+        self.dec_left = np.zeros(n)
+        self.pf_left = np.zeros(n)
+        self.pf_total = np.zeros(n)  # tokens this admission prefills (KV transfer size when disaggregated)
+        self.run_w = np.full(n, -1, np.int32)  # the worker it runs on (RUNNING phases)
+        self.kv_w = np.full(n, -1, np.int32)  # the worker holding its KV, or -1
+        self.kv_hold = np.zeros(n)  # KV tokens held on kv_w (running: the reservation)
+        self.ready_at = np.zeros(n)  # FIFO order in the waiting queue
+        self.tool_start = np.zeros(n)  # LRU order for eviction
+        self.tool_end = np.full(n, np.inf)
+        self.xfer_end = np.full(n, np.inf)
+        self.done_at = np.full(n, np.nan)
+        self.migrated = np.zeros(n, bool)
+        self.w_role = np.zeros(n_workers, np.int8)
+        self.pause_until = 0.0
+        self.lo = 0  # trajectories before lo are all DONE; those from hi on are PENDING
+        self.hi = 0
+        self.stats = {"prefill_tokens": 0.0, "recompute_tokens": 0.0, "decode_tokens": 0.0, "evictions": 0}
+        self.stats |= {"requeued": 0}
+
+    # -- control ----------------------------------------------------------------------------------
+
+    def clone(self) -> Engine:
+        """A copy whose future can be explored without touching this one (the oracle's lookahead)."""
+        other = object.__new__(Engine)
+        other.__dict__.update(self.__dict__)
+        for name in self._MUTABLE:
+            setattr(other, name, getattr(self, name).copy())
+        other.stats = dict(self.stats)
+        return other
+
+    def launch(self, lo: int, hi: int, t: float) -> None:
+        """Make trajectories [lo, hi) ready: their prompts wait for a decode slot."""
+        d = self.draws
+        s = slice(lo, hi)
+        self.phase[s] = WAIT
+        self.ctx[s] = d.prompt[s]
+        self.new_tok[s] = d.prompt[s]
+        self.dec_left[s] = np.minimum(d.response[s, 0], self.max_context - d.prompt[s])
+        self.ready_at[s] = t
+        self.hi = max(self.hi, hi)
+
+    def set_roles(self, roles: np.ndarray) -> None:
+        """The workers' roles from now on (W_OFF while absent or in transition). A worker whose role changes
+        loses its sequences and its KV: they re-queue (and re-prefill unless ``free_migration``)."""
+        roles = np.asarray(roles, np.int8)
+        changed = np.flatnonzero((roles != self.w_role) & (self.w_role != W_OFF))
+        if changed.size:
+            self._evict_workers(changed)
+        self.w_role = roles.copy()
+
+    def _evict_workers(self, workers: np.ndarray) -> None:
+        s = slice(self.lo, self.hi)
+        gone = np.zeros(len(self.w_role), bool)
+        gone[workers] = True
+        ph, run_w, kv_w = self.phase[s], self.run_w[s], self.kv_w[s]
+        running = (ph >= PREFILL) & (ph <= DECODE) & (run_w >= 0)
+        running &= gone[np.maximum(run_w, 0)]
+        holding = (kv_w >= 0) & gone[np.maximum(kv_w, 0)]
+        idx = np.flatnonzero(running) + self.lo
+        self.phase[idx] = WAIT
+        self.run_w[idx] = -1
+        # A sequence whose prefill had not finished still owes its new tokens; decoded tokens are in ctx.
+        held = np.flatnonzero(holding) + self.lo
+        if self.free_migration:
+            self.migrated[held] = True
+        self.kv_w[held] = -1
+        self.kv_hold[held] = 0.0
+        self.stats["requeued"] += int(idx.size)
+
+    # -- the tick -----------------------------------------------------------------------------------
+
+    def step(self, t: float, dt: float) -> None:
+        """Advance every trajectory from ``t`` to ``t + dt``."""
+        if self.lo >= self.hi:
+            return
+        self._arrivals(t)
+        start = min(max(self.pause_until - t, 0.0), dt)  # a weight sync holds the engines
+        avail = dt - start
+        if avail > 0 and (self.w_role != W_OFF).any():
+            if self._admit():
+                self._evict_for_capacity()  # only an admission can push a worker over its KV capacity
+            p_time = self._prefill(t + start, avail)
+            self._decode(t + start, avail, p_time)
+        # Trajectories before lo are all done: shrink the window the next tick works on.
+        tail = self.phase[self.lo : self.hi] != DONE
+        self.lo += int(np.argmax(tail)) if tail.any() else self.hi - self.lo
+
+    def _arrivals(self, t: float) -> None:
+        s = slice(self.lo, self.hi)
+        ph = self.phase[s]
+        # KV transfers that have landed: the decode worker takes the sequence into its batch.
+        x = np.flatnonzero((ph == XFER) & (self.xfer_end[s] <= t)) + self.lo
+        self.phase[x] = DECODE
+        # Tools that have returned: the next turn is ready (its tool output joins the context).
+        r = np.flatnonzero((ph == TOOL) & (self.tool_end[s] <= t)) + self.lo
+        if not r.size:
+            return
+        d = self.draws
+        k = self.turn[r]
+        out = np.minimum(d.tool_output[r, k], np.maximum(self.max_context - self.ctx[r], 0.0))
+        self.ctx[r] += out
+        self.new_tok[r] = out
+        self.turn[r] = k + 1
+        self.dec_left[r] = np.minimum(d.response[r, k + 1], self.max_context - self.ctx[r])
+        full = self.dec_left[r] < 1.0  # the context is full: the trajectory ends here
+        self._finish(r[full], self.tool_end[r[full]])
+        r = r[~full]
+        self.phase[r] = WAIT
+        self.ready_at[r] = self.tool_end[r]
+        self.tool_end[r] = np.inf
+
+    def _decode_workers(self) -> np.ndarray:
+        return (self.w_role == W_ROLLOUT) | (self.w_role == W_DECODE)
+
+    def _admit(self) -> int:
+        """Give waiting sequences a decode slot and a KV reservation; how many were admitted."""
+        s = slice(self.lo, self.hi)
+        ph = self.phase[s]
+        q = np.flatnonzero(ph == WAIT) + self.lo
+        if not q.size:
+            return 0
+        decoding = self._decode_workers()
+        if not decoding.any():
+            return 0
+        prof = self.profile
+        n_w = len(self.w_role)
+        running = np.flatnonzero((ph >= PREFILL) & (ph <= DECODE)) + self.lo
+        rw = self.run_w[running]
+        slots = np.where(decoding, prof.max_num_seqs - np.bincount(rw, minlength=n_w), 0)
+        # Admission counts only running reservations: tool-waiting KV is evictable (see _evict_for_capacity).
+        free_kv = np.where(decoding, prof.kv_capacity_tokens - np.bincount(rw, self.kv_hold[running], n_w), -1.0)
+        need = self.ctx[q] + self.dec_left[q]
+        admitted_w = np.full(q.size, -1, np.int32)
+
+        # Sequences whose KV is still on a worker go back to it (session affinity), FIFO per worker.
+        kw = self.kv_w[q]
+        res = np.flatnonzero((kw >= 0) & decoding[np.maximum(kw, 0)])
+        if res.size:
+            order = res[np.lexsort((self.ready_at[q[res]], kw[res]))]
+            w = kw[order]
+            group = _group_starts(w)
+            cs = np.cumsum(need[order])
+            cs_group = cs - _shift(cs)[group]
+            rank = np.arange(w.size) - group
+            ok = (rank < slots[w]) & (cs_group <= free_kv[w])
+            admitted_w[order[ok]] = w[ok]
+            slots -= np.bincount(w[ok], minlength=n_w)
+            free_kv -= np.bincount(w[ok], need[order[ok]], n_w)
+
+        # The rest, FIFO, to the worker with the most free KV among those with a free slot; the first that
+        # fits nowhere blocks the queue behind it (vLLM's FCFS waiting queue).
+        rest = np.flatnonzero(admitted_w < 0)
+        rest = rest[np.argsort(self.ready_at[q[rest]], kind="stable")]
+        for j in rest:
+            if kw[j] >= 0 and decoding[kw[j]]:
+                continue  # waits for its own worker
+            cand = np.where(slots > 0, free_kv, -1.0)
+            w = int(np.argmax(cand))
+            if cand[w] < need[j]:
+                break
+            admitted_w[j] = w
+            slots[w] -= 1
+            free_kv[w] -= need[j]
+
+        a = np.flatnonzero(admitted_w >= 0)
+        if not a.size:
+            return 0
+        i, w = q[a], admitted_w[a]
+        resident = (self.kv_w[i] == w) | self.migrated[i]
+        pf = np.where(resident, self.new_tok[i], self.ctx[i])
+        self.stats["recompute_tokens"] += float((pf - self.new_tok[i]).sum())
+        self.phase[i] = PREFILL
+        self.run_w[i] = w
+        self.kv_w[i] = w
+        self.kv_hold[i] = need[a]
+        self.pf_left[i] = pf
+        self.pf_total[i] = pf
+        self.migrated[i] = False
+        return int(a.size)
+
+    def _evict_for_capacity(self) -> None:
+        """Evict the least recently used idle KV (tool-waiting or queued sequences) where a worker is over
+        capacity; those sequences will re-prefill their whole context."""
+        s = slice(self.lo, self.hi)
+        kv_w = self.kv_w[s]
+        held = kv_w >= 0
+        if not held.any():
+            return
+        n_w = len(self.w_role)
+        over = np.bincount(kv_w[held], self.kv_hold[s][held], n_w) - self.profile.kv_capacity_tokens
+        if not (over > 0).any():
+            return
+        ph = self.phase[s]
+        cand = np.flatnonzero(held & ((ph == TOOL) | (ph == WAIT)) & (over[np.maximum(kv_w, 0)] > 0)) + self.lo
+        if not cand.size:
+            return
+        cand = cand[np.lexsort((self.tool_start[cand], self.kv_w[cand]))]
+        w = self.kv_w[cand]
+        group = _group_starts(w)
+        cs = np.cumsum(self.kv_hold[cand])
+        before = cs - self.kv_hold[cand] - _shift(cs)[group]
+        ev = cand[before < over[w]]
+        self.kv_w[ev] = -1
+        self.kv_hold[ev] = 0.0
+        self.stats["evictions"] += int(ev.size)
+
+    def _prefill(self, t0: float, avail: float) -> np.ndarray:
+        """Run the prefill queues for ``avail`` seconds from ``t0``; the seconds each worker spent on prefill."""
+        n_w = len(self.w_role)
+        p_time = np.zeros(n_w)
+        s = slice(self.lo, self.hi)
+        pf = np.flatnonzero(self.phase[s] == PREFILL) + self.lo
+        if not pf.size:
+            return p_time
+        rate = self.profile.prefill_tok_s
+        n_prefill = int((self.w_role == W_PREFILL).sum())
+        # A worker prefills its own sequences when it is colocated, or when no PREFILL worker exists.
+        own = (self.w_role == W_ROLLOUT) | ((self.w_role == W_DECODE) & (n_prefill == 0))
+        local = own[self.run_w[pf]]
+
+        loc = pf[local]
+        if loc.size:
+            loc = loc[np.lexsort((self.ready_at[loc], self.run_w[loc]))]
+            w = self.run_w[loc]
+            group = _group_starts(w)
+            cs = np.cumsum(self.pf_left[loc])
+            before = cs - self.pf_left[loc] - _shift(cs)[group]
+            work = np.clip(rate * avail - before, 0.0, self.pf_left[loc])
+            self.pf_left[loc] -= work
+            self.stats["prefill_tokens"] += float(work.sum())
+            p_time = np.bincount(w, work, n_w) / rate
+            doneidx = loc[self.pf_left[loc] <= 1e-6]
+            self.phase[doneidx] = DECODE
+            self.new_tok[doneidx] = 0.0
+
+        pool = pf[~local]
+        if pool.size and n_prefill:
+            pool = pool[np.argsort(self.ready_at[pool], kind="stable")]
+            budget = rate * n_prefill * avail
+            cs = np.cumsum(self.pf_left[pool])
+            before = cs - self.pf_left[pool]
+            work = np.clip(budget - before, 0.0, self.pf_left[pool])
+            self.pf_left[pool] -= work
+            self.stats["prefill_tokens"] += float(work.sum())
+            fin = self.pf_left[pool] <= 1e-6
+            doneidx = pool[fin]
+            at = t0 + np.minimum(cs[fin] / budget, 1.0) * avail
+            self.phase[doneidx] = XFER
+            self.new_tok[doneidx] = 0.0
+            self.xfer_end[doneidx] = at + self.profile.kv_transfer_s(self.pf_total[doneidx])
+        return p_time
+
+    def _decode(self, t0: float, avail: float, p_time: np.ndarray) -> None:
+        s = slice(self.lo, self.hi)
+        d = np.flatnonzero(self.phase[s] == DECODE) + self.lo
+        if not d.size:
+            return
+        n_w = len(self.w_role)
+        w = self.run_w[d]
+        batch = np.bincount(w, minlength=n_w)
+        ctx_sum = np.bincount(w, self.ctx[d], n_w)
+        itl = np.full(n_w, np.inf)
+        for k in np.flatnonzero(batch):
+            # The planner's own decode model: sublinear in batch, MoE experts, the batch-1 straggler floor.
+            itl[k] = self.profile.decode.itl(float(batch[k]), ctx_sum[k] / batch[k])
+        decode_time = np.maximum(avail - p_time, 0.0)
+        iters = decode_time / itl
+        left = self.dec_left[d]
+        adv = np.minimum(left, iters[w])
+        self.ctx[d] += adv
+        self.dec_left[d] = left - adv
+        self.stats["decode_tokens"] += float(adv.sum())
+        fin = left - adv <= 1e-6
+        if not fin.any():
+            return
+        i = d[fin]
+        end = t0 + p_time[w[fin]] + left[fin] * itl[w[fin]]
+        last = (self.turn[i] + 1 >= self.draws.turns[i]) | (self.ctx[i] >= self.max_context - 1)
+        self._finish(i[last], end[last])
+        i, end = i[~last], end[~last]
+        self.phase[i] = TOOL
+        self.run_w[i] = -1
+        self.kv_hold[i] = self.ctx[i]  # the reservation shrinks to the context it keeps
+        self.tool_start[i] = end
+        self.tool_end[i] = end + self.draws.tool_latency[i, self.turn[i]]
+
+    def _finish(self, i: np.ndarray, at) -> None:
+        self.phase[i] = DONE
+        self.done_at[i] = at
+        self.run_w[i] = -1
+        self.kv_w[i] = -1
+        self.kv_hold[i] = 0.0
+
+    # -- what the run loop reads --------------------------------------------------------------------
+
+    def all_done(self, lo: int, hi: int) -> bool:
+        return bool((self.phase[lo:hi] == DONE).all())
+
+    def remaining_decode_tokens(self, lo: int, hi: int) -> float:
+        """The true decode work left in trajectories [lo, hi) (the oracle may know it; policies never do)."""
+        d = self.draws
+        ph = self.phase[lo:hi]
+        live = ph != DONE
+        turns_idx = np.arange(d.response.shape[1])
+        future = turns_idx[None, :] > self.turn[lo:hi, None]
+        future &= turns_idx[None, :] < d.turns[lo:hi, None]
+        return float(self.dec_left[lo:hi][live].sum() + (d.response[lo:hi] * future)[live].sum())
+
+    def in_flight(self) -> np.ndarray:
+        """Indices of launched, unfinished trajectories."""
+        s = slice(self.lo, self.hi)
+        return np.flatnonzero((self.phase[s] != DONE) & (self.phase[s] != PENDING)) + self.lo
+
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """For sorted ``keys``, the index where each element's group (run of equal keys) starts."""
+    starts = np.flatnonzero(np.diff(keys)) + 1
+    first = np.zeros(keys.size, np.int64)
+    first[starts] = starts
+    return np.maximum.accumulate(first)
+
+
+def _shift(cs: np.ndarray) -> np.ndarray:
+    """``cs`` with a 0 in front: ``_shift(cs)[g]`` is the running total before position ``g``."""
+    return np.concatenate(([0.0], cs))

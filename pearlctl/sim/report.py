@@ -1,0 +1,70 @@
+"""What a simulation reports: per policy, RL steps per hour and samples per second, GPU-seconds by role,
+transitions made and the trainer delay caused by late returns; ratios between policies.
+
+The JSON shape is a contract (``pearlctl simulate --json``; tests and the benchmark read it)::
+
+    {"scenario": str, "steps": int, "seed": int,
+     "policies": {NAME: {"samples_per_s": float, "steps_per_hour": float, "trainer_delay_s": float,
+                         "transitions": int, "gpu_seconds_by_role": {ROLE: float}, ...more keys}},
+     "ratios": {"pearl/static": float, ...}}
+
+Ratios compare samples per second: every pair with ``pearl`` (``pearl/X``) when pearl ran, else every pair
+with the first policy; ``X/oracle`` for every policy when the oracle ran.
+"""
+
+from __future__ import annotations
+
+from pearlctl.sim.run import RunResult
+from pearlctl.sim.scenario import Scenario
+
+
+def policy_doc(r: RunResult) -> dict:
+    return {
+        "samples_per_s": round(r.samples_per_s, 4),
+        "steps_per_hour": round(r.steps_per_hour, 4),
+        "trainer_delay_s": round(r.trainer_delay_s, 1),
+        "transitions": r.transitions,
+        "gpu_seconds_by_role": r.gpu_seconds_by_role,
+        "finished": r.finished,
+        "steps": r.steps,
+        "samples": r.samples,
+        "sim_time_s": round(r.sim_time_s, 1),
+        "forced_returns": r.forced_returns,
+        "refused_moves": r.refusals,
+        "plans": r.plans,
+        "preemptions": r.preemptions,
+        "batch_rollout_s": [round(x, 1) for x in r.batch_rollout_s],
+        "engine": {k: round(v, 1) for k, v in r.engine.items()},
+    }
+
+
+def ratios(results: dict[str, RunResult]) -> dict[str, float]:
+    names = list(results)
+    if not names:
+        return {}
+    head = "pearl" if "pearl" in results else names[0]
+    out: dict[str, float] = {}
+
+    def ratio(a: str, b: str) -> None:
+        sb = results[b].samples_per_s
+        if a != b and f"{a}/{b}" not in out:
+            out[f"{a}/{b}"] = round(results[a].samples_per_s / sb, 4) if sb > 0 else float("inf")
+
+    for other in names:
+        ratio(head, other)
+    if "oracle" in results:
+        for name in names:
+            ratio(name, "oracle")
+    return out
+
+
+def to_json(scenario: Scenario, results: dict[str, RunResult]) -> dict:
+    return {
+        "scenario": scenario.name,
+        "steps": scenario.steps,
+        "seed": scenario.seed,
+        "batch_size": scenario.workload.batch_size,
+        "training": scenario.training.mode,
+        "policies": {name: policy_doc(r) for name, r in results.items()},
+        "ratios": ratios(results),
+    }

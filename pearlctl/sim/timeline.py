@@ -1,0 +1,52 @@
+"""A picture of GPU roles over simulated time: one stacked-area panel per policy (matplotlib, Agg backend,
+written to a PNG), so a person can see borrowing, elastic grants and preemptions, PD layouts and the time
+GPUs spend in transition. Timelines are sampled every ``pearlctl.sim.run.TIMELINE_EVERY_S`` simulated
+seconds when a run records them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pearlctl.sim.run import CATEGORIES, RunResult
+
+COLORS = {
+    "TRAIN": "#1f77b4",
+    "TRAIN_IDLE": "#aec7e8",
+    "ROLLOUT": "#2ca02c",
+    "PREFILL": "#ff7f0e",
+    "DECODE": "#d62728",
+    "REWARD": "#9467bd",
+    "IDLE": "#dddddd",
+    "TRANSITION": "#7f7f7f",
+}
+
+
+def write_png(results: dict[str, RunResult], path: str | Path, *, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a head node or in CI
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    runs = [r for r in results.values() if r.timeline]
+    if not runs:
+        raise ValueError("no timeline was recorded (run with record_timeline=True)")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.3 * len(runs) + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], runs, strict=True):
+        t = [p[0] / 60.0 for p in r.timeline]
+        series = [[p[1].get(c, 0) for p in r.timeline] for c in CATEGORIES]
+        ax.stackplot(t, series, labels=CATEGORIES, colors=[COLORS[c] for c in CATEGORIES], step="post")
+        ax.set_ylabel("GPUs")
+        ax.set_title(f"{r.policy}: {r.samples_per_s:.3f} samples/s, {r.transitions} transitions", fontsize=9, loc="left")
+        ax.margins(x=0)
+    axes[-1, 0].set_xlabel("simulated minutes")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(CATEGORIES), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, y=0.995, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

