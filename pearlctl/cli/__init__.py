@@ -44,8 +44,17 @@ def _root(
     """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
 
 
-from pearlctl.cli import borrow, cancel, daemon, doctor, journal, launch, profile, status  # noqa: E402  (they register)
-from pearlctl.cli import simulate  # noqa: E402  (registers `pearlctl simulate`)
+from pearlctl.cli import (  # noqa: E402  (they register)
+    borrow,
+    cancel,
+    daemon,
+    doctor,
+    journal,
+    launch,
+    profile,
+    simulate,
+    status,
+)
 
 __all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "launch", "profile", "simulate", "status"]
 

@@ -49,6 +49,8 @@ from pearlctl.sim.scenario import Workload
 PENDING, WAIT, PREFILL, XFER, DECODE, TOOL, DONE = range(7)
 RUNNING = (PREFILL, XFER, DECODE)  # hold a batch slot and a KV reservation on their worker (contiguous codes)
 
+BALANCE_ABS = 32  # sequences above the mean load before the router sends a next turn elsewhere (SGLang router default)
+
 # Worker roles as the engine sees them (OFF: not serving, or in transition).
 W_OFF, W_ROLLOUT, W_PREFILL, W_DECODE = 0, 1, 2, 3
 
@@ -233,8 +235,25 @@ class Engine:
         need = self.ctx[q] + self.dec_left[q]
         admitted_w = np.full(q.size, -1, np.int32)
 
-        # Sequences whose KV is still on a worker go back to it (session affinity), FIFO per worker.
+        # Cache-aware routing with load balance (the SGLang router's rule): a next turn goes back to the worker
+        # holding its KV unless that worker runs BALANCE_ABS more sequences than the mean; then it goes to the
+        # least loaded worker and re-prefills its context there. Without this, workers that join mid-batch
+        # (a borrow, an elastic grant) would only ever get evicted sequences. Running decodes never move.
         kw = self.kv_w[q]
+        load = prof.max_num_seqs - slots
+        excess = np.where(decoding, load - load[decoding].mean(), 0.0)
+        if (excess > BALANCE_ABS).any():
+            moving = np.flatnonzero((kw >= 0) & (excess[np.maximum(kw, 0)] > BALANCE_ABS))
+            if moving.size:
+                moving = moving[np.lexsort((self.ready_at[q[moving]], kw[moving]))]
+                w = kw[moving]
+                rank = np.arange(w.size) - _group_starts(w)
+                moving = moving[rank < excess[w] - BALANCE_ABS]
+                self.kv_w[q[moving]] = -1
+                self.kv_hold[q[moving]] = 0.0
+                kw = self.kv_w[q]
+
+        # Sequences whose KV is still on a worker go back to it (session affinity), FIFO per worker.
         res = np.flatnonzero((kw >= 0) & decoding[np.maximum(kw, 0)])
         if res.size:
             order = res[np.lexsort((self.ready_at[q[res]], kw[res]))]

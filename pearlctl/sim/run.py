@@ -20,7 +20,10 @@ while it is in transition; moves that do not match the simulated state are refus
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +43,7 @@ from pearlctl.planner.model import (
 )
 from pearlctl.planner.predict import completion_s
 from pearlctl.sim.availability import Trace, build_trace
-from pearlctl.sim.engine import DONE, TOOL, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT, Draws, Engine, draw
+from pearlctl.sim.engine import TOOL, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT, Draws, Engine, draw
 from pearlctl.sim.scenario import Scenario
 
 ENGINE_ROLE = {Role.ROLLOUT: W_ROLLOUT, Role.PREFILL: W_PREFILL, Role.DECODE: W_DECODE}
@@ -258,7 +261,9 @@ class Sim:
     def _trainer(self, t: float) -> None:
         tr = self.scenario.training
         # Batches finishing.
-        while len(self.completed_at) < self.launched and self.engine.all_done(*self._batch_range(len(self.completed_at))):
+        while len(self.completed_at) < self.launched and self.engine.all_done(
+            *self._batch_range(len(self.completed_at))
+        ):
             lo, hi = self._batch_range(len(self.completed_at))
             self.completed_at.append(float(np.nanmax(self.engine.done_at[lo:hi])))
         # A train step finishing: new weights go to every serving worker (the engines pause meanwhile).
@@ -533,7 +538,18 @@ def run_policy(scenario: Scenario, policy: str, *, record_timeline: bool = False
     return sim.run()
 
 
-def compare(scenario: Scenario, policies: list[str], *, record_timeline: bool = False) -> dict[str, RunResult]:
-    """Every policy on the same drawn work and the same elastic trace."""
+def compare(
+    scenario: Scenario, policies: list[str], *, record_timeline: bool = False, workers: int | None = None
+) -> dict[str, RunResult]:
+    """Every policy on the same drawn work and the same elastic trace; runs are independent, so they go to
+    ``workers`` processes (default: one per policy, at most one per CPU). Results keep the given order."""
     draws, trace = make_draws(scenario), make_trace(scenario)
-    return {p: run_policy(scenario, p, record_timeline=record_timeline, draws=draws, trace=trace) for p in policies}
+    n = min(len(policies), workers if workers is not None else (os.cpu_count() or 1))
+    if n <= 1:
+        return {p: run_policy(scenario, p, record_timeline=record_timeline, draws=draws, trace=trace) for p in policies}
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {
+            p: pool.submit(run_policy, scenario, p, record_timeline=record_timeline, draws=draws, trace=trace)
+            for p in policies
+        }
+        return {p: f.result() for p, f in futures.items()}

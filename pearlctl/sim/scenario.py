@@ -180,7 +180,7 @@ def _distribution(t: dict, key: str, where: str) -> Distribution:
     w = f"{where} {key}"
     spec = t.get(key)
     if spec is None:
-        raise ScenarioError(f"{w}: required, e.g. {{kind = \"lognormal\", median = 500, p99 = 4000}}")
+        raise ScenarioError(f'{w}: required, e.g. {{kind = "lognormal", median = 500, p99 = 4000}}')
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         return Distribution("const", value=float(spec))
     if not isinstance(spec, dict):
@@ -208,7 +208,9 @@ def _distribution(t: dict, key: str, where: str) -> Distribution:
 def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
     _known(doc, _SECTIONS, where)
     top = _table(doc, "scenario", where)
-    _known(top, {"name", "description", "profile", "steps", "seed", "tick_s", "control_interval_s"}, f"{where} [scenario]")
+    _known(
+        top, {"name", "description", "profile", "steps", "seed", "tick_s", "control_interval_s"}, f"{where} [scenario]"
+    )
     if not isinstance(top.get("name"), str) or not top["name"]:
         raise ScenarioError(f"{where} [scenario] name: required (a string)")
     if not isinstance(top.get("profile"), str):
@@ -296,7 +298,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
     _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness"}, w)
     mode = tr.get("mode", "sync")
     if mode not in ("sync", "async"):
-        raise ScenarioError(f"{w} mode: must be \"sync\" or \"async\" (got {mode!r})")
+        raise ScenarioError(f'{w} mode: must be "sync" or "async" (got {mode!r})')
     training = Training(
         mode=mode,
         train_step_s=float(_number(tr, "train_step_s", w, strict=True)),
@@ -304,9 +306,9 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         staleness=_number(tr, "staleness", w, default=1 if mode == "async" else 0, integer=True),
     )
     if mode == "async" and training.staleness < 1:
-        raise ScenarioError(f"{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = \"sync\")")
+        raise ScenarioError(f'{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = "sync")')
     if mode == "sync" and training.staleness:
-        raise ScenarioError(f"{w} staleness: only for mode = \"async\"")
+        raise ScenarioError(f'{w} staleness: only for mode = "async"')
 
     w = f"{where} [scenario]"
     return Scenario(

@@ -38,14 +38,18 @@ def write_png(results: dict[str, RunResult], path: str | Path, *, title: str = "
         series = [[p[1].get(c, 0) for p in r.timeline] for c in CATEGORIES]
         ax.stackplot(t, series, labels=CATEGORIES, colors=[COLORS[c] for c in CATEGORIES], step="post")
         ax.set_ylabel("GPUs")
-        ax.set_title(f"{r.policy}: {r.samples_per_s:.3f} samples/s, {r.transitions} transitions", fontsize=9, loc="left")
+        ax.set_title(
+            f"{r.policy}: {r.samples_per_s:.3f} samples/s, {r.transitions} transitions", fontsize=9, loc="left"
+        )
         ax.margins(x=0)
     axes[-1, 0].set_xlabel("simulated minutes")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(CATEGORIES), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, y=0.995, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.97), ncol=len(CATEGORIES), fontsize=8, frameon=False
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -59,7 +59,10 @@ def table(docs: list[dict]) -> str:
     lines.append("")
     lines.append("Samples per second (trajectories trained per simulated second); ratios are of samples/s.")
     lines.append("")
-    lines.append("| scenario | policy | steps/h | transitions | forced returns | trainer delay s | GPU-h serving | GPU-h idle (incl. trainer waiting) | GPU-h in transition | recompute Mtok |")
+    lines.append(
+        "| scenario | policy | steps/h | transitions | forced returns | trainer delay s | GPU-h serving "
+        "| GPU-h idle (incl. trainer waiting) | GPU-h in transition | recompute Mtok |"
+    )
     lines.append("|" + "---|" * 10)
     for d in docs:
         for name, p in d["policies"].items():
@@ -87,7 +90,9 @@ def main() -> None:
     print()
     print(REFERENCES)
     if args.write_docs:
-        cmd = "python tests/benchmarks/bench_simulate.py --write-docs" + (f" --steps {args.steps}" if args.steps else "")
+        cmd = "python tests/benchmarks/bench_simulate.py --write-docs" + (
+            f" --steps {args.steps}" if args.steps else ""
+        )
         text = (
             "# Simulator results\n\n"
             f"Made by `{cmd}` ({wall:.0f} s on this machine). Do not edit by hand: rerun the command.\n"

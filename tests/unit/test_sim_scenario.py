@@ -47,7 +47,10 @@ def load_doc(doc: dict) -> sc.Scenario:
     "edit, message",
     [
         (lambda d: d["workload"].update(turnz=3), "[workload]: unknown key(s) turnz; allowed:"),
-        (lambda d: d["workload"].update(turns={"kind": "pareto"}), "turns.kind: must be one of const, uniform, lognormal"),
+        (
+            lambda d: d["workload"].update(turns={"kind": "pareto"}),
+            "turns.kind: must be one of const, uniform, lognormal",
+        ),
         (
             lambda d: d["workload"].update(response_tokens={"kind": "lognormal", "median": 500, "p99": 100}),
             "response_tokens.p99: must be >= median",
@@ -59,8 +62,18 @@ def load_doc(doc: dict) -> sc.Scenario:
         (lambda d: d["cluster"].update(rollout_gpus="8"), "rollout_gpus: must be an integer"),
         (lambda d: d["scenario"].update(profile="nope.toml"), "[scenario] profile: cannot read profile"),
         (lambda d: d.update(avail={}), "unknown key(s) avail"),
-        (lambda d: d["availability"].update(initial_gpus=4) if "availability" in d else d.update(availability={"initial_gpus": 4}), "elastic_gpus > 0"),
-        (lambda d: d["workload"].update(max_context_tokens=10**7), "max_context_tokens: must be <= the profile's kv_capacity_tokens"),
+        (
+            lambda d: (
+                d["availability"].update(initial_gpus=4)
+                if "availability" in d
+                else d.update(availability={"initial_gpus": 4})
+            ),
+            "elastic_gpus > 0",
+        ),
+        (
+            lambda d: d["workload"].update(max_context_tokens=10**7),
+            "max_context_tokens: must be <= the profile's kv_capacity_tokens",
+        ),
     ],
 )
 def test_bad_scenarios_name_the_key_and_what_is_allowed(edit, message):
