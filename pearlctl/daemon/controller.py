@@ -108,6 +108,7 @@ class Controller:
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
         self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
+        self.polling: collections.Counter[int] = collections.Counter()  # allocation -> heartbeats held now
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
         self.lock = threading.RLock()
 
@@ -171,12 +172,16 @@ class Controller:
         wait = min(float(body.get("wait_s") or 0.0), self.heartbeat_s)
         if wait > 0 and body.get("desired_hash") == digest:
             deadline = time.monotonic() + wait
-            with self.changed:
-                while digest == body["desired_hash"] and (left := deadline - time.monotonic()) > 0:
-                    self.changed.wait(left)
-                    with self.lock:
-                        desired = [w.as_dict() for w in self.desired(alloc_id)]
-                    digest = desired_hash(desired)
+            self.polling[alloc_id] += 1  # held here: the agent is alive even though it sends nothing new
+            try:
+                with self.changed:
+                    while digest == body["desired_hash"] and (left := deadline - time.monotonic()) > 0:
+                        self.changed.wait(left)
+                        with self.lock:
+                            desired = [w.as_dict() for w in self.desired(alloc_id)]
+                        digest = desired_hash(desired)
+            finally:
+                self.polling[alloc_id] -= 1
         return {"epoch": self.epoch, "desired": desired, "desired_hash": digest, "heartbeat_s": self.heartbeat_s}
 
     def notify(self) -> None:
@@ -461,7 +466,7 @@ class Controller:
             for alloc in self.store.allocations(self.run_id):
                 seen = alloc.get("agent_seen_at")
                 gone = alloc["state"] in (A.ENDED, A.LOST)
-                if seen is None or (seen > deadline and not gone):
+                if seen is None or (not gone and (seen > deadline or self.polling[alloc["id"]] > 0)):
                     continue
                 hit = self._mark_gpus_lost(alloc["id"], "agent silent", {"last_seen": seen})
                 for w in workers:

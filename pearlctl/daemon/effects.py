@@ -23,6 +23,7 @@ first answer.
 from __future__ import annotations
 
 from pearlctl.daemon.transitions import DONE, FAILED, PENDING, PLANS
+from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
@@ -51,6 +52,14 @@ class DaemonEffects:
     def _live_worker(self, t: dict) -> dict | None:
         live = [w for w in self._workers_on(t) if w["state"] not in GONE_WORKER]
         return live[0] if live else None
+
+    def _proven_gone(self, w: dict) -> bool:
+        """Stopped or failed as its agent reported — or LOST with its allocation ended. A worker LOST only
+        because its agent went quiet for a moment (a daemon restart, a slow host) may still run: a
+        STOP or SLEEP is not proven by that."""
+        if w["state"] in (W.STOPPED, W.FAILED):
+            return True
+        return w["state"] == W.LOST and self.store.get("allocations", w["allocation_id"])["state"] in (A.ENDED, A.LOST)
 
     def _ack(self, key: str) -> dict | None:
         for t in self.store.transitions(self.run_id):
@@ -112,7 +121,7 @@ class DaemonEffects:
             return DONE if w["state"] == W.READY else PENDING
         if kind == "SLEEP":
             workers = self._workers_on(t)
-            return DONE if all(w["state"] in (W.SLEEPING, *GONE_WORKER) for w in workers) else PENDING
+            return DONE if all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers) else PENDING
         if kind == "START":
             w = self._live_worker(t)
             if w is None:
@@ -135,7 +144,7 @@ class DaemonEffects:
                 else PENDING
             )
         if kind == "STOP":
-            return DONE if all(w["state"] in GONE_WORKER for w in self._workers_on(t)) else PENDING
+            return DONE if all(self._proven_gone(w) for w in self._workers_on(t)) else PENDING
         if kind == "VERIFY":  # the return's: the trainer has its GPUs back
             trainer = self.store.get_run(self.run_id).get("trainer") or {}
             return DONE if trainer and not trainer.get("released") else PENDING
