@@ -16,8 +16,9 @@ GPUs' departures at their deadlines):
 ``MIN_RELATIVE_GAIN`` of ``T0`` (a relative band: the model is not finer, and a band stops borrow/return
 or ratio flapping). No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``.
 
-Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and when the batch has no
-work left every lent GPU goes back. Loaded by name (pearlctl.policies.load_policy); pure.
+Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and every lent GPU goes back
+once the batch is predicted to end within a return's time (or has no work left): the trainer needs its GPUs
+when the batch ends, and the tail of a batch has too few trajectories to keep them busy. Loaded by name (pearlctl.policies.load_policy); pure.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 from dataclasses import replace
 
 from pearlctl.planner import budget, plan
-from pearlctl.planner.choose import choose
+from pearlctl.planner.choose import choose, worker_groups
 from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
 from pearlctl.planner.predict import predict
 
@@ -43,12 +44,23 @@ def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(s)
     keep = plan.make(s, current, why="pearl: return lent GPUs before their deadline")
     if s.work.empty:
-        if current.lend:  # nothing left to roll out: the trainer gets its GPUs back now
-            back = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
-            return plan.make(s, back, why="pearl: batch done, return lent GPUs")
-        return None if keep.empty else keep
+        # Nothing to roll out now: lent GPUs go back to the trainer, and idle rollout and elastic GPUs are
+        # brought up for the next batch — an idle GPU's start costs no batch time, while a start once the
+        # batch is under way does.
+        target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
+        if current.mode is Mode.COLOCATED:
+            ready = budget.may_serve(s, elastic=True, borrow=False)
+            gpw = s.profile.gpus_per_worker
+            whole = {p: n * gpw for p, n in worker_groups(ready, gpw).items()}
+            target = replace(target, rollout_gpus=sum(whole.values()), elastic=whole.get("elastic", 0))
+        idle = plan.make(s, target, why="pearl: between batches, lent GPUs back and idle capacity warm")
+        return None if idle.empty else idle
 
     baseline = keep.predicted_s
+    if current.lend and baseline <= budget.return_cost_s(s) + budget.RETURN_SLACK_S:
+        # the batch ends before a return could: give lent GPUs back now, so the trainer does not wait for them
+        back = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
+        return plan.make(s, back, why="pearl: batch ending, return lent GPUs")
     horizon = s.horizon_s if s.horizon_s is not None else baseline
     dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
     modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)

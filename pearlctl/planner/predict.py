@@ -28,10 +28,10 @@ prefill_tok_s)`` — the slower side bounds.
 The batch drains: trajectories have different numbers of turns left. Turns left follow ``M * q ** a`` over
 quantiles ``q`` (``a = M / m - 1`` makes the mean ``m`` and the maximum ``M`` exact); the model runs
 ``PHASES`` phases, each with the trajectories still unfinished, so concurrency falls in the tail. Contexts
-grow by ``P + T`` per turn. Finally no trajectory beats its own sequential time: the straggler floor is
-``turns_left_max * (decode_tokens_per_turn_max * it(B_last) + tool_latency_max_s + prefill latency + queue)``,
-with
-``it(B) >= itl(1, L)`` — batch-1 decode speed.
+grow by ``P + T`` per turn. Finally no trajectory beats its own sequential time: the straggler floor is one
+tail turn and ``turns_left_max - 1`` typical ones, ``(decode_tokens_per_turn_max + (M - 1) * T) * it(B_last)
++ tool_latency_max_s + (M - 1) * W + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1
+decode speed.
 
 What it does not model: the transient of trajectories on tools right now (``Work.tool_waiting``; the steady
 state decides), queueing variance (means only), chunked-prefill details, and speculative decoding.
@@ -135,12 +135,15 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
         return Prediction(0.0, 0.0, Bound.NONE)
 
     # The straggler: its own turns one after another, in the last phase's batch (never faster than batch 1)
-    # and behind the last phase's queue for a batch slot or a prefill worker.
-    s_decode = max(work.decode_tokens_per_turn_max, decode_tokens)
-    s_tool = max(work.tool_latency_max_s, tool_s)
-    s_context = context0 + max_turns * (prefill_tokens + s_decode) / 2
+    # and behind the last phase's queue for a batch slot or a prefill worker. It owes its length to one tail
+    # turn (the ``*_max`` response and tool call), its other turns being typical: per-turn lengths are
+    # independent, so two tail turns in one trajectory are rare (two p99 turns: 1e-4) — charging every turn at
+    # the tail would predict a straggler no batch has.
+    s_decode = max(work.decode_tokens_per_turn_max, decode_tokens) + (max_turns - 1) * decode_tokens
+    s_tool = max(work.tool_latency_max_s, tool_s) + (max_turns - 1) * tool_s
+    s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
     s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
-    straggler = max_turns * (s_decode * s_it + s_tool + last.prefill_s + last.queue_s)
+    straggler = s_decode * s_it + s_tool + max_turns * (last.prefill_s + last.queue_s)
 
     # (identical trajectories make the two equal: the drain's bound says more then)
     seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest[1])

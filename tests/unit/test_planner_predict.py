@@ -109,9 +109,14 @@ def test_tool_waits_lower_the_batch_below_trajectories_per_worker():
     ),
 )
 def test_the_straggler_floor_holds(work, dep):
-    """No deployment finishes before the longest trajectory could, decoding alone at batch-1 speed."""
-    per_turn = max(work.decode_tokens_per_turn_max, 1) * DENSE.decode.itl(1, work.context_tokens)
-    floor = work.turns_left_max * (per_turn + work.tool_latency_max_s)
+    """No deployment finishes before the longest trajectory could — one tail turn and its other turns typical —
+    decoding alone at batch-1 speed."""
+    turns = work.turns_left_max
+    tokens = (
+        max(work.decode_tokens_per_turn_max, work.decode_tokens_per_turn) + (turns - 1) * work.decode_tokens_per_turn
+    )
+    tool = max(work.tool_latency_max_s, work.tool_latency_s) + (turns - 1) * work.tool_latency_s
+    floor = tokens * DENSE.decode.itl(1, work.context_tokens) + tool
     assert completion_s(work, dep, DENSE) >= floor * (1 - 1e-9)
 
 
