@@ -23,7 +23,7 @@ from pearlctl.sim.run import compare  # noqa: E402
 
 POLICIES = ["static", "elastic", "pearl", "oracle"]
 REFERENCES = (
-    "Published references (design.md §1; the PEARL paper itself was not available, params.md §7): PEARL "
+    "Published references (design.md §1; the PEARL paper itself was not available, docs/sources.md §7): PEARL "
     "2.17–2.79× the throughput of fixed-resource ROLL (compare pearl/static) and +26.9% (Qwen3-8B) / +36.3% "
     "(Qwen3-30B-A3B) over the elastic RLBoost+ baseline (compare pearl/elastic: 1.27× / 1.36×)."
 )
