@@ -15,6 +15,7 @@ from pearlctl.state.store import Store
 from tests.conftest import create_trainer_run
 
 NOW = 1_000_000.0
+POOL = {"partition": None, "nodes": 1}
 
 
 @pytest.fixture
@@ -22,6 +23,16 @@ def daemon(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
         alloc = create_trainer_run(store, tmp_path, job_id="1")
         store.upsert_node_gpus("r", alloc["id"], "gpu1", [0, 1], "TRAIN")
+        # run "q": the same trainer pool plus a rollout pool of one GPU, for tests that need a serving worker
+        pools = [
+            dict(POOL, name=name, kind=name, role=role, gpus_per_node=n, job_name=f"pearl.q.{name}")
+            for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))
+        ]
+        store.create_run(run_id="q", name="q", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
+                         policy="never", pools=pools)  # fmt: skip
+        placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
+        for a, (node, idx, role) in zip(store.allocations("q"), placed, strict=True):
+            store.upsert_node_gpus("q", a["id"], node, idx, role)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller = Controller(store, "r", None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
@@ -76,3 +87,33 @@ def test_pearl_needs_a_profile(daemon):
     with pytest.raises(ControlError, match="pearlctl profile RUN"):
         c.borrow({"policy": "pearl"})
     assert store.get_run("r")["policy"] == "greedy"  # unchanged
+
+
+def test_pearl_runs_live_from_the_stored_profile_and_the_reported_work(daemon):
+    """`borrow --policy pearl`: the daemon's own snapshot, the run's profile and the driver's work report
+    decide — a big batch with long tool calls makes borrowing both trainer GPUs pay; one short trajectory
+    left on a serving rollout worker does not pay for a cold start."""
+    from pearlctl.planner import profile as profiles
+    from tests.conftest import REPO
+
+    store, _ = daemon
+    ex = Executor(store, DaemonEffects(store, "q", None), run_id="q", epoch=None, clock=lambda: NOW)
+    c = Controller(store, "q", None, clock=lambda: NOW)
+    c.borrowing = Borrowing(store, ex, "q", clock=lambda: NOW)
+    prof = profiles.load(REPO / "examples/profiles/qwen3-8b-h100.toml")
+    c.set_profile({"profile": profiles.to_dict(prof)})
+    c.borrow({"policy": "pearl"})
+    store.update_fields("runs", "q", epoch=None, trainer={"phase": "waiting", "expected_wait_s": 3600.0,
+                                                           "phase_since": NOW, "reported_at": NOW})  # fmt: skip
+    big = {"trajectories": 512, "turns_left": 8, "turns_left_max": 20, "decode_tokens_per_turn": 400,
+           "decode_tokens_per_turn_max": 2000, "prefill_tokens_per_turn": 300, "context_tokens": 4000,
+           "tool_latency_s": 5.0, "tool_latency_max_s": 30.0}  # fmt: skip
+    c.rollout_progress({"queued": 0, "generating": 512, "tool_wait": 0, "work": big})
+    plan = c.borrowing.plan_borrow(NOW)
+    assert plan is not None and plan["policy"] == "pearl" and len(plan["gpu_ids"]) == 2
+    assert plan["predicted_s"][1] < plan["predicted_s"][0]
+
+    tail = dict(big, trajectories=1, turns_left=1, turns_left_max=1, decode_tokens_per_turn=10,
+                decode_tokens_per_turn_max=10, tool_latency_s=0.0, tool_latency_max_s=0.0)  # fmt: skip
+    c.rollout_progress({"queued": 0, "generating": 1, "tool_wait": 0, "work": tail})
+    assert c.borrowing.plan_borrow(NOW) is None
