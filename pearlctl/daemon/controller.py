@@ -109,6 +109,7 @@ class Controller:
         self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
         self.polling: collections.Counter[int] = collections.Counter()  # allocation -> heartbeats held now
+        self.started_at = clock()
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
         self.lock = threading.RLock()
 
@@ -458,8 +459,14 @@ class Controller:
 
     # -- agent loss -------------------------------------------------------------------------------
     def check_agents(self) -> list[int]:
-        """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked."""
+        """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked.
+
+        A daemon that just started gives agents one loss window to find it: their last heartbeat went to
+        the daemon before, so its age says nothing yet (judging them at once would, after every restart,
+        mark live workers LOST and plan around them — a parked worker passed over for a cold start)."""
         with self.lock:
+            if self.clock() - self.started_at < self.lost_after * self.heartbeat_s:
+                return []
             deadline = self.clock() - self.lost_after * self.heartbeat_s
             marked = []
             workers = self.store.workers(self.run_id)

@@ -153,7 +153,8 @@ class Harness:
 
     def ensure(self, plan: str) -> None:
         """Bring the run where a transition of ``plan`` is what happens next."""
-        if read_address(self.run_dir) is None or not alive(read_address(self.run_dir)["pid"]):
+        address = read_address(self.run_dir)
+        if address is None or not alive(address["pid"]):
             self.start_daemon()
         wants_parked = plan == "borrow_warm"
         if plan in ("borrow", "borrow_warm"):
@@ -162,7 +163,7 @@ class Harness:
             if wants_parked and not self.parked():
                 self.move("borrow")
                 self.move("return_sleep")
-            assert bool(self.parked()) == wants_parked, "a cold borrow needs no parked worker"
+            assert bool(self.parked()) == wants_parked, f"{plan}: parked worker {'missing' if wants_parked else 'left'}"
         elif not self.lent():
             self.move("borrow_warm" if self.parked() else "borrow")
 
