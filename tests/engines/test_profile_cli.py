@@ -26,6 +26,9 @@ model = "{TINY_MODEL}"
 run_dir = "{tmp_path / "run"}"
 backend = "local"
 poll_interval_s = 2
+[pools.trainer]                # no train_command: no trainer process, this run only serves
+nodes = 1
+gpus_per_node = 1
 [pools.rollout]
 nodes = 1
 gpus_per_node = 1
