@@ -9,7 +9,9 @@ What is measured, over the worker's OpenAI-compatible API (requests with token-i
   prefill. The planner's decode model ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` is fitted to
   those points by non-negative least squares;
 - prefill: one request of L2 and one of L1 prompt tokens, each decoding one token:
-  ``prefill_tok_s = (L2 - L1) / (T(L2) - T(L1))``;
+  ``prefill_tok_s = (L2 - L1) / (T(L2) - T(L1))`` — or ``L2 / T(L2)``, a lower bound, when the difference
+  is within the timing noise (a tiny model); what ``T(L1)`` leaves beyond its prefill is the per-request
+  overhead (HTTP, tokenizing, scheduling);
 - KV capacity: vLLM's ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``) from /metrics.
 
 Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind.
@@ -56,6 +58,7 @@ class Measurement:
     decode: tuple[DecodePoint, ...]
     prefill_tok_s: float
     kv_capacity_tokens: int | None
+    request_overhead_s: float = 0.0
 
 
 def fit_decode(points: Iterable[DecodePoint]) -> DecodeModel:
@@ -136,7 +139,7 @@ class WorkerProbe:
 def measure(
     probe: WorkerProbe,
     *,
-    batches: tuple[int, ...] = (1, 2, 4, 8),
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16),
     contexts: tuple[int, ...] = (32, 256),
     tokens: tuple[int, int] = (8, 40),
     prefill_lengths: tuple[int, int] = (32, 384),
@@ -160,8 +163,12 @@ def measure(
     l1, l2 = prefill_lengths
     t1 = statistics.median(probe.complete(l1, 1, offset=offset + 10 + i) for i in range(repeats))
     t2 = statistics.median(probe.complete(l2, 1, offset=offset + 20 + i) for i in range(repeats))
-    prefill = (l2 - l1) / max(t2 - t1, 1e-6)
-    return Measurement(tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None)
+    if t2 - t1 > 0.1 * t1:
+        prefill = (l2 - l1) / (t2 - t1)
+    else:  # the longer prompt costs no measurable time (a tiny model): charge it all, a lower bound
+        prefill = l2 / t2
+    overhead = max(0.0, t1 - l1 / prefill)  # what a one-token request costs beyond its prefill
+    return Measurement(tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None, overhead)
 
 
 def step_costs(steps: Iterable[dict]) -> dict[str, float]:
@@ -196,12 +203,14 @@ def build_profile(
         decode=decode,
         prefill_tok_s=m.prefill_tok_s,
         kv_capacity_tokens=m.kv_capacity_tokens,
+        request_overhead_s=m.request_overhead_s,
         max_num_seqs=max_num_seqs,
         kv_bytes_per_token=kv_bytes_per_token,
         costs=TransitionCosts(**(costs or {})),
         sources={
             "decode": f"measured by pearlctl profile {source}: {points}",
             "prefill_tok_s": f"measured by pearlctl profile {source}",
+            "request_overhead_s": f"measured by pearlctl profile {source}",
             "kv_capacity_tokens": "vllm:cache_config_info (num_gpu_blocks x block_size)",
             "costs": "medians of the run's journaled steps" if costs else "defaults (no transition journaled yet)",
         },

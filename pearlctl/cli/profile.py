@@ -32,7 +32,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 def profile(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
     worker: str = typer.Option(None, "--worker", help="URL or worker key to measure (default: a serving worker)."),
-    batches: str = typer.Option("1,2,4,8", "--batches", help="Decode batch sizes to measure."),
+    batches: str = typer.Option("1,2,4,8,16", "--batches", help="Decode batch sizes to measure."),
     contexts: str = typer.Option("32,256", "--contexts", help="Prompt lengths (tokens) to measure decode at."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements per point (medians are kept)."),
     name: str = typer.Option(None, "--name", help="Profile name (default: <run>-<worker>)."),

@@ -195,12 +195,14 @@ def _steady(
     prefill_eff = prefill_tokens + recompute
 
     pf = profile.prefill_tok_s
+    # a turn's request also waits for the server's own handling (HTTP, tokenizing, scheduling): latency only
+    overhead = profile.request_overhead_s
     if dep.mode is Mode.DISAGGREGATED:
-        own_prefill = prefill_eff / pf + profile.kv_transfer_s(context)
+        own_prefill = prefill_eff / pf + profile.kv_transfer_s(context) + overhead
         steal = 0.0
         floor = active * prefill_eff / (dep.prefill * pf)
     else:
-        own_prefill = prefill_eff / pf
+        own_prefill = prefill_eff / pf + overhead
         steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
         floor = 0.0
 

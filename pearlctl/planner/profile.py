@@ -111,6 +111,7 @@ class Profile:
     gpus_per_worker: int = 1  # tensor parallel size
     kv_bytes_per_token: int = 0
     kv_transfer_gb_s: float = 10.0  # prefill -> decode KV transfer bandwidth (disaggregated mode)
+    request_overhead_s: float = 0.0  # per request, outside prefill and decode: HTTP, tokenizing, scheduling
     costs: TransitionCosts = field(default_factory=TransitionCosts)
     sources: dict[str, str] = field(default_factory=dict)  # field -> citation
 
@@ -119,6 +120,8 @@ class Profile:
         for name in ("prefill_tok_s", "kv_capacity_tokens", "max_num_seqs", "gpus_per_worker", "kv_transfer_gb_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)!r})")
+        if not self.request_overhead_s >= 0:
+            problems.append(f"request_overhead_s must be >= 0 (got {self.request_overhead_s!r})")
         d = self.decode
         if not d.weights_s > 0 or d.seq_s < 0 or d.kv_s_per_token < 0 or d.experts_s < 0:
             problems.append("decode: weights_s must be > 0; seq_s, kv_s_per_token, experts_s >= 0")
