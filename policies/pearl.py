@@ -18,7 +18,9 @@ or ratio flapping). No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_ch
 
 Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and every lent GPU goes back
 once the batch is predicted to end within a return's time (or has no work left): the trainer needs its GPUs
-when the batch ends, and the tail of a batch has too few trajectories to keep them busy. Loaded by name (pearlctl.policies.load_policy); pure.
+when the batch ends, and the tail of a batch has too few trajectories to keep them busy. Between batches,
+idle rollout and elastic GPUs are brought up for the next one. Loaded by name (pearlctl.policies.load_policy);
+pure.
 """
 
 from __future__ import annotations
