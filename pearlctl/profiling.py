@@ -28,18 +28,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
-
-# journal step kind -> TransitionCosts field it measures
-STEP_COSTS = {
-    "START": "start_s",
-    "WAKE": "wake_s",
-    "SLEEP": "sleep_s",
-    "STOP": "stop_s",
-    "OFFLOAD": "offload_s",
-    "RELOAD": "reload_s",
-    "SYNC_WEIGHTS": "weight_sync_s",
-}
+from pearlctl.planner.profile import STEP_COSTS, DecodeModel, Profile, TransitionCosts
 
 
 class ProfilingError(Exception):

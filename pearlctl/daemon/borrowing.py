@@ -25,9 +25,8 @@ import time
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+from pearlctl.planner.profile import STEP_COSTS, DecodeModel, Profile, TransitionCosts
 from pearlctl.policies import PolicyError, load_policy
-from pearlctl.profiling import STEP_COSTS
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
@@ -87,7 +86,7 @@ class Borrowing:
         ]
         if done:
             return statistics.median(done[-5:])
-        costs = self.costs(DEFAULT_COSTS)
+        costs = self.costs((self.profile() or UNMEASURED).costs)
         return costs.borrow_s(warm=False) if kind == "borrow" else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
@@ -137,18 +136,7 @@ class Borrowing:
 
     def view(self, now: float, settings: dict | None = None) -> dict:
         """A summary of the snapshot for people (``borrow --dry-run``)."""
-        s = self.snapshot(now, settings)
-        return {
-            "phase": s.trainer.phase,
-            "wait_left_s": s.trainer.wait_left_s,
-            "idle_gpus": sum(1 for g in s.gpus if g.pool == "trainer" and not g.borrowed),
-            "max_gpus": s.max_lend,
-            "borrow_cost_s": s.costs.borrow_s(warm=False),
-            "warm_borrow_cost_s": s.costs.borrow_s(warm=True),
-            "return_cost_s": s.costs.return_s(park=True),
-            "trajectories_left": s.work.trajectories,
-            "profile": s.profile.name,
-        }
+        return summary(self.snapshot(now, settings))
 
     def decide(self, now: float, settings: dict | None = None):
         """The policy's plan for the run now (None: keep everything as it is). Pure read."""
@@ -159,7 +147,8 @@ class Borrowing:
         """What a borrow would do now: GPUs, deadline (None: the policy lends nothing). Pure read.
         ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's."""
         settings = settings or self.settings()
-        planned = self.decide(now, settings)
+        snapshot = self.snapshot(now, settings)
+        planned = load_policy(settings["policy"]).decide(snapshot)
         lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
         if not lend:
             return None
@@ -168,17 +157,16 @@ class Borrowing:
         parked = {g["worker_id"] for g in chosen}
         warm = len(parked) == 1 and None not in parked and self._asleep(parked.pop())
         keep_warm = settings.get("keep_warm", True)
-        view = self.view(now, settings)
         return {
             "gpu_ids": [g["id"] for g in chosen],
             "gpus": [(g["node"], g["idx"]) for g in chosen],
-            "return_deadline": now + view["wait_left_s"],
+            "return_deadline": now + snapshot.trainer.wait_left_s,
             "policy": settings["policy"],
             "plan": "borrow_warm" if warm else "borrow",
             "rollback": "return_sleep" if keep_warm else "return",
             "why": planned.why,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s],
-            "view": view,
+            "view": summary(snapshot),
         }
 
     def _unpark(self) -> None:
@@ -254,6 +242,21 @@ class Borrowing:
             data={"lateness_s": round(late, 3)},
             epoch=self.executor.epoch,
         )
+
+
+def summary(s: Snapshot) -> dict:
+    """What a policy sees, in a few numbers for people (``borrow --dry-run``)."""
+    return {
+        "phase": s.trainer.phase,
+        "wait_left_s": s.trainer.wait_left_s,
+        "idle_gpus": sum(1 for g in s.gpus if g.pool == "trainer" and not g.borrowed),
+        "max_gpus": s.max_lend,
+        "borrow_cost_s": s.costs.borrow_s(warm=False),
+        "warm_borrow_cost_s": s.costs.borrow_s(warm=True),
+        "return_cost_s": s.costs.return_s(park=True),
+        "trajectories_left": s.work.trajectories,
+        "profile": s.profile.name,
+    }
 
 
 def work_from_progress(report: dict) -> Work:

@@ -99,6 +99,18 @@ class TransitionCosts:
         return (self.sleep_s if park else self.stop_s) + self.reload_s
 
 
+# journal step kind -> the TransitionCosts field its measured durations estimate
+STEP_COSTS = {
+    "START": "start_s",
+    "WAKE": "wake_s",
+    "SLEEP": "sleep_s",
+    "STOP": "stop_s",
+    "OFFLOAD": "offload_s",
+    "RELOAD": "reload_s",
+    "SYNC_WEIGHTS": "weight_sync_s",
+}
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
