@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from pearlctl.planner.profile import STEP_COSTS, DecodeModel, Profile, TransitionCosts
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
 
 
 class ProfilingError(Exception):
@@ -158,16 +158,6 @@ def measure(
         prefill = l2 / t2
     overhead = max(0.0, t1 - l1 / prefill)  # what a one-token request costs beyond its prefill
     return Measurement(tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None, overhead)
-
-
-def step_costs(steps: Iterable[dict]) -> dict[str, float]:
-    """Median seconds of each journaled step kind (DONE steps with start and finish times)."""
-    seen: dict[str, list[float]] = {}
-    for s in steps:
-        d = s.get("detail") or {}
-        if s.get("state") == "DONE" and s.get("kind") in STEP_COSTS and "started_at" in d and "finished_at" in d:
-            seen.setdefault(STEP_COSTS[s["kind"]], []).append(d["finished_at"] - d["started_at"])
-    return {k: statistics.median(v) for k, v in seen.items()}
 
 
 def build_profile(

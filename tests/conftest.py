@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pearlctl.daemon.main import process_alive as alive  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny.toml"
 
@@ -60,15 +62,6 @@ def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
     alloc = store.allocations("r")[0]
     store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
     return store.get("allocations", alloc["id"])
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie (PID 1 on these machines may reap orphans late)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(fn, timeout: float, every: float = 0.5):

@@ -110,7 +110,7 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
         name=name or f"{run['name']}-{w['worker_key']}",
         model=run["spec"].get("model", model),
         hardware=f"worker {w['worker_key']} of run {run['id']} ({w['url']})",
-        costs=profiling.step_costs(steps),
+        costs=profiles.step_costs(steps),
         max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
         source=f"on {w['url']}",
     )

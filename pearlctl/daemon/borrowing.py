@@ -25,10 +25,9 @@ import time
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import STEP_COSTS, DecodeModel, Profile, TransitionCosts
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
-from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
 
@@ -67,14 +66,8 @@ class Borrowing:
 
     def costs(self, base: TransitionCosts) -> TransitionCosts:
         """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
-        seen: dict[str, list[float]] = {}
-        for t in self.store.transitions(self.run_id):
-            for step in self.store.steps(t["id"]):
-                d = step.get("detail") or {}
-                if step["state"] == S.DONE and step["kind"] in STEP_COSTS and "finished_at" in d:
-                    seen.setdefault(STEP_COSTS[step["kind"]], []).append(d["finished_at"] - d["started_at"])
-        measured = {k: statistics.median(v[-5:]) for k, v in seen.items()}
-        return TransitionCosts(**{**vars(base), **measured})
+        steps = (step for t in self.store.transitions(self.run_id) for step in self.store.steps(t["id"]))
+        return TransitionCosts(**{**vars(base), **step_costs(steps, last=5)})
 
     def cost(self, kind: str) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else

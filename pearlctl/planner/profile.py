@@ -21,7 +21,9 @@ A single sequence cannot go faster than ``1 / itl(1, L)`` tokens/s — the strag
 from __future__ import annotations
 
 import math
+import statistics
 import tomllib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -109,6 +111,17 @@ STEP_COSTS = {
     "RELOAD": "reload_s",
     "SYNC_WEIGHTS": "weight_sync_s",
 }
+
+
+def step_costs(steps: Iterable[dict], *, last: int | None = None) -> dict[str, float]:
+    """Median seconds of each journaled step kind — of its ``last`` DONE steps, or all — keyed by the
+    TransitionCosts field it estimates (only steps with start and finish times count)."""
+    seen: dict[str, list[float]] = {}
+    for s in steps:
+        d = s.get("detail") or {}
+        if s.get("state") == "DONE" and s.get("kind") in STEP_COSTS and "started_at" in d and "finished_at" in d:
+            seen.setdefault(STEP_COSTS[s["kind"]], []).append(d["finished_at"] - d["started_at"])
+    return {k: statistics.median(v[-last:] if last else v) for k, v in seen.items()}
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pearlctl.planner import profile as profiles
-from pearlctl.planner.profile import DecodeModel, Profile, ProfileError
-from pearlctl.profiling import DecodePoint, ProfilingError, fit_decode, kv_capacity, step_costs
+from pearlctl.planner.profile import DecodeModel, Profile, ProfileError, step_costs
+from pearlctl.profiling import DecodePoint, ProfilingError, fit_decode, kv_capacity
 
 
 def test_fit_recovers_the_decode_model_it_was_measured_from():
