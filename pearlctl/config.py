@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-POOL_KINDS = ("trainer", "rollout", "elastic", "reward")
-GENERATION_POOLS = ("rollout", "elastic")
+from pearlctl import vocabulary
+
+POOL_KINDS = tuple(str(k) for k in vocabulary.POOL_KINDS)
+GENERATION_POOLS = tuple(str(k) for k in vocabulary.GENERATION_POOLS)
 BACKENDS = ("auto", "slurm", "local")
-DEFAULT_ROLES = {"trainer": "TRAIN", "rollout": "ROLLOUT", "elastic": "ROLLOUT", "reward": "REWARD"}
 
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,39}$")
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; "UNLIMITED" / "INFINITE" too.
@@ -75,7 +76,7 @@ class PoolSpec:
 
     @property
     def role(self) -> str:
-        return DEFAULT_ROLES[self.name]
+        return str(vocabulary.DEFAULT_ROLE[vocabulary.PoolKind(self.name)])
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -25,9 +25,10 @@ from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import POOL_KINDS
 from pearlctl.watcher import sync_run
 
-POOL_ORDER = ("trainer", "rollout", "elastic", "reward")
+POOL_ORDER = tuple(str(k) for k in POOL_KINDS)  # the trainer first
 
 
 class LaunchError(Exception):

@@ -30,6 +30,7 @@ from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import SERVING_ROLES
 
 __all__ = ["Borrowing", "PolicyError", "load_policy"]
 
@@ -48,7 +49,6 @@ UNMEASURED = Profile(
     costs=DEFAULT_COSTS,
 )
 
-SERVING_ROLES = {r.value for r in (Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD)}
 
 
 class Borrowing:

@@ -14,15 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pearlctl.planner.profile import Profile, TransitionCosts
-
-
-class Role(StrEnum):
-    TRAIN = "TRAIN"
-    ROLLOUT = "ROLLOUT"  # colocated prefill + decode
-    PREFILL = "PREFILL"
-    DECODE = "DECODE"
-    REWARD = "REWARD"
-    IDLE = "IDLE"
+from pearlctl.vocabulary import Role
 
 
 SERVING = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)

@@ -20,43 +20,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from pearlctl.state.errors import IllegalTransition, StateError
-
-
-class PoolKind(StrEnum):
-    """What a pool is for; the values are the names used in run specs."""
-
-    TRAINER = "trainer"
-    ROLLOUT = "rollout"
-    ELASTIC = "elastic"  # preemptible / backfill capacity that comes and goes
-    REWARD = "reward"  # generative reward model (GenRM) evaluation
-
-
-class Role(StrEnum):
-    """What a GPU does now (design.md §3)."""
-
-    TRAIN = "TRAIN"
-    ROLLOUT = "ROLLOUT"  # colocated prefill + decode
-    PREFILL = "PREFILL"
-    DECODE = "DECODE"
-    REWARD = "REWARD"
-    IDLE = "IDLE"
-
-
-class StepKind(StrEnum):
-    """The idempotent units a transition is made of (design.md §3)."""
-
-    OFFLOAD = "OFFLOAD"
-    RELOAD = "RELOAD"
-    CHECKPOINT = "CHECKPOINT"
-    DRAIN = "DRAIN"
-    SLEEP = "SLEEP"
-    WAKE = "WAKE"
-    START = "START"
-    STOP = "STOP"
-    SYNC_WEIGHTS = "SYNC_WEIGHTS"
-    REGISTER = "REGISTER"
-    DEREGISTER = "DEREGISTER"
-    VERIFY = "VERIFY"
+from pearlctl.vocabulary import PoolKind, Role, StepKind  # noqa: F401  (re-exported: state's words)
 
 
 class RunState(StrEnum):

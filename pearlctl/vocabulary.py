@@ -1,0 +1,72 @@
+"""pearlctl's words, defined once (pure: no I/O, no imports of the project).
+
+Roles, pool kinds, step kinds and engines are used by the run spec, state, the planner, the daemon, the
+agent and the simulator. Each is a ``StrEnum`` here and nowhere else, so a new role (a generative reward
+model, say) is added in one place and every layer sees it. The values are the strings stored in state
+and sent over the control API.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class PoolKind(StrEnum):
+    """What a pool is for; the values are the names used in run specs (``[pools.<kind>]``)."""
+
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    ELASTIC = "elastic"  # preemptible / backfill capacity that comes and goes
+    REWARD = "reward"  # generative reward model (GenRM) evaluation
+
+
+class Role(StrEnum):
+    """What a GPU does now."""
+
+    TRAIN = "TRAIN"
+    ROLLOUT = "ROLLOUT"  # colocated prefill + decode
+    PREFILL = "PREFILL"
+    DECODE = "DECODE"
+    REWARD = "REWARD"
+    IDLE = "IDLE"
+
+
+class StepKind(StrEnum):
+    """The idempotent units a transition is made of (what each does: pearlctl.daemon.steps)."""
+
+    OFFLOAD = "OFFLOAD"
+    RELOAD = "RELOAD"
+    CHECKPOINT = "CHECKPOINT"
+    DRAIN = "DRAIN"
+    SLEEP = "SLEEP"
+    WAKE = "WAKE"
+    START = "START"
+    STOP = "STOP"
+    SYNC_WEIGHTS = "SYNC_WEIGHTS"
+    REGISTER = "REGISTER"
+    DEREGISTER = "DEREGISTER"
+    VERIFY = "VERIFY"
+
+
+class Engine(StrEnum):
+    """The engine process a worker runs."""
+
+    VLLM = "vllm"
+    DEEPSPEED = "deepspeed"
+
+
+# Pools in the order they are launched (the trainer first: rollout workers load its weights later).
+POOL_KINDS: tuple[PoolKind, ...] = tuple(PoolKind)
+# Pools whose GPUs generate rollouts.
+GENERATION_POOLS: tuple[PoolKind, ...] = (PoolKind.ROLLOUT, PoolKind.ELASTIC)
+# The role a pool's GPUs start in.
+DEFAULT_ROLE: dict[PoolKind, Role] = {
+    PoolKind.TRAINER: Role.TRAIN,
+    PoolKind.ROLLOUT: Role.ROLLOUT,
+    PoolKind.ELASTIC: Role.ROLLOUT,
+    PoolKind.REWARD: Role.REWARD,
+}
+# Roles served by a vLLM server.
+SERVING_ROLES: frozenset[Role] = frozenset({Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD})
+# Which engine serves which role (IDLE runs nothing).
+ENGINE_FOR_ROLE: dict[Role, Engine] = {Role.TRAIN: Engine.DEEPSPEED, **{r: Engine.VLLM for r in SERVING_ROLES}}
