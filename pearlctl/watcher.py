@@ -5,6 +5,11 @@ Slurm (or the local backend) and moves each allocation along its state machine, 
 saw — ``started``, ``preempted`` (grace time running), ``requeued``, ``ended``, ``vanished`` — and
 keeps the run's nodes and GPUs in step. One call costs one backend poll for all of a run's jobs.
 
+:func:`poll_run` and :func:`apply_poll` are its two halves, for the daemon: the poll (which may block on a
+slow slurmctld for as long as the Slurm command timeout) runs with no lock held; the fold runs under the
+daemon's decision lock and re-reads every allocation, so a heartbeat that moved a row meanwhile is never
+overwritten by a stale compare-and-set.
+
 :func:`maybe_sync` is how readers keep state fresh while no daemon runs: at most one poll per poll
 interval for a run, across every shell, enforced with a lease in state; when a daemon holds the run's
 lease it is the only writer and readers only read.
@@ -51,8 +56,9 @@ def _record_for(records: list[JobRecord], job_id: str, index: int) -> JobRecord 
 class _Mover:
     """Applies observed facts to one allocation row, journaling each edge it takes."""
 
-    def __init__(self, store: Store, run_id: str, pool: dict, alloc: dict, now: float):
+    def __init__(self, store: Store, run_id: str, pool: dict, alloc: dict, now: float, epoch: int | None = None):
         self.store, self.run_id, self.pool, self.alloc, self.now = store, run_id, pool, alloc, now
+        self.epoch = epoch  # the daemon's lease epoch: every write is fenced by it
         self.events: list[str] = []
 
     def move(self, to: A, event: str, data: dict | None = None, **fields) -> None:
@@ -65,6 +71,7 @@ class _Mover:
             to=to,
             event=event,
             data=data,
+            epoch=self.epoch,
             **fields,
         )
         a["state"], a["version"] = to, a["version"] + 1
@@ -81,6 +88,7 @@ class _Mover:
                     expect_version=gpu["version"],
                     to=to,
                     event=f"allocation {self.alloc['state'].lower()}",
+                    epoch=self.epoch,
                 )
 
     def apply(self, rec: JobRecord | None) -> None:
@@ -100,6 +108,7 @@ class _Mover:
                 self.store.update_fields(
                     "allocations",
                     a["id"],
+                    epoch=self.epoch,
                     event="unknown_slurm_state",
                     data={"slurm_state": rec.state},
                     slurm_state=rec.state,
@@ -112,7 +121,7 @@ class _Mover:
             elif state is A.LOST:
                 self.move(A.PENDING, "found", facts, **facts)
             elif (rec.state, rec.reason) != (a.get("slurm_state"), a.get("reason")):
-                self.store.update_fields("allocations", a["id"], **facts)
+                self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
             return
         if phase is JobPhase.ENDED:
             self.move(
@@ -152,7 +161,7 @@ class _Mover:
             )
             self.gpus_down(GpuState.DRAINING)
         elif rec.state != a.get("slurm_state"):
-            self.store.update_fields("allocations", a["id"], **facts)
+            self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
 
     def _register_gpus(self, rec: JobRecord, node: str | None) -> None:
         if node is None:
@@ -161,24 +170,40 @@ class _Mover:
         if not indices and self.pool["gpus_per_node"]:
             # The backend does not report device indices (local backend): number them 0..n-1.
             indices = list(range(self.pool["gpus_per_node"]))
-        self.store.upsert_node_gpus(self.run_id, self.alloc["id"], node, indices, self.pool["role"])
+        self.store.upsert_node_gpus(self.run_id, self.alloc["id"], node, indices, self.pool["role"], epoch=self.epoch)
 
 
-def sync_run(store: Store, backend: Backend, run_id: str, *, now: float | None = None) -> SyncReport:
-    """Poll the backend once for every job of the run and fold the answer into state."""
+@dataclass(frozen=True)
+class Poll:
+    """One poll's answer: the jobs asked about, and what the backend said of them."""
+
+    job_ids: frozenset[str]
+    records: tuple[JobRecord, ...]
+
+
+def poll_run(store: Store, backend: Backend, run_id: str) -> Poll:
+    """One backend poll for every live job of the run. May block on a slow scheduler: the daemon calls it
+    without holding any lock."""
+    job_ids = sorted({a["job_id"] for a in store.allocations(run_id) if a["state"] in LIVE and a["job_id"]})
+    return Poll(frozenset(job_ids), tuple(backend.poll(job_ids)) if job_ids else ())
+
+
+def apply_poll(
+    store: Store, run_id: str, poll: Poll, *, now: float | None = None, epoch: int | None = None
+) -> SyncReport:
+    """Fold one poll's answer into state: every allocation is re-read here, so the answer of a poll that
+    took long is compared with the state of now, not of when it was sent. Writes are fenced by ``epoch``."""
     now = time.time() if now is None else now
     pools = {p["id"]: p for p in store.pools(run_id)}
-    allocs = [a for a in store.allocations(run_id) if a["state"] in LIVE]
-    job_ids = sorted({a["job_id"] for a in allocs if a["job_id"]})
-    report = SyncReport(polled=bool(job_ids))
-    records = backend.poll(job_ids) if job_ids else []
-    for alloc in allocs:
-        if not alloc["job_id"]:
+    report = SyncReport(polled=bool(poll.job_ids))
+    for alloc in store.allocations(run_id):
+        # only jobs this poll asked about: one submitted meanwhile is not "vanished" from an older answer
+        if alloc["state"] not in LIVE or alloc["job_id"] not in poll.job_ids:
             continue
-        mover = _Mover(store, run_id, pools[alloc["pool_id"]], dict(alloc), now)
-        mover.apply(_record_for(records, alloc["job_id"], alloc["array_index"]))
+        mover = _Mover(store, run_id, pools[alloc["pool_id"]], dict(alloc), now, epoch)
+        mover.apply(_record_for(list(poll.records), alloc["job_id"], alloc["array_index"]))
         report.events += mover.events
-    store.update_fields("runs", run_id, last_poll_at=now)
+    store.update_fields("runs", run_id, epoch=epoch, last_poll_at=now)
     run = store.get_run(run_id)
     if run["state"] == RunState.ACTIVE and all(a["state"] == A.ENDED for a in store.allocations(run_id)):
         store.set_state(
@@ -188,9 +213,17 @@ def sync_run(store: Store, backend: Backend, run_id: str, *, now: float | None =
             expect_version=run["version"],
             to=RunState.ENDED,
             event="all allocations ended",
+            epoch=epoch,
         )
         report.events.append("run ended")
     return report
+
+
+def sync_run(
+    store: Store, backend: Backend, run_id: str, *, now: float | None = None, epoch: int | None = None
+) -> SyncReport:
+    """Poll the backend once for every job of the run and fold the answer into state."""
+    return apply_poll(store, run_id, poll_run(store, backend, run_id), now=now, epoch=epoch)
 
 
 def holder_id() -> str:

@@ -2,12 +2,18 @@
 
 It registers with the run's daemon, heartbeats every interval with the workers it runs, and
 reconciles its engine processes to the desired state each answer carries. While the daemon is
-unreachable it keeps its workers running and keeps trying (a daemon restart kills no worker).
-On the preemption signal it drains and stops its workers within the grace time and reports it; on
-SIGTERM it stops them too (workers never outlive the allocation) and exits 0.
+unreachable it keeps its workers running and keeps trying (a daemon restart kills no worker) — with one
+exception that makes the return guarantee independent of the daemon: a worker on lent trainer GPUs
+whose return must start (the ``return_by`` its desired state carries) while no daemon in control has
+answered for a loss window is stopped here, and the trainer on this node learns it from a node-local
+file (``PEARL_RETURN_FILE``) and reclaims; the daemon is told at the next heartbeat that reaches it.
+On the preemption signal it drains and stops its workers within the pool's notice
+(``PEARL_DRAIN_TIMEOUT_S``) in the background, reporting all along (``draining``: the daemon takes the
+workers out of the router at once); on SIGTERM it stops them too (workers never outlive the
+allocation), says it is leaving, and exits 0.
 
 It logs one JSON line per event on stdout (the task's log): ``start``, ``registered``,
-``daemon unreachable``, ``drain`` (with seconds), ``stop``.
+``daemon unreachable``, ``self return``, ``drain``, ``drained`` (with seconds), ``stop``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pearlctl.agent.identity import identity_from_env
 from pearlctl.agent.workers import Reconciler
 
 POLL_UNSETTLED_S = 0.05  # how often a starting or draining worker is probed (READY is noticed this fast)
+RETURN_WATCH_S = 0.5  # how often the return watchdog looks at lent GPUs' deadlines
+LOSS_WINDOW = 2.0  # heartbeat intervals without a daemon in control before the agent returns lent GPUs itself
 
 
 def _log(event: str, **data) -> None:
@@ -60,25 +68,47 @@ def main() -> int:
 
     client = DaemonClient(me, run_dir)
     workers = Reconciler(me, run_dir, drain_timeout=grace_s)
-    interval, reachable, drained = 2.0, None, False
+    interval, reachable = 2.0, None
+    drain_started: float | None = None
     last_sent: list[dict] | None = None
     last_sent_at = 0.0
+
+    def watch_returns() -> None:
+        """The return guarantee without the daemon: once the daemon has been out of reach (or stuck) for
+        a loss window, a lent GPU whose return must start is returned here, whatever the main loop is
+        blocked on (a heartbeat to a frozen daemon waits for its timeout)."""
+        while not stop.wait(RETURN_WATCH_S):
+            if client.contact_age() > LOSS_WINDOW * interval + 1.0:
+                for key in workers.return_lent():
+                    _log("self return", worker=key, contact_age_s=round(client.contact_age(), 3))
+                    wake.set()
+
+    threading.Thread(target=watch_returns, name="return-watch", daemon=True).start()
     while not stop.is_set():
-        if draining.is_set() and not drained:
-            seconds = workers.stop_all(grace_s)
-            drained = True
-            _log("drain", reason="preemption notice", drain_s=round(seconds, 3))
+        if draining.is_set() and drain_started is None:
+            # a preemption notice: drain in the background and keep reporting, so the daemon takes the
+            # workers out of the router now and never mistakes a draining agent for a lost one
+            drain_started = time.monotonic()
+            workers.retire_all()
+            _log("drain", reason="preemption notice", timeout_s=grace_s)
         report = workers.report()
         settled = all(w["state"] in ("READY", "SLEEPING", "STOPPED") for w in report)
-        if not settled and report == last_sent and time.monotonic() - last_sent_at < interval:
+        returns = workers.take_self_returns()
+        if not returns and not settled and report == last_sent and time.monotonic() - last_sent_at < interval:
             # a worker is starting or draining: watch it closely, but tell the daemon only what changed
             wake.wait(POLL_UNSETTLED_S)
             wake.clear()
             continue
         # settled: long poll, the daemon answers as soon as this allocation's desired state moves
-        answer = client.heartbeat(report, wait_s=interval if settled else 0.0)
+        answer = client.heartbeat(
+            report,
+            draining=draining.is_set(),
+            wait_s=interval if settled and not draining.is_set() else 0.0,
+            self_returns=returns,
+        )
         last_sent, last_sent_at = report, time.monotonic()
         if answer is None:
+            workers.put_back_self_returns(returns)  # not delivered: report them next time
             if reachable is not False:
                 _log("daemon unreachable", workers=len(workers.workers))
             reachable = False
@@ -91,6 +121,9 @@ def main() -> int:
             interval = float(answer.get("heartbeat_s", interval))
             if not draining.is_set():
                 workers.apply(answer.get("desired", []))
+            elif drain_started is not None and workers.settled():
+                _log("drained", drain_s=round(time.monotonic() - drain_started, 3))
+                drain_started = float("inf")  # logged once
         wake.clear()
     seconds = workers.stop_all(grace_s)
     client.heartbeat(workers.report(), leaving=True)

@@ -1,90 +1,107 @@
 """The agent's side of the control API: register, heartbeat, and finding the daemon again.
 
-The daemon may be down or restarted on another port at any time. The client re-reads the run's
-``.pearl/daemon.json`` whenever a request fails, re-registers when the daemon no longer knows it, and
-never raises for an unreachable daemon: the agent's workers keep running meanwhile (design.md §2).
-Answers stamped with an epoch older than one already seen come from a deposed daemon and are ignored.
+Built on the one control-API client (pearlctl.api.client): the daemon's address is re-read whenever a
+request fails (a restarted daemon moves), answers from an older epoch than one seen are ignored.
+Registration uses the run's token and returns this allocation's own credential; every heartbeat uses
+that credential, which the daemon accepts for this allocation only. The daemon knowing us no more
+(404) or refusing our credential (403) means: register again.
+
+It never raises for an unreachable daemon: the agent's workers keep running meanwhile, and
+``contact_age`` tells the agent how long the daemon has been out of reach (or stuck: an answer whose
+control loop has not ticked for a while counts as no answer), which is what the agent's own return of
+lent GPUs is decided on.
 """
 
 from __future__ import annotations
 
 import logging
-
-import httpx
+import os
+import socket
+import time
 
 from pearlctl.agent.identity import Identity
-from pearlctl.runfiles import read_address, read_secret
+from pearlctl.api import bodies
+from pearlctl.api.client import ControlClient, DaemonRefusal, DaemonUnavailable
 
 log = logging.getLogger("pearlctl.agent")
 
+# A daemon whose control loop has not ticked for this long does not decide anything: treat it as absent.
+STUCK_LOOP_S = 10.0
+
 
 class DaemonClient:
-    def __init__(self, me: Identity, run_dir: str, *, timeout: float = 5.0):
-        self.me, self.run_dir, self.timeout = me, run_dir, timeout
-        self.url: str | None = None
-        self.allocation_id: int | None = None
-        self.epoch_seen = 0
-        self.desired_hash: str | None = None
+    def __init__(self, me: Identity, run_dir: str, *, timeout: float = 5.0, clock=time.monotonic):
+        self.me, self.run_dir = me, run_dir
         # the read timeout covers a long poll (held up to one heartbeat interval) with room to spare
-        self._http = httpx.Client(
-            timeout=httpx.Timeout(timeout, read=timeout + 30.0), transport=httpx.HTTPTransport(retries=2)
-        )
+        self.api = ControlClient(run_dir, me.run_id, timeout=timeout, read_timeout=timeout + 30.0, retries=2)
+        self.desired_hash: str | None = None
+        self.clock = clock
+        self.in_control_at = clock()  # the last answer from a daemon whose control loop was running
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {read_secret(self.run_dir)}", "X-Pearl-Run": self.me.run_id}
+    @property
+    def allocation_id(self) -> int | None:
+        return self.api.allocation_id
 
-    def _post(self, path: str, body: dict) -> dict | None:
-        """POST to the daemon; None when it cannot be reached (the caller carries on)."""
-        for attempt in range(2):
-            if self.url is None or attempt == 1:
-                address = read_address(self.run_dir)
-                if not address:
-                    return None
-                self.url = address["url"]
-            try:
-                resp = self._http.post(self.url + path, json=body, headers=self._headers())
-            except (httpx.HTTPError, OSError) as exc:
-                log.debug("daemon unreachable at %s: %s", self.url, exc)
-                continue
-            if resp.status_code == 404 and path != "/v1/agents/register":
-                self.allocation_id = None  # the daemon does not know us (new state?): register again
-                return None
-            if resp.status_code >= 400:
-                log.warning("daemon refused %s: %s %s", path, resp.status_code, resp.text[:200])
-                return None
-            answer = resp.json()
-            epoch = int(answer.get("epoch", 0))
-            if epoch < self.epoch_seen:
-                log.warning("ignoring an answer from epoch %s (seen %s): a deposed daemon", epoch, self.epoch_seen)
-                return None
-            self.epoch_seen = epoch
-            return answer
-        return None
+    @property
+    def epoch_seen(self) -> int:
+        return self.api.epoch_seen
 
-    def register(self) -> dict | None:
-        answer = self._post(
-            "/v1/agents/register",
-            {
-                "job_id": self.me.job_id,
-                "task_id": self.me.task_id,
-                "pool": self.me.pool,
-                "node": self.me.node,
-                "gpus": list(self.me.gpus),
-                "restarts": self.me.restarts,
-                "pid": self._pid(),
-            },
-        )
-        if answer is not None:
-            self.allocation_id = int(answer["allocation_id"])
+    def contact_age(self) -> float:
+        """Seconds since the last answer of a daemon in control."""
+        return self.clock() - self.in_control_at
+
+    def _post(self, path: str, body, *, as_run: bool = False) -> dict | None:
+        try:
+            answer = self.api.call("POST", path, body, as_run=as_run)
+        except DaemonUnavailable as exc:
+            log.debug("%s", exc)
+            return None
+        except DaemonRefusal as exc:
+            if exc.status in (403, 404) and path != "/v1/agents/register":
+                self.api.unbind()  # the daemon does not know us (new state?) or our credential: register again
+            log.warning("daemon refused %s: %s %s", path, exc.status, exc)
+            return None
+        if float(answer.get("loop_age_s") or 0.0) < STUCK_LOOP_S:
+            self.in_control_at = self.clock()
         return answer
 
-    def heartbeat(self, workers: list[dict], *, leaving: bool = False, wait_s: float = 0.0) -> dict | None:
-        """Report ``workers``; ``leaving`` tells the daemon this agent's GPUs are going away now."""
-        if self.allocation_id is None and self.register() is None:
+    def register(self) -> dict | None:
+        body = bodies.Register(
+            job_id=self.me.job_id,
+            task_id=self.me.task_id,
+            pool=self.me.pool or None,
+            node=self.me.node,
+            host=socket.gethostname(),
+            gpus=list(self.me.gpus),
+            restarts=self.me.restarts,
+            pid=os.getpid(),
+        )
+        answer = self._post("/v1/agents/register", body, as_run=True)
+        if answer is not None:
+            self.api.bind(int(answer["allocation_id"]), str(answer["credential"]))
+            self.in_control_at = self.clock()
+        return answer
+
+    def heartbeat(
+        self,
+        workers: list[dict],
+        *,
+        leaving: bool = False,
+        draining: bool = False,
+        wait_s: float = 0.0,
+        self_returns: list[dict] | None = None,
+    ) -> dict | None:
+        """Report ``workers``; ``draining``: a preemption notice arrived (the GPUs are leaving, the workers
+        take no new requests); ``leaving``: this agent's GPUs are going away now."""
+        if self.api.allocation_id is None and self.register() is None:
             return None
-        body = {"allocation_id": self.allocation_id, "workers": workers, "epoch_seen": self.epoch_seen}
+        body: dict = {"allocation_id": self.api.allocation_id, "workers": workers, "epoch_seen": self.epoch_seen}
+        if self_returns:
+            body["self_returns"] = self_returns
         if leaving:
             body["leaving"] = True
+        elif draining:
+            body["draining"] = True
         elif self.desired_hash is not None and wait_s > 0:
             body.update(desired_hash=self.desired_hash, wait_s=wait_s)  # long poll: held until it changes
         answer = self._post("/v1/agents/heartbeat", body)
@@ -92,11 +109,5 @@ class DaemonClient:
             self.desired_hash = answer.get("desired_hash")
         return answer
 
-    @staticmethod
-    def _pid() -> int:
-        import os
-
-        return os.getpid()
-
     def close(self) -> None:
-        self._http.close()
+        self.api.close()

@@ -11,6 +11,7 @@ caps the whole body (``MAX_BODY_BYTES``).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -35,6 +36,7 @@ __all__ = [
     "ValidationError",
     "WorkerReport",
     "describe",
+    "parse",
 ]
 
 MAX_BODY_BYTES = 256 * 1024  # a heartbeat of 64 workers is a few KiB; a phase report with metrics, less
@@ -215,6 +217,11 @@ def _check_json_finite(value: Any, where: str, depth: int = 0) -> None:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_json_finite(v, f"{where}[{i}]", depth + 1)
+
+
+def parse(model: type[BaseModel], doc: Any) -> Any:
+    """A decoded JSON document as ``model``, exactly as the daemon parses the same bytes off the wire."""
+    return model.model_validate_json(json.dumps(doc))
 
 
 def describe(exc: ValidationError) -> str:

@@ -1,103 +1,192 @@
 """The daemon's HTTP control API (Starlette, served by uvicorn).
 
-Every request must carry ``Authorization: Bearer <run secret>`` and ``X-Pearl-Run: <run id>``:
-missing or wrong token → 401, a request meant for another run → 403 (agents of two runs on one
-cluster must never cross). The secret is compared in constant time and never logged.
+Who may call what (credentials):
+- every request names its run (``X-Pearl-Run``); one meant for another run is refused (403): agents of
+  two runs on one cluster never cross;
+- the **run token** (``.pearl/secret`` in the run directory, ``Authorization: Bearer <token>``) is the
+  operator's and the run's processes' credential: the CLI, the trainer hook, rollout drivers, and an
+  agent registering;
+- an **allocation credential**, handed to an agent by ``/v1/agents/register`` (``X-Pearl-Allocation:
+  <id>`` plus ``Authorization: Bearer <credential>``), is the only credential ``/v1/agents/heartbeat``
+  accepts, and only for that allocation: a report for another allocation is refused (403).
+Tokens are compared in constant time and never logged.
+
+Every body is parsed at the edge into a typed model (pearlctl.api.bodies) before the controller sees
+it: not JSON → 400, a field of the wrong type, out of range, unknown or oversized → 422 naming the field,
+a body over ``MAX_BODY_BYTES`` → 413, an unknown allocation or step → 404. A request never makes the
+daemon answer 500 for what it sent, and never stops it: an unexpected error is logged, counted and
+answered 500 without leaving the process.
 
 Routes (JSON in, JSON out):
   GET  /v1/health              liveness + the daemon's epoch
-  POST /v1/agents/register     an agent binds to its allocation → {allocation_id, epoch, heartbeat_s}
-  POST /v1/agents/heartbeat    reported workers in, desired workers out
+  POST /v1/agents/register     an agent binds to its allocation → {allocation_id, credential, epoch, heartbeat_s}
+  POST /v1/agents/heartbeat    reported workers in, desired workers out (allocation credential)
   GET  /v1/status              the run's state document (what `pearlctl status --json` prints)
   POST /v1/trainer/phase       the trainer hook reports its phase → the command the current step asks for
   POST /v1/trainer/ack         the trainer hook says a command was carried out (or refused)
-  POST /v1/borrow              {policy, gpus?, dry_run?}: turn borrowing on (or show the plan)
-  POST /v1/return              {now?}: turn borrowing off; lent GPUs go back
+  POST /v1/borrow              {policy, gpus?, dry_run?, keep_warm?}: turn borrowing on (or show the plan)
+  POST /v1/return              {now?, keep_warm?}: turn borrowing off; lent GPUs go back
   GET  /v1/workers             READY, routable rollout workers (for rollout clients)
   POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens
+  POST /v1/profile             store the run's engine profile
   GET  /metrics                Prometheus text format (pearlctl.daemon.metrics)
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pearlctl.daemon.controller import ControlError, Controller
+from pearlctl.api import bodies
+from pearlctl.api.client import ALLOCATION_HEADER, RUN_HEADER
+from pearlctl.daemon.controller import ControlError, Controller, allocation_credential
 from pearlctl.daemon.metrics import render as render_metrics
+from pearlctl.state.errors import NotFound, StaleEpoch
 
-RUN_HEADER = "X-Pearl-Run"
+log = logging.getLogger("pearlctl.daemon")
+
 # Agents long-poll (one held request each): allow far more concurrent handler threads than anyio's 40.
 _LIMITER = anyio.CapacityLimiter(1024)
 
 
-class _Auth(BaseHTTPMiddleware):
-    def __init__(self, app, *, secret: str, run_id: str):
-        super().__init__(app)
-        self.expected = f"Bearer {secret}".encode()
-        self.run_id = run_id
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
-    async def dispatch(self, request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self.expected):
-            return JSONResponse({"error": "missing or wrong token (Authorization: Bearer <run secret>)"}, 401)
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+class _Gate:
+    """Authentication and the body size limit, before anything is parsed."""
+
+    def __init__(self, secret: str, run_id: str):
+        self.secret, self.run_id = secret, run_id
+        self.run_token = f"Bearer {secret}"
+
+    def check(self, request: Request, *, agent: bool) -> int | None:
+        """Returns the allocation id an agent credential is bound to (agent routes), else None."""
+        given = request.headers.get("authorization", "")
+        if not agent:
+            if not _same(given, self.run_token):
+                raise _Refused(401, "missing or wrong token (Authorization: Bearer <run token>)")
+        else:
+            raw = request.headers.get(ALLOCATION_HEADER, "")
+            if not raw.isdigit() or len(raw) > 18:
+                raise _Refused(
+                    401,
+                    f"agent reports need {ALLOCATION_HEADER}: <allocation id> and that allocation's credential "
+                    "(from /v1/agents/register)",
+                )
+            if not _same(given, "Bearer " + allocation_credential(self.secret, self.run_id, int(raw))):
+                raise _Refused(403, f"wrong credential for allocation {raw}: register again")
         if request.headers.get(RUN_HEADER) != self.run_id:
-            return JSONResponse({"error": f"this daemon serves run {self.run_id}; set {RUN_HEADER} to it"}, 403)
-        return await call_next(request)
+            raise _Refused(403, f"this daemon serves run {self.run_id}; set {RUN_HEADER} to it")
+        return int(raw) if agent else None
+
+    @staticmethod
+    async def body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > bodies.MAX_BODY_BYTES):
+            raise _Refused(413, f"body larger than {bodies.MAX_BODY_BYTES} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > bodies.MAX_BODY_BYTES:
+                raise _Refused(413, f"body larger than {bodies.MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
-def _handler(fn: Callable[[dict], dict]):
-    async def endpoint(request: Request):
-        try:
-            body = await request.json() if request.method == "POST" else {}
-        except ValueError:
-            return JSONResponse({"error": "body must be JSON"}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "body must be a JSON object"}, 400)
-        try:
-            # the controller is synchronous (SQLite): run it off the event loop
-            return JSONResponse(await anyio.to_thread.run_sync(fn, body, limiter=_LIMITER))
-        except ControlError as exc:
-            return JSONResponse({"error": str(exc)}, exc.status)
-        except KeyError as exc:
-            return JSONResponse({"error": f"missing field {exc.args[0]!r}"}, 400)
-
-    return endpoint
+def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except bodies.ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise _Refused(400, "body must be a JSON object") from None
+        raise _Refused(422, bodies.describe(exc)) from None
 
 
-def build_app(controller: Controller, *, secret: str, status: Callable[[], dict]) -> Starlette:
+def build_app(
+    controller: Controller,
+    *,
+    secret: str,
+    status: Callable[[], dict],
+    stats: Callable[[], Any] | None = None,
+) -> Starlette:
+    gate = _Gate(secret, controller.run_id)
+
+    def route(
+        path: str,
+        fn: Callable[..., dict],
+        model: type[BaseModel] | None = None,
+        *,
+        method: str = "POST",
+        agent: bool = False,
+    ) -> Route:
+        async def endpoint(request: Request):
+            try:
+                allocation = gate.check(request, agent=agent)
+                raw = await gate.body(request)
+                args: list[Any] = []
+                if model is not None:
+                    args.append(_parse(model, raw))
+                if agent:
+                    args.append(allocation)
+                # the controller is synchronous (SQLite): run it off the event loop
+                return JSONResponse(await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER))
+            except _Refused as exc:
+                return JSONResponse({"error": str(exc)}, exc.status)
+            except ControlError as exc:
+                return JSONResponse({"error": str(exc)}, exc.status)
+            except NotFound as exc:
+                return JSONResponse({"error": str(exc)}, 404)
+            except StaleEpoch as exc:  # another daemon holds the lease: this one stops
+                controller.on_deposed(str(exc))
+                return JSONResponse({"error": f"this daemon was deposed ({exc}); ask again"}, 503)
+            except Exception as exc:  # a bug: answer, log, count, never die
+                controller.api_errors += 1
+                log.exception("%s %s failed", request.method, path)
+                return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+        return Route(path, endpoint, methods=[method])
+
     routes = [
-        Route(
-            "/v1/health",
-            _handler(lambda body: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}),
-            methods=["GET"],
-        ),
-        Route("/v1/agents/register", _handler(controller.register), methods=["POST"]),
-        Route("/v1/agents/heartbeat", _handler(controller.heartbeat), methods=["POST"]),
-        Route("/v1/status", _handler(lambda body: status()), methods=["GET"]),
-        Route("/v1/trainer/phase", _handler(controller.trainer_phase), methods=["POST"]),
-        Route("/v1/trainer/ack", _handler(controller.trainer_ack), methods=["POST"]),
-        Route("/v1/borrow", _handler(controller.borrow), methods=["POST"]),
-        Route("/v1/return", _handler(controller.give_back), methods=["POST"]),
-        Route("/v1/workers", _handler(controller.routable_workers), methods=["GET"]),
-        Route("/v1/rollout/progress", _handler(controller.rollout_progress), methods=["POST"]),
-        Route("/v1/profile", _handler(controller.set_profile), methods=["POST"]),
+        route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
+        route("/v1/agents/register", controller.register, bodies.Register),
+        route("/v1/agents/heartbeat", controller.heartbeat, bodies.Heartbeat, agent=True),
+        route("/v1/status", status, method="GET"),
+        route("/v1/trainer/phase", controller.trainer_phase, bodies.TrainerPhase),
+        route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),
+        route("/v1/borrow", controller.borrow, bodies.Borrow),
+        route("/v1/return", controller.give_back, bodies.ReturnNow),
+        route("/v1/workers", controller.routable_workers, method="GET"),
+        route("/v1/rollout/progress", controller.rollout_progress, bodies.Progress),
+        route("/v1/profile", controller.set_profile, bodies.ProfileBody),
     ]
 
     async def metrics(request: Request):
+        try:
+            gate.check(request, agent=False)
+        except _Refused as exc:
+            return JSONResponse({"error": str(exc)}, exc.status)
         body = await anyio.to_thread.run_sync(
-            lambda: render_metrics(controller.store, controller.run_id), limiter=_LIMITER
+            lambda: render_metrics(controller.store, controller.run_id, stats() if stats else None, controller),
+            limiter=_LIMITER,
         )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     routes.append(Route("/metrics", metrics, methods=["GET"]))
-    return Starlette(routes=routes, middleware=[Middleware(_Auth, secret=secret, run_id=controller.run_id)])
+    return Starlette(routes=routes)

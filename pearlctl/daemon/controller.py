@@ -5,42 +5,49 @@ they actually run. The controller records that truth in state, answers with the 
 allocation should run (derived from its GPUs' roles), and marks an agent's GPUs and workers LOST when
 its heartbeats stop for ``lost_after`` heartbeat intervals. Every write carries the daemon's lease
 epoch, so a deposed daemon cannot write; every answer carries it, so agents can ignore an older one.
+
+Every method takes a typed, validated body (pearlctl.api.bodies); what an agent may do is bounded by
+its allocation credential: it reports for its own allocation only, and its workers' URLs must name its
+own node. A lent GPU's desired worker carries the return deadline down to the agent, which returns the
+GPU by itself if this daemon cannot be reached by then (pearlctl.agent.__main__); its report of such a
+return is journaled here.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import json
-import math
 import threading
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.planner import profile as profiles
-from pearlctl.planner.model import Work
+from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
+from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, Role
 
-# Which engine serves which role.
-ENGINE_FOR_ROLE = {"TRAIN": "deepspeed", "ROLLOUT": "vllm", "PREFILL": "vllm", "DECODE": "vllm", "REWARD": "vllm"}
+# Trainer commands that no transition step issued: their acks are journaled, not attached to a step.
+LOCAL_RETURN_PREFIX = "local-return:"  # the agent returned lent GPUs itself; the hook reclaimed on the node
+ORPHAN_RECLAIM_PREFIX = "orphan-reclaim:"  # the trainer is released with nothing lent and nothing moving
 
 
-def _work_fields(work) -> dict:
-    """The ``work`` of a progress report: Work's numeric fields only, each a finite number >= 0."""
-    known = {f.name for f in fields(Work)}
-    if not isinstance(work, dict) or set(work) - known:
-        extra = sorted(set(work) - known) if isinstance(work, dict) else work
-        raise ControlError(f"work: unknown field(s) {extra}; known: {', '.join(sorted(known))}")
-    for k, v in work.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ControlError(f"work.{k} must be a finite number >= 0, got {v!r}")
-    return dict(work)
+def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
+    """The credential of one allocation's agent: derived from the run's token, so a restarted daemon
+    knows it without storing it, and useless for any other allocation or run."""
+    msg = f"pearl-allocation:{run_id}:{allocation_id}".encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
 
 
 class ControlError(Exception):
@@ -80,9 +87,13 @@ class DesiredWorker:
     state: str  # "RUNNING" | "SLEEPING" | "STOPPED"
 
     weights: dict | None = None  # vLLM workers: the trainer's latest export to serve {version, path}
+    # a worker on lent trainer GPUs: when the trainer needs them back, and when the return must start so
+    # that it is back in time; the agent returns them itself if the daemon is unreachable by return_by
+    return_deadline: float | None = None
+    return_by: float | None = None
 
     def as_dict(self) -> dict:
-        return {
+        doc = {
             "weights": self.weights,
             "key": self.key,
             "role": self.role,
@@ -90,6 +101,9 @@ class DesiredWorker:
             "gpus": list(self.gpus),
             "state": self.state,
         }
+        if self.return_deadline is not None:
+            doc.update(return_deadline=self.return_deadline, return_by=self.return_by)
+        return doc
 
 
 class Controller:
@@ -101,10 +115,15 @@ class Controller:
         *,
         heartbeat_s: float = 2.0,
         lost_after: float = 2.0,
+        secret: str = "",
+        on_deposed: Callable[[str], None] = lambda why: None,
         clock=time.time,
     ):
         self.store, self.run_id, self.epoch = store, run_id, epoch
         self.heartbeat_s, self.lost_after, self.clock = heartbeat_s, lost_after, clock
+        self.secret, self.on_deposed = secret, on_deposed
+        self.loop_at = clock()  # when the control loop last ticked (answers say how long ago)
+        self.api_errors = 0  # requests answered 500 (a bug): /metrics
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
         self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
@@ -116,18 +135,23 @@ class Controller:
     # -- agents -----------------------------------------------------------------------------------
     def _allocation(self, job_id: str, task_id: int) -> dict:
         for a in self.store.allocations(self.run_id):
-            if a["job_id"] == str(job_id) and a["array_index"] == int(task_id):
+            if a["job_id"] == job_id and a["array_index"] == task_id:
                 return a
         raise ControlError(f"run {self.run_id} has no allocation for job {job_id} task {task_id}", 404)
 
-    def register(self, body: dict) -> dict:
-        """An agent starts (or restarts): bind it to its allocation and its GPUs."""
+    def register(self, body: bodies.Register) -> dict:
+        """An agent starts (or restarts): bind it to its allocation and its GPUs; hand it the allocation's
+        credential, the only one its heartbeats are accepted with."""
         with self.lock:
-            alloc = self._allocation(body["job_id"], body["task_id"])
+            alloc = self._allocation(body.job_id, body.task_id)
             if alloc["state"] in (A.ENDED, A.REQUESTED):
                 raise ControlError(f"allocation {alloc['id']} is {alloc['state']}: not accepting agents", 409)
-            gpus = [int(g) for g in body.get("gpus", [])]
+            if alloc.get("node") and body.node != alloc["node"]:
+                raise ControlError(
+                    f"allocation {alloc['id']} runs on node {alloc['node']} (Slurm says), not {body.node}", 403
+                )
             pool = self._pool_of(alloc)
+            gpus = list(body.gpus)
             if not gpus and pool["gpus_per_node"]:
                 gpus = list(range(pool["gpus_per_node"]))  # no device list in the environment (local backend)
             self.store.update_fields(
@@ -135,55 +159,113 @@ class Controller:
                 alloc["id"],
                 epoch=self.epoch,
                 event="agent registered",
-                data={"pid": body.get("pid"), "node": body.get("node"), "gpus": gpus},
-                agent_pid=body.get("pid"),
+                data={"pid": body.pid, "node": body.node, "host": body.host, "gpus": gpus},
+                agent_pid=body.pid,
+                agent_host=body.host or body.node,
                 agent_seen_at=self.clock(),
             )
-            if body.get("node"):
-                self.store.upsert_node_gpus(
-                    self.run_id, alloc["id"], body["node"], gpus, pool["role"], epoch=self.epoch
-                )
-            return {"allocation_id": alloc["id"], "epoch": self.epoch, "heartbeat_s": self.heartbeat_s}
+            self.store.upsert_node_gpus(self.run_id, alloc["id"], body.node, gpus, pool["role"], epoch=self.epoch)
+            return {
+                "allocation_id": alloc["id"],
+                "credential": allocation_credential(self.secret, self.run_id, alloc["id"]),
+                "epoch": self.epoch,
+                "heartbeat_s": self.heartbeat_s,
+            }
 
-    def heartbeat(self, body: dict) -> dict:
+    def _own_allocation(self, alloc_id: int) -> dict:
+        try:
+            alloc = self.store.get("allocations", alloc_id)
+        except NotFound:
+            alloc = None
+        if alloc is None or alloc["run_id"] != self.run_id:
+            raise ControlError(f"run {self.run_id} has no allocation {alloc_id}: register again", 404)
+        return alloc
+
+    def _check_urls(self, alloc: dict, body: bodies.Heartbeat) -> None:
+        """Workers' URLs must name the allocation's own node (or its agent's host): nobody routes rollout
+        traffic elsewhere by reporting a worker."""
+        hosts = {h.lower() for h in (alloc.get("node"), alloc.get("agent_host")) if h}
+        hosts |= {n["name"].lower() for n in self._nodes_of(alloc["id"])}
+        for w in body.workers:
+            if w.url is not None and (urlsplit(w.url).hostname or "").lower() not in hosts:
+                raise ControlError(
+                    f"worker {w.key}: url {w.url} is not on allocation {alloc['id']}'s node "
+                    f"({', '.join(sorted(hosts)) or 'unknown'})",
+                    403,
+                )
+
+    def _nodes_of(self, alloc_id: int) -> list[dict]:
+        ids = {g["node_id"] for g in self.store.gpus(self.run_id) if g["allocation_id"] == alloc_id}
+        return [n for n in self.store.nodes(self.run_id) if n["id"] in ids]
+
+    def heartbeat(self, body: bodies.Heartbeat, allocation_id: int) -> dict:
         """Record what the agent runs; answer with what it should run.
 
         Long poll: an agent that sends the ``desired_hash`` of its last answer and ``wait_s`` is held
         until its desired workers change (or ``wait_s``, at most one heartbeat interval, passes), so a
         transition's effect reaches the agent in milliseconds, not a heartbeat later.
         """
-        alloc_id = int(body["allocation_id"])
+        if body.allocation_id != allocation_id:
+            raise ControlError(
+                f"this credential is allocation {allocation_id}'s; it cannot report for allocation "
+                f"{body.allocation_id}",
+                403,
+            )
+        alloc_id = allocation_id
         with self.lock:
-            alloc = self.store.get("allocations", alloc_id)
-            if alloc["run_id"] != self.run_id:
-                raise ControlError(f"allocation {alloc_id} is not in run {self.run_id}", 404)
+            alloc = self._own_allocation(alloc_id)
+            self._check_urls(alloc, body)
             self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            changed = [self._record_worker(alloc, report) for report in body.get("workers", [])]
-            if body.get("leaving"):
-                # The agent is going away (scancel, end of the allocation): its GPUs are not plannable any
-                # more from this moment, whatever Slurm says a poll later.
-                self._mark_gpus_lost(alloc_id, "agent leaving")
+            changed = [self._record_worker(alloc, report) for report in body.workers]
+            for r in body.self_returns:
+                self.store.journal_event(
+                    self.run_id,
+                    "allocations",
+                    alloc_id,
+                    "agent returned lent GPUs itself",
+                    data={**r.model_dump(mode="json"), "late_s": round(r.at - r.deadline, 3)},
+                    epoch=self.epoch,
+                )
+                changed.append(True)
+            if body.leaving:
+                # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
+                # leave with it from this moment, whatever Slurm says a poll later.
+                self._gpus_leave(alloc_id)
                 self.wake.set()
-                return {"epoch": self.epoch, "desired": [], "heartbeat_s": self.heartbeat_s}
-            self._revive_gpus(alloc_id)
+                return self._answer([], None)
+            if body.draining:
+                changed.append(self._drain_gpus(alloc_id))
+            else:
+                self._revive_gpus(alloc_id)
             desired = [w.as_dict() for w in self.desired(alloc_id)]
         if any(changed):
             self.wake.set()  # a worker moved: a transition step may complete now
         digest = desired_hash(desired)
-        wait = min(float(body.get("wait_s") or 0.0), self.heartbeat_s)
-        if wait > 0 and body.get("desired_hash") == digest:
+        wait = min(body.wait_s, self.heartbeat_s)
+        if wait > 0 and body.desired_hash == digest:
             deadline = time.monotonic() + wait
             self.polling[alloc_id] += 1  # held here: the agent is alive even though it sends nothing new
             try:
                 with self.changed:
-                    while digest == body["desired_hash"] and (left := deadline - time.monotonic()) > 0:
+                    while digest == body.desired_hash and (left := deadline - time.monotonic()) > 0:
                         self.changed.wait(left)
                         with self.lock:
                             desired = [w.as_dict() for w in self.desired(alloc_id)]
                         digest = desired_hash(desired)
             finally:
                 self.polling[alloc_id] -= 1
-        return {"epoch": self.epoch, "desired": desired, "desired_hash": digest, "heartbeat_s": self.heartbeat_s}
+        return self._answer(desired, digest)
+
+    def _answer(self, desired: list[dict], digest: str | None) -> dict:
+        return {
+            "epoch": self.epoch,
+            "desired": desired,
+            "desired_hash": digest,
+            "heartbeat_s": self.heartbeat_s,
+            # how long ago the control loop last ran: an agent treats a daemon whose loop is stuck like one
+            # it cannot reach (its lent GPUs' return must not wait on it)
+            "loop_age_s": round(max(0.0, self.clock() - self.loop_at), 3),
+        }
 
     def notify(self) -> None:
         """Desired state may have changed: wake every long-polling agent to look."""
@@ -200,6 +282,30 @@ class Controller:
                 hit = True
         return hit
 
+    def _gpus_leave(self, alloc_id: int) -> None:
+        """The agent said it is leaving: its GPUs are GONE (not LOST: nothing is unknown about them)."""
+        for g in self.store.gpus(self.run_id):
+            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.DRAINING, G.LOST):
+                self.store.set_state(
+                    "gpus", g["id"], expect=g["state"], to=G.GONE, epoch=self.epoch, event="agent leaving"
+                )
+
+    def _drain_gpus(self, alloc_id: int) -> bool:
+        """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
+        requests from now on, before the drain ends and before Slurm's next poll says so."""
+        hit = False
+        for g in self.store.gpus(self.run_id):
+            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.LOST):
+                self.store.set_state(
+                    "gpus", g["id"], expect=g["state"], to=G.DRAINING, epoch=self.epoch, event="agent draining"
+                )
+                hit = True
+        for w in self.store.workers(self.run_id):
+            if w["allocation_id"] == alloc_id and w["routable"]:
+                self.store.update_fields("workers", w["id"], epoch=self.epoch, event="agent draining", routable=0)
+                hit = True
+        return hit
+
     def _revive_gpus(self, alloc_id: int) -> None:
         for g in self.store.gpus(self.run_id):
             if g["allocation_id"] == alloc_id and g["state"] == G.LOST:
@@ -207,11 +313,11 @@ class Controller:
                     "gpus", g["id"], expect=G.LOST, to=G.UP, epoch=self.epoch, event="agent reporting again"
                 )
 
-    def _record_worker(self, alloc: dict, report: dict) -> bool:
+    def _record_worker(self, alloc: dict, report: bodies.WorkerReport) -> bool:
         """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
         Returns whether its state moved."""
-        key, state = str(report["key"]), str(report["state"])
-        fields = {k: report[k] for k in ("url", "pid", "weight_version") if report.get(k) is not None}
+        key, state = report.key, report.state
+        fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = next(
             (
                 w
@@ -231,14 +337,12 @@ class Controller:
             wid = self.store.add_worker(
                 run_id=self.run_id,
                 allocation_id=alloc["id"],
-                role=report["role"],
-                engine=report["engine"],
+                role=report.role,
+                engine=report.engine,
                 epoch=self.epoch,
                 **fields,
             )
-            self.store.update_fields(
-                "workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.get("gpus", []))
-            )
+            self.store.update_fields("workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.gpus))
             worker = self.store.get("workers", wid)
         elif fields:
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
@@ -266,10 +370,13 @@ class Controller:
                     data={"reported": state},
                 )
                 current = step
-        if report.get("engine") == "vllm" and self._pool_of(alloc)["name"] != "trainer":
-            # a worker of a rollout/elastic/reward pool takes traffic while READY; one on borrowed trainer
-            # GPUs only between its transition's REGISTER and DEREGISTER steps
-            routable = int(current == W.READY)
+        if report.engine == Engine.VLLM and self._pool_of(alloc)["name"] != "trainer":
+            # a worker of a rollout/elastic/reward pool takes traffic while READY (and not draining for a
+            # preemption); one on borrowed trainer GPUs only between its REGISTER and DEREGISTER steps
+            draining = any(
+                g["allocation_id"] == alloc["id"] and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
+            )
+            routable = int(current == W.READY and not draining)
             if routable != self.store.get("workers", worker["id"])["routable"]:
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
         return moved
@@ -290,9 +397,12 @@ class Controller:
             return []
         by_role: dict[str, list[int]] = {}
         parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
+        deadlines: dict[str, float] = {}  # role -> the earliest return deadline of its lent GPUs
         for g in self.store.gpus(self.run_id):
             if g["allocation_id"] == alloc_id and g["state"] == G.UP:
                 by_role.setdefault(g["role"], []).append(g["idx"])
+                if g["borrowed"] and g["return_deadline"] is not None:
+                    deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
                 if g["borrowed"]:
                     by_role.setdefault("TRAIN", []).append(g["idx"])
                 if g["worker_id"] is not None and g["role"] == "TRAIN":
@@ -302,17 +412,22 @@ class Controller:
         if trainer.get("weight_version") is not None and trainer.get("weights_path"):
             weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
         out = []
+        return_s = self.borrowing.cost("return") if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
-            if role == "IDLE":
+            if role == Role.IDLE:
                 continue
+            engine = ENGINE_FOR_ROLE[Role(role)]
+            deadline = deadlines.get(role)
             out.append(
                 DesiredWorker(
                     f"{role.lower()}-{min(idx)}",
                     role,
-                    ENGINE_FOR_ROLE[role],
+                    engine,
                     tuple(sorted(idx)),
                     "RUNNING",
-                    weights if ENGINE_FOR_ROLE[role] == "vllm" else None,
+                    weights if engine == Engine.VLLM else None,
+                    return_deadline=deadline,
+                    return_by=None if deadline is None else round(deadline - return_s, 3),
                 )
             )
         for wid, idx in sorted(parked.items()):
@@ -322,14 +437,14 @@ class Controller:
         return out
 
     # -- the trainer hook -------------------------------------------------------------------------
-    def trainer_phase(self, body: dict) -> dict:
+    def trainer_phase(self, body: bodies.TrainerPhase) -> dict:
         """The trainer reports where it is; the answer is the command the current step asks for."""
         with self.lock:
             run = self.store.get_run(self.run_id)
             before = run.get("trainer") or {}
             now = self.clock()
-            report = dict(body, reported_at=now)
-            new_phase = (before.get("phase"), before.get("step")) != (body.get("phase"), body.get("step"))
+            report = dict(body.model_dump(mode="json"), reported_at=now)
+            new_phase = (before.get("phase"), before.get("step")) != (body.phase, body.step)
             # the expected wait counts from when this wait began, not from each report of it
             report["phase_since"] = now if new_phase else before.get("phase_since", now)
             event = "trainer phase" if new_phase else None
@@ -338,34 +453,52 @@ class Controller:
                 self.run_id,
                 epoch=self.epoch,
                 event=event,
-                data={"phase": body.get("phase"), "step": body.get("step")} if event else None,
+                data={"phase": body.phase, "step": body.step} if event else None,
                 trainer=report,
             )
             # wake the control loop only for what a decision or a probe depends on, not for every poll
             watched = ("phase", "step", "released")
-            if any(before.get(k) != body.get(k) for k in watched) or (body.get("blocked_s") is None) != (
+            if any(before.get(k) != report.get(k) for k in watched) or (body.blocked_s is None) != (
                 before.get("blocked_s") is None
             ):
                 self.wake.set()
-            return {"epoch": self.epoch, **pending_trainer_command(self.store, self.run_id)}
+            command = pending_trainer_command(self.store, self.run_id)
+            if command["command"] is None and body.released and self._nothing_lent_or_moving():
+                # released, yet no transition holds the GPUs and none is lent: a release nobody wants any more
+                # (e.g. a held release carried out after its borrow was rolled back) — take them back
+                command = {"command": "reclaim", "command_id": f"{ORPHAN_RECLAIM_PREFIX}{report['phase_since']}"}
+            return {"epoch": self.epoch, **command}
 
-    def trainer_ack(self, body: dict) -> dict:
+    def _nothing_lent_or_moving(self) -> bool:
+        if any(g["borrowed"] for g in self.store.gpus(self.run_id)):
+            return False
+        return not any(
+            t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK) for t in self.store.transitions(self.run_id)
+        )
+
+    def trainer_ack(self, body: bodies.Ack) -> dict:
         with self.lock:
-            found = record_trainer_ack(
-                self.store, self.run_id, str(body["command_id"]), dict(body["result"]), self.epoch
-            )
+            found = record_trainer_ack(self.store, self.run_id, body.command_id, dict(body.result), self.epoch)
+            if not found and body.command_id.startswith((LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX)):
+                why = "after the agent's own return" if body.command_id.startswith(LOCAL_RETURN_PREFIX) else "orphan"
+                self.store.journal_event(
+                    self.run_id,
+                    "runs",
+                    self.run_id,
+                    f"trainer reclaimed ({why})",
+                    data={"command_id": body.command_id, "ok": body.result.get("ok")},
+                    epoch=self.epoch,
+                )
+                found = True
             if not found:
-                raise ControlError(f"no step {body['command_id']!r} in run {self.run_id}", 404)
+                raise ControlError(f"no step {body.command_id!r} in run {self.run_id}", 404)
             self.wake.set()
             return {"epoch": self.epoch, "ok": True}
 
     # -- borrowing --------------------------------------------------------------------------------
-    def borrow(self, body: dict) -> dict:
+    def borrow(self, body: bodies.Borrow) -> dict:
         """Turn borrowing on under a policy (``dry_run``: only say what it would do now)."""
-        policy = str(body.get("policy") or "")
-        max_gpus = body.get("gpus")
-        if max_gpus is not None and (not isinstance(max_gpus, int) or max_gpus < 1):
-            raise ControlError(f"gpus must be an integer >= 1, got {max_gpus!r}")
+        policy = body.policy
         try:
             module = load_policy(policy)
         except PolicyError as exc:
@@ -377,8 +510,8 @@ class Controller:
                 "`pearlctl profile RUN --import FILE`"
             )
         with self.lock:
-            settings = {"policy": policy, "max_gpus": max_gpus, "keep_warm": bool(body.get("keep_warm", True))}
-            if body.get("dry_run"):
+            settings = {"policy": policy, "max_gpus": body.gpus, "keep_warm": body.keep_warm}
+            if body.dry_run:
                 plan = self.borrowing.plan_borrow(self.clock(), settings)
                 view = self.borrowing.view(self.clock(), settings)
                 return {"epoch": self.epoch, "dry_run": True, "settings": settings, "plan": plan, "view": view}
@@ -393,24 +526,23 @@ class Controller:
             )
             return {"epoch": self.epoch, "settings": settings}
 
-    def give_back(self, body: dict) -> dict:
+    def give_back(self, body: bodies.ReturnNow) -> dict:
         """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting).
 
         Their vLLM workers stop, unless ``keep_warm``: then they are parked asleep for a later borrow."""
         with self.lock:
-            keep_warm = bool(body.get("keep_warm", False))
-            settings = {"policy": "never", "max_gpus": None, "keep_warm": keep_warm}
+            settings = {"policy": "never", "max_gpus": None, "keep_warm": body.keep_warm}
             self.store.update_fields(
                 "runs",
                 self.run_id,
                 epoch=self.epoch,
                 event="return requested",
-                data={"now": bool(body.get("now")), "keep_warm": keep_warm},
+                data={"now": body.now, "keep_warm": body.keep_warm},
                 borrow=settings,
                 policy="never",
             )
             aborted = []
-            if body.get("now"):
+            if body.now:
                 for t in self.borrowing.executor.open_transitions():
                     if t["kind"] == "borrow":
                         self.borrowing.executor.abort(t["id"], "pearlctl return --now")
@@ -418,12 +550,12 @@ class Controller:
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
-    def set_profile(self, body: dict) -> dict:
+    def set_profile(self, body: bodies.ProfileBody) -> dict:
         """Store the run's engine profile (``pearlctl profile``): the planner predicts with it."""
         try:
-            profile = profiles.from_dict(body["profile"], where="the profile sent")
+            profile = profiles.from_dict(body.profile, where="the profile sent")
         except profiles.ProfileError as exc:
-            raise ControlError(str(exc), 400) from None
+            raise ControlError(str(exc), 422) from None
         with self.lock:
             doc = profiles.to_dict(profile)
             self.store.update_fields(
@@ -431,27 +563,36 @@ class Controller:
             )
             return {"epoch": self.epoch, "profile": doc}
 
-    def rollout_progress(self, body: dict) -> dict:
+    def rollout_progress(self, body: bodies.Progress) -> dict:
         """The rollout driver's counts (queued, generating, tool_wait, done, tokens): kept for status and
         the planner; throughput is derived from successive reports."""
         with self.lock:
             run = self.store.get_run(self.run_id)
             before = run.get("rollout") or {}
             now = self.clock()
-            report = {k: body.get(k) for k in ("step", "queued", "generating", "tool_wait", "done", "tokens")}
+            report = body.model_dump(mode="json", exclude={"work"})
             report["reported_at"] = now
-            if body.get("work") is not None:  # what the planner predicts with (planner.model.Work's fields)
-                report["work"] = _work_fields(body["work"])
-            if before.get("tokens") is not None and report.get("tokens") is not None and now > before["reported_at"]:
-                report["tokens_per_s"] = round((report["tokens"] - before["tokens"]) / (now - before["reported_at"]), 2)
+            if body.work is not None:  # what the planner predicts with (planner.model.Work's fields)
+                report["work"] = dict(body.work)
+            last_tokens, last_at = before.get("tokens"), before.get("reported_at")
+            if isinstance(last_tokens, int) and body.tokens is not None and last_at and now > last_at:
+                report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)
             self.store.update_fields("runs", self.run_id, epoch=self.epoch, rollout=report)
             return {"epoch": self.epoch}
 
     # -- rollout clients --------------------------------------------------------------------------
-    def routable_workers(self, body: dict) -> dict:
-        """READY, registered rollout workers: where rollout clients may send requests now."""
+    def routable_workers(self) -> dict:
+        """READY, registered rollout workers: where rollout clients may send requests now. ``seen_at``: when
+        the worker's agent last reported (a client that saw a worker fail trusts it again after that)."""
+        seen = {a["id"]: a.get("agent_seen_at") for a in self.store.allocations(self.run_id)}
         workers = [
-            {"id": w["id"], "url": w["url"], "role": w["role"], "weight_version": w.get("weight_version")}
+            {
+                "id": w["id"],
+                "url": w["url"],
+                "role": w["role"],
+                "weight_version": w.get("weight_version"),
+                "seen_at": seen.get(w["allocation_id"]),
+            }
             for w in self.store.workers(self.run_id)
             if w["routable"] and w["state"] == W.READY and w["url"]
         ]

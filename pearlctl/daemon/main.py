@@ -1,11 +1,21 @@
-"""The daemon process: take the run's lease, serve the control API, run the control loop.
+"""The daemon process: take the run's lease, serve the control API, and run three timers.
 
-Invariants (design.md §2):
+Invariants:
 - one daemon per run: the lease ``run:<run_id>`` is taken or the daemon refuses to start, naming the
-  holder; its epoch fences every write and is stamped on every answer;
+  holder; its epoch fences every write (state, journal and the Slurm poller's) and is stamped on every
+  answer;
 - the daemon never owns engine processes: stopping or killing it leaves every worker running, and a
   restarted daemon re-attaches through the agents' next heartbeats;
-- losing the lease (another daemon took over after ours stalled) stops this daemon at once.
+- nothing slow sits in the path of a decision. Three threads, each on its own timer:
+  * the **lease** renewer (every ``lease_ttl_s / 6``); the TTL is longer than a Slurm command may take,
+    and renewing never waits for Slurm or for a decision;
+  * the **Slurm poller**: one batched poll per ``poll_interval_s``, run with no lock held (a frozen
+    slurmctld blocks only this thread), folded into state under the decision lock;
+  * the **control loop**: agent loss, transitions, return deadlines, the policy — every ``tick_s``, or
+    at once when a report arrives;
+- a tick or a poll that fails is isolated: its error is journaled (once per distinct error) and counted
+  in ``/metrics``, and the next one runs. Only a lost lease (``StaleEpoch``: another daemon took over)
+  stops the daemon, and then at once.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -27,10 +37,11 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
+from pearlctl.state.errors import StaleEpoch, StaleWrite
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
-from pearlctl.watcher import sync_run
+from pearlctl.watcher import apply_poll, poll_run
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -66,6 +77,10 @@ class DaemonRefused(Exception):
     """The daemon cannot start or must stop (lease held elsewhere, or lost)."""
 
 
+# A Slurm command may take this long (pearlctl.slurm.client's default timeout); the lease outlives it.
+SLURM_COMMAND_TIMEOUT_S = 30.0
+
+
 @dataclass
 class DaemonSettings:
     host: str = "0.0.0.0"
@@ -73,8 +88,22 @@ class DaemonSettings:
     advertise: str | None = None  # host name agents use; default: this host's name
     heartbeat_s: float = 2.0
     lost_after: float = 2.0  # heartbeat intervals without news before an agent's GPUs are LOST
-    lease_ttl_s: float = 6.0
+    lease_ttl_s: float = 45.0  # > SLURM_COMMAND_TIMEOUT_S; renewed every lease_ttl_s / 6 on its own thread
     tick_s: float = 0.5
+
+
+@dataclass
+class DaemonStats:
+    """What the daemon counts about itself (``/metrics``: pearl_daemon_*)."""
+
+    ticks: int = 0
+    tick_errors: int = 0
+    polls: int = 0
+    poll_errors: int = 0
+    lease_renewals: int = 0
+    tick_seconds: list[float] = field(default_factory=list)  # the last 256 ticks' durations
+    last_tick_at: float = 0.0
+    last_poll_at: float = 0.0
 
 
 class Daemon:
@@ -85,7 +114,10 @@ class Daemon:
         self.stopping = threading.Event()
         self.epoch: int | None = None
         self.url: str | None = None
+        self.deposed: str | None = None  # why this daemon must stop: its lease is gone
+        self.stats = DaemonStats()
         self._server: uvicorn.Server | None = None
+        self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
 
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
@@ -116,7 +148,12 @@ class Daemon:
         return self.store.break_lease(name, held["holder"], held["epoch"], f"process {pid} on {host} is gone")
 
     def start_server(self, controller: Controller, secret: str) -> str:
-        app = build_app(controller, secret=secret, status=lambda: run_document(self.store, self.run_id))
+        app = build_app(
+            controller,
+            secret=secret,
+            status=lambda: run_document(self.store, self.run_id),
+            stats=lambda: self.stats,
+        )
         config = uvicorn.Config(
             app, host=self.settings.host, port=self.settings.port, log_level="warning", access_log=False, lifespan="off"
         )
@@ -135,21 +172,124 @@ class Daemon:
         )
         return f"http://{host}:{port}"
 
+    # -- the three timers -------------------------------------------------------------------------
+    def depose(self, why: str) -> None:
+        """Another daemon holds the lease now: stop at once (called from any thread)."""
+        if self.deposed is None:
+            self.deposed = why
+            log.error("deposed: %s", why)
+        self.stopping.set()
+
+    def _renew_lease(self) -> None:
+        every = min(5.0, max(0.2, self.settings.lease_ttl_s / 6))
+        name = run_lease_name(self.run_id)
+        while not self.stopping.wait(every):
+            try:
+                if not self.store.renew_lease(name, self.holder, self.epoch, self.settings.lease_ttl_s):
+                    self.depose(f"lost the lease of run {self.run_id} (epoch {self.epoch}): another daemon took over")
+                    return
+                self.stats.lease_renewals += 1
+            except Exception as exc:  # a busy or failing disk: the lease is still ours until it expires
+                log.warning("lease renewal failed (retrying): %s", exc)
+
+    def _poll_slurm(self, controller: Controller, poll_s: float) -> None:
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                poll = poll_run(self.store, self.backend, self.run_id)  # no lock held: Slurm may be slow
+                for attempt in range(3):
+                    try:
+                        with controller.lock:  # the same writer discipline as every other write
+                            report = apply_poll(self.store, self.run_id, poll, epoch=self.epoch)
+                        break
+                    except StaleWrite:  # cannot happen under the lock, unless a write bypasses it: re-read
+                        if attempt == 2:
+                            raise
+                self.stats.polls += 1
+                self.stats.last_poll_at = time.time()
+                if report.events:
+                    controller.wake.set()
+                self._recovered("poll")
+            except StaleEpoch as exc:
+                self.depose(str(exc))
+                return
+            except Exception as exc:  # a Slurm hiccup (BackendError), or a bug: never fatal
+                self.stats.poll_errors += 1
+                self._journal_error("poll", exc)
+            self.stopping.wait(max(0.0, poll_s - (time.monotonic() - started)))
+
+    def _tick(self, controller: Controller, borrowing: Borrowing) -> bool:
+        """One pass of the control loop; False when the run is over. Errors are isolated here."""
+        t0 = time.monotonic()
+        try:
+            if self.store.get_run(self.run_id)["state"] in RUN_OVER:
+                log.warning("run %s is over: the daemon stops", self.run_id)
+                return False
+            controller.check_agents()
+            with controller.lock:
+                borrowing.tick()
+            self._recovered("tick")
+        except StaleEpoch as exc:
+            self.depose(str(exc))
+        except Exception as exc:  # a bug or a fault we do not know yet: journal it, count it, go on
+            self.stats.tick_errors += 1
+            self._journal_error("tick", exc)
+        finally:
+            self.stats.ticks += 1
+            self.stats.last_tick_at = controller.loop_at = time.time()
+            self.stats.tick_seconds = [*self.stats.tick_seconds[-255:], time.monotonic() - t0]
+        controller.notify()  # desired state may have changed: long-polling agents look now
+        return True
+
+    def _journal_error(self, source: str, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}"[:2000]
+        log.warning("%s failed: %s", source, text, exc_info=not isinstance(exc, BackendError))
+        if self._errors.get(source) == text:
+            return  # the same error again: counted, not journaled again
+        self._errors[source] = text
+        try:
+            self.store.journal_event(
+                self.run_id, "runs", self.run_id, f"{source} error", data={"error": text}, epoch=self.epoch
+            )
+        except StaleEpoch as fenced:
+            self.depose(str(fenced))
+        except Exception as again:  # the journal itself failing (disk full): the log has it
+            log.warning("could not journal the %s error: %s", source, again)
+
+    def _recovered(self, source: str) -> None:
+        if self._errors.pop(source, None) is not None:
+            self.store.journal_event(self.run_id, "runs", self.run_id, f"{source} recovered", epoch=self.epoch)
+
+    # -- the process ------------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT (or ``stopping`` is set). Workers are never touched on the way out."""
+        """Serve until SIGTERM/SIGINT (or ``stopping`` is set). Workers are never touched on the way out.
+        Raises ``DaemonRefused`` when the lease is held elsewhere or was lost."""
         run = self.store.get_run(self.run_id)
+        poll_s = float(run["spec"].get("poll_interval_s", 5.0))
+        if self.settings.lease_ttl_s <= SLURM_COMMAND_TIMEOUT_S:
+            log.warning(
+                "lease TTL %.0fs is not longer than a Slurm command may take (%.0fs): a stalled daemon is "
+                "presumed dead sooner than a slow slurmctld answers",
+                self.settings.lease_ttl_s,
+                SLURM_COMMAND_TIMEOUT_S,
+            )
         epoch = self.acquire()
         self.store.journal_event(
             self.run_id, "runs", self.run_id, "daemon started", data={"holder": self.holder}, epoch=epoch
         )
         controller = Controller(
-            self.store, self.run_id, epoch, heartbeat_s=self.settings.heartbeat_s, lost_after=self.settings.lost_after
+            self.store,
+            self.run_id,
+            epoch,
+            heartbeat_s=self.settings.heartbeat_s,
+            lost_after=self.settings.lost_after,
+            secret=ensure_secret(run["run_dir"]),
+            on_deposed=self.depose,
         )
         executor = Executor(self.store, DaemonEffects(self.store, self.run_id, epoch), run_id=self.run_id, epoch=epoch)
         controller.borrowing = borrowing = Borrowing(self.store, executor, self.run_id)
         executor.fault = fault_from_env(os.environ.get("PEARL_FAULT"))
-        secret = ensure_secret(run["run_dir"])
-        self.url = self.start_server(controller, secret)
+        self.url = self.start_server(controller, controller.secret)
         write_address(
             run["run_dir"],
             {
@@ -162,39 +302,32 @@ class Daemon:
             },
         )
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
-        poll_s = float(run["spec"].get("poll_interval_s", 5.0))
-        last_poll = 0.0
+        threads = [
+            threading.Thread(target=self._renew_lease, name="pearl-lease", daemon=True),
+            threading.Thread(target=self._poll_slurm, args=(controller, poll_s), name="pearl-slurm", daemon=True),
+        ]
+        for t in threads:
+            t.start()
         try:
             while not self.stopping.is_set():
-                if not self.store.renew_lease(
-                    run_lease_name(self.run_id), self.holder, epoch, self.settings.lease_ttl_s
-                ):
-                    raise DaemonRefused(
-                        f"lost the lease of run {self.run_id} (epoch {epoch}): another daemon took over"
-                    )
-                now = time.monotonic()
-                if now - last_poll >= poll_s:
-                    last_poll = now
-                    try:
-                        sync_run(self.store, self.backend, self.run_id)
-                    except BackendError as exc:  # Slurm hiccups do not stop the daemon
-                        log.warning("poll failed: %s", exc)
-                if self.store.get_run(self.run_id)["state"] in RUN_OVER:
-                    log.warning("run %s is over: the daemon stops", self.run_id)
+                if not self._tick(controller, borrowing):
                     break
-                controller.check_agents()
-                with controller.lock:
-                    borrowing.tick()
-                controller.notify()  # desired state may have changed: long-polling agents look now
                 controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
                 controller.wake.clear()
         finally:
+            self.stopping.set()
             if self._server is not None:
                 self._server.should_exit = True
-            self.store.journal_event(
-                self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
-            )
-            self.store.release_lease(run_lease_name(self.run_id), self.holder)
+            if self.deposed is None:
+                try:
+                    self.store.journal_event(
+                        self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
+                    )
+                    self.store.release_lease(run_lease_name(self.run_id), self.holder)
+                except Exception as exc:
+                    log.warning("could not record the stop: %s", exc)
+        if self.deposed is not None:
+            raise DaemonRefused(self.deposed)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

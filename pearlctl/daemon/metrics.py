@@ -7,6 +7,10 @@ Served by the daemon at ``GET /metrics`` (authenticated like every route: scrape
 - ``pearl_return_deadline_misses_total`` / ``pearl_return_deadlines_met_total``
 - ``pearl_rollout_tokens_total``, ``pearl_rollout_tokens_per_second``, ``pearl_rollout_episodes{state}``
 - ``pearl_workers{role,state}``
+- ``pearl_daemon_ticks_total``, ``pearl_daemon_tick_errors_total``, ``pearl_daemon_tick_seconds{quantile}``,
+  ``pearl_daemon_polls_total``, ``pearl_daemon_poll_errors_total``, ``pearl_daemon_lease_renewals_total``,
+  ``pearl_daemon_api_errors_total``: the daemon's own health (a tick or poll that failed is counted and
+  journaled, and the daemon goes on)
 """
 
 from __future__ import annotations
@@ -22,10 +26,34 @@ BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
 class RunCollector:
-    def __init__(self, store: Store, run_id: str):
-        self.store, self.run_id = store, run_id
+    def __init__(self, store: Store, run_id: str, stats=None, controller=None):
+        self.store, self.run_id, self.stats, self.controller = store, run_id, stats, controller
+
+    def _daemon(self):
+        st = self.stats
+        for name, value, text in (
+            ("ticks", st.ticks, "control-loop ticks"),
+            ("tick_errors", st.tick_errors, "ticks that failed (journaled as 'tick error')"),
+            ("polls", st.polls, "Slurm polls folded into state"),
+            ("poll_errors", st.poll_errors, "Slurm polls that failed (journaled as 'poll error')"),
+            ("lease_renewals", st.lease_renewals, "lease renewals"),
+        ):
+            yield CounterMetricFamily(f"pearl_daemon_{name}", text, value=value)
+        if self.controller is not None:
+            yield CounterMetricFamily(
+                "pearl_daemon_api_errors", "requests answered 500 (bugs)", value=self.controller.api_errors
+            )
+        durations = sorted(st.tick_seconds)
+        quantiles = GaugeMetricFamily("pearl_daemon_tick_seconds", "recent tick durations", labels=["quantile"])
+        for q in (0.5, 0.99):
+            quantiles.add_metric(
+                [str(q)], durations[min(len(durations) - 1, int(q * len(durations)))] if durations else 0
+            )
+        yield quantiles
 
     def collect(self):
+        if self.stats is not None:
+            yield from self._daemon()
         run = self.store.get_run(self.run_id)
         gpus = GaugeMetricFamily(
             "pearl_gpus", "GPUs of the run by role and state", labels=["role", "state", "borrowed"]
@@ -76,7 +104,8 @@ class RunCollector:
         yield episodes
 
 
-def render(store: Store, run_id: str) -> bytes:
+def render(store: Store, run_id: str, stats=None, controller=None) -> bytes:
+    """``stats``: the daemon's DaemonStats (pearlctl.daemon.main); ``controller``: for its API error count."""
     registry = CollectorRegistry()
-    registry.register(RunCollector(store, run_id))
+    registry.register(RunCollector(store, run_id, stats, controller))
     return generate_latest(registry)

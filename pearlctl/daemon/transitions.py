@@ -27,14 +27,16 @@ from typing import Protocol
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import StepKind
 
 log = logging.getLogger("pearlctl.daemon")
 
-PLANS: dict[str, tuple[str, ...]] = {
-    "borrow": ("OFFLOAD", "START", "VERIFY", "REGISTER"),  # cold: a new vLLM process
-    "borrow_warm": ("OFFLOAD", "WAKE", "VERIFY", "REGISTER"),  # a vLLM parked asleep on these GPUs wakes
-    "return": ("DEREGISTER", "DRAIN", "STOP", "RELOAD", "VERIFY"),  # the vLLM process exits
-    "return_sleep": ("DEREGISTER", "DRAIN", "SLEEP", "RELOAD", "VERIFY"),  # it is parked asleep for next time
+_K = StepKind
+PLANS: dict[str, tuple[StepKind, ...]] = {
+    "borrow": (_K.OFFLOAD, _K.START, _K.VERIFY, _K.REGISTER),  # cold: a new vLLM process
+    "borrow_warm": (_K.OFFLOAD, _K.WAKE, _K.VERIFY, _K.REGISTER),  # a vLLM parked asleep on these GPUs wakes
+    "return": (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.RELOAD, _K.VERIFY),  # the vLLM process exits
+    "return_sleep": (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.RELOAD, _K.VERIFY),  # parked asleep for next time
 }
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 

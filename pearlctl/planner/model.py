@@ -16,7 +16,6 @@ from enum import StrEnum
 from pearlctl.planner.profile import Profile, TransitionCosts
 from pearlctl.vocabulary import Role
 
-
 SERVING = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
 
 

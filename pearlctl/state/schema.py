@@ -198,7 +198,12 @@ MIGRATION_4 = """
 ALTER TABLE runs ADD COLUMN profile TEXT CHECK (profile IS NULL OR json_valid(profile));
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4)
+# The host an allocation's agent runs on (its workers' URLs must name it or the allocation's node).
+MIGRATION_5 = """
+ALTER TABLE allocations ADD COLUMN agent_host TEXT;
+"""
+
+MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4, MIGRATION_5)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 

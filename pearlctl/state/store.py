@@ -9,8 +9,9 @@ What it guarantees (design.md §4):
 - **Compare-and-set.** ``set_state`` checks the edge against the table's state machine, then updates
   only ``WHERE id=? AND state=? [AND version=?]``; no match is ``StaleWrite`` and nothing is written.
   Every write to a row bumps its ``version``.
-- **Fencing.** A write stamped with ``epoch`` is refused (``StaleEpoch``) when the run's lease
-  (``run:<run_id>``) exists at another epoch: a daemon that lost its lease cannot write.
+- **Fencing.** A write stamped with ``epoch`` — state changes, field updates and journal events alike —
+  is refused (``StaleEpoch``) when the run's lease (``run:<run_id>``) exists at another epoch: a daemon
+  that lost its lease cannot write.
 - **Idempotent observations.** ``update_fields`` that changes nothing is a no-op (no version bump, no
   journal row), so pollers can write what they saw on every poll; ``upsert_node_gpus`` likewise.
 - **Readers never write.** A store opened ``readonly=True`` refuses writes (``ReadOnlyStore``) before
@@ -299,8 +300,12 @@ class Store:
         data: Mapping[str, Any] | None = None,
         epoch: int | None = None,
     ) -> int:
-        """Append an observation to the journal (no fencing: observations are facts). Returns its id."""
+        """Append an observation to the journal; returns its id. Stamped with ``epoch``, it is fenced like
+        every other write (a deposed daemon cannot add to the journal); unstamped (the CLI without a daemon),
+        it is not."""
         with self._write() as conn:
+            if run_id is not None:
+                self._fence(conn, run_id, epoch)
             return self._journal(conn, self._clock(), run_id, entity, entity_id, event, epoch=epoch, data=data)
 
     # ------------------------------------------------------------------ nodes, GPUs, workers, transitions

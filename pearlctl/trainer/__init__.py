@@ -30,12 +30,25 @@ Invariants:
   (``phase("waiting")``, ``wait_until``, ``ensure_reclaimed``); a release that arrives with
   ``phase("training")`` is held until the next waiting point, and ``phase("training")`` while released
   blocks like ``ensure_reclaimed``.
+- **A held release is carried out only while it is still wanted.** It is held once per command id (one
+  already held, or already carried out, is not held again). A reclaim — arriving, or carried out — drops
+  every held release: it belonged to a transition that has been undone. At a waiting point the channel's
+  answer wins: when it answers a command, held releases are dropped and the answer is acted on instead;
+  when it answers nothing, a channel that repeats the command it wants on every report
+  (``repeats_commands = True``: the daemon's, which repeats its pending OFFLOAD step) has confirmed
+  nothing, so its held releases are dropped too, and a channel that delivers each command once
+  (``QueueChannel``, ``FileChannel``) gets its oldest held release carried out. A dropped release is not
+  acked (a daemon that still wants it asks again). Without this a release of an undone transition was
+  carried out with nothing lent, and ``ensure_reclaimed`` waited forever for a reclaim that never came.
 - **The ack means all ranks are done.** Release and reclaim end with an all-reduce of their duration, so
   rank 0 acks (and the daemon starts a vLLM worker on the GPUs) only after every rank has offloaded.
 - **Idempotent by command id.** A release while released, or a reclaim while not released, is a no-op;
   a command id seen before is answered with the stored result and not carried out again (an HTTP retry).
 - **A daemon that is down never stops training.** A channel error counts as "no command". (While the
-  GPUs are lent out, the hook keeps polling: only the daemon knows when vLLM has left them.)
+  GPUs are lent out, the hook keeps polling: only the daemon knows when vLLM has left them — or the node:
+  past a lent GPU's return deadline with the daemon unreachable, the node's agent stops or parks the lent
+  worker itself and writes a node-local return file, which ``DaemonChannel`` turns into a reclaim with
+  the id ``local-return:<returned_at>``, no daemon in the path; see pearlctl.trainer.channel.)
 - **Signals only set a flag.** The ranks agree at the next collective; a joint checkpoint follows.
 
 DeepSpeed 0.19.8 facts this module is shaped by (docs: engines-on-cpu.md): ``offload_states`` /
@@ -60,7 +73,7 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, runtime_checkable
@@ -119,6 +132,10 @@ class ControlChannel(Protocol):
     A command is ``{"command": "release" | "reclaim" | None, "command_id": str, "mode": "offload" |
     "checkpoint"}`` (``mode`` only for release, optional: the hook's ``release_mode`` by default).
     ``{"command": None}`` and ``None`` both mean "nothing to do".
+
+    Optional attribute ``repeats_commands`` (default False): True when ``report`` answers the command the
+    controller wants on every report until it is acked (the daemon does). For such a channel, no command
+    at a waiting point means "no release wanted now", and the hook drops the releases it held.
 
     ``ack(command_id, result)`` is called once the command was carried out on every rank (or refused):
     ``result`` has ``"ok": bool``, ``"command"``, the timings of ``release()``/``reclaim()``, and
@@ -296,7 +313,7 @@ class TrainerHook:
         self._released: dict | None = None  # how we released: mode, ckpt_dir, tag, how
         self._signal: int | None = None  # set by the signal handler only
         self._stop_agreed = False
-        self._deferred: deque[dict] = deque()  # rank 0: releases that arrived while training
+        self._deferred: OrderedDict[str, dict] = OrderedDict()  # rank 0: releases held while training, by id
         self._handled: OrderedDict[str, dict] = OrderedDict()  # rank 0: command_id -> result
 
     # ------------------------------------------------------------------ state
@@ -445,6 +462,7 @@ class TrainerHook:
         ``load_checkpoint`` of the release checkpoint (the state the trainer released with) — except on
         ZeRO-3, where DeepSpeed cannot load into a live partitioned engine and the kept state is used.
         """
+        self._drop_held("a reclaim")  # they belonged to a transition that has been undone
         if not self.released:
             return {"noop": True, "released": False}
         rel = self._released
@@ -645,25 +663,52 @@ class TrainerHook:
     def _poll(self, event: dict, *, can_release: bool) -> tuple[dict | None, int]:
         """Rank 0: report, and turn the answer (or a held release) into a decision code."""
         try:
-            cmd = self.channel.report(event)
+            answer = self.channel.report(event)
         except Exception as exc:
             log.warning("trainer channel report failed (treated as no command): %s", exc)
+            answer = None
+        if answer is not None and answer.get("command") is None:
+            answer = None
+        if answer is not None and answer.get("command") == "reclaim":
+            self._drop_held(f"reclaim {answer.get('command_id')}")
+        if can_release and self._deferred:
+            # The channel's answer at a waiting point wins over what was held (module docstring).
+            if answer is not None:
+                self._drop_held(f"the channel now answers {answer.get('command')} {answer.get('command_id')}")
+            elif getattr(self.channel, "repeats_commands", False):
+                self._drop_held("the channel, which repeats what it wants, asks for nothing now")
+        cmd = self._triage(answer) if answer is not None else None
+        if cmd is not None and cmd["command"] == "release" and not can_release:
+            self._hold(cmd)  # never release in the middle of a training step
             cmd = None
-        if cmd is not None and cmd.get("command") is not None:
-            cmd = self._triage(cmd)
-            if cmd is not None and cmd["command"] == "release" and not can_release:
-                self._deferred.append(cmd)  # never release in the middle of a training step
-                log.info("release %s held until the next waiting point", cmd.get("command_id"))
-                cmd = None
-        else:
-            cmd = None
-        if cmd is None and can_release and self._deferred:
-            cmd = self._deferred.popleft()
+        if cmd is None and can_release:
+            cmd = self._next_held()
         if cmd is None:
             return None, _NONE
         if cmd["command"] == "reclaim":
             return cmd, _RECLAIM
         return cmd, _CODE_OF[("release", cmd["_mode"])]
+
+    def _hold(self, cmd: dict) -> None:
+        """Rank 0: hold a release until the next waiting point, once per command id."""
+        command_id = cmd["command_id"]
+        if command_id in self._deferred or command_id in self._handled:
+            return
+        self._deferred[command_id] = cmd
+        log.info("release %s held until the next waiting point", command_id)
+
+    def _next_held(self) -> dict | None:
+        """Rank 0: the oldest held release not carried out since, or None."""
+        while self._deferred:
+            _command_id, cmd = self._deferred.popitem(last=False)
+            if cmd["command_id"] not in self._handled:
+                return cmd
+        return None
+
+    def _drop_held(self, why: str) -> None:
+        if self._deferred:
+            log.info("held release(s) %s dropped: %s", ", ".join(self._deferred), why)
+            self._deferred.clear()
 
     def _triage(self, cmd: dict) -> dict | None:
         """Rank 0: validate a command; answer repeats and invalid ones at once. Returns what to carry out."""

@@ -8,6 +8,8 @@ import pytest
 
 from pearlctl.daemon.borrowing import Borrowing, work_from_progress
 from pearlctl.daemon.controller import ControlError, Controller
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner.model import Role
@@ -75,17 +77,17 @@ def test_work_from_progress_counts_and_details():
 
 def test_a_malformed_work_report_is_refused_and_changes_nothing(daemon):
     store, c = daemon
-    with pytest.raises(ControlError, match=r"unknown field\(s\) \['turns'\]; known: .*turns_left"):
-        c.rollout_progress({"queued": 1, "work": {"turns": 2}})
-    with pytest.raises(ControlError, match="work.tool_latency_s must be a finite number >= 0"):
-        c.rollout_progress({"queued": 1, "work": {"tool_latency_s": -1}})
+    with pytest.raises(bodies.ValidationError, match=r"unknown field\(s\) \['turns'\]; known: .*turns_left"):
+        parse(bodies.Progress, {"queued": 1, "work": {"turns": 2}})
+    with pytest.raises(bodies.ValidationError, match=r"work.tool_latency_s\n.*greater than or equal to 0"):
+        parse(bodies.Progress, {"queued": 1, "work": {"tool_latency_s": -1}})
     assert store.get_run("r").get("rollout") is None
 
 
 def test_pearl_needs_a_profile(daemon):
     store, c = daemon
     with pytest.raises(ControlError, match="pearlctl profile RUN"):
-        c.borrow({"policy": "pearl"})
+        c.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
     assert store.get_run("r")["policy"] == "greedy"  # unchanged
 
 
@@ -101,19 +103,19 @@ def test_pearl_runs_live_from_the_stored_profile_and_the_reported_work(daemon):
     c = Controller(store, "q", None, clock=lambda: NOW)
     c.borrowing = Borrowing(store, ex, "q", clock=lambda: NOW)
     prof = profiles.load(REPO / "examples/profiles/qwen3-8b-h100.toml")
-    c.set_profile({"profile": profiles.to_dict(prof)})
-    c.borrow({"policy": "pearl"})
+    c.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(prof)}))
+    c.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
     store.update_fields("runs", "q", epoch=None, trainer={"phase": "waiting", "expected_wait_s": 3600.0,
                                                            "phase_since": NOW, "reported_at": NOW})  # fmt: skip
     big = {"trajectories": 512, "turns_left": 8, "turns_left_max": 20, "decode_tokens_per_turn": 400,
            "decode_tokens_per_turn_max": 2000, "prefill_tokens_per_turn": 300, "context_tokens": 4000,
            "tool_latency_s": 5.0, "tool_latency_max_s": 30.0}  # fmt: skip
-    c.rollout_progress({"queued": 0, "generating": 512, "tool_wait": 0, "work": big})
+    c.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 512, "tool_wait": 0, "work": big}))
     plan = c.borrowing.plan_borrow(NOW)
     assert plan is not None and plan["policy"] == "pearl" and len(plan["gpu_ids"]) == 2
     assert plan["predicted_s"][1] < plan["predicted_s"][0]
 
     tail = dict(big, trajectories=1, turns_left=1, turns_left_max=1, decode_tokens_per_turn=10,
                 decode_tokens_per_turn_max=10, tool_latency_s=0.0, tool_latency_max_s=0.0)  # fmt: skip
-    c.rollout_progress({"queued": 0, "generating": 1, "tool_wait": 0, "work": tail})
+    c.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 1, "tool_wait": 0, "work": tail}))
     assert c.borrowing.plan_borrow(NOW) is None

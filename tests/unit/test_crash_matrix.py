@@ -15,6 +15,8 @@ import pytest
 
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import PLANS, Executor
 from pearlctl.state.store import Store
@@ -49,7 +51,9 @@ class SimAgent:
 
     def tick(self, daemon: Daemon) -> None:
         report = [dict(w) for w in self.running.values()]
-        answer = daemon.controller.heartbeat({"allocation_id": daemon.alloc_id, "workers": report})
+        answer = daemon.controller.heartbeat(
+            parse(bodies.Heartbeat, {"allocation_id": daemon.alloc_id, "workers": report}), daemon.alloc_id
+        )
         for w in self.running.values():  # what was starting becomes READY; STOPPED ones are gone
             if w["state"] == "STARTING":
                 w["state"] = "READY"
@@ -68,7 +72,7 @@ class SimAgent:
                     "engine": d["engine"],
                     "gpus": d["gpus"],
                     "state": "STARTING",
-                    "url": f"http://node:{9000 + len(self.starts)}",
+                    "url": f"http://gpu1:{9000 + len(self.starts)}",
                 }
             elif w["state"] == "SLEEPING":
                 w["state"] = "READY"  # woken
@@ -87,7 +91,10 @@ class SimTrainer:
 
     def tick(self, daemon: Daemon) -> None:
         answer = daemon.controller.trainer_phase(
-            {"phase": "waiting", "step": 1, "expected_wait_s": 600.0, "released": self.released}
+            parse(
+                bodies.TrainerPhase,
+                {"phase": "waiting", "step": 1, "expected_wait_s": 600.0, "released": self.released},
+            )
         )
         if answer.get("command") is None:
             return
@@ -96,7 +103,7 @@ class SimTrainer:
             self.carried_out.append(cid)
             self.released = answer["command"] == "release"
             self.done[cid] = {"ok": True, "command": answer["command"]}
-        daemon.controller.trainer_ack({"command_id": cid, "result": self.done[cid]})
+        daemon.controller.trainer_ack(parse(bodies.Ack, {"command_id": cid, "result": self.done[cid]}))
 
 
 class Daemon:
@@ -122,7 +129,9 @@ def world(tmp_path: Path):
 def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=200):
     epochs = itertools.count(1)
     daemon = Daemon(store, alloc_id, next(epochs), clock, crash_at)
-    daemon.controller.register({"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1})
+    daemon.controller.register(
+        parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1})
+    )
     crashes = 0
     for _ in range(limit):
         try:

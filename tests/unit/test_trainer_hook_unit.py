@@ -243,6 +243,99 @@ def test_wait_until_serves_commands_and_returns_when_ready():
     assert waits == sorted(waits, reverse=True) and all(w <= 10 for w in waits)
 
 
+# ---------------------------------------------------------------------- held releases (issue 8, defect 6)
+def test_a_release_held_while_training_is_dropped_by_a_reclaim_and_ensure_reclaimed_does_not_block():
+    """A borrow's release arrives during training and is held; the borrow is rolled back (its quick reclaim is
+    a no-op: nothing was released). The next waiting point must not release for a transition already undone:
+    no reclaim would ever come, and ensure_reclaimed would block forever. Two ranks, through the all-reduce."""
+    world, ch = FakeWorld(2), QueueChannel()
+    engines = [FakeEngine(), FakeEngine()]
+    hooks = [
+        TrainerHook(
+            engines[r],
+            channel=ch if r == 0 else None,
+            rank=r,
+            world_size=2,
+            all_reduce_max=world.all_reduce_max(r),
+            poll_interval_s=0.01,
+        )
+        for r in range(2)
+    ]
+    rel = ch.send("release")
+    _, errors = run_ranks(*(lambda h=h: h.phase("training", step=1) for h in hooks))  # held
+    assert not errors and rel not in ch.acks
+    rec = ch.send("reclaim")  # the rollback's quick reclaim
+    _, errors = run_ranks(*(lambda h=h: h.phase("training", step=1) for h in hooks))
+    assert not errors and ch.acks[rec]["ok"] and ch.acks[rec]["noop"] is True
+
+    outcome: list = [None, None]
+
+    def waiting_then_train(r: int) -> None:
+        hooks[r].phase("waiting", step=2)
+        outcome[r] = ("returned", hooks[r].ensure_reclaimed())
+
+    threads = [threading.Thread(target=waiting_then_train, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3)
+    assert not any(t.is_alive() for t in threads), "ensure_reclaimed blocked on a release nobody will reclaim"
+    assert outcome == [("returned", None), ("returned", None)]
+    assert not any(h.released for h in hooks) and all(e.calls == [] for e in engines)
+    assert rel not in ch.acks  # dropped, not acked: a daemon that still wanted it would ask again
+
+
+def test_the_same_release_id_delivered_twice_while_training_is_carried_out_once():
+    engine, ch = FakeEngine(), QueueChannel()
+    hook = hook_for(engine, ch, poll_interval_s=0.01)
+    rel = ch.send("release")
+    assert hook.phase("training", step=1) is None
+    ch.send("release", command_id=rel)  # the daemon repeats its pending command on every report
+    assert hook.phase("training", step=1) is None
+    assert engine.calls == [] and not hook.released
+    done = hook.phase("waiting", step=1)
+    assert done["command_id"] == rel and hook.released
+    first_ack = dict(ch.acks[rel])
+    assert first_ack["noop"] is False
+    assert hook.phase("waiting", step=1) is None  # the copy is not carried out (not even as a no-op)
+    assert ch.acks[rel] == first_ack
+    rec = ch.send("reclaim")
+    assert hook.phase("waiting", step=1)["command_id"] == rec and not hook.released
+    assert hook.phase("waiting", step=2) is None and not hook.released  # and never again after the reclaim
+    assert hook.ensure_reclaimed() is None
+    assert engine.names() == ["offload_states", "reload_states"]
+
+
+def test_at_a_waiting_point_the_channels_answer_wins_over_held_releases():
+    engine, ch = FakeEngine(), QueueChannel()
+    hook = hook_for(engine, ch, poll_interval_s=0.01)
+    old = ch.send("release")
+    hook.phase("training", step=1)  # held
+    new = ch.send("release")  # what the controller wants now
+    assert hook.phase("waiting", step=1)["command_id"] == new
+    rec = ch.send("reclaim")
+    hook.phase("waiting", step=1)
+    assert ch.acks[rec]["noop"] is False and not hook.released
+    assert hook.phase("waiting", step=2) is None and not hook.released  # the old one was dropped
+    assert old not in ch.acks and engine.names() == ["offload_states", "reload_states"]
+
+
+def test_a_channel_that_repeats_its_commands_confirms_no_held_release_by_asking_for_nothing():
+    class Repeating(QueueChannel):  # like the daemon: it answers what it wants on every report
+        repeats_commands = True
+
+    engine, ch = FakeEngine(), Repeating()
+    hook = hook_for(engine, ch)
+    rel = ch.send("release")
+    hook.phase("training", step=1)  # held
+    assert hook.phase("waiting", step=1) is None  # no command now: the daemon no longer wants it
+    assert not hook.released and engine.calls == [] and rel not in ch.acks
+    ch.send("release", command_id=rel)  # still wanted: the daemon repeats it and it is carried out
+    hook.phase("training", step=2)
+    ch.send("release", command_id=rel)
+    assert hook.phase("waiting", step=2)["command_id"] == rel and hook.released
+
+
 # ---------------------------------------------------------------------- ZeRO-0: release by checkpoint
 def zero0_engine():
     torch = pytest.importorskip("torch")
