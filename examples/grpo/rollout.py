@@ -10,6 +10,11 @@ the final answer contains the right sum, partial credit for matching digits (tra
 Each step writes ``OUT/step-NNNNNN.jsonl`` (groups: prompt, completions, rewards, and per completion
 the worker and weight version that produced it) by rename, and reports progress to the daemon
 (queued / generating / tool_wait / done, tokens). Run next to train.py with ``--rollouts file:OUT``.
+
+A failed turn never loses the step: the client retries it on other workers, with back-off, for up to
+``--retry-for-s`` (and continues a turn a draining worker aborted). A step is written whole or not at
+all: an episode that still cannot complete within that bound stops the driver with a ``rollout step
+failed`` line and exit status 1, never a short batch.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import random
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import sum_reward  # noqa: E402  (the same rule the synthetic source uses)
 
-from pearlctl.router.client import RolloutClient  # noqa: E402
+from pearlctl.router.client import RolloutClient, TurnFailed  # noqa: E402
 
 
 def chat(turns: list[tuple[str, str]]) -> str:
@@ -108,7 +113,13 @@ class Remaining:
         }
 
 
+class StepFailed(Exception):
+    """An episode of the step could not complete: the step is not written."""
+
+
 def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, remaining: Remaining) -> list[dict]:
+    """Every episode of the step, grouped by prompt; `StepFailed` as soon as one episode fails (its turn
+    exhausted the client's retry bound), with the episodes not started yet cancelled."""
     rng = random.Random(args.seed * 100_003 + step)
     problems = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(args.prompts)]
     client.count("queued", args.prompts * args.group_size)
@@ -116,20 +127,35 @@ def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, r
     futures = []
     for p, (a, b) in enumerate(problems):
         for g in range(args.group_size):
+            seed = rng.random()  # drawn here, in order: the step's tool latencies do not depend on threads
 
-            def job(a=a, b=b, p=p, g=g):
+            def job(a=a, b=b, p=p, g=g, seed=seed):
                 client.count("queued", -1)
                 session = f"s{step}-p{p}-g{g}"
-                result = episode(client, session, a, b, args, random.Random(rng.random()), remaining)
+                try:
+                    result = episode(client, session, a, b, args, random.Random(seed), remaining)
+                except TurnFailed as exc:
+                    raise StepFailed(f"step {step}: episode {session} failed: {exc}") from exc
                 remaining.finish(session)
                 client.count("done")
                 return p, result
 
             futures.append(pool.submit(job))
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+    if failed is not None:
+        for f in pending:
+            f.cancel()  # episodes not started yet; those running end within the client's retry bound
+        exc = failed.exception()
+        if isinstance(exc, StepFailed):
+            raise exc
+        raise StepFailed(f"step {step}: an episode failed: {exc!r}") from exc
     groups: dict[int, list[dict]] = {}
     for f in futures:
         p, result = f.result()
         groups.setdefault(p, []).append(result)
+    if sorted(groups) != list(range(args.prompts)) or any(len(e) != args.group_size for e in groups.values()):
+        raise StepFailed(f"step {step}: incomplete batch {[len(e) for _, e in sorted(groups.items())]}")
     return [
         {
             "prompt": eps[0]["prompt"],
@@ -173,11 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         help="do not wait for the workers to serve the previous step's weights",
     )
     ap.add_argument("--weights-timeout-s", type=float, default=180.0)
+    ap.add_argument(
+        "--retry-for-s",
+        type=float,
+        default=600.0,
+        help="how long one turn is retried on other workers (with back-off) before the driver fails",
+    )
     args = ap.parse_args(argv)
     if not args.run_dir or not args.run_id:
         ap.error("--run-dir and --run-id (or PEARL_RUN_DIR / PEARL_RUN_ID) are required")
     args.out.mkdir(parents=True, exist_ok=True)
-    client = RolloutClient(args.run_dir, args.run_id)
+    client = RolloutClient(args.run_dir, args.run_id, retry_for_s=args.retry_for_s)
     stop = threading.Event()
 
     remaining = Remaining(args)
@@ -192,7 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.on_policy and step > 1:
                 wait_for_weights(client, str(step - 1), args.weights_timeout_s)
             t0 = time.monotonic()
-            groups = run_step(client, step, args, pool, remaining)
+            try:
+                groups = run_step(client, step, args, pool, remaining)
+            except StepFailed as exc:
+                print(json.dumps({"event": "rollout step failed", "step": step, "error": str(exc)}), flush=True)
+                sys.stderr.flush()
+                # nothing of this step was written; exit now rather than wait for the step's other
+                # episodes, which may retry for up to --retry-for-s more (a pool's threads are joined at exit)
+                os._exit(1)
             tmp = args.out / f".step-{step:06d}.jsonl.tmp"
             tmp.write_text("".join(json.dumps(g) + "\n" for g in groups))
             tmp.rename(args.out / f"step-{step:06d}.jsonl")

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -81,6 +82,12 @@ class VllmWorker:
     """A vLLM server (rollout, prefill, decode or reward) on some of the allocation's GPUs."""
 
     engine = "vllm"
+    # stop(): of the drain timeout, this share (at most STOP_RESERVE_MAX_S) is kept for aborting what is
+    # still in flight (at most ABORT_MAX_S) and the SIGTERM; the stop gets at least STOP_MIN_S before SIGKILL
+    STOP_RESERVE_SHARE = 0.25
+    STOP_RESERVE_MAX_S = 5.0
+    ABORT_MAX_S = 2.0
+    STOP_MIN_S = 1.0
 
     def __init__(
         self, key: str, role: str, gpus: tuple[int, ...], me: Identity, run_dir: str, model: str, engine_args: dict
@@ -166,13 +173,30 @@ class VllmWorker:
         log.warning("worker %s now serves weights %s (reload %.3fs)", self.key, self.weight_version, seconds)
 
     def stop(self, drain_timeout: float) -> None:
+        """Drain, then stop, all within ``drain_timeout`` (the agent's ``PEARL_DRAIN_TIMEOUT_S``, from the
+        pool's ``preempt_notice_s``). A drain that fails or runs out of time does not just SIGTERM: what
+        is still in flight is aborted first, so clients get ``finish_reason: "abort"`` with their partial
+        output and continue it on another worker (pearlctl.router.client), instead of a dropped connection."""
         self._stopping = True
-        try:
-            if self.server.alive():
-                self.server.drain(drain_timeout)
-        except Exception as exc:  # a drain that fails still ends in a stop
-            log.warning("drain of %s failed: %s", self.key, exc)
-        self.server.stop()
+        deadline = time.monotonic() + drain_timeout
+        # keep a share of the time for the abort and the SIGTERM after a drain that does not finish
+        reserve = min(self.STOP_RESERVE_MAX_S, drain_timeout * self.STOP_RESERVE_SHARE)
+        if self.server.alive():
+            drained = False
+            try:
+                drained = self.server.drain(max(0.1, drain_timeout - reserve))
+            except Exception as exc:  # a drain that fails still ends in a stop
+                log.warning("drain of %s failed: %s", self.key, exc)
+            if not drained and self.server.alive():
+                try:
+                    left = deadline - time.monotonic()
+                    aborted = self.server.abort_in_flight(timeout=max(0.5, min(self.ABORT_MAX_S, left / 2)))
+                    log.warning(
+                        "drain of %s did not finish in time: aborted %d request(s) in flight", self.key, aborted
+                    )
+                except Exception as exc:
+                    log.warning("aborting the requests in flight on %s failed: %s", self.key, exc)
+        self.server.stop(timeout=max(self.STOP_MIN_S, deadline - time.monotonic()))
         self._stopped = True
 
     def report(self) -> dict:
@@ -244,7 +268,18 @@ class CommandWorker:
         return {**identity(self), "pid": self.proc.pid if self.proc else None}
 
 
+def return_file(me: Identity) -> Path:
+    """Where this allocation's agent tells its trainer, on the node itself, that it returned lent GPUs
+    (node-local: no daemon and no shared filesystem in the path). The trainer gets it as PEARL_RETURN_FILE
+    and reads it in pearlctl.trainer.channel."""
+    base = os.environ.get("PEARL_NODE_DIR") or os.path.join(tempfile.gettempdir(), "pearl")
+    return Path(base, me.run_id or "run", f"{me.job_id}_{me.task_id}", "returned.json")
+
+
 class Reconciler:
+    """Makes the running workers match the daemon's desired state, and returns lent GPUs by itself when it
+    must (``return_lent``). Thread-safe: the agent's main loop and its return watchdog both call it."""
+
     def __init__(self, me: Identity, run_dir: str, env: dict[str, str] | None = None, *, drain_timeout: float = 30.0):
         self.me, self.run_dir = me, run_dir
         self.env = dict(os.environ if env is None else env)
@@ -252,6 +287,11 @@ class Reconciler:
         self.workers: dict[str, WorkerHandle] = {}
         self.retiring: dict[str, WorkerHandle] = {}
         self.failed_at: dict[str, float] = {}
+        self.return_file = return_file(me)
+        self.lent: dict[str, dict] = {}  # key -> its desired entry, for workers on lent GPUs (with deadlines)
+        self.returned: dict[str, float] = {}  # key -> the deadline of a lending this agent ended itself
+        self.self_returns: list[dict] = []  # returns not yet reported to the daemon
+        self._lock = threading.RLock()
 
     def _make(self, want: dict) -> WorkerHandle | None:
         gpus = tuple(want["gpus"])
@@ -268,11 +308,25 @@ class Reconciler:
             self.me,
             self.run_dir,
             argv,
-            {"PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus))},
+            {"PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus)), "PEARL_RETURN_FILE": str(self.return_file)},
         )
 
-    def apply(self, desired: list[dict]) -> None:
-        wanted = {d["key"]: d for d in desired if d.get("state", "RUNNING") in ("RUNNING", "SLEEPING")}
+    def apply(self, desired: list[dict], now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            self.lent = {d["key"]: d for d in desired if d.get("return_deadline") is not None}
+            # a lending this agent already ended (or whose deadline passed) is never served again: the
+            # daemon's next plan returns the GPUs properly
+            self.returned = {k: dl for k, dl in self.returned.items() if k in self.lent}
+            wanted = {
+                d["key"]: d
+                for d in desired
+                if d.get("state", "RUNNING") in ("RUNNING", "SLEEPING")
+                and not (d["key"] in self.lent and (d["key"] in self.returned or d["return_deadline"] <= now))
+            }
+            self._apply(wanted)
+
+    def _apply(self, wanted: dict[str, dict]) -> None:
         for key in list(self.workers):
             if key not in wanted:
                 self.retire(key)
@@ -303,35 +357,106 @@ class Reconciler:
                 except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries
                     log.warning("weight reload of %s failed: %s", key, exc)
 
+    def return_lent(self, now: float | None = None) -> list[str]:
+        """The daemon cannot be reached and a lent GPU's return must start: stop its worker here, then tell
+        the trainer on this node (the return file) and, later, the daemon (``self_returns``). Returns the
+        keys whose return started. Idempotent: a lending is returned once."""
+        now = time.time() if now is None else now
+        started = []
+        with self._lock:
+            for key, want in self.lent.items():
+                if key in self.returned or now < float(want.get("return_by") or want["return_deadline"]):
+                    continue
+                self.returned[key] = want["return_deadline"]
+                handle = self.workers.pop(key, None)
+                if handle is not None:
+                    self.retiring[key] = handle
+                budget = max(0.5, min(self.drain_timeout, want["return_deadline"] - now - 1.0))
+                threading.Thread(
+                    target=self._return_one, args=(key, want, handle, budget), name=f"return-{key}", daemon=True
+                ).start()
+                started.append(key)
+        return started
+
+    def _return_one(self, key: str, want: dict, handle: WorkerHandle | None, budget: float) -> None:
+        if handle is not None:
+            try:
+                handle.stop(budget)
+            except Exception as exc:  # stop() kills the process group in the end; note it and go on
+                log.warning("stopping lent worker %s failed: %s", key, exc)
+        returned = {
+            "returned_at": time.time(),
+            "deadline": want["return_deadline"],
+            "gpus": list(want["gpus"]),
+            "worker_key": key,
+            "how": "stopped",
+        }
+        self.return_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.return_file.with_name(f".{self.return_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(returned))
+        os.replace(tmp, self.return_file)  # the trainer sees the whole file or none
+        with self._lock:
+            self.self_returns.append(
+                {k: returned[k] for k in ("gpus", "worker_key", "deadline", "how")} | {"at": returned["returned_at"]}
+            )
+        log.warning("returned lent GPUs %s (worker %s) without the daemon", returned["gpus"], key)
+
+    def take_self_returns(self) -> list[dict]:
+        with self._lock:
+            out, self.self_returns = self.self_returns, []
+            return out
+
+    def put_back_self_returns(self, returns: list[dict]) -> None:
+        with self._lock:
+            self.self_returns[:0] = returns
+
     def retire(self, key: str) -> None:
-        handle = self.workers.pop(key)
-        self.retiring[key] = handle
+        with self._lock:
+            handle = self.workers.pop(key)
+            self.retiring[key] = handle
 
         def run() -> None:
             handle.stop(self.drain_timeout)
 
         threading.Thread(target=run, name=f"retire-{key}", daemon=True).start()
 
+    def retire_all(self) -> None:
+        """Drain and stop every worker in the background (a preemption notice): the agent keeps reporting."""
+        with self._lock:
+            for key in list(self.workers):
+                self.retire(key)
+
+    def settled(self) -> bool:
+        """No worker is still draining towards its stop."""
+        with self._lock:
+            return all(h.state() in ("STOPPED", "FAILED") for h in self.retiring.values())
+
     def report(self) -> list[dict]:
         """Every worker's state; a retired one until the daemon has seen it STOPPED or FAILED."""
-        return [h.report() for h in self.workers.values()] + [h.report() for h in self.retiring.values()]
+        with self._lock:
+            handles = [*self.workers.values(), *self.retiring.values()]
+        return [h.report() for h in handles]
 
     def delivered(self, report: list[dict]) -> None:
         """The daemon has this report: retired workers it saw ended need not be reported again."""
-        for r in report:
-            if r["state"] in ("STOPPED", "FAILED") and r["key"] in self.retiring:
-                del self.retiring[r["key"]]
+        with self._lock:
+            for r in report:
+                if r["state"] in ("STOPPED", "FAILED") and r["key"] in self.retiring:
+                    del self.retiring[r["key"]]
 
     def stop_all(self, drain_timeout: float) -> float:
-        """Drain and stop every worker (preemption notice or shutdown); returns the seconds it took."""
+        """Drain and stop every worker (shutdown); returns the seconds it took."""
         t0 = time.monotonic()
         threads = []
-        for key in list(self.workers):
-            handle = self.workers.pop(key)
-            self.retiring[key] = handle
-            t = threading.Thread(target=handle.stop, args=(drain_timeout,), daemon=True)
-            t.start()
-            threads.append(t)
+        with self._lock:
+            for key in list(self.workers):
+                handle = self.workers.pop(key)
+                self.retiring[key] = handle
+                t = threading.Thread(target=handle.stop, args=(drain_timeout,), daemon=True)
+                t.start()
+                threads.append(t)
         for t in threads:
             t.join(drain_timeout + 15)
+        while not self.settled() and time.monotonic() - t0 < drain_timeout + 15:
+            time.sleep(0.1)  # a retirement started earlier (a preemption's drain) is still finishing
         return time.monotonic() - t0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from pearlctl.cli.common import (
     resolve_run,
 )
 from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings
+from pearlctl.daemon.main import process_alive as alive
 from pearlctl.runfiles import read_address
 
 
@@ -43,16 +45,31 @@ def daemon(
     port: int = typer.Option(0, "--port", help="Port of the control API (0: any free port)."),
     advertise: str = typer.Option(None, "--advertise", help="Host name agents should use (default: this host)."),
     heartbeat_s: float = typer.Option(2.0, "--heartbeat-s", help="Agent heartbeat interval."),
-    lease_ttl_s: float = typer.Option(6.0, "--lease-ttl-s", help="How long the run's lease outlives a stalled daemon."),
+    lease_ttl_s: float = typer.Option(
+        45.0, "--lease-ttl-s", help="How long the run's lease outlives a stalled daemon (> a Slurm command's 30 s)."
+    ),
+    supervise: bool = typer.Option(
+        False, "--supervise", help="Restart the daemon whenever it dies (a supervisor process runs it)."
+    ),
+    systemd_unit: bool = typer.Option(
+        False, "--systemd-unit", help="Print a systemd user unit that runs and restarts this daemon; start nothing."
+    ),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait until the daemon serves."),
     json_out: bool = typer.Option(False, "--json", help="Print where the daemon listens as JSON."),
 ) -> None:
     """Run the daemon of RUN: the single writer of its state, serving agents on an authenticated API.
 
-    Detached by default (log in the run directory's logs/daemon.log); ``--slurm`` submits it as a job
-    named ``pearl.<run>.daemon`` instead (log logs/daemon-<jobid>.log), which `pearlctl cancel` ends too.
-    Either way this command returns once the daemon serves, printing its address."""
+    Detached by default (log in the run directory's logs/daemon.log); ``--supervise`` restarts it whenever
+    it dies; ``--slurm`` submits it as a requeueable job named ``pearl.<run>.daemon`` instead, supervised
+    inside the job (log logs/daemon-<jobid>.log), which `pearlctl cancel` ends too. ``--systemd-unit``
+    prints a unit for the head node's systemd instead. Either way this command returns once the daemon
+    serves, printing its address."""
     with exits():
+        from pearlctl.config import slurm_option_problems
+
+        bad = slurm_option_problems(partition=partition, nodelist=nodelist, time_limit=time_limit)
+        if bad:  # --partition/--nodelist/--time are checked like a spec's values, before anything is opened
+            raise fail("; ".join(str(p) for p in bad), EXIT_USAGE)
         store = open_store()
         run = resolve_run(store, run_ref)
         settings = DaemonSettings(
@@ -75,6 +92,11 @@ def daemon(
         argv += ["--port", str(port), "--heartbeat-s", str(heartbeat_s), "--lease-ttl-s", str(lease_ttl_s)]
         if advertise:
             argv += ["--advertise", advertise]
+        if systemd_unit:
+            print(_systemd_unit(run, argv))
+            return
+        if supervise or slurm:  # inside a Slurm job the supervisor restarts a crashed daemon in place
+            argv = [sys.executable, "-m", "pearlctl.daemon.supervise", "--", *argv]
         if slurm:
             if run["backend"] != "slurm":
                 raise fail(f"run {run['id']} uses the {run['backend']} backend; --slurm needs a Slurm run", EXIT_USAGE)
@@ -109,7 +131,10 @@ def daemon(
 
             def started() -> dict | None:
                 address = read_address(run["run_dir"]) or {}
-                return address if address.get("pid") == proc.pid and address != before else None
+                if address == before or not address.get("pid"):
+                    return None
+                # supervised, the daemon is the supervisor's child: any new address of a live daemon will do
+                return address if address["pid"] == proc.pid or (supervise and alive(address["pid"])) else None
 
             def gone() -> str | None:
                 if proc.poll() is None:
@@ -133,6 +158,27 @@ def daemon(
                 raise fail(why, 1)
             time.sleep(0.2 if not slurm else 1.0)  # --slurm: one squeue a second at most
         raise fail(f"the daemon did not write its address within {timeout:g}s; see {log_path}", EXIT_TIMEOUT)
+
+
+def _systemd_unit(run: dict, argv: list[str]) -> str:
+    """A systemd user unit (``~/.config/systemd/user/pearl-<run>.service``) that keeps the daemon up."""
+    env = "".join(
+        f"Environment={k}={shlex.quote(v)}\n" for k, v in sorted(os.environ.items()) if k.startswith("PEARL_")
+    )
+    return (
+        f"# pearlctl daemon of run {run['id']}: systemctl --user enable --now pearl-{run['id']}.service\n"
+        "[Unit]\n"
+        f"Description=pearlctl daemon of run {run['id']}\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        f"ExecStart={shlex.join(argv)}\n"
+        f"{env}"
+        "Restart=on-failure\n"
+        "RestartSec=1\n"
+        "KillSignal=SIGTERM\n\n"
+        "[Install]\n"
+        "WantedBy=default.target"
+    )
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -143,13 +143,14 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     assert seen_at - killed_at <= 2 * HEARTBEAT_S + 1.5  # + one daemon check tick and the status call
     wait_for(lambda: not alive(victim_worker), 5)
 
-    # the node job cancelled (scancel): the agent stops its worker and says so; its GPUs leave the plan
-    # at once (LOST), the worker is STOPPED, and Slurm's end is recorded a poll later
+    # the node job cancelled (scancel): the agent stops its worker and says it is leaving; its GPUs leave
+    # the plan at once (GONE: nothing about them is unknown, so not LOST), the worker is STOPPED, and
+    # Slurm's end is recorded a poll later
     other = trainers[1]
     slurm_cluster.run("scancel", f"{other['job_id']}_{other['array_index']}")
     cancelled_at = time.time()
     seen_at = wait_for(
-        lambda: time.time() if gpus_and_workers(other["id"]) == ({"LOST"}, {"STOPPED"}) else None, 15, every=0.25
+        lambda: time.time() if gpus_and_workers(other["id"]) == ({"GONE"}, {"STOPPED"}) else None, 15, every=0.25
     )
     assert seen_at - cancelled_at <= 2 * HEARTBEAT_S + 1.5
 

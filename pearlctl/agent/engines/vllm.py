@@ -397,12 +397,12 @@ class VllmServer:
         except httpx.HTTPError:
             return False
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self, *, timeout: float = HTTP_TIMEOUT_S) -> dict[str, Any]:
         """Selected Prometheus metrics, summed over label sets: ``num_requests_running``,
         ``num_requests_waiting``, ``kv_cache_usage_perc``, ``prompt_tokens_total``,
         ``generation_tokens_total``, and ``engine_sleep_state`` (``awake``, ``weights_offloaded``,
         ``discard_all`` or ``sleeping``) when the server exports it."""
-        text = self._call("GET", "/metrics").text
+        text = self._call("GET", "/metrics", timeout=timeout).text
         return parse_metrics(text)
 
     def pause(self, mode: PauseMode = "keep", *, timeout: float = 60.0) -> None:
@@ -413,8 +413,8 @@ class VllmServer:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, not {mode!r}")
         self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
 
-    def resume(self) -> None:
-        self._call("POST", "/resume")
+    def resume(self, *, timeout: float = HTTP_TIMEOUT_S) -> None:
+        self._call("POST", "/resume", timeout=timeout)
 
     def is_paused(self) -> bool:
         return bool(self._json("GET", "/is_paused")["is_paused"])
@@ -439,11 +439,42 @@ class VllmServer:
         """``GET /is_sleeping`` — also true while merely paused (vLLM counts a paused scheduler as asleep)."""
         return bool(self._json("GET", "/is_sleeping")["is_sleeping"])
 
-    def abort_requests(self, request_ids: list[str] | None = None) -> int:
+    def abort_requests(self, request_ids: list[str] | None = None, *, timeout: float = HTTP_TIMEOUT_S) -> int:
         """``POST /abort_requests``: all in-flight requests (or those ids) finish with reason "abort"
         and partial output; the scheduler is not paused. Returns how many were aborted."""
-        data = self._json("POST", "/abort_requests", body={"request_ids": request_ids} if request_ids else {})
+        body = {"request_ids": request_ids} if request_ids else {}
+        data = self._json("POST", "/abort_requests", body=body, timeout=timeout)
         return int((data or {}).get("aborted", 0))
+
+    def abort_in_flight(self, timeout: float = 5.0) -> int:
+        """End every request in flight now, each answered with ``finish_reason: "abort"`` and the output it
+        has so far, and leave the server paused; for a drain that failed or ran out of time, before `stop()`:
+        a client continues an aborted answer on another worker (pearlctl.router.client), where SIGTERM
+        would leave it a dropped connection or an HTTP 500 and the whole turn to redo.
+
+        ``pause(keep)`` first, so nothing finishes half-sent or starts meanwhile; then ``/abort_requests``
+        until the API server holds no request (a late arrival is queued by the pause: it is aborted too,
+        with no output), at most ``timeout`` seconds. Returns how many requests were aborted."""
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        try:
+            self.pause("keep", timeout=left())
+        except EngineError:  # a server that cannot pause may still abort
+            if not self.alive():
+                raise
+        aborted = 0
+        while True:
+            aborted += self.abort_requests(timeout=left())
+            time.sleep(0.05)  # the aborted handlers send their answers
+            try:
+                if self.load(timeout=left()) <= 0 or time.monotonic() >= deadline:
+                    return aborted
+            except EngineError:
+                if not self.alive() or time.monotonic() >= deadline:
+                    return aborted
 
     def reload_weights(self, path: str | Path, *, timeout: float = 300.0) -> float:
         """Reload weights in place from an HF directory (``config.json`` + safetensors) through
@@ -465,17 +496,18 @@ class VllmServer:
         """``GET /weight_info``: the label last set (vLLM's initial value when never set)."""
         return (self._json("GET", "/weight_info") or {}).get("weight_version")
 
-    def load(self) -> int:
+    def load(self, *, timeout: float = HTTP_TIMEOUT_S) -> int:
         """``GET /load``: generation requests the API server holds right now, from the moment their
         handler starts until their response is sent (``--enable-server-load-tracking``, which the adapter
         passes; 0 when it is off). Unlike the scheduler gauges in `metrics()` (updated only when the
         engine steps) it also counts requests queued while the server is paused."""
-        return int((self._json("GET", "/load") or {}).get("server_load", 0))
+        return int((self._json("GET", "/load", timeout=timeout) or {}).get("server_load", 0))
 
-    def idle(self) -> bool:
+    def idle(self, *, timeout: float = HTTP_TIMEOUT_S) -> bool:
         """Nothing in flight: no request held by the API server and none running or waiting."""
-        m = self.metrics()
-        return self.load() <= 0 and m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0
+        m = self.metrics(timeout=timeout)
+        held = self.load(timeout=timeout)
+        return held <= 0 and m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) == 0
 
     def drain(self, timeout: float = 60.0, *, quiet_s: float = 0.2) -> bool:
         """Let every request in flight complete and leave the server paused and idle, losing nothing.
@@ -487,25 +519,31 @@ class VllmServer:
         next; `resume()` to serve again). False at ``timeout``, with the server resumed so that no
         request stays stuck in the queue.
 
+        Every HTTP call is bounded by what is left of ``timeout``, so a hung server cannot stretch it.
+
         Remove the server from the router first: vLLM cannot refuse requests, it can only queue them."""
         deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
         while True:
             try:
-                self.pause("wait", timeout=max(0.1, deadline - time.monotonic()))
+                self.pause("wait", timeout=left())
                 settle = min(deadline, time.monotonic() + 1.0)  # responses of the last requests go out
-                while not self.idle() and time.monotonic() < settle:
+                while not self.idle(timeout=left()) and time.monotonic() < settle:
                     time.sleep(0.05)
-                if self.idle():
+                if self.idle(timeout=left()):
                     time.sleep(quiet_s)
-                    if self.idle():
+                    if self.idle(timeout=left()):
                         return True
-                self.resume()  # queued late arrivals: serve them, then pause again
+                self.resume(timeout=left())  # queued late arrivals: serve them, then pause again
             except EngineError:
                 if not self.alive():
                     raise
             if time.monotonic() >= deadline:
                 try:
-                    self.resume()
+                    self.resume(timeout=2.0)
                 except EngineError:
                     if not self.alive():
                         raise
