@@ -24,7 +24,7 @@ forward() {
   echo "pearl-worker $(date +%s.%N) got $1, forwarding to $child" >&2
   kill "-$1" "$child" 2>/dev/null
 }
-trap "forward $sig" "$sig"
+trap 'forward "$sig"' "$sig"
 trap "forward TERM" TERM
 trap "forward INT" INT
 

@@ -11,8 +11,10 @@ the way compose files do, so a spec means the same thing from whatever directory
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import string
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +26,88 @@ POOL_KINDS = tuple(str(k) for k in vocabulary.POOL_KINDS)
 GENERATION_POOLS = tuple(str(k) for k in vocabulary.GENERATION_POOLS)
 BACKENDS = ("auto", "slurm", "local")
 
-_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,39}$")
+# Every pattern is matched against the whole string (``fullmatch``): ``re.match`` with ``^...$`` lets a
+# final newline through (``$`` matches before it), and one newline in a rendered ``#SBATCH`` line ends
+# the directives and starts a shell command.
+_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,39}")
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; "UNLIMITED" / "INFINITE" too.
-_TIME_RE = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)$")
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_TIME_RE = re.compile(r"(\d{1,6}-\d{1,6}(:\d{1,6}){0,2}|\d{1,6}(:\d{1,6}){0,2}|UNLIMITED|INFINITE)")
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLURM_WORD_RE = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
+# A Slurm hostlist: names, ranges and lists, e.g. ``gpu[1-3,7],head``.
+_HOSTLIST_RE = re.compile(r"[A-Za-z0-9_.,\[\]-]{1,1024}")
+_MEM_RE = re.compile(r"(\d{1,12})([KMGT]?)")
+# Control characters (C0 and DEL) are refused in every string of a spec: each ends up in a shell script.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+# Upper bounds: a spec can ask for a lot, but not for what no cluster has (or what Slurm cannot express).
+MAX_NODES = 4096
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_TASK = 4096
+MAX_PREEMPT_NOTICE_S = 65535  # Slurm's limit for T in --signal=B:SIG@T
+MAX_POLL_INTERVAL_S = 3600.0
+MAX_TIME_LIMIT_S = 365 * 86400  # a finite --time of at most a year (UNLIMITED is still allowed)
+MAX_MEM_MB = 64 * 1024 * 1024  # 64T
+MAX_PATH_CHARS = 4096
+TIME_WHAT = "a Slurm time (MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED) of at most 365 days"
+HOSTLIST_WHAT = "a Slurm node list like gpu[1-3],head (letters, digits, '.', '_', '-', ',', '[', ']')"
+
+
+def has_control(value: str) -> bool:
+    """Whether ``value`` holds a control character (\\x00-\\x1f or \\x7f): never allowed in a spec."""
+    return _CONTROL_RE.search(value) is not None
+
+
+def _printable_key(key: str) -> str:
+    """A key path as it can be printed on one line: control characters escaped (``\\n``)."""
+    return _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], key)
+
+
+def time_limit_seconds(value: str) -> int | None:
+    """Seconds of a Slurm ``--time`` value (None for UNLIMITED/INFINITE). Assumes ``_TIME_RE`` matched."""
+    if value in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = value.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + sec
+    if len(parts) == 1:  # M
+        return parts[0] * 60
+    if len(parts) == 2:  # M:S
+        return parts[0] * 60 + parts[1]
+    h, m, sec = parts
+    return h * 3600 + m * 60 + sec
+
+
+def time_limit_ok(value: str) -> bool:
+    if not _TIME_RE.fullmatch(value):
+        return False
+    seconds = time_limit_seconds(value)
+    return seconds is None or seconds <= MAX_TIME_LIMIT_S
+
+
+def _mem_ok(value: str) -> bool:
+    m = _MEM_RE.fullmatch(value)
+    if m is None:
+        return False
+    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2)]
+    return int(m.group(1)) * scale <= MAX_MEM_MB
+
+
+def slurm_option_problems(
+    *, partition: str | None = None, nodelist: str | None = None, time_limit: str | None = None
+) -> list[SpecProblem]:
+    """Problems with sbatch options given on the command line (``pearlctl daemon --slurm``), checked the
+    way a spec's are; each problem is keyed by its option (``--partition``)."""
+    problems = []
+    if partition is not None and not _SLURM_WORD_RE.fullmatch(partition):
+        problems.append(SpecProblem("--partition", f"must be a Slurm partition name, got {partition!r}"))
+    if nodelist is not None and not _HOSTLIST_RE.fullmatch(nodelist):
+        problems.append(SpecProblem("--nodelist", f"must be {HOSTLIST_WHAT}, got {nodelist!r}"))
+    if time_limit is not None and not time_limit_ok(time_limit):
+        problems.append(SpecProblem("--time", f"must be {TIME_WHAT}, got {time_limit!r}"))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -119,7 +198,7 @@ class _Checker:
         self.problems: list[SpecProblem] = []
 
     def fail(self, key: str, message: str) -> None:
-        self.problems.append(SpecProblem(key, message))
+        self.problems.append(SpecProblem(_printable_key(key), message))
 
     def unknown_keys(self, table: dict[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
         for key in table:
@@ -128,7 +207,14 @@ class _Checker:
                 hint = f" (did you mean {close!r}?)" if close else ""
                 self.fail(f"{prefix}{key}", f"unknown key{hint}; valid keys: {', '.join(allowed)}")
 
-    def string(self, table, key, prefix, *, required=False, pattern=None, what="a string", default=None):
+    def no_control(self, key: str, value: str) -> bool:
+        """Record a problem (and return False) when ``value`` holds a control character."""
+        if has_control(value):
+            self.fail(key, f"must not contain control characters (newline, tab, \\x00-\\x1f, \\x7f), got {value!r}")
+            return False
+        return True
+
+    def string(self, table, key, prefix, *, required=False, pattern=None, what="a string", default=None, check=None):
         value = table.get(key, _MISSING)
         if value is _MISSING:
             if required:
@@ -137,28 +223,41 @@ class _Checker:
         if not isinstance(value, str) or not value:
             self.fail(prefix + key, f"must be {what}, got {value!r}")
             return default
-        if pattern is not None and not pattern.match(value):
+        if not self.no_control(prefix + key, value):
+            return default
+        if pattern is not None and not pattern.fullmatch(value):
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
+            return default
+        if check is not None and not check(value):
             self.fail(prefix + key, f"must be {what}, got {value!r}")
             return default
         return value
 
-    def integer(self, table, key, prefix, *, minimum, required=False, default=None):
+    def integer(self, table, key, prefix, *, minimum, maximum, required=False, default=None):
         value = table.get(key, _MISSING)
+        what = f"an integer >= {minimum} and <= {maximum}"
         if value is _MISSING:
             if required:
-                self.fail(prefix + key, f"is required: an integer >= {minimum}")
+                self.fail(prefix + key, f"is required: {what}")
             return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.fail(prefix + key, f"must be an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
             return default
         return value
 
-    def number(self, table, key, prefix, *, minimum, default):
+    def number(self, table, key, prefix, *, minimum, maximum, default):
         value = table.get(key, _MISSING)
         if value is _MISSING:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-            self.fail(prefix + key, f"must be a number >= {minimum}, got {value!r}")
+        what = f"a number >= {minimum:g} and <= {maximum:g}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
+            return default
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(prefix + key, f"must be a finite number (not nan or inf): {what}, got {value!r}")
+            return default
+        if not minimum <= value <= maximum:
+            self.fail(prefix + key, f"must be {what}, got {value!r}")
             return default
         return float(value)
 
@@ -222,51 +321,96 @@ _POOL_KEYS = (
 PREEMPT_SIGNALS = ("USR2", "TERM", "INT", "HUP", "URG")
 
 
-def _argv(c: _Checker, raw: dict[str, Any], key: str, prefix: str) -> list[str] | None:
+def _argv(c: _Checker, raw: dict[str, Any], key: str, prefix: str, *, placeholders: bool = False) -> list[str] | None:
     value = raw.get(key)
     if value is not None and (not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value)):
         c.fail(prefix + key, f"must be a non-empty list of strings (an argv), got {value!r}")
         return None
-    return value
+    if value is None:
+        return None
+    ok = True
+    for i, arg in enumerate(value):
+        if not c.no_control(f"{prefix}{key}[{i}]", arg):
+            ok = False
+        elif placeholders and not _placeholders_ok(arg):
+            c.fail(
+                f"{prefix}{key}[{i}]",
+                f"braces must be placeholders like {{python}}, {{repo}}, {{model}} or {{run_dir}} "
+                f"(write a literal brace as {{{{ or }}}}), got {arg!r}",
+            )
+            ok = False
+    return value if ok else None
+
+
+def _placeholders_ok(arg: str) -> bool:
+    """Whether the launcher can expand ``arg``'s ``{name}`` placeholders (pearlctl.launcher.expand_command):
+    only plain names, no attributes, indexes, conversions or format specs; braces balanced."""
+    try:
+        fields = list(string.Formatter().parse(arg))
+    except ValueError:
+        return False
+    return all(
+        name is None or (name.isidentifier() and not spec and conversion is None)
+        for _, name, spec, conversion in fields
+    )
+
+
+def _engine_value_problem(value: Any) -> str | None:
+    """What is wrong with an engine_args value (they travel as JSON), or None."""
+    if isinstance(value, bool | int):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "must be a finite number (not nan or inf)"
+    if isinstance(value, str):
+        return "must not contain control characters (newline, tab, ...)" if has_control(value) else None
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, list | dict) or _engine_value_problem(item) is not None:
+                return "a list must hold strings (without control characters), finite numbers or booleans"
+        return None
+    return "must be a string, number, boolean or list"
 
 
 def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     p = f"pools.{name}."
     c.unknown_keys(raw, _POOL_KEYS, p)
     before = len(c.problems)
-    nodes = c.integer(raw, "nodes", p, minimum=1, required=True)
+    nodes = c.integer(raw, "nodes", p, minimum=1, maximum=MAX_NODES, required=True)
     min_gpus = 1 if name == "trainer" else 0
-    gpus = c.integer(raw, "gpus_per_node", p, minimum=min_gpus, required=True)
+    gpus = c.integer(raw, "gpus_per_node", p, minimum=min_gpus, maximum=MAX_GPUS_PER_NODE, required=True)
     partition = c.string(raw, "partition", p, pattern=_SLURM_WORD_RE, what="a Slurm partition name")
-    time_limit = c.string(
-        raw, "time_limit", p, pattern=_TIME_RE, what="a Slurm time (MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED)"
-    )
+    time_limit = c.string(raw, "time_limit", p, check=time_limit_ok, what=TIME_WHAT)
     account = c.string(raw, "account", p, pattern=_SLURM_WORD_RE, what="a Slurm account name")
     qos = c.string(raw, "qos", p, pattern=_SLURM_WORD_RE, what="a Slurm QOS name")
-    cpus = c.integer(raw, "cpus_per_task", p, minimum=1)
-    mem = c.string(raw, "mem", p, pattern=re.compile(r"^\d+[KMGT]?$"), what="a Slurm memory size like 16G")
-    max_nodes = c.integer(raw, "max_nodes", p, minimum=1)
+    cpus = c.integer(raw, "cpus_per_task", p, minimum=1, maximum=MAX_CPUS_PER_TASK)
+    mem = c.string(raw, "mem", p, check=_mem_ok, what="a Slurm memory size like 16G, at most 64T")
+    max_nodes = c.integer(raw, "max_nodes", p, minimum=1, maximum=MAX_NODES)
     if max_nodes is not None and name != "elastic":
         c.fail(p + "max_nodes", "only an elastic pool can grow; remove it or move it to [pools.elastic]")
     if max_nodes is not None and nodes is not None and max_nodes < nodes:
         c.fail(p + "max_nodes", f"must be >= nodes ({nodes}), got {max_nodes}")
     requeue = c.boolean(raw, "requeue", p, default=(name == "elastic"))
     signal = c.choice(raw, "preempt_signal", p, PREEMPT_SIGNALS, default="USR2")
-    notice = c.integer(raw, "preempt_notice_s", p, minimum=1, default=60)
+    notice = c.integer(raw, "preempt_notice_s", p, minimum=1, maximum=MAX_PREEMPT_NOTICE_S, default=60)
     command = _argv(c, raw, "command", p)
-    train_command = _argv(c, raw, "train_command", p)
+    train_command = _argv(c, raw, "train_command", p, placeholders=True)
     if train_command is not None and name != "trainer":
         c.fail(p + "train_command", "only the trainer pool runs a training command; move it to [pools.trainer]")
     engine_args = c.table(raw, "engine_args", p) or {}
     for k, v in engine_args.items():
-        if not isinstance(v, str | int | float | bool | list):
-            c.fail(f"{p}engine_args.{k}", f"must be a string, number, boolean or list, got {v!r}")
+        if not c.no_control(f"{p}engine_args.{k}", k):
+            continue
+        problem = _engine_value_problem(v)
+        if problem is not None:
+            c.fail(f"{p}engine_args.{k}", f"{problem}, got {v!r}")
     env = c.table(raw, "env", p) or {}
     for k, v in env.items():
-        if not _ENV_KEY_RE.match(k):
+        if not _ENV_KEY_RE.fullmatch(k):
             c.fail(f"{p}env.{k}", "must be a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
         if not isinstance(v, str):
             c.fail(f"{p}env.{k}", f'must be a string, got {v!r} (quote numbers: "1")')
+        else:
+            c.no_control(f"{p}env.{k}", v)
     if len(c.problems) > before:
         return None
     return PoolSpec(
@@ -290,6 +434,24 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     )
 
 
+def _path(c: _Checker, key: str, raw: str | None, base: Path) -> Path | None:
+    """``raw`` resolved against the spec's directory; None (and a problem) when it cannot be used: the
+    resolved path (the spec's directory and ``~`` included) must be free of control characters too."""
+    if raw is None:
+        return None
+    try:
+        path = (base / os.path.expanduser(raw)).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:
+        c.fail(key, f"cannot resolve path {raw!r}: {exc}")
+        return None
+    if not c.no_control(key, str(path)):
+        return None
+    if len(str(path)) > MAX_PATH_CHARS:
+        c.fail(key, f"must be a path of at most {MAX_PATH_CHARS} characters, got {len(str(path))}")
+        return None
+    return path
+
+
 def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ...]) -> RunSpec:
     """Validate a decoded TOML document. Raises SpecError listing every problem."""
     c = _Checker()
@@ -306,20 +468,25 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         what="a name of letters, digits, '-' or '_' (max 40), starting with a letter",
     )
     model_raw = c.string(run, "model", "run.", required=True, what="a path to the model directory")
-    model = None
-    if model_raw is not None:
-        model = (base / os.path.expanduser(model_raw)).resolve()
-        if not model.exists():
-            c.fail("run.model", f"path {model} does not exist; give the model directory (HF format)")
-        elif not os.access(model, os.R_OK):
-            c.fail("run.model", f"path {model} is not readable")
+    model = _path(c, "run.model", model_raw, base)
+    if model is not None:
+        try:
+            if not model.exists():
+                c.fail("run.model", f"path {model} does not exist; give the model directory (HF format)")
+            elif not os.access(model, os.R_OK):
+                c.fail("run.model", f"path {model} is not readable")
+        except OSError as exc:
+            c.fail("run.model", f"cannot use path {model}: {exc.strerror or exc}")
     run_dir_raw = c.string(run, "run_dir", "run.", required=True, what="a directory for logs and checkpoints")
-    run_dir = (base / os.path.expanduser(run_dir_raw)).resolve() if run_dir_raw else None
-    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
-        c.fail("run.run_dir", f"{run_dir} exists and is not a directory")
+    run_dir = _path(c, "run.run_dir", run_dir_raw, base)
+    try:
+        if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+            c.fail("run.run_dir", f"{run_dir} exists and is not a directory")
+    except OSError as exc:
+        c.fail("run.run_dir", f"cannot use path {run_dir}: {exc.strerror or exc}")
     policy = c.choice(run, "policy", "run.", known_policies, default="never")
     backend = c.choice(run, "backend", "run.", BACKENDS, default="auto")
-    poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, default=5.0)
+    poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, maximum=MAX_POLL_INTERVAL_S, default=5.0)
 
     pools_raw = c.table(data, "pools", "", required=True) or {}
     pools: dict[str, PoolSpec] = {}

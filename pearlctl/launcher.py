@@ -337,7 +337,23 @@ def daemon_request(
 ) -> SubmitRequest:
     """The daemon of ``run`` as a small Slurm job: one task, one CPU, no GPU, run by the same worker
     wrapper (which forwards scancel's SIGTERM, so the daemon stops cleanly and leaves every worker).
-    The state directory must be on that node's local disk: pin the job with ``nodelist``."""
+    The state directory must be on that node's local disk: pin the job with ``nodelist``.
+
+    Raises LaunchError (exit 2) for an option that is not a valid Slurm value (checked like a spec's) and
+    for an exported variable holding a control character: nothing is ever rendered from either."""
+    from pearlctl.config import has_control, slurm_option_problems
+
+    problems = slurm_option_problems(partition=partition, nodelist=nodelist, time_limit=time_limit)
+    problems += [
+        SpecProblem(
+            "$" + (repr(k) if has_control(k) else k),
+            "holds a control character (a newline, tab, ...); unset it or fix it to run the daemon job",
+        )
+        for k, v in env.items()
+        if has_control(k) or has_control(v)
+    ]
+    if problems:
+        raise LaunchError("invalid daemon job options: " + "; ".join(str(p) for p in problems), 2)
     return SubmitRequest(
         run_id=run["id"],
         pool=DAEMON_POOL,

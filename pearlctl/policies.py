@@ -10,6 +10,7 @@ times in simulated time, and the daemon once per tick.
 from __future__ import annotations
 
 import importlib.util
+import re
 from types import ModuleType
 
 from pearlctl import home
@@ -20,12 +21,17 @@ class PolicyError(Exception):
 
 
 _loaded: dict[str, ModuleType] = {}
+# A name, never a path: a name sent to the daemon must not make it run an arbitrary file.
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
 
 def load_policy(name: str) -> ModuleType:
     """The policy module ``name`` (loaded once per process); PolicyError names the known ones."""
     if name in _loaded:
         return _loaded[name]
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PolicyError(f"policy {name!r} is not a policy name (letters, digits, '-', '_'); known: "
+                          f"{', '.join(home.known_policies())}")  # fmt: skip
     for d in home.policy_dirs():
         path = d / f"{name}.py"
         if path.is_file():

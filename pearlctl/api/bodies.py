@@ -99,7 +99,8 @@ def _http_url(url: str) -> str:
 
 
 class WorkerReport(Body):
-    key: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,63}(#[0-9]{1,18})?$")]
+    # "#" is not allowed: the daemon archives a finished worker's row as "<key>#<id>"
+    key: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,63}$")]
     role: Role
     engine: Engine
     gpus: Gpus = []
@@ -169,7 +170,8 @@ class Ack(Body):
 
 # -- operators ------------------------------------------------------------------------------------------
 class Borrow(Body):
-    policy: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_printable)]
+    # a policy is a name (pearlctl.policies), never a path: the daemon must not run a file it was sent
+    policy: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
     gpus: Annotated[int, Field(ge=1, le=10**6)] | None = None
     dry_run: bool = False
     keep_warm: bool = True
@@ -182,6 +184,12 @@ class ReturnNow(Body):
 
 class ProfileBody(Body):
     profile: dict[str, Any]
+
+    @field_validator("profile")
+    @classmethod
+    def _finite_profile(cls, profile: dict) -> dict:
+        _check_json_finite(profile, "profile")
+        return profile
 
 
 # -- the rollout driver ---------------------------------------------------------------------------------

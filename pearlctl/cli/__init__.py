@@ -11,7 +11,9 @@ Results go to stdout (``--json`` on every read), progress and logs to stderr. Ex
   5  conflict: the run exists already, or state changed under us; re-read and retry
   6  `doctor` found a failing check
   7  the run's daemon is not running or does not answer (`borrow`, `return`)
+  8  the state database cannot be used: corrupted, read-only, or its disk is full (the message names it)
   124 `launch --wait` or `cancel` timed out (the run goes on; `status` shows where it is)
+  141 stdout was closed by its reader (`pearlctl status --json | head -1`): the command stops quietly
 """
 
 from __future__ import annotations
@@ -60,7 +62,15 @@ __all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "la
 
 
 def main() -> None:
+    from pearlctl.cli.common import EXIT_BROKEN_PIPE, quiet_broken_pipe
+
     try:
-        app()
+        try:
+            app()
+        finally:
+            sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # `pearlctl ... | head -1`: stop quietly, as a shell pipeline expects
+        quiet_broken_pipe()
+        sys.exit(EXIT_BROKEN_PIPE)

@@ -19,7 +19,7 @@ def journal(
 ) -> None:
     """Print the run's journal: state changes, step intents and outcomes, observations."""
     with exits():
-        store = open_store()
+        store = open_store(readonly=True)
         try:
             run = resolve_run(store, run_ref)
             rows = store.journal(run["id"], since_id=since)

@@ -2,6 +2,10 @@
 
 While no daemon owns the run, status refreshes state itself with one batched poll, at most once per
 poll interval across all shells (pearlctl.watcher.maybe_sync); ``--no-sync`` only reads.
+
+It reads through a read-only store, and opens the state read-write only for a refresh that is due. Where
+that cannot be done (a read-only state directory, a full disk) it says so in one line on stderr and
+shows the state as it is.
 """
 
 from __future__ import annotations
@@ -16,19 +20,45 @@ from pearlctl.backends import open_backend
 from pearlctl.cli import app
 from pearlctl.cli.common import emit_json, emit_json_line, err, exits, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
-from pearlctl.state.store import Store
+from pearlctl.state.db import sqlite_fault
+from pearlctl.state.errors import StateUnavailable
+from pearlctl.state.machines import RunState
+from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
 from pearlctl.watcher import maybe_sync
 
 
-def _refresh(store: Store, run: dict, sync: bool) -> dict:
-    if sync:
-        backend = open_backend(run["backend"], state_dir=str(home.state_dir()))
-        maybe_sync(store, backend, run)
+def _sync_due(store: Store, run: dict) -> bool:
+    """The tests maybe_sync starts with, made on the read-only store: is a poll wanted now?"""
+    if run["state"] not in (RunState.ACTIVE, RunState.CANCELLING, RunState.SUBMITTING):
+        return False
+    daemon = store.lease(run_lease_name(run["id"]))
+    if daemon and daemon["expires_at"] > time.time():
+        return False
+    interval = float(run["spec"].get("poll_interval_s", 5.0))
+    return time.time() - (run.get("last_poll_at") or 0.0) >= interval * 0.9
+
+
+def _refresh(store: Store, run: dict, sync: bool, warned: set[str]) -> dict:
+    if sync and _sync_due(store, run):
+        try:
+            writer = open_store()
+            try:
+                backend = open_backend(run["backend"], state_dir=str(home.state_dir()))
+                maybe_sync(writer, backend, writer.get_run(run["id"]))
+            finally:
+                writer.close()
+        except Exception as exc:
+            problem = exc if isinstance(exc, StateUnavailable) else sqlite_fault(exc, home.state_db())
+            if problem is None:
+                raise
+            if str(problem) not in warned:  # --watch: say it once
+                warned.add(str(problem))
+                err.print(f"warning: not refreshing from the scheduler: {problem}", markup=False)
     return run_document(store, run["id"])
 
 
-def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json_out: bool) -> None:
+def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json_out: bool, warned: set[str]) -> None:
     """Refresh every poll interval: in place on a terminal; appended (one JSON line each with --json)
     when the output is a pipe or a file, so a log of the run's progress can be kept."""
     if json_out or not out.is_terminal:
@@ -39,11 +69,11 @@ def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json
                 out.rule(time.strftime("%H:%M:%S"))
                 out.print(status_tables(doc))
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync)
+            doc = _refresh(store, store.get_run(run["id"]), sync, warned)
     with Live(status_tables(doc), console=out, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync)
+            doc = _refresh(store, store.get_run(run["id"]), sync, warned)
             live.update(status_tables(doc))
 
 
@@ -60,10 +90,11 @@ def status(
 ) -> None:
     """Show a run's allocations (with Slurm state), nodes, GPUs and roles."""
     with exits():
-        store = open_store()
+        store = open_store(readonly=True)
+        warned: set[str] = set()
         try:
             run = resolve_run(store, run_ref)
-            doc = _refresh(store, run, sync)
+            doc = _refresh(store, run, sync, warned)
             if json_out and not watch:
                 emit_json(doc)
                 return
@@ -74,7 +105,7 @@ def status(
                 return
             interval = float(run["spec"].get("poll_interval_s", 5.0))
             try:
-                _watch(store, run, doc, sync, interval, json_out)
+                _watch(store, run, doc, sync, interval, json_out, warned)
             except KeyboardInterrupt:
                 err.print("stopped watching")
         finally:

@@ -84,7 +84,7 @@ class _Gate:
                 raise _Refused(401, "missing or wrong token (Authorization: Bearer <run token>)")
         else:
             raw = request.headers.get(ALLOCATION_HEADER, "")
-            if not raw.isdigit() or len(raw) > 18:
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
                 raise _Refused(
                     401,
                     f"agent reports need {ALLOCATION_HEADER}: <allocation id> and that allocation's credential "
@@ -99,7 +99,9 @@ class _Gate:
     @staticmethod
     async def body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > bodies.MAX_BODY_BYTES):
+        if declared is not None and (
+            not (declared.isascii() and declared.isdigit()) or int(declared) > bodies.MAX_BODY_BYTES
+        ):
             raise _Refused(413, f"body larger than {bodies.MAX_BODY_BYTES} bytes")
         chunks, size = [], 0
         async for chunk in request.stream():

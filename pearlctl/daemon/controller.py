@@ -556,6 +556,8 @@ class Controller:
             profile = profiles.from_dict(body.profile, where="the profile sent")
         except profiles.ProfileError as exc:
             raise ControlError(str(exc), 422) from None
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong shape
+            raise ControlError(f"the profile sent is malformed: {type(exc).__name__}: {exc}", 422) from None
         with self.lock:
             doc = profiles.to_dict(profile)
             self.store.update_fields(

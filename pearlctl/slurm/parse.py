@@ -232,6 +232,12 @@ def parse_squeue_json(text: str) -> list[JobRecord]:
         raise ParseError(f"squeue --json printed invalid JSON: {exc}: {text[:200]!r}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
         raise ParseError(f"squeue --json printed no 'jobs' list: {text[:200]!r}")
+    errors = doc.get("errors") or []
+    if errors and not doc["jobs"]:
+        # 22.05 exits 0 with an empty job list when slurmctld does not answer (a restart, a stall):
+        # that is no answer, not "every job is gone" (which would make the watcher mark them all LOST)
+        what = "; ".join(str(e.get("description") or e.get("error") or e) for e in errors if isinstance(e, dict))
+        raise ParseError(f"squeue --json reported an error and no jobs: {what or errors!r}")
     records: list[JobRecord] = []
     for job in doc["jobs"]:
         job_id = str(job.get("job_id"))

@@ -10,8 +10,14 @@ the batch shell (``B:``) ahead of the kill; USR1 is never used (NCCL may claim i
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
+
+# C0 control characters and DEL. A newline in a ``#SBATCH`` line ends sbatch's directives there and
+# starts a shell command; none is ever rendered (pearlctl.config refuses them in specs already).
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,18 @@ def job_name(run_id: str, pool: str) -> str:
     return f"pearl.{run_id}.{pool}"
 
 
+def _refuse_control(what: str, value: str) -> None:
+    if _CONTROL_RE.search(value):
+        raise ValueError(
+            f"refusing to render the sbatch script: {what} {value!r} contains a control character "
+            "(a newline would end the #SBATCH directives and run the rest as a shell command)"
+        )
+
+
 def sbatch_directives(req: SubmitRequest) -> list[str]:
+    """The ``#SBATCH`` options of ``req``. Raises ValueError when a value holds a control character."""
+    if req.array and req.array_size < 1:
+        raise ValueError(f"refusing to render the sbatch script: array_size must be >= 1, got {req.array_size}")
     d = [f"--job-name={req.job_name}"]
     if req.array:
         d.append(f"--array=0-{req.array_size - 1}")
@@ -79,6 +96,8 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
         "--requeue" if req.requeue else "--no-requeue",
         f"--signal=B:{req.preempt_signal}@{req.preempt_notice_s}",
     ]
+    for directive in d:
+        _refuse_control("the directive", directive)
     return d
 
 
@@ -92,6 +111,8 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
         "PEARL_PYTHON": req.python,
         "PEARL_PREEMPT_SIGNAL": req.preempt_signal,
         "PEARL_ENGINE_ARGS": json.dumps(req.engine_args, sort_keys=True),
+        # the agent drains its workers within the preemption notice, keeping a margin for the stop itself
+        "PEARL_DRAIN_TIMEOUT_S": str(max(1, req.preempt_notice_s - 5)),
     }
     if req.train_command:
         env["PEARL_TRAIN_COMMAND"] = json.dumps(list(req.train_command))
@@ -100,14 +121,26 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
 
 
 def render_script(req: SubmitRequest) -> str:
+    """The whole sbatch script. Raises ValueError, rendering nothing, when any value that would be
+    written into it (a directive, an exported variable, the command) holds a control character."""
+    for what, value in (("run id", req.run_id), ("pool", req.pool)):
+        _refuse_control(what, value)
+    directives = sbatch_directives(req)
+    env = worker_env(req)
+    for k, v in env.items():
+        if not _ENV_NAME_RE.fullmatch(k):
+            raise ValueError(f"refusing to render the sbatch script: {k!r} is not an environment variable name")
+        _refuse_control(f"the value of {k}", v)
+    command = req.command or (req.python, "-m", "pearlctl.agent")
+    for arg in (req.worker_script, *command):
+        _refuse_control("the command argument", arg)
     lines = [
         "#!/bin/bash",
         f"# pearlctl: pool '{req.pool}' of run '{req.run_id}' ({req.array_size} node(s) x {req.gpus_per_node} GPU(s)).",
         "# One array task = one node's worker. Rendered by `pearlctl launch`; jobs/README.md explains it.",
     ]
-    lines += [f"#SBATCH {d}" for d in sbatch_directives(req)]
+    lines += [f"#SBATCH {d}" for d in directives]
     lines.append("")
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in worker_env(req).items()]
-    command = req.command or (req.python, "-m", "pearlctl.agent")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     lines.append(f"exec /bin/bash {shlex.quote(req.worker_script)} {shlex.join(command)}")
     return "\n".join(lines) + "\n"

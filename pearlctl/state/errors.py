@@ -90,3 +90,13 @@ class IncompatibleSchema(StateError):
         super().__init__(
             f"state database {path} is at schema version {found}; this pearlctl knows versions up to {known}. {advice}"
         )
+
+
+class StateUnavailable(StateError):
+    """The state database cannot be used at all: not a database (corrupted or overwritten), on a read-only
+    directory or file, on a full disk, or unreadable. ``problem`` says which, ``advice`` what to do; the
+    message is one line naming the path."""
+
+    def __init__(self, path: str, problem: str, advice: str) -> None:
+        self.path, self.problem, self.advice = path, problem, advice
+        super().__init__(f"state database {path}: {problem}; {advice}")

@@ -123,6 +123,7 @@ GPU_EDGES: Edges = {
     (G.DRAINING, G.LOST): "its agent stopped heartbeating during the drain",
     (G.DRAINING, G.GONE): "drained; the allocation released it",
     (G.LOST, G.UP): "its agent came back and re-registered the device",
+    (G.LOST, G.DRAINING): "its agent came back draining: a preemption notice reached it while it was out of reach",
     (G.LOST, G.GONE): "the allocation is confirmed ended",
     (G.GONE, G.UP): "the allocation was requeued and its agent registered this device index again "
     "(perhaps on another node)",

@@ -84,6 +84,14 @@ class Run:
     def lent(self) -> list[dict]:
         return [g for g in self.status()["gpus"] if g["borrowed"]]
 
+    def serving_lent(self) -> list[dict]:
+        """Lent GPUs whose borrow is DONE (the vLLM worker on them serves), and no transition is moving."""
+        doc = self.status()
+        moving = any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in doc["transitions"])
+        borrowed = any(t["kind"] == "borrow" and t["state"] == "DONE" for t in doc["transitions"])
+        lent = [g for g in doc["gpus"] if g["borrowed"]]
+        return lent if borrowed and not moving else []
+
     def trainer_events(self) -> list[dict]:
         log = self.run_dir / "trainer" / "train.jsonl"
         return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
@@ -144,7 +152,7 @@ def test_slurmctld_frozen_60s_while_a_gpu_is_lent(tiny_run, slurm_cluster):
     run_id = run.status()["run"]["id"]
     procs.append(run.driver(run_id))
 
-    wait_for(run.lent, 300, every=1)  # a trainer GPU serves rollout now
+    wait_for(run.serving_lent, 400, every=0.5)  # a borrow is DONE: a trainer GPU serves rollout now
     ctld = int((slurm_cluster.dir / "pids" / "slurmctld.pid").read_text())
     os.kill(ctld, signal.SIGSTOP)
     frozen_at = time.time()

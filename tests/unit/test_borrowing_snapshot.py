@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.borrowing import Borrowing, work_from_progress
-from pearlctl.daemon.controller import ControlError, Controller
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
+from pearlctl.daemon.borrowing import Borrowing, work_from_progress
+from pearlctl.daemon.controller import ControlError, Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner.model import Role

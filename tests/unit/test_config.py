@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.config import SpecError, load_spec
+from pearlctl.config import SpecError, load_spec, parse_spec
 
 POLICIES = ("never", "greedy")
 
@@ -148,3 +148,145 @@ def test_shipped_examples_are_valid(tmp_path):
         # the tiny model is built by scripts/build-tiny-model.py; stand in an empty directory for it
         spec = load_spec(path, home.known_policies(), {"model": str(tmp_path)})
         assert "trainer" in spec.pools
+
+
+# --- control characters, full-string matching, upper bounds (issue 8) -----------------------------------
+
+
+def data(**pool_overrides) -> dict:
+    """A valid spec as a decoded document (model "m" under the spec's directory), trainer pool overridden."""
+    return {
+        "run": {"name": "t1", "model": "m", "run_dir": "runs/t1"},
+        "pools": {
+            "trainer": {"nodes": 1, "gpus_per_node": 1, **pool_overrides},
+            "rollout": {"nodes": 1, "gpus_per_node": 0},
+        },
+    }
+
+
+def parse_problems(spec_dir: Path, doc: dict) -> dict[str, str]:
+    (spec_dir / "m").mkdir(exist_ok=True)
+    with pytest.raises(SpecError) as info:
+        parse_spec(doc, spec_dir / "run.toml", POLICIES)
+    return {p.key: p.message for p in info.value.problems}
+
+
+def test_a_newline_after_a_valid_name_is_refused(spec_dir):
+    # `$` matches before a final newline: the old check let "t1\n" through into `#SBATCH --job-name`
+    found = problems(spec_dir, GOOD.replace('name = "t1"', 'name = "t1\\n"'))
+    assert "control characters" in found["run.name"] and "'t1\\n'" in found["run.name"]
+
+
+@pytest.mark.parametrize(
+    "old,new,key",
+    [
+        ('run_dir = "runs/t1"', 'run_dir = "runs/t1\\necho pwned"', "run.run_dir"),
+        ('model = "model"', 'model = "model\\n"', "run.model"),
+        ('partition = "debug"', 'partition = "debug\\n"', "pools.trainer.partition"),
+        ('partition = "preempt"', 'partition = "pre\\tempt"', "pools.elastic.partition"),
+        ('time_limit = "01:00:00"', 'time_limit = "01:00:00\\n"', "pools.trainer.time_limit"),
+        ('OMP_NUM_THREADS = "1"', 'OMP_NUM_THREADS = "1\\nrm -rf /"', "pools.trainer.env.OMP_NUM_THREADS"),
+        ('OMP_NUM_THREADS = "1"', '"A\\n" = "1"', "pools.trainer.env.A\\n"),
+        ("max_model_len = 512,", 'max_model_len = "512\\u0007",', "pools.rollout.engine_args.max_model_len"),
+    ],
+)
+def test_control_characters_are_refused_in_every_string(spec_dir, old, new, key):
+    assert old in GOOD
+    found = problems(spec_dir, GOOD.replace(old, new, 1))
+    assert key in found, found
+    assert "\n" not in key and "\n" not in found[key]  # each problem prints on one line
+
+
+@pytest.mark.parametrize("key", ["command", "train_command"])
+def test_control_characters_are_refused_in_argv_elements(spec_dir, key):
+    found = parse_problems(spec_dir, data(**{key: ["python", "-c", "print(1)\nimport os"]}))
+    assert "control characters" in found[f"pools.trainer.{key}[2]"]
+
+
+def test_control_characters_in_account_qos_mem_and_engine_arg_keys_and_lists(spec_dir):
+    found = parse_problems(
+        spec_dir,
+        data(account="a\r", qos="q\x7f", mem="16G\n", engine_args={"k\n": 1, "flags": ["a", "b\x00"]}),
+    )
+    assert {"pools.trainer.account", "pools.trainer.qos", "pools.trainer.mem"} <= set(found)
+    assert "pools.trainer.engine_args.k\\n" in found
+    assert "control characters" in found["pools.trainer.engine_args.flags"]
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("nodes", 2**63 - 1, "<= 4096"),
+        ("nodes", 4097, "<= 4096"),
+        ("gpus_per_node", 65, "<= 64"),
+        ("cpus_per_task", 4097, "<= 4096"),
+        ("preempt_notice_s", 86401, "<= 65535"),
+        ("time_limit", "99999999-00", "at most 365 days"),
+        ("time_limit", "366-00:00:00", "at most 365 days"),
+        ("mem", "99999999999T", "at most 64T"),
+    ],
+)
+def test_counts_and_times_have_upper_bounds(spec_dir, field, value, words):
+    found = parse_problems(spec_dir, data(**{field: value}))
+    assert words in found[f"pools.trainer.{field}"], found
+
+
+def test_max_nodes_has_an_upper_bound(spec_dir):
+    doc = data()
+    doc["pools"]["elastic"] = {"nodes": 1, "gpus_per_node": 0, "max_nodes": 2**63 - 1}
+    assert "<= 4096" in parse_problems(spec_dir, doc)["pools.elastic.max_nodes"]
+
+
+def test_bounds_themselves_are_accepted(spec_dir):
+    (spec_dir / "m").mkdir()
+    doc = data(nodes=4096, gpus_per_node=64, cpus_per_task=4096, preempt_notice_s=65535, time_limit="365-00:00:00")
+    doc["run"]["poll_interval_s"] = 3600
+    doc["pools"]["trainer"]["mem"] = "64T"
+    spec = parse_spec(doc, spec_dir / "run.toml", POLICIES)
+    assert spec.pools["trainer"].nodes == 4096 and spec.poll_interval_s == 3600.0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "+inf"])
+def test_poll_interval_must_be_finite(spec_dir, value):
+    # TOML has nan and inf literals: `nan < 1` is False, so nan used to pass the >= 1 check
+    found = problems(spec_dir, GOOD.replace('policy = "never"', f'policy = "never"\npoll_interval_s = {value}'))
+    assert "finite" in found["run.poll_interval_s"], found
+
+
+def test_poll_interval_has_an_upper_bound(spec_dir):
+    found = problems(spec_dir, GOOD.replace('policy = "never"', 'policy = "never"\npoll_interval_s = 3601'))
+    assert "<= 3600" in found["run.poll_interval_s"]
+
+
+def test_engine_args_must_be_finite_and_flat(spec_dir):
+    found = parse_problems(spec_dir, data(engine_args={"a": float("nan"), "b": [float("inf")], "c": [[1]]}))
+    assert "finite" in found["pools.trainer.engine_args.a"]
+    assert {"pools.trainer.engine_args.b", "pools.trainer.engine_args.c"} <= set(found)
+
+
+def test_train_command_braces_must_be_placeholders(spec_dir):
+    found = parse_problems(spec_dir, data(train_command=["{python}", "{0}", "{run_dir.x}", "{", "{{literal}}"]))
+    assert set(k for k in found if k.startswith("pools.trainer.train_command")) == {
+        "pools.trainer.train_command[1]",
+        "pools.trainer.train_command[2]",
+        "pools.trainer.train_command[3]",
+    }
+
+
+def test_a_spec_in_a_directory_with_a_newline_is_refused(tmp_path):
+    odd = tmp_path / "a\nb"
+    (odd / "m").mkdir(parents=True)
+    found = {}
+    with pytest.raises(SpecError) as info:
+        parse_spec(data(), odd / "run.toml", POLICIES)
+    found = {p.key: p.message for p in info.value.problems}
+    assert "control characters" in found["run.model"] and "control characters" in found["run.run_dir"]
+
+
+def test_daemon_slurm_options_are_checked_like_a_spec():
+    from pearlctl.config import slurm_option_problems
+
+    assert slurm_option_problems(partition="debug", nodelist="gpu[1-3],head", time_limit="1-00:00:00") == []
+    bad = slurm_option_problems(partition="debug\n", nodelist="gpu1\nid", time_limit="10\n")
+    assert [p.key for p in bad] == ["--partition", "--nodelist", "--time"]
+    assert all("\n" not in str(p) for p in bad)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.borrowing import Borrowing
-from pearlctl.daemon.controller import Controller
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
+from pearlctl.daemon.borrowing import Borrowing
+from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import PLANS, Executor
 from pearlctl.state.store import Store

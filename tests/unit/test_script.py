@@ -1,9 +1,16 @@
 """sbatch scripts rendered from a pool: what Slurm and the worker wrapper will see."""
 
+import os
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
-from pearlctl.slurm.script import SubmitRequest, render_script
+import pytest
+
+from pearlctl.slurm.script import SubmitRequest, render_script, sbatch_directives, worker_env
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 def request(**kw) -> SubmitRequest:
@@ -66,3 +73,103 @@ def test_body_exports_env_safely_and_execs_the_worker_wrapper(tmp_path):
 def test_default_payload_is_the_agent():
     last = render_script(request()).splitlines()[-1]
     assert shlex.split(last)[-3:] == ["/venv/bin/python", "-m", "pearlctl.agent"]
+
+
+# --- defence in depth: nothing with a control character is ever rendered (issue 8) ----------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("run_id", "tiny\nsbatch evil.sh"),
+        ("pool", "elastic\n"),
+        ("partition", "preempt\necho pwned"),
+        ("time_limit", "00:30:00\r"),
+        ("account", "acct\n"),
+        ("qos", "q\x00"),
+        ("mem", "16G\n"),
+        ("nodelist", "gpu[1-2]\nx"),
+        ("run_dir", "/runs/tiny\ntouch /tmp/pwned #"),
+        ("model", "/models/tiny\n"),
+        ("python", "/venv/bin/python\x7f"),
+        ("worker_script", "/repo/jobs/worker.sh\n"),
+        ("preempt_signal", "USR2\n"),
+        ("env", {"OMP_NUM_THREADS": "1\nrm -rf /"}),
+        ("env", {"A; touch /tmp/x; B": "1"}),
+        ("command", ("python", "-c", "1\n2")),
+    ],
+)
+def test_render_refuses_control_characters_anywhere(field, value):
+    with pytest.raises(ValueError, match="refusing to render"):
+        render_script(request(**{field: value}))
+
+
+def test_json_values_are_escaped_not_refused():
+    # the train command and engine args travel as JSON: a newline in them is written as \\n
+    script = render_script(request(train_command=("python", "a\nb"), engine_args={"x": "1\n2"}))
+    assert all(line.isprintable() for line in script.splitlines())
+
+
+def test_directives_refuse_a_newline_in_any_value():
+    with pytest.raises(ValueError, match="control character"):
+        sbatch_directives(request(partition="preempt\n"))
+    with pytest.raises(ValueError, match="array_size"):
+        sbatch_directives(request(array_size=0))
+
+
+def test_drain_timeout_follows_the_preemption_notice():
+    assert worker_env(request(preempt_notice_s=30))["PEARL_DRAIN_TIMEOUT_S"] == "25"
+    assert worker_env(request(preempt_notice_s=60))["PEARL_DRAIN_TIMEOUT_S"] == "55"
+    assert worker_env(request(preempt_notice_s=3))["PEARL_DRAIN_TIMEOUT_S"] == "1"
+    # a pool's env may still set it
+    assert worker_env(request(env={"PEARL_DRAIN_TIMEOUT_S": "7"}))["PEARL_DRAIN_TIMEOUT_S"] == "7"
+    assert "export PEARL_DRAIN_TIMEOUT_S=25" in render_script(request())
+
+
+# --- the wrappers never glob (issue 8) -----------------------------------------------------------------
+
+ARGV_DUMP = "import json, sys; open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))"
+
+
+@pytest.fixture
+def globbable(tmp_path: Path) -> Path:
+    """A working directory where `*` would expand to file names, and a payload that records its argv."""
+    for name in ("a.txt", "b.txt", "c.py"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "dump.py").write_text(ARGV_DUMP)
+    return tmp_path
+
+
+@pytest.mark.parametrize("pool", ["trainer", "rollout", "elastic", "reward"])
+def test_by_hand_wrappers_pass_a_star_in_pearl_command_literally(globbable, pool):
+    out = globbable / "argv.json"
+    env = {
+        **os.environ,
+        "PEARL_MODEL": str(globbable),
+        "PEARL_RUN_DIR": str(globbable / "run"),
+        "PEARL_JOBS_DIR": str(JOBS),
+        "SLURM_SUBMIT_DIR": str(globbable),
+        "PEARL_COMMAND": f"{sys.executable} dump.py {out} * *.txt [ab].txt",
+    }
+    subprocess.run(["bash", str(JOBS / f"{pool}.sbatch")], cwd=globbable, env=env, check=True, timeout=60)
+    assert out.read_text() == '["*", "*.txt", "[ab].txt"]'
+
+
+def test_worker_wrapper_passes_arguments_literally(globbable):
+    out = globbable / "argv.json"
+    args = [sys.executable, "dump.py", str(out), "*", "a b", "$HOME", "*.txt"]
+    subprocess.run(["bash", str(JOBS / "worker.sh"), *args], cwd=globbable, check=True, timeout=60)
+    assert out.read_text() == '["*", "a b", "$HOME", "*.txt"]'
+
+
+def test_a_rendered_script_passes_a_star_literally(globbable):
+    out = globbable / "argv.json"
+    req = request(
+        worker_script=str(JOBS / "worker.sh"),
+        run_dir=str(globbable / "run"),
+        command=(sys.executable, "dump.py", str(out), "*", "*.txt", "a b"),
+    )
+    script = globbable / "pool.sbatch"
+    script.write_text(render_script(req))
+    subprocess.run(["bash", str(script)], cwd=globbable, check=True, timeout=60)
+    assert out.read_text() == '["*", "*.txt", "a b"]'

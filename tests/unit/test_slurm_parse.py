@@ -74,6 +74,14 @@ def test_squeue_json_shows_preemption_then_requeue_then_rerun():
     assert rerun.phase is JobPhase.RUNNING and rerun.restarts == 1 and rerun.nodes == ("gpu1",)
 
 
+def test_squeue_json_from_a_stalled_slurmctld_is_an_error_not_an_empty_queue():
+    """Recorded with slurmctld SIGSTOPped: squeue exits 0 with no jobs and an error. Read as an empty queue,
+    every job of a run looked gone, and without accounting the watcher would have marked them LOST."""
+    text = (DATA / "squeue_json_slurmctld_stopped.json").read_text()
+    with pytest.raises(ParseError, match="Failed while looking for jobs"):
+        parse_squeue_json(text)
+
+
 def test_squeue_json_rejects_garbage():
     with pytest.raises(ParseError):
         parse_squeue_json("not json")
