@@ -480,7 +480,10 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     run_dir_raw = c.string(run, "run_dir", "run.", required=True, what="a directory for logs and checkpoints")
     run_dir = _path(c, "run.run_dir", run_dir_raw, base)
     try:
-        if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        if run_dir is not None and any(ch.isspace() for ch in str(run_dir)):
+            c.fail("run.run_dir", f"{str(run_dir)!r} contains whitespace: Slurm's #SBATCH --output line would be "
+                   "split there; use a directory path without spaces")  # fmt: skip
+        elif run_dir is not None and run_dir.exists() and not run_dir.is_dir():
             c.fail("run.run_dir", f"{run_dir} exists and is not a directory")
     except OSError as exc:
         c.fail("run.run_dir", f"cannot use path {run_dir}: {exc.strerror or exc}")

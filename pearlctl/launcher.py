@@ -371,6 +371,7 @@ def daemon_request(
         env=env,
         array=False,
         nodelist=nodelist,
+        requeue=True,  # a lost node or a preemption brings the daemon's job back (its supervisor restarts crashes)
     )
 
 

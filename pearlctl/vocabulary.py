@@ -32,7 +32,8 @@ class Role(StrEnum):
 
 
 class StepKind(StrEnum):
-    """The idempotent units a transition is made of (what each does: pearlctl.daemon.steps)."""
+    """The idempotent units a transition is made of (what each does and how it is proven: the ``STEPS``
+    table in pearlctl.daemon.effects)."""
 
     OFFLOAD = "OFFLOAD"
     RELOAD = "RELOAD"

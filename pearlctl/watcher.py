@@ -79,12 +79,14 @@ class _Mover:
         self.events.append(f"{self.pool['name']}[{a['array_index']}] {event} -> {to}")
 
     def gpus_down(self, to: GpuState) -> None:
+        """UP GPUs go ``to``; when the allocation is over (``GONE``), DRAINING and LOST ones go with them."""
+        leaving = (GpuState.UP,) if to != GpuState.GONE else (GpuState.UP, GpuState.DRAINING, GpuState.LOST)
         for gpu in self.store.gpus(self.run_id):
-            if gpu["allocation_id"] == self.alloc["id"] and gpu["state"] == GpuState.UP:
+            if gpu["allocation_id"] == self.alloc["id"] and gpu["state"] in leaving:
                 self.store.set_state(
                     "gpus",
                     gpu["id"],
-                    expect=GpuState.UP,
+                    expect=gpu["state"],
                     expect_version=gpu["version"],
                     to=to,
                     event=f"allocation {self.alloc['state'].lower()}",
@@ -135,6 +137,15 @@ class _Mover:
             return
         # RUNNING
         node = rec.nodes[0] if rec.nodes else None
+        if rec.state.startswith("COMPLETING") and state in (A.RUNNING, A.PREEMPTING):
+            # the run is ending (its processes exit). After a preemption Slurm already counts the restart and
+            # stamps a new PreemptTime on the COMPLETING record: that is the requeue, not a new start.
+            if rec.restarts > (a.get("restarts") or 0):
+                self.move(A.PENDING, "requeued", {"restarts": rec.restarts}, restarts=rec.restarts, **facts)
+                self.gpus_down(GpuState.GONE)
+            elif rec.state != a.get("slurm_state"):
+                self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
+            return
         if state in (A.RUNNING, A.PREEMPTING) and rec.restarts > (a.get("restarts") or 0):
             # The task was requeued and restarted between two polls: record both edges we missed.
             self.move(A.PENDING, "requeued", {"restarts": rec.restarts, "seen": "between polls"}, restarts=rec.restarts)
@@ -148,6 +159,8 @@ class _Mover:
                 node=node,
                 started_at=rec.start_time or self.now,
                 restarts=rec.restarts,
+                # a new run of the task has a new agent: the last one's silence says nothing about it
+                agent_seen_at=None if state is A.PENDING else a.get("agent_seen_at"),
                 **facts,
             )
             self._register_gpus(rec, node)

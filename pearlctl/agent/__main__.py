@@ -29,6 +29,7 @@ import time
 from pearlctl.agent.client import DaemonClient
 from pearlctl.agent.identity import identity_from_env
 from pearlctl.agent.workers import Reconciler
+from pearlctl.api.bodies import MIN_LOSS_WINDOW_S
 
 POLL_UNSETTLED_S = 0.05  # how often a starting or draining worker is probed (READY is noticed this fast)
 RETURN_WATCH_S = 0.5  # how often the return watchdog looks at lent GPUs' deadlines
@@ -78,7 +79,7 @@ def main() -> int:
         a loss window, a lent GPU whose return must start is returned here, whatever the main loop is
         blocked on (a heartbeat to a frozen daemon waits for its timeout)."""
         while not stop.wait(RETURN_WATCH_S):
-            if client.contact_age() > LOSS_WINDOW * interval + 1.0:
+            if client.contact_age() > max(LOSS_WINDOW * interval, MIN_LOSS_WINDOW_S) + 1.0:
                 for key in workers.return_lent():
                     _log("self return", worker=key, contact_age_s=round(client.contact_age(), 3))
                     wake.set()

@@ -120,6 +120,11 @@ class SelfReturn(Body):
     how: Literal["stopped", "parked"]
 
 
+# Silence shorter than this never counts as loss, whatever the heartbeat rate: the daemon's judgement of an
+# agent (LOST) and an agent's judgement of the daemon (returning lent GPUs itself) both use it.
+MIN_LOSS_WINDOW_S = 2.0
+
+
 class Heartbeat(Body):
     allocation_id: Id
     workers: Annotated[list[WorkerReport], Field(max_length=64)] = []

@@ -169,7 +169,8 @@ def _systemd_unit(run: dict, argv: list[str]) -> str:
         f"# pearlctl daemon of run {run['id']}: systemctl --user enable --now pearl-{run['id']}.service\n"
         "[Unit]\n"
         f"Description=pearlctl daemon of run {run['id']}\n"
-        "After=network-online.target\n\n"
+        "After=network-online.target\n"
+        "StartLimitIntervalSec=0\n\n"  # never give up restarting (a lease conflict or a crash loop)
         "[Service]\n"
         f"ExecStart={shlex.join(argv)}\n"
         f"{env}"

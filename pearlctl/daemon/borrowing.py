@@ -50,7 +50,6 @@ UNMEASURED = Profile(
 )
 
 
-
 class Borrowing:
     def __init__(self, store: Store, executor: Executor, run_id: str, *, clock=time.time):
         self.store, self.executor, self.run_id, self.clock = store, executor, run_id, clock
@@ -226,13 +225,20 @@ class Borrowing:
         if deadline is None:
             return
         finished = self.store.get("transitions", t["id"])["updated_at"]
+        # the GPUs were back when their agent returned them itself (the daemon was out of reach then)
+        agent_returns = [
+            float(j["data"]["at"])
+            for j in self.store.journal(self.run_id)
+            if j["event"] == "agent returned lent GPUs itself" and (j["data"] or {}).get("deadline") == deadline
+        ]
+        finished = min([finished, *agent_returns])
         late = finished - deadline
         self.store.journal_event(
             self.run_id,
             "transitions",
             str(t["id"]),
             "deadline missed" if late > 0 else "deadline met",
-            data={"lateness_s": round(late, 3)},
+            data={"lateness_s": round(late, 3), **({"by": "agent"} if agent_returns else {})},
             epoch=self.executor.epoch,
         )
 

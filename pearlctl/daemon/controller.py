@@ -348,7 +348,7 @@ class Controller:
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
         current = worker["state"]
         moved = created or current != state
-        if moved:
+        if current != state:
             path = edge_path("workers", current, state)
             if not path:
                 self.store.journal_event(
@@ -600,6 +600,13 @@ class Controller:
         ]
         return {"epoch": self.epoch, "workers": workers}
 
+    @property
+    def loss_window_s(self) -> float:
+        """How long an agent may be silent before its GPUs and workers are LOST: ``lost_after`` heartbeat
+        intervals, but never under ``MIN_LOSS_WINDOW_S`` — at 10 Hz, two intervals are 0.2 s, less than a busy
+        host's scheduling hiccup, and LOST must mean lost, not late."""
+        return max(self.lost_after * self.heartbeat_s, bodies.MIN_LOSS_WINDOW_S)
+
     # -- agent loss -------------------------------------------------------------------------------
     def check_agents(self) -> list[int]:
         """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked.
@@ -608,9 +615,9 @@ class Controller:
         the daemon before, so its age says nothing yet (judging them at once would, after every restart,
         mark live workers LOST and plan around them — a parked worker passed over for a cold start)."""
         with self.lock:
-            if self.clock() - self.started_at < self.lost_after * self.heartbeat_s:
+            if self.clock() - self.started_at < self.loss_window_s:
                 return []
-            deadline = self.clock() - self.lost_after * self.heartbeat_s
+            deadline = self.clock() - self.loss_window_s
             marked = []
             workers = self.store.workers(self.run_id)
             for alloc in self.store.allocations(self.run_id):

@@ -47,6 +47,9 @@ def supervise(argv: list[str], *, sleep=time.sleep, stopping: threading.Event | 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
+        # Slurm's early warning (--signal=B:USR2@T, forwarded by jobs/worker.sh) means "the job may end
+        # soon", not "stop": the daemon keeps serving until TERM. Ignored here, and by the daemon (inherited).
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     backoff, restarts = BACKOFF_MIN_S, 0
     while not stopping.is_set():
         started = time.monotonic()
@@ -60,10 +63,11 @@ def supervise(argv: list[str], *, sleep=time.sleep, stopping: threading.Event | 
         up = time.monotonic() - started
         if up > STEADY_S:
             backoff = BACKOFF_MIN_S
-        wait = STANDBY_S if rc == EXIT_CONFLICT else backoff
+        standby = rc == EXIT_CONFLICT
+        wait = STANDBY_S if standby else backoff
         _log("daemon exited", rc=rc, up_s=round(up, 3), restart_in_s=wait)
         sleep(wait)
-        backoff = min(BACKOFF_MAX_S, backoff * 2)
+        backoff = BACKOFF_MIN_S if standby else min(BACKOFF_MAX_S, backoff * 2)
         restarts += 1
     return 0
 

@@ -98,6 +98,12 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
     ]
     for directive in d:
         _refuse_control("the directive", directive)
+        if any(c.isspace() for c in directive):
+            # sbatch splits a directive line on whitespace: "--output=/a b" would pass "b" as an option
+            raise ValueError(
+                f"refusing to render the sbatch script: the directive {directive!r} contains whitespace, "
+                "which sbatch would split into another option; use a path without spaces"
+            )
     return d
 
 

@@ -177,6 +177,11 @@ def test_a_newline_after_a_valid_name_is_refused(spec_dir):
     assert "control characters" in found["run.name"] and "'t1\\n'" in found["run.name"]
 
 
+def test_a_run_dir_with_whitespace_is_refused_before_sbatch_could_split_it(spec_dir):
+    found = problems(spec_dir, GOOD.replace('run_dir = "runs/t1"', 'run_dir = "runs/t1 --partition=high"'))
+    assert "whitespace" in found["run.run_dir"]
+
+
 @pytest.mark.parametrize(
     "old,new,key",
     [

@@ -117,6 +117,12 @@ def test_directives_refuse_a_newline_in_any_value():
         sbatch_directives(request(array_size=0))
 
 
+def test_directives_refuse_whitespace_that_sbatch_would_split_into_another_option():
+    # "#SBATCH --output=/tmp/a --partition=high/logs/..." would hand sbatch a second option
+    with pytest.raises(ValueError, match="whitespace"):
+        sbatch_directives(request(run_dir="/tmp/a --partition=high"))
+
+
 def test_drain_timeout_follows_the_preemption_notice():
     assert worker_env(request(preempt_notice_s=30))["PEARL_DRAIN_TIMEOUT_S"] == "25"
     assert worker_env(request(preempt_notice_s=60))["PEARL_DRAIN_TIMEOUT_S"] == "55"
