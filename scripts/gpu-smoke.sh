@@ -24,6 +24,8 @@
 #      weights for level 2), and differs after reloading the seed-1 weights;
 #   4. prints a table and writes $PEARL_SMOKE_DIR/gpu-smoke.json;
 #   5. runs scripts/gpu_smoke_deepspeed.py if it exists (DeepSpeed offload_states/reload_states check);
+#   0. (first, with only CUDA torch) scripts/gpu_smoke_return.py: the trainer hook releases GPU memory, the
+#      node-local return file arrives with no daemon anywhere, the hook reclaims, memory is back, it trains;
 #   6. runs scripts/gpu_smoke_borrow.py: a borrow/return round trip through the daemon and an agent on
 #      this GPU (the trainer offloads, vLLM starts and serves episodes, is parked asleep, the trainer
 #      reloads and trains), checking per-process GPU memory at each stage.
@@ -38,13 +40,21 @@ PY="$VENV/bin/python"
 T_START=$(date +%s)
 TOTAL_LIMIT_S=480
 
+rc_return=0
 skip() {
     echo "SKIP gpu-smoke: $*"
-    exit 0
+    exit "$rc_return"
 }
 
 command -v nvidia-smi >/dev/null 2>&1 || skip "nvidia-smi not found: no NVIDIA GPU on this machine"
 nvidia-smi -L >/dev/null 2>&1 || skip "nvidia-smi finds no GPU (nvidia-smi -L failed)"
+
+# The trainer's half of the return guarantee without a daemon needs only CUDA torch (no engines): run it
+# with the engines' venv if there is one, else with the machine's python3.
+RPY="$PY"
+[ -x "$RPY" ] || RPY=$(command -v python3 || echo python3)
+echo "gpu-smoke: trainer release, return file, reclaim without a daemon (scripts/gpu_smoke_return.py, $RPY)"
+timeout --signal=TERM --kill-after=15 300 "$RPY" scripts/gpu_smoke_return.py || { echo "FAIL: gpu_smoke_return.py"; rc_return=1; }
 [ -x "$PY" ] || skip "no python in \$PEARL_GPU_VENV=$VENV (make it with: python3 -m venv $VENV && $VENV/bin/pip install vllm deepspeed)"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1 \
     || skip "torch in $VENV has no CUDA (torch.cuda.is_available() is False)"
@@ -55,7 +65,7 @@ mkdir -p "$WORK"
 echo "gpu-smoke: venv $VENV, GPU ${PEARL_GPU_INDEX:-0}, work dir $WORK"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
 
-rc=0
+rc=$rc_return
 for seed in 0 1; do
     if [ ! -f "$WORK/tiny-seed$seed/config.json" ]; then
         timeout 120 "$PY" scripts/build-tiny-model.py "$WORK/tiny-seed$seed" --seed "$seed" >"$WORK/build-seed$seed.log" 2>&1 \
