@@ -317,7 +317,9 @@ class Reconciler:
             self.lent = {d["key"]: d for d in desired if d.get("return_deadline") is not None}
             # a lending this agent already ended (or whose deadline passed) is never served again: the
             # daemon's next plan returns the GPUs properly
-            self.returned = {k: dl for k, dl in self.returned.items() if k in self.lent}
+            self.returned = {
+                k: dl for k, dl in self.returned.items() if k in self.lent and self.lent[k]["return_deadline"] == dl
+            }
             wanted = {
                 d["key"]: d
                 for d in desired

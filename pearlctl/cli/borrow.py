@@ -11,7 +11,7 @@ from pearlctl.daemon.client import DaemonRefusal, call
 
 
 def _run(run_ref: str) -> dict:
-    store = open_store(readonly=False)
+    store = open_store(readonly=True)  # the daemon writes; the CLI only finds the run
     try:
         return resolve_run(store, run_ref)
     finally:

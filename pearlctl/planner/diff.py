@@ -25,8 +25,11 @@ from collections import deque
 
 from pearlctl.planner import budget
 from pearlctl.planner.model import SERVING, GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
+from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
 
-POOLS = ("trainer", "rollout", "elastic")  # the pools that serve rollout (reward GPUs are not planned here)
+# the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
+# planned here)
+POOLS = tuple(str(p) for p in (PoolKind.TRAINER, *GENERATION_POOLS))
 _ROLES = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
 _ORDER = {
     MoveKind.RETURN: 0,
