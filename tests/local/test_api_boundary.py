@@ -41,7 +41,7 @@ import pytest
 from pearlctl.daemon.controller import allocation_credential
 from pearlctl.runfiles import ensure_secret, read_address
 from pearlctl.state.store import Store
-from tests.conftest import REPO, alive
+from tests.conftest import REPO, alive, wait_for
 
 RUN_ID = "bnd"
 NODE = socket.gethostname()  # what the local backend reports as every task's node
@@ -201,13 +201,10 @@ class LiveRun:
 
 
 def wait_until(fn, timeout: float, *, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout}s")
+    try:
+        return wait_for(fn, timeout, every)
+    except AssertionError:
+        raise AssertionError(f"{what}: not within {timeout}s") from None
 
 
 @pytest.fixture

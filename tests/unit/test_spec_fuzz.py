@@ -18,32 +18,14 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pearlctl.config import SpecError, parse_spec
+from pearlctl.config import _POOL_KEYS, _RUN_KEYS, SpecError, parse_spec
 from pearlctl.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
 
 POLICIES = ("never", "greedy")
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-RUN_KEYS = ("name", "model", "run_dir", "policy", "backend", "poll_interval_s")
-POOL_KEYS = (
-    "nodes",
-    "gpus_per_node",
-    "partition",
-    "time_limit",
-    "account",
-    "qos",
-    "cpus_per_task",
-    "mem",
-    "max_nodes",
-    "requeue",
-    "preempt_signal",
-    "preempt_notice_s",
-    "command",
-    "train_command",
-    "engine_args",
-    "env",
-)
+RUN_KEYS, POOL_KEYS = _RUN_KEYS, _POOL_KEYS  # every key a spec may have: the fuzzer sets each
 
 # --- values ------------------------------------------------------------------------------------------
 
