@@ -119,3 +119,22 @@ def test_pearl_runs_live_from_the_stored_profile_and_the_reported_work(daemon):
                 decode_tokens_per_turn_max=10, tool_latency_s=0.0, tool_latency_max_s=0.0)  # fmt: skip
     c.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 1, "tool_wait": 0, "work": tail}))
     assert c.borrowing.plan_borrow(NOW) is None
+
+
+def test_a_trainer_released_with_nothing_lent_and_nothing_moving_is_asked_to_reclaim(daemon):
+    """A release nobody wants any more (a held release carried out after its borrow was rolled back) must not
+    leave the trainer blocked: the daemon answers it with a reclaim, and journals the ack."""
+    store, c = daemon
+    phase = {"phase": "waiting", "step": 3, "released": True}
+    answer = c.trainer_phase(parse(bodies.TrainerPhase, phase))
+    assert answer["command"] == "reclaim" and answer["command_id"].startswith("orphan-reclaim:")
+    c.trainer_ack(parse(bodies.Ack, {"command_id": answer["command_id"], "result": {"ok": True, "command": "reclaim"}}))
+    assert [j["event"] for j in store.journal("r")][-1] == "trainer reclaimed (orphan)"
+    # not released, or released while a GPU is lent: no such command
+    assert c.trainer_phase(parse(bodies.TrainerPhase, dict(phase, released=False)))["command"] is None
+    gpu = next(g for g in store.gpus("r"))
+    store.update_fields("gpus", gpu["id"], borrowed=1, return_deadline=NOW + 60)
+    assert c.trainer_phase(parse(bodies.TrainerPhase, phase))["command"] is None
+    # an ack for a command nobody issued is still a 404
+    with pytest.raises(ControlError, match="no step"):
+        c.trainer_ack(parse(bodies.Ack, {"command_id": "9:9:OFFLOAD", "result": {"ok": True}}))
