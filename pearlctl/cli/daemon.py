@@ -75,6 +75,10 @@ def daemon(
         settings = DaemonSettings(
             host=host, port=port, advertise=advertise, heartbeat_s=heartbeat_s, lease_ttl_s=lease_ttl_s
         )
+        if foreground and (supervise or systemd_unit or slurm):
+            raise fail(
+                "--foreground runs this daemon here, unsupervised: drop --supervise/--slurm/--systemd-unit", EXIT_USAGE
+            )
         if foreground:
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
             d = Daemon(store, open_backend(run["backend"], state_dir=str(home.state_dir())), run["id"], settings)

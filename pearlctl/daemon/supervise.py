@@ -44,12 +44,21 @@ def supervise(argv: list[str], *, sleep=time.sleep, stopping: threading.Event | 
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
 
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, forward)
         # Slurm's early warning (--signal=B:USR2@T, forwarded by jobs/worker.sh) means "the job may end
         # soon", not "stop": the daemon keeps serving until TERM. Ignored here, and by the daemon (inherited).
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        return _run(argv, child, sleep, stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str], child: list[subprocess.Popen], sleep, stopping: threading.Event) -> int:
     backoff, restarts = BACKOFF_MIN_S, 0
     while not stopping.is_set():
         started = time.monotonic()
