@@ -76,11 +76,13 @@ def main() -> int:
 
     def watch_returns() -> None:
         """The return guarantee without the daemon: once the daemon has been out of reach (or stuck) for
-        a loss window, a lent GPU whose return must start is returned here, whatever the main loop is
-        blocked on (a heartbeat to a frozen daemon waits for its timeout)."""
+        a loss window, a lent GPU whose return must start within that window is returned here, whatever
+        the main loop is blocked on (a heartbeat to a frozen daemon waits for its timeout)."""
         while not stop.wait(RETURN_WATCH_S):
-            if client.contact_age() > max(LOSS_WINDOW * interval, MIN_LOSS_WINDOW_S) + 1.0:
-                for key in workers.return_lent():
+            window = max(LOSS_WINDOW * interval, MIN_LOSS_WINDOW_S) + 1.0
+            if client.contact_age() > window:
+                # start one window before return_by: noticing the daemon's absence took that long
+                for key in workers.return_lent(early_s=window):
                     _log("self return", worker=key, contact_age_s=round(client.contact_age(), 3))
                     wake.set()
 

@@ -359,15 +359,19 @@ class Reconciler:
                 except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries
                     log.warning("weight reload of %s failed: %s", key, exc)
 
-    def return_lent(self, now: float | None = None) -> list[str]:
+    def return_lent(self, now: float | None = None, *, early_s: float = 0.0) -> list[str]:
         """The daemon cannot be reached and a lent GPU's return must start: stop its worker here, then tell
         the trainer on this node (the return file) and, later, the daemon (``self_returns``). Returns the
-        keys whose return started. Idempotent: a lending is returned once."""
+        keys whose return started. Idempotent: a lending is returned once.
+
+        ``early_s``: start that much before the lending's ``return_by`` — the time it took to notice that
+        the daemon is gone, so that a daemon lost just before ``return_by`` still costs no lateness."""
         now = time.time() if now is None else now
         started = []
         with self._lock:
             for key, want in self.lent.items():
-                if key in self.returned or now < float(want.get("return_by") or want["return_deadline"]):
+                start_at = float(want.get("return_by") or want["return_deadline"]) - early_s
+                if key in self.returned or now < start_at:
                     continue
                 self.returned[key] = want["return_deadline"]
                 handle = self.workers.pop(key, None)

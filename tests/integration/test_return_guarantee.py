@@ -29,7 +29,7 @@ from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 
-STEPS = 4
+STEPS = 3
 HEARTBEAT = "1"
 pytestmark = pytest.mark.timeout(1500)  # a tiny run of 4 steps with real engines: minutes, not seconds
 

@@ -76,7 +76,8 @@ def test_a_lent_worker_past_its_return_by_is_stopped_then_the_trainer_is_told_on
     assert r.return_lent(now + 10) == []  # not yet: return_by is ahead
     handle = r.workers["rollout-1"]
 
-    assert r.return_lent(now + 31) == ["rollout-1"]
+    assert r.return_lent(now + 26, early_s=3.0) == []  # before return_by, less the time it took to notice
+    assert r.return_lent(now + 27.5, early_s=3.0) == ["rollout-1"]
     assert r.return_lent(now + 32) == []  # once per lending
     assert handle.done.wait(5)
     deadline = time.monotonic() + 5
@@ -85,7 +86,7 @@ def test_a_lent_worker_past_its_return_by_is_stopped_then_the_trainer_is_told_on
     doc = json.loads(r.return_file.read_text())
     assert doc["worker_key"] == "rollout-1" and doc["gpus"] == [1] and doc["how"] == "stopped"
     assert doc["deadline"] == now + 40 and doc["returned_at"] >= handle.stopped_at  # written after the stop
-    assert handle.stop_budget <= 9.0  # the stop fits in what is left before the deadline
+    assert handle.stop_budget <= 40 - 27.5 - 1.0  # the stop fits in what is left before the deadline
     (report,) = r.take_self_returns()
     assert report == {"gpus": [1], "worker_key": "rollout-1", "deadline": now + 40, "how": "stopped",
                       "at": doc["returned_at"]}  # fmt: skip
