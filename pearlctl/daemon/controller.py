@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pearlctl.api import bodies
+from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.planner import profile as profiles
@@ -37,10 +37,6 @@ from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, Role
-
-# Trainer commands that no transition step issued: their acks are journaled, not attached to a step.
-LOCAL_RETURN_PREFIX = "local-return:"  # the agent returned lent GPUs itself; the hook reclaimed on the node
-ORPHAN_RECLAIM_PREFIX = "orphan-reclaim:"  # the trainer is released with nothing lent and nothing moving
 
 
 def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
@@ -184,6 +180,8 @@ class Controller:
     def _check_urls(self, alloc: dict, body: bodies.Heartbeat) -> None:
         """Workers' URLs must name the allocation's own node (or its agent's host): nobody routes rollout
         traffic elsewhere by reporting a worker."""
+        if all(w.url is None for w in body.workers):
+            return
         hosts = {h.lower() for h in (alloc.get("node"), alloc.get("agent_host")) if h}
         hosts |= {n["name"].lower() for n in self._nodes_of(alloc["id"])}
         for w in body.workers:
@@ -216,7 +214,11 @@ class Controller:
             alloc = self._own_allocation(alloc_id)
             self._check_urls(alloc, body)
             self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            changed = [self._record_worker(alloc, report) for report in body.workers]
+            # a preemption seen by Slurm (GPUs DRAINING) keeps this allocation's workers out of routing
+            draining = any(
+                g["allocation_id"] == alloc_id and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
+            )
+            changed = [self._record_worker(alloc, report, draining) for report in body.workers]
             for r in body.self_returns:
                 self.store.journal_event(
                     self.run_id,
@@ -230,13 +232,14 @@ class Controller:
             if body.leaving:
                 # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
                 # leave with it from this moment, whatever Slurm says a poll later.
-                self._gpus_leave(alloc_id)
+                # GONE, not LOST: nothing about them is unknown
+                self._move_gpus(alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
                 self.wake.set()
                 return self._answer([], None)
             if body.draining:
-                changed.append(self._drain_gpus(alloc_id))
+                changed.append(self._drain(alloc_id))
             else:
-                self._revive_gpus(alloc_id)
+                self._move_gpus(alloc_id, (G.LOST,), G.UP, "agent reporting again")
             desired = [w.as_dict() for w in self.desired(alloc_id)]
         if any(changed):
             self.wake.set()  # a worker moved: a transition step may complete now
@@ -272,48 +275,30 @@ class Controller:
         with self.changed:
             self.changed.notify_all()
 
-    def _mark_gpus_lost(self, alloc_id: int, why: str, data: dict | None = None) -> bool:
+    def _move_gpus(
+        self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str, data: dict | None = None
+    ) -> bool:
+        """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
         hit = False
         for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.DRAINING):
+            if g["allocation_id"] == alloc_id and g["state"] in from_states:
                 self.store.set_state(
-                    "gpus", g["id"], expect=g["state"], to=G.LOST, epoch=self.epoch, event=why, data=data
+                    "gpus", g["id"], expect=g["state"], to=to, epoch=self.epoch, event=event, data=data
                 )
                 hit = True
         return hit
 
-    def _gpus_leave(self, alloc_id: int) -> None:
-        """The agent said it is leaving: its GPUs are GONE (not LOST: nothing is unknown about them)."""
-        for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.DRAINING, G.LOST):
-                self.store.set_state(
-                    "gpus", g["id"], expect=g["state"], to=G.GONE, epoch=self.epoch, event="agent leaving"
-                )
-
-    def _drain_gpus(self, alloc_id: int) -> bool:
+    def _drain(self, alloc_id: int) -> bool:
         """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
         requests from now on, before the drain ends and before Slurm's next poll says so."""
-        hit = False
-        for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] in (G.UP, G.LOST):
-                self.store.set_state(
-                    "gpus", g["id"], expect=g["state"], to=G.DRAINING, epoch=self.epoch, event="agent draining"
-                )
-                hit = True
+        hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
         for w in self.store.workers(self.run_id):
             if w["allocation_id"] == alloc_id and w["routable"]:
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, event="agent draining", routable=0)
                 hit = True
         return hit
 
-    def _revive_gpus(self, alloc_id: int) -> None:
-        for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] == G.LOST:
-                self.store.set_state(
-                    "gpus", g["id"], expect=G.LOST, to=G.UP, epoch=self.epoch, event="agent reporting again"
-                )
-
-    def _record_worker(self, alloc: dict, report: bodies.WorkerReport) -> bool:
+    def _record_worker(self, alloc: dict, report: bodies.WorkerReport, draining: bool) -> bool:
         """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
         Returns whether its state moved."""
         key, state = report.key, report.state
@@ -373,9 +358,6 @@ class Controller:
         if report.engine == Engine.VLLM and self._pool_of(alloc)["name"] != "trainer":
             # a worker of a rollout/elastic/reward pool takes traffic while READY (and not draining for a
             # preemption); one on borrowed trainer GPUs only between its REGISTER and DEREGISTER steps
-            draining = any(
-                g["allocation_id"] == alloc["id"] and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
-            )
             routable = int(current == W.READY and not draining)
             if routable != self.store.get("workers", worker["id"])["routable"]:
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
@@ -625,7 +607,7 @@ class Controller:
                 gone = alloc["state"] in (A.ENDED, A.LOST)
                 if seen is None or (not gone and (seen > deadline or self.polling[alloc["id"]] > 0)):
                     continue
-                hit = self._mark_gpus_lost(alloc["id"], "agent silent", {"last_seen": seen})
+                hit = self._move_gpus(alloc["id"], (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
                 for w in workers:
                     if w["allocation_id"] == alloc["id"] and w["state"] not in (W.STOPPED, W.FAILED, W.LOST):
                         self.store.set_state(

@@ -37,6 +37,7 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
+from pearlctl.slurm.client import DEFAULT_TIMEOUT_S
 from pearlctl.state.errors import StaleEpoch, StaleWrite
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
@@ -77,8 +78,8 @@ class DaemonRefused(Exception):
     """The daemon cannot start or must stop (lease held elsewhere, or lost)."""
 
 
-# A Slurm command may take this long (pearlctl.slurm.client's default timeout); the lease outlives it.
-SLURM_COMMAND_TIMEOUT_S = 30.0
+# A Slurm command may take this long; the lease outlives it.
+SLURM_COMMAND_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 @dataclass

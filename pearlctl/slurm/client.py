@@ -43,8 +43,12 @@ class SlurmError(Exception):
     """A Slurm command failed or could not be run. ``str()`` says which and what Slurm printed."""
 
 
+# How long one Slurm command may take by default (the daemon's lease outlives it: pearlctl.daemon.main).
+DEFAULT_TIMEOUT_S = 30.0
+
+
 class SlurmClient:
-    def __init__(self, runner: CommandRunner | None = None, *, timeout: float = 30.0):
+    def __init__(self, runner: CommandRunner | None = None, *, timeout: float = DEFAULT_TIMEOUT_S):
         self.runner = runner or SubprocessRunner()
         self.timeout = timeout
         self._accounting: bool | None = None

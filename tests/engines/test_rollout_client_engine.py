@@ -20,29 +20,15 @@ import pytest
 
 from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router.client import RolloutClient
-from tests.engines.conftest import TINY_MODEL, free_port
+from tests.engines.conftest import free_port, tiny_server
 
 NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(engine_lock: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    srv = VllmServer(
-        str(TINY_MODEL),
-        port=free_port(),
-        role="ROLLOUT",
-        gpus=[],
-        engine_args={},
-        log_path=tmp_path_factory.mktemp("vllm") / "server.log",
-        device="cpu",
-        served_model_name=NAME,
-    )
-    srv.start()
-    try:
-        srv.wait_ready(timeout=180)
+    with tiny_server(tmp_path_factory.mktemp("vllm"), NAME) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 class Membership:

@@ -17,33 +17,15 @@ import pytest
 
 from pearlctl.agent.engines import EngineError
 from pearlctl.agent.engines.vllm import ENTRY_POINT, VllmServer
-from tests.engines.conftest import TINY_MODEL, build_tiny_model, free_port, group_alive
+from tests.engines.conftest import TINY_MODEL, build_tiny_model, group_alive, tiny_server
 
 NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(engine_lock: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    srv = VllmServer(
-        str(TINY_MODEL),
-        port=free_port(),
-        role="ROLLOUT",
-        gpus=[],
-        engine_args={},
-        log_path=log,
-        device="cpu",
-        served_model_name=NAME,
-    )
-    srv.start()
-    try:
-        srv.wait_ready(timeout=180)
-        print(f"\nvLLM ready in {srv.ready_s:.1f} s (pid {srv.pid})")
+    with tiny_server(tmp_path_factory.mktemp("vllm"), NAME) as srv:
         yield srv
-    finally:
-        srv.stop()
-        assert not srv.alive()
-        assert srv.pid is not None and not group_alive(srv.pid)
 
 
 def complete(srv: VllmServer, prompt: str, max_tokens: int = 16, timeout: float = 120, **extra) -> dict:

@@ -24,7 +24,9 @@ from tests.conftest import REPO, Pearlctl, alive
 STEPS = 3
 
 
-def spec_text(run_dir: Path) -> str:
+def spec_text(run_dir: Path, *, name: str = "e2e", steps: int = STEPS, train_args: tuple[str, ...] = ()) -> str:
+    """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
+    RUN_DIR/rollouts, and one vLLM rollout worker; ``train_args`` go to examples/grpo/train.py."""
     py = sys.executable
     train = [
         py,
@@ -37,17 +39,18 @@ def spec_text(run_dir: Path) -> str:
         "--model",
         str(REPO / "examples/models/tiny"),
         "--steps",
-        str(STEPS),
+        str(steps),
         "--out",
         str(run_dir / "trainer"),
         "--rollouts",
         f"file:{run_dir / 'rollouts'}",
         "--channel",
         "daemon",
+        *train_args,
     ]
     return f"""
 [run]
-name = "e2e"
+name = "{name}"
 model = "{REPO / "examples/models/tiny"}"
 run_dir = "{run_dir}"
 poll_interval_s = 2

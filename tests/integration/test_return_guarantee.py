@@ -28,36 +28,16 @@ import pytest
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
+from tests.integration.test_borrow_e2e import spec_text as e2e_spec
 
 STEPS = 3
 HEARTBEAT = "1"
-pytestmark = pytest.mark.timeout(1500)  # a tiny run of 4 steps with real engines: minutes, not seconds
+pytestmark = pytest.mark.timeout(1500)  # a tiny run of 3 steps with real engines: minutes, not seconds
 
 
 def spec_text(run_dir: Path, name: str) -> str:
-    py = sys.executable
-    train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(REPO / "examples/grpo/train.py"), "--model", str(REPO / "examples/models/tiny"),
-             "--steps", str(STEPS), "--out", str(run_dir / "trainer"), "--rollouts", f"file:{run_dir / 'rollouts'}",
-             "--channel", "daemon", "--first-wait-s", "40"]  # fmt: skip
-    return f"""
-[run]
-name = "{name}"
-model = "{REPO / "examples/models/tiny"}"
-run_dir = "{run_dir}"
-poll_interval_s = 2
-[pools.trainer]
-partition = "debug"
-nodes = 1
-gpus_per_node = 2
-env = {{ OMP_NUM_THREADS = "1" }}
-train_command = {json.dumps(train)}
-[pools.rollout]
-partition = "debug"
-nodes = 1
-gpus_per_node = 1
-engine_args = {{ max_model_len = 512 }}
-"""
+    # a first expected wait, so that the first step's rollouts can already borrow
+    return e2e_spec(run_dir, name=name, steps=STEPS, train_args=("--first-wait-s", "40"))
 
 
 class Run:
