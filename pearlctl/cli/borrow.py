@@ -59,8 +59,34 @@ def borrow(
                     f"{plan['return_deadline']:.1f} ({view['wait_left_s']:.1f}s from now)",
                     markup=False,
                 )
+            _print_whole_plan(policy, answer.get("whole_plan") or {})
         else:
             err.print(f"borrowing on for {run['id']}: policy {policy}" + (f", at most {gpus} GPU(s)" if gpus else ""))
+
+
+def _print_whole_plan(policy: str, whole: dict) -> None:
+    """Every move of the policy's plan and the transitions the daemon would run for them."""
+    moves = whole.get("moves") or []
+    if not moves:
+        out.print(f"policy {policy} would move no GPU now", markup=False)
+        return
+    before, after = whole.get("predicted_s") or (None, None)
+    if before is not None:
+        out.print(
+            f"whole plan ({whole.get('why')}): batch predicted {before:.1f}s now, {after:.1f}s with the plan",
+            markup=False,
+        )
+    for m in moves:
+        out.print(
+            f"  {m['kind']:<7} gpu {m['node']}:{m['gpu']} ({m['pool']}) {m['from']} -> {m['to']}  ~{m['cost_s']:.1f}s",
+            markup=False,
+        )
+    for t in whole.get("transitions") or []:
+        out.print(
+            f"  transition {t['plan']} on allocation {t['allocation_id']}: GPUs {t['gpu_ids']} "
+            f"{t['from_role']} -> {t['to_role']}",
+            markup=False,
+        )
 
 
 @app.command(name="return")

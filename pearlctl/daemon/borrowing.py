@@ -1,16 +1,17 @@
-"""Borrowing idle trainer GPUs under a policy, and returning them before the trainer needs them.
+"""The run's policy, live: whole plans carried out as transitions, and lent trainer GPUs returned before
+the trainer needs them.
 
-Each tick: advance open transitions (aborting a borrow whose return deadline is too close); with GPUs
-lent, start their return early enough to meet the deadline — the deadline minus the running estimate
-of a return's duration — or at once when the trainer blocks waiting for them, borrowing was turned off,
-or the policy's plan returns them; with nothing lent and nothing moving, ask the policy what to lend.
+Each tick: advance open transitions (aborting a borrow whose return deadline is too close). With nothing
+moving: lent GPUs go back at once when the trainer blocks waiting for them, borrowing was turned off, or
+their deadline minus the running estimate of a return's duration has come; otherwise the policy's plan is
+carried out whole — every move of it, on every pool: RETURN and BORROW of trainer GPUs, START, WAKE,
+RETIRE and SWITCH of rollout and elastic GPUs (``transitions_for`` groups the moves into transitions,
+one per allocation, kind and target role — the GPUs of one worker move together).
 
 The policy is a module of ``policies/`` loaded by name (pearlctl.policies), the same one the simulator
 runs: ``decide(snapshot)`` gets a planner ``Snapshot`` built here from state (GPUs by pool and role, the
 rollout driver's progress as ``Work``, the trainer's phase, the run's profile, transition costs measured
-from the journal) and answers with a ``Plan``. Live, the daemon carries out the plan's BORROW and RETURN
-moves (trainer GPUs); its moves on rollout and elastic pools (START, WAKE, RETIRE, SWITCH) are what the
-simulator executes — the live pools keep the workers their agents run.
+from the journal) and answers with a ``Plan``.
 
 The return deadline comes from the trainer's own report: when it said it would wait, plus how long it
 said. Whether a return met its deadline is journaled (``deadline met`` / ``deadline missed`` with the
@@ -24,13 +25,13 @@ import time
 
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import profile as profiles
-from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Plan, Role, Snapshot, Trainer, Work
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import SERVING_ROLES
+from pearlctl.vocabulary import SERVING_ROLES, PoolKind
 
 __all__ = ["Borrowing", "PolicyError", "load_policy"]
 
@@ -48,6 +49,66 @@ UNMEASURED = Profile(
     kv_capacity_tokens=10**6,
     costs=DEFAULT_COSTS,
 )
+
+
+_PD = (Role.PREFILL, Role.DECODE)
+# a transition per move kind; the variants: a warm borrow wakes a parked worker, a return or a rollout
+# GPU's retire parks its worker asleep when workers are kept warm (an elastic GPU's worker stops: its
+# allocation may be preempted)
+_KIND = {
+    MoveKind.START: "start",
+    MoveKind.WAKE: "wake",
+    MoveKind.RETIRE: "retire",
+    MoveKind.SWITCH: "switch",
+}
+
+
+def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) -> list[dict]:
+    """The transitions that carry out the plan's moves on rollout and elastic GPUs (its BORROW and RETURN
+    moves are the trainer's: ``Borrowing`` runs those as one borrow or return): moves grouped by allocation,
+    kind and roles, in the planner's order (capacity freed before it is used). ``gpus``: state rows by id."""
+    groups: dict[tuple, list[int]] = {}
+    for m in planned.moves:
+        if m.kind not in _KIND or m.gpu not in gpus:
+            continue
+        g = gpus[m.gpu]
+        groups.setdefault((g["allocation_id"], m.kind, str(m.from_role), str(m.to_role), g["pool"]), []).append(m.gpu)
+    out = []
+    for (alloc, kind, from_role, to_role, pool), ids in groups.items():
+        plan = _KIND[kind]
+        if kind is MoveKind.RETIRE and keep_warm and pool != PoolKind.ELASTIC:
+            plan = "retire_sleep"
+        out.append(
+            {
+                "kind": _KIND[kind],
+                "plan": plan,
+                "gpu_ids": sorted(ids),
+                "allocation_id": alloc,
+                "from_role": from_role if from_role in SERVING_ROLES else "IDLE",
+                "to_role": to_role if to_role in SERVING_ROLES else "IDLE",
+                "why": planned.why,
+            }
+        )
+    return out
+
+
+def describe_moves(planned: Plan | None, gpus: dict[int, dict]) -> list[dict]:
+    """Every move of a plan, for people (``borrow --dry-run``)."""
+    out = []
+    for m in planned.moves if planned else ():
+        g = gpus.get(m.gpu, {})
+        out.append(
+            {
+                "gpu": m.gpu,
+                "node": g.get("node"),
+                "pool": g.get("pool"),
+                "kind": str(m.kind),
+                "from": str(m.from_role),
+                "to": str(m.to_role),
+                "cost_s": round(m.cost_s, 3),
+            }
+        )
+    return out
 
 
 class Borrowing:
@@ -107,7 +168,7 @@ class Borrowing:
                     node=g["node"],
                     pool=g["pool"],
                     role=role,
-                    parked=not g["borrowed"] and g["worker_id"] in asleep,
+                    parked=role in (Role.TRAIN, Role.IDLE) and g["worker_id"] in asleep,
                     borrowed=bool(g["borrowed"]),
                     return_deadline=g["return_deadline"],
                 )
@@ -121,7 +182,7 @@ class Borrowing:
             trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
             profile=profile,
             costs=self.costs(profile.costs),
-            mode=Mode.COLOCATED,
+            mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1]["created_at"] if transitions else None,
         )
@@ -135,12 +196,14 @@ class Borrowing:
         settings = settings or self.settings()
         return load_policy(settings["policy"]).decide(self.snapshot(now, settings))
 
-    def plan_borrow(self, now: float, settings: dict | None = None) -> dict | None:
+    def plan_borrow(self, now: float, settings: dict | None = None, *, planned: Plan | None = None) -> dict | None:
         """What a borrow would do now: GPUs, deadline (None: the policy lends nothing). Pure read.
-        ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's."""
+        ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's. ``planned``:
+        the policy's plan when the caller has it."""
         settings = settings or self.settings()
         snapshot = self.snapshot(now, settings)
-        planned = load_policy(settings["policy"]).decide(snapshot)
+        if planned is None:
+            planned = load_policy(settings["policy"]).decide(snapshot)
         lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
         if not lend:
             return None
@@ -159,6 +222,21 @@ class Borrowing:
             "why": planned.why,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s],
             "view": summary(snapshot),
+        }
+
+    def whole_plan(self, now: float, settings: dict | None = None) -> dict:
+        """Everything the policy's plan would do now — every move, and the transitions the daemon would run
+        for them (``borrow --dry-run``). Pure read."""
+        settings = settings or self.settings()
+        planned = self.decide(now, settings)
+        rows = {g["id"]: g for g in self.store.gpus(self.run_id)}
+        return {
+            "why": planned.why if planned else None,
+            "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
+            "moves": describe_moves(planned, rows),
+            "transitions": transitions_for(planned, rows, keep_warm=settings.get("keep_warm", True))
+            if planned
+            else [],
         }
 
     def _unpark(self) -> None:
@@ -188,37 +266,47 @@ class Borrowing:
             if t["kind"] == "return" and state == T.DONE:
                 self._judge_return(t)
         if self.executor.open_transitions():
-            return
-        if not self.settings().get("keep_warm", True):
+            return  # one plan at a time: a new one is made from the state the last one left
+        settings = self.settings()
+        keep_warm = settings.get("keep_warm", True)
+        if not keep_warm:
             self._unpark()
         lent = [g for g in self.trainer_gpus() if g["borrowed"]]
+        why = None
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
             trainer = self.store.get_run(self.run_id).get("trainer") or {}
-            why = None
-            if self.settings()["policy"] == "never":
+            if settings["policy"] == "never":
                 why = "borrowing turned off"
             elif trainer.get("blocked_s") is not None:
                 why = "the trainer is waiting for its GPUs"
             elif now >= deadline - self.cost("return"):
                 why = "return deadline"
-            else:  # the policy may want them back sooner (e.g. the batch is done)
-                planned = self.decide(now)
-                if planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
-                    why = f"policy: {planned.why}"
-            if why:
-                plan = "return_sleep" if self.settings().get("keep_warm", True) else "return"
-                self.executor.plan(
-                    "return", [g["id"] for g in lent], detail={"return_deadline": deadline, "why": why, "plan": plan}
-                )
-            return
-        plan = self.plan_borrow(now)
-        if plan is not None:
+        planned = None if why else self.decide(now, settings)
+        if lent and planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
+            why = f"policy: {planned.why}"
+        if why:
             self.executor.plan(
-                "borrow",
-                plan["gpu_ids"],
-                detail={k: plan[k] for k in ("return_deadline", "policy", "plan", "rollback")},
+                "return",
+                [g["id"] for g in lent],
+                detail={"return_deadline": deadline, "why": why, "plan": "return_sleep" if keep_warm else "return"},
             )
+            if planned is None:
+                return
+        if planned is None or planned.empty:
+            return
+        rows = {g["id"]: g for g in self.store.gpus(self.run_id)}
+        for t in transitions_for(planned, rows, keep_warm=keep_warm):
+            detail = {"plan": t["plan"], "why": t["why"], "policy": settings["policy"]}
+            self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
+        if not lent:
+            borrow = self.plan_borrow(now, settings, planned=planned)
+            if borrow is not None:
+                self.executor.plan(
+                    "borrow",
+                    borrow["gpu_ids"],
+                    detail={k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
+                )
 
     def _judge_return(self, t: dict) -> None:
         deadline = (t.get("detail") or {}).get("return_deadline")

@@ -218,7 +218,8 @@ class Controller:
             draining = any(
                 g["allocation_id"] == alloc_id and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
             )
-            changed = [self._record_worker(alloc, report, draining) for report in body.workers]
+            moving = self._moving_places(alloc_id) if body.workers else set()
+            changed = [self._record_worker(alloc, report, draining, moving) for report in body.workers]
             for r in body.self_returns:
                 self.store.journal_event(
                     self.run_id,
@@ -298,9 +299,22 @@ class Controller:
                 hit = True
         return hit
 
-    def _record_worker(self, alloc: dict, report: bodies.WorkerReport, draining: bool) -> bool:
+    def _moving_places(self, alloc_id: int) -> set[tuple[int, int]]:
+        """(allocation, GPU index) of the allocation's GPUs that an open transition is moving."""
+        ids: set[int] = set()
+        for t in self.store.transitions(self.run_id):
+            if t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK):
+                ids.update(t["gpu_ids"])
+        if not ids:
+            return set()
+        return {(g["allocation_id"], g["idx"]) for g in self.store.gpus(self.run_id) if g["id"] in ids}
+
+    def _record_worker(
+        self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]]
+    ) -> bool:
         """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
-        Returns whether its state moved."""
+        Returns whether its state moved. ``moving``: GPUs an open transition moves (their workers are
+        routed by its REGISTER / DEREGISTER steps only)."""
         key, state = report.key, report.state
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = next(
@@ -357,9 +371,11 @@ class Controller:
                 current = step
         if report.engine == Engine.VLLM and self._pool_of(alloc)["name"] != "trainer":
             # a worker of a rollout/elastic/reward pool takes traffic while READY (and not draining for a
-            # preemption); one on borrowed trainer GPUs only between its REGISTER and DEREGISTER steps
+            # preemption) — unless a transition moves its GPUs: then its REGISTER and DEREGISTER steps
+            # decide, as they always do for one on borrowed trainer GPUs (this may only take it out)
             routable = int(current == W.READY and not draining)
-            if routable != self.store.get("workers", worker["id"])["routable"]:
+            held = any((alloc["id"], i) in moving for i in report.gpus)
+            if routable != self.store.get("workers", worker["id"])["routable"] and not (held and routable):
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
         return moved
 
@@ -372,7 +388,8 @@ class Controller:
 
         A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
         (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
-        worker parked on trainer GPUs after a return is desired asleep, ready to be woken by the next borrow.
+        worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
+        asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
         """
         alloc = self.store.get("allocations", alloc_id)
         if alloc["state"] not in (A.RUNNING,):
@@ -387,7 +404,7 @@ class Controller:
                     deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
                 if g["borrowed"]:
                     by_role.setdefault("TRAIN", []).append(g["idx"])
-                if g["worker_id"] is not None and g["role"] == "TRAIN":
+                if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
                     parked.setdefault(g["worker_id"], []).append(g["idx"])
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
         weights = None
@@ -494,9 +511,18 @@ class Controller:
         with self.lock:
             settings = {"policy": policy, "max_gpus": body.gpus, "keep_warm": body.keep_warm}
             if body.dry_run:
-                plan = self.borrowing.plan_borrow(self.clock(), settings)
-                view = self.borrowing.view(self.clock(), settings)
-                return {"epoch": self.epoch, "dry_run": True, "settings": settings, "plan": plan, "view": view}
+                now = self.clock()
+                plan = self.borrowing.plan_borrow(now, settings)
+                view = self.borrowing.view(now, settings)
+                whole = self.borrowing.whole_plan(now, settings)
+                return {
+                    "epoch": self.epoch,
+                    "dry_run": True,
+                    "settings": settings,
+                    "plan": plan,
+                    "whole_plan": whole,
+                    "view": view,
+                }
             self.store.update_fields(
                 "runs",
                 self.run_id,

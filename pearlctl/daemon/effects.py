@@ -6,16 +6,16 @@ step key:
 | step | effect | proven when |
 |---|---|---|
 | OFFLOAD | the trainer is asked to release (command id = step key) | the trainer acked it ok |
-| START | the GPUs take role ROLLOUT (borrowed, with a deadline): the agent starts vLLM | the agent reports it |
-| VERIFY (borrow) | — | the worker is READY (health checked by its agent) |
-| REGISTER | the worker becomes routable | recorded |
-| DEREGISTER | the worker stops being routable: rollout clients send it nothing new | recorded |
-| DRAIN | the GPUs go back to role TRAIN: the agent drains the worker, then stops it | the worker drains or is gone |
+| START | the GPUs take the serving role (trainer GPUs: lent, with a deadline): the agent starts vLLM | it runs |
+| VERIFY (GPUs come up) | — | the worker in the new role is READY (health checked by its agent) |
+| REGISTER | the worker becomes routable | recorded, and the run's router lists it |
+| DEREGISTER | the worker stops being routable: nothing new reaches it | recorded; the router no longer lists it |
+| DRAIN | the GPUs leave their role (trainer: TRAIN; others: IDLE): the agent drains the worker | drained or gone |
 | STOP | — | the worker is STOPPED (or FAILED/LOST: it is gone either way) |
-| WAKE (not START) | the GPUs serve rollout again: the agent wakes the worker parked there | it is READY |
+| WAKE (not START) | the GPUs serve again: the agent wakes the worker parked there | it is READY |
 | SLEEP (not STOP) | DRAIN parked the worker: the agent drains it and puts it to sleep | it SLEEPS (or is gone) |
 | RELOAD | the trainer is asked to reclaim (command id = step key) | the trainer acked it ok |
-| VERIFY (return) | — | the trainer reports itself not released |
+| VERIFY (GPUs go back to TRAIN) | — | the trainer reports itself not released |
 
 Trainer commands are not stored separately: the pending one is the OFFLOAD/RELOAD step still in
 INTENT, so a restarted daemon asks again under the same id and the hook answers a repeat with its
@@ -24,39 +24,54 @@ first answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearlctl.daemon.transitions import DONE, FAILED, PENDING, PLANS
+from pearlctl.daemon.transitions import DONE, FAILED, PENDING, current_plan
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import StepKind
+from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
 
 GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
 
 
 class DaemonEffects:
-    def __init__(self, store: Store, run_id: str, epoch: int | None):
+    """``router``: what the run's router routes to now (worker URLs), or None when the run has no router
+    (REGISTER and DEREGISTER are then proven by state alone)."""
+
+    def __init__(
+        self, store: Store, run_id: str, epoch: int | None, *, router: Callable[[], set[str] | None] | None = None
+    ):
         self.store, self.run_id, self.epoch = store, run_id, epoch
+        self.router = router or (lambda: None)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _gpus(self, t: dict) -> list[dict]:
         ids = set(t["gpu_ids"])
         return [g for g in self.store.gpus(self.run_id) if g["id"] in ids]
 
-    def _workers_on(self, t: dict, role: str = "ROLLOUT") -> list[dict]:
+    def _workers_on(self, t: dict, role: str | None = None) -> list[dict]:
+        """The vLLM workers on the transition's GPUs (``role``: only those serving it)."""
         places = {(g["allocation_id"], g["idx"]) for g in self._gpus(t)}
         out = []
         for w in self.store.workers(self.run_id):
-            if w["role"] == role and any((w["allocation_id"], i) in places for i in (w.get("gpu_idx") or [])):
+            if w["engine"] != Engine.VLLM or (role is not None and w["role"] != role):
+                continue
+            if any((w["allocation_id"], i) in places for i in (w.get("gpu_idx") or [])):
                 out.append(w)
         return out
 
-    def _live_worker(self, t: dict) -> dict | None:
-        live = [w for w in self._workers_on(t) if w["state"] not in GONE_WORKER]
+    def _live_worker(self, t: dict, role: str | None = None) -> dict | None:
+        live = [w for w in self._workers_on(t, role) if w["state"] not in GONE_WORKER]
         return live[0] if live else None
+
+    @staticmethod
+    def _serving_role(t: dict) -> str:
+        """The role the transition's GPUs serve in when it brings them up (a borrow: ROLLOUT)."""
+        return t["to_role"] if t["to_role"] in SERVING_ROLES else Role.ROLLOUT
 
     def _proven_gone(self, w: dict) -> bool:
         """Stopped or failed as its agent reported — or LOST with its allocation ended. A worker LOST only
@@ -74,30 +89,44 @@ class DaemonEffects:
         return None
 
     # -- effects --------------------------------------------------------------------------------
-    def _lend(self, t: dict, key: str) -> None:
-        """START / WAKE: the GPUs serve rollout now: their agent starts a vLLM worker, or wakes the one
-        parked there; the return deadline goes down to the agent with the desired worker."""
+    def _serve(self, t: dict, key: str) -> None:
+        """START / WAKE: the GPUs serve in the transition's role now: their agent starts a vLLM worker, or
+        wakes the one parked there. Lent trainer GPUs carry their return deadline down to the agent."""
         deadline = (t.get("detail") or {}).get("return_deadline")
+        role = self._serving_role(t)
         for g in self._gpus(t):
+            lent = g["pool"] == PoolKind.TRAINER
             self.store.update_fields(
-                "gpus", g["id"], epoch=self.epoch, role="ROLLOUT", borrowed=1, return_deadline=deadline, worker_id=None
+                "gpus",
+                g["id"],
+                epoch=self.epoch,
+                role=role,
+                borrowed=int(lent),
+                return_deadline=deadline if lent else None,
+                worker_id=None,
             )
 
     def _route(self, t: dict, key: str) -> None:
         """REGISTER / DEREGISTER: the worker takes new requests, or stops taking them."""
-        routable = int(key.endswith(":" + StepKind.REGISTER))
-        for w in self._workers_on(t):
-            self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
+        if key.endswith(":" + StepKind.REGISTER):
+            workers, routable = self._workers_on(t, self._serving_role(t)), 1
+            workers = [w for w in workers if w["state"] not in GONE_WORKER]
+        else:
+            workers, routable = self._workers_on(t), 0
+        for w in workers:
+            if w["routable"] != routable:
+                self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
 
-    def _give_back(self, t: dict, key: str) -> None:
-        """DRAIN: back to the trainer; with a SLEEP next, the worker stays parked on the GPUs (desired: asleep)."""
-        parked = self._live_worker(t) if StepKind.SLEEP in self._current_plan(t) else None
+    def _leave(self, t: dict, key: str) -> None:
+        """DRAIN: the GPUs leave their serving role — trainer GPUs back to TRAIN, others IDLE; with a SLEEP
+        next, the worker stays parked on the GPUs (desired: asleep)."""
+        parked = self._live_worker(t) if StepKind.SLEEP in current_plan(t) else None
         for g in self._gpus(t):
             self.store.update_fields(
                 "gpus",
                 g["id"],
                 epoch=self.epoch,
-                role="TRAIN",
+                role=Role.TRAIN if g["pool"] == PoolKind.TRAINER else Role.IDLE,
                 borrowed=0,
                 return_deadline=None,
                 worker_id=parked["id"] if parked else None,
@@ -108,13 +137,6 @@ class DaemonEffects:
         """OFFLOAD / RELOAD: the command is the step's INTENT itself (see pending_trainer_command); the
         probes of STOP, SLEEP and VERIFY wait for what an earlier step set in motion."""
 
-    @staticmethod
-    def _current_plan(t: dict) -> tuple[str, ...]:
-        detail = t.get("detail") or {}
-        if t["state"] == T.ROLLING_BACK:
-            return PLANS[detail.get("rollback", "return")]
-        return PLANS[detail.get("plan", t["kind"])]
-
     # -- probes ---------------------------------------------------------------------------------
     def _trainer_acked(self, t: dict, key: str) -> str:
         ack = self._ack(key)
@@ -123,7 +145,7 @@ class DaemonEffects:
         return DONE if ack.get("ok") else FAILED
 
     def _woken(self, t: dict, key: str) -> str:
-        w = self._live_worker(t)
+        w = self._live_worker(t, self._serving_role(t))
         if w is None:
             return FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
         return DONE if w["state"] == W.READY else PENDING
@@ -133,24 +155,35 @@ class DaemonEffects:
         return DONE if all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers) else PENDING
 
     def _started(self, t: dict, key: str) -> str:
-        if self._live_worker(t) is not None:
+        role = self._serving_role(t)
+        if self._live_worker(t, role) is not None:
             return DONE
-        return FAILED if any(w["state"] == W.FAILED for w in self._workers_on(t)) else PENDING
+        return FAILED if any(w["state"] == W.FAILED for w in self._workers_on(t, role)) else PENDING
 
     def _verified(self, t: dict, key: str) -> str:
-        if t["kind"] == "borrow" and t["state"] == T.RUNNING:  # the worker serves
-            w = self._live_worker(t)
-            if w is None:
-                return FAILED if any(x["state"] == W.FAILED for x in self._workers_on(t)) else PENDING
-            return DONE if w["state"] == W.READY else PENDING
-        trainer = self.store.get_run(self.run_id).get("trainer") or {}  # a return's: the trainer has its GPUs
-        return DONE if trainer and not trainer.get("released") else PENDING
+        if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
+            trainer = self.store.get_run(self.run_id).get("trainer") or {}
+            return DONE if trainer and not trainer.get("released") else PENDING
+        role = self._serving_role(t)  # GPUs brought up: their worker serves
+        w = self._live_worker(t, role)
+        if w is None:
+            return FAILED if any(x["state"] == W.FAILED for x in self._workers_on(t, role)) else PENDING
+        return DONE if w["state"] == W.READY else PENDING
 
     def _routed(self, t: dict, key: str) -> str:
+        """Recorded in state, and — where the run has a router — carried out by it: REGISTER is proven when
+        the router routes to the worker, DEREGISTER when it no longer does (so a worker drains only once
+        nothing new can reach it)."""
+        routed = self.router()
         if key.endswith(":" + StepKind.REGISTER):
-            live = [w for w in self._workers_on(t) if w["state"] not in GONE_WORKER]
-            return DONE if all(w["routable"] for w in live) else PENDING
-        return DONE if not any(w["routable"] for w in self._workers_on(t)) else PENDING
+            live = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
+            if not all(w["routable"] for w in live):
+                return PENDING
+            return DONE if routed is None or all(w["url"] in routed for w in live if w["url"]) else PENDING
+        workers = self._workers_on(t)
+        if any(w["routable"] for w in workers):
+            return PENDING
+        return DONE if routed is None or not any(w["url"] in routed for w in workers if w["url"]) else PENDING
 
     def _drained(self, t: dict, key: str) -> str:
         busy = (W.READY, W.STARTING)
@@ -179,14 +212,20 @@ class Step:
 
 STEPS: dict[StepKind, Step] = {
     StepKind.OFFLOAD: Step("_nothing", "_trainer_acked", "the trainer is asked to release (id: the key)", "acked ok"),
-    StepKind.START: Step("_lend", "_started", "the GPUs take role ROLLOUT, lent with a deadline", "a worker runs"),
-    StepKind.WAKE: Step("_lend", "_woken", "as START; the agent wakes the parked worker", "it is READY"),
-    StepKind.VERIFY: Step(
-        "_nothing", "_verified", "—", "borrow: the worker is READY; return: the trainer is not released"
+    StepKind.START: Step(
+        "_serve", "_started", "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "a worker runs"
     ),
-    StepKind.REGISTER: Step("_route", "_routed", "the worker becomes routable", "recorded"),
-    StepKind.DEREGISTER: Step("_route", "_routed", "the worker stops being routable", "recorded"),
-    StepKind.DRAIN: Step("_give_back", "_drained", "the GPUs go back to role TRAIN", "the worker drains or is gone"),
+    StepKind.WAKE: Step("_serve", "_woken", "as START; the agent wakes the parked worker", "it is READY"),
+    StepKind.VERIFY: Step(
+        "_nothing", "_verified", "—", "GPUs brought up: the worker is READY; back to TRAIN: the trainer has them"
+    ),
+    StepKind.REGISTER: Step("_route", "_routed", "the worker becomes routable", "recorded; the router lists it"),
+    StepKind.DEREGISTER: Step(
+        "_route", "_routed", "the worker stops being routable", "recorded; the router no longer lists it"
+    ),
+    StepKind.DRAIN: Step(
+        "_leave", "_drained", "the GPUs leave their role (trainer: TRAIN; others: IDLE)", "the worker drains or is gone"
+    ),
     StepKind.STOP: Step("_nothing", "_stopped", "—", "the worker is STOPPED (or proven gone)"),
     StepKind.SLEEP: Step("_nothing", "_asleep", "— (DRAIN parked the worker)", "it SLEEPS (or is gone)"),
     StepKind.RELOAD: Step("_nothing", "_trainer_acked", "the trainer is asked to reclaim (id: the key)", "acked ok"),

@@ -1,10 +1,20 @@
 """Checkpointed role transitions: a transition is a fixed sequence of idempotent steps, each journaled
-INTENT → effect → DONE/FAILED in state (design.md §4).
+INTENT → effect → DONE/FAILED in state (design.md §4). The daemon carries out every move of a policy's plan
+(pearlctl.planner.model.MoveKind) as one transition of the same kind:
 
 - borrow (TRAIN → ROLLOUT):  OFFLOAD → START → VERIFY → REGISTER, or OFFLOAD → WAKE → VERIFY → REGISTER
   when a vLLM worker parked asleep on those GPUs can be woken instead of cold-started
 - return (ROLLOUT → TRAIN):  DEREGISTER → DRAIN → STOP → RELOAD → VERIFY, or … → SLEEP → … to park the
   worker asleep (its GPU memory released) for the next borrow
+- start (IDLE → a serving role, rollout and elastic pools):  START → VERIFY → REGISTER
+- wake (IDLE with a parked worker → serving):  WAKE → VERIFY → REGISTER
+- retire (serving → IDLE):  DEREGISTER → DRAIN → STOP, or DEREGISTER → DRAIN → SLEEP to park the worker
+  (a rollout-pool GPU may serve again soon; an elastic one may be preempted, so its worker stops)
+- switch (one serving role → another, e.g. ROLLOUT → PREFILL):  DEREGISTER → DRAIN → STOP → START →
+  VERIFY → REGISTER: the worker restarts in its new role (its engine flags differ)
+
+A worker always leaves the router (DEREGISTER) before it drains, so nothing new reaches it; what it still
+runs when its drain ends is aborted and continued elsewhere by the router's gateway (pearlctl.router).
 
 The executor never blocks: ``advance`` moves a transition as far as its probes allow and returns; the
 daemon calls it every tick. A step's INTENT (with its idempotency key ``<transition>:<seq>:<kind>``) is
@@ -13,8 +23,9 @@ INTENT: a proven effect becomes DONE; an unproven one is issued again only if it
 for its key (every effect here is a desired-state write that agents and the trainer apply once per
 key, so no engine ever starts twice); otherwise it is HELD for a person to look at.
 
-A failed borrow step, or a return deadline reached mid-borrow, rolls back: the return steps run as
-compensation (seq 100+), so the trainer always gets its GPUs back.
+A failed step of a transition that brings GPUs up (borrow, start, wake, switch), or a return deadline
+reached mid-borrow, rolls back: the compensating plan of ``ROLLBACKS`` runs (seq 100+) — the trainer
+always gets its GPUs back, and a rollout GPU that could not come up ends IDLE with nothing running.
 """
 
 from __future__ import annotations
@@ -37,6 +48,23 @@ PLANS: dict[str, tuple[StepKind, ...]] = {
     "borrow_warm": (_K.OFFLOAD, _K.WAKE, _K.VERIFY, _K.REGISTER),  # a vLLM parked asleep on these GPUs wakes
     "return": (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.RELOAD, _K.VERIFY),  # the vLLM process exits
     "return_sleep": (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.RELOAD, _K.VERIFY),  # parked asleep for next time
+    "start": (_K.START, _K.VERIFY, _K.REGISTER),  # an idle rollout/elastic GPU serves: a new vLLM process
+    "wake": (_K.WAKE, _K.VERIFY, _K.REGISTER),  # the vLLM parked asleep there serves again
+    "retire": (_K.DEREGISTER, _K.DRAIN, _K.STOP),  # the worker exits, the GPU is IDLE
+    "retire_sleep": (_K.DEREGISTER, _K.DRAIN, _K.SLEEP),  # the worker parks asleep on the IDLE GPU
+    "switch": (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.START, _K.VERIFY, _K.REGISTER),  # restart in a new role
+}
+# What a failed transition of each kind runs to compensate (``detail.rollback`` overrides). Kinds not
+# listed (return, retire) have nothing to fall back to: a failure there needs a person.
+ROLLBACKS: dict[str, str] = {"borrow": "return", "start": "retire", "wake": "retire", "switch": "retire"}
+# The roles a transition kind moves GPUs between; None: the move's own (a switch's target role).
+KIND_ROLES: dict[str, tuple[str | None, str | None]] = {
+    "borrow": ("TRAIN", "ROLLOUT"),
+    "return": ("ROLLOUT", "TRAIN"),
+    "start": ("IDLE", None),
+    "wake": ("IDLE", None),
+    "retire": (None, "IDLE"),
+    "switch": (None, None),
 }
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 
@@ -49,6 +77,15 @@ class Effects(Protocol):
     def do(self, kind: str, transition: dict, key: str) -> None: ...
 
     def probe(self, kind: str, transition: dict, key: str) -> str: ...  # DONE | PENDING | FAILED
+
+
+def current_plan(t: dict) -> tuple[StepKind, ...]:
+    """The steps a transition runs now: its plan (``detail.plan``, default its kind), or while it rolls back
+    its compensation (``detail.rollback``, default ``ROLLBACKS[kind]``)."""
+    detail = t.get("detail") or {}
+    if t["state"] == T.ROLLING_BACK:
+        return PLANS[detail.get("rollback") or ROLLBACKS.get(t["kind"], "return")]
+    return PLANS[detail.get("plan") or t["kind"]]
 
 
 def step_key(transition_id: int, seq: int, kind: str) -> str:
@@ -66,8 +103,21 @@ class Executor:
         self.fault: Callable[[str, str], None] = lambda point, key: None
 
     # -- planning ---------------------------------------------------------------------------------
-    def plan(self, kind: str, gpu_ids: list[int], *, detail: dict | None = None) -> int:
-        from_role, to_role = ("TRAIN", "ROLLOUT") if kind == "borrow" else ("ROLLOUT", "TRAIN")
+    def plan(
+        self,
+        kind: str,
+        gpu_ids: list[int],
+        *,
+        detail: dict | None = None,
+        from_role: str | None = None,
+        to_role: str | None = None,
+    ) -> int:
+        """Record a PLANNED transition of ``kind`` (a key of ``KIND_ROLES``) for ``gpu_ids``; the roles
+        default to the kind's (a switch names both, a retire its from-role, a start/wake its to-role)."""
+        default_from, default_to = KIND_ROLES[kind]
+        from_role, to_role = from_role or default_from, to_role or default_to
+        if from_role is None or to_role is None:
+            raise ValueError(f"a {kind} transition needs from_role and to_role")
         tid = self.store.add_transition(
             run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
         )
@@ -85,15 +135,15 @@ class Executor:
 
     def _steps_for(self, t: dict) -> list[tuple[int, str]]:
         """The transition's plan (``detail.plan``, default its kind); a rollback runs ``detail.rollback``."""
-        detail = t.get("detail") or {}
         if t["state"] == T.ROLLING_BACK:
-            return [(ROLLBACK_SEQ + i, k) for i, k in enumerate(PLANS[detail.get("rollback", "return")])]
-        return list(enumerate(PLANS[detail.get("plan", t["kind"])]))
+            return [(ROLLBACK_SEQ + i, k) for i, k in enumerate(current_plan(t))]
+        return list(enumerate(current_plan(t)))
 
     def abort(self, tid: int, why: str) -> None:
-        """Stop a running borrow and compensate (deadline reached, operator `return --now`)."""
+        """Stop a running transition that can compensate and roll it back (a borrow's deadline reached,
+        operator `return --now`); a PLANNED one is dropped."""
         t = self.store.get("transitions", tid)
-        if t["state"] == T.RUNNING and t["kind"] == "borrow":
+        if t["state"] == T.RUNNING and t["kind"] in ROLLBACKS:
             for step in self.store.steps(tid):  # an effect still pending is superseded, not awaited
                 if step["state"] == S.INTENT:
                     self._finish(step, S.FAILED, f"aborted: {why}")
@@ -114,7 +164,7 @@ class Executor:
                 t = self._set(t, T.DONE if t["state"] == T.RUNNING else T.ROLLED_BACK, "completed")
             elif outcome == "held":
                 t = self._set(t, T.FAILED, "held: a step's effect could not be proven")
-            elif t["state"] == T.RUNNING and t["kind"] == "borrow":
+            elif t["state"] == T.RUNNING and t["kind"] in ROLLBACKS:
                 t = self._set(t, T.ROLLING_BACK, "rollback", {"why": "a step failed"})  # GPUs go back
             else:
                 t = self._set(t, T.FAILED, "failed")  # a failed return or rollback needs a person

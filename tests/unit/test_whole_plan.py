@@ -1,0 +1,115 @@
+"""The daemon carries out a policy's whole plan: every move on rollout and elastic pools becomes a journaled
+transition (grouped per allocation, kind and roles), and ``borrow --dry-run`` shows all of it. The policy
+is a real policy file loaded by name from ``$PEARL_POLICY_PATH``; the daemon's objects run for real against
+a real SQLite state."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
+from pearlctl.daemon.borrowing import Borrowing
+from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.transitions import Executor
+from pearlctl.state.store import Store
+
+NOW = 1_000_000.0
+
+# a policy that wants two of the three serving GPUs, disaggregated: one prefilling, one decoding
+POLICY = """
+from pearlctl.planner import plan
+from pearlctl.planner.model import Mode, Target
+
+def decide(snapshot):
+    target = Target(Mode.DISAGGREGATED, rollout_gpus=2, prefill_gpus=1, elastic=1)
+    planned = plan.make(snapshot, target, why="scripted: two GPUs, prefill + decode")
+    return None if planned.empty else planned
+"""
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch):
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "scripted.py").write_text(textwrap.dedent(POLICY))
+    monkeypatch.setenv("PEARL_POLICY_PATH", str(tmp_path / "policies"))
+    with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
+        pools = [
+            {"name": n, "kind": n, "role": "ROLLOUT", "partition": None, "nodes": k, "gpus_per_node": 1,
+             "job_name": f"pearl.r.{n}"}
+            for n, k in (("rollout", 2), ("elastic", 1))
+        ]  # fmt: skip
+        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
+                         policy="scripted", pools=pools)  # fmt: skip
+        store.update_fields("runs", "r", borrow={"policy": "scripted", "max_gpus": None, "keep_warm": True})
+        for i, a in enumerate(store.allocations("r")):
+            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+            store.upsert_node_gpus("r", a["id"], f"n{i}", [0], "ROLLOUT")
+        ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
+        controller = Controller(store, "r", None, clock=lambda: NOW)
+        controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
+        yield store, controller
+
+
+def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
+    store, controller = run
+    with controller.lock:
+        controller.borrowing.tick()
+    made = store.transitions("r")
+    pools = {a["id"]: a["pool_id"] for a in store.allocations("r")}
+    names = {p["id"]: p["name"] for p in store.pools("r")}
+    gpus = {g["id"]: g for g in store.gpus("r")}
+    seen = sorted(
+        (t["kind"], (t["detail"] or {}).get("plan"), names[pools[gpus[t["gpu_ids"][0]]["allocation_id"]]],
+         t["from_role"], t["to_role"], len(t["gpu_ids"]))
+        for t in made
+    )  # fmt: skip
+    # three serving GPUs, the target keeps two, one prefilling and one decoding: a rollout GPU retires (its
+    # worker parked: workers are kept warm), the two that stay switch roles — the elastic one included
+    assert [s[0] for s in seen] == ["retire", "switch", "switch"], seen
+    retire, *switches = seen
+    assert retire[1:3] == ("retire_sleep", "rollout") and retire[3:] == ("ROLLOUT", "IDLE", 1)
+    assert sorted(s[4] for s in switches) == ["DECODE", "PREFILL"]
+    assert {s[2] for s in switches} == {"rollout", "elastic"}
+    assert all((t["detail"] or {}).get("why", "").startswith("scripted") for t in made)
+    assert all(t["state"] == "PLANNED" for t in made)
+    with controller.lock:
+        controller.borrowing.tick()  # the next tick starts them all (their GPUs are disjoint)
+    assert {t["state"] for t in store.transitions("r")} <= {"RUNNING", "DONE"}  # a retire with no worker is done
+    assert len(store.transitions("r")) == 3  # and plans nothing new while they move
+
+
+def test_dry_run_prints_the_whole_plan_and_changes_nothing(run):
+    store, controller = run
+    answer = controller.borrow(parse(bodies.Borrow, {"policy": "scripted", "dry_run": True}))
+    whole = answer["whole_plan"]
+    assert sorted(m["kind"] for m in whole["moves"]) == ["retire", "switch", "switch"]
+    assert sorted(t["plan"] for t in whole["transitions"]) == ["retire_sleep", "switch", "switch"]
+    assert whole["why"].startswith("scripted")
+    assert store.transitions("r") == []
+
+
+def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(run):
+    store, controller = run
+    alloc = store.allocations("r")[0]
+    gpu = next(g for g in store.gpus("r") if g["allocation_id"] == alloc["id"])
+    worker = store.add_worker(run_id="r", allocation_id=alloc["id"], role="ROLLOUT", engine="vllm")
+    store.update_fields("workers", worker, worker_key="rollout-0", gpu_idx=[0], url="http://n0:9000")
+    store.set_state("workers", worker, expect="STARTING", to="READY", event="t")
+    ex = controller.borrowing.executor
+    tid = ex.plan("retire", [gpu["id"]], detail={"plan": "retire_sleep"}, from_role="ROLLOUT", to_role="IDLE")
+    ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
+    assert store.get("gpus", gpu["id"])["role"] == "IDLE"
+    assert store.get("gpus", gpu["id"])["worker_id"] == worker
+    desired = controller.desired(alloc["id"])
+    assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
+    for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
+        store.set_state("workers", worker, expect=store.get("workers", worker)["state"], to=to, event="t")
+    snapshot = controller.borrowing.snapshot(NOW)
+    slot = next(g for g in snapshot.gpus if g.id == gpu["id"])
+    assert slot.parked and slot.role == "IDLE"  # the planner sees a wake, not a cold start
