@@ -49,6 +49,10 @@ MAX_POLL_INTERVAL_S = 3600.0
 MAX_TIME_LIMIT_S = 365 * 86400  # a finite --time of at most a year (UNLIMITED is still allowed)
 MAX_MEM_MB = 64 * 1024 * 1024  # 64T
 MAX_PATH_CHARS = 4096
+# An elastic pool's added task still PENDING after this long is cancelled (pearlctl.daemon.elastic).
+DEFAULT_PENDING_TIMEOUT_S = 300.0
+MIN_PENDING_TIMEOUT_S = 10.0  # Slurm's own scheduling cycle and a requeue's BeginTime wait take seconds
+MAX_PENDING_TIMEOUT_S = 86400.0
 TIME_WHAT = "a Slurm time (MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED) of at most 365 days"
 HOSTLIST_WHAT = "a Slurm node list like gpu[1-3],head (letters, digits, '.', '_', '-', ',', '[', ']')"
 
@@ -145,6 +149,8 @@ class PoolSpec:
     cpus_per_task: int | None = None
     mem: str | None = None
     max_nodes: int | None = None  # elastic pools may grow up to this
+    # elastic pools: an added task still PENDING after this long is cancelled, and growth backs off
+    pending_timeout_s: float | None = None
     requeue: bool = False
     preempt_signal: str = "USR2"
     preempt_notice_s: int = 60
@@ -164,6 +170,21 @@ class PoolSpec:
         return d
 
 
+ROUTER_POLICIES = ("consistent_hash", "sticky_least_loaded", "round_robin", "power_of_two", "random", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """``[router]``: the run's one OpenAI-compatible endpoint (pearlctl.router, started by the daemon)."""
+
+    enabled: bool = True
+    port: int = 0  # where the gateway listens on the daemon's host (0: any free port, named in status)
+    policy: str = "consistent_hash"  # vllm-router's; consistent_hash keeps an episode (X-Session-ID) on one worker
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     name: str
@@ -174,6 +195,7 @@ class RunSpec:
     poll_interval_s: float
     pools: dict[str, PoolSpec]
     source: Path
+    router: RouterSpec = RouterSpec()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +207,7 @@ class RunSpec:
             "poll_interval_s": self.poll_interval_s,
             "source": str(self.source),
             "pools": {k: p.to_dict() for k, p in self.pools.items()},
+            "router": self.router.to_dict(),
         }
 
 
@@ -309,6 +332,7 @@ _POOL_KEYS = (
     "cpus_per_task",
     "mem",
     "max_nodes",
+    "pending_timeout_s",
     "requeue",
     "preempt_signal",
     "preempt_notice_s",
@@ -389,6 +413,19 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         c.fail(p + "max_nodes", "only an elastic pool can grow; remove it or move it to [pools.elastic]")
     if max_nodes is not None and nodes is not None and max_nodes < nodes:
         c.fail(p + "max_nodes", f"must be >= nodes ({nodes}), got {max_nodes}")
+    pending_timeout = c.number(
+        raw,
+        "pending_timeout_s",
+        p,
+        minimum=MIN_PENDING_TIMEOUT_S,
+        maximum=MAX_PENDING_TIMEOUT_S,
+        default=DEFAULT_PENDING_TIMEOUT_S if name == "elastic" else None,
+    )
+    if "pending_timeout_s" in raw and name != "elastic":
+        c.fail(
+            p + "pending_timeout_s",
+            "only an elastic pool adds tasks that may wait in the queue; remove it or move it to [pools.elastic]",
+        )
     requeue = c.boolean(raw, "requeue", p, default=(name == "elastic"))
     signal = c.choice(raw, "preempt_signal", p, PREEMPT_SIGNALS, default="USR2")
     notice = c.integer(raw, "preempt_notice_s", p, minimum=1, maximum=MAX_PREEMPT_NOTICE_S, default=60)
@@ -424,6 +461,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         cpus_per_task=cpus,
         mem=mem,
         max_nodes=max_nodes,
+        pending_timeout_s=pending_timeout,
         requeue=requeue,
         preempt_signal=signal,
         preempt_notice_s=notice,
@@ -456,7 +494,7 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     """Validate a decoded TOML document. Raises SpecError listing every problem."""
     c = _Checker()
     base = source.parent
-    c.unknown_keys(data, ("run", "pools"), "")
+    c.unknown_keys(data, ("run", "pools", "router"), "")
     run = c.table(data, "run", "", required=True) or {}
     c.unknown_keys(run, _RUN_KEYS, "run.")
     name = c.string(
@@ -491,6 +529,14 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     backend = c.choice(run, "backend", "run.", BACKENDS, default="auto")
     poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, maximum=MAX_POLL_INTERVAL_S, default=5.0)
 
+    router_raw = c.table(data, "router", "") or {}
+    c.unknown_keys(router_raw, ("enabled", "port", "policy"), "router.")
+    router = RouterSpec(
+        enabled=c.boolean(router_raw, "enabled", "router.", default=True),
+        port=c.integer(router_raw, "port", "router.", minimum=0, maximum=65535, default=0),
+        policy=c.choice(router_raw, "policy", "router.", ROUTER_POLICIES, default="consistent_hash"),
+    )
+
     pools_raw = c.table(data, "pools", "", required=True) or {}
     pools: dict[str, PoolSpec] = {}
     for pname, praw in pools_raw.items():
@@ -521,6 +567,7 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         poll_interval_s=poll,
         pools=pools,
         source=source.resolve(),
+        router=router,
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import profile as profiles
@@ -238,6 +239,38 @@ class Borrowing:
             if planned
             else [],
         }
+
+    def elastic_wanted(
+        self, now: float, *, running: int, low: int, high: int, gpus_per_node: int, settings: dict | None = None
+    ) -> tuple[int, str]:
+        """How many tasks the elastic pool should hold now, between ``low`` (its launch size, ``nodes``) and
+        ``high`` (``max_nodes``), and why. ``running``: its tasks that hold GPUs now.
+
+        During a batch, the policy is asked about a what-if snapshot: the run as it is plus the GPUs of every
+        task the pool could still get (IDLE elastic GPUs on nodes of their own). The tasks whose GPUs its plan
+        would bring up are wanted; a policy that uses no elastic capacity (static, never) wants none. The
+        what-if prices a new task's GPUs like granted ones (a cold start), not the queue wait before Slurm
+        grants them: the pending bound (``pending_timeout_s``) caps what a wait can cost. Once the batch ends
+        (no work left) the pool goes back to ``low``: capacity held idle between batches is preemptible
+        capacity taken from others, and each batch asks again."""
+        settings = settings or self.settings()
+        snapshot = self.snapshot(now, settings)
+        if snapshot.work.empty:
+            return low, "no rollout work: the batch ended"
+        room = max(high - running, 0)
+        if room == 0:
+            return max(low, min(running, high)), "the pool holds max_nodes tasks"
+        extra = tuple(
+            GpuSlot(id=-(1 + k * gpus_per_node + i), node=f"elastic+{k}", pool=PoolKind.ELASTIC, role=Role.IDLE)
+            for k in range(room)
+            for i in range(gpus_per_node)
+        )
+        what_if = replace(snapshot, gpus=snapshot.gpus + extra)
+        planned = load_policy(settings["policy"]).decide(what_if)
+        used = {g.node for g in extra for m in (planned.moves if planned else ()) if m.gpu == g.id}
+        wanted = max(low, min(high, running + len(used)))
+        why = f"policy {settings['policy']}: would bring up {len(used)} more task(s) of GPUs"
+        return wanted, why
 
     def _unpark(self) -> None:
         """Keeping workers warm was turned off: parked workers are no longer desired (their agents stop them)."""

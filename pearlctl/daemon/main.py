@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -35,6 +36,7 @@ from pearlctl.daemon.api import build_app
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.transitions import Executor
 from pearlctl.runfiles import ensure_secret, write_address
 from pearlctl.slurm.client import DEFAULT_TIMEOUT_S
@@ -287,10 +289,12 @@ class Daemon:
             secret=ensure_secret(run["run_dir"]),
             on_deposed=self.depose,
         )
-        executor = Executor(self.store, DaemonEffects(self.store, self.run_id, epoch), run_id=self.run_id, epoch=epoch)
+        self.url = self.start_server(controller, controller.secret)
+        router = self._router(run, controller, epoch)
+        effects = DaemonEffects(self.store, self.run_id, epoch, router=router.routed if router else None)
+        executor = Executor(self.store, effects, run_id=self.run_id, epoch=epoch)
         controller.borrowing = borrowing = Borrowing(self.store, executor, self.run_id)
         executor.fault = fault_from_env(os.environ.get("PEARL_FAULT"))
-        self.url = self.start_server(controller, controller.secret)
         write_address(
             run["run_dir"],
             {
@@ -307,11 +311,22 @@ class Daemon:
             threading.Thread(target=self._renew_lease, name="pearl-lease", daemon=True),
             threading.Thread(target=self._poll_slurm, args=(controller, poll_s), name="pearl-slurm", daemon=True),
         ]
+        if router is not None:
+            threads.append(
+                threading.Thread(
+                    target=router.loop,
+                    args=(self.stopping, lambda: self._recovered("router"), lambda e: self._journal_error("router", e)),
+                    name="pearl-router",
+                    daemon=True,
+                )
+            )
         for t in threads:
             t.start()
+        over = False
         try:
             while not self.stopping.is_set():
                 if not self._tick(controller, borrowing):
+                    over = True
                     break
                 controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
                 controller.wake.clear()
@@ -319,6 +334,11 @@ class Daemon:
             self.stopping.set()
             if self._server is not None:
                 self._server.should_exit = True
+            if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
+                try:
+                    router.stop()
+                except Exception as exc:
+                    log.warning("could not stop the router: %s", exc)
             if self.deposed is None:
                 try:
                     self.store.journal_event(
@@ -329,6 +349,34 @@ class Daemon:
                     log.warning("could not record the stop: %s", exc)
         if self.deposed is not None:
             raise DaemonRefused(self.deposed)
+
+    def _router(self, run: dict, controller: Controller, epoch: int) -> RouterKeeper | None:
+        """The run's router keeper (None when the spec turns the router off), with its gateway started or
+        adopted and synced once before the control loop runs; a failure here is journaled and retried by
+        the router thread, never fatal."""
+        spec = run["spec"].get("router") or {}
+        if not spec.get("enabled", True):
+            return None
+
+        def journal(event: str, data: dict) -> None:
+            with controller.lock:
+                self.store.journal_event(self.run_id, "runs", self.run_id, event, data=data, epoch=epoch)
+
+        keeper = RouterKeeper(
+            self.store,
+            self.run_id,
+            run["run_dir"],
+            journal=journal,
+            host=self.settings.host,
+            port=int(spec.get("port", 0)),
+            policy=str(spec.get("policy", "consistent_hash")),
+            advertise=urlsplit(self.url).hostname if self.url else None,
+        )
+        try:
+            keeper.sync_once()
+        except Exception as exc:
+            self._journal_error("router", exc)
+        return keeper
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

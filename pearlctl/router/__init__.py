@@ -1,3 +1,4 @@
-"""The rollout data plane as pearlctl sees it: which workers may take requests, and a client that
-keeps an episode on one worker, moves it elsewhere when that worker goes away, and tags every
-completion with the weight version that produced it."""
+"""The run's rollout data plane as pearlctl owns it: one vllm-router per run behind a gateway that adds the
+run's credential, continuation of interrupted sequences and weight-version tags (``gateway``), the process
+and its files (``service``, ``python -m pearlctl.router``), the admin API the daemon drives membership with
+(``membership``), and a thin rollout client of the gateway (``client``). docs/router.md has the design."""

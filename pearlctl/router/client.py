@@ -1,34 +1,31 @@
-"""A rollout client for agent loops: OpenAI-compatible completions against the run's routable workers.
+"""A rollout client for agent loops: a thin client of the run's gateway (pearlctl.router.gateway), the one
+authenticated OpenAI-compatible endpoint in front of the run's rollout workers.
 
-- Membership comes from the daemon (``GET /v1/workers`` through the run's one control-API client,
-  `pearlctl.api.client.ControlClient`: READY, routable workers, each ``{id, url, role, weight_version,
-  seen_at}``), refreshed every ``refresh_s`` and before every retry. A worker that is draining stops
-  getting new requests as soon as its DEREGISTER step runs.
-- An episode (``session``) sticks to one worker across its turns (its prefix stays in that worker's KV
-  cache) until that worker fails or leaves; then it moves.
-- **A turn is retried for a time, not a number of attempts.** A failed request (connection refused,
-  timeout, 5xx, an unreadable answer) or no routable worker at all is retried with jittered exponential
-  back-off (tenacity's ``wait_random_exponential``) until ``retry_for_s`` has passed since the turn began;
-  only then does `complete` raise `TurnFailed`, naming the session, the time, the attempts and the last
-  error. A 400/413/422 answer (the request itself is wrong) raises `TurnRefused` at once.
-- **A worker that failed a request is excluded** from picking until the daemon confirms it: until the
-  daemon no longer lists its URL (it is then forgotten), or lists it with a ``seen_at`` (the unix time of
-  its agent's latest report, 0 when the daemon does not say) later than the failure — its agent has
-  checked it since. Clocks of the rollout nodes and the head node are assumed NTP-synchronised.
-- **An aborted turn is continued, not redone.** A drain that runs out of time aborts what is in flight:
-  vLLM answers ``finish_reason: "abort"`` with the partial text. The client sends the rest of the turn to
-  another worker — the prompt plus the partial text as the new prompt, ``max_tokens`` less the tokens
-  already produced — and returns ONE `Completion`: the texts joined, the tokens summed.
-- Every completion says which worker finished it and which weight version that worker reported.
-- Progress (queued / generating / tool_wait / done, tokens) is reported to the daemon.
+- **Where.** The gateway's base URL and key come from the constructor, else from the environment
+  (``PEARL_ROUTER_URL``, e.g. ``http://head:8100/v1``, and ``PEARL_ROUTER_KEY``), else from the run
+  directory (``.pearl/router.json`` and ``.pearl/router.key``, written by pearlctl.router.service). A
+  gateway that stops answering is looked up again in the run directory (restarted on another port).
+- **What the gateway does, not this client.** Picking a worker (vllm-router, ``X-Session-ID`` keeps an
+  episode on one), moving a turn when a worker leaves, continuing an aborted or broken turn from its
+  token ids on another worker, and tagging each part with its weight version. The client sends one
+  ``/v1/completions`` request per turn and reads ONE answer: text, token ids, finish reason, and the
+  gateway's ``pearl`` record (parts with weight versions, continuations, attempts).
+- **A turn is bounded in time.** Each request tells the gateway how long it may retry
+  (``X-Pearl-Retry-For-S``: what is left of ``retry_for_s``). The client itself retries only what the
+  gateway could not: the gateway unreachable or answering 502/503/504, with jittered exponential back-off,
+  until ``retry_for_s`` has passed since the turn began; then `TurnFailed` names the session, the time, the
+  attempts and the last error. A 4xx (the request itself is wrong, or the key) raises `TurnRefused` at once.
+- **Progress** (queued / generating / tool_wait / done, tokens) goes to the daemon through the run's one
+  control-API client (pearlctl.api.client.ControlClient), as before; ``workers()`` is the daemon's list of
+  routable workers with their weight versions (what an on-policy driver waits on).
 
 Time is injectable (``clock``: unix seconds, ``sleep``) so tests run the back-off without waiting.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -40,10 +37,13 @@ from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_ty
 from tenacity.stop import stop_base
 
 from pearlctl.api.client import ControlClient, DaemonRefusal
+from pearlctl.router import service
+from pearlctl.router.gateway import RETRY_FOR_HEADER, SESSION_HEADER
 
 log = logging.getLogger("pearlctl.router")
 
-REFUSED_STATUSES = (400, 413, 422)  # the request itself is wrong: no worker will serve it
+URL_ENV, KEY_ENV = "PEARL_ROUTER_URL", "PEARL_ROUTER_KEY"
+RETRIED_STATUSES = (502, 503, 504)  # the gateway unreachable behind a proxy, or it gave up: ask again
 
 
 class TurnFailed(Exception):
@@ -61,19 +61,22 @@ NoWorkers = TurnFailed  # the former name
 
 
 class TurnRefused(TurnFailed):
-    """A worker refused the request itself (HTTP 400/413/422): retrying would not help."""
+    """The gateway refused the request itself (HTTP 4xx: a bad request, or a wrong key): retrying would not help."""
 
 
 @dataclass
 class Completion:
     text: str
     tokens: int
-    worker: str  # the URL of the worker that finished the turn
-    weight_version: str | None  # the weight version that worker reported
-    retries: int  # attempts beyond the first (continuations of an aborted turn included)
+    worker: str | None  # the worker that finished the turn, when the gateway could tell (else None)
+    weight_version: str | None  # the weight version of the turn's last part (None: unknown or ambiguous)
+    retries: int  # attempts beyond the first, the gateway's and this client's (continuations included)
     finish_reason: str | None = None
-    continued: int = 0  # how many times an aborted partial response was continued elsewhere
-    parts: list[dict] = field(default_factory=list)  # per part: worker, weight_version, tokens
+    continued: int = 0  # how many times an interrupted turn was continued from its tokens on another worker
+    parts: list[dict] = field(default_factory=list)  # per part: tokens, weight_version, version_from, worker?
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)  # every version that produced a part
 
 
 # -- retryable outcomes of one attempt (internal) ---------------------------------------------------
@@ -81,33 +84,8 @@ class _Retry(Exception):
     pass
 
 
-class _NoRoute(_Retry):
-    """No worker can be picked now (none listed, or every listed one excluded)."""
-
-
-class _WorkerFailed(_Retry):
-    """The picked worker failed the request; it is excluded until the daemon confirms it."""
-
-
 class _Refused(Exception):
-    """The worker refused the request itself: not retried."""
-
-
-class _Aborted(_Retry):
-    """The worker aborted the request (a drain); its partial output is kept, the rest goes elsewhere."""
-
-
-@dataclass
-class _Turn:
-    prompt: str
-    max_tokens: int
-    texts: list[str] = field(default_factory=list)
-    tokens: int = 0
-    parts: list[dict] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
+    """The gateway refused the request itself: not retried."""
 
 
 class _StopAfterDelay(stop_base):
@@ -122,19 +100,24 @@ class _StopAfterDelay(stop_base):
 
 
 class RolloutClient:
-    """``retry_for_s``: how long one turn may take, retries included, before `TurnFailed`.
-    ``backoff_s``/``backoff_max_s``: the first and the largest back-off window (full jitter).
-    ``control``: the daemon's client (default: ``ControlClient(run_dir, run_id)``); ``http``: the client for
-    the workers (default: a new ``httpx.Client(timeout=timeout)``). ``clock``/``sleep``: unix time and
-    sleep, for tests."""
+    """``run_dir``/``run_id``: the run (its gateway record and key, its daemon for progress); ``base_url``/
+    ``api_key``: the gateway, overriding the environment and the run directory; ``model``: the served model
+    name (default: the first the gateway lists). ``timeout``: one request's bound (the longest generation);
+    ``retry_for_s``: one turn's bound, retries included; ``backoff_s``/``backoff_max_s``: the first and the
+    largest back-off window (full jitter). ``control``: the daemon's client (default:
+    ``ControlClient(run_dir, run_id)`` when both are given); ``http``: the client for the gateway.
+    ``clock``/``sleep``: unix time and sleep, for tests."""
 
     def __init__(
         self,
-        run_dir: str,
-        run_id: str,
+        run_dir: str | None = None,
+        run_id: str | None = None,
         *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        model: str | None = None,
         refresh_s: float = 2.0,
-        timeout: float = 120.0,
+        timeout: float = 1800.0,
         retry_for_s: float = 600.0,
         backoff_s: float = 0.1,
         backoff_max_s: float = 5.0,
@@ -146,23 +129,24 @@ class RolloutClient:
         self.run_dir, self.run_id = run_dir, run_id
         self.refresh_s, self.retry_for_s = refresh_s, retry_for_s
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
-        self._control = control if control is not None else ControlClient(run_dir, run_id)
-        self._http = http if http is not None else httpx.Client(timeout=timeout)
+        self._given_url = base_url or os.environ.get(URL_ENV) or None
+        self._given_key = api_key or os.environ.get(KEY_ENV) or None
+        self._model = model
+        if control is None and run_dir and run_id:
+            control = ControlClient(run_dir, run_id)
+        self._control = control
+        self._http = http if http is not None else httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
         self._clock, self._sleep = clock, sleep
+        self._endpoint: tuple[str, str] | None = None
         self._workers: list[dict] = []
-        self._asked: float | None = None  # clock() when the daemon was last asked for its workers
-        self._generation = 0  # how many times it was asked
-        self._excluded: dict[str, float] = {}  # url -> clock() of its latest failure
-        self._rr = itertools.count()
-        self._sessions: dict[str, str] = {}
-        self._models: dict[str, str] = {}
-        self._lock = threading.Lock()  # the state above
-        self._refresh_lock = threading.Lock()  # one membership request at a time
+        self._asked: float | None = None
+        self._lock = threading.Lock()
         self.counts = {"queued": 0, "generating": 0, "tool_wait": 0, "done": 0, "tokens": 0}
 
     def close(self) -> None:
         self._http.close()
-        self._control.close()
+        if self._control is not None:
+            self._control.close()
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -170,9 +154,46 @@ class RolloutClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- the gateway ------------------------------------------------------------------------------
+    def endpoint(self, fresh: bool = False) -> tuple[str, str]:
+        """(base URL ending in /v1, key). Raises `_Retry` while the run has no gateway record yet."""
+        with self._lock:
+            if self._endpoint is not None and not fresh:
+                return self._endpoint
+        url, key = self._given_url, self._given_key
+        if url is None and self.run_dir:
+            record = service.read_record(self.run_dir)
+            if record is None:
+                raise _Retry(f"no router gateway record at {service.record_path(self.run_dir)} (not started yet?)")
+            url = record.base_url
+        if key is None and self.run_dir:
+            try:
+                key = service.read_key(self.run_dir)
+            except (OSError, ValueError) as exc:
+                raise _Retry(f"cannot read the router key: {exc}") from None
+        if url is None or key is None:
+            raise ValueError(
+                f"no router gateway: pass base_url and api_key, set {URL_ENV} and {KEY_ENV}, or give the run_dir"
+            )
+        with self._lock:
+            self._endpoint = (url.rstrip("/"), key)
+            return self._endpoint
+
+    def model(self) -> str:
+        if self._model is None:
+            url, key = self.endpoint()
+            resp = self._http.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
+            if resp.status_code != 200:
+                failure = _Retry if resp.status_code in RETRIED_STATUSES else _Refused
+                raise failure(f"GET {url}/models: HTTP {resp.status_code}: {_message(resp)}")
+            self._model = str(resp.json()["data"][0]["id"])
+        return self._model
+
     # -- the daemon -------------------------------------------------------------------------------
     def _daemon(self, method: str, path: str, body: dict | None = None) -> dict | None:
-        """The daemon's answer; None when it is unreachable or refuses (logged)."""
+        """The daemon's answer; None when there is none, it is unreachable or it refuses (logged)."""
+        if self._control is None:
+            return None
         try:
             return self._control.try_call(method, path, body)
         except DaemonRefusal as exc:
@@ -180,41 +201,18 @@ class RolloutClient:
             return None
 
     def workers(self, *, force: bool = False) -> list[dict]:
-        """The daemon's routable workers (excluded ones included), asked again when last asked more than
-        ``refresh_s`` ago or when ``force``; the last known list while the daemon does not answer."""
+        """The daemon's routable workers (``{id, url, role, weight_version, seen_at}``), asked again when
+        last asked more than ``refresh_s`` ago or when ``force``; the last known list while the daemon
+        does not answer."""
         with self._lock:
-            generation = self._generation
             if not force and self._asked is not None and self._clock() - self._asked <= self.refresh_s:
                 return list(self._workers)
-        with self._refresh_lock:
-            with self._lock:
-                if self._generation != generation:  # another thread asked while we waited: its answer will do
-                    return list(self._workers)
-                self._asked = self._clock()
-            answer = self._daemon("GET", "/v1/workers")
-            with self._lock:
-                self._generation += 1
-                if answer is not None and isinstance(answer.get("workers"), list):
-                    self._workers = [w for w in answer["workers"] if isinstance(w, dict) and w.get("url")]
-                    self._confirm(self._workers)
-                return list(self._workers)
-
-    def _confirm(self, listed: list[dict]) -> None:
-        """End the exclusions the daemon's fresh list settles (under ``_lock``)."""
-        seen = {w["url"]: _seen_at(w) for w in listed}
-        for url, failed_at in list(self._excluded.items()):
-            if url not in seen:
-                del self._excluded[url]
-                self._models.pop(url, None)
-                log.info("worker %s is no longer listed: forgotten", url)
-            elif seen[url] > failed_at:
-                del self._excluded[url]
-                log.warning("worker %s reported by its agent since it failed: back in rotation", url)
-
-    def excluded(self) -> dict[str, float]:
-        """Worker URLs excluded from picking, with the time of their latest failure."""
+            self._asked = self._clock()
+        answer = self._daemon("GET", "/v1/workers")
         with self._lock:
-            return dict(self._excluded)
+            if answer is not None and isinstance(answer.get("workers"), list):
+                self._workers = [w for w in answer["workers"] if isinstance(w, dict) and w.get("url")]
+            return list(self._workers)
 
     def report_progress(self, step: int | None = None, work: dict | None = None) -> None:
         """Send the counts, and ``work`` — the remaining batch as the planner's Work fields (turns left,
@@ -231,116 +229,74 @@ class RolloutClient:
             self.counts[key] += delta
 
     # -- requests ---------------------------------------------------------------------------------
-    def _pick(self, session: str, *, force: bool) -> dict:
-        listed = self.workers(force=force)
-        with self._lock:
-            eligible = [w for w in listed if w["url"] not in self._excluded]
-            url = self._sessions.get(session)
-            for w in eligible:
-                if w["url"] == url:
-                    return w
-            if not eligible:
-                what = f"all {len(listed)} listed excluded after failing" if listed else "none listed"
-                raise _NoRoute(f"no routable rollout worker ({what})")
-            w = eligible[next(self._rr) % len(eligible)]
-            self._sessions[session] = w["url"]
-            return w
-
-    def _exclude(self, url: str, session: str) -> None:
-        with self._lock:
-            self._excluded[url] = max(self._excluded.get(url, 0.0), self._clock())
-            if self._sessions.get(session) == url:
-                del self._sessions[session]
-            self._models.pop(url, None)
-
-    def _model(self, url: str) -> str:
-        with self._lock:
-            model = self._models.get(url)
-        if model is None:
-            resp = self._http.get(url + "/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
-            with self._lock:
-                self._models[url] = model
-        return model
-
-    def _attempt(self, session: str, turn: _Turn, attempt: int, sampling: dict) -> Completion:
-        w = self._pick(session, force=attempt > 1)
-        url = w["url"]
-        self.count("generating")
+    def _attempt(self, session: str, body: dict, left_s: float, attempt: int) -> Completion:
         try:
+            url, key = self.endpoint(fresh=attempt > 1 and self._given_url is None)
+            headers = {
+                "Authorization": f"Bearer {key}",
+                SESSION_HEADER: session,
+                RETRY_FOR_HEADER: f"{max(0.0, left_s):.3f}",
+            }
+            body = {"model": self.model(), **body}
+            self.count("generating")
             try:
-                resp = self._http.post(
-                    url + "/v1/completions",
-                    json={
-                        **sampling,
-                        "model": self._model(url),
-                        "prompt": turn.prompt + turn.text,
-                        "max_tokens": turn.max_tokens - turn.tokens,
-                    },
-                )
+                resp = self._http.post(url + "/completions", json=body, headers=headers)
             finally:
                 self.count("generating", -1)
-            if resp.status_code in REFUSED_STATUSES:
-                raise _Refused(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
-            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise _Retry(f"the router gateway does not answer: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in RETRIED_STATUSES:
+            raise _Retry(f"HTTP {resp.status_code}: {_message(resp)}")
+        if resp.status_code != 200:
+            raise _Refused(f"HTTP {resp.status_code}: {_message(resp)}")
+        try:
             doc = resp.json()
             choice = doc["choices"][0]
             text, reason = str(choice["text"]), choice.get("finish_reason")
-            tokens = int((doc.get("usage") or {}).get("completion_tokens") or 0)
-        except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-            self._exclude(url, session)
-            log.warning(
-                "turn of %s failed on %s (%s: %s): worker excluded, turn moves", session, url, type(exc).__name__, exc
-            )
-            raise _WorkerFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
+            ids = [int(t) for t in choice.get("token_ids") or []]
+            tokens = int((doc.get("usage") or {}).get("completion_tokens") or len(ids))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _Retry(f"an unreadable answer from the gateway ({type(exc).__name__}: {exc})") from exc
+        pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
+        parts = [p for p in pearl.get("parts") or [] if isinstance(p, dict)]
+        last = parts[-1] if parts else {}
         self.count("tokens", tokens)
-        turn.texts.append(text)
-        turn.tokens += tokens
-        turn.parts.append({"worker": url, "weight_version": w.get("weight_version"), "tokens": tokens})
-        if reason == "abort" and turn.tokens < turn.max_tokens:
-            self._exclude(url, session)
-            log.warning(
-                "turn of %s aborted on %s after %d tokens (a drain): continuing it elsewhere", session, url, turn.tokens
-            )
-            raise _Aborted(f"{url}: aborted after {turn.tokens} of {turn.max_tokens} tokens")
-        if reason == "abort":
-            reason = "length"  # aborted exactly at its budget: nothing left to generate
         return Completion(
-            turn.text,
-            turn.tokens,
-            url,
-            w.get("weight_version"),
-            attempt - 1,
+            text,
+            tokens,
+            last.get("worker"),
+            last.get("weight_version"),
+            (attempt - 1) + max(0, int(pearl.get("attempts") or 1) - 1),
             reason,
-            continued=len(turn.texts) - 1,
-            parts=list(turn.parts),
+            continued=int(pearl.get("continued") or 0),
+            parts=parts,
+            token_ids=ids,
+            prompt_token_ids=choice.get("prompt_token_ids"),
+            weight_versions=list(pearl.get("weight_versions") or []),
         )
-
-    def _wait(self, retry_state: RetryCallState, started: float) -> float:
-        """Full-jitter exponential back-off, none after an abort (the rest goes to another worker now),
-        never past the time bound."""
-        outcome = retry_state.outcome
-        if outcome is not None and isinstance(outcome.exception(), _Aborted):
-            return 0.0
-        backoff = wait_random_exponential(multiplier=self.backoff_s, max=self.backoff_max_s)(retry_state)
-        return max(0.0, min(backoff, self.retry_for_s - (self._clock() - started)))
 
     def complete(
         self,
         session: str,
-        prompt: str,
+        prompt: str | list[int],
         *,
         max_tokens: int,
         temperature: float = 1.0,
         stop: list[str] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> Completion:
-        """One turn of an episode. Retried on other workers with back-off until it completes or
-        ``retry_for_s`` has passed (then `TurnFailed`); an aborted turn is continued, not redone.
-        ``extra``: more fields of the completions request (``seed``, ``ignore_eos``…)."""
-        turn = _Turn(prompt, max_tokens)
-        sampling = {**(extra or {}), "temperature": temperature, "stop": stop or []}
+        """One turn of an episode (``prompt``: text or token ids). Completed by the gateway, continued
+        across workers if one leaves; retried here only while the gateway is unreachable or gives up,
+        until ``retry_for_s`` has passed (then `TurnFailed`). ``extra``: more fields of the completions
+        request (``seed``, ``ignore_eos``, ``logprobs``…)."""
+        body = {
+            **(extra or {}),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stop": stop or [],
+            "return_token_ids": True,
+        }
         started = self._clock()
 
         def before_sleep(rs: RetryCallState) -> None:
@@ -354,9 +310,13 @@ class RolloutClient:
                     self.retry_for_s - (self._clock() - started),
                 )
 
+        def wait(rs: RetryCallState) -> float:
+            backoff = wait_random_exponential(multiplier=self.backoff_s, max=self.backoff_max_s)(rs)
+            return max(0.0, min(backoff, self.retry_for_s - (self._clock() - started)))
+
         retrying = Retrying(
             stop=_StopAfterDelay(self.retry_for_s, self._clock, started),
-            wait=lambda rs: self._wait(rs, started),
+            wait=wait,
             retry=retry_if_exception_type(_Retry),
             sleep=self._sleep,
             before_sleep=before_sleep,
@@ -366,7 +326,8 @@ class RolloutClient:
             for attempt in retrying:
                 n = attempt.retry_state.attempt_number
                 with attempt:
-                    return self._attempt(session, turn, n, sampling)
+                    left = self.retry_for_s - (self._clock() - started)
+                    return self._attempt(session, body, left, n)
         except RetryError as err:
             last = err.last_attempt.exception()
             raise TurnFailed(session, self._clock() - started, err.last_attempt.attempt_number, last) from last
@@ -375,8 +336,15 @@ class RolloutClient:
         raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
 
 
-def _seen_at(worker: dict) -> float:
+def _message(resp: httpx.Response) -> str:
+    """The gateway's error message (OpenAI shape), else the start of the body."""
     try:
-        return float(worker.get("seen_at") or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
+        doc = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    return resp.text[:500]

@@ -70,7 +70,7 @@ class LiveRun:
             store.create_run(
                 run_id=RUN_ID,
                 name=RUN_ID,
-                spec={"poll_interval_s": 1.0},
+                spec={"poll_interval_s": 1.0, "router": {"enabled": False}},  # the data plane is tested elsewhere
                 spec_path=None,
                 run_dir=str(self.run_dir),
                 backend="local",

@@ -30,7 +30,7 @@ def create_run(state_dir: Path, run_dir: Path, *, nodes: int = 1, active: bool =
         store.create_run(
             run_id="r",
             name="r",
-            spec={"poll_interval_s": 1},
+            spec={"poll_interval_s": 1, "router": {"enabled": False}},
             spec_path="r.toml",
             run_dir=str(run_dir),
             backend="local",

@@ -91,7 +91,7 @@ def db(tmp_path: Path) -> Path:
         store.create_run(
             run_id=RUN,
             name=RUN,
-            spec={"poll_interval_s": 0.2},
+            spec={"poll_interval_s": 0.2, "router": {"enabled": False}},  # the data plane has tests of its own
             spec_path=None,
             run_dir=str(tmp_path / "run"),
             backend="local",

@@ -1,5 +1,7 @@
-"""RolloutClient at one seam: the daemon's membership answers (a fake ControlClient), the workers' HTTP
-(httpx.MockTransport) and time (a fake clock whose sleep advances it), so back-off runs without waiting.
+"""RolloutClient, a thin client of the run's gateway, at one seam: the gateway's HTTP (httpx.MockTransport
+answering as pearlctl.router.gateway does), the daemon's answers (a fake ControlClient) and time (a fake
+clock whose sleep advances it), so back-off runs without waiting. What the gateway itself does (routing,
+continuation, weight-version tags) is tested in tests/unit/test_gateway.py.
 
 Also: the reference driver writes a step whole or not at all, and VllmWorker.stop aborts what a failed
 drain leaves in flight before it stops the server, within the drain timeout it is given.
@@ -7,6 +9,7 @@ drain leaves in flight before it stops the server, within the drain timeout it i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -20,11 +23,14 @@ import httpx
 import pytest
 
 from pearlctl.api.client import DaemonRefusal
+from pearlctl.router import service
 from pearlctl.router.client import Completion, RolloutClient, TurnFailed, TurnRefused
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
-DEAD, A, B = "http://dead:8000", "http://a:8000", "http://b:8000"
+A, B = "http://a:8000", "http://b:8000"
+GW = "http://gw:8100"
+KEY = "rollout-key"
 
 
 class FakeTime:
@@ -41,10 +47,10 @@ class FakeTime:
         self.now += seconds
 
 
-class Membership:
+class Daemon:
     """Stands in for ControlClient: ``GET /v1/workers`` answers ``listing()`` (None: unreachable)."""
 
-    def __init__(self, listing: Callable[[], list[dict] | None]):
+    def __init__(self, listing: Callable[[], list[dict] | None] = lambda: []):
         self.listing = listing
         self.asked = 0
         self.progress: list[dict] = []
@@ -61,278 +67,251 @@ class Membership:
         pass
 
 
-def worker(url: str, seen_at: float | None = None, version: str = "1") -> dict:
-    w = {"id": hash(url) % 100, "url": url, "role": "ROLLOUT", "weight_version": version}
-    if seen_at is not None:
-        w["seen_at"] = seen_at
-    return w
+def answer(text: str = " 4", ids: tuple[int, ...] = (7, 8), reason: str = "length", pearl: dict | None = None):
+    doc = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [
+            {"index": 0, "text": text, "finish_reason": reason, "token_ids": list(ids), "prompt_token_ids": [1, 2]}
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 2 + len(ids)},
+    }
+    if pearl is not None:
+        doc["pearl"] = pearl
+    return httpx.Response(200, json=doc)
 
 
-def answer(text: str, tokens: int, reason: str = "length") -> httpx.Response:
-    return httpx.Response(
-        200,
-        json={"choices": [{"text": text, "finish_reason": reason}], "usage": {"completion_tokens": tokens}},
-    )
+def gateway_error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "x", "code": status}})
 
 
-class Workers:
-    """The workers' HTTP: ``serve[url](body)`` answers a completion; a URL not in ``serve`` refuses
-    connections (a dead worker, a closed port). Every completion request is recorded."""
+class Gateway:
+    """The gateway's HTTP: ``serve(body, headers)`` answers a completion while ``up``; otherwise connections
+    are refused. Every completion request is recorded."""
 
-    def __init__(self) -> None:
-        self.serve: dict[str, Callable[[dict], httpx.Response]] = {}
-        self.requests: list[tuple[str, dict]] = []
-        self.attempts: list[str] = []
+    def __init__(self, serve: Callable[[dict, dict], httpx.Response] = lambda b, h: answer(), key: str = KEY) -> None:
+        self.serve, self.key = serve, key
+        self.up = True
+        self.origins: set[str] = {GW}
+        self.requests: list[tuple[str, dict, dict]] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        self.attempts.append(url)
-        if url not in self.serve:
+        origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if not self.up or origin not in self.origins:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if request.headers.get("authorization") != f"Bearer {self.key}":
+            return gateway_error(401, "wrong key in Authorization: Bearer")
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
+        assert request.url.path == "/v1/completions"
         body = json.loads(request.content)
-        self.requests.append((url, body))
-        return self.serve[url](body)
-
-    def to(self, url: str) -> list[dict]:
-        return [body for u, body in self.requests if u == url]
+        self.requests.append((origin, body, dict(request.headers)))
+        return self.serve(body, dict(request.headers))
 
 
-def ok(text: str = " 4", tokens: int = 2) -> Callable[[dict], httpx.Response]:
-    return lambda body: answer(text, tokens)
-
-
-def make_client(listing, workers: Workers, t: FakeTime, **kw) -> tuple[RolloutClient, Membership]:
-    membership = Membership(listing)
-    client = RolloutClient(
-        "/nonexistent",
+def make_client(gateway: Gateway, t: FakeTime, daemon: Daemon | None = None, **kw) -> RolloutClient:
+    kw.setdefault("base_url", GW + "/v1")
+    kw.setdefault("api_key", KEY)
+    return RolloutClient(
+        "/nonexistent" if "run_dir" not in kw else kw.pop("run_dir"),
         "run",
-        control=membership,  # type: ignore[arg-type]
-        http=httpx.Client(transport=httpx.MockTransport(workers.handle)),
+        control=daemon or Daemon(),  # type: ignore[arg-type]
+        http=httpx.Client(transport=httpx.MockTransport(gateway.handle)),
         clock=t.clock,
         sleep=t.sleep,
         **kw,
     )
-    return client, membership
 
 
-# -- the defect: a daemon still listing a dead worker -----------------------------------------------
-def test_dead_worker_listed_then_a_live_one_every_turn_completes() -> None:
-    """The daemon lists only a dead worker for 30 s, then a live one too: no turn is lost (the old client
-    raised NoWorkers after 4 attempts and 19 ms)."""
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = ok()
+# -- one turn: one request, one answer ------------------------------------------------------------------
+def test_a_turn_is_one_request_with_the_key_the_session_and_the_time_left() -> None:
+    t, gw = FakeTime(), Gateway()
+    client = make_client(gw, t, retry_for_s=90)
+    c = client.complete("s7-p1-g2", "2 + 2 =", max_tokens=8, temperature=0.0, stop=["\n"], extra={"seed": 3})
+    ((origin, body, headers),) = gw.requests
+    assert origin == GW
+    assert headers["x-session-id"] == "s7-p1-g2" and float(headers["x-pearl-retry-for-s"]) == 90.0
+    assert body == {
+        "model": "tiny",
+        "prompt": "2 + 2 =",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "stop": ["\n"],
+        "seed": 3,
+        "return_token_ids": True,
+    }
+    assert (c.text, c.tokens, c.token_ids, c.prompt_token_ids, c.finish_reason) == (" 4", 2, [7, 8], [1, 2], "length")
+    assert client.counts["tokens"] == 2 and client.counts["generating"] == 0
 
-    def listing() -> list[dict]:
-        return [worker(DEAD, T0 - 100)] + ([worker(A, t.now)] if t.now >= T0 + 30 else [])
 
-    client, _ = make_client(listing, workers, t, retry_for_s=600)
+def test_the_completion_carries_the_gateways_parts_weight_versions_and_continuations() -> None:
+    t = FakeTime()
+    pearl = {
+        "parts": [
+            {"tokens": 3, "finish_reason": "abort", "weight_version": "7", "version_from": "membership", "worker": A},
+            {"tokens": 5, "finish_reason": "length", "weight_version": "8", "version_from": "membership", "worker": B},
+        ],
+        "continued": 1,
+        "attempts": 3,
+        "weight_versions": ["7", "8"],
+    }
+    gw = Gateway(lambda b, h: answer("The sum is 4.", tuple(range(8)), pearl=pearl))
+    c = make_client(gw, t).complete("s", "p", max_tokens=8)
+    assert isinstance(c, Completion)
+    assert (c.worker, c.weight_version, c.continued, c.retries, c.tokens) == (B, "8", 1, 2, 8)
+    assert c.parts == pearl["parts"] and c.weight_versions == ["7", "8"]
+
+
+def test_an_ambiguous_part_has_no_version_and_no_worker() -> None:
+    pearl = {"parts": [{"tokens": 2, "weight_version": None, "version_from": "ambiguous", "candidates": ["3", "4"]}]}
+    c = make_client(Gateway(lambda b, h: answer(pearl=pearl)), FakeTime()).complete("s", "p", max_tokens=2)
+    assert (c.worker, c.weight_version, c.parts[0]["candidates"]) == (None, None, ["3", "4"])
+
+
+# -- the time bound ----------------------------------------------------------------------------------------
+def test_an_unreachable_gateway_is_retried_with_back_off_until_it_answers() -> None:
+    t, gw = FakeTime(), Gateway()
+    gw.up = False
+    sent_left: list[float] = []
+
+    def serve(body: dict, headers: dict) -> httpx.Response:
+        sent_left.append(float(headers["x-pearl-retry-for-s"]))
+        return answer()
+
+    gw.serve = serve
+    client = make_client(gw, t, retry_for_s=600)
+    original = t.sleep
+
+    def sleep(seconds: float) -> None:
+        original(seconds)
+        gw.up = t.now >= T0 + 30  # the gateway is back after 30 s (a restart)
+
+    client._sleep = sleep
     t_real = time.monotonic()
-    done = [client.complete(f"s{i}", "2 + 2 =", max_tokens=2) for i in range(4)]
-    assert time.monotonic() - t_real < 5  # fake time: the back-off does not sleep for real
-    assert all(c.worker == A and c.text == " 4" for c in done)
-    assert t.now >= T0 + 30  # the first turn waited for the live worker, it did not give up
-    assert done[0].retries >= 2
-    # the dead worker was tried once, then excluded: never again while the daemon had no news of it
-    assert workers.attempts.count(DEAD) == 1
-    assert DEAD in client.excluded()
-    # jittered exponential back-off, bounded
-    assert all(0 <= s <= client.backoff_max_s for s in t.sleeps)
-    assert len(set(t.sleeps)) > 1
-
-
-def test_no_worker_at_all_for_a_while_then_one() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = ok()
-    client, membership = make_client(lambda: [worker(A, t.now)] if t.now >= T0 + 100 else [], workers, t)
     c = client.complete("s", "p", max_tokens=2)
-    assert c.worker == A and t.now >= T0 + 100
-    assert membership.asked >= 10  # membership is asked again before every retry
+    assert time.monotonic() - t_real < 5  # fake time: the back-off does not sleep for real
+    assert t.now >= T0 + 30 and c.retries >= 2
+    assert all(0 <= s <= client.backoff_max_s for s in t.sleeps) and len(set(t.sleeps)) > 1
+    assert sent_left and 600 - (t.now - T0) - 1 <= sent_left[0] <= 600 - 30  # it says how much time is left
 
 
-# -- exclusion until the daemon confirms -------------------------------------------------------------
-def test_failed_worker_excluded_until_its_agent_reports_after_the_failure() -> None:
-    t, workers = FakeTime(), Workers()
-    state = {"a_seen": T0 - 1.0, "a_ok": False}
-
-    def a(body: dict) -> httpx.Response:
-        if not state["a_ok"]:
-            return httpx.Response(500, text="engine dead")
-        return answer(" A", 2)
-
-    workers.serve[A], workers.serve[B] = a, ok(" B")
-    client, _ = make_client(lambda: [worker(A, state["a_seen"]), worker(B, t.now)], workers, t, refresh_s=2.0)
-
-    first = client.complete("s0", "p", max_tokens=2)  # round robin starts at A: it fails, the turn moves
-    assert first.worker == B and first.retries == 1
-    failed_at = client.excluded()[A]
-    state["a_ok"] = True  # A works again, but nobody has said so yet
-
-    for i in range(1, 6):
-        t.sleep(3.0)  # membership is stale: asked again at each pick
-        state["a_seen"] = failed_at - 0.5  # a report from before the failure proves nothing
-        assert client.complete(f"s{i}", "p", max_tokens=2).worker == B
-    assert A in client.excluded()
-    assert len(workers.to(A)) == 1  # only the failed request
-
-    t.sleep(3.0)
-    state["a_seen"] = t.now  # its agent reported after the failure: back in rotation
-    served = {client.complete(f"n{i}", "p", max_tokens=2).worker for i in range(4)}
-    assert client.excluded() == {}
-    assert served == {A, B}
-
-
-def test_missing_seen_at_counts_as_zero_and_a_worker_the_daemon_drops_is_forgotten() -> None:
-    t, workers = FakeTime(), Workers()
-    listed = {"a": True}
-    workers.serve[B] = ok(" B")
-
-    def listing() -> list[dict]:
-        return ([worker(A)] if listed["a"] else []) + [worker(B)]  # an older daemon: no seen_at
-
-    client, _ = make_client(listing, workers, t, refresh_s=2.0)
-    assert client.complete("s0", "p", max_tokens=2).worker == B  # A (dead) failed first
-    workers.serve[A] = ok(" A")  # restarted on the same address
-    t.sleep(3.0)
-    assert client.complete("s1", "p", max_tokens=2).worker == B  # seen_at 0: still excluded
-    assert A in client.excluded()
-    listed["a"] = False
-    t.sleep(3.0)
-    client.workers()
-    assert client.excluded() == {}  # the daemon dropped it: forgotten
-    listed["a"] = True
-    t.sleep(3.0)
-    assert {client.complete(f"n{i}", "p", max_tokens=2).worker for i in range(4)} == {A, B}
-
-
-def test_a_session_stuck_to_an_excluded_worker_moves() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A], workers.serve[B] = ok(" A"), ok(" B")
-    client, _ = make_client(lambda: [worker(A, T0), worker(B, T0)], workers, t)
-    assert client.complete("sticky", "turn 1", max_tokens=2).worker == A
-    assert client.complete("sticky", "turn 2", max_tokens=2).worker == A  # sticks
-    assert client.complete("warm", "x", max_tokens=2).worker == B  # round robin
-    workers.serve[A] = lambda body: httpx.Response(503, text="shutting down")
-    other = client.complete("other", "x", max_tokens=2)  # round robin: A, which fails; the turn moves
-    assert (other.worker, other.retries) == (B, 1)
-    before = len(workers.to(A))
-    assert client.complete("sticky", "turn 3", max_tokens=2).worker == B
-    assert len(workers.to(A)) == before  # not tried again on the excluded worker
-
-
-# -- the time bound --------------------------------------------------------------------------------
-def test_the_time_bound_raises_a_clear_error() -> None:
-    t, workers = FakeTime(), Workers()
-    client, _ = make_client(lambda: [worker(DEAD, T0 - 100)], workers, t, retry_for_s=60)
-    t_real = time.monotonic()
+def test_a_gateway_that_keeps_giving_up_makes_the_turn_fail_at_the_clients_bound() -> None:
+    t = FakeTime()
+    gw = Gateway(lambda b, h: gateway_error(503, "no worker completed this request: gave up after 12 attempt(s)"))
+    client = make_client(gw, t, retry_for_s=60)
     with pytest.raises(TurnFailed) as info:
         client.complete("s7-p1-g2", "p", max_tokens=2)
-    assert time.monotonic() - t_real < 5
     err = info.value
-    assert 60 <= err.seconds <= 60 + client.backoff_max_s
-    assert 60 <= t.now - T0 <= 60 + client.backoff_max_s
-    assert err.attempts > 4
+    assert not isinstance(err, TurnRefused)
+    assert 60 <= err.seconds <= 60 + client.backoff_max_s and err.attempts > 4
     message = str(err)
     assert "s7-p1-g2" in message and f"{err.attempts} attempt" in message and "60." in message
-    assert "no routable rollout worker" in message  # the last error: the dead one is excluded
+    assert "gave up after 12 attempt(s)" in message  # the gateway's own account
 
 
-def test_a_refused_request_fails_at_once() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = lambda body: httpx.Response(400, json={"error": "maximum context length is 512"})
-    client, _ = make_client(lambda: [worker(A, T0)], workers, t)
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
+def test_a_refused_request_fails_at_once(status: int) -> None:
+    t = FakeTime()
+    gw = Gateway(lambda b, h: gateway_error(status, "maximum context length is 512"))
+    client = make_client(gw, t)
     with pytest.raises(TurnRefused, match="maximum context length"):
         client.complete("s", "p", max_tokens=2)
-    assert t.sleeps == [] and client.excluded() == {}
+    assert t.sleeps == [] and len(gw.requests) == 1
 
 
-# -- an aborted response is continued, not redone -----------------------------------------------------
-def test_an_aborted_turn_is_continued_elsewhere_with_the_tokens_left() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = lambda body: answer("The sum", 3, "abort")  # a drain that ran out of time
-    workers.serve[B] = lambda body: answer(" is 4.", 5, "length")
-    client, _ = make_client(lambda: [worker(A, T0, "7"), worker(B, T0, "7")], workers, t)
-    c = client.complete("s", "2 + 2 = ?", max_tokens=8, stop=["<|im_end|>"])
-    assert isinstance(c, Completion)
-    assert (c.text, c.tokens, c.worker, c.continued, c.finish_reason) == ("The sum is 4.", 8, B, 1, "length")
-    assert c.parts == [
-        {"worker": A, "weight_version": "7", "tokens": 3},
-        {"worker": B, "weight_version": "7", "tokens": 5},
-    ]
-    (sent_b,) = workers.to(B)
-    assert sent_b["prompt"] == "2 + 2 = ?The sum" and sent_b["max_tokens"] == 5
-    assert sent_b["stop"] == ["<|im_end|>"]
-    assert workers.to(A)[0]["max_tokens"] == 8
-    assert sum(t.sleeps) == 0  # no back-off after an abort: the rest goes elsewhere at once
-    assert A in client.excluded()
-    assert client.counts["tokens"] == 8 and client.counts["generating"] == 0
+def test_a_wrong_key_is_refused_at_once_with_the_gateways_reason() -> None:
+    t = FakeTime()
+    client = make_client(Gateway(), t, api_key="stale")
+    with pytest.raises(TurnRefused, match="wrong key"):
+        client.complete("s", "p", max_tokens=2)
+    assert t.sleeps == []
 
 
-def test_an_aborted_turn_at_its_budget_needs_no_continuation() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = lambda body: answer("abcd", 4, "abort")
-    client, _ = make_client(lambda: [worker(A, T0)], workers, t)
-    c = client.complete("s", "p", max_tokens=4)
-    assert (c.text, c.tokens, c.finish_reason, c.continued) == ("abcd", 4, "length", 0)
+# -- finding the gateway -----------------------------------------------------------------------------------------
+def test_the_gateway_is_found_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEARL_ROUTER_URL", GW + "/v1")
+    monkeypatch.setenv("PEARL_ROUTER_KEY", KEY)
+    gw = Gateway()
+    client = make_client(gw, FakeTime(), base_url=None, api_key=None)
+    assert client.complete("s", "p", max_tokens=2).text == " 4" and len(gw.requests) == 1
 
 
-def test_an_abort_before_any_output_redoes_the_turn_whole() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = lambda body: answer("", 0, "abort")
-    workers.serve[B] = lambda body: answer("full", 6, "stop")
-    client, _ = make_client(lambda: [worker(A, T0), worker(B, T0)], workers, t)
-    c = client.complete("s", "p", max_tokens=6)
-    assert (c.text, c.tokens, c.worker, c.finish_reason) == ("full", 6, B, "stop")
-    assert workers.to(B)[0]["prompt"] == "p" and workers.to(B)[0]["max_tokens"] == 6
+def test_the_gateway_is_found_in_the_run_directory_and_again_after_a_restart(tmp_path: Path) -> None:
+    key = service.ensure_key(tmp_path)
+    assert oct(service.key_path(tmp_path).stat().st_mode & 0o777) == "0o600"
+    record = service.RouterRecord(
+        pid=1,
+        start_ticks=1,
+        url=GW,
+        base_url=GW + "/v1",
+        router_url="http://127.0.0.1:1",
+        host="0.0.0.0",
+        port=8100,
+        started_at=T0,
+    )
+    service.write_record(tmp_path, record)
+    gw = Gateway(key=key)
+    t = FakeTime()
+    client = make_client(gw, t, run_dir=str(tmp_path), base_url=None, api_key=None)
+    client.complete("s", "p", max_tokens=2)
+    moved = "http://gw:8200"  # the gateway restarted on another port and wrote its record again
+    gw.origins = {moved}
+    service.write_record(tmp_path, dataclasses.replace(record, url=moved, base_url=moved + "/v1"))
+    client.complete("s", "p", max_tokens=2)
+    assert [origin for origin, _, _ in gw.requests] == [GW, moved]
 
 
-def test_two_aborts_in_a_row_join_three_parts() -> None:
-    t, workers = FakeTime(), Workers()
-    C = "http://c:8000"
-    parts = iter([answer("one ", 2, "abort"), answer("two ", 2, "abort"), answer("three", 3, "stop")])
-    for url in (A, B, C):
-        workers.serve[url] = lambda body: next(parts)
-    client, _ = make_client(lambda: [worker(A, T0), worker(B, T0), worker(C, T0)], workers, t)
-    c = client.complete("s", "p:", max_tokens=10)
-    assert (c.text, c.tokens, c.continued, c.retries, c.finish_reason) == ("one two three", 7, 2, 2, "stop")
-    sent = [(url, body["prompt"], body["max_tokens"]) for url, body in workers.requests]
-    assert [(p, m) for _, p, m in sent] == [("p:", 10), ("p:one ", 8), ("p:one two ", 6)]
-    assert len({url for url, _, _ in sent}) == 3  # each part on another worker
-    assert c.worker == sent[-1][0]
+def test_no_gateway_anywhere_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PEARL_ROUTER_URL", raising=False)
+    monkeypatch.delenv("PEARL_ROUTER_KEY", raising=False)
+    client = RolloutClient(http=httpx.Client(transport=httpx.MockTransport(Gateway().handle)))
+    with pytest.raises(ValueError, match="PEARL_ROUTER_URL and PEARL_ROUTER_KEY"):
+        client.complete("s", "p", max_tokens=2)
 
 
-# -- the daemon ---------------------------------------------------------------------------------------
-def test_an_unreachable_or_refusing_daemon_keeps_the_last_list_and_progress_never_raises() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = ok()
+def test_a_run_whose_gateway_has_not_started_yet_is_waited_for(tmp_path: Path) -> None:
+    t = FakeTime()
+    service.ensure_key(tmp_path)
+    client = make_client(Gateway(), t, run_dir=str(tmp_path), base_url=None, api_key=None, retry_for_s=5)
+    with pytest.raises(TurnFailed, match="no router gateway record"):
+        client.complete("s", "p", max_tokens=2)
+    assert t.now - T0 >= 5
+
+
+# -- the daemon -------------------------------------------------------------------------------------------------
+def test_progress_goes_to_the_daemon_and_never_raises() -> None:
+    t = FakeTime()
     mode = {"v": "ok"}
 
     def listing() -> list[dict] | None:
         if mode["v"] == "refuse":
             raise DaemonRefusal("/v1/workers: restarting", 503)
-        return None if mode["v"] == "down" else [worker(A, T0)]
+        return None if mode["v"] == "down" else [{"id": 1, "url": A, "weight_version": "3"}]
 
-    client, membership = make_client(listing, workers, t, refresh_s=1.0)
-    assert [w["url"] for w in client.workers()] == [A]
+    daemon = Daemon(listing)
+    client = make_client(Gateway(), t, daemon, refresh_s=1.0)
+    assert [w["weight_version"] for w in client.workers()] == ["3"]
+    assert client.workers() and daemon.asked == 1  # cached for refresh_s
     for mode["v"] in ("down", "refuse"):
         t.sleep(2.0)
-        assert [w["url"] for w in client.workers()] == [A]
-        assert client.complete("s", "p", max_tokens=2).worker == A
+        assert [w["url"] for w in client.workers()] == [A]  # the last known list
+    client.count("queued", 3)
     client.report_progress(step=3, work={"trajectories": 1})
-    assert membership.progress[-1]["step"] == 3 and membership.progress[-1]["work"] == {"trajectories": 1}
+    assert daemon.progress[-1]["step"] == 3 and daemon.progress[-1]["work"] == {"trajectories": 1}
+    assert daemon.progress[-1]["queued"] == 3
 
 
-def test_membership_is_cached_for_refresh_s() -> None:
-    t, workers = FakeTime(), Workers()
-    workers.serve[A] = ok()
-    client, membership = make_client(lambda: [worker(A, T0)], workers, t, refresh_s=2.0)
-    for i in range(5):
-        client.complete(f"s{i}", "p", max_tokens=2)
-    assert membership.asked == 1
-    t.sleep(2.5)
-    client.complete("s9", "p", max_tokens=2)
-    assert membership.asked == 2
+def test_concurrent_sessions_share_one_client() -> None:
+    """Turns from several threads: every one completes, the counters balance."""
+    t = FakeTime()
+    rng = random.Random(0)
+    gw = Gateway(lambda b, h: answer("x", (1,)) if rng.random() > 0.3 else gateway_error(503, "gave up"))
+    client = make_client(gw, t)
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda i: client.complete(f"s{i}", "p", max_tokens=1), range(40)))
+    assert len(done) == 40 and all(c.tokens == 1 for c in done)
+    assert client.counts["generating"] == 0 and client.counts["tokens"] == 40
+    assert {h["x-session-id"] for _, _, h in gw.requests} == {f"s{i}" for i in range(40)}
 
 
 # -- the reference driver: a step is written whole or not at all ----------------------------------------
@@ -471,16 +450,3 @@ def test_stop_after_a_complete_drain_does_not_abort_and_honours_the_timeout(monk
     vllm_worker(server, monkeypatch).stop(8.0)
     assert [c for c, _ in server.calls] == ["drain", "stop"]
     assert server.now <= 8.0
-
-
-def test_concurrent_sessions_share_one_client() -> None:
-    """Turns from several threads: every one completes, the counters balance."""
-    t, workers = FakeTime(), Workers()
-    rng = random.Random(0)
-    workers.serve[A] = lambda body: answer("x", 1) if rng.random() > 0.3 else httpx.Response(502)
-    workers.serve[B] = ok("y", 1)
-    client, _ = make_client(lambda: [worker(A, t.now), worker(B, t.now)], workers, t, refresh_s=0.0)
-    with ThreadPoolExecutor(4) as pool:
-        done = list(pool.map(lambda i: client.complete(f"s{i}", "p", max_tokens=1), range(40)))
-    assert len(done) == 40 and all(c.tokens == 1 for c in done)
-    assert client.counts["generating"] == 0 and client.counts["tokens"] == 40

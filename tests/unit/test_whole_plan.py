@@ -113,3 +113,21 @@ def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(ru
     snapshot = controller.borrowing.snapshot(NOW)
     slot = next(g for g in snapshot.gpus if g.id == gpu["id"])
     assert slot.parked and slot.role == "IDLE"  # the planner sees a wake, not a cold start
+
+
+@pytest.mark.parametrize(
+    "policy,work,wanted",
+    [
+        ("elastic", True, 3),  # uses every elastic GPU it can get: the pool grows to max_nodes
+        ("static", True, 1),  # uses none: the pool stays at its launch size
+        ("elastic", False, 1),  # the batch ended: back to the launch size, whatever the policy
+    ],
+)
+def test_the_elastic_pool_is_sized_by_the_policys_what_if_plan(run, policy, work, wanted):
+    store, controller = run
+    if work:
+        store.update_fields("runs", "r", rollout={"queued": 40, "generating": 8, "tool_wait": 0})
+    settings = {"policy": policy, "max_gpus": None, "keep_warm": True}
+    got, why = controller.borrowing.elastic_wanted(NOW, running=1, low=1, high=3, gpus_per_node=1, settings=settings)
+    assert got == wanted, why
+    assert store.transitions("r") == []  # a what-if changes nothing

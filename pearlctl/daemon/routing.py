@@ -1,0 +1,159 @@
+"""The run's router, kept by the daemon: one gateway + vllm-router per run (pearlctl.router), started next to
+the daemon or adopted from a previous daemon, started again when it dies, and routing to exactly the
+workers state says are routable.
+
+Why next to the daemon: rollout clients anywhere in the cluster must reach one stable address, and the
+daemon's host is the one every agent already reaches; a Slurm job of its own would wait in the queue and
+move with every requeue. The gateway is detached from the daemon (pearlctl.router.service): a daemon crash
+or restart leaves the data plane serving, and the next daemon adopts it.
+
+Membership is a passive sync, every ``every_s``: desired = state's READY, routable workers (URL → weight
+version); when it differs from what the router last said it routes to, the gateway is told the whole set
+(``RouterMembership.sync``: adds, removes, re-versions), and its answer is what ``routed`` reports. The
+transition steps REGISTER and DEREGISTER only flip ``routable`` in state; their probes wait until
+``routed`` agrees (pearlctl.daemon.effects), so a worker drains only once the router sends it nothing new.
+A restarted router (empty) is given the whole set at once, so membership is rebuilt from state.
+
+``routed`` is the last membership the router reported. Until the first sync it is empty — a REGISTER waits
+— and while the router is unreachable it keeps its last value: a DEREGISTER then waits for the router,
+never passes on a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pearlctl.router import service
+from pearlctl.router.membership import MembershipError, RouterMembership
+from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.store import Store
+
+log = logging.getLogger("pearlctl.daemon")
+
+CHECK_PROCESS_S = 2.0  # how often the gateway's process and health are checked
+REFRESH_S = 5.0  # how often membership is re-read even when nothing changed (a router restarted by the gateway)
+ADD_WAIT_S = 5.0  # a READY worker answers /health at once; one that does not is retried next sync
+
+
+def desired_members(store: Store, run_id: str) -> dict[str, str | None]:
+    """URL → weight version of every worker the router should send requests to now."""
+    return {
+        w["url"]: (str(w["weight_version"]) if w.get("weight_version") is not None else None)
+        for w in store.workers(run_id)
+        if w["routable"] and w["state"] == W.READY and w["url"]
+    }
+
+
+class RouterKeeper:
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        run_dir: str,
+        *,
+        journal: Callable[[str, dict], None],
+        host: str = "0.0.0.0",
+        port: int = 0,
+        policy: str = "consistent_hash",
+        advertise: str | None = None,
+        every_s: float = 0.5,
+    ):
+        self.store, self.run_id, self.run_dir = store, run_id, run_dir
+        self.journal = journal  # (event, data) -> a journal row, written under the daemon's lock
+        self.host, self.port, self.policy, self.advertise, self.every_s = host, port, policy, advertise, every_s
+        self.record: service.RouterRecord | None = None
+        self.members: dict[str, str | None] = {}  # what the router last said it routes to
+        self._client: RouterMembership | None = None
+        self._checked_at = 0.0
+        self._refreshed_at = 0.0
+        self._lock = threading.Lock()
+
+    # -- what the executor's probes read -----------------------------------------------------------
+    def routed(self) -> set[str]:
+        with self._lock:
+            return set(self.members)
+
+    @property
+    def base_url(self) -> str | None:
+        return self.record.base_url if self.record else None
+
+    # -- the process -------------------------------------------------------------------------------
+    def ensure_running(self) -> service.RouterRecord:
+        """Adopt the run's gateway, or start one (with the members state wants). Raises RouterStartError."""
+        record = service.adopt(self.run_dir)
+        if record is not None and (self.record is None or record.pid != self.record.pid):
+            self.journal("router adopted", {"pid": record.pid, "url": record.base_url})
+        if record is None:
+            again = self.record is not None
+            wanted = desired_members(self.store, self.run_id)
+            port = self.record.port if self.record else self.port  # the same address after a restart
+            record = service.start(
+                self.run_dir, self.host, port, policy=self.policy, advertise_host=self.advertise, workers=wanted
+            )
+            self.journal(
+                "router restarted" if again else "router started",
+                {"pid": record.pid, "url": record.base_url, "members": len(wanted)},
+            )
+            with self._lock:
+                self.members = {}  # a new router knows only what it was started with: re-read below
+            self._refreshed_at = 0.0
+        if self.record is None or record.pid != self.record.pid:
+            if self._client is not None:
+                self._client.close()
+            self._client = RouterMembership(record.url, service.read_key(self.run_dir), timeout=5.0)
+        self.record = record
+        self._checked_at = time.monotonic()
+        return record
+
+    def stop(self) -> None:
+        """The run is over: its router goes too."""
+        if self.record is not None:
+            service.stop(self.record, run_dir=self.run_dir)
+            self.journal("router stopped", {"pid": self.record.pid})
+            self.record = None
+
+    # -- membership --------------------------------------------------------------------------------
+    def sync_once(self) -> None:
+        """One pass: the process checked now and then, membership made equal to state's when it differs."""
+        now = time.monotonic()
+        if self.record is None or now - self._checked_at >= CHECK_PROCESS_S:
+            self.ensure_running()
+        assert self._client is not None
+        wanted = desired_members(self.store, self.run_id)
+        with self._lock:
+            same = wanted == self.members
+        if same and now - self._refreshed_at < REFRESH_S:
+            return
+        if same:
+            members = self._client.list()
+        else:
+            result = self._client.sync(wanted, wait_s=ADD_WAIT_S)
+            members = result.members
+            if result.failed:
+                log.warning("router: could not add %s", result.failed)
+        routed = {m.url: m.weight_version for m in members if m.routed is not False}
+        with self._lock:
+            before, self.members = self.members, routed
+        added, removed = sorted(routed.keys() - before.keys()), sorted(before.keys() - routed.keys())
+        if added or removed:  # when the router began or stopped sending a worker requests, for the journal
+            self.journal("router membership", {"added": added, "removed": removed, "members": len(routed)})
+        self._refreshed_at = now
+
+    def loop(
+        self, stopping: threading.Event, on_ok: Callable[[], None], on_error: Callable[[BaseException], None]
+    ) -> None:
+        """Sync until ``stopping``; a failed pass (the gateway unreachable, a start that failed, a bug) is
+        reported to ``on_error`` and tried again, never fatal to the daemon."""
+        while not stopping.is_set():
+            try:
+                self.sync_once()
+                on_ok()
+            except (MembershipError, service.RouterStartError, OSError) as exc:
+                self._checked_at = 0.0  # look at the process again on the next pass
+                on_error(exc)
+            except Exception as exc:
+                on_error(exc)
+            stopping.wait(self.every_s)

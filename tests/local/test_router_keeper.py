@@ -1,0 +1,119 @@
+"""The daemon's router keeper against the real gateway and real vllm-router (pearlctl.router), with small
+stand-in workers that answer ``/health``: membership follows state's routable workers, a DEREGISTER is
+proven only once the router no longer routes to the worker, and a router that dies is started again with
+its membership rebuilt from state. (Real vLLM workers behind the router: tests/engines/test_router_engine.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.routing import RouterKeeper
+from pearlctl.daemon.transitions import Executor
+from pearlctl.router import service
+from pearlctl.state.store import Store
+
+
+def _health(request):
+    return JSONResponse({})
+
+
+def _models(request):
+    return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+
+@pytest.fixture
+def workers():
+    """Two stand-in workers on loopback: URL list."""
+    app = Starlette(routes=[Route("/health", _health), Route("/v1/models", _models)])
+    servers, urls = [], []
+    for _ in range(2):
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        threading.Thread(target=server.run, daemon=True).start()
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        urls.append(f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}")
+        servers.append(server)
+    yield urls
+    for s in servers:
+        s.should_exit = True
+
+
+@pytest.fixture
+def world(tmp_path: Path, workers):
+    store = Store.open(tmp_path / "s.db")
+    store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="local",
+                     policy="never", pools=[{"name": "rollout", "kind": "rollout", "role": "ROLLOUT",
+                                             "partition": None, "nodes": 1, "gpus_per_node": 2,
+                                             "job_name": "pearl.r.rollout"}])  # fmt: skip
+    alloc = store.allocations("r")[0]
+    store.upsert_node_gpus("r", alloc["id"], "n1", [0, 1], "ROLLOUT")
+    ids = []
+    for i, url in enumerate(workers):
+        wid = store.add_worker(run_id="r", allocation_id=alloc["id"], role="ROLLOUT", engine="vllm", url=url)
+        store.update_fields("workers", wid, worker_key=f"rollout-{i}", gpu_idx=[i], routable=1, weight_version="3")
+        store.set_state("workers", wid, expect="STARTING", to="READY", event="t")
+        ids.append(wid)
+    events: list[tuple[str, dict]] = []
+    keeper = RouterKeeper(store, "r", str(tmp_path), journal=lambda e, d: events.append((e, d)), host="127.0.0.1")
+    yield store, keeper, ids, workers, events
+    if keeper.record is not None:
+        service.stop(keeper.record, run_dir=str(tmp_path))
+    store.close()
+
+
+def test_membership_follows_state_and_is_rebuilt_after_the_router_dies(world):
+    store, keeper, ids, urls, events = world
+    keeper.sync_once()
+    assert keeper.routed() == set(urls)
+    assert [e for e, _ in events] == ["router started", "router membership"]
+    assert sorted(events[1][1]["added"]) == sorted(urls)
+
+    # a worker is taken out (what DEREGISTER writes): the router stops routing to it on the next pass
+    store.update_fields("workers", ids[0], routable=0)
+    keeper.sync_once()
+    assert keeper.routed() == {urls[1]}
+    assert events[-1] == ("router membership", {"added": [], "removed": [urls[0]], "members": 1})
+
+    # the gateway is killed: the next pass (after the process check interval) starts a new one, given the
+    # routable set from state at once
+    record = keeper.record
+    os.killpg(record.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while service.same_process(record.pid, record.start_ticks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    keeper._checked_at = 0.0  # do not wait out CHECK_PROCESS_S
+    keeper.sync_once()
+    assert keeper.record.pid != record.pid
+    assert keeper.record.port == record.port  # the same address for clients
+    keeper.sync_once()
+    assert keeper.routed() == {urls[1]}
+    assert "router restarted" in [e for e, _ in events]
+
+
+def test_deregister_is_proven_only_when_the_router_no_longer_routes_to_the_worker(world):
+    store, keeper, ids, urls, _ = world
+    keeper.sync_once()
+    effects = DaemonEffects(store, "r", None, router=keeper.routed)
+    ex = Executor(store, effects, run_id="r", epoch=None)
+    gpu = next(g for g in store.gpus("r") if g["idx"] == 0)
+    tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
+    ex.advance(tid)
+    step = store.steps(tid)[0]
+    assert step["kind"] == "DEREGISTER" and step["state"] == "INTENT"  # state says so; the router not yet
+    assert not store.get("workers", ids[0])["routable"]
+    keeper.sync_once()
+    ex.advance(tid)
+    assert store.steps(tid)[0]["state"] == "DONE"
+    assert urls[0] not in keeper.routed()
