@@ -6,10 +6,15 @@ task are written *before* anything is submitted; each pool's Slurm id is recorde
 pools without an id are first looked up by job name (``pearl.<run_id>.<pool>``) and adopted, so no
 pool is ever submitted twice. A failed submission cancels what was already submitted and leaves the
 run FAILED with every allocation ENDED.
+
+``grow_request`` is the submission of one more task of a pool, built from the same request as its launch
+(pearlctl.daemon.elastic grows the elastic pool with it); ``cancel`` ends those added tasks too, each
+being its own job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import uuid
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pearlctl.backends import Backend, BackendError
-from pearlctl.config import RunSpec, SpecError, SpecProblem
+from pearlctl.config import DEFAULT_PENDING_TIMEOUT_S, PoolSpec, RunSpec, SpecError, SpecProblem
 from pearlctl.home import REPO_ROOT, WORKER_SCRIPT
 from pearlctl.runfiles import ensure_secret
 from pearlctl.slurm.script import SubmitRequest, job_name, render_script
@@ -76,38 +81,72 @@ def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
 
 
 def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
-    out = []
-    for name in POOL_ORDER:
-        pool = spec.pools.get(name)
-        if pool is None:
-            continue
-        out.append(
-            SubmitRequest(
-                run_id=run_id,
-                pool=name,
-                role=pool.role,
-                array_size=pool.nodes,
-                gpus_per_node=pool.gpus_per_node,
-                run_dir=str(spec.run_dir),
-                model=str(spec.model),
-                python=sys.executable,
-                worker_script=str(WORKER_SCRIPT),
-                partition=pool.partition,
-                time_limit=pool.time_limit,
-                account=pool.account,
-                qos=pool.qos,
-                cpus_per_task=pool.cpus_per_task,
-                mem=pool.mem,
-                requeue=pool.requeue,
-                preempt_signal=pool.preempt_signal,
-                preempt_notice_s=pool.preempt_notice_s,
-                command=pool.command,
-                train_command=expand_command(pool.train_command, spec),
-                engine_args=pool.engine_args,
-                env=pool.env,
-            )
-        )
-    return out
+    return [
+        _pool_request(spec.pools[name], run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model))
+        for name in POOL_ORDER
+        if name in spec.pools
+    ]
+
+
+def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, first_task: int = 0) -> SubmitRequest:
+    """The submission of ``pool``: all its launch tasks, or (``first_task``) one task added to it."""
+    return SubmitRequest(
+        run_id=run_id,
+        pool=pool.name,
+        role=pool.role,
+        array_size=1 if first_task else pool.nodes,
+        gpus_per_node=pool.gpus_per_node,
+        run_dir=run_dir,
+        model=model,
+        python=sys.executable,
+        worker_script=str(WORKER_SCRIPT),
+        partition=pool.partition,
+        time_limit=pool.time_limit,
+        account=pool.account,
+        qos=pool.qos,
+        cpus_per_task=pool.cpus_per_task,
+        mem=pool.mem,
+        requeue=pool.requeue,
+        preempt_signal=pool.preempt_signal,
+        preempt_notice_s=pool.preempt_notice_s,
+        command=pool.command,
+        train_command=_expand(pool.train_command, model=model, run_dir=run_dir),
+        engine_args=pool.engine_args,
+        env=pool.env,
+        first_task=first_task,
+    )
+
+
+def pool_spec_of(run: dict, pool: str) -> PoolSpec:
+    """A pool's spec as the run recorded it at launch (``runs.spec``). Keys a later pearlctl added to
+    PoolSpec take their defaults; raises KeyError naming the pool when the run has no such pool."""
+    pools = run["spec"].get("pools") or {}
+    if pool not in pools:
+        raise KeyError(f"run {run['id']} has no pool {pool!r}; its pools: {', '.join(pools) or 'none'}")
+    raw = dict(pools[pool])
+    known = {f.name for f in dataclasses.fields(PoolSpec)}
+    fields = {k: v for k, v in raw.items() if k in known}
+    for key in ("command", "train_command"):
+        if fields.get(key) is not None:
+            fields[key] = tuple(fields[key])
+    if pool == "elastic" and fields.get("pending_timeout_s") is None:
+        fields["pending_timeout_s"] = DEFAULT_PENDING_TIMEOUT_S  # a run launched before the key existed
+    return PoolSpec(**fields)
+
+
+def grow_request(run: dict, pool: str, task_index: int) -> SubmitRequest:
+    """The submission of one more task of ``pool`` (an elastic pool growing): the same wrapper, environment,
+    partition and job name (``pearl.<run_id>.<pool>``) as the pool's launch, as a one-task array whose only
+    task is ``task_index`` (``--array=K``), so state keys it ``(its job id, K)`` like every other task."""
+    if task_index < 1:
+        raise ValueError(f"an added task's index must be >= 1 (index 0 is the launch's), got {task_index}")
+    return _pool_request(
+        pool_spec_of(run, pool),
+        run_id=run["id"],
+        run_dir=run["run_dir"],
+        model=str(run["spec"].get("model", "")),
+        first_task=task_index,
+    )
 
 
 def _move_run(
@@ -124,9 +163,13 @@ def _move_run(
 def expand_command(argv: tuple[str, ...] | None, spec: RunSpec) -> tuple[str, ...] | None:
     """Fill ``{python}``, ``{repo}``, ``{model}`` and ``{run_dir}`` in a pool's command, so a shipped spec
     needs no absolute paths. Other braces are left alone."""
+    return _expand(argv, model=str(spec.model), run_dir=str(spec.run_dir))
+
+
+def _expand(argv: tuple[str, ...] | None, *, model: str, run_dir: str) -> tuple[str, ...] | None:
     if not argv:
         return argv
-    values = {"python": sys.executable, "repo": str(REPO_ROOT), "model": str(spec.model), "run_dir": str(spec.run_dir)}
+    values = {"python": sys.executable, "repo": str(REPO_ROOT), "model": model, "run_dir": run_dir}
 
     class Keep(dict):
         def __missing__(self, key):
@@ -285,9 +328,16 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
         return True
     if run["state"] != RunState.CANCELLING:
         _move_run(store, run_id, expect=run["state"], to=RunState.CANCELLING, event="cancel requested")
-    job_ids = sorted({p["job_id"] for p in store.pools(run_id) if p["job_id"]})
-    daemon_jobs = [r.job_id for r in backend.find_by_name(job_name(run_id, DAEMON_POOL)) if r.phase != "ENDED"]
-    backend.cancel(job_ids + daemon_jobs)  # the daemon's job too: SIGTERM stops it cleanly
+    # every pool's launch job, and the tasks an elastic pool added (each its own job id, pearlctl.daemon.elastic)
+    job_ids = sorted(
+        {p["job_id"] for p in store.pools(run_id) if p["job_id"]}
+        | {a["job_id"] for a in store.allocations(run_id) if a["job_id"] and a["state"] != A.ENDED}
+    )
+    names = [job_name(run_id, DAEMON_POOL)]  # the daemon's job too: SIGTERM stops it cleanly
+    # an added task whose job id a crash kept out of state is found by its pool's name
+    names += [p["job_name"] for p in store.pools(run_id) if p["kind"] == "elastic"]
+    found = [r.job_id for name in names for r in backend.find_by_name(name) if r.phase != "ENDED"]
+    backend.cancel(sorted(set(job_ids) | set(found)))
     for alloc in store.allocations(run_id):
         if alloc["state"] == A.REQUESTED:
             store.set_state(

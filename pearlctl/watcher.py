@@ -42,7 +42,12 @@ def poll_lease_name(run_id: str) -> str:
 
 
 def _record_for(records: list[JobRecord], job_id: str, index: int) -> JobRecord | None:
-    fallback = None
+    """The record of task ``index`` of ``job_id``: its own, else the pending range that holds it, else a
+    record of the whole job. Slurm 22.05 shows an array task cancelled while still pending, before it was
+    ever split out of its array, only as the whole job's record (squeue: no task id and an empty task
+    string; sacct: ``JOB_[K]``): an elastic pool's added one-task array cancelled for pending too long
+    (pearlctl.daemon.elastic) looks like that, and it ended; it did not vanish."""
+    fallback = whole = None
     for r in records:
         if r.job_id != job_id:
             continue
@@ -50,7 +55,9 @@ def _record_for(records: list[JobRecord], job_id: str, index: int) -> JobRecord 
             return r
         if index in r.pending_tasks:
             fallback = r
-    return fallback
+        elif r.array_task_id is None and not r.pending_tasks:
+            whole = r
+    return fallback or whole
 
 
 class _Mover:

@@ -77,6 +77,35 @@ def wait_for(fn, timeout: float, every: float = 0.5):
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+def router_gateways() -> set[int]:
+    """Pids of this machine's run-router gateways (``python -m pearlctl.router``)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pearlctl.router" in argv and b"-m" in argv:
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_router_outlives_its_test():
+    """A run's router gateway outlives its daemon by design (a daemon restart adopts it); a test that ends
+    without cancelling its run (a killed daemon, a failure) would leave it running. Stop, after each test,
+    every gateway the test started (its process group: the gateway and its vllm-router)."""
+    before = router_gateways()
+    yield
+    for pid in router_gateways() - before:
+        try:
+            os.killpg(pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 @pytest.fixture
 def pearlctl(tmp_path: Path) -> Pearlctl:
     return Pearlctl(tmp_path / "state")

@@ -106,10 +106,17 @@ class VllmWorker:
             host="0.0.0.0",
             device=engine_device(),
         )
+        # the URL this worker is reported under, also stated in its answers' headers (vllm_headers)
+        self.server.env["PEARL_WORKER_URL"] = self.url
         self._stopping = False
         self._stopped = False
         self._sleep_state: str | None = None
         self.weight_version: str | None = None
+
+    @property
+    def url(self) -> str:
+        # the server listens on every interface; clients on other nodes reach it by this host's name
+        return f"http://{socket.gethostname()}:{self.server.port}"
 
     def start(self) -> None:
         self.server.start()
@@ -202,8 +209,7 @@ class VllmWorker:
     def report(self) -> dict:
         return {
             **identity(self),
-            # the server listens on every interface; clients on other nodes reach it by this host's name
-            "url": f"http://{socket.gethostname()}:{self.server.port}",
+            "url": self.url,
             "pid": self.server.pid,
             "weight_version": self.weight_version,
         }

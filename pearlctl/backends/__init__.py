@@ -3,6 +3,10 @@
 Both backends take the same rendered sbatch script and answer with the same :class:`JobRecord`s, so
 state, the watcher and (later) the agents do not care which one runs. ``auto`` picks Slurm whenever a
 slurmctld answers, and the local backend otherwise.
+
+A request's ``first_task`` sets the first array task index (an elastic pool's added task is a one-task
+array ``--array=K``), and ``cancel_tasks`` ends single tasks, so a pool can grow and shrink by one task
+(pearlctl.daemon.elastic).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ class Backend(Protocol):
     def poll(self, job_ids: list[str]) -> list[JobRecord]: ...
 
     def cancel(self, job_ids: list[str]) -> None: ...
+
+    def cancel_tasks(self, tasks: list[tuple[str, int]]) -> None:
+        """Cancel single array tasks, each ``(job_id, task index)``; the rest of each array keeps running."""
+        ...
 
 
 def open_backend(name: str, *, state_dir: str) -> Backend:

@@ -8,7 +8,10 @@ can poll or cancel what an earlier one started:
 
 - ``task-<i>.pid``: "<pid> <start-ticks>" — start ticks guard against PID reuse;
 - ``task-<i>.rc``: the exit status, written when the task ends by itself;
-- ``cancelled``: written before the groups are signalled.
+- ``cancelled``: written before the groups are signalled; ``task-<i>.cancelled`` for one task cancelled
+  alone (``cancel_tasks``: an elastic pool shrinking);
+- ``meta.json``: the job's name, its task count and its first task index (an elastic pool's added task
+  is a one-task job whose only task is numbered like Slurm's ``--array=K``).
 
 No ``SLURM_*`` variable is set: torchrun and DeepSpeed change behaviour when they see one.
 """
@@ -72,10 +75,17 @@ class LocalBackend:
         script_path = jdir / "job.sh"
         script_path.write_text(script)
         (jdir / "meta.json").write_text(
-            json.dumps({"name": req.job_name, "array_size": req.array_size, "submitted_at": time.time()})
+            json.dumps(
+                {
+                    "name": req.job_name,
+                    "array_size": req.array_size,
+                    "first_task": req.first_task,
+                    "submitted_at": time.time(),
+                }
+            )
         )
         Path(req.run_dir, "logs").mkdir(parents=True, exist_ok=True)
-        for task in range(req.array_size):
+        for task in range(req.first_task, req.first_task + req.array_size):
             log_path = req.log_pattern.replace("%A", job_id).replace("%a", str(task))
             env = dict(os.environ, PEARL_LOCAL_JOB_ID=job_id, PEARL_LOCAL_TASK_ID=str(task))
             # As Slurm's --gres would, a task sees only its pool's share of this machine's GPUs (the first
@@ -108,7 +118,7 @@ class LocalBackend:
         alive = _start_ticks(int(pid)) == ticks
         if alive:
             state = "RUNNING"
-        elif (jdir / "cancelled").exists():
+        elif (jdir / "cancelled").exists() or (jdir / f"task-{task}.cancelled").exists():
             state = "CANCELLED"
         elif rc_file.exists():
             state = "COMPLETED" if rc_file.read_text().strip() == "0" else "FAILED"
@@ -132,7 +142,8 @@ class LocalBackend:
         if not meta_file.exists():
             return []
         meta = json.loads(meta_file.read_text())
-        return [self._task_record(job_id, meta["name"], t) for t in range(meta["array_size"])]
+        first = int(meta.get("first_task", 0))  # absent in jobs submitted before elastic growth
+        return [self._task_record(job_id, meta["name"], t) for t in range(first, first + meta["array_size"])]
 
     def find_by_name(self, job_name: str) -> list[JobRecord]:
         if not self.root.exists():
@@ -151,12 +162,33 @@ class LocalBackend:
             if not jdir.exists():
                 continue
             (jdir / "cancelled").touch()
-            pids = []
-            for pid_file in jdir.glob("task-*.pid"):
-                pid, ticks = pid_file.read_text().split()
-                if _start_ticks(int(pid)) == ticks:
-                    pids.append(int(pid))
+            self._terminate(list(jdir.glob("task-*.pid")))
+
+    def cancel_tasks(self, tasks: list[tuple[str, int]]) -> None:
+        """End single tasks, as ``scancel JOB_TASK`` would: the job's other tasks keep running. An unknown
+        job or task, or one that already ended, is not an error (as with scancel)."""
+        pid_files = []
+        for job_id, task in tasks:
+            jdir = self._job_dir(job_id)
+            pid_file = jdir / f"task-{int(task)}.pid"
+            if not pid_file.exists():
+                continue
+            (jdir / f"task-{int(task)}.cancelled").touch()
+            pid_files.append(pid_file)
+        self._terminate(pid_files)
+
+    def _terminate(self, pid_files: list[Path]) -> None:
+        """SIGTERM each live task's process group, SIGKILL what is left after ``kill_wait_s``."""
+        pids = []
+        for pid_file in pid_files:
+            pid, ticks = pid_file.read_text().split()
+            if _start_ticks(int(pid)) == ticks:
+                pids.append(int(pid))
+                try:
                     os.killpg(int(pid), signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        if pids:
             deadline = time.monotonic() + self.kill_wait_s
             while pids and time.monotonic() < deadline:
                 pids = [p for p in pids if _start_ticks(p) is not None]

@@ -45,3 +45,6 @@ class SlurmBackend:
 
     def cancel(self, job_ids: list[str]) -> None:
         self._call(self.client.cancel, job_ids)
+
+    def cancel_tasks(self, tasks: list[tuple[str, int]]) -> None:
+        self._call(self.client.cancel_tasks, tasks)

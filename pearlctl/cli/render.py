@@ -106,7 +106,7 @@ def status_tables(doc: dict) -> Group:
             _when(g.get("return_deadline")),
         )
 
-    parts = [head, pools, allocs, gpus]
+    parts = [head, *router_parts(doc), pools, allocs, gpus, *elastic_parts(doc.get("elastic"))]
     if doc["workers"]:
         workers = Table(title="workers", title_justify="left")
         for col in ("id", "role", "engine", "state", "url", "weights"):
@@ -157,6 +157,69 @@ def status_tables(doc: dict) -> Group:
             )
         )
     return Group(*parts)
+
+
+def router_parts(doc: dict) -> list:
+    """The run's router: the base URL an OpenAI client takes, its key file, how many workers it routes to."""
+    view = doc.get("router")
+    if not view:
+        return []
+    routed = sum(1 for w in doc.get("workers", []) if w.get("routable") and w.get("state") == "READY")
+    alive = "" if view["running"] else " — not running (the daemon starts it again)"
+    return [
+        Text(
+            f"router {view['base_url']}  key {view['key_file']}  routing to {routed} worker(s){alive}",
+            style="" if view["running"] else "yellow",
+        )
+    ]
+
+
+def elastic_parts(view: dict | None) -> list:
+    """The elastic pool's section (pearlctl.daemon.elastic.elastic_view): its size now, wanted and bounds,
+    its live tasks, and how its size changed lately. Nothing for a run without an elastic pool."""
+    if not view:
+        return []
+    wanted = "not set" if view.get("wanted") is None else str(view["wanted"])
+    line = (
+        f"elastic pool: {view['size']} task(s), wanted {wanted} (min {view['min']}, max {view['max']}): "
+        f"{view['running']} running, {view['pending']} pending, {view['draining']} draining"
+    )
+    for key in ("preempting", "lost"):
+        if view.get(key):
+            line += f", {view[key]} {key}"
+    line += f"; pending bound {view['pending_timeout_s']:g}s"
+    if view.get("backoff_until"):
+        line += f", growth backing off until {_when(view['backoff_until'])}"
+    parts: list = [Text(line, style="bold")]
+    if view["tasks"]:
+        tasks = Table(title="elastic tasks", title_justify="left")
+        for col in ("task", "slurm id", "state", "node", "restarts", "note"):
+            tasks.add_column(col)
+        for t in view["tasks"]:
+            notes = []
+            if t.get("draining"):
+                notes.append(f"draining since {_when(t.get('drain_requested_at'))}")
+            if t.get("pending_since"):
+                notes.append(f"pending since {_when(t['pending_since'])}")
+            if not t.get("added"):
+                notes.append("launched")
+            tasks.add_row(
+                f"{view['pool']}[{t['array_index']}]",
+                t.get("slurm_id") or "-",
+                _state("DRAINING" if t.get("draining") else t["state"]),
+                t.get("node") or "-",
+                str(t.get("restarts") or 0),
+                ", ".join(notes),
+            )
+        parts.append(tasks)
+    sizes: list[tuple[float, int]] = []
+    for h in view.get("history") or []:
+        if not sizes or sizes[-1][1] != h["size"]:
+            sizes.append((h["ts"], h["size"]))
+    if sizes:
+        shown = " -> ".join(f"{n} ({_when(ts)})" for ts, n in sizes[-8:])
+        parts.append(Text(f"elastic pool size: {shown}", style="dim"))
+    return parts
 
 
 def runs_table(runs: list[dict]) -> Table:

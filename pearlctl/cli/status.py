@@ -1,4 +1,5 @@
-"""`pearlctl status [RUN]`: runs, pools, allocations with their Slurm state, nodes, GPUs, workers.
+"""`pearlctl status [RUN]`: runs, pools, allocations with their Slurm state, nodes, GPUs, workers, and the
+elastic pool (size now and wanted, pending / running / draining tasks, size history; ``elastic`` in --json).
 
 While no daemon owns the run, status refreshes state itself with one batched poll, at most once per
 poll interval across all shells (pearlctl.watcher.maybe_sync); ``--no-sync`` only reads.
@@ -20,6 +21,8 @@ from pearlctl.backends import open_backend
 from pearlctl.cli import app
 from pearlctl.cli.common import emit_json, emit_json_line, err, exits, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
+from pearlctl.daemon.elastic import elastic_view
+from pearlctl.router.service import view as router_view
 from pearlctl.state.db import sqlite_fault
 from pearlctl.state.errors import StateUnavailable
 from pearlctl.state.machines import RunState
@@ -55,7 +58,12 @@ def _refresh(store: Store, run: dict, sync: bool, warned: set[str]) -> dict:
             if str(problem) not in warned:  # --watch: say it once
                 warned.add(str(problem))
                 err.print(f"warning: not refreshing from the scheduler: {problem}", markup=False)
-    return run_document(store, run["id"])
+    doc = run_document(store, run["id"])
+    elastic = elastic_view(store, run["id"])
+    if elastic is not None:  # the elastic pool: size now and wanted, its tasks, its size history
+        doc["elastic"] = elastic
+    doc["router"] = router_view(run["run_dir"])  # the run's one OpenAI-compatible endpoint (None: none yet)
+    return doc
 
 
 def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json_out: bool, warned: set[str]) -> None:
@@ -81,7 +89,9 @@ def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json
 def status(
     run_ref: str = typer.Argument(None, metavar="[RUN]", help="Run name or id (default: the newest run)."),
     json_out: bool = typer.Option(
-        False, "--json", help="One JSON object: run, pools, allocations, gpus, workers, transitions."
+        False,
+        "--json",
+        help="One JSON object: run, pools, allocations, gpus, workers, transitions; elastic with an elastic pool.",
     ),
     watch: bool = typer.Option(
         False, "--watch", "-w", help="Refresh every poll interval (Ctrl-C stops); with --json, one document per line."

@@ -36,8 +36,10 @@ from pearlctl.daemon.api import build_app
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.elastic import ElasticPool, elastic_view
 from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.transitions import Executor
+from pearlctl.router.service import view as router_view
 from pearlctl.runfiles import ensure_secret, write_address
 from pearlctl.slurm.client import DEFAULT_TIMEOUT_S
 from pearlctl.state.errors import StaleEpoch, StaleWrite
@@ -154,7 +156,7 @@ class Daemon:
         app = build_app(
             controller,
             secret=secret,
-            status=lambda: run_document(self.store, self.run_id),
+            status=self._status,
             stats=lambda: self.stats,
         )
         config = uvicorn.Config(
@@ -174,6 +176,15 @@ class Daemon:
             self.settings.host if self.settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         )
         return f"http://{host}:{port}"
+
+    def _status(self) -> dict:
+        """``GET /v1/status``: the run's state, its elastic pool and its router."""
+        doc = run_document(self.store, self.run_id)
+        elastic = elastic_view(self.store, self.run_id)
+        if elastic is not None:
+            doc["elastic"] = elastic
+        doc["router"] = router_view(doc["run"]["run_dir"])
+        return doc
 
     # -- the three timers -------------------------------------------------------------------------
     def depose(self, why: str) -> None:
@@ -195,7 +206,7 @@ class Daemon:
             except Exception as exc:  # a busy or failing disk: the lease is still ours until it expires
                 log.warning("lease renewal failed (retrying): %s", exc)
 
-    def _poll_slurm(self, controller: Controller, poll_s: float) -> None:
+    def _poll_slurm(self, controller: Controller, poll_s: float, elastic: ElasticPool | None = None) -> None:
         while not self.stopping.is_set():
             started = time.monotonic()
             try:
@@ -208,6 +219,8 @@ class Daemon:
                     except StaleWrite:  # cannot happen under the lock, unless a write bypasses it: re-read
                         if attempt == 2:
                             raise
+                if elastic is not None:
+                    self._size_elastic(controller, elastic)
                 self.stats.polls += 1
                 self.stats.last_poll_at = time.time()
                 if report.events:
@@ -220,6 +233,18 @@ class Daemon:
                 self.stats.poll_errors += 1
                 self._journal_error("poll", exc)
             self.stopping.wait(max(0.0, poll_s - (time.monotonic() - started)))
+
+    @staticmethod
+    def _size_elastic(controller: Controller, elastic: ElasticPool) -> None:
+        """How many tasks the elastic pool should hold (the policy's what-if plan, decided under the lock);
+        then the pool is made to hold them — sbatch and scancel with no lock held."""
+        with controller.lock:
+            sizing = elastic.sizing()
+            if sizing is not None and controller.borrowing is not None:
+                wanted, why = controller.borrowing.elastic_wanted(time.time(), **sizing)
+                elastic.want(wanted, why)
+        if sizing is not None:
+            elastic.reconcile()
 
     def _tick(self, controller: Controller, borrowing: Borrowing) -> bool:
         """One pass of the control loop; False when the run is over. Errors are isolated here."""
@@ -277,6 +302,47 @@ class Daemon:
                 SLURM_COMMAND_TIMEOUT_S,
             )
         epoch = self.acquire()
+        # the lease is renewed from now on: nothing below (the API's start, the router's) may outlast its TTL
+        renewer = threading.Thread(target=self._renew_lease, name="pearl-lease", daemon=True)
+        renewer.start()
+        try:
+            controller, borrowing, router, threads = self._start(run, epoch, poll_s)
+        except BaseException:
+            self.stopping.set()  # the renewer stops too
+            raise
+        for t in threads:
+            t.start()
+        over = False
+        try:
+            while not self.stopping.is_set():
+                if not self._tick(controller, borrowing):
+                    over = True
+                    break
+                controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
+                controller.wake.clear()
+        finally:
+            self.stopping.set()
+            if self._server is not None:
+                self._server.should_exit = True
+            if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
+                try:
+                    router.stop()
+                except Exception as exc:
+                    log.warning("could not stop the router: %s", exc)
+            if self.deposed is None:
+                try:
+                    self.store.journal_event(
+                        self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
+                    )
+                    self.store.release_lease(run_lease_name(self.run_id), self.holder)
+                except Exception as exc:
+                    log.warning("could not record the stop: %s", exc)
+        if self.deposed is not None:
+            raise DaemonRefused(self.deposed)
+
+    def _start(self, run: dict, epoch: int, poll_s: float):
+        """Everything the control loop needs, with the lease already held and renewed: the controller, the
+        control API, the router, the executor; the threads to start."""
         self.store.journal_event(
             self.run_id, "runs", self.run_id, "daemon started", data={"holder": self.holder}, epoch=epoch
         )
@@ -307,9 +373,14 @@ class Daemon:
             },
         )
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
+        elastic = ElasticPool(self.store, self.backend, self.run_id, epoch=epoch, lock=controller.lock)
         threads = [
-            threading.Thread(target=self._renew_lease, name="pearl-lease", daemon=True),
-            threading.Thread(target=self._poll_slurm, args=(controller, poll_s), name="pearl-slurm", daemon=True),
+            threading.Thread(
+                target=self._poll_slurm,
+                args=(controller, poll_s, elastic if elastic.enabled else None),
+                name="pearl-slurm",
+                daemon=True,
+            ),
         ]
         if router is not None:
             threads.append(
@@ -320,35 +391,7 @@ class Daemon:
                     daemon=True,
                 )
             )
-        for t in threads:
-            t.start()
-        over = False
-        try:
-            while not self.stopping.is_set():
-                if not self._tick(controller, borrowing):
-                    over = True
-                    break
-                controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
-                controller.wake.clear()
-        finally:
-            self.stopping.set()
-            if self._server is not None:
-                self._server.should_exit = True
-            if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
-                try:
-                    router.stop()
-                except Exception as exc:
-                    log.warning("could not stop the router: %s", exc)
-            if self.deposed is None:
-                try:
-                    self.store.journal_event(
-                        self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
-                    )
-                    self.store.release_lease(run_lease_name(self.run_id), self.holder)
-                except Exception as exc:
-                    log.warning("could not record the stop: %s", exc)
-        if self.deposed is not None:
-            raise DaemonRefused(self.deposed)
+        return controller, borrowing, router, threads
 
     def _router(self, run: dict, controller: Controller, epoch: int) -> RouterKeeper | None:
         """The run's router keeper (None when the spec turns the router off), with its gateway started or

@@ -111,6 +111,22 @@ def read_record(run_dir: str | os.PathLike) -> RouterRecord | None:
         return None
 
 
+def view(run_dir: str | os.PathLike) -> dict | None:
+    """The run's router for people (``pearlctl status``): its base URL, where its key is, whether its process
+    runs — read from the run directory, no network call. None when the run never had one."""
+    record = read_record(run_dir)
+    if record is None:
+        return None
+    return {
+        "base_url": record.base_url,
+        "url": record.url,
+        "pid": record.pid,
+        "running": same_process(record.pid, record.start_ticks),
+        "key_file": str(key_path(run_dir)),
+        "started_at": record.started_at,
+    }
+
+
 def write_record(run_dir: str | os.PathLike, record: RouterRecord) -> None:
     write_atomic(record_path(run_dir), record.to_json(), mode=0o644)
 

@@ -144,3 +144,13 @@ class SlurmClient:
         result = self._run(argv, ok_codes=(0, 1))
         if result.returncode == 1 and "Invalid job id" not in result.stderr:
             raise SlurmError(f"{' '.join(argv)} exited 1: {result.stderr.strip()}")
+
+    def cancel_tasks(self, tasks: list[tuple[str, int]]) -> None:
+        """One scancel for single array tasks (``scancel 123_4 125_7``): the rest of each array keeps
+        running. Cancelling a task that already ended is not an error."""
+        if not tasks:
+            return
+        argv = ["scancel"] + [f"{job_id}_{task}" for job_id, task in tasks]
+        result = self._run(argv, ok_codes=(0, 1))
+        if result.returncode == 1 and "Invalid job id" not in result.stderr:
+            raise SlurmError(f"{' '.join(argv)} exited 1: {result.stderr.strip()}")

@@ -1,7 +1,10 @@
 """Render a pool's sbatch script from a request object. Pure: the rendered text is a value that
 ``launch --dry-run`` prints and ``launch`` submits unchanged.
 
-One pool = one array job; one array task = one node's worker (``--nodes=1`` per task). The body
+One pool = one array job; one array task = one node's worker (``--nodes=1`` per task). An elastic pool
+that grows gets one more single-task array per added task, under the same job name, with the next free
+task index (``first_task``: ``--array=K``), so every task of a pool is ``(job id, task index)`` with
+task indices unique within the pool (pearlctl.daemon.elastic). The body
 exports the worker's environment and execs ``jobs/worker.sh``, the same wrapper the hand-usable
 ``jobs/*.sbatch`` files exec. Elastic pools get ``--requeue`` and a preemption signal delivered to
 the batch shell (``B:``) ahead of the kill; USR1 is never used (NCCL may claim it).
@@ -45,6 +48,7 @@ class SubmitRequest:
     engine_args: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     array: bool = True  # False: a single job (the daemon), no --array
+    first_task: int = 0  # the first array task index: an elastic pool's added task is --array=K
     nodelist: str | None = None
 
     @property
@@ -61,6 +65,14 @@ def job_name(run_id: str, pool: str) -> str:
     return f"pearl.{run_id}.{pool}"
 
 
+def array_range(first: int, size: int) -> str:
+    """sbatch's ``--array`` value for tasks ``first .. first + size - 1``: ``0-3`` for a launched pool (also
+    ``0-0`` for one task, as launches always rendered it), ``K`` for one added task, ``K-L`` for several."""
+    if first == 0 or size > 1:
+        return f"{first}-{first + size - 1}"
+    return str(first)
+
+
 def _refuse_control(what: str, value: str) -> None:
     if _CONTROL_RE.search(value):
         raise ValueError(
@@ -73,9 +85,13 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
     """The ``#SBATCH`` options of ``req``. Raises ValueError when a value holds a control character."""
     if req.array and req.array_size < 1:
         raise ValueError(f"refusing to render the sbatch script: array_size must be >= 1, got {req.array_size}")
+    if req.first_task < 0 or (req.first_task and not req.array):
+        raise ValueError(
+            f"refusing to render the sbatch script: first_task must be >= 0 and needs an array, got {req.first_task}"
+        )
     d = [f"--job-name={req.job_name}"]
     if req.array:
-        d.append(f"--array=0-{req.array_size - 1}")
+        d.append(f"--array={array_range(req.first_task, req.array_size)}")
     d += ["--nodes=1", "--ntasks-per-node=1"]
     if req.gpus_per_node:
         d.append(f"--gres=gpu:{req.gpus_per_node}")

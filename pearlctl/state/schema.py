@@ -203,7 +203,17 @@ MIGRATION_5 = """
 ALTER TABLE allocations ADD COLUMN agent_host TEXT;
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4, MIGRATION_5)
+# Elastic growth (pearlctl.daemon.elastic): how many tasks the daemon wants a pool to hold, the back-off
+# that holds growth after a task was cancelled for pending too long (until when, and its length: the next
+# one doubles it), and when the pool asked an allocation to drain before its scancel.
+MIGRATION_6 = """
+ALTER TABLE pools ADD COLUMN wanted INTEGER CHECK (wanted IS NULL OR wanted >= 0);
+ALTER TABLE pools ADD COLUMN backoff_until REAL;
+ALTER TABLE pools ADD COLUMN backoff_s REAL;
+ALTER TABLE allocations ADD COLUMN drain_requested_at REAL;
+"""
+
+MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4, MIGRATION_5, MIGRATION_6)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 

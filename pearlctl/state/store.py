@@ -597,6 +597,79 @@ class Store:
             )
             return step_id
 
+    # ------------------------------------------------------------------ elastic pools
+
+    def add_allocation(
+        self,
+        run_id: str,
+        pool_id: int,
+        *,
+        event: str = "allocation.requested",
+        data: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> Row:
+        """Record one more REQUESTED allocation of a pool, journaled as ``event``: the intent an elastic pool
+        writes before it submits a task (pearlctl.daemon.elastic). Its array index is one above the highest
+        the pool ever had, so an index is never reused and ``(pool, index)`` names one submission for good.
+        Returns the new row."""
+        with self._write() as conn:
+            owner = conn.execute("SELECT run_id, name FROM pools WHERE id = ?", (pool_id,)).fetchone()
+            if owner is None or owner[0] != run_id:
+                raise NotFound(f"run {run_id!r} has no pool {pool_id}")
+            self._fence(conn, run_id, epoch)
+            now = self._clock()
+            (index,) = conn.execute(
+                "SELECT COALESCE(MAX(array_index), -1) + 1 FROM allocations WHERE pool_id = ?", (pool_id,)
+            ).fetchone()
+            state = machine("allocations").initial
+            allocation_id = _insert(
+                conn,
+                "allocations",
+                {
+                    "run_id": run_id,
+                    "pool_id": pool_id,
+                    "array_index": index,
+                    "state": state,
+                    "version": 1,
+                    "updated_at": now,
+                },
+            )
+            self._journal(
+                conn,
+                now,
+                run_id,
+                "allocations",
+                allocation_id,
+                event,
+                to_state=state,
+                epoch=epoch,
+                data={**(data or {}), "pool": owner[1], "array_index": index},
+            )
+        return self.get("allocations", allocation_id)
+
+    def entered_at(self, table: str, row_id: int | str, state: str) -> float | None:
+        """When the row last moved into ``state`` (the time of its journal row), or None if it never did."""
+        rows = self._query(
+            "SELECT ts FROM journal WHERE entity = ? AND entity_id = ? AND to_state = ? ORDER BY id DESC LIMIT 1",
+            (table, str(row_id), str(state)),
+        )
+        return float(rows[0]["ts"]) if rows else None
+
+    def entity_events(
+        self, entity: str, entity_id: int | str, events: Sequence[str], *, limit: int | None = None
+    ) -> list[Row]:
+        """Journal rows of one entity whose event is one of ``events``, oldest first; with ``limit``, the
+        newest ``limit`` of them."""
+        if not events:
+            return []
+        marks = ", ".join("?" * len(events))
+        sql = f"SELECT * FROM journal WHERE entity = ? AND entity_id = ? AND event IN ({marks}) ORDER BY id DESC"
+        params: list[Any] = [entity, str(entity_id), *events]
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return list(reversed(self._query(sql, params, table="journal")))
+
     # ------------------------------------------------------------------ reads
 
     def get(self, table: str, row_id: int | str) -> Row:

@@ -121,6 +121,34 @@ def test_max_nodes_only_on_elastic(spec_dir):
     assert "only an elastic pool" in found["pools.rollout.max_nodes"]
 
 
+def test_pending_timeout_defaults_on_elastic_pools_only(spec_dir):
+    spec = load_spec(write(spec_dir, GOOD), POLICIES)
+    assert spec.pools["elastic"].pending_timeout_s == 300.0
+    assert spec.pools["rollout"].pending_timeout_s is None and spec.pools["trainer"].pending_timeout_s is None
+    tuned = load_spec(
+        write(spec_dir, GOOD.replace('partition = "preempt"', 'partition = "preempt"\npending_timeout_s = 45')),
+        POLICIES,
+    )
+    assert tuned.pools["elastic"].pending_timeout_s == 45.0
+    assert tuned.to_dict()["pools"]["elastic"]["pending_timeout_s"] == 45.0  # recorded with the run
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [("5", ">= 10 and <= 86400"), ("86401", ">= 10 and <= 86400"), ("nan", "finite"), ('"5m"', "a number")],
+)
+def test_pending_timeout_is_a_bounded_finite_number(spec_dir, value, words):
+    found = problems(
+        spec_dir, GOOD.replace('partition = "preempt"', f'partition = "preempt"\npending_timeout_s = {value}')
+    )
+    assert words in found["pools.elastic.pending_timeout_s"], found
+
+
+def test_pending_timeout_only_on_elastic(spec_dir):
+    text = GOOD.replace("[pools.rollout]\nnodes = 2", "[pools.rollout]\nnodes = 2\npending_timeout_s = 60")
+    assert "only an elastic pool" in problems(spec_dir, text)["pools.rollout.pending_timeout_s"]
+
+
 def test_unreadable_and_malformed_files(spec_dir):
     with pytest.raises(SpecError) as info:
         load_spec(spec_dir / "absent.toml", POLICIES)

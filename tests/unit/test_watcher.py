@@ -169,3 +169,64 @@ def test_no_poll_while_a_daemon_holds_the_run(store):
     assert store.acquire_lease("run:r-1", "daemon", 30.0) is not None
     assert not maybe_sync(store, backend, store.get_run("r-1"), holder="shell").polled
     assert backend.polls == 0
+
+
+def test_a_task_added_to_a_pool_is_polled_and_folded_like_a_launched_one(store):
+    """An elastic pool's added task is its own one-task array (job 200, task 2): the same poll asks about it,
+    a pending record of it (one task, or a range) fits it, its preemption and requeue are recorded, and
+    cancelling it alone leaves the launched tasks running."""
+    pool_id = store.pools("r-1")[0]["id"]
+    added = store.add_allocation("r-1", pool_id, event="elastic grow", data={"why": "test"})
+    assert added["array_index"] == 2 and added["state"] == "REQUESTED"
+    store.set_state("allocations", added["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id="200")
+    backend = RecordedBackend()
+    launched = [rec(0, "RUNNING", nodes=("gpu1",), start_time=1000.0), rec(1, "RUNNING", nodes=("gpu2",))]
+    backend.records = [*launched, JobRecord(job_id="200", array_task_id=None, state="PENDING", pending_tasks=(2,))]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING", "PENDING"]
+
+    def task2(state, **kw):
+        return JobRecord(job_id="200", array_task_id=2, state=state, **kw)
+
+    backend.records = [*launched, task2("RUNNING", nodes=("gpu3",), gpus={"gpu3": (0, 1)}, start_time=1010.0)]
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING", "RUNNING"]
+    assert sorted(g["idx"] for g in store.gpus("r-1") if g["allocation_id"] == added["id"]) == [0, 1]
+    backend.records[2] = task2("RUNNING", nodes=("gpu3",), start_time=1010.0, preempt_time=1020.0)
+    sync_run(store, backend, "r-1")
+    backend.records[2] = task2("PENDING", reason="BeginTime", restarts=1)
+    sync_run(store, backend, "r-1")
+    backend.records[2] = task2("RUNNING", nodes=("gpu4",), start_time=1050.0, restarts=1)
+    sync_run(store, backend, "r-1")
+    a2 = store.get("allocations", added["id"])
+    assert (a2["state"], a2["node"], a2["restarts"]) == ("RUNNING", "gpu4", 1)
+    backend.records[2] = task2("CANCELLED")
+    sync_run(store, backend, "r-1")
+    assert states(store) == ["RUNNING", "RUNNING", "ENDED"]
+    assert store.get_run("r-1")["state"] == "ACTIVE"
+    assert [e[1] for e in events(store) if e[1] in ("started", "preempted", "requeued", "ended")][-5:] == [
+        "started",
+        "preempted",
+        "requeued",
+        "started",
+        "ended",
+    ]
+
+
+def test_a_pending_task_cancelled_before_it_ran_ends_instead_of_vanishing(store):
+    """Slurm 22.05 (measured on the bundled cluster): `scancel 200_2` of a one-task array that never ran
+    leaves squeue a record of the whole job (no task id, empty task string, CANCELLED), and sacct shows
+    it as `200_[2]`. Both end the task."""
+    pool_id = store.pools("r-1")[0]["id"]
+    for job_id, record in (
+        ("200", JobRecord(job_id="200", array_task_id=None, state="CANCELLED", source="squeue")),
+        ("201", JobRecord(job_id="201", array_task_id=None, state="CANCELLED", pending_tasks=(3,), source="sacct")),
+    ):
+        added = store.add_allocation("r-1", pool_id)
+        store.set_state("allocations", added["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id=job_id)
+        backend = RecordedBackend()
+        backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",)), record]
+        sync_run(store, backend, "r-1")
+        a = store.get("allocations", added["id"])
+        assert (a["state"], a["slurm_state"]) == ("ENDED", "CANCELLED"), a
+    assert states(store) == ["RUNNING", "RUNNING", "ENDED", "ENDED"]

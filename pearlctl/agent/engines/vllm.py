@@ -66,7 +66,12 @@ GPU_ENV: dict[str, str] = {
 }
 # Engine flags used unless engine_args overrides them (a value of None or False removes one).
 # --enable-server-load-tracking makes GET /load count requests the API server holds (drain needs it).
-COMMON_ARGS: dict[str, Any] = {"shutdown_timeout": 10, "enable_server_load_tracking": True}
+COMMON_ARGS: dict[str, Any] = {
+    "shutdown_timeout": 10,
+    "enable_server_load_tracking": True,
+    # every answer names its worker and weight version (pearlctl.agent.engines.vllm_headers)
+    "middleware": "pearlctl.agent.engines.vllm_headers.PearlHeaders",
+}
 CPU_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "dtype": "bfloat16",
