@@ -214,8 +214,9 @@ class Controller:
             alloc = self._own_allocation(alloc_id)
             self._check_urls(alloc, body)
             self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            # a preemption seen by Slurm (GPUs DRAINING) keeps this allocation's workers out of routing
-            draining = any(
+            # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
+            # this allocation's workers out of routing
+            draining = alloc.get("drain_requested_at") is not None or any(
                 g["allocation_id"] == alloc_id and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
             )
             moving = self._moving_places(alloc_id) if body.workers else set()

@@ -152,8 +152,11 @@ class ElasticPool:
         lock: threading.RLock | None = None,
         clock: Callable[[], float] = time.time,
         pool: str = POOL,
+        routed: Callable[[], set[str]] | None = None,
     ):
         self.store, self.backend, self.run_id, self.epoch = store, backend, run_id, epoch
+        # what the run's router routes to (pearlctl.daemon.routing); None: no router, drain at once
+        self.routed = routed
         self.lock = lock if lock is not None else threading.RLock()
         self.clock = clock
         self.pool = pool
@@ -285,6 +288,7 @@ class ElasticPool:
                 return
             live_ids = {a["id"] for a in p.live}
             self._scancelled = {k: v for k, v in self._scancelled.items() if k in live_ids}
+            self._out_of_router(p)
             to_cancel: list[dict] = []
             if p.run["state"] == RunState.ACTIVE:
                 now = self.clock()
@@ -312,8 +316,9 @@ class ElasticPool:
                         continue
                     if sent is not None and now - sent < RESEND_SCANCEL_S:
                         continue
-                    if a["state"] != A.PENDING:
-                        # UP only: a LOST GPU stays LOST (the controller judges silent agents every tick)
+                    if a["state"] != A.PENDING and self.routed is None:
+                        # UP only: a LOST GPU stays LOST (the controller judges silent agents every tick);
+                        # with a router, _out_of_router does this once the router sends the task nothing
                         self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
                     # a PENDING task runs nothing, whatever an agent of its last run left in state
                     busy = [
@@ -530,11 +535,29 @@ class ElasticPool:
                 data={"why": why, "state": a["state"], "slurm_id": f"{a['job_id']}_{a['array_index']}"},
                 drain_requested_at=now,
             )
-            if a["state"] != A.PENDING:
-                self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
             for w in self.store.workers(self.run_id):
                 if w["allocation_id"] == a["id"] and w["routable"]:
                     self.store.update_fields("workers", w["id"], epoch=self.epoch, event="elastic drain", routable=0)
+            if a["state"] != A.PENDING and self.routed is None:
+                self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
+            # with a router, the GPUs go DRAINING (their agent drains the workers) only once the router sends
+            # them nothing new: see _out_of_router
+
+    def _out_of_router(self, p: _Pool) -> None:
+        """Draining tasks whose workers the router no longer routes to: their GPUs go DRAINING now, so their
+        agents drain and stop the workers — never while new requests may still reach them."""
+        if self.routed is None:
+            return
+        routed = self.routed()
+        workers = self.store.workers(self.run_id)
+        for a in p.draining:
+            if a["state"] == A.PENDING:
+                continue
+            urls = {
+                w["url"] for w in workers if w["allocation_id"] == a["id"] and w["url"] and w["state"] in BUSY_WORKERS
+            }
+            if not urls & routed:
+                self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain: out of the router")
 
     def _undrain(self, p: _Pool, count: int, now: float) -> int:
         """Take back up to ``count`` running tasks whose drain has not been scancelled yet; returns how many.

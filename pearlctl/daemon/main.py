@@ -373,7 +373,14 @@ class Daemon:
             },
         )
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
-        elastic = ElasticPool(self.store, self.backend, self.run_id, epoch=epoch, lock=controller.lock)
+        elastic = ElasticPool(
+            self.store,
+            self.backend,
+            self.run_id,
+            epoch=epoch,
+            lock=controller.lock,
+            routed=router.routed if router is not None else None,
+        )
         threads = [
             threading.Thread(
                 target=self._poll_slurm,

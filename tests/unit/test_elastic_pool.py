@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
 from pearlctl.backends import BackendError
 from pearlctl.config import parse_spec
 from pearlctl.daemon.controller import Controller
@@ -591,3 +592,37 @@ def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env
     assert a1["state"] == "ENDED" and events(store, run_id, a1["id"])[-1] == "elastic cancelled"
     pool.resize(2, "grow again")
     assert len(cluster.live()) == 2
+
+
+def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_longer_routes_to_them(env, clock):
+    store, cluster, run_id = env
+    routed: set[str] = set()
+    pool = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed))
+    pool.resize(2, "grow")
+    sync_run(store, cluster, run_id)
+    a1 = elastic(store, run_id)[1]
+    worker = _serve(store, run_id, a1["id"])
+    store.update_fields("workers", worker, url="http://gpu3_1:9000")
+    routed.add("http://gpu3_1:9000")
+    controller = Controller(store, run_id, 0)
+
+    pool.resize(1, "the batch ended")
+    # out of routing in state at once, but the GPUs stay UP (the worker is still desired) while the router
+    # may still send it requests
+    assert store.get("workers", worker)["routable"] == 0
+    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
+    assert [w.role for w in controller.desired(a1["id"])] == ["ROLLOUT"]
+    # a heartbeat of the still-READY worker does not make it routable again
+    controller.heartbeat(
+        parse(bodies.Heartbeat, {"allocation_id": a1["id"], "workers": [
+            {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": "READY",
+             "url": "http://gpu3_1:9000"}]}),
+        a1["id"],
+    )  # fmt: skip
+    assert store.get("workers", worker)["routable"] == 0
+    pool.reconcile()
+    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
+    routed.clear()  # the router removed it
+    pool.reconcile()
+    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
+    assert controller.desired(a1["id"]) == []
