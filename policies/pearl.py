@@ -16,11 +16,18 @@ GPUs' departures at their deadlines):
 ``MIN_RELATIVE_GAIN`` of ``T0`` (a relative band: the model is not finer, and a band stops borrow/return
 or ratio flapping). No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``.
 
-Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and every lent GPU goes back
-once the batch is predicted to end within a return's time (or has no work left): the trainer needs its GPUs
-when the batch ends, and the tail of a batch has too few trajectories to keep them busy. Between batches,
-idle rollout and elastic GPUs are brought up for the next one. Loaded by name (pearlctl.policies.load_policy);
-pure.
+Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and lent GPUs go back once the
+batch is predicted to end within a return's time, or as soon as they no longer pay: when the batch predicted
+without them — plus re-prefilling their sequences' contexts on the workers that stay — ends less than a
+return's time later than with them. In a batch's tail the prediction is bound by the stragglers, not by the
+GPUs, and a lent GPU still out when the batch ends makes the trainer wait for its return.
+
+Between batches (no work in flight), idle rollout and elastic GPUs are brought up for the next batch, and lent
+GPUs go back — unless the trainer already waits for the next batch (in a synchronous loop it reports its wait
+from the end of its step: the weight sync and the launch are inside it) and that wait is at least twice what
+a warm borrow (its parked worker reloads the new weights), a return and the slack take: then parked trainer
+GPUs are lent ahead of the batch, so that they serve from its first seconds rather than after its first turns
+have been admitted elsewhere. Loaded by name (pearlctl.policies.load_policy); pure.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import replace
 
 from pearlctl.planner import budget, plan
 from pearlctl.planner.choose import choose, worker_groups
-from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
+from pearlctl.planner.model import SERVING, Deployment, Mode, MoveKind, Plan, Snapshot
 from pearlctl.planner.predict import predict
 
 NAME = "pearl"
@@ -46,23 +53,35 @@ def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(s)
     keep = plan.make(s, current, why="pearl: return lent GPUs before their deadline")
     if s.work.empty:
-        # Nothing to roll out now: lent GPUs go back to the trainer, and idle rollout and elastic GPUs are
-        # brought up for the next batch — an idle GPU's start costs no batch time, while a start once the
-        # batch is under way does.
+        # Nothing to roll out now: idle rollout and elastic GPUs are brought up for the next batch — an idle
+        # GPU's start costs no batch time, while a start once the batch is under way does. Lent GPUs go back
+        # to the trainer, unless it waits long enough for them to serve the next batch (``_lend_ahead``).
+        ahead = _lend_ahead(s)
         target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
         if current.mode is Mode.COLOCATED:
-            ready = budget.may_serve(s, elastic=True, borrow=False)
+            ready = budget.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True)
             gpw = s.profile.gpus_per_worker
             whole = {p: n * gpw for p, n in worker_groups(ready, gpw).items()}
-            target = replace(target, rollout_gpus=sum(whole.values()), elastic=whole.get("elastic", 0))
-        idle = plan.make(s, target, why="pearl: between batches, lent GPUs back and idle capacity warm")
+            target = replace(
+                target, rollout_gpus=sum(whole.values()), elastic=whole.get("elastic", 0), lend=whole.get("trainer", 0)
+            )
+        lent = "lend ahead of the batch" if ahead else "lent GPUs back"
+        why = f"pearl: between batches, {lent}, idle capacity warm"
+        idle = plan.make(s, target, why=why)
         return None if idle.empty else idle
 
     baseline = keep.predicted_s
-    if current.lend and baseline <= budget.return_cost_s(s) + budget.RETURN_SLACK_S:
-        # the batch ends before a return could: give lent GPUs back now, so the trainer does not wait for them
+    if current.lend:
         back = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
-        return plan.make(s, back, why="pearl: batch ending, return lent GPUs")
+        if baseline <= budget.return_cost_s(s) + budget.RETURN_SLACK_S:
+            # the batch ends before a return could: give lent GPUs back now, so the trainer does not wait
+            return plan.make(s, back, why="pearl: batch ending, return lent GPUs")
+        without = plan.make(s, back, why="pearl: lent GPUs no longer pay, return them", predicted_now_s=baseline)
+        if without.predicted_s - baseline + _migration_s(s, current.lend) <= budget.return_cost_s(s):
+            # In the batch's tail the lent GPUs shorten it — their sequences' move elsewhere included — by less
+            # than the trainer would wait for them if the batch ended before they were back (a return's time):
+            # they go back now.
+            return without
     horizon = s.horizon_s if s.horizon_s is not None else baseline
     dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
     modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)
@@ -98,6 +117,29 @@ def decide(snapshot: Snapshot) -> Plan | None:
     if best is not None and best[0] >= threshold:
         return best[1]
     return None if keep.empty else keep
+
+
+def _migration_s(s: Snapshot, leaving: int) -> float:
+    """Batch seconds that ``leaving`` serving GPUs cost on their way out: their share of the trajectories
+    re-prefills its context on the workers that stay (abort and continue; the KV stays behind)."""
+    serving = sum(1 for g in s.gpus if g.role in SERVING)
+    staying = max(serving - leaving, 0) // s.profile.gpus_per_worker
+    if not staying:
+        return math.inf
+    tokens = s.work.trajectories * leaving / max(serving, 1) * s.work.context_tokens
+    return tokens / (s.profile.prefill_tok_s * staying)
+
+
+def _lend_ahead(s: Snapshot) -> bool:
+    """Whether to lend trainer GPUs before the next batch starts (the trainer waits through the weight sync
+    and the batch). Without work to price, only when the GPUs would serve at least as long as they spend
+    moving: the borrow (a parked worker's weights are a train step old, so a wake pays the weight sync too),
+    the return and the slack must take at most half of the trainer's wait."""
+    if s.trainer.phase != "waiting":
+        return False
+    c = s.costs
+    moving = c.borrow_s(warm=True) + c.weight_sync_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S
+    return s.trainer.wait_left_s >= 2 * moving
 
 
 def _net_gain(s: Snapshot, candidate: Plan, deployment: Deployment, baseline: float, horizon: float) -> float:

@@ -17,8 +17,25 @@ What the model guarantees — it must not flatter any policy:
   served (head-of-line blocking, as vLLM's waiting queue).
 - **KV eviction costs recompute.** A tool-waiting sequence keeps its KV on its worker while it fits; when
   admissions need the space, the least recently used are evicted, and an evicted sequence re-prefills its
-  whole context when its tool returns. A worker that leaves its role (return, retire, switch, preemption)
-  loses its KV: its sequences re-queue with their context (the router's continuation) and re-prefill.
+  whole context when its tool returns.
+- **Migration is abort and continue**, as the live system does it when a worker leaves (the run's gateway,
+  pearlctl/router/gateway.py, continues an aborted turn on another worker from its token ids). A worker that
+  leaves its role (return, retire, switch, preemption) loses its KV. On a *graceful* leave its running
+  sequences are aborted and continued on another worker with every token they generated (prompt + generated
+  so far, the rest of the turn's budget), ``ABORT_S`` later, and re-prefill that whole context there;
+  tool-waiting sequences whose KV it held re-prefill their context on their next turn. On a *hard kill* (a
+  preemption with no notice: nothing answers the abort) the running turn is retried from its start: the
+  tokens generated in that turn are lost (``lost_tokens``) and the context as it was when the turn began is
+  re-prefilled. A draining worker (``routable`` false: a preemption notice came) decodes what it runs but
+  is sent nothing new; next turns whose KV it holds go elsewhere.
+- **The router is the run's router** (``router="consistent_hash"``, the default): vllm-router's
+  ``consistent_hash`` policy on the session id, as pearlctl/router/service.py starts it. A request goes to the
+  worker its session hashes to on the ring of the routable workers, whatever the loads, and queues there
+  (vLLM's per-worker waiting queue) even if the ring changes meanwhile; a next turn therefore finds its KV
+  unless the ring changed (a worker joined or left), and then re-prefills on its new worker. Running
+  decodes never move. ``router="balance"`` is the model this simulator used before the run's router existed
+  (one waiting queue; session affinity unless a worker runs ``BALANCE_ABS`` sequences above the mean; new
+  prompts to the worker with the most free KV), kept to compare with earlier results.
 - **Decode grows less than linearly with batch.** Each iteration of a worker's batch takes
   ``profile.decode.itl(B, mean context)`` — the planner's own formula and numbers, so a dense model's
   throughput saturates with KV reads and an MoE's with the experts the batch touches. A lone straggler
@@ -32,8 +49,9 @@ What the model guarantees — it must not flatter any policy:
 
 Fluid approximation: within a tick (``tick_s``) batch sizes are fixed; a turn's end time is exact (its
 tool call starts then), but a tool's return is noticed at the next tick (on average ``tick_s / 2`` late —
-the same for every policy). ``free_migration`` is the oracle's world: a worker that leaves keeps its
-sequences' KV (no recompute), everything else identical.
+the same for every policy). ``free_migration`` is the oracle's world: a worker that leaves hands its
+sequences and their KV over at once, and a session's KV follows it wherever the router sends it (no abort
+latency, no recompute, nothing lost); everything else identical.
 """
 
 from __future__ import annotations
@@ -49,7 +67,16 @@ from pearlctl.sim.scenario import Workload
 PENDING, WAIT, PREFILL, XFER, DECODE, TOOL, DONE = range(7)
 RUNNING = (PREFILL, XFER, DECODE)  # hold a batch slot and a KV reservation on their worker (contiguous codes)
 
-BALANCE_ABS = 32  # sequences above the mean load before the router sends a next turn elsewhere (SGLang router default)
+# The router models (Engine's ``router``): the run's router (vllm-router's consistent_hash, _route_ring) and the
+# load-balancing model this simulator used before the run's router existed (_route_balance), kept for comparison.
+ROUTERS = ("consistent_hash", "balance")
+DEFAULT_ROUTER = "consistent_hash"
+BALANCE_ABS = 32  # "balance": sequences above the mean load before a next turn is sent elsewhere
+VIRTUAL_NODES = 160  # "consistent_hash": virtual nodes per worker on the ring (vllm-router's VIRTUAL_NODES_PER_WORKER)
+# ASSUMPTION (not measured): from a leave to its sequences' continuation on another worker — the
+# deregistration reaching the router (a daemon tick, 0.5 s), the abort and its answers, the new requests.
+# A leaving GPU starts its own transition (sleep, stop, switch) only after it too.
+ABORT_S = 1.0
 
 # Worker roles as the engine sees them (OFF: not serving, or in transition).
 W_OFF, W_ROLLOUT, W_PREFILL, W_DECODE = 0, 1, 2, 3
@@ -88,10 +115,22 @@ class Engine:
 
     _MUTABLE = (
         "phase", "turn", "ctx", "new_tok", "dec_left", "pf_left", "pf_total", "run_w", "kv_w", "kv_hold",
-        "ready_at", "tool_start", "tool_end", "xfer_end", "done_at", "migrated", "w_role",
+        "ready_at", "tool_start", "tool_end", "xfer_end", "done_at", "migrated", "w_role", "dec_turn", "orphaned",
+        "w_admit", "disp_w",
     )  # fmt: skip
 
-    def __init__(self, profile: Profile, draws: Draws, n_workers: int, max_context: int, free_migration=False):
+    def __init__(
+        self,
+        profile: Profile,
+        draws: Draws,
+        n_workers: int,
+        max_context: int,
+        free_migration: bool = False,
+        router: str = DEFAULT_ROUTER,
+    ):
+        if router not in ROUTERS:
+            raise ValueError(f"no router model {router!r}; known: {', '.join(ROUTERS)}")
+        self.router = router
         self.profile = profile
         self.draws = draws
         self.max_context = float(max_context)
@@ -102,6 +141,7 @@ class Engine:
         self.ctx = np.zeros(n)  # tokens the next decoded token attends to
         self.new_tok = np.zeros(n)  # tokens of the context not yet in any KV cache
         self.dec_left = np.zeros(n)
+        self.dec_turn = np.zeros(n)  # the current turn's decode budget (a hard kill restarts the turn from it)
         self.pf_left = np.zeros(n)
         self.pf_total = np.zeros(n)  # tokens this admission prefills (KV transfer size when disaggregated)
         self.run_w = np.full(n, -1, np.int32)  # the worker it runs on (RUNNING phases)
@@ -112,13 +152,24 @@ class Engine:
         self.tool_end = np.full(n, np.inf)
         self.xfer_end = np.full(n, np.inf)
         self.done_at = np.full(n, np.nan)
-        self.migrated = np.zeros(n, bool)
+        self.migrated = np.zeros(n, bool)  # free_migration: its KV followed it off a leaving worker
+        self.orphaned = np.zeros(n, bool)  # its KV was lost to a leaving or draining worker
         self.w_role = np.zeros(n_workers, np.int8)
+        self.w_admit = np.ones(n_workers, bool)  # routable: takes new requests (false: draining)
+        self.disp_w = np.full(n, -1, np.int32)  # the worker a waiting request was sent to (it queues there)
+        # The router's hash ring: each session's hash and each worker's virtual nodes, fixed for the run (the
+        # same for every policy); the ring of the routable workers is rebuilt when they change.
+        self.session = np.random.default_rng(0x5E55).random(n)
+        self.vnodes = np.random.default_rng(0x21A6).random((n_workers, VIRTUAL_NODES))
+        self._ring: tuple[bytes, np.ndarray, np.ndarray] | None = None
         self.pause_until = 0.0
         self.lo = 0  # trajectories before lo are all DONE; those from hi on are PENDING
         self.hi = 0
         self.stats = {"prefill_tokens": 0.0, "recompute_tokens": 0.0, "decode_tokens": 0.0, "evictions": 0}
-        self.stats |= {"requeued": 0}
+        # requeued: sequences a leaving worker was running; of them aborted (continued, tokens kept) and
+        # killed (hard kill: the turn retried, lost_tokens gone); leave_recompute_tokens: context re-prefilled
+        # because a leaving or draining worker held its KV (included in recompute_tokens)
+        self.stats |= {"requeued": 0, "aborted": 0, "killed": 0, "lost_tokens": 0.0, "leave_recompute_tokens": 0.0}
 
     # -- control ----------------------------------------------------------------------------------
 
@@ -139,19 +190,25 @@ class Engine:
         self.ctx[s] = d.prompt[s]
         self.new_tok[s] = d.prompt[s]
         self.dec_left[s] = np.minimum(d.response[s, 0], self.max_context - d.prompt[s])
+        self.dec_turn[s] = self.dec_left[s]
         self.ready_at[s] = t
         self.hi = max(self.hi, hi)
 
-    def set_roles(self, roles: np.ndarray) -> None:
-        """The workers' roles from now on (W_OFF while absent or in transition). A worker whose role changes
-        loses its sequences and its KV: they re-queue (and re-prefill unless ``free_migration``)."""
+    def set_roles(self, roles: np.ndarray, t: float = 0.0, *, routable=None, killed=None) -> None:
+        """The workers' roles from ``t`` on (W_OFF while absent, in transition or stopped). A worker that leaves
+        a serving role loses its KV and its running sequences go on elsewhere (the module doc's migration):
+        continued with their tokens ``ABORT_S`` later, or — workers in ``killed`` (a boolean mask: a hard kill)
+        — retried from the start of their turn. ``routable`` (a boolean mask, default every worker): the
+        workers the router sends new requests to; one that is not decodes what it runs (a drain)."""
         roles = np.asarray(roles, np.int8)
         changed = np.flatnonzero((roles != self.w_role) & (self.w_role != W_OFF))
         if changed.size:
-            self._evict_workers(changed)
+            hard = np.zeros(len(roles), bool) if killed is None else np.asarray(killed, bool)
+            self._evict_workers(changed, t, hard)
         self.w_role = roles.copy()
+        self.w_admit = np.ones(len(roles), bool) if routable is None else np.asarray(routable, bool).copy()
 
-    def _evict_workers(self, workers: np.ndarray) -> None:
+    def _evict_workers(self, workers: np.ndarray, t: float, hard: np.ndarray) -> None:
         s = slice(self.lo, self.hi)
         gone = np.zeros(len(self.w_role), bool)
         gone[workers] = True
@@ -160,15 +217,38 @@ class Engine:
         running &= gone[np.maximum(run_w, 0)]
         holding = (kv_w >= 0) & gone[np.maximum(kv_w, 0)]
         idx = np.flatnonzero(running) + self.lo
+        held = np.flatnonzero(holding) + self.lo
+        # requests queued at a leaving worker are aborted too (nothing generated): sent again through the router
+        queued = np.flatnonzero((ph == WAIT) & (self.disp_w[s] >= 0) & gone[np.maximum(self.disp_w[s], 0)])
+        queued += self.lo
+        self.disp_w[queued] = -1
+        self.stats["requeued"] += int(idx.size)
+        if self.free_migration:
+            # The oracle's world: the sequences and their KV move at once; nothing is aborted or lost.
+            self.phase[idx] = WAIT
+            self.run_w[idx] = -1
+            self.migrated[held] = True
+            self.kv_w[held] = -1
+            self.kv_hold[held] = 0.0
+            return
+        # Hard kill: the turn is retried from its start (its generated tokens are lost; a sequence still in
+        # prefill or in a KV transfer has generated none). Graceful: the continuation keeps them all (ctx).
+        killed = idx[hard[self.run_w[idx]]]
+        if killed.size:
+            lost = self.dec_turn[killed] - self.dec_left[killed]
+            self.ctx[killed] -= lost
+            self.dec_left[killed] = self.dec_turn[killed]
+            self.stats["lost_tokens"] += float(lost.sum())
+        self.stats["killed"] += int(killed.size)
+        self.stats["aborted"] += int(idx.size - killed.size)
+        # A sequence whose prefill had not finished still owes its new tokens; the rest is re-prefilled too.
         self.phase[idx] = WAIT
         self.run_w[idx] = -1
-        # A sequence whose prefill had not finished still owes its new tokens; decoded tokens are in ctx.
-        held = np.flatnonzero(holding) + self.lo
-        if self.free_migration:
-            self.migrated[held] = True
+        self.ready_at[idx] = t + ABORT_S  # a new request, behind those already waiting
+        self.ready_at[queued] = np.maximum(self.ready_at[queued], t + ABORT_S)
+        self.orphaned[held] = True
         self.kv_w[held] = -1
         self.kv_hold[held] = 0.0
-        self.stats["requeued"] += int(idx.size)
 
     # -- the tick -----------------------------------------------------------------------------------
 
@@ -180,7 +260,7 @@ class Engine:
         start = min(max(self.pause_until - t, 0.0), dt)  # a weight sync holds the engines
         avail = dt - start
         if avail > 0 and (self.w_role != W_OFF).any():
-            if self._admit():
+            if self._admit(t + start):
                 self._evict_for_capacity()  # only an admission can push a worker over its KV capacity
             p_time = self._prefill(t + start, avail)
             self._decode(t + start, avail, p_time)
@@ -205,6 +285,7 @@ class Engine:
         self.new_tok[r] = out
         self.turn[r] = k + 1
         self.dec_left[r] = np.minimum(d.response[r, k + 1], self.max_context - self.ctx[r])
+        self.dec_turn[r] = self.dec_left[r]
         full = self.dec_left[r] < 1.0  # the context is full: the trajectory ends here
         self._finish(r[full], self.tool_end[r[full]])
         r = r[~full]
@@ -215,33 +296,67 @@ class Engine:
     def _decode_workers(self) -> np.ndarray:
         return (self.w_role == W_ROLLOUT) | (self.w_role == W_DECODE)
 
-    def _admit(self) -> int:
-        """Give waiting sequences a decode slot and a KV reservation; how many were admitted."""
+    def _admit(self, now: float) -> int:
+        """Route the requests waiting since ``now`` or earlier and give each a decode slot and a KV reservation
+        on its worker; how many were admitted."""
         s = slice(self.lo, self.hi)
         ph = self.phase[s]
-        q = np.flatnonzero(ph == WAIT) + self.lo
+        q = np.flatnonzero((ph == WAIT) & (self.ready_at[s] <= now + 1e-9)) + self.lo
         if not q.size:
             return 0
-        decoding = self._decode_workers()
-        if not decoding.any():
+        routable = self._decode_workers() & self.w_admit
+        if not routable.any():
             return 0
         prof = self.profile
         n_w = len(self.w_role)
         running = np.flatnonzero((ph >= PREFILL) & (ph <= DECODE)) + self.lo
         rw = self.run_w[running]
-        slots = np.where(decoding, prof.max_num_seqs - np.bincount(rw, minlength=n_w), 0)
+        load = np.bincount(rw, minlength=n_w)
+        slots = np.where(routable, prof.max_num_seqs - load, 0)
         # Admission counts only running reservations: tool-waiting KV is evictable (see _evict_for_capacity).
-        free_kv = np.where(decoding, prof.kv_capacity_tokens - np.bincount(rw, self.kv_hold[running], n_w), -1.0)
+        free_kv = np.where(routable, prof.kv_capacity_tokens - np.bincount(rw, self.kv_hold[running], n_w), -1.0)
         need = self.ctx[q] + self.dec_left[q]
-        admitted_w = np.full(q.size, -1, np.int32)
+        if self.router == "balance":
+            admitted_w = self._route_balance(q, routable, load, slots, free_kv, need)
+        else:
+            admitted_w = self._route_ring(q, routable, slots, free_kv, need)
 
-        # Cache-aware routing with load balance (the SGLang router's rule): a next turn goes back to the worker
-        # holding its KV unless that worker runs BALANCE_ABS more sequences than the mean; then it goes to the
-        # least loaded worker and re-prefills its context there. Without this, workers that join mid-batch
-        # (a borrow, an elastic grant) would only ever get evicted sequences. Running decodes never move.
+        a = np.flatnonzero(admitted_w >= 0)
+        if not a.size:
+            return 0
+        i, w = q[a], admitted_w[a]
+        kv = self.kv_w[i]
+        resident = (kv == w) | self.migrated[i]
+        if self.free_migration and self.router == "consistent_hash":
+            resident |= kv >= 0  # the oracle's world: a session's KV follows it wherever the ring sends it
+        pf = np.where(resident, self.new_tok[i], self.ctx[i])
+        recompute = pf - self.new_tok[i]
+        self.stats["recompute_tokens"] += float(recompute.sum())
+        left = self.orphaned[i] | ((kv >= 0) & ~routable[np.maximum(kv, 0)])
+        self.stats["leave_recompute_tokens"] += float(recompute[left].sum())
+        self.phase[i] = PREFILL
+        self.run_w[i] = w
+        self.kv_w[i] = w
+        self.kv_hold[i] = need[a]
+        self.pf_left[i] = pf
+        self.pf_total[i] = pf
+        self.migrated[i] = False
+        self.orphaned[i] = False
+        self.disp_w[i] = -1
+        return int(a.size)
+
+    def _route_balance(self, q, routable, load, slots, free_kv, need) -> np.ndarray:
+        """The ``balance`` model (this simulator's before the run's router existed; no real router's rule):
+        session affinity with load balance. A next turn goes back to the worker holding its KV unless that
+        worker runs more than ``BALANCE_ABS`` sequences above the mean, in which case it goes elsewhere and
+        re-prefills its context there; new prompts, and next turns whose KV is gone, go FIFO to the worker with
+        the most free KV, and the first that fits nowhere blocks the queue behind it. A request waits in one
+        queue until a worker admits it; running decodes never move. Returns each request's worker (-1: waits)."""
+        n_w = len(self.w_role)
+        admitted_w = np.full(q.size, -1, np.int32)
+        slots, free_kv = slots.copy(), free_kv.copy()
         kw = self.kv_w[q]
-        load = prof.max_num_seqs - slots
-        excess = np.where(decoding, load - load[decoding].mean(), 0.0)
+        excess = np.where(routable, load - load[routable].mean(), 0.0)
         if (excess > BALANCE_ABS).any():
             moving = np.flatnonzero((kw >= 0) & (excess[np.maximum(kw, 0)] > BALANCE_ABS))
             if moving.size:
@@ -253,26 +368,20 @@ class Engine:
                 self.kv_hold[q[moving]] = 0.0
                 kw = self.kv_w[q]
 
-        # Sequences whose KV is still on a worker go back to it (session affinity), FIFO per worker.
-        res = np.flatnonzero((kw >= 0) & decoding[np.maximum(kw, 0)])
+        # Sequences whose KV is on a routable worker go back to it (session affinity), FIFO per worker.
+        res = np.flatnonzero((kw >= 0) & routable[np.maximum(kw, 0)])
         if res.size:
             order = res[np.lexsort((self.ready_at[q[res]], kw[res]))]
             w = kw[order]
-            group = _group_starts(w)
-            cs = np.cumsum(need[order])
-            cs_group = cs - _shift(cs)[group]
-            rank = np.arange(w.size) - group
-            ok = (rank < slots[w]) & (cs_group <= free_kv[w])
+            ok = _fits(w, need[order], slots, free_kv)
             admitted_w[order[ok]] = w[ok]
             slots -= np.bincount(w[ok], minlength=n_w)
             free_kv -= np.bincount(w[ok], need[order[ok]], n_w)
 
-        # The rest, FIFO, to the worker with the most free KV among those with a free slot; the first that
-        # fits nowhere blocks the queue behind it (vLLM's FCFS waiting queue).
         rest = np.flatnonzero(admitted_w < 0)
         rest = rest[np.argsort(self.ready_at[q[rest]], kind="stable")]
         for j in rest:
-            if kw[j] >= 0 and decoding[kw[j]]:
+            if kw[j] >= 0 and routable[kw[j]]:
                 continue  # waits for its own worker
             cand = np.where(slots > 0, free_kv, -1.0)
             w = int(np.argmax(cand))
@@ -281,22 +390,37 @@ class Engine:
             admitted_w[j] = w
             slots[w] -= 1
             free_kv[w] -= need[j]
+        return admitted_w
 
-        a = np.flatnonzero(admitted_w >= 0)
-        if not a.size:
-            return 0
-        i, w = q[a], admitted_w[a]
-        resident = (self.kv_w[i] == w) | self.migrated[i]
-        pf = np.where(resident, self.new_tok[i], self.ctx[i])
-        self.stats["recompute_tokens"] += float((pf - self.new_tok[i]).sum())
-        self.phase[i] = PREFILL
-        self.run_w[i] = w
-        self.kv_w[i] = w
-        self.kv_hold[i] = need[a]
-        self.pf_left[i] = pf
-        self.pf_total[i] = pf
-        self.migrated[i] = False
-        return int(a.size)
+    def _route_ring(self, q, routable, slots, free_kv, need) -> np.ndarray:
+        """vllm-router's ``consistent_hash`` policy, the one the run's router uses (pearlctl/router/service.py):
+        a request goes to the worker its session hashes to on the ring of the routable workers (``VIRTUAL_NODES``
+        virtual nodes each), whatever the loads, and queues there (vLLM's waiting queue, first come first
+        served: the first that does not fit blocks the ones behind it) while that worker serves — even if the
+        ring changes meanwhile. When a worker joins, the sessions that now hash to it move at their next turn
+        and re-prefill there; when one leaves, its sessions go to the ring's next owners. Returns each
+        request's worker (-1: it waits)."""
+        d = self.disp_w[q]
+        serving = self._decode_workers()
+        target = np.where((d >= 0) & serving[np.maximum(d, 0)], d, self._ring_lookup(q, routable))
+        self.disp_w[q] = target
+        order = np.lexsort((self.ready_at[q], target))
+        ok = _fits(target[order], need[order], slots, free_kv)
+        admitted_w = np.full(q.size, -1, np.int32)
+        admitted_w[order[ok]] = target[order[ok]]
+        return admitted_w
+
+    def _ring_lookup(self, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
+        """The worker each session of trajectories ``i`` hashes to on the ring of the ``routable`` workers."""
+        key = routable.tobytes()
+        if self._ring is None or self._ring[0] != key:
+            workers = np.flatnonzero(routable)
+            pos = self.vnodes[workers].ravel()
+            owner = np.repeat(workers, VIRTUAL_NODES).astype(np.int32)
+            by = np.argsort(pos)
+            self._ring = (key, pos[by], owner[by])
+        _, pos, owner = self._ring
+        return owner[np.searchsorted(pos, self.session[i]) % pos.size]
 
     def _evict_for_capacity(self) -> None:
         """Evict the least recently used idle KV (tool-waiting or queued sequences) where a worker is over
@@ -333,7 +457,8 @@ class Engine:
         if not pf.size:
             return p_time
         rate = self.profile.prefill_tok_s
-        n_prefill = int((self.w_role == W_PREFILL).sum())
+        # The shared prefill FIFO runs on the routable PREFILL workers (a draining one takes nothing new).
+        n_prefill = int(((self.w_role == W_PREFILL) & self.w_admit).sum())
         # A worker prefills its own sequences when it is colocated, or when no PREFILL worker exists.
         own = (self.w_role == W_ROLLOUT) | ((self.w_role == W_DECODE) & (n_prefill == 0))
         local = own[self.run_w[pf]]
@@ -430,6 +555,16 @@ class Engine:
         """Indices of launched, unfinished trajectories."""
         s = slice(self.lo, self.hi)
         return np.flatnonzero((self.phase[s] != DONE) & (self.phase[s] != PENDING)) + self.lo
+
+
+def _fits(w: np.ndarray, need: np.ndarray, slots: np.ndarray, free_kv: np.ndarray) -> np.ndarray:
+    """For requests sorted by worker ``w`` (FIFO within each), which are admitted: first come first served
+    per worker, as far as its free slots and KV go (a request that does not fit blocks those behind it)."""
+    group = _group_starts(w)
+    cs = np.cumsum(need)
+    cs_group = cs - _shift(cs)[group]
+    rank = np.arange(w.size) - group
+    return (rank < slots[w]) & (cs_group <= free_kv[w])
 
 
 def _group_starts(keys: np.ndarray) -> np.ndarray:

@@ -7,7 +7,9 @@ It replaces the policy with a controller that runs every tick and, unlike any po
 - puts every available GPU to work: every granted elastic GPU and every trainer GPU the trainer is not using
   serves rollouts;
 - loses nothing at preemption or on a role change: the engine runs with ``free_migration`` (a worker that
-  leaves hands its sequences' KV over, so nothing is recomputed);
+  leaves hands its sequences and their KV over at once, and a session's KV follows it wherever the router
+  sends it, so nothing is aborted, lost or recomputed), and its GPUs serve to the end of their lease (no
+  drain on a preemption notice);
 - knows the future: it chooses the PD configuration (colocated, or disaggregated at a prefill share) by
   running each candidate forward on a copy of the true engine state — the drawn remaining work, not an
   estimate — and keeping the one that finishes the oldest batch first (or leaves the least work).
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from pearlctl.planner.model import Role
-from pearlctl.sim.engine import W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
+from pearlctl.sim.engine import DEFAULT_ROUTER, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
 from pearlctl.sim.run import RunResult, Sim
 
 PREFILL_SHARES = (0.125, 0.25, 0.5)  # disaggregated candidates: the share of workers that prefill
@@ -95,7 +97,18 @@ class OracleController:
 _ROLE = {W_ROLLOUT: Role.ROLLOUT, W_PREFILL: Role.PREFILL, W_DECODE: Role.DECODE}
 
 
-def run_oracle(scenario, *, record_timeline: bool = False, draws=None, trace=None) -> RunResult:
-    sim = Sim(scenario, "oracle", None, draws=draws, trace=trace, free_migration=True, record_timeline=record_timeline)
+def run_oracle(
+    scenario, *, record_timeline: bool = False, draws=None, trace=None, router: str = DEFAULT_ROUTER
+) -> RunResult:
+    sim = Sim(
+        scenario,
+        "oracle",
+        None,
+        draws=draws,
+        trace=trace,
+        free_migration=True,
+        record_timeline=record_timeline,
+        router=router,
+    )
     sim.controller = OracleController(sim)
     return sim.run()

@@ -3,14 +3,23 @@
 One ``Sim`` is one policy on one scenario. Each tick it applies the elastic trace (grants, notices,
 preemptions), moves the trainer (synchronous: rollout batch → train step → weight sync; asynchronous: batches
 generated up to ``staleness`` steps ahead of the trainer, engines pausing for each weight sync), advances the
-engines (``pearlctl.sim.engine``) and, every ``control_interval_s``, builds a ``pearlctl.planner.model.Snapshot``
-of the simulated cluster and calls the policy's ``decide`` — the module ``pearlctl.policies.load_policy`` gives
-the daemon, never a copy. The plan's moves are applied at their *true* cost from the profile (a move's own
-``cost_s`` is the planner's estimate, not what the simulated GPU pays).
+engines (``pearlctl.sim.engine``) and, every ``control_interval_s`` and as soon as the trainer's phase, the
+batches or the elastic trace change (a live daemon decides every tick, so it reacts to those within one),
+builds a ``pearlctl.planner.model.Snapshot`` of the simulated cluster and calls the policy's ``decide`` — the
+module ``pearlctl.policies.load_policy`` gives the daemon, never a copy. The plan's moves are applied at their
+*true* cost from the profile (a move's own ``cost_s`` is the planner's estimate, not what the simulated GPU
+pays).
 
 What a policy sees is what a live daemon could know: the GPUs and their roles, counts and means of the work in
 flight (turns left from the workload's history, not the drawn future), the trainer's phase and its expected
 wait from past batches. The oracle (``pearlctl.sim.oracle``) alone reads the future.
+
+Leaves are paid as the live system pays them (``pearlctl.sim.engine``: abort and continue). A move that takes a
+worker out of serving (return, retire, switch) first aborts what it runs — ``ABORT_S`` more than the step's own
+cost. A preemption notice makes the worker's agent drain (pearlctl/agent/__main__.py): the router sends it
+nothing new, it decodes what it runs for the agent's drain window (``drain_s``) and then aborts the rest, which
+is continued elsewhere; a preemption with less notice than that window is a hard kill (the running turns are
+retried from their start). The oracle's GPUs serve to the end and lose nothing.
 
 Guarantees: the daemon's return guarantee holds — when the trainer needs its GPUs, lent ones are returned
 (forced if the policy has not) and the wait they cause is counted as trainer delay; a GPU is never moved
@@ -43,7 +52,18 @@ from pearlctl.planner.model import (
 )
 from pearlctl.planner.predict import completion_s
 from pearlctl.sim.availability import Trace, build_trace
-from pearlctl.sim.engine import TOOL, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT, Draws, Engine, draw
+from pearlctl.sim.engine import (
+    ABORT_S,
+    DEFAULT_ROUTER,
+    TOOL,
+    W_DECODE,
+    W_OFF,
+    W_PREFILL,
+    W_ROLLOUT,
+    Draws,
+    Engine,
+    draw,
+)
 from pearlctl.sim.scenario import Scenario
 
 ENGINE_ROLE = {Role.ROLLOUT: W_ROLLOUT, Role.PREFILL: W_PREFILL, Role.DECODE: W_DECODE}
@@ -67,6 +87,7 @@ class SimGpu:
     busy_until: float = 0.0  # in transition until then (does no work)
     ends_at: float | None = None
     version: int = 0  # policy weights it holds (a woken parked worker with old weights must sync)
+    abort_at: float | None = None  # preemption notice: its worker drains until then, then aborts and stops
 
 
 @dataclass
@@ -110,6 +131,7 @@ class Sim:
         trace: Trace | None = None,
         free_migration: bool = False,
         record_timeline: bool = False,
+        router: str = DEFAULT_ROUTER,
     ):
         self.scenario = scenario
         self.policy = policy
@@ -122,7 +144,9 @@ class Sim:
         self.trace = trace if trace is not None else make_trace(scenario)
         self.gpw = self.profile.gpus_per_worker
         total = c.trainer_gpus + c.rollout_gpus + c.elastic_gpus
-        self.engine = Engine(self.profile, self.draws, total // self.gpw, wl.max_context_tokens, free_migration)
+        self.engine = Engine(
+            self.profile, self.draws, total // self.gpw, wl.max_context_tokens, free_migration, router=router
+        )
         self.gpus: list[SimGpu] = []
         for i in range(total):
             if i < c.trainer_gpus:
@@ -149,6 +173,8 @@ class Sim:
         self.training_until: float | None = None
         self.sync_until = 0.0
         self.blocked_since: float | None = None
+        self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
+        self.wait_ema: float | None = None  # its measured waits, averaged as examples/grpo/train.py does
         self.version = 0
         # Lease events, in time order.
         self._grants = sorted(self.trace.leases, key=lambda x: x.start)
@@ -171,6 +197,7 @@ class Sim:
         self._dirty = True
         self._next_expiry = 0.0
         self._counts: dict[str, int] = {}
+        self._killed: set[int] = set()  # workers preempted without a drain since the last role sync
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -181,6 +208,7 @@ class Sim:
         next_sample = 0.0
         t = 0.0
         progress, progress_at = -1.0, 0.0
+        seen = None
         while self.trained < self.steps and t < MAX_SIM_S:
             # A policy that leaves nothing serving would never finish: give up after an hour without progress.
             done = self.engine.stats["decode_tokens"] + self.trained
@@ -192,8 +220,10 @@ class Sim:
             self._trainer(t)
             if self.controller is not None:
                 self.controller.control(self, t)
-            elif t >= next_control - 1e-9:
-                next_control = t + every
+            elif t >= next_control - 1e-9 or self._events() != seen:
+                # every control interval, and as soon as the trainer or the elastic trace changes: the daemon
+                # decides every tick (0.5 s), so it reacts to a trainer's report or a grant within one
+                next_control, seen = t + every, self._events()
                 self._control(t)
             if self._dirty or t >= self._next_expiry:
                 self._refresh(t)
@@ -236,20 +266,30 @@ class Sim:
             for g in lease.gpus:
                 gpu = self.gpus[g]
                 gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = True, Role.IDLE, False, 0.0, None
+                gpu.abort_at = None
             self._dirty = True
         while self._ni < len(self._notices) and self._notices[self._ni].notice_at <= t:
             lease = self._notices[self._ni]
             self._ni += 1
+            # The agent drains its workers (the router sends them nothing new) and aborts what is left at the
+            # end of its drain window; a notice shorter than that is no notice: a hard kill at the end.
+            abort_at = lease.notice_at + drain_s(lease.end - lease.notice_at)
             for g in lease.gpus:
                 if self.gpus[g].present:
                     self.gpus[g].ends_at = lease.end
+                    if not self.engine.free_migration and abort_at < lease.end:
+                        self.gpus[g].abort_at = abort_at
+                        self._dirty = True
         while self._ei < len(self._ends) and self._ends[self._ei].end <= t:
             lease = self._ends[self._ei]
             self._ei += 1
             for g in lease.gpus:
                 gpu = self.gpus[g]
                 if gpu.present:
+                    if gpu.abort_at is None:
+                        self._killed.add(g // self.gpw)  # no drain came first: whatever it runs is lost
                     gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = False, Role.IDLE, False, 0.0, None
+                    gpu.abort_at = None
                     self.preemptions += 1
                     self._dirty = True
 
@@ -270,6 +310,7 @@ class Sim:
         if self.training_until is not None and t >= self.training_until - 1e-9:
             self.trained += 1
             self.training_until = None
+            self.waiting_since = t
             self._dirty = True
             if self.trained >= self.steps:
                 self._finished_at = t
@@ -299,8 +340,15 @@ class Sim:
                 if self.blocked_since is not None:
                     self.trainer_delay_s += t - self.blocked_since
                     self.blocked_since = None
+                # the wait the trainer measures: from its waiting point to its batch's arrival
+                waited = max(self.completed_at[self.trained] - self.waiting_since, 0.0)
+                self.wait_ema = waited if self.wait_ema is None else 0.7 * self.wait_ema + 0.3 * waited
                 self.training_until = t + tr.train_step_s
                 self._dirty = True
+
+    def _events(self) -> tuple:
+        """What a daemon reacts to at once: the trainer's phase and batches, grants, notices, preemptions."""
+        return (self.trained, self.launched, self.training_until is None, self._gi, self._ni, self._ei)
 
     def _away(self, t: float) -> list[SimGpu]:
         return [g for g in self.gpus if g.pool == "trainer" and (g.role != Role.TRAIN or g.busy_until > t)]
@@ -375,6 +423,8 @@ class Sim:
             cost = c.role_switch_s
         else:
             return self._refuse(move, "unknown move kind")
+        if g.role in SERVING:
+            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued elsewhere)
         if to in SERVING:
             g.version = self.version  # a cold start loads the newest weights; a stale wake paid its sync above
         g.role = to
@@ -429,19 +479,21 @@ class Sim:
         return Trainer(phase="waiting", wait_left_s=self._expected_wait(t, work), step_time_s=step_s)
 
     def _expected_wait(self, t: float, work: Work) -> float:
-        """The trainer's ETA, as a training loop could know it: from the pace of past batches (synchronous:
-        launch to completion; asynchronous: the interval between completions, since batches overlap); before
-        any history, or when the batch is already later than history says, the planner's prediction for the
-        deployment serving now (what a rollout driver with the profile would report)."""
-        if self.trained >= self.launched:
-            return 0.0
+        """The trainer's ETA, as a training loop could know it. Synchronous: what examples/grpo/train.py
+        reports — from the moment it starts waiting (the end of its step, so the weight sync and the next
+        batch's launch are inside it), a moving average of its past waits less the time waited so far.
+        Asynchronous: from the interval between batch completions (batches overlap). Before any history, or
+        when the batch is already later than history says, the planner's prediction for the deployment
+        serving now (what a rollout driver with the profile would report)."""
         wait = 0.0
-        done = self.completed_at
-        if self.scenario.training.mode == "async" and len(done) >= 2:
-            wait = float(np.mean(np.diff(done))) - (t - done[-1])
-        elif done:
-            past = [b - a for a, b in zip(self.launched_at, done, strict=False)]
-            wait = float(np.mean(past)) - (t - self.launched_at[self.trained])
+        if self.scenario.training.mode == "async":
+            if self.trained >= self.launched:
+                return 0.0
+            done = self.completed_at
+            if len(done) >= 2:
+                wait = float(np.mean(np.diff(done))) - (t - done[-1])
+        elif self.wait_ema is not None:
+            wait = self.wait_ema - (t - self.waiting_since)
         if wait > 0 or work.empty:
             return max(wait, 0.0)
         predicted = completion_s(work, self._deployment(), self.profile)
@@ -478,20 +530,33 @@ class Sim:
     def _refresh(self, t: float) -> None:
         self._sync_roles(t)
         self._counts = self._census(t)
-        self._next_expiry = min((g.busy_until for g in self.gpus if g.busy_until > t), default=math.inf)
+        self._next_expiry = min(
+            (x for g in self.gpus for x in (g.busy_until, g.abort_at or 0.0) if x > t), default=math.inf
+        )
         self._dirty = False
 
     def _sync_roles(self, t: float) -> None:
-        roles = np.full(len(self.gpus) // self.gpw, W_OFF, np.int8)
-        for k in range(len(roles)):
+        n = len(self.gpus) // self.gpw
+        roles = np.full(n, W_OFF, np.int8)
+        routable = np.ones(n, bool)
+        for k in range(n):
             group = self.gpus[k * self.gpw : (k + 1) * self.gpw]
             r = group[0].role
-            if r in SERVING and all(g.present and g.role == r and g.busy_until <= t for g in group):
+            if r in SERVING and all(g.present and g.role == r and not self._stopped(g, t) for g in group):
                 roles[k] = ENGINE_ROLE[r]
-        self.engine.set_roles(roles)
+                routable[k] = all(g.abort_at is None for g in group)  # a preemption notice: draining
+        killed = np.zeros(n, bool)
+        killed[list(self._killed)] = True
+        self._killed.clear()
+        self.engine.set_roles(roles, t, routable=routable, killed=killed)
+
+    @staticmethod
+    def _stopped(g: SimGpu, t: float) -> bool:
+        """In transition, or a worker drained and stopped before its GPU's preemption."""
+        return g.busy_until > t or (g.abort_at is not None and t >= g.abort_at and g.role in SERVING)
 
     def _category(self, g: SimGpu, t: float) -> str:
-        if g.busy_until > t:
+        if self._stopped(g, t):
             return "TRANSITION"
         if g.role == Role.TRAIN:
             return "TRAIN" if self.training_until is not None else "TRAIN_IDLE"
@@ -503,6 +568,14 @@ class Sim:
             if g.present:
                 counts[self._category(g, t)] += 1
         return counts
+
+
+def drain_s(notice_s: float) -> float:
+    """How long a worker told of its preemption ``notice_s`` ahead drains before it aborts what is still in
+    flight: the agent's drain timeout is the notice less 5 s (pearlctl/slurm/script.py, PEARL_DRAIN_TIMEOUT_S),
+    of which it keeps min(5 s, 25 %) for the abort and the stop (pearlctl/agent/workers.py, VllmWorker.stop)."""
+    timeout = max(1.0, notice_s - 5.0)
+    return max(0.1, timeout - min(5.0, 0.25 * timeout))
 
 
 def _residual_table(turns) -> np.ndarray:
@@ -525,31 +598,43 @@ def make_trace(scenario: Scenario) -> Trace:
     return build_trace(scenario, horizon_s=MAX_SIM_S, seed=scenario.seed)
 
 
-def run_policy(scenario: Scenario, policy: str, *, record_timeline: bool = False, draws=None, trace=None) -> RunResult:
-    """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds, or ``oracle``) on ``scenario``."""
+def run_policy(
+    scenario: Scenario,
+    policy: str,
+    *,
+    record_timeline: bool = False,
+    draws=None,
+    trace=None,
+    router: str = DEFAULT_ROUTER,
+) -> RunResult:
+    """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds, or ``oracle``) on ``scenario``;
+    ``router``: the engine's router model (``pearlctl.sim.engine.ROUTERS``)."""
     if policy == "oracle":
         from pearlctl.sim.oracle import run_oracle
 
-        return run_oracle(scenario, record_timeline=record_timeline, draws=draws, trace=trace)
+        return run_oracle(scenario, record_timeline=record_timeline, draws=draws, trace=trace, router=router)
     from pearlctl.policies import load_policy
 
     module = load_policy(policy)
-    sim = Sim(scenario, policy, module.decide, draws=draws, trace=trace, record_timeline=record_timeline)
+    sim = Sim(scenario, policy, module.decide, draws=draws, trace=trace, record_timeline=record_timeline, router=router)
     return sim.run()
 
 
 def compare(
-    scenario: Scenario, policies: list[str], *, record_timeline: bool = False, workers: int | None = None
+    scenario: Scenario,
+    policies: list[str],
+    *,
+    record_timeline: bool = False,
+    workers: int | None = None,
+    router: str = DEFAULT_ROUTER,
 ) -> dict[str, RunResult]:
     """Every policy on the same drawn work and the same elastic trace; runs are independent, so they go to
     ``workers`` processes (default: one per policy, at most one per CPU). Results keep the given order."""
     draws, trace = make_draws(scenario), make_trace(scenario)
     n = min(len(policies), workers if workers is not None else (os.cpu_count() or 1))
+    kw = {"record_timeline": record_timeline, "draws": draws, "trace": trace, "router": router}
     if n <= 1:
-        return {p: run_policy(scenario, p, record_timeline=record_timeline, draws=draws, trace=trace) for p in policies}
+        return {p: run_policy(scenario, p, **kw) for p in policies}
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {
-            p: pool.submit(run_policy, scenario, p, record_timeline=record_timeline, draws=draws, trace=trace)
-            for p in policies
-        }
+        futures = {p: pool.submit(run_policy, scenario, p, **kw) for p in policies}
         return {p: f.result() for p, f in futures.items()}

@@ -4,7 +4,7 @@ Not a timed test: it prints a markdown table (samples/s per policy, ratios, pear
 trainer delay) next to the published references, and with ``--write-docs`` writes it to
 docs/simulator-results.md together with the command that made it.
 
-    .venv/bin/python tests/benchmarks/bench_simulate.py [--write-docs] [--steps N] [SCENARIO ...]
+    .venv/bin/python tests/benchmarks/bench_simulate.py [--write-docs] [--steps N] [--router R] [SCENARIO ...]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from pearlctl.sim import report  # noqa: E402
 from pearlctl.sim import scenario as sc  # noqa: E402
+from pearlctl.sim.engine import DEFAULT_ROUTER, ROUTERS  # noqa: E402
 from pearlctl.sim.run import compare  # noqa: E402
 
 POLICIES = ["static", "elastic", "pearl", "oracle"]
@@ -29,13 +30,13 @@ REFERENCES = (
 )
 
 
-def run(paths: list[Path], steps: int | None) -> tuple[list[dict], float]:
+def run(paths: list[Path], steps: int | None, router: str = DEFAULT_ROUTER) -> tuple[list[dict], float]:
     docs = []
     t0 = time.monotonic()
     for path in paths:
         s = sc.load(path).with_overrides(steps=steps)
         t1 = time.monotonic()
-        doc = report.to_json(s, compare(s, POLICIES))
+        doc = report.to_json(s, compare(s, POLICIES, router=router))
         doc["wall_s"] = round(time.monotonic() - t1, 1)
         docs.append(doc)
         print(f"{s.name}: {doc['wall_s']} s", file=sys.stderr)
@@ -53,7 +54,7 @@ def table(docs: list[dict]) -> str:
         lines.append(
             f"| {d['scenario']} ({d['steps']} {d['training']} steps) "
             + "".join(f"| {p[n]['samples_per_s']:.3f} " for n in POLICIES)
-            + f"| {r['pearl/static']:.2f}× | {r['pearl/elastic']:.2f}× | {r['pearl/oracle']:.2f} "
+            + f"| {r['pearl/static']:.2f}× | {r['pearl/elastic']:.2f}× | {r['pearl/oracle']:.3f} "
             + f"| {p['pearl']['transitions']} | {p['pearl']['trainer_delay_s']:.0f} |"
         )
     lines.append("")
@@ -82,9 +83,17 @@ def main() -> None:
     ap.add_argument("scenarios", nargs="*", type=Path)
     ap.add_argument("--steps", type=int, default=None, help="override every scenario's step count")
     ap.add_argument("--write-docs", action="store_true", help="write docs/simulator-results.md")
+    ap.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=DEFAULT_ROUTER,
+        help="the engines' router model (docs/simulator.md); --write-docs writes only the default's table",
+    )
     args = ap.parse_args()
+    if args.write_docs and args.router != DEFAULT_ROUTER:
+        ap.error("--write-docs documents the default router model: drop --router")
     paths = args.scenarios or sorted((REPO / "examples/scenarios").glob("*.toml"))
-    docs, wall = run(paths, args.steps)
+    docs, wall = run(paths, args.steps, args.router)
     body = table(docs)
     print(body)
     print()

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from pearlctl.planner import budget
 from pearlctl.planner.model import (
     SERVING,
     GpuSlot,
@@ -205,9 +206,54 @@ def test_pearl_returns_lent_gpus_before_their_deadline_even_without_gain(pearl):
 
 
 def test_pearl_returns_every_lent_gpu_once_the_batch_is_done(pearl):
-    s = snapshot(cluster(rollout=4, trainer=0, lent=2), Work())
+    # the trainer's wait (30 s) is too short for the GPUs to serve another batch before they are due back
+    s = snapshot(cluster(rollout=4, trainer=0, lent=2), Work(), wait_left_s=30.0)
+    assert not any(budget.must_return(s, g) for g in s.gpus)  # not due yet: pearl's own choice
     plan = pearl.decide(s)
     assert plan is not None and kinds(plan) == {MoveKind.RETURN} and len(plan.moves) == 2
+
+
+def test_pearl_lends_ahead_of_the_next_batch_while_the_trainer_waits_long(pearl):
+    # Between batches (the weight sync, the launch) the trainer already waits for the next batch: parked
+    # trainer GPUs are lent when they would serve at least as long as they spend moving; cold ones are not.
+    moving = COSTS.borrow_s(warm=True) + COSTS.weight_sync_s + budget.return_cost_s(snapshot([])) + 2.0
+    long_wait = snapshot(cluster(rollout=4, trainer=4), Work(), wait_left_s=2 * moving + 1)
+    plan = pearl.decide(long_wait)
+    assert plan is not None and kinds(plan) == {MoveKind.BORROW} and len(plan.moves) == 4
+    assert plan.target.lend == 4
+    short_wait = snapshot(cluster(rollout=4, trainer=4), Work(), wait_left_s=2 * moving - 1)
+    assert MoveKind.BORROW not in kinds(pearl.decide(short_wait))
+    cold = snapshot(cluster(rollout=4, trainer=4, trainer_parked=False), Work(), wait_left_s=2_000.0)
+    assert MoveKind.BORROW not in kinds(pearl.decide(cold))
+    training = snapshot(cluster(rollout=4, trainer=4), Work(), wait_left_s=2_000.0, phase="training")
+    assert MoveKind.BORROW not in kinds(pearl.decide(training))
+
+
+# A batch's tail: three long trajectories, bound by their own sequential time, not by the GPUs serving them.
+TAIL = Work(
+    trajectories=3,
+    turns_left=4,
+    turns_left_max=4,
+    decode_tokens_per_turn=2_000,
+    decode_tokens_per_turn_max=2_000,
+    prefill_tokens_per_turn=100,
+    context_tokens=2_000,
+    tool_latency_s=3,
+    tool_latency_max_s=5,
+)
+
+
+def test_pearl_returns_lent_gpus_once_they_no_longer_shorten_the_batch(pearl):
+    s = snapshot(cluster(rollout=4, trainer=0, lent=4), TAIL)
+    assert completion_s(TAIL, current_deployment(s), PROFILE) > 60  # far from its end: no deadline forces it
+    plan = pearl.decide(s)
+    assert plan is not None and kinds(plan) == {MoveKind.RETURN} and len(plan.moves) == 4
+    # with much work left the same lent GPUs shorten the batch: they stay
+    busy = pearl.decide(snapshot(cluster(rollout=4, trainer=0, lent=4), BIG))
+    assert MoveKind.RETURN not in kinds(busy)
+    # and so do lent GPUs whose sequences' contexts would cost more to re-prefill elsewhere than a return
+    long = replace(TAIL, context_tokens=400_000, prefill_tokens_per_turn=0)
+    assert MoveKind.RETURN not in kinds(pearl.decide(snapshot(cluster(rollout=4, trainer=0, lent=4), long)))
 
 
 def test_pearl_respects_max_lend(pearl):

@@ -1,6 +1,8 @@
 """The simulator's engine model must not flatter: decode sublinear in batch (far less for MoE), a straggler
-floor at batch-1 speed, KV eviction paid in recompute, prefill stealing decode time when colocated, and no
-work from a GPU in transition."""
+floor at batch-1 speed, KV eviction paid in recompute, prefill stealing decode time when colocated, no work
+from a GPU in transition, migration as the live system does it (a graceful leave continues every generated
+token and re-prefills the context; a hard kill loses the turn), and the run's router (sessions hashed to
+workers)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.planner.profile import load as load_profile
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.engine import DECODE, DONE, TOOL, W_OFF, W_ROLLOUT, Draws, Engine
+from pearlctl.sim.engine import ABORT_S, DECODE, DONE, ROUTERS, TOOL, W_OFF, W_ROLLOUT, WAIT, Draws, Engine
 from pearlctl.sim.run import Sim
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,3 +163,118 @@ def test_a_worker_that_leaves_requeues_its_sequences_with_their_context():
     assert (e.kv_w[:4] == 0).all()
     e.set_roles(np.array([W_OFF]))  # preempted, returned or retired: its KV is gone
     assert (e.kv_w[:4] == -1).all() and np.allclose(e.ctx[:4], 1100)
+
+
+def decoding_on_worker_0(router: str, free_migration: bool = False) -> tuple[Engine, float]:
+    """Four 1-turn sequences (100-token prompts, 1,000-token responses) decoding on worker 0 of two, a few
+    hundred tokens into their turn; worker 1 is not serving yet. Returns the engine and the time."""
+    e = Engine(DENSE, draws(4, prompt=100.0, response=1000.0), 2, 10**6, free_migration, router=router)
+    e.launch(0, 4, 0.0)
+    e.set_roles(np.array([W_ROLLOUT, W_OFF]), 0.0)
+    t = 0.0
+    while e.stats["decode_tokens"] < 4 * 300:
+        e.step(t, 0.5)
+        t += 0.5
+        assert t < 60
+    assert (e.phase[:4] == DECODE).all() and (e.run_w[:4] == 0).all()
+    return e, t
+
+
+def run_to_the_end(e: Engine, t: float, n: int = 4) -> float:
+    while not e.all_done(0, n):
+        e.step(t, 0.5)
+        t += 0.5
+        assert t < 3600
+    return t
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_a_graceful_leave_continues_every_generated_token_and_re_prefills_the_context(router):
+    e, t = decoding_on_worker_0(router)
+    ctx, left, decoded = e.ctx[:4].copy(), e.dec_left[:4].copy(), e.stats["decode_tokens"]
+    prefilled = e.stats["prefill_tokens"]
+    assert np.allclose(ctx, 100.0 + (1000.0 - left))  # prompt + what each generated so far
+    e.set_roles(np.array([W_OFF, W_ROLLOUT]), t)  # worker 0 leaves (a return, a retire...), worker 1 serves
+    assert (e.phase[:4] == WAIT).all() and np.allclose(e.ctx[:4], ctx) and np.allclose(e.dec_left[:4], left)
+    assert e.stats["aborted"] == 4 and e.stats["killed"] == 0 and e.stats["lost_tokens"] == 0
+    e.step(t, 0.5)  # the abort's answers and the continuations are on their way: nothing is admitted yet
+    assert (e.phase[:4] == WAIT).all()
+    run_to_the_end(e, t + 0.5)
+    # nothing was generated twice; the new worker re-prefilled each whole context (prompt + generated)
+    assert e.stats["decode_tokens"] == pytest.approx(4 * 1000.0)
+    assert e.stats["decode_tokens"] - decoded == pytest.approx(left.sum())
+    assert e.stats["recompute_tokens"] == pytest.approx(ctx.sum())
+    assert e.stats["leave_recompute_tokens"] == pytest.approx(ctx.sum())
+    assert e.stats["prefill_tokens"] - prefilled == pytest.approx(ctx.sum())
+    assert (e.done_at[:4] >= t + ABORT_S).all()
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_a_hard_kill_retries_the_running_turn_from_its_start(router):
+    e, t = decoding_on_worker_0(router)
+    generated = 1000.0 - e.dec_left[:4]
+    e.set_roles(np.array([W_OFF, W_ROLLOUT]), t, killed=np.array([True, False]))  # preempted, no notice
+    assert np.allclose(e.ctx[:4], 100.0) and np.allclose(e.dec_left[:4], 1000.0)  # back to the turn's start
+    assert e.stats["killed"] == 4 and e.stats["aborted"] == 0
+    assert e.stats["lost_tokens"] == pytest.approx(generated.sum())
+    run_to_the_end(e, t)
+    # the lost tokens were generated again; what was re-prefilled is the context the turn began with
+    assert e.stats["decode_tokens"] == pytest.approx(4 * 1000.0 + generated.sum())
+    assert e.stats["recompute_tokens"] == pytest.approx(4 * 100.0)
+
+
+def test_the_oracles_free_migration_loses_nothing_on_a_leave():
+    e, t = decoding_on_worker_0("consistent_hash", free_migration=True)
+    e.set_roles(np.array([W_OFF, W_ROLLOUT]), t)
+    run_to_the_end(e, t)
+    assert e.stats["recompute_tokens"] == 0 and e.stats["decode_tokens"] == pytest.approx(4 * 1000.0)
+
+
+def test_a_draining_worker_finishes_what_it_runs_but_is_sent_nothing_new():
+    e = Engine(DENSE, draws(8, prompt=100.0, response=2000.0), 2, 10**6)
+    e.launch(0, 4, 0.0)
+    both = np.array([W_ROLLOUT, W_ROLLOUT])
+    e.set_roles(both, 0.0, routable=np.array([True, False]))
+    for i in range(10):
+        e.step(i * 0.5, 0.5)
+    assert (e.run_w[:4] == 0).all()
+    e.set_roles(both, 5.0, routable=np.array([False, True]))  # worker 0's preemption notice: it drains
+    e.launch(4, 8, 5.0)
+    before = e.dec_left[:4].copy()
+    for i in range(10, 20):
+        e.step(i * 0.5, 0.5)
+    assert (e.run_w[:4] == 0).all() and (e.dec_left[:4] < before).all()  # still decoding where they were
+    assert (e.run_w[4:8] == 1).all()  # new requests went to the routable worker only
+    assert e.stats["requeued"] == 0
+
+
+def test_the_router_hashes_sessions_and_a_joining_worker_takes_only_the_sessions_that_now_hash_to_it():
+    n = 600
+    e = Engine(DENSE, draws(n, turns=2, prompt=100.0, response=200.0, latency=30.0), 4, 10**6)
+    e.launch(0, n, 0.0)
+    e.set_roles(np.array([W_ROLLOUT, W_ROLLOUT, W_ROLLOUT, W_OFF]), 0.0)
+    t = 0.0
+    while not (e.phase[:n] == TOOL).all():
+        e.step(t, 0.5)
+        t += 0.5
+        assert t < 30
+    first = e.kv_w[:n].copy()
+    share = np.bincount(first, minlength=4) / n
+    assert share[3] == 0 and (np.abs(share[:3] - 1 / 3) < 0.1).all()  # spread by hash, not by load
+    e.set_roles(np.full(4, W_ROLLOUT), t)  # worker 3 joins while the sessions wait on their tools
+    second = np.full(n, -1)
+    while (second < 0).any():
+        e.step(t, 0.5)
+        t += 0.5
+        second = np.where(second < 0, np.where(e.phase[:n] == DECODE, e.run_w[:n], -1), second)
+        assert t < 120
+    moved = second != first
+    assert (second[moved] == 3).all()  # a session moves only to the worker that joined
+    assert 0.1 < moved.mean() < 0.4  # about a quarter of them
+    # the moved sessions re-prefilled their context (prompt + first response + tool output) there
+    assert e.stats["recompute_tokens"] == pytest.approx(moved.sum() * 300.0)
+
+
+def test_an_unknown_router_model_is_refused():
+    with pytest.raises(ValueError, match="no router model 'x'; known: consistent_hash, balance"):
+        Engine(DENSE, draws(1), 1, 10**6, router="x")

@@ -1,19 +1,24 @@
 """Every shipped scenario runs under the shipped policies (the daemon's own modules), the oracle is never
-beaten, and `pearlctl simulate --json` prints the documented shape."""
+beaten, `pearlctl simulate --json` prints the documented shape, leaves are paid as the live system pays them
+(the agent's drain on a preemption notice, a hard kill without one, the abort before a move), and the trainer
+reports its wait as the live training loop does."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pearlctl.home import known_policies
+from pearlctl.planner.model import Move, MoveKind, Role, Work
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.run import compare
+from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT
+from pearlctl.sim.run import Sim, compare, drain_s, run_policy
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((REPO / "examples/scenarios").glob("*.toml"))
@@ -111,3 +116,77 @@ def test_a_bad_scenario_exits_2_naming_the_key(tmp_path):
     result = CliRunner().invoke(app, ["simulate", str(bad), "--policy", "static"])
     assert result.exit_code == 2
     assert "unknown key(s) group_sz" in " ".join(result.output.split())
+
+
+# -- leaves as the live system pays them ------------------------------------------------------------------
+
+
+def test_the_drain_window_is_the_agents():
+    # PEARL_DRAIN_TIMEOUT_S = notice - 5 (pearlctl/slurm/script.py); the agent keeps min(5 s, 25 %) of it
+    # for the abort and the stop (pearlctl/agent/workers.py)
+    assert drain_s(30.0) == pytest.approx(20.0)
+    assert drain_s(120.0) == pytest.approx(110.0)
+    assert drain_s(0.0) > 0.0  # no notice: the drain would end after the GPU is gone (a hard kill)
+
+
+def _bursty(**availability) -> sc.Scenario:
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml").with_overrides(steps=1)
+    quiet = {"grant_interval_s": 0.0, "reclaim_interval_s": 0.0, "lifetime_s": 0.0}
+    return replace(s, availability=replace(s.availability, **(quiet | availability)))
+
+
+def test_a_preempted_worker_drains_from_its_notice_and_stops_at_the_end_of_the_drain():
+    s = _bursty(initial_gpus=8)
+    sim = Sim(s, "test", lambda snap: None)
+    sim._availability(0.0)
+    elastic = [g for g in sim.gpus if g.pool == "elastic" and g.present]
+    for g in elastic:
+        g.role = Role.ROLLOUT
+    sim.gpus[elastic[0].id].ends_at = 100.0  # what a preemption notice at t = 70 sets, and:
+    sim.gpus[elastic[0].id].abort_at = 70.0 + drain_s(30.0)
+    k = elastic[0].id // sim.gpw
+    sim._refresh(75.0)
+    assert sim.engine.w_role[k] == W_ROLLOUT and not sim.engine.w_admit[k]  # draining: serves, takes nothing new
+    assert sim.engine.w_admit[elastic[1].id // sim.gpw]
+    sim._refresh(90.0)
+    assert sim.engine.w_role[k] == W_OFF  # aborted what was left and stopped
+    assert sim._counts["TRANSITION"] == 1
+
+
+@pytest.mark.parametrize("notice_s, hard", [(30.0, False), (0.0, True)])
+def test_a_preemption_with_notice_is_graceful_and_one_without_is_a_hard_kill(notice_s, hard):
+    # eight elastic GPUs from the start, preempted mid-batch while their workers decode first turns
+    s = _bursty(
+        events=(sc.AvailabilityEvent(at_s=0.0, grant=8), sc.AvailabilityEvent(at_s=120.0, preempt=8)),
+        notice_s=notice_s,
+    )
+    r = run_policy(s, "elastic")
+    assert r.finished and r.preemptions == 8
+    if hard:
+        assert r.engine["killed"] > 0 and r.engine["lost_tokens"] > 0 and r.engine["aborted"] == 0
+    else:
+        assert r.engine["aborted"] > 0 and r.engine["killed"] == 0 and r.engine["lost_tokens"] == 0
+
+
+def test_a_worker_leaving_its_role_pays_the_abort_before_its_own_transition():
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml").with_overrides(steps=1)
+    c = s.profile.costs
+    sim = Sim(s, "test", lambda snap: None)
+    sim._availability(0.0)
+    lent, rollout = sim.gpus[0], sim.gpus[s.cluster.trainer_gpus]
+    lent.role, lent.borrowed = Role.ROLLOUT, True
+    assert sim._apply(Move(lent.id, MoveKind.RETURN, Role.ROLLOUT, Role.TRAIN, 0.0), 10.0)
+    assert lent.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s + c.reload_s)
+    assert sim._apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), 10.0)
+    assert rollout.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s)
+
+
+def test_the_sync_trainer_reports_its_wait_from_the_end_of_its_step():
+    # examples/grpo/train.py reports "waiting" right after its step, with a moving average of its past waits:
+    # the weight sync and the next batch's launch are inside that wait
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml")
+    sim = Sim(s, "test", lambda snap: None)
+    sim.trained = sim.launched = 3  # step 3 trained; the weight sync runs, batch 4 not launched yet
+    sim.wait_ema, sim.waiting_since = 200.0, 1000.0
+    view = sim._trainer_view(1004.0, Work())
+    assert view.phase == "waiting" and view.wait_left_s == pytest.approx(196.0)
