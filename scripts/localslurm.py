@@ -296,6 +296,7 @@ GresTypes=gpu
 {node_lines}
 PartitionName=debug   Nodes=ALL Default=YES PriorityTier=1  PreemptMode=OFF     MaxTime=INFINITE State=UP
 PartitionName=preempt Nodes=ALL PriorityTier=1  PreemptMode=REQUEUE GraceTime=10 MaxTime=INFINITE State=UP
+PartitionName=preempt0 Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime=0 MaxTime=INFINITE State=UP
 PartitionName=high    Nodes=ALL PriorityTier=10 PreemptMode=OFF     MaxTime=INFINITE State=UP
 """
         )

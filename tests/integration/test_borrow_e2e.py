@@ -24,9 +24,27 @@ from tests.conftest import REPO, Pearlctl, alive
 STEPS = 3
 
 
-def spec_text(run_dir: Path, *, name: str = "e2e", steps: int = STEPS, train_args: tuple[str, ...] = ()) -> str:
+ROLLOUT_POOL = """
+[pools.rollout]
+partition = "debug"
+nodes = 1
+gpus_per_node = 1
+engine_args = { max_model_len = 512 }
+"""
+
+
+def spec_text(
+    run_dir: Path,
+    *,
+    name: str = "e2e",
+    steps: int = STEPS,
+    train_args: tuple[str, ...] = (),
+    generation_pools: str = ROLLOUT_POOL,
+    policy: str = "never",
+) -> str:
     """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
-    RUN_DIR/rollouts, and one vLLM rollout worker; ``train_args`` go to examples/grpo/train.py."""
+    RUN_DIR/rollouts, and one vLLM rollout worker (or ``generation_pools``: TOML of rollout/elastic pools);
+    ``train_args`` go to examples/grpo/train.py."""
     py = sys.executable
     train = [
         py,
@@ -54,18 +72,14 @@ name = "{name}"
 model = "{REPO / "examples/models/tiny"}"
 run_dir = "{run_dir}"
 poll_interval_s = 2
+policy = "{policy}"
 [pools.trainer]
 partition = "debug"
 nodes = 1
 gpus_per_node = 2
 env = {{ OMP_NUM_THREADS = "1" }}
 train_command = {json.dumps(train)}
-[pools.rollout]
-partition = "debug"
-nodes = 1
-gpus_per_node = 1
-engine_args = {{ max_model_len = 512 }}
-"""
+{generation_pools}"""
 
 
 @pytest.fixture
