@@ -326,8 +326,29 @@ class Controller:
             ),
             None,
         )
+        replaced = (
+            worker is not None
+            and worker["state"] not in (W.STOPPED, W.FAILED)
+            and report.pid is not None
+            and worker.get("pid") not in (None, report.pid)
+        )
+        if replaced:
+            # another process under the key (the allocation ran again after a requeue, or its agent restarted
+            # the engine): the row's process is gone — it ends here, and the new process gets a row of its own
+            ended = W.STOPPED if edge_path("workers", worker["state"], W.STOPPED) else W.FAILED
+            for step in edge_path("workers", worker["state"], ended):
+                self.store.set_state(
+                    "workers",
+                    worker["id"],
+                    expect=self.store.get("workers", worker["id"])["state"],
+                    to=step,
+                    epoch=self.epoch,
+                    event="replaced by a new process",
+                    data={"pid": worker.get("pid"), "new_pid": report.pid},
+                )
+            worker = self.store.get("workers", worker["id"])
         if worker is not None and worker["state"] in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
-            # a new process under a key whose last one ended (a second borrow): archive the old row
+            # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
             self.store.update_fields("workers", worker["id"], epoch=self.epoch, worker_key=f"{key}#{worker['id']}")
             worker = None
         created = worker is None

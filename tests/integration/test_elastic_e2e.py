@@ -182,7 +182,7 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
     journal = run.journal()
     completed = run.completed()
     added = [a for a in run.allocations() if a["array_index"] >= 1 and a["started_at"]]
-    print(json.dumps({"expected": run.expected, "completed": completed, "migrated": stats.get("continued"),
+    print(json.dumps({"expected": run.expected, "completed": completed, "migrated": stats.get("continued_requests"),
                       "added_tasks": len(added), "gateway": stats}))  # fmt: skip
     assert completed == run.expected
 
@@ -261,11 +261,16 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
     journal = run.journal()
     completed = run.completed()
     print(json.dumps({"partition": partition, "expected": run.expected, "completed": completed,
-                      "migrated": stats.get("continued"), "gateway": stats}))  # fmt: skip
+                      "migrated": stats.get("continued_requests"), "gateway": stats}))  # fmt: skip
     assert completed == run.expected
-    # the router stopped routing to the preempted worker before it died
     removed, gone = routed_out_before_gone(run, victim_worker, journal)
-    assert removed <= gone, (removed, gone)
+    if partition == "preempt":
+        # with a grace time, the router stopped routing to the preempted worker before it died
+        assert removed <= gone, (removed, gone)
+    else:
+        # a hard kill gives no time to leave the router first: the router drops the dead worker within a
+        # membership sync, and the gateway retried or continued what it had sent there (nothing was lost)
+        assert removed - gone < 2.0, (removed, gone)
     # the requeued task's new worker re-joined the router
     assert any(
         back[0]["url"] in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership"
@@ -290,7 +295,7 @@ def test_scancel_of_a_fixed_rollout_task_mid_step_loses_no_episode(make_run, slu
     assert run.finish_driver(900) == 0, run.driver_log()
     stats = run.gateway_stats()
     completed = run.completed()
-    print(json.dumps({"expected": run.expected, "completed": completed, "migrated": stats.get("continued"),
+    print(json.dumps({"expected": run.expected, "completed": completed, "migrated": stats.get("continued_requests"),
                       "gateway": stats}))  # fmt: skip
     assert completed == run.expected
     journal = run.journal()

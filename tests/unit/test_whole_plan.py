@@ -131,3 +131,31 @@ def test_the_elastic_pool_is_sized_by_the_policys_what_if_plan(run, policy, work
     got, why = controller.borrowing.elastic_wanted(NOW, running=1, low=1, high=3, gpus_per_node=1, settings=settings)
     assert got == wanted, why
     assert store.transitions("r") == []  # a what-if changes nothing
+
+
+def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
+    """A requeued allocation's agent starts its worker again under the same key: the old row (LOST, its
+    process gone with the old run) ends, and the new process is a new worker — never taken for the old one
+    'still serving'."""
+    store, controller = run
+    alloc = store.allocations("r")[0]
+
+    def report(pid: int, state: str) -> None:
+        body = {"allocation_id": alloc["id"], "workers": [
+            {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
+             "url": f"http://n0:{pid}", "pid": pid}]}  # fmt: skip
+        controller.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+
+    report(100, "READY")
+    old = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")
+    store.set_state("workers", old["id"], expect="READY", to="LOST", event="agent silent")
+    report(200, "STARTING")
+    rows = {w["id"]: w for w in store.workers("r")}
+    assert rows[old["id"]]["state"] == "STOPPED" and rows[old["id"]]["worker_key"] == f"rollout-0#{old['id']}"
+    new = next(w for w in rows.values() if w["worker_key"] == "rollout-0")
+    assert new["id"] != old["id"] and new["pid"] == 200 and new["state"] == "STARTING"
+    events = [j["event"] for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(old["id"])]
+    assert "replaced by a new process" in events
+    # the same process reporting again (a daemon restart, an agent back after a pause) keeps its row
+    report(200, "READY")
+    assert next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")["id"] == new["id"]
