@@ -163,8 +163,8 @@ def routed_out_before_gone(run: Run, worker: dict, journal: list[dict]) -> tuple
 
 
 def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
-    run = make_run("grow", elastic_pool(nodes=1, max_nodes=3), policy="elastic")
-    run.start_driver(steps=2, prompts=8, group=4, tool_s=20.0)
+    run = make_run("grow", elastic_pool(nodes=1, max_nodes=3), policy="elastic", steps=1)
+    run.start_driver(steps=1, prompts=8, group=4, tool_s=20.0)
 
     def three_running():
         view = run.status().get("elastic") or {}
@@ -210,7 +210,7 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
 
 @pytest.mark.parametrize("partition", ["preempt", "preempt0"], ids=["grace-10s", "grace-0-hard-kill"])
 def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_run, slurm_cluster, partition):
-    run = make_run(f"pre{partition[-1]}", elastic_pool(nodes=2, max_nodes=2, partition=partition))
+    run = make_run(f"pre{partition[-1]}", elastic_pool(nodes=2, max_nodes=2, partition=partition), steps=1)
 
     def two_serving():
         doc = run.status()
@@ -218,7 +218,7 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
         return ready if len(ready) == 2 else None
 
     wait_for(two_serving, 300, every=2)
-    run.start_driver(steps=2, prompts=6, group=4, tool_s=4.0, max_tokens=128)
+    run.start_driver(steps=1, prompts=8, group=4, tool_s=6.0, max_tokens=128)
 
     def generating():
         doc = run.status()
@@ -279,14 +279,14 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
 
 
 def test_scancel_of_a_fixed_rollout_task_mid_step_loses_no_episode(make_run, slurm_cluster):
-    run = make_run("cut", ROLLOUT2)
+    run = make_run("cut", ROLLOUT2, steps=1)
 
     def two_serving():
         ready = [w for w in run.status()["workers"] if w["state"] == "READY" and w["routable"]]
         return ready if len(ready) == 2 else None
 
     wait_for(two_serving, 300, every=2)
-    run.start_driver(steps=2, prompts=6, group=4, tool_s=4.0, max_tokens=128)
+    run.start_driver(steps=1, prompts=8, group=4, tool_s=6.0, max_tokens=128)
     wait_for(lambda: (run.status()["run"].get("rollout") or {}).get("generating"), 120, every=0.5)
     doc = run.status()
     victim = next(a for a in doc["allocations"] if a["pool"] == "rollout" and a["array_index"] == 1)
