@@ -1,14 +1,14 @@
-"""Crash matrix on the real daemon process: the daemon is SIGKILLed at every step of a cold borrow, a stopping
-return, a warm borrow and a parking return, at the two boundaries that leave an effect in doubt (after the
-intent, after the effect; see POINTS), with real engines — a 2-rank DeepSpeed trainer and vLLM workers on
-the tiny model, started by a real agent (local backend: process groups on this machine). After each kill a
-new daemon takes over the same state; the test checks that it converges (the transition DONE, each step journaled once), that no
-vLLM process was started twice, that the trainer got its GPUs back, and that the journal says what
-happened (a re-issued effect, or none needed).
+"""Crash matrix on the real daemon process: the daemon is SIGKILLed at every step of a cold borrow, a stopping return, a
+warm borrow and a parking return, at the two boundaries that leave an effect in doubt (after the intent, after the
+effect; see POINTS), with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the tiny model, started by a
+real agent (local backend: process groups on this machine). After each kill a new daemon takes over the same state;
+the test checks that it converges (the transition DONE, each step journaled once), that no vLLM process was started
+twice, that the trainer got its GPUs back, and that the journal says what happened (a re-issued effect, or none
+needed).
 
-The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env). Cases run in an order
-that chains them: a borrow case leaves a GPU lent for the return case after it; a test that finds its
-precondition missing (a GPU lent or not, a worker parked or not) sets it up first without a fault.
+The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env). Cases run in an order that chains
+them: a borrow case leaves a GPU lent for the return case after it; a test that finds its precondition missing (a GPU
+lent or not, a worker parked or not) sets it up first without a fault.
 """
 
 from __future__ import annotations
