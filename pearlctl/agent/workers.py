@@ -52,6 +52,16 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
 
 
+def kv_shared_dir(run_dir: str) -> Path:
+    """Where a run's PREFILL and DECODE vLLM workers pass KV to each other on CPU: vLLM's ExampleConnector
+    writes a prefill's KV as files and the decode reads them (on a GPU, NIXL moves KV and no directory is
+    used). One directory for the whole run, so both halves of a pair use the same one whichever allocation
+    started them; it is in the run directory, which every node mounts (pearlctl.runfiles), so a pair also
+    works across nodes — slowly, through the shared filesystem. Limits (docs/router.md, "Prefill-decode"):
+    the files are keyed by prompt tokens only and never removed."""
+    return Path(run_dir, "kv-shared")
+
+
 class WorkerHandle(Protocol):
     key: str
     role: str
@@ -105,6 +115,7 @@ class VllmWorker:
             log_path=log_path,
             host="0.0.0.0",
             device=engine_device(),
+            kv_shared_dir=kv_shared_dir(run_dir),  # the run's, not this worker's: PREFILL and DECODE meet there
         )
         # the URL this worker is reported under, also stated in its answers' headers (vllm_headers)
         self.server.env["PEARL_WORKER_URL"] = self.url

@@ -235,9 +235,7 @@ class Borrowing:
             "why": planned.why if planned else None,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
             "moves": describe_moves(planned, rows),
-            "transitions": transitions_for(planned, rows, keep_warm=settings.get("keep_warm", True))
-            if planned
-            else [],
+            "transitions": transitions_for(planned, rows, keep_warm=settings.get("keep_warm", True)) if planned else [],
         }
 
     def elastic_wanted(

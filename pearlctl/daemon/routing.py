@@ -30,6 +30,7 @@ from pearlctl.router import service
 from pearlctl.router.membership import MembershipError, RouterMembership
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -44,6 +45,15 @@ def desired_members(store: Store, run_id: str) -> dict[str, str | None]:
         w["url"]: (str(w["weight_version"]) if w.get("weight_version") is not None else None)
         for w in store.workers(run_id)
         if w["routable"] and w["state"] == W.READY and w["url"]
+    }
+
+
+def desired_roles(store: Store, run_id: str, wanted: dict[str, str | None]) -> dict[str, str]:
+    """URL → role of the wanted members that prefill or decode (the rest serve colocated, ROLLOUT)."""
+    return {
+        w["url"]: w["role"]
+        for w in store.workers(run_id)
+        if w["url"] in wanted and w["role"] in (Role.PREFILL, Role.DECODE)
     }
 
 
@@ -91,7 +101,13 @@ class RouterKeeper:
             wanted = desired_members(self.store, self.run_id)
             port = self.record.port if self.record else self.port  # the same address after a restart
             record = service.start(
-                self.run_dir, self.host, port, policy=self.policy, advertise_host=self.advertise, workers=wanted
+                self.run_dir,
+                self.host,
+                port,
+                policy=self.policy,
+                advertise_host=self.advertise,
+                workers=wanted,
+                roles=desired_roles(self.store, self.run_id, wanted),
             )
             self.journal(
                 "router restarted" if again else "router started",
@@ -130,7 +146,10 @@ class RouterKeeper:
         if same:
             members = self._client.list()
         else:
-            result = self._client.sync(wanted, wait_s=ADD_WAIT_S)
+            # how each serves: PREFILL/DECODE members are routed in pairs through a PD router (pearlctl.router);
+            # the rest default to ROLLOUT (colocated). A worker's role is fixed for its life (a SWITCH starts a
+            # new worker), so comparing url -> version above still notices every change of membership.
+            result = self._client.sync(wanted, roles=desired_roles(self.store, self.run_id, wanted), wait_s=ADD_WAIT_S)
             members = result.members
             if result.failed:
                 log.warning("router: could not add %s", result.failed)

@@ -2,7 +2,7 @@
 the gateway (pearlctl.router.gateway) on the public host and port in front of it.
 
     python -m pearlctl.router --run-dir DIR --host H --port P --key-file F [--policy consistent_hash]
-        [--retry-for-s S] [--request-timeout-s S] [--worker URL[=VERSION] ...] [--detach]
+        [--retry-for-s S] [--request-timeout-s S] [--worker URL[=VERSION][@ROLE] ...] [--detach]
 
 The daemon starts it through pearlctl.router.service.start, which adds ``--detach``; run by hand it stays
 in the foreground. Guarantees:
@@ -16,13 +16,21 @@ in the foreground. Guarantees:
   ``PR_SET_PDEATHSIG(SIGKILL)`` set between fork and exec (Linux; set from the main thread, which lives as
   long as the gateway). If vllm-router exits on its own, the gateway starts it again on the same port
   (back-off from 0.5 s to 10 s) and puts every member back into it (its membership lives in memory).
+- **Prefill-decode.** While the members include at least one PREFILL and one DECODE worker, a second
+  vllm-router runs as the gateway's child in PD mode (``--vllm-pd-disaggregation`` with static
+  ``--prefill``/``--decode`` lists, the same death signal), started by `PdRouterChild.launch` on a fresh
+  loopback port for each new set of lists: 0.1.17 refuses ``/add_worker`` in PD mode, so a change of the
+  pairs starts a new one, which takes the new requests once ready while the one it replaces finishes what
+  runs through it (pearlctl.router.gateway: make before break). One that exits is replaced within a second.
 - **The record.** Once both answer, the gateway writes ``RUN_DIR/.pearl/router.json``
   (pearlctl.router.service.RouterRecord: pid, start ticks, base URL, router URL) atomically, and removes it
   on the way out (SIGTERM/SIGINT: the gateway stops serving, then stops vllm-router).
 
 vllm-router's flags, and why (facts in the shared router-facts notes, checked against 0.1.17):
 ``--policy consistent_hash`` keeps a session (``X-Session-ID``) on one worker; removing a worker moves only
-its sessions. ``--worker-startup-check-interval 1`` (default 30 s delays every ``/add_worker``).
+its sessions (the PD router uses ``round_robin``: in PD mode 0.1.17 hands its policies the body only, never
+the headers, so there is no session to keep). ``--worker-startup-check-interval 1`` (default 30 s delays
+every ``/add_worker``, and a PD router's start); a PD router waits at most `PD_READY_S` for its workers.
 ``--health-check-interval-secs 1``: a dead worker leaves routing after about 3 failed checks, not 3 minutes.
 ``--request-timeout-secs`` above the gateway's own per-attempt bound. ``--disable-retries``: with
 ``consistent_hash`` the router's retries go back to the same dead worker (measured: 5 retries in 0.42 s,
@@ -50,13 +58,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pearlctl.router import service
+from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerSet, describe
+
+if TYPE_CHECKING:
+    from pearlctl.router.gateway import PdLists
 
 log = logging.getLogger("pearlctl.router")
 
 ROUTER_READY_S = 30.0
 RESTART_BACKOFF_S = (0.5, 10.0)
+PD_READY_S = 20.0  # a PD router's start: its workers answered /health just before, so seconds at most
+PD_CHECK_S = 0.5
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -75,7 +90,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--retry-for-s", type=float, default=service.DEFAULT_RETRY_FOR_S)
     ap.add_argument("--request-timeout-s", type=float, default=service.DEFAULT_REQUEST_TIMEOUT_S)
     ap.add_argument("--health-check-interval-s", type=float, default=1.0)
-    ap.add_argument("--worker", action="append", default=[], help="an initial member: URL or URL=WEIGHT_VERSION")
+    ap.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        help="an initial member: URL[=WEIGHT_VERSION][@ROLE], ROLE one of ROLLOUT (default), PREFILL, DECODE",
+    )
     ap.add_argument("--launch-id", help="names the start call that made this process (in the record)")
     ap.add_argument("--log", help="the log file this process writes to (recorded only)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -119,18 +139,41 @@ def _die_with_parent(parent_pid: int):
     return preexec
 
 
-class RouterChild:
-    """vllm-router as the gateway's child, on one loopback port for the gateway's whole life."""
+def parse_worker(spec: str) -> WorkerIn:
+    """``URL[=WEIGHT_VERSION][@ROLE]`` (``--worker``) as the admin API's body; raises ValidationError naming
+    the field, or ValueError for an unknown role."""
+    rest, at, role = spec.rpartition("@")
+    if not at:
+        rest, role = spec, "ROLLOUT"
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    url, _, version = rest.partition("=")
+    return WorkerIn(url=url, weight_version=version or None, role=role, wait_s=5.0)
 
-    def __init__(self, args: argparse.Namespace):
+
+class RouterChild:
+    """vllm-router as the gateway's child on a loopback port: the regular one for the gateway's whole life,
+    or (``pd``) one in PD mode for fixed prefill and decode lists."""
+
+    def __init__(self, args: argparse.Namespace, pd: PdLists | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
+        self.pd = pd
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def command(self) -> list[str]:
         a = self.args
+        if self.pd is None:
+            mode = ["--policy", a.policy, "--worker-startup-timeout-secs", "60"]
+        else:
+            mode = ["--vllm-pd-disaggregation", "--policy", "round_robin"]
+            for url in self.pd.prefill:
+                mode += ["--prefill", url]
+            for url in self.pd.decode:
+                mode += ["--decode", url]
+            mode += ["--worker-startup-timeout-secs", str(int(PD_READY_S))]
         return [
             sys.executable,
             "-m",
@@ -139,12 +182,9 @@ class RouterChild:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--policy",
-            a.policy,
+            *mode,
             "--worker-startup-check-interval",
             "1",
-            "--worker-startup-timeout-secs",
-            "60",
             "--health-check-interval-secs",
             str(max(1, round(a.health_check_interval_s))),
             "--request-timeout-secs",
@@ -160,7 +200,7 @@ class RouterChild:
 
     def start(self) -> None:
         argv = self.command()
-        log.info("starting vllm-router: %s", " ".join(argv))
+        log.info("starting vllm-router%s: %s", " (PD)" if self.pd else "", " ".join(argv))
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()), close_fds=True
         )
@@ -198,6 +238,46 @@ class RouterChild:
             self.proc.wait()
 
 
+class PdRouterChild:
+    """A `RouterChild` in PD mode as the gateway sees a PD router (pearlctl.router.gateway.PdRouter)."""
+
+    def __init__(self, child: RouterChild, lists: PdLists):
+        self.child, self.url, self.lists = child, child.url, lists
+
+    @classmethod
+    async def launch(cls, args: argparse.Namespace, lists: PdLists) -> PdRouterChild:
+        """Start one and return it once it answers ``/liveness`` (in PD mode 0.1.17 answers only after every
+        listed worker's ``/health``); RuntimeError, with nothing left running, otherwise. Runs on the
+        event loop's thread, the main one: the child's death signal follows the thread that forked it."""
+        child = RouterChild(args, pd=lists)
+        child.start()
+        try:
+            await child.wait_ready(PD_READY_S)
+        except RuntimeError:
+            await asyncio.to_thread(child.stop)
+            raise
+        return cls(child, lists)
+
+    def alive(self) -> bool:
+        return self.child.alive()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.child.stop)
+
+
+async def _watch_pd(gateway, stopping: asyncio.Event) -> None:
+    """Let the gateway replace a PD router that exited, or retry one that could not start."""
+    while not stopping.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=PD_CHECK_S)
+        if stopping.is_set():
+            return
+        try:
+            await gateway.check_pd()
+        except Exception as exc:  # never fatal: tried again on the next tick
+            log.error("checking the PD router failed: %s", exc)
+
+
 async def _watch_router(
     router: RouterChild, gateway, stopping: asyncio.Event, restarted: Callable[[], None] = lambda: None
 ) -> None:
@@ -229,7 +309,6 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
     import uvicorn
 
     from pearlctl.router.gateway import Gateway, GatewayConfig, build_app
-    from pearlctl.router.membership import WorkerIn
 
     router = RouterChild(args)
     router.start()
@@ -245,7 +324,8 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             router_url=router.url,
             retry_for_s=args.retry_for_s,
             request_timeout_s=args.request_timeout_s,
-        )
+        ),
+        pd_launcher=lambda lists: PdRouterChild.launch(args, lists),
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -276,6 +356,7 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             service.write_record(args.run_dir, written[-1])
 
     watchdog = asyncio.create_task(_watch_router(router, gateway, stopping, restarted))
+    pd_watchdog = asyncio.create_task(_watch_pd(gateway, stopping))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     pid = os.getpid()
     try:
@@ -283,13 +364,10 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             if serving.done():
                 return 3
             await asyncio.sleep(0.02)
-        initial = [spec.partition("=") for spec in args.worker]
-        added = await asyncio.gather(
-            *(gateway.add(WorkerIn(url=url, weight_version=version or None, wait_s=5.0)) for url, _, version in initial)
-        )
-        for (url, _, _), (status, doc) in zip(initial, added, strict=True):
-            if status != 200:
-                log.error("initial worker %s: %s", url, doc["error"]["message"])
+        if args.worker:
+            initial = WorkerSet(workers=[parse_worker(spec) for spec in args.worker], wait_s=5.0)
+            for url, why in (await gateway.sync(initial))["failed"].items():
+                log.error("initial worker %s: %s", url, why)
         port = sock.getsockname()[1]
         root = f"http://{advertise}:{port}"
         record = service.RouterRecord(
@@ -312,9 +390,10 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
         return 0
     finally:
         stopping.set()
-        watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
+        for task in (watchdog, pd_watchdog):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         router.stop()
         service.remove_record(args.run_dir, pid)
         await gateway.aclose()
@@ -333,14 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         mode = key_file.stat().st_mode & 0o077
     except OSError:
         mode = 0
-    from pearlctl.router.membership import ValidationError, WorkerIn, describe
-
     for spec in args.worker:
-        url, _, version = spec.partition("=")
         try:
-            WorkerIn(url=url, weight_version=version or None)
+            parse_worker(spec)
         except ValidationError as exc:
-            print(f"pearlctl.router: --worker {spec}: {describe(exc)} (want URL or URL=VERSION)", file=sys.stderr)
+            print(f"pearlctl.router: --worker {spec}: {describe(exc)} (want URL[=VERSION][@ROLE])", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            print(f"pearlctl.router: --worker {spec}: {exc} (want URL[=VERSION][@ROLE])", file=sys.stderr)
             return 2
     try:
         sock = _bind(args.host, args.port)

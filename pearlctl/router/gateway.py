@@ -4,9 +4,9 @@ API through which the daemon sets which workers the router routes to.
 
 Routes (docs/router.md has the whole contract):
 
-  POST /v1/completions, /v1/chat/completions   proxied through vllm-router, stream or not, continued
+  POST /v1/completions, /v1/chat/completions   proxied through vllm-router (regular or PD), continued
   GET  /v1/models                              proxied
-  GET  /health                                 no credential: is the router up, how many workers it has
+  GET  /health                                 no credential: is the router up, how many workers, the PD router
   GET/POST/PUT/DELETE /pearl/workers           membership (pearlctl.router.membership: bodies and client)
   GET  /pearl/stats                            counters: requests, continued, retried, gave up
 
@@ -43,20 +43,34 @@ Guarantees:
   response header ``X-Pearl-Weight-Version`` when there is one; otherwise with the members' version when
   every member in the router during that part served the same version (``version_from: "membership"``);
   otherwise it is marked ``version_from: "ambiguous"`` with the candidate versions, never guessed.
+- **Prefill-decode.** Members have a role (ROLLOUT, PREFILL, DECODE). While there is at least one PREFILL
+  and one DECODE member, a second vllm-router in PD mode (started through ``pd_launcher``) routes a request
+  through a prefill and a decode worker; it takes the sessions its workers' share of all workers covers
+  (`pd_share`, `choose_pd`: a session stays on one side), the regular vllm-router (ROLLOUT members) the
+  rest. vllm-router 0.1.17 in PD mode has static lists only, so a change of the pairs starts a new PD
+  router, and membership changes make before they break: the new router is ready, and the regular router
+  has every worker it must take over, before new requests follow the new plan; the PD router it replaces is
+  stopped only once no attempt runs through it, so a change of membership breaks no request (a worker's
+  drain aborting its requests is what moves them, continued as above). PREFILL and DECODE members that no
+  PD router serves — half a pair, or a pair whose PD router could not start (retried with back-off) or
+  exited (replaced) — serve whole requests through the regular router: a vLLM server with a KV connector
+  prefills locally when no KV is handed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+import zlib
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from pydantic import BaseModel
@@ -114,6 +128,8 @@ class GatewayConfig:
     backoff_max_s: float = 2.0
     max_retry_for_s: float = 3600.0  # the most a caller may ask for with X-Pearl-Retry-For-S
     max_body_bytes: int = MAX_BODY_BYTES
+    pd_retry_s: float = 2.0  # the first wait before launching a PD router again for lists that failed (doubling)
+    pd_retry_max_s: float = 60.0
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -152,19 +168,20 @@ class _StreamBroke(Exception):
     """An upstream stream ended without a finish, or sent an error event."""
 
 
-# -- membership ----------------------------------------------------------------------------------------
+# -- membership ------------------------------------------------------------------------------------------
 @dataclass
 class _Member:
     url: str
     weight_version: str | None
     added_at: float
+    role: str = "ROLLOUT"
 
     def doc(self) -> dict:
-        return {"url": self.url, "weight_version": self.weight_version, "added_at": self.added_at}
+        return {"url": self.url, "role": self.role, "weight_version": self.weight_version, "added_at": self.added_at}
 
 
 class Members:
-    """The workers the gateway has put in the router, with their weight versions, and a short history of
+    """The workers the gateway routes to, with their roles and weight versions, and a short history of
     membership states so a part can be attributed to the versions that could have served it."""
 
     HISTORY = 4096
@@ -180,21 +197,29 @@ class Members:
         versions = frozenset(m.weight_version for m in self.by_url.values())
         self._states.append((self.change, versions, frozenset(self.by_url)))
 
-    def set(self, url: str, version: str | None) -> tuple[_Member, bool, bool]:
-        """Add or re-version; returns (member, added, version changed)."""
+    def set(self, url: str, version: str | None, role: str = "ROLLOUT") -> tuple[_Member, bool, bool]:
+        """Add, re-version or re-role; returns (member, added, version or role changed)."""
         old = self.by_url.get(url)
-        if old is not None and old.weight_version == version:
+        if old is not None and old.weight_version == version and old.role == role:
             return old, False, False
-        member = _Member(url, version, self.clock())
+        member = _Member(url, version, self.clock(), role)
         self.by_url[url] = member
         self._changed()
         return member, old is None, old is not None
+
+    def put(self, member: _Member) -> None:
+        """Put a member back as it was (an update that could not be routed is undone)."""
+        self.by_url[member.url] = member
+        self._changed()
 
     def drop(self, url: str) -> bool:
         if self.by_url.pop(url, None) is None:
             return False
         self._changed()
         return True
+
+    def roles(self) -> dict[str, str]:
+        return {u: m.role for u, m in self.by_url.items()}
 
     def mark(self) -> int:
         return self.change
@@ -231,6 +256,74 @@ class Members:
                 candidates=sorted(v if v is not None else "unknown" for v in versions),
             )
         return out
+
+
+# -- prefill-decode: which vllm-router serves a request ---------------------------------------------------
+@dataclass(frozen=True)
+class PdLists:
+    """The static ``--prefill`` / ``--decode`` lists of a vllm-router in PD mode (sorted URLs)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    def urls(self) -> frozenset[str]:
+        return frozenset(self.prefill) | frozenset(self.decode)
+
+    def doc(self) -> dict:
+        return {"prefill": list(self.prefill), "decode": list(self.decode)}
+
+
+def pd_lists(roles: Mapping[str, str]) -> PdLists | None:
+    """The PD router's lists for members with these roles; None unless there is at least one PREFILL and one
+    DECODE member (half a pair cannot serve disaggregated)."""
+    prefill = tuple(sorted(u for u, r in roles.items() if r == "PREFILL"))
+    decode = tuple(sorted(u for u, r in roles.items() if r == "DECODE"))
+    return PdLists(prefill, decode) if prefill and decode else None
+
+
+def regular_members(roles: Mapping[str, str], serving: PdLists | None) -> set[str]:
+    """The members the regular-mode vllm-router routes to: every ROLLOUT member, and every PREFILL or DECODE
+    member that no PD router serves (a lone half of a pair, or both while the PD router is down): a vLLM
+    server with a KV connector still serves whole requests, prefilling locally."""
+    in_pd = serving.urls() if serving is not None else frozenset()
+    return {u for u, r in roles.items() if r == "ROLLOUT" or u not in in_pd}
+
+
+def pd_share(regular: int, serving: PdLists | None) -> float:
+    """The share of sessions sent through the PD router: its workers' share of all routed workers (each
+    worker counts as one unit of capacity), 0 without a PD router, 1 without regular members."""
+    if serving is None:
+        return 0.0
+    pd = len(serving.prefill) + len(serving.decode)
+    return pd / (pd + regular)
+
+
+def choose_pd(session: str | None, share: float, draw: Callable[[], float] = random.random) -> bool:
+    """Whether one attempt goes through the PD router. A session always lands on the same side for a given
+    share (its CRC-32 as a point in [0, 1)), so an episode's turns keep their prefix caches; a request
+    without a session is drawn at random."""
+    if share <= 0.0:
+        return False
+    if share >= 1.0:
+        return True
+    point = zlib.crc32(session.encode()) / 2**32 if session else draw()
+    return point < share
+
+
+class PdRouter(Protocol):
+    """A running vllm-router in PD mode with fixed lists (``python -m pearlctl.router`` starts them as
+    children: pearlctl.router.__main__.PdRouterChild)."""
+
+    url: str
+    lists: PdLists
+
+    def alive(self) -> bool: ...
+
+    async def stop(self) -> None: ...
+
+
+# starts a PD router for these lists and returns it once it routes; raises (any exception) when it cannot
+PdLauncher = Callable[[PdLists], Awaitable[PdRouter]]
 
 
 # -- one turn ------------------------------------------------------------------------------------------
@@ -639,9 +732,15 @@ def sse(obj: dict | str) -> bytes:
 class Gateway:
     """The app's state: configuration, the upstream client (vllm-router), the members, counters."""
 
-    def __init__(self, config: GatewayConfig, *, http: httpx.AsyncClient | None = None):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        http: httpx.AsyncClient | None = None,
+        pd_launcher: PdLauncher | None = None,
+    ):
         self.config = config
-        self.router = config.router_url.rstrip("/")
+        self.router = config.router_url.rstrip("/")  # vllm-router in regular mode, for the gateway's whole life
         self.http = http or httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
@@ -649,7 +748,16 @@ class Gateway:
         self.members = Members()
         self._wanted: dict[str, int] = {}  # url -> the latest add's ticket (a remove withdraws it)
         self._ticket = 0
-        self._url_locks: dict[str, asyncio.Lock] = {}
+        # PD: without a launcher no PD router ever runs and PREFILL/DECODE members serve whole requests
+        self.pd_launcher = pd_launcher
+        self.pd: PdRouter | None = None  # the PD router new requests go to
+        self._regular: set[str] = set()  # what the gateway has put into the regular vllm-router
+        self._plan_lock = asyncio.Lock()  # one change of the routers' membership at a time
+        self._inflight: Counter[str] = Counter()  # upstream base URL -> attempts running through it
+        self._retiring: set[asyncio.Task] = set()  # tasks that stop a PD router once nothing runs through it
+        self._draining: list[PdRouter] = []
+        self._pd_failed: tuple[PdLists, float, float] | None = None  # lists, when, back-off
+        self.pd_info: dict[str, Any] = {"launches": 0, "failures": 0, "retired": 0, "last_launch_s": None}
         self.stats = {
             k: 0
             for k in (
@@ -662,11 +770,22 @@ class Gateway:
                 "gave_up",
                 "refused",
                 "unauthorized",
+                "attempts_regular",
+                "attempts_pd",
             )
         }
         self._key = config.key.encode()
 
     async def aclose(self) -> None:
+        """Stop every PD router (the one serving and those still draining), then the upstream client."""
+        for task in list(self._retiring):
+            task.cancel()
+        routers = [self.pd] if self.pd is not None else []
+        routers += self._draining
+        self.pd = None
+        for router in routers:
+            with contextlib.suppress(Exception):
+                await router.stop()
         await self.http.aclose()
 
     # -- the edge ---------------------------------------------------------------------------------
@@ -764,6 +883,34 @@ class Gateway:
     def _refusal(self, status: int) -> bool:
         return 400 <= status < 500 and status not in RETRYABLE_4XX
 
+    def upstream(self, session: str | None) -> str:
+        """The vllm-router one attempt goes to: the PD router for the sessions its share of the workers
+        covers (`pd_share`, `choose_pd`), else the regular one."""
+        pd = self.pd
+        if pd is None or not pd.alive():
+            return self.router
+        return pd.url if choose_pd(session, pd_share(len(self._regular), pd.lists)) else self.router
+
+    @contextlib.contextmanager
+    def _through(self, session: str | None) -> Iterator[str]:
+        """Pick the upstream of one attempt and count the attempt as running through it while it runs (a PD
+        router that no longer gets new requests is stopped only once none runs through it)."""
+        base = self.upstream(session)
+        self.stats["attempts_regular" if base == self.router else "attempts_pd"] += 1
+        self._inflight[base] += 1
+        try:
+            yield base
+        finally:
+            self._inflight[base] -= 1
+            if self._inflight[base] <= 0:
+                del self._inflight[base]
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(self, session: str | None, path: str, body: dict, headers: dict[str, str]):
+        with self._through(session) as base:
+            async with self.http.stream("POST", base + path, json=body, headers=headers) as resp:
+                yield resp
+
     async def complete(self, turn: Turn, headers: dict[str, str]) -> dict:
         """A whole non-streaming answer (or `_Refused` / `_GiveUp`)."""
         while True:
@@ -772,7 +919,8 @@ class Gateway:
             turn.attempts += 1
             since = self.members.mark()
             try:
-                resp = await self.http.post(self.router + path, json=body, headers=headers)
+                with self._through(turn.session) as base:
+                    resp = await self.http.post(base + path, json=body, headers=headers)
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
                 continue
@@ -830,7 +978,7 @@ class Gateway:
             part_tokens, finish, last_chunk, broke = 0, None, None, ""
             stated: tuple[str | None, str | None] = (None, None)
             try:
-                async with self.http.stream("POST", self.router + path, json=body, headers=headers) as resp:
+                async with self._open_stream(turn.session, path, body, headers) as resp:
                     if resp.status_code != 200:
                         raw = await resp.aread()
                         if self._refusal(resp.status_code):
@@ -914,7 +1062,7 @@ class Gateway:
             path, body, _ = turn.request()
             turn.attempts += 1
             try:
-                async with self.http.stream("POST", self.router + path, json=body, headers=headers) as resp:
+                async with self._open_stream(turn.session, path, body, headers) as resp:
                     if resp.status_code != 200:
                         raw = await resp.aread()
                         if self._refusal(resp.status_code):
@@ -999,8 +1147,10 @@ class Gateway:
         refused = self.check_key(request)
         if refused is not None:
             return refused
+        pd = self.pd
+        base = pd.url if pd is not None and pd.alive() and not self._regular else self.router
         try:
-            resp = await self.http.get(self.router + "/v1/models", timeout=10.0)
+            resp = await self.http.get(base + "/v1/models", timeout=10.0)
         except httpx.HTTPError as exc:
             return error(503, f"the router does not answer ({type(exc).__name__}: {exc})", "router_unavailable")
         if resp.status_code != 200:
@@ -1011,19 +1161,42 @@ class Gateway:
             )
         return Response(resp.content, 200, media_type="application/json")
 
-    async def router_workers(self) -> list[dict] | None:
+    async def router_workers(self, base: str | None = None) -> list[dict] | None:
+        """A vllm-router's own list of its workers (``GET /workers``): the regular one's, or the one at
+        ``base``; None when it does not answer."""
         try:
-            resp = await self.http.get(self.router + "/workers", timeout=2.0)
+            resp = await self.http.get((base or self.router) + "/workers", timeout=2.0)
             doc = resp.json()
         except (httpx.HTTPError, ValueError):
             return None
         workers = doc.get("workers") if isinstance(doc, dict) else None
         return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else None
 
+    async def _pd_listing(self) -> tuple[PdRouter | None, dict[str, dict] | None]:
+        """The serving PD router and its workers by URL (None: no PD router, or it does not answer)."""
+        pd = self.pd
+        if pd is None or not pd.alive():
+            return pd, None
+        listed = await self.router_workers(pd.url)
+        return pd, ({str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None)
+
     async def health(self, request: Request) -> Response:
         listed = await self.router_workers()
+        pd, pd_seen = await self._pd_listing()
+        pd_doc: dict[str, Any] = {**self.pd_info, "router": None}
+        ready_pairs = False
+        if pd is not None:
+            healthy_pd = {u for u, w in (pd_seen or {}).items() if w.get("is_healthy")}
+            pd_doc["router"] = {
+                "url": pd.url,
+                **pd.lists.doc(),
+                "up": pd_seen is not None,
+                "healthy_prefill": len(healthy_pd & set(pd.lists.prefill)),
+                "healthy_decode": len(healthy_pd & set(pd.lists.decode)),
+            }
+            ready_pairs = bool(healthy_pd & set(pd.lists.prefill)) and bool(healthy_pd & set(pd.lists.decode))
         if listed is None:
-            return JSONResponse({"ok": False, "router": "down", "members": len(self.members.by_url)}, 503)
+            return JSONResponse({"ok": False, "router": "down", "members": len(self.members.by_url), "pd": pd_doc}, 503)
         healthy = sum(1 for w in listed if w.get("is_healthy"))
         return JSONResponse(
             {
@@ -1032,14 +1205,12 @@ class Gateway:
                 "members": len(self.members.by_url),
                 "workers": len(listed),
                 "healthy_workers": healthy,
-                "has_workers": healthy > 0,
+                "has_workers": healthy > 0 or ready_pairs,
+                "pd": pd_doc,
             }
         )
 
     # -- membership -------------------------------------------------------------------------------
-    def _lock(self, url: str) -> asyncio.Lock:
-        return self._url_locks.setdefault(url, asyncio.Lock())
-
     async def _wait_healthy(self, url: str, wait_s: float) -> str | None:
         """None once ``url``/health answers 200 within ``wait_s``; else why not."""
         deadline = time.monotonic() + wait_s
@@ -1057,7 +1228,7 @@ class Gateway:
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     async def _router_call(self, what: str, url: str, timeout: float) -> str | None:
-        """POST vllm-router's /add_worker or /remove_worker; None on success, else why not."""
+        """POST the regular vllm-router's /add_worker or /remove_worker; None on success, else why not."""
         try:
             resp = await self.http.post(f"{self.router}/{what}", params={"url": url}, timeout=timeout)
         except httpx.HTTPError as exc:
@@ -1066,46 +1237,189 @@ class Gateway:
             return None
         return f"the router answered {what} with HTTP {resp.status_code}: {resp.text[:300]}"
 
-    async def add(self, worker: WorkerIn) -> tuple[int, dict]:
-        self._ticket += 1
-        ticket = self._wanted[worker.url] = self._ticket
-        why = await self._wait_healthy(worker.url, worker.wait_s)
-        async with self._lock(worker.url):
-            if self._wanted.get(worker.url) != ticket:
-                return 409, {
-                    "error": {
-                        "message": f"{worker.url} was removed or re-added while it was awaited",
-                        "type": "conflict",
-                        "code": 409,
-                    }
-                }
-            if why is None:
-                why = await self._router_call("add_worker", worker.url, timeout=max(5.0, worker.wait_s) + 5.0)
-            if why is not None:
-                if self._wanted.get(worker.url) == ticket and worker.url not in self.members.by_url:
-                    del self._wanted[worker.url]
-                    await self._router_call("remove_worker", worker.url, timeout=5.0)  # a late add must not route
-                status = 504 if "not 200 within" in why else 502
-                return status, {
-                    "error": {"message": f"{worker.url} not added: {why}", "type": "worker_unavailable", "code": status}
-                }
-            member, added, changed = self.members.set(worker.url, worker.weight_version)
-        if added or changed:
-            log.info(
-                "member %s %s (weight version %s)",
-                worker.url,
-                "added" if added else "re-versioned",
-                worker.weight_version,
+    async def _launch_pd(self, lists: PdLists) -> PdRouter | None:
+        """A PD router for ``lists``, ready; None when none can be had now: no launcher, a launch for the same
+        lists failed less than its back-off ago, or this launch failed (counted, logged, backed off)."""
+        if self.pd_launcher is None:
+            return None
+        failed = self._pd_failed
+        if failed is not None and failed[0] == lists and time.monotonic() < failed[1] + failed[2]:
+            return None
+        t0 = time.monotonic()
+        try:
+            router = await self.pd_launcher(lists)
+        except Exception as exc:
+            again = failed is not None and failed[0] == lists
+            backoff = min(self.config.pd_retry_max_s, failed[2] * 2) if again and failed else self.config.pd_retry_s
+            self._pd_failed = (lists, time.monotonic(), backoff)
+            self.pd_info["failures"] += 1
+            self.pd_info["last_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log.error(
+                "no PD router for prefill %s, decode %s (%s): they serve whole requests through the regular "
+                "router; next try in %.1f s",
+                list(lists.prefill),
+                list(lists.decode),
+                self.pd_info["last_error"],
+                backoff,
             )
-        return 200, {"worker": member.doc(), "added": added, "updated": changed}
+            return None
+        took = time.monotonic() - t0
+        self._pd_failed = None
+        self.pd_info["launches"] += 1
+        self.pd_info["last_launch_s"] = round(took, 3)
+        log.info(
+            "PD router %s ready in %.2f s: prefill %s, decode %s",
+            router.url,
+            took,
+            list(lists.prefill),
+            list(lists.decode),
+        )
+        return router
+
+    def _retire(self, router: PdRouter) -> None:
+        """``router`` gets no new requests; it is stopped once no attempt runs through it any more (at most
+        ``request_timeout_s`` later: an attempt is bounded by that)."""
+        self._draining.append(router)
+
+        async def drain() -> None:
+            t0 = time.monotonic()
+            deadline = t0 + self.config.request_timeout_s + 5.0
+            try:
+                while self._inflight.get(router.url, 0) > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                left = self._inflight.get(router.url, 0)
+                await router.stop()
+                self.pd_info["retired"] += 1
+                log.info(
+                    "PD router %s stopped %.2f s after its last new request%s",
+                    router.url,
+                    time.monotonic() - t0,
+                    f" ({left} attempt(s) still on it)" if left else "",
+                )
+            except Exception as exc:  # the gateway goes on; aclose stops what is left
+                log.warning("stopping PD router %s failed: %s", router.url, exc)
+            finally:
+                if router in self._draining:
+                    self._draining.remove(router)
+
+        task = asyncio.create_task(drain())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _reconcile(
+        self, *, force: Iterable[str] = (), gone: Iterable[str] = (), wait_s: float = 30.0
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """Make the two vllm-routers route to exactly what the members say (`pd_lists`, `regular_members`);
+        returns (URLs that could not be put into the regular router, URLs that could not be taken out of
+        it), each with why.
+
+        Make before break: a new PD router is ready, and the regular router has every worker it must take
+        over, before new requests go by the new plan; only then are workers taken out of the regular router
+        and the PD router that was replaced retired (stopped once no attempt runs through it). ``force``:
+        URLs to add to the regular router again even if the gateway put them there (it may have lost them);
+        ``gone``: URLs to take out of it even if the gateway does not know them as its own."""
+        async with self._plan_lock:
+            roles = self.members.roles()
+            want = pd_lists(roles)
+            old = self.pd
+            new = old
+            if want is None:
+                new = None
+            elif old is None or old.lists != want or not old.alive():
+                new = await self._launch_pd(want)  # None: the PD workers serve through the regular router
+            target = regular_members(roles, new.lists if new is not None else None)
+            forced = set(force)
+            failed: dict[str, str] = {}
+            for url in sorted(target):
+                if url in self._regular and url not in forced:
+                    continue
+                why = await self._router_call("add_worker", url, timeout=max(5.0, wait_s) + 5.0)
+                if why is None:
+                    self._regular.add(url)
+                else:
+                    failed[url] = why
+            self.pd = new
+            if old is not None and old is not new:
+                self._retire(old)
+            stuck: dict[str, str] = {}
+            for url in sorted((self._regular | set(gone)) - target):
+                why = await self._router_call("remove_worker", url, timeout=10.0)
+                if why is None:
+                    self._regular.discard(url)
+                else:
+                    stuck[url] = why
+            return failed, stuck
+
+    async def _admit(
+        self, workers: list[WorkerIn], *, gone: Iterable[str] = (), wait_s: float
+    ) -> tuple[dict[str, tuple[int, dict]], dict[str, str]]:
+        """Add or update ``workers``, each once its ``/health`` answers 200 within its ``wait_s`` (awaited
+        concurrently), then route to exactly the members, ``gone`` left out: one change of the routers for
+        the whole set. Returns each worker's (HTTP status, answer) and the URLs that could not be taken out of
+        the regular router. A worker that could not be routed is not a member (or keeps its previous version
+        and role)."""
+        tickets: dict[str, int] = {}
+        for w in workers:
+            self._ticket += 1
+            tickets[w.url] = self._wanted[w.url] = self._ticket
+        whys = await asyncio.gather(*(self._wait_healthy(w.url, w.wait_s) for w in workers))
+        results: dict[str, tuple[int, dict]] = {}
+        before: dict[str, _Member | None] = {}
+        for w, why in zip(workers, whys, strict=True):
+            if self._wanted.get(w.url) != tickets[w.url]:
+                message = f"{w.url} was removed or re-added while it was awaited"
+                results[w.url] = (409, {"error": {"message": message, "type": "conflict", "code": 409}})
+            elif why is not None:
+                if w.url not in self.members.by_url:
+                    del self._wanted[w.url]
+                status = 504 if "not 200 within" in why else 502
+                message = f"{w.url} not added: {why}"
+                results[w.url] = (status, {"error": {"message": message, "type": "worker_unavailable", "code": status}})
+            else:
+                before[w.url] = self.members.by_url.get(w.url)
+                member, added, changed = self.members.set(w.url, w.weight_version, w.role)
+                results[w.url] = (200, {"worker": member.doc(), "added": added, "updated": changed})
+        failed, stuck = await self._reconcile(force=before, gone=gone, wait_s=wait_s)
+        undone: list[str] = []
+        for url, why in failed.items():
+            if url not in before or self._wanted.get(url) != tickets[url]:
+                continue  # not one of these workers, or removed meanwhile
+            prev = before.pop(url)
+            if prev is None:
+                self.members.drop(url)
+                del self._wanted[url]
+                undone.append(url)
+            else:
+                self.members.put(prev)
+            message = f"{url} not added: {why}"
+            results[url] = (502, {"error": {"message": message, "type": "worker_unavailable", "code": 502}})
+        if failed.keys() & tickets.keys():
+            _, more = await self._reconcile(gone=undone, wait_s=wait_s)  # a late add must not route
+            stuck.update(more)
+        for url in before:
+            _, doc = results[url]
+            if doc["added"] or doc["updated"]:
+                m = self.members.by_url[url]
+                log.info(
+                    "member %s %s (%s, weight version %s)",
+                    url,
+                    "added" if doc["added"] else "updated",
+                    m.role,
+                    m.weight_version,
+                )
+        return results, stuck
+
+    async def add(self, worker: WorkerIn) -> tuple[int, dict]:
+        """Add one worker (or change its version or role); (HTTP status, answer)."""
+        results, _ = await self._admit([worker], wait_s=worker.wait_s)
+        return results[worker.url]
 
     async def remove(self, url: str) -> dict:
         self._wanted.pop(url, None)
-        async with self._lock(url):
-            why = await self._router_call("remove_worker", url, timeout=10.0)
-            was = self.members.drop(url)
-        if why is not None:
-            raise _BadRequest(502, f"{url}: {why}")
+        was = self.members.drop(url)
+        _, stuck = await self._reconcile(gone=[url])
+        if url in stuck:
+            raise _BadRequest(502, f"{url}: {stuck[url]}")
         if was:
             log.info("member %s removed", url)
         return {"removed": was}
@@ -1114,24 +1428,29 @@ class Gateway:
         target = {w.url: w for w in wanted.workers}
         removed = [u for u in list(self.members.by_url) if u not in target]
         for url in removed:
-            await self.remove(url)
+            self._wanted.pop(url, None)
+            self.members.drop(url)
+            log.info("member %s removed", url)
+        routed = {d["url"] for d in await self.member_docs() if d.get("routed") is not False}
         current = self.members.by_url
-        listed = await self.router_workers()  # a member the router lost (a failed re-registration) is added again
-        routed = {str(w.get("url", "")).rstrip("/") for w in listed} if listed is not None else set(current)
         changing = [
-            w
+            w.model_copy(update={"wait_s": wanted.wait_s})
             for w in target.values()
-            if w.url not in current or current[w.url].weight_version != w.weight_version or w.url not in routed
+            if w.url not in current
+            or (current[w.url].weight_version, current[w.url].role) != (w.weight_version, w.role)
+            or w.url not in routed  # a member a router lost (a failed re-registration) is added again
         ]
-        results = await asyncio.gather(*(self.add(w.model_copy(update={"wait_s": wanted.wait_s})) for w in changing))
+        results, stuck = await self._admit(changing, gone=removed, wait_s=wanted.wait_s)
+        if stuck:
+            raise _BadRequest(502, "; ".join(f"{url}: {why}" for url, why in sorted(stuck.items())))
         added, updated, failed = [], [], {}
-        for w, (status, doc) in zip(changing, results, strict=True):
+        for url, (status, doc) in results.items():
             if status != 200:
-                failed[w.url] = doc["error"]["message"]
+                failed[url] = doc["error"]["message"]
             elif doc["added"]:
-                added.append(w.url)
+                added.append(url)
             elif doc["updated"]:
-                updated.append(w.url)
+                updated.append(url)
         return {
             "added": added,
             "removed": removed,
@@ -1141,25 +1460,46 @@ class Gateway:
         }
 
     async def member_docs(self) -> list[dict]:
+        """The members, each with ``router`` (``regular`` or ``pd``: which vllm-router routes to it),
+        ``routed`` and ``healthy`` as that router lists it (both left out when it does not answer)."""
         listed = await self.router_workers()
         seen = {str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None
+        pd, pd_seen = await self._pd_listing()
+        in_pd = pd.lists.urls() if pd is not None else frozenset()
         out = []
         for m in self.members.by_url.values():
             doc = m.doc()
-            if seen is not None:
-                doc["routed"] = m.url in seen
-                doc["healthy"] = bool(seen[m.url].get("is_healthy")) if m.url in seen else False
+            if m.url in in_pd:
+                doc["router"] = "pd"
+                if pd is not None and not pd.alive():
+                    doc["routed"] = doc["healthy"] = False
+                elif pd_seen is not None:
+                    doc["routed"] = m.url in pd_seen
+                    doc["healthy"] = bool(pd_seen[m.url].get("is_healthy")) if m.url in pd_seen else False
+            else:
+                doc["router"] = "regular"
+                if seen is not None:
+                    doc["routed"] = m.url in seen
+                    doc["healthy"] = bool(seen[m.url].get("is_healthy")) if m.url in seen else False
             out.append(doc)
         return out
 
     async def reregister(self) -> list[str]:
-        """Put every member back into a router that lost them (restarted); returns the URLs that failed."""
-        failed = []
-        for url in list(self.members.by_url):
-            async with self._lock(url):
-                if url in self.members.by_url and await self._router_call("add_worker", url, timeout=30.0):
-                    failed.append(url)
-        return failed
+        """Put the regular members back into a regular vllm-router that lost them (restarted); returns the URLs
+        that failed."""
+        async with self._plan_lock:
+            return [url for url in sorted(self._regular) if await self._router_call("add_worker", url, timeout=30.0)]
+
+    async def check_pd(self) -> None:
+        """Called now and then (pearlctl.router.__main__): a PD router that exited is replaced (its workers
+        serve through the regular router meanwhile), and lists whose PD router could not be started are tried
+        again once their back-off has passed (`_launch_pd`)."""
+        pd = self.pd
+        if pd is not None and not pd.alive():
+            log.error("PD router %s exited: starting another", pd.url)
+        elif pd is not None or pd_lists(self.members.roles()) is None:
+            return  # the PD router runs (`_reconcile` keeps its lists right), or none is wanted
+        await self._reconcile()
 
     async def workers_route(self, request: Request) -> Response:
         refused = self.check_key(request)
@@ -1183,7 +1523,7 @@ class Gateway:
         refused = self.check_key(request)
         if refused is not None:
             return refused
-        return JSONResponse({**self.stats, "members": len(self.members.by_url)})
+        return JSONResponse({**self.stats, "members": len(self.members.by_url), "pd": dict(self.pd_info)})
 
 
 def _parse(model: type[BaseModel], doc: dict) -> Any:

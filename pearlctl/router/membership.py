@@ -4,10 +4,15 @@ the one client the daemon uses to drive it.
 The gateway (pearlctl.router.gateway) serves ``/pearl/workers`` with the same credential as its
 OpenAI-compatible routes (``Authorization: Bearer <router key>``):
 
-  GET    /pearl/workers              the members: url, weight version, when added, whether the router routes to it
-  POST   /pearl/workers              `WorkerIn`: add one worker (or change its weight version); idempotent
+  GET    /pearl/workers              the members: url, role, weight version, when added, whether it is routed to
+  POST   /pearl/workers              `WorkerIn`: add one worker (or change its weight version or role); idempotent
   PUT    /pearl/workers              `WorkerSet`: make the members exactly this set (adds, removes, re-versions)
   DELETE /pearl/workers?url=URL      remove one worker (an unknown URL is no error)
+
+A worker's ``role`` says how it serves: ``ROLLOUT`` (the default: colocated prefill and decode, what every
+member was before roles existed), ``PREFILL`` or ``DECODE`` (one half of a disaggregated pair, with vLLM's KV
+transfer). The gateway routes a request through a prefill and a decode member when it has at least one of
+each, else to a colocated one; a lone half serves whole requests (docs/router.md, "Prefill-decode").
 
 Guarantees:
 - The bodies are parsed at the gateway's edge into these models (strict, unknown fields refused), and
@@ -16,6 +21,10 @@ Guarantees:
 - Adding a worker that is not healthy yet waits for it (vllm-router's ``/add_worker`` blocks until the
   worker's ``/health`` answers 200) for at most ``wait_s``; then the gateway answers 504 and the worker
   is not a member. ``PUT`` adds concurrently, so one slow worker does not hold up the others.
+- A member is ``routed`` once the vllm-router that serves it lists it: a PREFILL or DECODE member with a
+  partner of the other role, the PD router started for their pairs (its start is part of the add, about
+  a second; if none could start, the regular one); any other member, the regular one. ``PUT`` changes the
+  routers once for the whole set.
 - Membership lives in the gateway's memory (and vllm-router's). The gateway re-registers its members with
   a vllm-router it had to restart; after a gateway restart the daemon must ``sync`` again. Calling
   ``sync`` with the daemon's routable set on every change, and now and then, is always safe.
@@ -26,7 +35,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +47,7 @@ __all__ = [
     "MAX_WORKERS",
     "Member",
     "MembershipError",
+    "ROLES",
     "RouterMembership",
     "SyncResult",
     "ValidationError",
@@ -70,6 +80,9 @@ WorkerUrl = Annotated[str, Field(max_length=300), AfterValidator(_worker_url)]
 # the vocabulary of pearlctl.api.bodies.Name: what an agent reports as a worker's weight version
 Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")]
 WaitSeconds = Annotated[float, Field(ge=0, le=600, allow_inf_nan=False)]
+# how a member serves (pearlctl.vocabulary.Role's serving roles the router routes to)
+ROLES: tuple[str, ...] = ("ROLLOUT", "PREFILL", "DECODE")
+WorkerRole = Literal["ROLLOUT", "PREFILL", "DECODE"]
 
 
 class _Body(BaseModel):
@@ -77,10 +90,11 @@ class _Body(BaseModel):
 
 
 class WorkerIn(_Body):
-    """One worker to route to, and the weight version it serves (None: unknown)."""
+    """One worker to route to, the weight version it serves (None: unknown) and how it serves (``role``)."""
 
     url: WorkerUrl
     weight_version: Version | None = None
+    role: WorkerRole = "ROLLOUT"
     wait_s: WaitSeconds = 30.0  # how long the gateway waits for a worker that is not healthy yet
 
 
@@ -108,9 +122,11 @@ def describe(exc: ValidationError) -> str:
 class Member:
     url: str
     weight_version: str | None
-    added_at: float  # unix time the gateway added it (or last changed its version)
-    routed: bool | None = None  # whether vllm-router lists it right now (None: the router did not say)
-    healthy: bool | None = None  # vllm-router's health view of it
+    added_at: float  # unix time the gateway added it (or last changed its version or role)
+    routed: bool | None = None  # whether a vllm-router the gateway sends requests to lists it (None: it did not say)
+    healthy: bool | None = None  # that vllm-router's health view of it
+    role: str = "ROLLOUT"
+    router: str | None = None  # which vllm-router routes to it: "regular" or "pd" (a PREFILL/DECODE pair's)
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> Member:
@@ -120,6 +136,8 @@ class Member:
             added_at=float(doc.get("added_at") or 0.0),
             routed=doc.get("routed"),
             healthy=doc.get("healthy"),
+            role=str(doc.get("role") or "ROLLOUT"),
+            router=doc.get("router"),
         )
 
 
@@ -197,10 +215,12 @@ class RouterMembership:
     def list(self) -> list[Member]:
         return [Member.from_doc(m) for m in self._call("GET")["workers"]]
 
-    def add(self, url: str, weight_version: str | None = None, *, wait_s: float = 30.0) -> Member:
-        """Route to ``url`` (idempotent; a member's weight version is updated). Raises `MembershipError`
-        (504) when the worker is not healthy within ``wait_s``."""
-        body = WorkerIn(url=url, weight_version=weight_version, wait_s=wait_s)
+    def add(
+        self, url: str, weight_version: str | None = None, *, role: str = "ROLLOUT", wait_s: float = 30.0
+    ) -> Member:
+        """Route to ``url`` serving as ``role`` (idempotent; a member's weight version and role are updated).
+        Raises `MembershipError` (504) when the worker is not healthy within ``wait_s``."""
+        body = WorkerIn(url=url, weight_version=weight_version, role=role, wait_s=wait_s)
         return Member.from_doc(self._call("POST", body, wait_s=wait_s)["worker"])
 
     def remove(self, url: str) -> bool:
@@ -209,11 +229,22 @@ class RouterMembership:
         WorkerRef(url=url)  # refused here, not by the gateway, if malformed
         return bool(self._call("DELETE", params={"url": url})["removed"])
 
-    def sync(self, workers: Mapping[str, str | None] | Iterable[tuple[str, str | None]], *, wait_s: float = 30.0):
-        """Make the members exactly ``workers`` (url -> weight version). Workers that could not be added
-        are in ``failed``; the others are members either way."""
+    def sync(
+        self,
+        workers: Mapping[str, str | None] | Iterable[tuple[str, str | None]],
+        *,
+        roles: Mapping[str, str] | None = None,
+        wait_s: float = 30.0,
+    ) -> SyncResult:
+        """Make the members exactly ``workers`` (url -> weight version), each serving as ``roles[url]``
+        (``ROLLOUT`` when absent: colocated). Workers that could not be added are in ``failed``; the others
+        are members either way. A role outside `ROLES` raises ``ValidationError`` naming it, before any call."""
         items = workers.items() if isinstance(workers, Mapping) else workers
-        body = WorkerSet(workers=[WorkerIn(url=u, weight_version=v, wait_s=wait_s) for u, v in items], wait_s=wait_s)
+        roles = roles or {}
+        body = WorkerSet(
+            workers=[WorkerIn(url=u, weight_version=v, role=roles.get(u, "ROLLOUT"), wait_s=wait_s) for u, v in items],
+            wait_s=wait_s,
+        )
         doc = self._call("PUT", body, wait_s=wait_s)
         return SyncResult(
             added=list(doc.get("added", [])),

@@ -204,6 +204,7 @@ def start(
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     health_check_interval_s: float = 1.0,
     workers: dict[str, str | None] | None = None,
+    roles: dict[str, str] | None = None,
     log_path: str | os.PathLike | None = None,
     ready_timeout_s: float = 30.0,
     python: str | None = None,
@@ -212,7 +213,8 @@ def start(
 
     ``host``/``port``: where the gateway listens (port 0: any free port, named in the record);
     ``key_file``: the credential (default: the run's ``router.key``, created if missing); ``workers``:
-    initial members (url -> weight version); ``log_path``: default ``RUN_DIR/logs/router.log``.
+    initial members (url -> weight version), each serving as ``roles[url]`` (default ``ROLLOUT``);
+    ``log_path``: default ``RUN_DIR/logs/router.log``.
     Refuses (`RouterStartError`) while the recorded gateway of the run is alive: adopt it, or stop it first
     (one that is alive but does not answer is never doubled: ``stop`` it)."""
     running = read_record(run_dir)
@@ -258,7 +260,8 @@ def start(
     if advertise_host:
         argv += ["--advertise-host", advertise_host]
     for url, version in (workers or {}).items():
-        argv += ["--worker", f"{url}={version}" if version else url]
+        role = (roles or {}).get(url, "ROLLOUT")
+        argv += ["--worker", (f"{url}={version}" if version else url) + (f"@{role}" if role != "ROLLOUT" else "")]
     deadline = time.monotonic() + ready_timeout_s
     with open(log, "ab") as out:
         out.write(f"# pearlctl: starting {' '.join(argv)}\n".encode())

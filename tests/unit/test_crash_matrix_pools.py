@@ -199,9 +199,7 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     loop(lambda: any(w["routable"] for w in store.workers("r")))
     for kind, cycle_plan, from_role, to_role in CYCLE:
         with daemon.controller.lock:
-            tid = daemon.executor.plan(
-                kind, [gpu], detail={"plan": cycle_plan}, from_role=from_role, to_role=to_role
-            )
+            tid = daemon.executor.plan(kind, [gpu], detail={"plan": cycle_plan}, from_role=from_role, to_role=to_role)
         loop(lambda tid=tid: store.get("transitions", tid)["state"] in ("DONE", "FAILED", "ROLLED_BACK"))
         assert store.get("transitions", tid)["state"] == "DONE", cycle_plan
         assert store.get("gpus", gpu)["role"] == to_role

@@ -6,7 +6,12 @@ The fake upstream "decodes" greedily with a deterministic rule — the next toke
 sequence — so a continuation from token ids reproduces an uninterrupted run exactly only if the gateway sends
 exactly the prompt's ids plus the generated ids, with the right remaining budget. A script says what each
 generation request meets: served whole, aborted after k tokens (a drain), a stream broken after k tokens (a
-killed worker), a connection refused, or an HTTP status.
+killed worker), a stream held after k tokens until the test lets it go on, a connection refused, or an HTTP
+status.
+
+Prefill-decode: the gateway gets a fake PD-router launcher (`Launcher`); each PD router it "starts" is one
+more upstream origin (``http://pd-N:9100``) that serves generations like the regular router and lists its
+prefill and decode workers, so a test sees which router every attempt went to and when one was stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +25,17 @@ from typing import Any
 import httpx
 import pytest
 
-from pearlctl.router.gateway import Gateway, GatewayConfig, build_app
+from pearlctl.router.gateway import (
+    Gateway,
+    GatewayConfig,
+    PdLists,
+    build_app,
+    choose_pd,
+    pd_lists,
+    pd_share,
+    regular_members,
+)
+from pearlctl.router.membership import RouterMembership, ValidationError
 
 KEY = "k3y-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,13 +62,50 @@ def chat_ids(messages: list[dict]) -> list[int]:
     return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode()) + [200]
 
 
+class FakePd:
+    """A PD router the fake launcher "started"."""
+
+    def __init__(self, url: str, lists: PdLists):
+        self.url, self.lists = url, lists
+        self.stopped = False
+        self.dead = False
+
+    def alive(self) -> bool:
+        return not (self.stopped or self.dead)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class Launcher:
+    """The gateway's PD-router launcher: ``fail`` launches raise first (a router that never got ready)."""
+
+    def __init__(self, upstream: Upstream):
+        self.upstream = upstream
+        self.launched: list[FakePd] = []
+        self.fail = 0
+
+    async def __call__(self, lists: PdLists) -> FakePd:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("vllm-router did not answer http://127.0.0.1:1/liveness within 20 s")
+        pd = FakePd(f"http://pd-{len(self.launched) + 1}:9100", lists)
+        self.launched.append(pd)
+        self.upstream.pd_routers[pd.url] = pd
+        return pd
+
+
 class Upstream:
     """vllm-router and its workers. ``script``: one entry per generation request, consumed in order —
-    None (served whole), ("abort", k), ("break", k), ("connect",), ("status", code, text)."""
+    None (served whole), ("abort", k), ("break", k), ("hold", k, event, then) (a stream: k tokens, then it
+    waits for ``event`` and ends with an abort, ``then`` "abort", or goes on to the end, "finish"),
+    ("connect",), ("status", code, text)."""
 
     def __init__(self) -> None:
         self.script: list[Any] = []
         self.requests: list[tuple[str, dict, dict]] = []
+        self.via: list[str] = []  # which router each generation request went to
+        self.pd_routers: dict[str, FakePd] = {}
         self.router_calls: list[tuple[str, str]] = []
         self.routed: set[str] = set()
         self.unhealthy: set[str] = set()
@@ -67,11 +119,21 @@ class Upstream:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         path = request.url.path
-        if origin != ROUTER:  # a worker's /health, asked by the gateway before adding it
+        pd = self.pd_routers.get(origin)
+        if pd is not None:
+            if not pd.alive():
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            if path in ("/add_worker", "/remove_worker"):  # as 0.1.17 in PD mode
+                return httpx.Response(400, text="requires add_prefill_server or add_decode_server")
+            if path == "/workers":
+                listed = [{"url": u, "worker_type": "prefill", "is_healthy": True} for u in pd.lists.prefill]
+                listed += [{"url": u, "worker_type": "decode", "is_healthy": True} for u in pd.lists.decode]
+                return httpx.Response(200, json={"workers": listed})
+        elif origin != ROUTER:  # a worker's /health, asked by the gateway before adding it
             if origin in self.unhealthy:
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
             return httpx.Response(200, json={})
-        if self.router_down:
+        elif self.router_down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         if path in ("/add_worker", "/remove_worker"):
             url = request.url.params["url"]
@@ -89,6 +151,7 @@ class Upstream:
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
         body = json.loads(request.content)
         self.requests.append((path, body, dict(request.headers)))
+        self.via.append(origin)
         step = self.script.pop(0) if self.script else None
         if step is not None and step[0] == "connect":
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -102,9 +165,14 @@ class Upstream:
             prompt = body["prompt"]
             prompt_ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
             budget = body.get("max_tokens") or 16
-        k = budget if step is None else min(step[1], budget)
+        hold = step if step is not None and step[0] == "hold" else None
+        k = budget if step is None or (hold and hold[3] == "finish") else min(step[1], budget)
         ids = greedy(prompt_ids, k)
-        finish = "length" if step is None else ("abort" if step[0] == "abort" else None)
+        finish = (
+            "length"
+            if step is None or (hold and hold[3] == "finish")
+            else ("abort" if step[0] in ("abort", "hold") else None)
+        )
         headers = {"x-pearl-weight-version": self.version_header} if self.version_header else {}
         want_ids = bool(body.get("return_token_ids"))
         if self.omit_prompt_ids:
@@ -114,7 +182,14 @@ class Upstream:
                 200,
                 headers={**headers, "content-type": "text/event-stream"},
                 content=self._events(
-                    chat, body, prompt_ids, ids, finish, want_ids, broken=step is not None and step[0] == "break"
+                    chat,
+                    body,
+                    prompt_ids,
+                    ids,
+                    finish,
+                    want_ids,
+                    broken=step is not None and step[0] == "break",
+                    hold=(hold[1], hold[2]) if hold else None,
                 ),
             )
         return httpx.Response(200, headers=headers, json=self._answer(chat, body, prompt_ids, ids, finish, want_ids))
@@ -170,7 +245,7 @@ class Upstream:
         doc["usage"] = usage
         return doc
 
-    async def _events(self, chat, body, prompt_ids, ids, finish, want_ids, broken):
+    async def _events(self, chat, body, prompt_ids, ids, finish, want_ids, broken, hold=None):
         head = {
             "id": "chatcmpl-1" if chat else f"cmpl-{len(self.requests)}",
             "created": 1,
@@ -186,6 +261,8 @@ class Upstream:
                 first["prompt_token_ids"] = prompt_ids
             yield f"data: {json.dumps(first)}\n\n".encode()
         for i, t in enumerate(ids):
+            if hold is not None and i == hold[0]:
+                await hold[1].wait()
             await asyncio.sleep(0)
             c: dict[str, Any] = {"index": 0, "finish_reason": None}
             if chat:
@@ -197,6 +274,8 @@ class Upstream:
             if want_ids:
                 c["token_ids"] = [t]
             yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n".encode()
+        if hold is not None and len(ids) <= hold[0]:  # held after its last token, before its finish
+            await hold[1].wait()
         if broken:
             raise httpx.ReadError("peer closed connection without sending complete message body")
         last: dict[str, Any] = {"index": 0, "finish_reason": finish, **({"delta": {}} if chat else {"text": ""})}
@@ -211,14 +290,18 @@ class Upstream:
         yield b"data: [DONE]\n\n"
 
 
-def run(scenario: Callable[[Gateway, httpx.AsyncClient, Upstream], Awaitable[None]], **config: Any) -> Upstream:
-    """Run ``scenario`` against a fresh gateway whose upstream is a fresh `Upstream`."""
+def run(
+    scenario: Callable[[Gateway, httpx.AsyncClient, Upstream], Awaitable[None]], *, pd: bool = False, **config: Any
+) -> Upstream:
+    """Run ``scenario`` against a fresh gateway whose upstream is a fresh `Upstream` (``pd``: with the fake
+    PD-router launcher, ``gateway.pd_launcher``)."""
     upstream = Upstream()
 
     async def main() -> None:
         http = httpx.AsyncClient(transport=httpx.MockTransport(upstream.handle))
         cfg = {"retry_for_s": 5.0, "backoff_s": 0.001, "backoff_max_s": 0.01, **config}
-        gateway = Gateway(GatewayConfig(key=KEY, router_url=ROUTER, **cfg), http=http)
+        launcher = Launcher(upstream) if pd else None
+        gateway = Gateway(GatewayConfig(key=KEY, router_url=ROUTER, **cfg), http=http, pd_launcher=launcher)
         app = build_app(gateway)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
             await scenario(gateway, client, upstream)
@@ -237,10 +320,11 @@ def events(resp: httpx.Response) -> list[Any]:
     return out
 
 
-async def add(client: httpx.AsyncClient, url: str, version: str | None = "7") -> httpx.Response:
-    return await client.post(
-        "/pearl/workers", json={"url": url, "weight_version": version, "wait_s": 1.0}, headers=AUTH
-    )
+async def add(
+    client: httpx.AsyncClient, url: str, version: str | None = "7", role: str | None = None
+) -> httpx.Response:
+    body = {"url": url, "weight_version": version, "wait_s": 1.0, **({"role": role} if role else {})}
+    return await client.post("/pearl/workers", json=body, headers=AUTH)
 
 
 # -- the credential -----------------------------------------------------------------------------------
@@ -658,6 +742,8 @@ def test_sync_leaves_settled_members_alone_and_adds_back_one_the_router_lost() -
         ({"url": "http://w1:8000", "weight_version": "a b"}, "weight_version"),
         ({"url": "http://w1:8000", "wait_s": 1e9}, "wait_s"),
         ({"url": "http://w1:8000", "colour": "red"}, "colour"),
+        ({"url": "http://w1:8000", "role": "TRAIN"}, "role"),
+        ({"url": "http://w1:8000", "role": "prefill"}, "role"),
     ],
 )
 def test_admin_bodies_are_typed_and_refusals_name_the_field(body: dict, field: str) -> None:
@@ -703,3 +789,208 @@ def test_stats_count_continued_and_given_up_requests() -> None:
         assert stats["continued_requests"] == 1 and stats["gave_up"] == 1
 
     run(scenario)
+
+
+# -- prefill-decode --------------------------------------------------------------------------------------------
+P1, P2, D1, D2 = "http://p1:8000", "http://p2:8000", "http://d1:8000", "http://d2:8000"
+
+
+def test_the_pd_plan_needs_a_whole_pair_and_a_lone_half_serves_whole_requests() -> None:
+    roles = {W1: "ROLLOUT", P1: "PREFILL"}
+    assert pd_lists(roles) is None
+    assert regular_members(roles, None) == {W1, P1}  # half a pair serves colocated
+    roles |= {D2: "DECODE", D1: "DECODE", P2: "PREFILL"}
+    lists = pd_lists(roles)
+    assert lists == PdLists((P1, P2), (D1, D2))
+    assert regular_members(roles, lists) == {W1}
+    assert regular_members(roles, None) == {W1, P1, P2, D1, D2}  # no PD router (yet): all of them colocated
+    assert pd_share(1, lists) == 0.8 and pd_share(0, lists) == 1.0 and pd_share(3, None) == 0.0
+
+
+def test_the_pd_share_is_kept_per_session_and_drawn_without_one() -> None:
+    assert not choose_pd("s", 0.0) and choose_pd("s", 1.0)
+    sessions = [f"episode-{i}" for i in range(2000)]
+    picks = [choose_pd(s, 0.25) for s in sessions]
+    assert picks == [choose_pd(s, 0.25) for s in sessions]  # a session stays on its side
+    assert 0.2 < sum(picks) / len(picks) < 0.3
+    assert choose_pd(None, 0.5, draw=lambda: 0.49) and not choose_pd(None, 0.5, draw=lambda: 0.51)
+
+
+def test_members_with_roles_go_through_a_pd_router_while_a_pair_exists() -> None:
+    async def scenario(gw, client, up):
+        assert (await add(client, W1)).json()["worker"]["role"] == "ROLLOUT"  # the default: colocated
+        r = await add(client, P1, role="PREFILL")
+        assert r.status_code == 200 and r.json()["worker"]["role"] == "PREFILL"
+        assert up.routed == {W1, P1} and gw.pd is None and gw.pd_launcher.launched == []  # half a pair
+        r = await add(client, D1, role="DECODE")
+        assert r.status_code == 200
+        [pd] = gw.pd_launcher.launched
+        assert pd.lists == PdLists((P1,), (D1,)) and gw.pd is pd
+        assert up.routed == {W1}  # the pair left the regular router once the PD router took it over
+        listed = {w["url"]: w for w in (await client.get("/pearl/workers", headers=AUTH)).json()["workers"]}
+        assert {u: (w["role"], w["router"], w["routed"]) for u, w in listed.items()} == {
+            W1: ("ROLLOUT", "regular", True),
+            P1: ("PREFILL", "pd", True),
+            D1: ("DECODE", "pd", True),
+        }
+        health = (await client.get("/health")).json()
+        assert health["pd"]["router"]["healthy_prefill"] == 1 and health["pd"]["launches"] == 1
+
+        async def send(session: str) -> None:
+            r = await client.post(
+                "/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers={**AUTH, "X-Session-ID": session}
+            )
+            assert r.status_code == 200
+
+        sessions = [f"s{i}" for i in range(60)]
+        for s in sessions:
+            await send(s)
+        first = list(up.via)
+        assert {pd.url, ROUTER} == set(first) and 25 < first.count(pd.url) < 55  # 2 of 3 workers are the pair's
+        for s in sessions:
+            await send(s)
+        assert up.via[60:] == first  # each session kept its side
+
+        await client.delete("/pearl/workers", params={"url": W1}, headers=AUTH)
+        up.via.clear()
+        await send("s0")
+        await send("s1")
+        assert up.via == [pd.url, pd.url] and up.routed == set()  # only the pair is left
+
+        await client.delete("/pearl/workers", params={"url": D1}, headers=AUTH)
+        assert gw.pd is None and up.routed == {P1}  # half a pair again: it serves whole requests
+        await asyncio.sleep(0.05)
+        assert pd.stopped  # nothing ran through it any more
+        up.via.clear()
+        await send("s0")
+        assert up.via == [ROUTER]
+        stats = (await client.get("/pearl/stats", headers=AUTH)).json()
+        assert stats["attempts_pd"] == 2 * first.count(pd.url) + 2
+        assert stats["attempts_regular"] == 2 * first.count(ROUTER) + 1
+
+    run(scenario, pd=True)
+
+
+def test_a_new_pair_starts_a_new_pd_router_and_the_old_one_stops_only_after_its_streams_end() -> None:
+    async def scenario(gw, client, up):
+        synced = await client.put(
+            "/pearl/workers",
+            json={"workers": [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}], "wait_s": 1},
+            headers=AUTH,
+        )
+        assert sorted(synced.json()["added"]) == [D1, P1] and up.routed == set()
+        [old] = gw.pd_launcher.launched  # one launch for the whole set, not one per worker
+        go_on = asyncio.Event()
+        up.script = [("hold", 3, go_on, "finish")]
+        body = {"prompt": "xyz", "max_tokens": 8, "stream": True, "return_token_ids": True}
+        running = asyncio.create_task(client.post("/v1/completions", json=body, headers=AUTH))
+        while not up.requests:
+            await asyncio.sleep(0.001)
+        both = [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}, {"url": D2, "role": "DECODE"}]
+        await client.put("/pearl/workers", json={"workers": both, "wait_s": 1}, headers=AUTH)
+        new = gw.pd_launcher.launched[-1]
+        assert new.lists == PdLists((P1,), (D1, D2)) and gw.pd is new
+        r = await client.post("/v1/completions", json={"prompt": "q", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200 and up.via[-1] == new.url  # new requests: the new router
+        await asyncio.sleep(0.1)
+        assert not old.stopped  # a stream still runs through the old one
+        go_on.set()
+        evs = events(await running)
+        assert [t for e in evs[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]] == greedy(list(b"xyz"), 8)
+        assert up.via[0] == old.url
+        for _ in range(100):
+            if old.stopped:
+                break
+            await asyncio.sleep(0.01)
+        assert old.stopped and not new.stopped and gw.pd_info["retired"] == 1
+
+    run(scenario, pd=True)
+
+
+def test_a_turn_aborted_on_a_colocated_worker_that_left_continues_exactly_on_the_pair() -> None:
+    async def scenario(gw, client, up):
+        await add(client, W1)
+        go_on = asyncio.Event()
+        up.script = [("hold", 4, go_on, "abort")]
+        body = {"prompt": "xyz", "max_tokens": 10, "stream": True, "return_token_ids": True}
+        running = asyncio.create_task(client.post("/v1/completions", json=body, headers=AUTH))
+        while not up.requests:
+            await asyncio.sleep(0.001)
+        pair = [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}]
+        await client.put("/pearl/workers", json={"workers": pair, "wait_s": 1}, headers=AUTH)  # W1 leaves
+        assert up.routed == set()
+        go_on.set()  # ... and its drain aborts the turn after 4 tokens
+        evs = events(await running)
+        got = [t for e in evs[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
+        assert got == greedy(list(b"xyz"), 10)
+        pearl = [e for e in evs[:-1] if "pearl" in e][0]["pearl"]
+        assert pearl["continued"] == 1 and [p["tokens"] for p in pearl["parts"]] == [4, 6]
+        assert up.via == [ROUTER, gw.pd.url]
+        assert up.requests[1][1]["prompt"] == list(b"xyz") + greedy(list(b"xyz"), 4)
+
+    run(scenario, pd=True)
+
+
+def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_again() -> None:
+    async def scenario(gw, client, up):
+        gw.pd_launcher.fail = 1
+        pair = {"workers": [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}], "wait_s": 1}
+        doc = (await client.put("/pearl/workers", json=pair, headers=AUTH)).json()
+        assert doc["failed"] == {} and gw.pd is None and up.routed == {P1, D1}  # serving, colocated
+        assert all(w["router"] == "regular" and w["routed"] for w in doc["workers"])
+        health = (await client.get("/health")).json()
+        assert health["pd"]["failures"] == 1 and "liveness" in health["pd"]["last_error"]
+        await gw.check_pd()  # within the back-off: not tried
+        assert gw.pd_launcher.launched == []
+        await asyncio.sleep(0.06)
+        await gw.check_pd()
+        assert gw.pd is not None and up.routed == set()
+        gw.pd.dead = True  # the PD router exits: requests meanwhile go to the regular router
+        assert gw.upstream(None) == ROUTER
+        await gw.check_pd()
+        assert len(gw.pd_launcher.launched) == 2 and gw.pd.alive() and gw.pd.lists == PdLists((P1,), (D1,))
+
+    run(scenario, pd=True, pd_retry_s=0.05)
+
+
+def test_without_a_launcher_prefill_and_decode_members_serve_colocated() -> None:
+    async def scenario(gw, client, up):
+        await add(client, P1, role="PREFILL")
+        await add(client, D1, role="DECODE")
+        assert gw.pd is None and up.routed == {P1, D1}
+        r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200 and up.via == [ROUTER]
+
+    run(scenario)
+
+
+def test_the_membership_client_sends_roles_and_refuses_an_unknown_one_before_any_call() -> None:
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"added": [], "removed": [], "updated": [], "failed": {}, "workers": []})
+
+    m = RouterMembership("http://gw:1", KEY, http=httpx.Client(transport=httpx.MockTransport(handler)))
+    m.sync({W1: "1", P1: "1"}, roles={P1: "PREFILL"})
+    assert [(w["url"], w["role"]) for w in bodies[0]["workers"]] == [(W1, "ROLLOUT"), (P1, "PREFILL")]
+    with pytest.raises(ValidationError, match="role"):
+        m.sync({P1: "1"}, roles={P1: "TRAIN"})
+    assert len(bodies) == 1
+
+
+def test_the_pd_router_child_gets_static_lists_and_initial_members_carry_roles() -> None:
+    from pearlctl.router.__main__ import RouterChild, parse, parse_worker
+
+    args = parse(["--run-dir", "/tmp/run", "--policy", "consistent_hash"])
+    argv = RouterChild(args, pd=PdLists((P1, P2), (D1,))).command()
+    assert "--vllm-pd-disaggregation" in argv and argv[argv.index("--policy") + 1] == "round_robin"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--prefill"] == [P1, P2]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"] == [D1]
+    regular = RouterChild(args).command()
+    assert "--vllm-pd-disaggregation" not in regular and regular[regular.index("--policy") + 1] == "consistent_hash"
+    assert (parse_worker(f"{P1}=3@PREFILL").role, parse_worker(f"{P1}=3@PREFILL").weight_version) == ("PREFILL", "3")
+    assert (parse_worker(W1).role, parse_worker(W1).weight_version) == ("ROLLOUT", None)
+    assert parse_worker(f"{D1}@DECODE").role == "DECODE"
+    with pytest.raises(ValueError, match="'TRAIN' is not one of ROLLOUT, PREFILL, DECODE"):
+        parse_worker(f"{W1}=1@TRAIN")

@@ -257,3 +257,19 @@ def test_parse_metrics() -> None:
         "engine_sleep_state": "weights_offloaded",
     }
     assert "engine_sleep_state" not in parse_metrics(METRICS.split("# HELP vllm:engine_sleep_state")[0])
+
+
+def test_the_agents_prefill_and_decode_workers_of_a_run_share_one_kv_directory(monkeypatch, tmp_path: Path) -> None:
+    """Workers started by different allocations (their own logs) still meet in RUN_DIR/kv-shared on CPU."""
+    from pearlctl.agent.identity import Identity
+    from pearlctl.agent.workers import VllmWorker
+
+    monkeypatch.setenv("PEARL_ENGINE_DEVICE", "cpu")
+    configs = []
+    for job, role in (("11", "PREFILL"), ("12", "DECODE")):
+        me = Identity(run_id="r", pool="rollout", role=role, job_id=job, task_id=0, node="n1", gpus=(0,), restarts=0)
+        worker = VllmWorker(f"{role.lower()}-0", role, (0,), me, str(tmp_path), MODEL, {})
+        configs.append(kv_config(worker.server.command()))
+    assert [c["kv_role"] for c in configs] == ["kv_producer", "kv_consumer"]
+    shared = {c["kv_connector_extra_config"]["shared_storage_path"] for c in configs}
+    assert shared == {str(tmp_path / "kv-shared")}

@@ -169,7 +169,8 @@ class VllmServer:
         self.log_path = Path(log_path)
         self.host = host
         self.served_model_name = served_model_name
-        # ExampleConnector (CPU PD) passes KV through files: prefill and decode servers must share it.
+        # ExampleConnector (CPU PD) passes KV through files: a prefill and a decode server must be given the
+        # same directory (the agent gives every worker of a run RUN_DIR/kv-shared: pearlctl.agent.workers).
         self.kv_shared_dir = Path(kv_shared_dir) if kv_shared_dir else self.log_path.parent / "kv-shared"
         self.python = python or sys.executable
         self._device_arg = device

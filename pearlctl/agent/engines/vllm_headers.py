@@ -1,7 +1,8 @@
 """An ASGI middleware the agent loads into every vLLM server it starts (``--middleware``): each answer on
 ``/v1/*`` says which worker served it and on which weights, in the response headers ``X-Pearl-Worker``
 (the URL the agent reports for the worker, from ``PEARL_WORKER_URL``) and ``X-Pearl-Weight-Version`` (the
-label the agent last set with ``/update_weight_version``, read from the engine when the answer starts).
+label the agent last set with ``/update_weight_version``, read from the engine when the answer starts; left
+out while the engine still has vLLM's placeholder label ``default``: nothing named its weights yet).
 
 The run's router passes response headers through, so the gateway (pearlctl.router.gateway) tags every
 part of a continued sequence with the worker and weights that produced it — vLLM's OpenAI answers carry
@@ -18,6 +19,7 @@ import os
 
 WORKER_HEADER = b"x-pearl-worker"
 VERSION_HEADER = b"x-pearl-weight-version"
+UNSET_VERSION = "default"  # what vLLM's engine reports until /update_weight_version is called
 
 
 class PearlHeaders:
@@ -50,4 +52,5 @@ async def _weight_version(scope) -> str | None:
         version = await engine.get_weight_version()
     except Exception:  # an engine without weight versions, or one shutting down: no header
         return None
-    return str(version) if version not in (None, "") else None
+    # vLLM's label before anything set one: it names no weights (the gateway then uses the membership's)
+    return str(version) if version not in (None, "", UNSET_VERSION) else None
