@@ -243,7 +243,9 @@ class Members:
                 versions |= vs
                 urls |= us
         out: dict[str, Any] = {}
-        if len(urls) == 1:
+        if header_worker:  # the worker said who it is, though not which weights (vLLM's label was never set)
+            out["worker"] = header_worker
+        elif len(urls) == 1:
             out["worker"] = next(iter(urls))
         if len(versions) == 1 and None not in versions:
             out.update(weight_version=next(iter(versions)), version_from="membership")
