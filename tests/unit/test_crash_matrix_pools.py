@@ -22,6 +22,7 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import PLANS, Executor
 from pearlctl.state.store import Store
+from tests.unit.test_crash_matrix import Clock, Crash
 
 POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
 # One GPU of a rollout pool goes through every kind: parked, woken, switched to prefill, retired (stopped),
@@ -34,18 +35,6 @@ CYCLE = (
     ("start", "start", "IDLE", "ROLLOUT"),
 )
 CASES = [(plan, k, p) for _, plan, _, _ in CYCLE for k in PLANS[plan] for p in POINTS]
-
-
-class Crash(Exception):
-    pass
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self):
-        return self.t
 
 
 class SimRouter:
