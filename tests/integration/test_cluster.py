@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # the fixture's type; conftest is not importable as a module
     from conftest import SlurmCluster
 
 
-def test_cluster_has_4_nodes_with_8_gpus_and_3_partitions(slurm_cluster: SlurmCluster) -> None:
+def test_cluster_has_4_nodes_with_8_gpus_and_4_partitions(slurm_cluster: SlurmCluster) -> None:
     nodes = slurm_cluster.run("sinfo", "-h", "-N", "-p", "debug", "-o", "%N %G %T").stdout.split("\n")
     rows = sorted(line.split() for line in nodes if line.strip())
     assert [r[0] for r in rows] == ["gpu1", "gpu2", "gpu3", "gpu4"]
@@ -20,7 +20,7 @@ def test_cluster_has_4_nodes_with_8_gpus_and_3_partitions(slurm_cluster: SlurmCl
     for line in slurm_cluster.run("scontrol", "show", "partition", "-o").stdout.splitlines():
         f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
         parts[f["PartitionName"]] = f
-    assert set(parts) == {"debug", "preempt", "high"}
+    assert set(parts) == {"debug", "preempt", "preempt0", "high"}
     assert (parts["debug"]["Default"], parts["debug"]["PriorityTier"], parts["debug"]["PreemptMode"]) == (
         "YES",
         "1",
@@ -30,6 +30,12 @@ def test_cluster_has_4_nodes_with_8_gpus_and_3_partitions(slurm_cluster: SlurmCl
         "1",
         "REQUEUE",
         "10",
+    )
+    # preempt0: the same preemptible partition with no grace, a hard kill the moment a high job needs the node
+    assert (parts["preempt0"]["PriorityTier"], parts["preempt0"]["PreemptMode"], parts["preempt0"]["GraceTime"]) == (
+        "1",
+        "REQUEUE",
+        "0",
     )
     assert (parts["high"]["PriorityTier"], parts["high"]["PreemptMode"]) == ("10", "OFF")
     assert all(p["TotalNodes"] == "4" and "gres/gpu=32" in p["TRES"] for p in parts.values()), parts
