@@ -26,7 +26,9 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Ack",
     "Borrow",
+    "GpuRef",
     "Heartbeat",
+    "Move",
     "Progress",
     "ProfileBody",
     "Register",
@@ -184,6 +186,27 @@ class Borrow(Body):
 
 class ReturnNow(Body):
     now: bool = False
+    keep_warm: bool = False
+
+
+class GpuRef(Body):
+    """A GPU as people name it: its node and its index there (``gpu2:3``, as ``pearlctl status`` lists it)."""
+
+    node: HostName
+    index: GpuIndex
+
+
+# the roles a rollout or elastic GPU can be brought up in by a move
+ServingRole = Literal[Role.ROLLOUT, Role.PREFILL, Role.DECODE]
+
+
+class Move(Body):
+    """An operator's move of rollout or elastic GPUs (``pearlctl move``): start or wake them in ``role``
+    (default ROLLOUT), retire them (``keep_warm``: park the worker asleep), or switch them to ``role``."""
+
+    kind: Literal["start", "wake", "retire", "switch"]
+    gpus: Annotated[list[GpuRef], Field(min_length=1, max_length=64)]
+    role: ServingRole | None = None
     keep_warm: bool = False
 
 

@@ -10,8 +10,9 @@ Results go to stdout (``--json`` on every read), progress and logs to stderr. Ex
   4  no such run
   5  conflict: the run exists already, or state changed under us; re-read and retry
   6  `doctor` found a failing check
-  7  the run's daemon is not running or does not answer (`borrow`, `return`)
+  7  the run's daemon is not running or does not answer (`borrow`, `return`, `move`)
   8  the state database cannot be used: corrupted, read-only, or its disk is full (the message names it)
+  9  `move --wait`: the transition failed or was rolled back (`pearlctl journal RUN` says why)
   124 `launch --wait` or `cancel` timed out (the run goes on; `status` shows where it is)
   141 stdout was closed by its reader (`pearlctl status --json | head -1`): the command stops quietly
 """
@@ -53,12 +54,26 @@ from pearlctl.cli import (  # noqa: E402  (they register)
     doctor,
     journal,
     launch,
+    move,
     profile,
     simulate,
     status,
 )
 
-__all__ = ["app", "main", "borrow", "cancel", "daemon", "doctor", "journal", "launch", "profile", "simulate", "status"]
+__all__ = [
+    "app",
+    "main",
+    "borrow",
+    "cancel",
+    "daemon",
+    "doctor",
+    "journal",
+    "launch",
+    "move",
+    "profile",
+    "simulate",
+    "status",
+]
 
 
 def main() -> None:

@@ -174,6 +174,7 @@ def build_app(
         route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),
         route("/v1/borrow", controller.borrow, bodies.Borrow),
         route("/v1/return", controller.give_back, bodies.ReturnNow),
+        route("/v1/moves", controller.move, bodies.Move),
         route("/v1/workers", controller.routable_workers, method="GET"),
         route("/v1/rollout/progress", controller.rollout_progress, bodies.Progress),
         route("/v1/profile", controller.set_profile, bodies.ProfileBody),

@@ -36,7 +36,7 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, SERVING_ROLES, Engine, PoolKind, Role
 
 
 def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
@@ -579,6 +579,101 @@ class Controller:
                         aborted.append(t["id"])
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
+
+    def move(self, body: bodies.Move) -> dict:
+        """An operator's move (``pearlctl move``): start, wake, retire or switch named rollout or elastic GPUs,
+        carried out as a journaled transition exactly like a policy's move. The GPUs of a worker move
+        together (naming one names its worker's others). Refused, naming what is wrong, while another
+        transition is open, for trainer GPUs (those move with borrow and return), for GPUs that are not UP,
+        that span allocations or roles, or whose role does not fit the move. A policy that is on plans again
+        once this transition ends and may undo it; with borrowing off (policy never) the move stays."""
+        with self.lock:
+            executor = self.borrowing.executor
+            busy = executor.open_transitions()
+            if busy:
+                t = busy[0]
+                raise ControlError(
+                    f"transition {t['id']} ({t['kind']}, {t['state']}) is still moving GPUs {t['gpu_ids']}: "
+                    "one plan at a time; move again once it ends (`pearlctl status`)",
+                    409,
+                )
+            rows = self.store.gpus(self.run_id)
+            chosen: list[dict] = []
+            for ref in body.gpus:
+                g = self._named_gpu(rows, ref.node, ref.index)
+                if g["state"] != G.UP:
+                    raise ControlError(f"GPU {ref.node}:{ref.index} is {g['state']}: only UP GPUs move")
+                if g not in chosen:
+                    chosen.append(g)
+            workers = {g["worker_id"] for g in chosen if g["worker_id"] is not None}
+            chosen += [g for g in rows if g["worker_id"] in workers and g not in chosen]  # a worker moves whole
+            if len({g["allocation_id"] for g in chosen}) > 1 or len({g["role"] for g in chosen}) > 1:
+                named = ", ".join(
+                    f"{g['node']}:{g['idx']} ({g['role']}, allocation {g['allocation_id']})" for g in chosen
+                )
+                raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
+            role, names = chosen[0]["role"], ", ".join(f"{g['node']}:{g['idx']}" for g in chosen)
+            serving = role in SERVING_ROLES
+            target = str(body.role or Role.ROLLOUT)
+            if body.kind in ("start", "wake"):
+                if serving:
+                    raise ControlError(
+                        f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
+                    )
+                parked = bool(workers) and all(self.store.get("workers", w)["state"] == W.SLEEPING for w in workers)
+                if body.kind == "wake" and not parked:
+                    raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
+                if body.kind == "start" and workers:
+                    raise ControlError(f"a worker is parked on GPUs {names}: wake it instead")
+                from_role, to_role, plan = Role.IDLE, target, body.kind
+            elif not serving:
+                raise ControlError(f"GPUs {names} are {role}: nothing serves there to {body.kind} (start or wake)")
+            elif body.kind == "retire":
+                from_role, to_role, plan = role, Role.IDLE, ("retire_sleep" if body.keep_warm else "retire")
+            elif target == role:
+                raise ControlError(f"GPUs {names} already serve {role}: a switch needs another role")
+            else:
+                from_role, to_role, plan = role, target, "switch"
+            ids = sorted(g["id"] for g in chosen)
+            tid = executor.plan(
+                body.kind,
+                ids,
+                detail={"plan": plan, "why": "operator move (pearlctl move)", "by": "operator"},
+                from_role=str(from_role),
+                to_role=str(to_role),
+            )
+            self.wake.set()
+            policy = (self.store.get_run(self.run_id).get("borrow") or {}).get("policy") or "never"
+            return {
+                "epoch": self.epoch,
+                "transition_id": tid,
+                "plan": plan,
+                "gpu_ids": ids,
+                "gpus": [f"{g['node']}:{g['idx']}" for g in chosen],
+                "from_role": str(from_role),
+                "to_role": str(to_role),
+                "policy": policy,
+            }
+
+    def _named_gpu(self, rows: list[dict], node: str, index: int) -> dict:
+        """The rollout or elastic GPU ``node:index`` names (a trainer GPU only if that is all it names: the
+        local backend gives every task the first GPUs of its one node, so a name may fit several)."""
+        found = [g for g in rows if (g["node"], g["idx"]) == (node, index)]
+        if not found:
+            known = ", ".join(sorted({f"{g['node']}:{g['idx']}" for g in rows})) or "none yet"
+            raise ControlError(f"run {self.run_id} has no GPU {node}:{index} (its GPUs: {known})", 404)
+        movable = [g for g in found if g["pool"] != PoolKind.TRAINER]
+        if not movable:
+            raise ControlError(
+                f"GPU {node}:{index} is a trainer GPU: those are lent and taken back with `pearlctl borrow` and "
+                "`pearlctl return`"
+            )
+        if len(movable) > 1:
+            pools = ", ".join(f"{g['pool']} allocation {g['allocation_id']}" for g in movable)
+            raise ControlError(
+                f"GPU {node}:{index} names GPUs of several allocations ({pools}): cannot tell which to move"
+            )
+        return movable[0]
 
     def set_profile(self, body: bodies.ProfileBody) -> dict:
         """Store the run's engine profile (``pearlctl profile``): the planner predicts with it."""

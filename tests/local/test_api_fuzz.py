@@ -131,6 +131,7 @@ ROUTES = {  # name -> (method, path, body model, agent route)
     "trainer_ack": ("POST", "/v1/trainer/ack", bodies.Ack, False),
     "borrow": ("POST", "/v1/borrow", bodies.Borrow, False),
     "return": ("POST", "/v1/return", bodies.ReturnNow, False),
+    "moves": ("POST", "/v1/moves", bodies.Move, False),
     "workers": ("GET", "/v1/workers", None, False),
     "rollout_progress": ("POST", "/v1/rollout/progress", bodies.Progress, False),
     "profile": ("POST", "/v1/profile", bodies.ProfileBody, False),
@@ -223,6 +224,18 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "keep_warm": st.booleans(),
         },
         "return": {"now": st.booleans(), "keep_warm": st.booleans()},
+        "moves": {
+            "kind": st.sampled_from(["start", "wake", "retire", "switch"]),
+            "gpus": st.lists(
+                st.fixed_dictionaries(
+                    {"node": st.sampled_from([NODE, NODE, "other-node"]), "index": st.integers(0, 8)}
+                ),
+                min_size=1,
+                max_size=3,
+            ),
+            "role": st.sampled_from(["ROLLOUT", "PREFILL", "DECODE", "TRAIN"]),
+            "keep_warm": st.booleans(),
+        },
         "rollout_progress": {
             "step": st.integers(0, 10**6),
             "queued": counts,
@@ -595,7 +608,7 @@ def test_the_strategies_cover_every_route_of_the_api():
     from pearlctl.daemon.api import build_app
 
     names = ["register", "heartbeat", "trainer_phase", "trainer_ack", "borrow", "give_back", "routable_workers"]
-    names += ["rollout_progress", "set_profile"]
+    names += ["rollout_progress", "set_profile", "move"]
     controller = SimpleNamespace(run_id=RUN_ID, epoch=1, **{n: (lambda *a: {}) for n in names})
     app = build_app(controller, secret="s", status=lambda: {})
     served = {(m, r.path) for r in app.routes for m in r.methods if m != "HEAD"}

@@ -280,3 +280,18 @@ def test_daemon_accepts_a_hostlist(tmp_path):
         "daemon", "r", "--slurm", "--partition", "debug", "--nodelist", "gpu[1-3],head", "--time", "1-00:00", check=None
     )
     assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["bogus", "gpu2:0"], ["KIND 'bogus'", "start, wake, retire, switch"]),
+        (["retire", "gpu2"], ["GPU 'gpu2'", "NODE:INDEX"]),
+        (["switch", "gpu2:0", "--role", "TRAIN"], ["--role 'TRAIN'", "ROLLOUT, PREFILL, DECODE"]),
+    ],
+)
+def test_move_with_bad_arguments_exits_2_naming_what_would_be_right(tmp_path, args, words):
+    state_dir = tmp_path / "state"
+    create_run(state_dir, tmp_path / "run")
+    proc = Pearlctl(state_dir)("move", "r", *args, check=None)
+    assert_clean_failure(proc, EXIT_USAGE, *words)

@@ -1,0 +1,150 @@
+"""Operator moves (``POST /v1/moves``, ``pearlctl move``): what the controller refuses, naming why, and
+that an accepted move is a transition the daemon carries out like a policy's — through a whole cycle of a
+rollout GPU (switch to prefill and back, retire parked, wake, retire, start) with no engine started twice
+and no worker drained while routed.
+
+The daemon's objects run for real against a real SQLite state; the agent and the router's membership are
+simulated at their seams (tests/unit/test_crash_matrix_pools.py: SimAgent, SimRouter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
+from pearlctl.daemon.controller import ControlError
+from pearlctl.state.store import Store
+from tests.unit.test_crash_matrix import Clock
+from tests.unit.test_crash_matrix_pools import Daemon, SimAgent, SimRouter
+
+
+def pool(name: str, role: str) -> dict:
+    return {
+        "name": name,
+        "kind": name,
+        "role": role,
+        "partition": None,
+        "nodes": 1,
+        "gpus_per_node": 1,
+        "job_name": f"pearl.r.{name}",
+    }
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    store = Store.open(tmp_path / "state.db")
+    store.create_run(
+        run_id="r",
+        name="r",
+        spec={},
+        spec_path="r.toml",
+        run_dir=str(tmp_path),
+        backend="slurm",
+        policy="never",
+        pools=[pool("trainer", "TRAIN"), pool("rollout", "ROLLOUT")],
+    )
+    for a, job, node in zip(store.allocations("r"), ("7", "8"), ("gpu1", "gpu2"), strict=True):
+        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job)
+        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=node)
+    clock, router = Clock(), SimRouter()
+    rollout = next(a for a in store.allocations("r") if a["pool"] == "rollout")
+    daemon = Daemon(store, rollout["id"], 1, clock, router)
+    for job, node in (("7", "gpu1"), ("8", "gpu2")):
+        daemon.controller.register(
+            parse(bodies.Register, {"job_id": job, "task_id": 0, "node": node, "gpus": [0], "pid": 1})
+        )
+    agent = SimAgent(router)
+
+    def loop(until) -> None:
+        for _ in range(100):
+            agent.tick(daemon)
+            router.sync(store)
+            with daemon.controller.lock:
+                daemon.borrowing.tick()
+            clock.t += 1.0
+            if until():
+                return
+        raise AssertionError("did not converge")
+
+    loop(lambda: any(w["routable"] for w in store.workers("r")))
+    yield store, daemon, agent, loop
+    store.close()
+
+
+def move(daemon: Daemon, kind: str, *gpus: str, role: str | None = None, keep_warm: bool = False) -> dict:
+    refs = [{"node": g.split(":")[0], "index": int(g.split(":")[1])} for g in gpus]
+    body = parse(bodies.Move, {"kind": kind, "gpus": refs, "role": role, "keep_warm": keep_warm})
+    return daemon.controller.move(body)
+
+
+def test_a_rollout_gpu_goes_through_every_move_and_back(world):
+    store, daemon, agent, loop = world
+    cycle = [
+        ("switch", "PREFILL", False, "switch", "ROLLOUT", "PREFILL"),
+        ("switch", "ROLLOUT", False, "switch", "PREFILL", "ROLLOUT"),
+        ("retire", None, True, "retire_sleep", "ROLLOUT", "IDLE"),
+        ("wake", None, False, "wake", "IDLE", "ROLLOUT"),
+        ("retire", None, False, "retire", "ROLLOUT", "IDLE"),
+        ("start", "DECODE", False, "start", "IDLE", "DECODE"),
+    ]
+    gpu = next(g for g in store.gpus("r") if g["pool"] == "rollout")
+    for kind, role, keep_warm, plan, from_role, to_role in cycle:
+        answer = move(daemon, kind, "gpu2:0", role=role, keep_warm=keep_warm)
+        assert (answer["plan"], answer["from_role"], answer["to_role"]) == (plan, from_role, to_role)
+        assert answer["gpus"] == ["gpu2:0"] and answer["policy"] == "never"
+        tid = answer["transition_id"]
+        loop(lambda tid=tid: store.get("transitions", tid)["state"] in ("DONE", "FAILED", "ROLLED_BACK"))
+        t = store.get("transitions", tid)
+        assert t["state"] == "DONE" and t["detail"]["by"] == "operator", t
+        assert store.get("gpus", gpu["id"])["role"] == to_role
+    loop(lambda: any(w["role"] == "DECODE" and w["routable"] for w in store.workers("r")))
+    # one start per worker a move brought up: the launch's rollout-0, prefill-0 by the first switch, a new
+    # rollout-0 by the switch back, none by the wake (it woke the parked one), decode-0 by the start
+    assert agent.starts == {"rollout-0": 2, "prefill-0": 1, "decode-0": 1}
+    assert agent.drained_while_routed == []
+
+
+@pytest.mark.parametrize(
+    "kind,gpus,role,status,says",
+    [
+        ("retire", ["gpu1:0"], None, 400, "trainer GPU"),
+        ("switch", ["gpu9:0"], "PREFILL", 404, "has no GPU gpu9:0"),
+        ("start", ["gpu2:0"], None, 400, "serve ROLLOUT"),
+        ("wake", ["gpu2:0"], None, 400, "serve ROLLOUT"),
+        ("switch", ["gpu2:0"], "ROLLOUT", 400, "already serve ROLLOUT"),
+        ("retire", ["gpu1:0", "gpu2:0"], None, 400, "trainer GPU"),
+    ],
+)
+def test_a_move_that_does_not_fit_is_refused_naming_why(world, kind, gpus, role, status, says):
+    store, daemon, _, _ = world
+    before = len(store.transitions("r"))
+    with pytest.raises(ControlError) as exc:
+        move(daemon, kind, *gpus, role=role)
+    assert exc.value.status == status and says in str(exc.value), str(exc.value)
+    assert len(store.transitions("r")) == before  # nothing planned
+
+
+def test_wake_needs_a_parked_worker_and_start_refuses_one(world):
+    store, daemon, _, loop = world
+    tid = move(daemon, "retire", "gpu2:0")["transition_id"]  # stopped, not parked
+    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    with pytest.raises(ControlError, match="no worker is parked asleep"):
+        move(daemon, "wake", "gpu2:0")
+    with pytest.raises(ControlError, match="are IDLE: nothing serves there to retire"):
+        move(daemon, "retire", "gpu2:0")
+    tid = move(daemon, "start", "gpu2:0")["transition_id"]
+    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    tid = move(daemon, "retire", "gpu2:0", keep_warm=True)["transition_id"]
+    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    with pytest.raises(ControlError, match="wake it instead"):
+        move(daemon, "start", "gpu2:0")
+
+
+def test_one_plan_at_a_time_a_second_move_is_a_conflict(world):
+    store, daemon, _, _ = world
+    first = move(daemon, "switch", "gpu2:0", role="DECODE")
+    with pytest.raises(ControlError) as exc:
+        move(daemon, "retire", "gpu2:0")
+    assert exc.value.status == 409 and f"transition {first['transition_id']}" in str(exc.value)
