@@ -1,4 +1,5 @@
-"""`pearlctl cancel RUN`: scancel every job of the run and wait until state says they ended."""
+"""`pearlctl cancel RUN`: scancel every job of the run and wait until state says they ended; the run's router
+stops with it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
 from pearlctl.cli.common import EXIT_TIMEOUT, err, exits, open_store, out, resolve_run
+from pearlctl.router import service as router_service
 
 
 @app.command()
@@ -26,7 +28,25 @@ def cancel(
             run = store.get_run(run["id"])
         finally:
             store.close()
+        _stop_router(run)
         if not done:
             err.print(f"Slurm has not ended every job after {timeout:g}s; run `pearlctl cancel {run['name']}` again")
             raise typer.Exit(EXIT_TIMEOUT)
         out.print(f"{run['id']} {run['state']}", markup=False)
+
+
+def _stop_router(run: dict) -> None:
+    """The run's router serves nobody once the run is cancelled. Its daemon stops it when it sees the run
+    over; this stops it too when the daemon is gone (the gateway outlives a daemon by design). Only a
+    gateway running on this host can be stopped from here."""
+    record = router_service.read_record(run["run_dir"]) if run.get("run_dir") else None
+    if record is None:
+        return
+    if router_service.same_process(record.pid, record.start_ticks):
+        router_service.stop(record, run_dir=run["run_dir"])
+        err.print(f"stopped the run's router (pid {record.pid}, {record.base_url})")
+    else:
+        err.print(
+            f"the run's router (pid {record.pid}) is no live process on this host; "
+            "if it runs elsewhere, its daemon stops it"
+        )

@@ -117,3 +117,19 @@ def test_deregister_is_proven_only_when_the_router_no_longer_routes_to_the_worke
     ex.advance(tid)
     assert store.steps(tid)[0]["state"] == "DONE"
     assert urls[0] not in keeper.routed()
+
+
+def test_cancel_stops_the_router_a_gone_daemon_left_behind(tmp_path: Path):
+    """The gateway outlives its daemon by design; `pearlctl cancel` of the run stops it (no daemon runs)."""
+    from tests.conftest import Pearlctl
+    from tests.local.test_cli_errors import create_run
+
+    run_dir = tmp_path / "run"
+    create_run(tmp_path / "state", run_dir, active=True)
+    record = service.start(run_dir, "127.0.0.1", 0)
+    assert service.same_process(record.pid, record.start_ticks)
+    proc = Pearlctl(tmp_path / "state")("cancel", "r", check=None)
+    assert proc.returncode == 0, proc.stderr
+    assert f"stopped the run's router (pid {record.pid}" in proc.stderr
+    assert not service.same_process(record.pid, record.start_ticks)
+    assert service.read_record(run_dir) is None
