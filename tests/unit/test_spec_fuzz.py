@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pearlctl.config import _POOL_KEYS, _RUN_KEYS, SpecError, parse_spec
+from pearlctl.config import _POOL_KEYS, _RUN_KEYS, ROUTER_POLICIES, SpecError, parse_spec
 from pearlctl.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
 
@@ -65,6 +65,13 @@ GOOD_RUN = {
 }
 
 
+GOOD_ROUTER = {
+    "enabled": st.booleans(),
+    "port": st.integers(0, 65535),
+    "policy": st.sampled_from(ROUTER_POLICIES),
+}
+
+
 def good_pool(kind: str) -> dict:
     pool = {
         "nodes": st.integers(1, 4096),
@@ -103,12 +110,20 @@ def documents(draw) -> dict:
         pool = {k: draw(v) for k, v in strategies.items() if k in ("nodes", "gpus_per_node") or draw(st.booleans())}
         if kind == "elastic" and draw(st.booleans()):
             pool["max_nodes"] = draw(st.integers(pool["nodes"], 4096))
+        if kind == "elastic" and draw(st.booleans()):
+            pool["pending_timeout_s"] = draw(st.one_of(st.integers(10, 86400), st.floats(10, 86400)))
         pools[kind] = pool
     doc = {"run": run, "pools": pools}
+    if draw(st.booleans()):
+        doc["router"] = {k: draw(v) for k, v in GOOD_ROUTER.items() if draw(st.booleans())}
     for _ in range(draw(st.integers(0, 4))):
-        where = draw(st.sampled_from(["doc", "run", "pools", *pools]))
+        where = draw(st.sampled_from(["doc", "run", "pools", "router", *pools]))
         if where == "doc":
-            doc[draw(st.sampled_from(["run", "pools", "extra"]))] = draw(junk)
+            doc[draw(st.sampled_from(["run", "pools", "router", "extra"]))] = draw(junk)
+        elif where == "router":
+            if not isinstance(doc.get("router"), dict):
+                doc["router"] = {}
+            doc["router"][draw(st.sampled_from([*GOOD_ROUTER, "prot"]))] = draw(junk)
         elif where == "run":
             run[draw(st.sampled_from([*RUN_KEYS, "nmae"]))] = draw(junk)
         elif where == "pools":
