@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pearlctl.router.gateway import (
     Gateway,
@@ -158,13 +160,18 @@ class Upstream:
         if step is not None and step[0] == "status":
             return httpx.Response(step[1], text=step[2])
         chat = path == "/v1/chat/completions"
-        if chat:
-            prompt_ids = chat_ids(body["messages"])
-            budget = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        else:
-            prompt = body["prompt"]
-            prompt_ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
-            budget = body.get("max_tokens") or 16
+        try:  # what vLLM refuses with a 400 (a missing or malformed prompt, a budget that is no count)
+            if chat:
+                prompt_ids = chat_ids(body["messages"])
+                budget = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+            else:
+                prompt = body["prompt"]
+                prompt_ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+                budget = body.get("max_tokens") or 16
+            if not all(isinstance(t, int) for t in prompt_ids) or not isinstance(budget, int) or budget < 1:
+                raise ValueError("bad prompt or max_tokens")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return httpx.Response(400, json={"error": {"message": f"{type(exc).__name__}: {exc}", "code": 400}})
         hold = step if step is not None and step[0] == "hold" else None
         k = budget if step is None or (hold and hold[3] == "finish") else min(step[1], budget)
         ids = greedy(prompt_ids, k)
@@ -994,3 +1001,59 @@ def test_the_pd_router_child_gets_static_lists_and_initial_members_carry_roles()
     assert parse_worker(f"{D1}@DECODE").role == "DECODE"
     with pytest.raises(ValueError, match="'TRAIN' is not one of ROLLOUT, PREFILL, DECODE"):
         parse_worker(f"{W1}=1@TRAIN")
+
+
+# -- fuzz ---------------------------------------------------------------------------------------------------
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=24)
+)
+_json = st.recursive(
+    _scalars, lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=8), kids, max_size=3))
+)
+_urls = st.sampled_from([W1, W2, "http://w3:1", "ftp://x", "http://", "", "http://a b", "x" * 300])
+_worker = st.fixed_dictionaries(
+    {"url": _urls},
+    optional={
+        "weight_version": st.one_of(st.none(), st.text(max_size=12), st.integers()),
+        "role": st.sampled_from(["ROLLOUT", "PREFILL", "DECODE", "TRAIN", "", 3]),
+        "wait_s": st.one_of(st.floats(0, 0.02), st.floats(allow_nan=True), st.integers(-5, 10**9)),
+        "extra": _json,
+    },
+)
+_admin = st.one_of(
+    st.tuples(st.just("POST"), st.just("/pearl/workers"), st.one_of(_worker, _json)),
+    st.tuples(
+        st.just("PUT"),
+        st.just("/pearl/workers"),
+        st.one_of(
+            st.fixed_dictionaries({"workers": st.lists(_worker, max_size=3), "wait_s": st.floats(0, 0.02)}), _json
+        ),
+    ),
+    st.tuples(st.just("DELETE"), _urls.map(lambda u: f"/pearl/workers?url={u}"), st.none()),
+    st.tuples(st.sampled_from(["POST"]), st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _json),
+)
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(_admin, min_size=1, max_size=8))
+def test_any_admin_or_generate_body_is_answered_below_500_and_the_gateway_keeps_serving(calls) -> None:
+    """Whatever the membership and generate routes are sent, the answer is a 4xx naming the problem (or a
+    success), never a 5xx of the gateway's own; afterwards it still lists its members and serves a turn."""
+
+    async def scenario(gw, client, up):
+        for method, path, body in calls:
+            content = None if body is None else json.dumps(body, allow_nan=True).encode()
+            r = await client.request(method, path, content=content, headers={**AUTH, "X-Pearl-Retry-For-S": "0.05"})
+            if r.status_code >= 500:
+                # a 502-504 is the upstream's (a worker never healthy, no worker to send a turn to): it names it
+                assert r.status_code in (502, 503, 504), (method, path, body, r.status_code, r.text)
+                assert r.json()["error"]["message"], r.text
+            elif r.status_code >= 400:
+                assert r.json()["error"]["message"], r.text
+        listed = await client.get("/pearl/workers", headers=AUTH)
+        assert listed.status_code == 200
+        await client.put("/pearl/workers", json={"workers": [{"url": W1, "wait_s": 1.0}]}, headers=AUTH)
+        r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+    run(scenario)
