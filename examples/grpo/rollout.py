@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import sum_reward  # noqa: E402  (the same rule the synthetic source uses)
 
-from pearlctl.router.client import RolloutClient, TurnFailed  # noqa: E402
+from pearlctl.router.client import JOIN_WAIT_S, RolloutClient, TurnFailed  # noqa: E402
 
 
 def chat(turns: list[tuple[str, str]]) -> str:
@@ -178,6 +178,18 @@ def wait_for_weights(client: RolloutClient, version: str, timeout_s: float) -> N
     print(json.dumps({"event": "weights not synced in time", "version": version}), flush=True)
 
 
+def wait_for_workers(client: RolloutClient, version: str | None, timeout_s: float, join_wait_s: float) -> None:
+    """Before a step's launch: the workers hold the previous step's weights (``version``; None: off-policy,
+    no wait), then — while workers are joining (lent trainer GPUs, a started or woken worker: the daemon's
+    ``joining``) — wait for them, at most ``join_wait_s``: a worker that joins after the launch gets sessions
+    only at their next turns, so the step's first turns would all queue at the workers serving now. Workers
+    that joined meanwhile are waited on for the weights too."""
+    if version is not None:
+        wait_for_weights(client, version, timeout_s)
+    if client.wait_for_joining(join_wait_s) > 0 and version is not None:
+        wait_for_weights(client, version, timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", default=os.environ.get("PEARL_RUN_DIR"), help="the run directory (.pearl/)")
@@ -200,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--weights-timeout-s", type=float, default=180.0)
     ap.add_argument(
+        "--join-wait-s",
+        type=float,
+        default=JOIN_WAIT_S,
+        help="how long a step's launch waits at most for workers that are joining (lent, started, woken) "
+        f"to serve, so that its first turns go to them too; 0: launch at once (default {JOIN_WAIT_S:g})",
+    )
+    ap.add_argument(
         "--retry-for-s",
         type=float,
         default=600.0,
@@ -221,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=progress, daemon=True).start()
     with ThreadPoolExecutor(args.concurrency) as pool:
         for step in range(args.first_step, args.first_step + args.steps):
-            if args.on_policy and step > 1:
-                wait_for_weights(client, str(step - 1), args.weights_timeout_s)
+            version = str(step - 1) if args.on_policy and step > 1 else None
+            wait_for_workers(client, version, args.weights_timeout_s, args.join_wait_s)
             t0 = time.monotonic()
             try:
                 groups = run_step(client, step, args, pool, remaining)

@@ -710,7 +710,12 @@ class Controller:
     # -- rollout clients --------------------------------------------------------------------------
     def routable_workers(self) -> dict:
         """READY, registered rollout workers: where rollout clients may send requests now. ``seen_at``: when
-        the worker's agent last reported (a client that saw a worker fail trusts it again after that)."""
+        the worker's agent last reported (a client that saw a worker fail trusts it again after that).
+
+        ``joining``: how many workers are on their way to serving rollouts — the GPUs of open (PLANNED or
+        RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
+        allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
+        (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
         seen = {a["id"]: a.get("agent_seen_at") for a in self.store.allocations(self.run_id)}
         workers = [
             {
@@ -723,7 +728,17 @@ class Controller:
             for w in self.store.workers(self.run_id)
             if w["routable"] and w["state"] == W.READY and w["url"]
         ]
-        return {"epoch": self.epoch, "workers": workers}
+        rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+        moving = [
+            t
+            for t in self.store.transitions(self.run_id)
+            if t["state"] in (T.PLANNED, T.RUNNING) and t["to_role"] in rollout_roles
+        ]
+        joining = 0
+        if moving:  # the GPU rows only then: most answers have nothing joining
+            alloc_of = {g["id"]: g["allocation_id"] for g in self.store.gpus(self.run_id)}
+            joining = len({(alloc_of.get(i), t["to_role"]) for t in moving for i in t["gpu_ids"]})
+        return {"epoch": self.epoch, "workers": workers, "joining": joining}
 
     @property
     def loss_window_s(self) -> float:

@@ -17,7 +17,9 @@ authenticated OpenAI-compatible endpoint in front of the run's rollout workers.
   attempts and the last error. A 4xx (the request itself is wrong, or the key) raises `TurnRefused` at once.
 - **Progress** (queued / generating / tool_wait / done, tokens) goes to the daemon through the run's one
   control-API client (pearlctl.api.client.ControlClient), as before; ``workers()`` is the daemon's list of
-  routable workers with their weight versions (what an on-policy driver waits on).
+  routable workers with their weight versions (what an on-policy driver waits on), and ``joining`` how many
+  more are on their way (a borrow, start, wake or switch in progress): ``wait_for_joining`` holds a batch's
+  launch back for them, at most ``JOIN_WAIT_S`` by default, so that its first turns spread over them too.
 
 Time is injectable (``clock``: unix seconds, ``sleep``) so tests run the back-off without waiting.
 """
@@ -44,6 +46,11 @@ log = logging.getLogger("pearlctl.router")
 
 URL_ENV, KEY_ENV = "PEARL_ROUTER_URL", "PEARL_ROUTER_KEY"
 RETRIED_STATUSES = (502, 503, 504)  # the gateway unreachable behind a proxy, or it gave up: ask again
+# How long a batch's launch waits at most for workers that are joining (examples/grpo/rollout.py --join-wait-s).
+# The simulator's drivers wait as long (pearlctl/sim/scenario.py JOIN_WAIT_S; tests/unit/test_sim_run.py
+# checks that the two agree).
+JOIN_WAIT_S = 15.0
+JOIN_POLL_S = 0.2
 
 
 class TurnFailed(Exception):
@@ -139,6 +146,7 @@ class RolloutClient:
         self._clock, self._sleep = clock, sleep
         self._endpoint: tuple[str, str] | None = None
         self._workers: list[dict] = []
+        self.joining = 0  # workers on their way to serving, as the daemon last said (0: none, or it did not answer)
         self._asked: float | None = None
         self._lock = threading.Lock()
         self.counts = {"queued": 0, "generating": 0, "tool_wait": 0, "done": 0, "tokens": 0}
@@ -212,7 +220,27 @@ class RolloutClient:
         with self._lock:
             if answer is not None and isinstance(answer.get("workers"), list):
                 self._workers = [w for w in answer["workers"] if isinstance(w, dict) and w.get("url")]
+            joining = answer.get("joining") if answer is not None else None
+            # a daemon that does not answer (or predates the field) has nothing joining to wait for
+            self.joining = joining if isinstance(joining, int) and not isinstance(joining, bool) else 0
             return list(self._workers)
+
+    def wait_for_joining(self, join_wait_s: float = JOIN_WAIT_S, *, poll_s: float = JOIN_POLL_S) -> float:
+        """Before a batch's launch: while the daemon says workers are joining (GPUs in a borrow, start, wake or
+        switch toward serving rollouts), wait for them to be routable — at most ``join_wait_s`` (0: not at
+        all). A worker that joins after the launch only takes sessions at their next turns (the router's
+        consistent hash), so the batch's first turns would all queue at the workers serving at the launch.
+        Returns the seconds waited."""
+        started = self._clock()
+        while join_wait_s > 0:
+            self.workers(force=True)
+            waited = self._clock() - started
+            if self.joining <= 0 or waited >= join_wait_s:
+                if self.joining > 0:
+                    log.info("launching with %d worker(s) still joining after %.1f s", self.joining, waited)
+                return waited
+            self._sleep(min(poll_s, join_wait_s - waited))
+        return 0.0
 
     def report_progress(self, step: int | None = None, work: dict | None = None) -> None:
         """Send the counts, and ``work`` — the remaining batch as the planner's Work fields (turns left,

@@ -21,6 +21,10 @@ nothing new, it decodes what it runs for the agent's drain window (``drain_s``) 
 is continued elsewhere; a preemption with less notice than that window is a hard kill (the running turns are
 retried from their start). The oracle's GPUs serve to the end and lose nothing.
 
+The rollout driver launches a batch as examples/grpo/rollout.py does: when it is due (synchronous: after the
+weight sync; asynchronous: within the staleness bound), but while workers are joining — GPUs in a transition
+toward a serving role — it waits for them, at most the scenario's ``join_wait_s``, whatever the policy.
+
 Guarantees: the daemon's return guarantee holds — when the trainer needs its GPUs, lent ones are returned
 (forced if the policy has not) and the wait they cause is counted as trainer delay; a GPU is never moved
 while it is in transition; moves that do not match the simulated state are refused and counted.
@@ -174,6 +178,7 @@ class Sim:
         self.sync_until = 0.0
         self.blocked_since: float | None = None
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
+        self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
         self.wait_ema: float | None = None  # its measured waits, averaged as examples/grpo/train.py does
         self.version = 0
         # Lease events, in time order.
@@ -322,11 +327,13 @@ class Sim:
                 if g.present and g.role in SERVING and not g.parked:
                     g.version = self.version
         # Launch batches: synchronous after the weight sync; asynchronous up to the staleness bound.
+        # The driver's join wait (``_may_launch``) may hold a due batch back a little while workers join.
         if tr.mode == "sync":
             if self.launched == self.trained and self.training_until is None and t >= self.sync_until:
-                self._launch(t)
+                if self._may_launch(t):
+                    self._launch(t)
         else:
-            while self.launched < self.steps and self.launched <= self.trained + tr.staleness:
+            while self.launched < self.steps and self.launched <= self.trained + tr.staleness and self._may_launch(t):
                 self._launch(t)
         # Start the next train step once its batch is complete and every trainer GPU is back.
         if self.training_until is None and len(self.completed_at) > self.trained:
@@ -352,6 +359,26 @@ class Sim:
 
     def _away(self, t: float) -> list[SimGpu]:
         return [g for g in self.gpus if g.pool == "trainer" and (g.role != Role.TRAIN or g.busy_until > t)]
+
+    def joining(self, t: float) -> int:
+        """Workers on their way to serving rollouts: those whose GPUs are in a transition toward a serving role
+        (a borrow, start, wake or switch not finished yet) — the ``joining`` of the daemon's ``GET /v1/workers``
+        (pearlctl/daemon/controller.py, routable_workers)."""
+        return len({g.id // self.gpw for g in self.gpus if g.present and g.role in SERVING and g.busy_until > t})
+
+    def _may_launch(self, t: float) -> bool:
+        """The rollout driver's join wait, as examples/grpo/rollout.py runs it (pearlctl/router/client.py,
+        RolloutClient.wait_for_joining): a batch due while workers are joining is launched once none is, or
+        ``join_wait_s`` after it became due — whatever the policy; a worker that joins later takes sessions at
+        their next turns only. The joined workers serve from the launch, so the batch's first turns spread over
+        them too (the router's ring includes them when the batch's requests are sent)."""
+        if self.due_since is None:
+            self.due_since = t
+        wait = self.scenario.training.join_wait_s
+        if wait > 0 and t < self.due_since + wait - 1e-9 and self.joining(t):
+            return False
+        self.due_since = None
+        return True
 
     def _launch(self, t: float) -> None:
         lo, hi = self._batch_range(self.launched)

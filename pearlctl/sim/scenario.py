@@ -32,6 +32,12 @@ Z99 = 2.3263478740408408
 
 DISTRIBUTION_KINDS = ("const", "uniform", "lognormal")
 
+# The rollout driver's join wait: a batch due while workers are joining (GPUs in a transition toward a serving
+# role: a borrow, start, wake or switch) is launched once they serve, or this long after it was due (0: at
+# once). The live driver's default: pearlctl/router/client.py JOIN_WAIT_S (examples/grpo/rollout.py
+# --join-wait-s); tests/unit/test_sim_run.py checks that the two agree.
+JOIN_WAIT_S = 15.0
+
 
 @dataclass(frozen=True)
 class Distribution:
@@ -117,6 +123,7 @@ class Training:
     train_step_s: float
     weight_sync_s: float  # rollout workers pause this long after each step while new weights load
     staleness: int = 0  # async: a batch may be generated at most this many steps ahead of the trainer
+    join_wait_s: float = JOIN_WAIT_S  # the rollout driver's join wait (above)
 
 
 @dataclass(frozen=True)
@@ -295,7 +302,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
 
     w = f"{where} [training]"
     tr = _table(doc, "training", where)
-    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness"}, w)
+    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness", "join_wait_s"}, w)
     mode = tr.get("mode", "sync")
     if mode not in ("sync", "async"):
         raise ScenarioError(f'{w} mode: must be "sync" or "async" (got {mode!r})')
@@ -304,6 +311,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         train_step_s=float(_number(tr, "train_step_s", w, strict=True)),
         weight_sync_s=float(_number(tr, "weight_sync_s", w, default=profile.costs.weight_sync_s)),
         staleness=_number(tr, "staleness", w, default=1 if mode == "async" else 0, integer=True),
+        join_wait_s=float(_number(tr, "join_wait_s", w, default=JOIN_WAIT_S)),
     )
     if mode == "async" and training.staleness < 1:
         raise ScenarioError(f'{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = "sync")')

@@ -24,7 +24,7 @@ import pytest
 
 from pearlctl.api.client import DaemonRefusal
 from pearlctl.router import service
-from pearlctl.router.client import Completion, RolloutClient, TurnFailed, TurnRefused
+from pearlctl.router.client import JOIN_WAIT_S, Completion, RolloutClient, TurnFailed, TurnRefused
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
@@ -48,10 +48,11 @@ class FakeTime:
 
 
 class Daemon:
-    """Stands in for ControlClient: ``GET /v1/workers`` answers ``listing()`` (None: unreachable)."""
+    """Stands in for ControlClient: ``GET /v1/workers`` answers ``listing()`` (None: unreachable) and, when
+    ``joining`` is given, ``joining()`` workers on their way (as pearlctl.daemon.controller answers)."""
 
-    def __init__(self, listing: Callable[[], list[dict] | None] = lambda: []):
-        self.listing = listing
+    def __init__(self, listing: Callable[[], list[dict] | None] = lambda: [], joining: Callable[[], int] | None = None):
+        self.listing, self.joining = listing, joining
         self.asked = 0
         self.progress: list[dict] = []
 
@@ -59,7 +60,9 @@ class Daemon:
         if path == "/v1/workers":
             self.asked += 1
             workers = self.listing()
-            return None if workers is None else {"epoch": 1, "workers": workers}
+            if workers is None:
+                return None
+            return {"epoch": 1, "workers": workers, **({"joining": self.joining()} if self.joining else {})}
         self.progress.append(body or {})
         return {"epoch": 1}
 
@@ -301,6 +304,58 @@ def test_progress_goes_to_the_daemon_and_never_raises() -> None:
     assert daemon.progress[-1]["queued"] == 3
 
 
+# -- the join wait: a batch's launch waits, briefly, for workers on their way -------------------------------
+def test_the_launch_waits_for_joining_workers_until_they_serve() -> None:
+    t = FakeTime()
+    left = [2, 2, 1, 0]  # the daemon's joining count at each ask: a borrow, then a start, finish
+    daemon = Daemon(lambda: [{"url": A, "weight_version": "1"}], joining=lambda: left.pop(0))
+    client = make_client(Gateway(), t, daemon)
+    waited = client.wait_for_joining(15.0, poll_s=0.5)
+    assert waited == pytest.approx(1.5) and t.sleeps == [0.5, 0.5, 0.5]
+    assert daemon.asked == 4 and client.joining == 0
+
+
+def test_the_join_wait_is_bounded() -> None:
+    t = FakeTime()
+    daemon = Daemon(lambda: [{"url": A}], joining=lambda: 1)  # a worker that never comes up
+    client = make_client(Gateway(), t, daemon)
+    assert client.wait_for_joining() == pytest.approx(JOIN_WAIT_S)  # then the batch goes to who serves
+    assert sum(t.sleeps) == pytest.approx(JOIN_WAIT_S) and max(t.sleeps) <= 0.2 + 1e-9
+
+
+@pytest.mark.parametrize(
+    "daemon, join_wait_s",
+    [
+        (Daemon(lambda: [{"url": A}], joining=lambda: 3), 0.0),  # 0: the wait is off
+        (Daemon(lambda: [{"url": A}]), 15.0),  # a daemon that does not say: nothing to wait for
+        (Daemon(lambda: None, joining=lambda: 3), 15.0),  # one that does not answer: neither
+    ],
+    ids=["off", "no-field", "unreachable"],
+)
+def test_no_join_wait_when_off_or_when_the_daemon_does_not_say(daemon: Daemon, join_wait_s: float) -> None:
+    t = FakeTime()
+    client = make_client(Gateway(), t, daemon)
+    assert client.wait_for_joining(join_wait_s) == 0.0 and t.sleeps == []
+
+
+def test_the_driver_waits_for_the_weights_then_for_joining_workers_then_for_their_weights() -> None:
+    driver = load_driver()
+    t = FakeTime()
+    daemon = Daemon()
+
+    def listing() -> list[dict]:
+        # ask 1: the serving worker holds the step's weights while a lent one joins; from ask 3 it is routable,
+        # first with the weights it was parked with, from ask 5 with the step's
+        joined = [{"url": B, "weight_version": "2" if daemon.asked >= 5 else "1"}] if daemon.asked >= 3 else []
+        return [{"url": A, "weight_version": "2"}, *joined]
+
+    daemon.listing, daemon.joining = listing, lambda: 1 if daemon.asked < 3 else 0
+    client = make_client(Gateway(), t, daemon)
+    driver.wait_for_workers(client, "2", timeout_s=5.0, join_wait_s=15.0)
+    assert daemon.asked == 5 and t.sleeps == [pytest.approx(0.2)]  # one poll of the join wait
+    assert [w["weight_version"] for w in client.workers()] == ["2", "2"]  # both serve the step's first turns
+
+
 def test_concurrent_sessions_share_one_client() -> None:
     """Turns from several threads: every one completes, the counters balance."""
     t = FakeTime()
@@ -379,6 +434,9 @@ class ScriptedClientWithProgress(ScriptedClient):
 
     def workers(self, force: bool = False) -> list[dict]:
         return []
+
+    def wait_for_joining(self, join_wait_s: float = JOIN_WAIT_S, **kw) -> float:
+        return 0.0
 
 
 # -- VllmWorker.stop: abort what a failed drain leaves, within the drain timeout --------------------------

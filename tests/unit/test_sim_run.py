@@ -190,3 +190,65 @@ def test_the_sync_trainer_reports_its_wait_from_the_end_of_its_step():
     sim.wait_ema, sim.waiting_since = 200.0, 1000.0
     view = sim._trainer_view(1004.0, Work())
     assert view.phase == "waiting" and view.wait_left_s == pytest.approx(196.0)
+
+
+# -- the rollout driver's join wait -----------------------------------------------------------------------
+
+
+def test_the_sim_and_the_live_driver_wait_as_long_for_joining_workers():
+    from pearlctl.router.client import JOIN_WAIT_S
+
+    assert sc.JOIN_WAIT_S == JOIN_WAIT_S
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml")
+    assert s.training.join_wait_s == JOIN_WAIT_S
+
+
+def _lending(join_wait_s: float, joins_at: float) -> tuple[Sim, int]:
+    """A synchronous batch due at t = 0 while two trainer GPUs (one worker) are being lent until ``joins_at``."""
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml").with_overrides(steps=1)
+    sim = Sim(replace(s, training=replace(s.training, join_wait_s=join_wait_s)), "test", lambda snap: None)
+    for g in sim.gpus[: sim.gpw]:
+        g.role, g.borrowed, g.busy_until = Role.ROLLOUT, True, joins_at
+    return sim, sim.gpus[0].id // sim.gpw
+
+
+def _launch_time(sim: Sim, until: float = 60.0) -> float | None:
+    t = 0.0
+    while t < until:
+        sim._trainer(t)
+        if sim.launched:
+            return t
+        t += sim.scenario.tick_s
+    return None
+
+
+@pytest.mark.parametrize(
+    "join_wait_s, joins_at, launch_at",
+    [(15.0, 3.0, 3.0), (15.0, 40.0, 15.0), (0.0, 3.0, 0.0)],
+    ids=["joins-in-time", "bounded", "off"],
+)
+def test_the_driver_launches_a_due_batch_once_joining_workers_serve_within_join_wait_s(
+    join_wait_s, joins_at, launch_at
+):
+    # examples/grpo/rollout.py waits (pearlctl/router/client.py, wait_for_joining) while the daemon reports
+    # workers joining, at most join_wait_s: the same for every policy, it is the driver's behaviour
+    sim, _ = _lending(join_wait_s, joins_at)
+    assert sim.joining(0.0) == 1
+    assert _launch_time(sim) == pytest.approx(launch_at)
+
+
+def test_a_worker_that_joined_before_the_launch_takes_first_turns():
+    # the router's ring holds the joined worker when the batch's requests go out; one that joins after the
+    # launch gets sessions only at their next turns (docs/simulator.md, routing)
+    for join_wait_s, expect_first_turns in ((15.0, True), (0.0, False)):
+        sim, k = _lending(join_wait_s, 3.0)
+        t = 0.0
+        while t <= 3.0:
+            sim._trainer(t)
+            if sim._dirty or t >= sim._next_expiry:
+                sim._refresh(t)
+            sim.engine.step(t, sim.scenario.tick_s)
+            t += sim.scenario.tick_s
+        e = sim.engine
+        first = ((e.run_w[: sim.batch] == k) | (e.disp_w[: sim.batch] == k)).any()
+        assert bool(first) is expect_first_turns, join_wait_s

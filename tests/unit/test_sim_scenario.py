@@ -58,6 +58,7 @@ def load_doc(doc: dict) -> sc.Scenario:
         (lambda d: d["workload"].pop("prompts_per_step"), "[workload] prompts_per_step: required"),
         (lambda d: d["training"].update(mode="fast"), 'mode: must be "sync" or "async"'),
         (lambda d: d["training"].update(mode="async", staleness=0), "async needs staleness >= 1"),
+        (lambda d: d["training"].update(join_wait_s=-1), "[training] join_wait_s: must be >= 0"),
         (lambda d: d["cluster"].update(trainer_gpus=-1), "[cluster] trainer_gpus: must be >= 1"),
         (lambda d: d["cluster"].update(rollout_gpus="8"), "rollout_gpus: must be an integer"),
         (lambda d: d["scenario"].update(profile="nope.toml"), "[scenario] profile: cannot read profile"),
@@ -82,6 +83,14 @@ def test_bad_scenarios_name_the_key_and_what_is_allowed(edit, message):
     with pytest.raises(sc.ScenarioError) as err:
         load_doc(doc)
     assert message in str(err.value)
+
+
+def test_the_drivers_join_wait_defaults_to_the_live_drivers_and_may_be_set_or_turned_off():
+    assert load_doc(base_doc()).training.join_wait_s == sc.JOIN_WAIT_S
+    for value in (0, 4.5):
+        doc = base_doc()
+        doc["training"]["join_wait_s"] = value
+        assert load_doc(doc).training.join_wait_s == value
 
 
 def test_events_need_exactly_one_of_grant_or_preempt():
