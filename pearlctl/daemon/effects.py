@@ -7,7 +7,7 @@ step key:
 |---|---|---|
 | OFFLOAD | the trainer is asked to release (command id = step key) | the trainer acked it ok |
 | START | the GPUs take the serving role (trainer GPUs: lent, with a deadline): the agent starts vLLM | it runs |
-| VERIFY (GPUs come up) | — | the worker in the new role is READY (health checked by its agent) |
+| VERIFY (GPUs come up) | — | the worker in the new role is READY and serves the trainer's latest weights |
 | REGISTER | the worker becomes routable | recorded, and the run's router lists it |
 | DEREGISTER | the worker stops being routable: nothing new reaches it | recorded; the router no longer lists it |
 | DRAIN | the GPUs leave their role (trainer: TRAIN; others: IDLE): the agent drains the worker | drained or gone |
@@ -16,6 +16,9 @@ step key:
 | SLEEP (not STOP) | DRAIN parked the worker: the agent drains it and puts it to sleep | it SLEEPS (or is gone) |
 | RELOAD | the trainer is asked to reclaim (command id = step key) | the trainer acked it ok |
 | VERIFY (GPUs go back to TRAIN) | — | the trainer reports itself not released |
+
+VERIFY waits for the latest weights so that nothing off-policy is ever routed: a worker woken (or started)
+with older weights reloads them on its agent's next heartbeat, before REGISTER.
 
 Trainer commands are not stored separately: the pending one is the OFFLOAD/RELOAD step still in
 INTENT, so a restarted daemon asks again under the same id and the hook answers a repeat with its
@@ -168,7 +171,14 @@ class DaemonEffects:
         w = self._live_worker(t, role)
         if w is None:
             return FAILED if any(x["state"] == W.FAILED for x in self._workers_on(t, role)) else PENDING
-        return DONE if w["state"] == W.READY else PENDING
+        if w["state"] != W.READY:
+            return PENDING
+        # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
+        # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
+        # fails the step by its timeout, and the transition rolls back)
+        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+        latest = trainer.get("weight_version") if trainer.get("weights_path") else None
+        return DONE if latest is None or w.get("weight_version") == str(latest) else PENDING
 
     def _routed(self, t: dict, key: str) -> str:
         """Recorded in state, and — where the run has a router — carried out by it: REGISTER is proven when

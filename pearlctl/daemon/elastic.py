@@ -35,6 +35,12 @@ makes Slurm (or the local backend) hold that many, within ``[pools.elastic] node
 - **Slurm never runs under the lock.** Every method decides and records under ``lock`` (the daemon's
   decision lock) and runs squeue / sbatch / scancel with no lock held, like ``watcher.poll_run`` and
   ``apply_poll``. Every write carries the daemon's lease epoch.
+- **Crash-tested at its boundaries.** ``fault(point, key)`` (a no-op unless the daemon's ``PEARL_FAULT`` sets
+  one: pearlctl.daemon.main.fault_from_env) is called where an effect is in doubt, with the keys
+  ``elastic:<allocation id>:GROW`` (``after_intent``: the REQUESTED row is committed, its sbatch not run;
+  ``after_effect``: sbatch returned, its job id not recorded) and ``elastic:<allocation id>:SHRINK``
+  (``after_intent``: ``drain_requested_at`` is committed; ``after_effect``: its scancel returned); the real
+  daemon is SIGKILLed there in tests/engines/test_crash_matrix_elastic.py.
 - **Journaled, with a size history.** Each change of the pool's size or make-up is an ``elastic size`` event
   on the pool (size, running, pending, preempting, lost, draining, wanted): ``elastic_view`` reads the
   pool's state and that history for ``pearlctl status``.
@@ -153,8 +159,11 @@ class ElasticPool:
         clock: Callable[[], float] = time.time,
         pool: str = POOL,
         routed: Callable[[], set[str]] | None = None,
+        fault: Callable[[str, str], None] | None = None,
     ):
         self.store, self.backend, self.run_id, self.epoch = store, backend, run_id, epoch
+        # fault injection for the crash tests: called with (point, key) where an effect is in doubt
+        self.fault: Callable[[str, str], None] = fault or (lambda point, key: None)
         # what the run's router routes to (pearlctl.daemon.routing); None: no router, drain at once
         self.routed = routed
         self.lock = lock if lock is not None else threading.RLock()
@@ -363,6 +372,8 @@ class ElasticPool:
                         epoch=self.epoch,
                     )
                 raise
+            for a in to_cancel:
+                self.fault("after_effect", f"elastic:{a['id']}:SHRINK")  # scancelled; its end not yet seen
         with self.lock:
             self._note_size(_read(self.store, self.run_id, self.pool))
 
@@ -421,12 +432,15 @@ class ElasticPool:
             run = p.run
             self._note_size(p)
         for i, a in enumerate(submit):
+            key = f"elastic:{a['id']}:GROW"
+            self.fault("after_intent", key)  # the REQUESTED row is committed; its sbatch has not run
             try:
                 req = grow_request(run, self.pool, int(a["array_index"]))
                 job_id = self.backend.submit(req, render_script(req))
             except (BackendError, ValueError) as exc:
                 self._submit_failed(submit[i:], str(exc))
                 return
+            self.fault("after_effect", key)  # submitted; state does not know its job id yet
             self._record_submitted(a, job_id)
         if submit:
             with self.lock:
@@ -535,17 +549,27 @@ class ElasticPool:
                 data={"why": why, "state": a["state"], "slurm_id": f"{a['job_id']}_{a['array_index']}"},
                 drain_requested_at=now,
             )
-            for w in self.store.workers(self.run_id):
-                if w["allocation_id"] == a["id"] and w["routable"]:
-                    self.store.update_fields("workers", w["id"], epoch=self.epoch, event="elastic drain", routable=0)
+            self.fault("after_intent", f"elastic:{a['id']}:SHRINK")  # asked to leave; its workers still routable
+            self._unroute(a["id"])
             if a["state"] != A.PENDING and self.routed is None:
                 self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
             # with a router, the GPUs go DRAINING (their agent drains the workers) only once the router sends
             # them nothing new: see _out_of_router
 
+    def _unroute(self, alloc_id: int) -> None:
+        """The task's workers take no new requests: out of routing in state (the router follows)."""
+        for w in self.store.workers(self.run_id):
+            if w["allocation_id"] == alloc_id and w["routable"]:
+                self.store.update_fields("workers", w["id"], epoch=self.epoch, event="elastic drain", routable=0)
+
     def _out_of_router(self, p: _Pool) -> None:
         """Draining tasks whose workers the router no longer routes to: their GPUs go DRAINING now, so their
-        agents drain and stop the workers — never while new requests may still reach them."""
+        agents drain and stop the workers — never while new requests may still reach them. A draining task's
+        workers still routable in state (a daemon that crashed between the drain's request and their
+        unrouting) are taken out first."""
+        for a in p.draining:
+            if a["state"] != A.PENDING:
+                self._unroute(a["id"])
         if self.routed is None:
             return
         routed = self.routed()

@@ -324,19 +324,21 @@ class Daemon:
             self.stopping.set()
             if self._server is not None:
                 self._server.should_exit = True
-            if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
-                try:
-                    router.stop()
-                except Exception as exc:
-                    log.warning("could not stop the router: %s", exc)
+            # the stop is recorded and the lease released first: Slurm may SIGKILL a daemon job a few seconds
+            # after its SIGTERM (KillWait), and stopping the router can take longer than that
             if self.deposed is None:
                 try:
-                    self.store.journal_event(
-                        self.run_id, "runs", self.run_id, "daemon stopped", data={"holder": self.holder}, epoch=epoch
-                    )
+                    stopping_router = over and router is not None
+                    data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
+                    self.store.journal_event(self.run_id, "runs", self.run_id, "daemon stopped", data=data, epoch=epoch)
                     self.store.release_lease(run_lease_name(self.run_id), self.holder)
                 except Exception as exc:
                     log.warning("could not record the stop: %s", exc)
+            if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
+                try:
+                    router.stop()  # its "router stopped" event may be refused now that the lease is released
+                except Exception as exc:
+                    log.warning("router stop: %s", exc)
         if self.deposed is not None:
             raise DaemonRefused(self.deposed)
 
@@ -380,6 +382,7 @@ class Daemon:
             epoch=epoch,
             lock=controller.lock,
             routed=router.routed if router is not None else None,
+            fault=executor.fault,
         )
         threads = [
             threading.Thread(

