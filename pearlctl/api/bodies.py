@@ -26,6 +26,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Ack",
     "Borrow",
+    "GpuId",
     "GpuRef",
     "Heartbeat",
     "Move",
@@ -196,6 +197,13 @@ class GpuRef(Body):
     index: GpuIndex
 
 
+class GpuId(Body):
+    """A GPU by its id in state (the ``id`` column of ``pearlctl status``): for names that fit several GPUs
+    (the local backend gives every task the first GPUs of its one node)."""
+
+    id: Id
+
+
 # the roles a rollout or elastic GPU can be brought up in by a move
 ServingRole = Literal[Role.ROLLOUT, Role.PREFILL, Role.DECODE]
 
@@ -205,7 +213,7 @@ class Move(Body):
     (default ROLLOUT), retire them (``keep_warm``: park the worker asleep), or switch them to ``role``."""
 
     kind: Literal["start", "wake", "retire", "switch"]
-    gpus: Annotated[list[GpuRef], Field(min_length=1, max_length=64)]
+    gpus: Annotated[list[GpuRef | GpuId], Field(min_length=1, max_length=64)]
     role: ServingRole | None = None
     keep_warm: bool = False
 

@@ -29,9 +29,14 @@ ROLES = ("ROLLOUT", "PREFILL", "DECODE")
 
 
 def _gpu_ref(text: str) -> dict:
+    if text.isdigit():
+        return {"id": int(text)}
     node, sep, index = text.rpartition(":")
     if not sep or not node or not index.isdigit():
-        raise fail(f"GPU {text!r}: expected NODE:INDEX as `pearlctl status` lists it, e.g. gpu2:0", EXIT_USAGE)
+        raise fail(
+            f"GPU {text!r}: expected NODE:INDEX or the GPU's id, as `pearlctl status` lists them (gpu2:0, 7)",
+            EXIT_USAGE,
+        )
     return {"node": node, "index": int(index)}
 
 
@@ -39,7 +44,7 @@ def _gpu_ref(text: str) -> dict:
 def move(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
     kind: str = typer.Argument(..., metavar="KIND", help="start, wake, retire or switch."),
-    gpus: list[str] = typer.Argument(..., metavar="GPU...", help="GPUs as NODE:INDEX (`pearlctl status` lists them)."),
+    gpus: list[str] = typer.Argument(..., metavar="GPU...", help="GPUs as NODE:INDEX or id (`pearlctl status`)."),
     role: str = typer.Option(
         None, "--role", help="start, wake, switch: serve as ROLLOUT (default), PREFILL or DECODE."
     ),

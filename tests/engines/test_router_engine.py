@@ -38,42 +38,19 @@ from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
 from pearlctl.router.client import RolloutClient
 from pearlctl.router.membership import RouterMembership
-from tests.engines.conftest import TINY_MODEL, free_port, group_alive
+from tests.engines.conftest import free_port, group_alive, tiny_servers, wait_running
 
 NAME = "tiny"
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dataplane.py"
 LONG = 300  # tokens of the long greedy turns: about 1-3 s on this machine, time to interrupt them
 PROMPT = "<|im_start|>user\nwrite a long story about a cat<|im_end|>\n<|im_start|>assistant\n"
 MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
-TWO_SERVERS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # two servers, 2 cores
 
 
 @pytest.fixture(scope="module")
 def servers(engine_lock: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
-    out: dict[str, VllmServer] = {}
-    for name in ("A", "B"):
-        out[name] = VllmServer(
-            str(TINY_MODEL),
-            port=free_port(),
-            role="ROLLOUT",
-            gpus=[],
-            engine_args={"dtype": "float32"},
-            env=TWO_SERVERS_ENV,
-            log_path=tmp_path_factory.mktemp(f"vllm-{name}") / "server.log",
-            device="cpu",
-            served_model_name=NAME,
-        )
-    try:
-        for srv in out.values():
-            srv.start()
-        for name, srv in out.items():
-            srv.wait_ready(timeout=240)
-            print(f"\nvLLM {name} ready in {srv.ready_s:.1f} s at {srv.url}")
+    with tiny_servers(tmp_path_factory, {"A": "ROLLOUT", "B": "ROLLOUT"}, name=NAME, timeout=240) as out:
         yield out
-    finally:
-        for srv in out.values():
-            srv.stop()
-            assert srv.pid is None or not group_alive(srv.pid)
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +101,6 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def running(srv: VllmServer) -> float:
-    return srv.metrics().get("num_requests_running", 0)
-
-
-def wait_running(srv: VllmServer, n: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while running(srv) < n:
-        assert time.monotonic() < deadline, f"{n} request(s) never ran on {srv.url}"
-        time.sleep(0.02)
 
 
 def greedy_completion(base_url: str, key: str, session: str) -> list[int]:

@@ -227,8 +227,11 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
         "moves": {
             "kind": st.sampled_from(["start", "wake", "retire", "switch"]),
             "gpus": st.lists(
-                st.fixed_dictionaries(
-                    {"node": st.sampled_from([NODE, NODE, "other-node"]), "index": st.integers(0, 8)}
+                st.one_of(
+                    st.fixed_dictionaries(
+                        {"node": st.sampled_from([NODE, NODE, "other-node"]), "index": st.integers(0, 8)}
+                    ),
+                    st.fixed_dictionaries({"id": st.integers(1, 12)}),
                 ),
                 min_size=1,
                 max_size=3,

@@ -73,8 +73,8 @@ def world(tmp_path: Path):
     store.close()
 
 
-def move(daemon: Daemon, kind: str, *gpus: str, role: str | None = None, keep_warm: bool = False) -> dict:
-    refs = [{"node": g.split(":")[0], "index": int(g.split(":")[1])} for g in gpus]
+def move(daemon: Daemon, kind: str, *gpus: str | int, role: str | None = None, keep_warm: bool = False) -> dict:
+    refs = [{"id": g} if isinstance(g, int) else {"node": g.split(":")[0], "index": int(g.split(":")[1])} for g in gpus]
     body = parse(bodies.Move, {"kind": kind, "gpus": refs, "role": role, "keep_warm": keep_warm})
     return daemon.controller.move(body)
 
@@ -148,3 +148,26 @@ def test_one_plan_at_a_time_a_second_move_is_a_conflict(world):
     with pytest.raises(ControlError) as exc:
         move(daemon, "retire", "gpu2:0")
     assert exc.value.status == 409 and f"transition {first['transition_id']}" in str(exc.value)
+
+
+def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_for_the_id(world):
+    store, daemon, _, loop = world
+    rollout = next(g for g in store.gpus("r") if g["pool"] == "rollout")
+    trainer = next(g for g in store.gpus("r") if g["pool"] == "trainer")
+    answer = move(daemon, "switch", rollout["id"], role="DECODE")
+    assert answer["gpus"] == ["gpu2:0"] and answer["to_role"] == "DECODE"
+    loop(lambda: store.get("transitions", answer["transition_id"])["state"] == "DONE")
+    with pytest.raises(ControlError, match="is a trainer GPU"):
+        move(daemon, "retire", trainer["id"])
+    with pytest.raises(ControlError, match="has no GPU id 999"):
+        move(daemon, "retire", 999)
+    # a second rollout allocation on the same node and index (as the local backend gives): the name fits both
+    pool_id = store.allocations("r")[1]["pool_id"]
+    extra = store.add_allocation("r", pool_id, event="t")
+    store.set_state("allocations", extra["id"], expect="REQUESTED", to="PENDING", event="t", job_id="9")
+    store.set_state("allocations", extra["id"], expect="PENDING", to="RUNNING", event="t", node="gpu2")
+    daemon.controller.register(
+        parse(bodies.Register, {"job_id": "9", "task_id": extra["array_index"], "node": "gpu2", "gpus": [0], "pid": 2})
+    )
+    with pytest.raises(ControlError, match="fits several GPUs: id .* name one by its id"):
+        move(daemon, "retire", "gpu2:0")

