@@ -127,12 +127,14 @@ def harness(engine_lock, tmp_path_factory):
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
     h = MovesHarness(pc, d / "run")
-    h.start_daemon()
-    wait_for(lambda: any(w["routable"] and w["state"] == "READY" for w in h.live_workers()), 240)
-    yield h
-    h.stop_daemon()
-    pc("cancel", RUN, check=None)
-    h.store.close()
+    try:  # the run is cancelled (its router stops with it) whatever happens from here on
+        h.start_daemon()
+        wait_for(lambda: any(w["routable"] and w["state"] == "READY" for w in h.live_workers()), 240)
+        yield h
+    finally:
+        h.stop_daemon()
+        pc("cancel", RUN, check=None)
+        h.store.close()
 
 
 def test_the_cases_cover_every_effect_step_of_every_pool_transition():

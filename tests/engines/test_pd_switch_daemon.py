@@ -157,8 +157,8 @@ def run(engine_lock, tmp_path_factory):
     store = Store.open(d / "state" / "state.db", readonly=True)
     run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
     serving = lambda: [w for w in store.workers(run_id) if w["state"] == "READY" and w["routable"]]  # noqa: E731
-    wait_for(lambda: len(serving()) == 2, 300)
-    try:
+    try:  # the run is cancelled (its daemon and router stop) whatever happens from here on
+        wait_for(lambda: len(serving()) == 2, 300)
         yield pc, store, run_id, d / "run"
     finally:
         address = read_address(d / "run")
