@@ -8,13 +8,15 @@ end of the session; an autouse fixture makes every test here use it. Other proce
 
 Shared helpers: `TINY_MODEL` (examples/models/tiny, seed 0), `build_tiny_model` (scripts/build-tiny-model.py,
 same shapes for another seed), `free_port`, `group_alive`, `tiny_server` (one server), `tiny_servers` (several
-side by side, sharing the cores), `running` / `wait_running` (a server's running requests).
+side by side, sharing the cores), `running` / `wait_running` (a server's running requests), `local_run_spec`
+(a run on the local backend whose trainer is a placeholder, for tests of the rollout side).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import socket
 import subprocess
@@ -171,6 +173,28 @@ def wait_running(srv, n: int = 1, timeout: float = 60.0) -> None:
     while running(srv) < n:
         assert time.monotonic() < deadline, f"{n} request(s) never ran on {srv.url}"
         time.sleep(0.02)
+
+
+PLACEHOLDER = [sys.executable, "-c", "import time; time.sleep(36000)"]
+
+
+def local_run_spec(d: Path, name: str, pools: str, *, poll_interval_s: int = 2, run_extra: str = "") -> str:
+    """A run spec on the local backend (``d/run`` its run directory) whose trainer pool is a placeholder task
+    holding one (stand-in) GPU — the trainer is not what these tests are about — followed by ``pools``
+    (TOML tables) and, in ``[run]``, ``run_extra``."""
+    return f"""
+[run]
+name = "{name}"
+model = "{TINY_MODEL}"
+run_dir = "{d / "run"}"
+backend = "local"
+poll_interval_s = {poll_interval_s}
+{run_extra}
+[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
+nodes = 1
+gpus_per_node = 1
+command = {json.dumps(PLACEHOLDER)}
+{pools}"""
 
 
 def build_tiny_model(out: Path, seed: int) -> Path:

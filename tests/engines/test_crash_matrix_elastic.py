@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from pearlctl.router import service
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
-from tests.engines.conftest import TINY_MODEL
+from tests.engines.conftest import local_run_spec
 
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
@@ -47,19 +46,7 @@ LEFT_READY = ("DRAINING", "SLEEPING", "STOPPED", "LOST", "FAILED")
 
 
 def spec(d: Path) -> str:
-    sleep = [sys.executable, "-c", "import time; time.sleep(3600)"]
-    return f"""
-[run]
-name = "{RUN}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 1
-policy = "elastic"
-[pools.trainer]                # the trainer is not what is tested: a process that only waits
-nodes = 1
-gpus_per_node = 1
-command = {json.dumps(sleep)}
+    pools = """
 [pools.rollout]                # an agent with no GPU, so no worker
 nodes = 1
 gpus_per_node = 0
@@ -67,9 +54,10 @@ gpus_per_node = 0
 nodes = 1
 max_nodes = 2
 gpus_per_node = 1
-env = {{ OMP_NUM_THREADS = "1" }}
-engine_args = {{ max_model_len = 512 }}
+env = { OMP_NUM_THREADS = "1" }
+engine_args = { max_model_len = 512 }
 """
+    return local_run_spec(d, RUN, pools, poll_interval_s=1, run_extra='policy = "elastic"')
 
 
 class Harness:

@@ -15,8 +15,6 @@ next one starts; a case whose start is elsewhere gets there first without a faul
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from pearlctl.router.membership import RouterMembership
 from pearlctl.runfiles import read_address
 from pearlctl.vocabulary import StepKind
 from tests.conftest import Pearlctl, alive, wait_for
-from tests.engines.conftest import TINY_MODEL
+from tests.engines.conftest import local_run_spec
 from tests.engines.test_crash_matrix_daemon import RUN, Harness
 
 POINT = "after_effect"
@@ -63,27 +61,17 @@ def cases() -> list[tuple[str, int, str]]:
 
 CASES = cases()
 
-SLEEP = json.dumps([sys.executable, "-c", "import time; time.sleep(36000)"])
 
 
 def spec(d: Path) -> str:
-    return f"""
-[run]
-name = "{RUN}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 2
-[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
-nodes = 1
-gpus_per_node = 1
-command = {SLEEP}
+    rollout = """
 [pools.rollout]
 nodes = 1
 gpus_per_node = 1
-env = {{ OMP_NUM_THREADS = "1" }}
-engine_args = {{ max_model_len = 512 }}
+env = { OMP_NUM_THREADS = "1" }
+engine_args = { max_model_len = 512 }
 """
+    return local_run_spec(d, RUN, rollout)
 
 
 class MovesHarness(Harness):

