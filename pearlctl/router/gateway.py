@@ -1146,6 +1146,8 @@ class Gateway:
         self.stats["restarted"] += turn.restarted
 
     async def models(self, request: Request) -> Response:
+        """The model list, as the serving router answers it; when the router cannot (down, or no worker
+        it counts healthy yet, as right after a membership change), as the first member worker that does."""
         refused = self.check_key(request)
         if refused is not None:
             return refused
@@ -1153,15 +1155,22 @@ class Gateway:
         base = pd.url if pd is not None and pd.alive() and not self._regular else self.router
         try:
             resp = await self.http.get(base + "/v1/models", timeout=10.0)
+            failure = None if resp.status_code == 200 else (resp.status_code, resp.text[:300])
         except httpx.HTTPError as exc:
-            return error(503, f"the router does not answer ({type(exc).__name__}: {exc})", "router_unavailable")
-        if resp.status_code != 200:
-            return error(
-                resp.status_code if resp.status_code >= 400 else 502,
-                f"the router answered {resp.status_code}: {resp.text[:300]}",
-                "upstream_error",
-            )
-        return Response(resp.content, 200, media_type="application/json")
+            resp, failure = None, (503, f"does not answer ({type(exc).__name__}: {exc})")
+        if failure is None and resp is not None:
+            return Response(resp.content, 200, media_type="application/json")
+        for url in sorted(self.members.by_url):
+            try:
+                direct = await self.http.get(url + "/v1/models", timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            if direct.status_code == 200:
+                return Response(direct.content, 200, media_type="application/json")
+        status, text = failure
+        if resp is None:
+            return error(503, f"the router {text}, nor does any member worker", "router_unavailable")
+        return error(status if status >= 400 else 502, f"the router answered {status}: {text}", "upstream_error")
 
     async def router_workers(self, base: str | None = None) -> list[dict] | None:
         """A vllm-router's own list of its workers (``GET /workers``): the regular one's, or the one at

@@ -161,7 +161,9 @@ def test_a_live_pd_switch_by_the_daemon_under_load_loses_no_turn(run):
     pc, store, run_id, run_dir = run
     record, key = service.read_record(run_dir), service.read_key(run_dir)
     base = record.base_url
-    model = httpx.get(base + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()["data"][0]["id"]
+    models = httpx.get(base + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert models.status_code == 200, models.text
+    model = models.json()["data"][0]["id"]
     ref = Load(base, key, model)
     refs = [ref.turn(i, f"ref-{i}", stream=False)["ids"] for i in range(len(PROMPTS))]
     n_before = len(store.transitions(run_id))

@@ -134,6 +134,8 @@ class Upstream:
         elif origin != ROUTER:  # a worker's /health, asked by the gateway before adding it
             if origin in self.unhealthy:
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            if path == "/v1/models":
+                return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "from": origin}]})
             return httpx.Response(200, json={})
         elif self.router_down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -775,12 +777,18 @@ def test_reregister_puts_every_member_back_into_a_restarted_router() -> None:
 def test_health_says_when_the_router_is_down_and_models_pass_through() -> None:
     async def scenario(gw, client, up):
         models = await client.get("/v1/models", headers=AUTH)
-        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert models.status_code == 200 and models.json()["data"][0] == {"id": "tiny"}  # the router's answer
+        await add(client, W1)
         up.router_down = True
         down = await client.get("/health")
         assert down.status_code == 503 and down.json()["router"] == "down"
+        models = await client.get("/v1/models", headers=AUTH)  # a member worker answers in the router's place
+        assert models.status_code == 200 and models.json()["data"][0] == {"id": "tiny", "from": W1}
+        up.unhealthy.add(W1)
         models = await client.get("/v1/models", headers=AUTH)
-        assert models.status_code == 503 and "router does not answer" in models.json()["error"]["message"]
+        assert models.status_code == 503
+        assert "router does not answer" in models.json()["error"]["message"]
+        assert "nor does any member worker" in models.json()["error"]["message"]
 
     run(scenario)
 
