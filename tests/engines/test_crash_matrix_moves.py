@@ -62,7 +62,6 @@ def cases() -> list[tuple[str, int, str]]:
 CASES = cases()
 
 
-
 def spec(d: Path) -> str:
     rollout = """
 [pools.rollout]
