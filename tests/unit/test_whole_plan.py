@@ -79,9 +79,46 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     assert all((t["detail"] or {}).get("why", "").startswith("scripted") for t in made)
     assert all(t["state"] == "PLANNED" for t in made)
     with controller.lock:
-        controller.borrowing.tick()  # the next tick starts them all (their GPUs are disjoint)
-    assert {t["state"] for t in store.transitions("r")} <= {"RUNNING", "DONE"}  # a retire with no worker is done
+        controller.borrowing.tick()  # the next tick starts the retire and one switch; the other switch waits
+    states = {(t["kind"], t["state"]) for t in store.transitions("r")}
+    assert states == {("retire", "DONE"), ("switch", "RUNNING"), ("switch", "PLANNED")}, states  # no worker: done
     assert len(store.transitions("r")) == 3  # and plans nothing new while they move
+
+
+def _switches(store: Store) -> list[dict]:
+    return sorted((t for t in store.transitions("r") if t["kind"] == "switch"), key=lambda t: t["id"])
+
+
+def test_a_plans_switches_run_one_at_a_time_so_the_other_workers_keep_serving(run):
+    store, controller = run
+    with controller.lock:
+        controller.borrowing.tick()
+        controller.borrowing.tick()
+    first, second = _switches(store)
+    assert (first["state"], second["state"]) == ("RUNNING", "PLANNED")
+    for _ in range(3):  # the first one still moves (its worker has not drained): the second keeps waiting
+        with controller.lock:
+            controller.borrowing.tick()
+        assert [t["state"] for t in _switches(store)] == ["RUNNING", "PLANNED"]
+    store.set_state("transitions", first["id"], expect="RUNNING", to="DONE", event="test: the switch completed")
+    with controller.lock:
+        controller.borrowing.tick()
+    assert [t["state"] for t in _switches(store)] == ["DONE", "RUNNING"]  # now the second one goes
+
+
+def test_when_a_switch_of_a_plan_fails_its_waiting_switches_are_dropped(run):
+    store, controller = run
+    with controller.lock:
+        controller.borrowing.tick()
+        controller.borrowing.tick()
+    first, second = _switches(store)
+    store.set_state("transitions", first["id"], expect="RUNNING", to="FAILED", event="test: a step was held")
+    with controller.lock:
+        controller.borrowing.tick()
+    dropped = store.get("transitions", second["id"])
+    assert dropped["state"] == "ROLLED_BACK" and store.steps(second["id"]) == []  # never started
+    why = [j for j in store.journal("r") if j["entity"] == "transitions" and j["entity_id"] == str(second["id"])]
+    assert any("earlier switch of its plan" in str(j["data"]) for j in why), why
 
 
 def test_dry_run_prints_the_whole_plan_and_changes_nothing(run):
