@@ -132,19 +132,16 @@ class Borrowing:
 
     def costs(self, base: TransitionCosts) -> TransitionCosts:
         """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
-        steps = (step for t in self.store.transitions(self.run_id) for step in self.store.steps(t["id"]))
+        steps = self.store.recent_steps(self.run_id, state="DONE", per_kind=5)
         return TransitionCosts(**{**vars(base), **step_costs(steps, last=5)})
 
     def cost(self, kind: str) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
         the sum of its steps' estimates. The deadline rules use it."""
-        done = [
-            t["updated_at"] - t["created_at"]
-            for t in self.store.transitions(self.run_id)
-            if t["kind"] == kind and t["state"] == T.DONE
-        ]
+        latest = self.store.transitions(self.run_id, states=(T.DONE,), kind=kind, last=5)
+        done = [t["updated_at"] - t["created_at"] for t in latest]
         if done:
-            return statistics.median(done[-5:])
+            return statistics.median(done)
         costs = self.costs((self.profile() or UNMEASURED).costs)
         return costs.borrow_s(warm=False) if kind == "borrow" else costs.return_s(park=True)
 
@@ -180,7 +177,7 @@ class Borrowing:
                 )
             )
         profile = self.profile() or UNMEASURED
-        transitions = self.store.transitions(self.run_id)
+        transitions = self.store.transitions(self.run_id, last=1)
         return Snapshot(
             now=now,
             gpus=tuple(gpus),
@@ -364,7 +361,7 @@ class Borrowing:
             and o["kind"] == "switch"
             and (o.get("detail") or {}).get("planned_at") == at
             and o["state"] in (T.FAILED, T.ROLLED_BACK)
-            for o in self.store.transitions(self.run_id)
+            for o in self.store.transitions(self.run_id, kind="switch")
         )
 
     def _judge_return(self, t: dict) -> None:

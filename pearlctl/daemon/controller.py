@@ -303,9 +303,8 @@ class Controller:
     def _moving_places(self, alloc_id: int) -> set[tuple[int, int]]:
         """(allocation, GPU index) of the allocation's GPUs that an open transition is moving."""
         ids: set[int] = set()
-        for t in self.store.transitions(self.run_id):
-            if t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK):
-                ids.update(t["gpu_ids"])
+        for t in self.store.open_transitions(self.run_id):
+            ids.update(t["gpu_ids"])
         if not ids:
             return set()
         return {(g["allocation_id"], g["idx"]) for g in self.store.gpus(self.run_id) if g["id"] in ids}
@@ -493,9 +492,7 @@ class Controller:
     def _nothing_lent_or_moving(self) -> bool:
         if any(g["borrowed"] for g in self.store.gpus(self.run_id)):
             return False
-        return not any(
-            t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK) for t in self.store.transitions(self.run_id)
-        )
+        return not self.store.open_transitions(self.run_id)
 
     def trainer_ack(self, body: bodies.Ack) -> dict:
         with self.lock:
@@ -733,8 +730,8 @@ class Controller:
         rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
         moving = [
             t
-            for t in self.store.transitions(self.run_id)
-            if t["state"] in (T.PLANNED, T.RUNNING) and t["to_role"] in rollout_roles
+            for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING))
+            if t["to_role"] in rollout_roles
         ]
         joining = 0
         if moving:  # the GPU rows only then: most answers have nothing joining

@@ -85,11 +85,8 @@ class DaemonEffects:
         return w["state"] == W.LOST and self.store.get("allocations", w["allocation_id"])["state"] in (A.ENDED, A.LOST)
 
     def _ack(self, key: str) -> dict | None:
-        for t in self.store.transitions(self.run_id):
-            for s in self.store.steps(t["id"]):
-                if s["idempotency_key"] == key:
-                    return (s.get("detail") or {}).get("ack")
-        return None
+        step = self.store.step_by_key(self.run_id, key)
+        return (step.get("detail") or {}).get("ack") if step else None
 
     # -- effects --------------------------------------------------------------------------------
     def _serve(self, t: dict, key: str) -> None:
@@ -244,9 +241,7 @@ STEPS: dict[StepKind, Step] = {
 
 def pending_trainer_command(store: Store, run_id: str) -> dict:
     """The trainer command the current step of an open transition asks for, or no command."""
-    for t in store.transitions(run_id):
-        if t["state"] not in (T.RUNNING, T.ROLLING_BACK):
-            continue
+    for t in store.transitions(run_id, states=(T.RUNNING, T.ROLLING_BACK)):
         for s in sorted(store.steps(t["id"]), key=lambda s: s["seq"]):
             trainer_step = s["kind"] in (StepKind.OFFLOAD, StepKind.RELOAD)
             if s["state"] == S.INTENT and trainer_step and not (s.get("detail") or {}).get("ack"):
@@ -258,12 +253,10 @@ def pending_trainer_command(store: Store, run_id: str) -> dict:
 
 
 def record_trainer_ack(store: Store, run_id: str, command_id: str, result: dict, epoch: int | None) -> bool:
-    for t in store.transitions(run_id):
-        for s in store.steps(t["id"]):
-            if s["idempotency_key"] == command_id:
-                detail = dict(s.get("detail") or {}, ack=result)
-                store.update_fields(
-                    "steps", s["id"], epoch=epoch, event="trainer ack", data={"ok": result.get("ok")}, detail=detail
-                )
-                return True
-    return False
+    s = store.step_by_key(run_id, command_id)
+    if s is None:
+        return False
+    detail = dict(s.get("detail") or {}, ack=result)
+    ack = {"ok": result.get("ok")}
+    store.update_fields("steps", s["id"], epoch=epoch, event="trainer ack", data=ack, detail=detail)
+    return True

@@ -126,7 +126,7 @@ class Executor:
         return tid
 
     def open_transitions(self) -> list[dict]:
-        return [t for t in self.store.transitions(self.run_id) if t["state"] in (T.PLANNED, T.RUNNING, T.ROLLING_BACK)]
+        return self.store.open_transitions(self.run_id)
 
     # -- moving -----------------------------------------------------------------------------------
     def _set(self, t: dict, to: str, event: str, data: dict | None = None) -> dict:

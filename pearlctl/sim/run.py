@@ -16,10 +16,13 @@ wait from past batches. The oracle (``pearlctl.sim.oracle``) alone reads the fut
 
 Leaves are paid as the live system pays them (``pearlctl.sim.engine``: abort and continue). A move that takes a
 worker out of serving (return, retire, switch) first aborts what it runs — ``ABORT_S`` more than the step's own
-cost. A preemption notice makes the worker's agent drain (pearlctl/agent/__main__.py): the router sends it
-nothing new, it decodes what it runs for the agent's drain window (``drain_s``) and then aborts the rest, which
-is continued elsewhere; a preemption with less notice than that window is a hard kill (the running turns are
-retried from their start). The oracle's GPUs serve to the end and lose nothing.
+cost. A plan's switches run one group at a time, a group being the GPUs of one node and pool moving between
+the same roles (one live transition), the other workers serving meanwhile; no new plan is made until they
+all ran — as the daemon does (pearlctl/daemon/borrowing.py). A preemption notice makes the worker's agent
+drain (pearlctl/agent/__main__.py): the router sends it nothing new, it decodes what it runs for the agent's
+drain window (``drain_s``) and then aborts the rest, which is continued elsewhere; a preemption with less
+notice than that window is a hard kill (the running turns are retried from their start). The oracle's GPUs
+serve to the end and lose nothing.
 
 The rollout driver launches a batch as examples/grpo/rollout.py does: when it is due (synchronous: after the
 weight sync; asynchronous: within the staleness bound), but while workers are joining — GPUs in a transition
@@ -203,6 +206,10 @@ class Sim:
         self._next_expiry = 0.0
         self._counts: dict[str, int] = {}
         self._killed: set[int] = set()  # workers preempted without a drain since the last role sync
+        # a plan's switches not started yet, one group per live transition (node, pool, roles), and the GPUs
+        # of the group now switching: the daemon runs a plan's switches one transition at a time
+        self._switch_queue: list[list[Move]] = []
+        self._switching: list[int] = []
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -225,6 +232,8 @@ class Sim:
             self._trainer(t)
             if self.controller is not None:
                 self.controller.control(self, t)
+            elif self._switch_queue or self._switching:
+                self._next_switch(t)  # the daemon plans nothing new while a plan's switches still run
             elif t >= next_control - 1e-9 or self._events() != seen:
                 # every control interval, and as soon as the trainer or the elastic trace changes: the daemon
                 # decides every tick (0.5 s), so it reacts to a trainer's report or a grant within one
@@ -405,10 +414,34 @@ class Sim:
             return
         self.plans += 1
         applied = 0
+        groups: dict[tuple, list[Move]] = {}
         for move in plan.moves:
-            applied += self._apply(move, t)
+            if move.kind is MoveKind.SWITCH and 0 <= move.gpu < len(self.gpus):
+                g = self.gpus[move.gpu]
+                groups.setdefault((g.node, g.pool, move.from_role, move.to_role), []).append(move)
+            else:
+                applied += self._apply(move, t)
+        self._switch_queue = list(groups.values())
+        applied += self._next_switch(t)
         if applied:
             self.last_change_at = t
+
+    def _next_switch(self, t: float) -> int:
+        """Start the plan's next group of switches once the group switching now has finished (as the
+        daemon's transitions do: one switch at a time, the other workers serving meanwhile); a group none
+        of whose moves still fit ends the plan's switches, as a failed switch drops the daemon's waiting
+        ones. Returns the moves applied."""
+        if any(self.gpus[i].busy_until > t for i in self._switching):
+            return 0
+        self._switching = []
+        while self._switch_queue:
+            group = self._switch_queue.pop(0)
+            applied = [m.gpu for m in group if self._apply(m, t)]
+            if applied:
+                self._switching = applied
+                return len(applied)
+            self._switch_queue = []
+        return 0
 
     def _apply(self, move: Move, t: float) -> bool:
         """Apply one move at its true cost; refuse (and count) one that does not fit the simulated state."""

@@ -68,6 +68,10 @@ class TransitionState(StrEnum):
     ROLLED_BACK = "ROLLED_BACK"  # the GPUs are back in from_role
 
 
+# transitions that still move GPUs (the executor advances them; a new plan waits for them)
+OPEN_TRANSITION_STATES = frozenset({TransitionState.PLANNED, TransitionState.RUNNING, TransitionState.ROLLING_BACK})
+
+
 class StepState(StrEnum):
     INTENT = "INTENT"  # durable before the effect; the effect is idempotent for the step's key
     DONE = "DONE"

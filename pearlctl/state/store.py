@@ -29,7 +29,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any, Self
@@ -47,11 +47,11 @@ from pearlctl.state.errors import (
     StaleWrite,
 )
 from pearlctl.state.machines import (
+    OPEN_TRANSITION_STATES,
     GpuState,
     PoolKind,
     Role,
     StepKind,
-    TransitionState,
     check_edge,
     machine,
 )
@@ -69,7 +69,6 @@ _MANAGED_COLUMNS = frozenset({"id", "run_id", "state", "version", "updated_at", 
 # Tables with their own write paths: the journal is append-only, leases go through the lease methods.
 _NO_FIELD_UPDATES = frozenset({"journal", "leases"})
 # Steps may only be added while their transition is still moving.
-_OPEN_TRANSITION_STATES = frozenset({TransitionState.PLANNED, TransitionState.RUNNING, TransitionState.ROLLING_BACK})
 
 
 def run_lease_name(run_id: str) -> str:
@@ -553,10 +552,10 @@ class Store:
                 raise NotFound(f"no transition with id {transition_id}")
             run_id, transition_state = owner
             self._fence(conn, run_id, epoch)
-            if transition_state not in _OPEN_TRANSITION_STATES:
+            if transition_state not in OPEN_TRANSITION_STATES:
                 raise InvalidWrite(
                     f"transition {transition_id} is {transition_state}; steps can only be "
-                    f"added while it is {', '.join(sorted(_OPEN_TRANSITION_STATES))}"
+                    f"added while it is {', '.join(sorted(OPEN_TRANSITION_STATES))}"
                 )
             clash = conn.execute(
                 "SELECT id, idempotency_key, seq FROM steps WHERE idempotency_key = ?"
@@ -708,11 +707,54 @@ class Store:
     def workers(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,), table="workers")
 
-    def transitions(self, run_id: str) -> list[Row]:
-        return self._query("SELECT * FROM transitions WHERE run_id = ? ORDER BY id", (run_id,), table="transitions")
+    def transitions(
+        self, run_id: str, *, states: Iterable[str] | None = None, kind: str | None = None, last: int | None = None
+    ) -> list[Row]:
+        """The run's transitions, oldest first: only those in ``states`` and of ``kind`` when given, only the
+        ``last`` n when given. The daemon's loop asks for the open ones and the latest few, never the whole
+        history, which grows by a few rows per training step."""
+        sql, params = "SELECT * FROM transitions WHERE run_id = ?", [run_id]
+        if states is not None:
+            wanted = sorted(states)
+            sql += f" AND state IN ({', '.join('?' * len(wanted))})"
+            params += wanted
+        if kind is not None:
+            sql += " AND kind = ?"
+            params.append(kind)
+        if last is None:
+            return self._query(sql + " ORDER BY id", params, table="transitions")
+        rows = self._query(sql + " ORDER BY id DESC LIMIT ?", [*params, last], table="transitions")
+        return rows[::-1]
+
+    def open_transitions(self, run_id: str) -> list[Row]:
+        return self.transitions(run_id, states=OPEN_TRANSITION_STATES)
 
     def steps(self, transition_id: int) -> list[Row]:
         return self._query("SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,), table="steps")
+
+    def step_by_key(self, run_id: str, key: str) -> Row | None:
+        """The run's step with this idempotency key (a trainer command's id is its step's key)."""
+        rows = self._query(
+            "SELECT steps.* FROM steps JOIN transitions ON transitions.id = steps.transition_id "
+            "WHERE steps.idempotency_key = ? AND transitions.run_id = ?",
+            (key, run_id),
+            table="steps",
+        )
+        return rows[0] if rows else None
+
+    def recent_steps(self, run_id: str, *, state: str, per_kind: int) -> list[Row]:
+        """The run's latest ``per_kind`` steps in ``state`` of each step kind, oldest first (running
+        estimates of step durations)."""
+        rows = self._query(
+            "SELECT * FROM (SELECT steps.*, ROW_NUMBER() OVER (PARTITION BY steps.kind ORDER BY steps.id DESC) AS n "
+            "FROM steps JOIN transitions ON transitions.id = steps.transition_id "
+            "WHERE transitions.run_id = ? AND steps.state = ?) WHERE n <= ? ORDER BY id",
+            (run_id, state, per_kind),
+            table="steps",
+        )
+        for row in rows:
+            del row["n"]
+        return rows
 
     def journal(self, run_id: str | None = None, since_id: int = 0, limit: int | None = None) -> list[Row]:
         """Journal rows with ``id > since_id``, oldest first; only the run's if ``run_id`` is given."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.home import known_policies
-from pearlctl.planner.model import Move, MoveKind, Role, Work
+from pearlctl.planner.model import Move, MoveKind, Plan, Role, Work
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
 from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT
@@ -179,6 +179,28 @@ def test_a_worker_leaving_its_role_pays_the_abort_before_its_own_transition():
     assert lent.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s + c.reload_s)
     assert sim._apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), 10.0)
     assert rollout.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s)
+
+
+def test_a_plans_switches_run_one_group_at_a_time_as_the_daemon_runs_them():
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml").with_overrides(steps=1)
+    sim = Sim(s, "test", lambda snap: None)
+    sim._availability(0.0)
+    rollout = [g for g in sim.gpus if g.pool == "rollout" and g.present]
+    half = len(rollout) // sim.gpw // 2 * sim.gpw  # whole workers: a prefill half and a decode half
+    first, second = rollout[:half], rollout[half:]
+    assert first and second
+    for g in rollout:
+        g.role = Role.ROLLOUT
+    moves = [Move(g.id, MoveKind.SWITCH, Role.ROLLOUT, Role.PREFILL, 0.0) for g in first]
+    moves += [Move(g.id, MoveKind.SWITCH, Role.ROLLOUT, Role.DECODE, 0.0) for g in second]
+    sim.decide = lambda snap: Plan(None, tuple(moves), 0.0, 0.0, 0.0, why="scripted")  # type: ignore[arg-type]
+    sim._control(10.0)
+    switch_s = ABORT_S + s.profile.costs.role_switch_s
+    assert all(g.role is Role.PREFILL and g.busy_until == pytest.approx(10.0 + switch_s) for g in first)
+    assert all(g.role is Role.ROLLOUT and g.busy_until <= 10.0 for g in second)  # waits, serving meanwhile
+    assert sim._next_switch(10.0 + switch_s / 2) == 0
+    assert sim._next_switch(10.0 + switch_s) == len(second)  # the first node's switch ended: the next one
+    assert all(g.role is Role.DECODE and g.busy_until == pytest.approx(10.0 + 2 * switch_s) for g in second)
 
 
 def test_the_sync_trainer_reports_its_wait_from_the_end_of_its_step():

@@ -426,6 +426,47 @@ def test_workers_transitions_and_steps(store: Store) -> None:
         store.add_step(transition_id=transition_id, seq=1, kind="VERIFY", idempotency_key="k1")
 
 
+def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> None:
+    runs = [new_run(store), new_run(store)]
+    gpu = {}
+    for run_id in runs:
+        allocation_id = store.allocations(run_id)[0]["id"]
+        store.upsert_node_gpus(run_id, allocation_id, "node-a", [0], "TRAIN")
+        gpu[run_id] = store.gpus(run_id)[0]["id"]
+    made: dict[str, list[int]] = {r: [] for r in runs}
+    for i in range(8):  # per run: borrow, return, borrow, ... ; every step DONE but the last transition's
+        for run_id in runs:
+            kind = ("borrow", "return")[i % 2]
+            roles = ("TRAIN", "ROLLOUT")[:: 1 if kind == "borrow" else -1]
+            tid = store.add_transition(
+                run_id=run_id, kind=kind, from_role=roles[0], to_role=roles[1], gpu_ids=[gpu[run_id]]
+            )
+            made[run_id].append(tid)
+            store.set_state("transitions", tid, expect="PLANNED", to="RUNNING", event="go")
+            for seq, step in enumerate(("OFFLOAD", "START") if kind == "borrow" else ("STOP", "RELOAD")):
+                sid = store.add_step(transition_id=tid, seq=seq, kind=step, idempotency_key=f"{run_id}:{tid}:{seq}")
+                if i < 7:
+                    store.set_state("steps", sid, expect="INTENT", to="DONE", event="done")
+            if i < 7:
+                store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="done")
+    a, b = runs
+    assert [t["id"] for t in store.transitions(a)] == made[a]  # the whole history, oldest first
+    assert [t["id"] for t in store.open_transitions(a)] == made[a][-1:]
+    assert [t["id"] for t in store.transitions(a, states=("DONE",), kind="borrow", last=2)] == made[a][4:7:2]
+    assert [t["id"] for t in store.transitions(a, last=3)] == made[a][-3:]
+    assert store.transitions(a, kind="switch") == []
+    step = store.step_by_key(a, f"{a}:{made[a][0]}:1")
+    assert (step["transition_id"], step["kind"]) == (made[a][0], "START")
+    assert store.step_by_key(b, f"{a}:{made[a][0]}:1") is None  # another run's key is not this run's step
+    recent = store.recent_steps(a, state="DONE", per_kind=2)
+    assert [(s["kind"], s["transition_id"]) for s in recent] == sorted(
+        [(k, t) for k, ts in (("OFFLOAD", made[a][4:7:2]), ("START", made[a][4:7:2]),
+                              ("STOP", made[a][3:6:2]), ("RELOAD", made[a][3:6:2])) for t in ts],
+        key=lambda kt: next(s["id"] for s in store.steps(kt[1]) if s["kind"] == kt[0]),
+    )  # fmt: skip
+    assert "n" not in recent[0] and all(s["state"] == "DONE" for s in recent)
+
+
 # ---------------------------------------------------------------------------- node and GPU registration
 
 
