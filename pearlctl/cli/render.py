@@ -157,6 +157,15 @@ def status_tables(doc: dict) -> Group:
                 f"{rollout.get('tokens')} tokens" + (f", {rate} tok/s" if rate is not None else "")
             )
         )
+    overall = ((run.get("predictor") or {}).get("all")) or {}
+    if overall:  # pearlctl.planner.correct: measured / predicted batch time, what predictions are scaled by
+        shapes = len((run.get("predictor") or {}).get("shapes") or {})
+        parts.append(
+            Text(
+                f"predictor: batches took {overall['ratio']:.2f}x the predicted time ({overall['batches']} checked, "
+                f"{shapes} shape(s)); predictions are corrected by it"
+            )
+        )
     return Group(*parts)
 
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from pearlctl.daemon.transitions import Executor
+from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
+from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Plan, Role, Snapshot, Trainer, Work
+from pearlctl.planner.predict import completion_s
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
@@ -177,11 +180,15 @@ class Borrowing:
                 )
             )
         profile = self.profile() or UNMEASURED
+        work = work_from_progress(run.get("rollout") or {})
+        if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
+            key = correct.shape(work, _serving_workers(gpus, profile.gpus_per_worker))
+            profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
         transitions = self.store.transitions(self.run_id, last=1)
         return Snapshot(
             now=now,
             gpus=tuple(gpus),
-            work=work_from_progress(run.get("rollout") or {}),
+            work=work,
             trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
             profile=profile,
             costs=self.costs(profile.costs),
@@ -288,8 +295,54 @@ class Borrowing:
     def _asleep(self, worker_id: int) -> bool:
         return self.store.get("workers", worker_id)["state"] == "SLEEPING"
 
+    # -- the predictor, checked --------------------------------------------------------------------
+    def check_prediction(self) -> None:
+        """Watch the current batch's prediction and learn from it when the batch ends (pearlctl.planner.correct).
+
+        A watch starts from a progress report with work left while no transition is open: the completion
+        predicted then for the serving GPUs (uncorrected), the report's time, and the GPUs. A change of the
+        serving GPUs (a transition opens) drops the watch — a plan's effect is not prediction error — and the
+        next stable report starts another. The first report without work ends the batch: measured = its time
+        minus the watch's; the ratio goes into the run's correction, journaled as ``prediction checked``."""
+        run = self.store.get_run(self.run_id)
+        doc = run.get("profile")
+        report = run.get("rollout") or {}
+        at = report.get("reported_at")
+        if not doc or at is None:
+            return
+        state = dict(run.get("predictor") or {})
+        watch = state.get("watch")
+        work = work_from_progress(report)
+        if work.empty:
+            if watch is not None:
+                state, check = correct.learn(state, watch["shape"], watch["predicted_s"], at - watch["since"])
+                self._save_predictor({**state, "watch": None}, check)
+            return
+        if self.executor.open_transitions():
+            if watch is not None:
+                self._save_predictor({**state, "watch": None})
+            return
+        serving = sorted(g["id"] for g in self.store.gpus(self.run_id) if g["state"] == G.UP and _serves(g))
+        if watch is not None and watch["gpus"] == serving:
+            return
+        profile = profiles.from_dict(doc)
+        snapshot = self.snapshot(at)
+        workers = _serving_workers(snapshot.gpus, profile.gpus_per_worker)
+        predicted = completion_s(work, plan.current_deployment(snapshot), profile)  # uncorrected
+        shape = correct.shape(work, workers)
+        self._save_predictor(
+            {**state, "watch": {"since": at, "predicted_s": predicted, "shape": shape, "gpus": serving}}
+        )
+
+    def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:
+        event, data = ("prediction checked", asdict(check)) if check else (None, None)
+        self.store.update_fields(
+            "runs", self.run_id, epoch=self.executor.epoch, event=event, data=data, predictor=state
+        )
+
     def tick(self) -> None:
         now = self.clock()
+        self.check_prediction()
         moving = self.executor.open_transitions()
         switching = {t["id"] for t in moving if t["kind"] == "switch" and t["state"] != T.PLANNED}
         for t in moving:
@@ -400,6 +453,17 @@ def summary(s: Snapshot) -> dict:
         "trajectories_left": s.work.trajectories,
         "profile": s.profile.name,
     }
+
+
+def _serves(g: dict) -> bool:
+    """A GPU row that serves rollouts now: a lent trainer GPU, or a rollout/elastic GPU in a serving role."""
+    return bool(g["borrowed"]) if g["pool"] == PoolKind.TRAINER else g["role"] in SERVING_ROLES
+
+
+def _serving_workers(gpus, gpus_per_worker: int) -> int:
+    """Serving workers among planner GPU slots (whole groups per node and pool, as ``choose`` counts them)."""
+    serving = [g for g in gpus if g.role in (Role.ROLLOUT, Role.PREFILL, Role.DECODE)]
+    return sum(worker_groups(serving, gpus_per_worker).values())
 
 
 def work_from_progress(report: dict) -> Work:

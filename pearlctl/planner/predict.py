@@ -33,6 +33,9 @@ tail turn and ``turns_left_max - 1`` typical ones, ``(decode_tokens_per_turn_max
 + tool_latency_max_s + (M - 1) * W + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1
 decode speed.
 
+Every time returned is multiplied by the profile's ``time_scale``: the run's learned correction of what this
+model leaves out (pearlctl.planner.correct; 1 for a profile as measured).
+
 What it does not model: the transient of trajectories on tools right now (``Work.tool_waiting``; the steady
 state decides), queueing variance (means only), chunked-prefill details, and speculative decoding.
 """
@@ -148,14 +151,15 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     # (identical trajectories make the two equal: the drain's bound says more then)
     seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest[1])
     seconds = max(seconds, straggler)
+    k = profile.time_scale  # the run's learned correction (pearlctl.planner.correct); 1 without one
     return Prediction(
-        seconds=seconds,
+        seconds=seconds * k,
         batch=first.batch,
         bound=bound,
-        turn_s=first.turn_s,
-        straggler_s=straggler,
+        turn_s=first.turn_s * k,
+        straggler_s=straggler * k,
         recompute_tokens_per_turn=first.recompute,
-        phases_s=tuple(phases),
+        phases_s=tuple(p * k for p in phases),
     )
 
 

@@ -139,12 +139,17 @@ class Profile:
     request_overhead_s: float = 0.0  # per request, outside prefill and decode: HTTP, tokenizing, scheduling
     costs: TransitionCosts = field(default_factory=TransitionCosts)
     sources: dict[str, str] = field(default_factory=dict)  # field -> citation
+    # the predictor's learned correction (pearlctl.planner.correct): every predicted time is multiplied by it.
+    # Set by the daemon from the run's checked batches, never read from or written to a profile file.
+    time_scale: float = 1.0
 
     def __post_init__(self):
         problems = []
         for name in ("prefill_tok_s", "kv_capacity_tokens", "max_num_seqs", "gpus_per_worker", "kv_transfer_gb_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)!r})")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            problems.append(f"time_scale must be a finite number > 0 (got {self.time_scale!r})")
         if not self.request_overhead_s >= 0:
             problems.append(f"request_overhead_s must be >= 0 (got {self.request_overhead_s!r})")
         d = self.decode
@@ -172,7 +177,7 @@ class Profile:
 
 # -- files -----------------------------------------------------------------------------------------
 
-_TOP = {f.name for f in fields(Profile)} - {"decode", "costs", "sources"}
+_TOP = {f.name for f in fields(Profile)} - {"decode", "costs", "sources", "time_scale"}
 _DECODE = {f.name for f in fields(DecodeModel)}
 _COSTS = {f.name for f in fields(TransitionCosts)}
 
@@ -219,7 +224,7 @@ def load(path: str | Path) -> Profile:
 
 
 def to_dict(profile: Profile) -> dict:
-    body = {k: v for k, v in asdict(profile).items() if k not in ("decode", "costs", "sources")}
+    body = {k: v for k, v in asdict(profile).items() if k not in ("decode", "costs", "sources", "time_scale")}
     body["decode"] = asdict(profile.decode)
     body["costs"] = asdict(profile.costs)
     return {"profile": body, "sources": dict(profile.sources)}

@@ -213,13 +213,27 @@ ALTER TABLE pools ADD COLUMN backoff_s REAL;
 ALTER TABLE allocations ADD COLUMN drain_requested_at REAL;
 """
 
-MIGRATIONS: tuple[str, ...] = (MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4, MIGRATION_5, MIGRATION_6)
+# The predictor's running correction (pearlctl.planner.correct): ratios per batch shape, and the batch being
+# watched (its prediction, when and on which GPUs it was made).
+MIGRATION_7 = """
+ALTER TABLE runs ADD COLUMN predictor TEXT CHECK (predictor IS NULL OR json_valid(predictor));
+"""
+
+MIGRATIONS: tuple[str, ...] = (
+    MIGRATION_1,
+    MIGRATION_2,
+    MIGRATION_3,
+    MIGRATION_4,
+    MIGRATION_5,
+    MIGRATION_6,
+    MIGRATION_7,
+)
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Columns holding JSON text: encoded on write, decoded on read by the Store.
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec", "trainer", "borrow", "rollout", "profile"}),
+    "runs": frozenset({"spec", "trainer", "borrow", "rollout", "profile", "predictor"}),
     "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),

