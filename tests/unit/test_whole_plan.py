@@ -196,3 +196,27 @@ def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
     # the same process reporting again (a daemon restart, an agent back after a pause) keeps its row
     report(200, "READY")
     assert next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")["id"] == new["id"]
+
+
+def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_reports(run):
+    """A busy host delays an agent's reports past the loss window while its worker starts: the daemon marks
+    the worker LOST; the agent's next report (same process, still starting) brings it back to STARTING —
+    not an 'unexpected report' on every heartbeat until the worker is READY."""
+    store, controller = run
+    alloc = store.allocations("r")[0]
+
+    def report(state: str) -> None:
+        body = {"allocation_id": alloc["id"], "workers": [
+            {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
+             "url": "http://n0:9000", "pid": 100}]}  # fmt: skip
+        controller.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+
+    report("STARTING")
+    worker = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")
+    store.set_state("workers", worker["id"], expect="STARTING", to="LOST", event="agent silent")
+    report("STARTING")
+    assert store.get("workers", worker["id"])["state"] == "STARTING"
+    report("READY")
+    assert store.get("workers", worker["id"])["state"] == "READY"
+    mine = [j for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(worker["id"])]
+    assert "unexpected report" not in [j["event"] for j in mine]
