@@ -25,6 +25,7 @@ lateness) and counted in the metrics.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -43,6 +44,8 @@ from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, PoolKind
 
 __all__ = ["Borrowing", "PolicyError", "load_policy"]
+
+log = logging.getLogger("pearlctl.daemon")
 
 # Before any transition was measured (a CPU vLLM cold start takes ~20 s, a return a few seconds).
 DEFAULT_COSTS = TransitionCosts(start_s=25.0, wake_s=3.0, sleep_s=3.0, stop_s=5.0, offload_s=2.0, reload_s=2.0)
@@ -342,7 +345,10 @@ class Borrowing:
 
     def tick(self) -> None:
         now = self.clock()
-        self.check_prediction()
+        try:
+            self.check_prediction()
+        except Exception:  # advice to the planner: never in the way of the plan or the return guarantee
+            log.exception("checking the batch's prediction failed")
         moving = self.executor.open_transitions()
         switching = {t["id"] for t in moving if t["kind"] == "switch" and t["state"] != T.PLANNED}
         for t in moving:
@@ -411,7 +417,6 @@ class Borrowing:
         at = (t.get("detail") or {}).get("planned_at")
         return at is not None and any(
             o["id"] != t["id"]
-            and o["kind"] == "switch"
             and (o.get("detail") or {}).get("planned_at") == at
             and o["state"] in (T.FAILED, T.ROLLED_BACK)
             for o in self.store.transitions(self.run_id, kind="switch")
