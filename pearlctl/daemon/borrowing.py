@@ -160,7 +160,8 @@ class Borrowing:
         settings = settings or self.settings()
         trainer = run.get("trainer") or {}
         wait = trainer.get("expected_wait_s")
-        since = trainer.get("phase_since") or trainer.get("reported_at")
+        # each report's expected wait is what is left at that report (the hook's wait_until counts it down)
+        since = trainer.get("reported_at") or trainer.get("phase_since")
         left = (since + wait - now) if wait is not None and since else 0.0
         asleep = {w["id"] for w in self.store.workers(self.run_id) if w["state"] == "SLEEPING"}
         gpus = []
@@ -306,7 +307,9 @@ class Borrowing:
         predicted then for the serving GPUs (uncorrected), the report's time, and the GPUs. A change of the
         serving GPUs (a transition opens) drops the watch — a plan's effect is not prediction error — and the
         next stable report starts another. The first report without work ends the batch: measured = its time
-        minus the watch's; the ratio goes into the run's correction, journaled as ``prediction checked``."""
+        minus the watch's; when the watch covered enough of the batch (``correct.MIN_COVER``, counted from the
+        batch's first report with work), the ratio goes into the run's correction, journaled as
+        ``prediction checked``."""
         run = self.store.get_run(self.run_id)
         doc = run.get("profile")
         report = run.get("rollout") or {}
@@ -317,10 +320,18 @@ class Borrowing:
         watch = state.get("watch")
         work = work_from_progress(report)
         if work.empty:
-            if watch is not None:
-                state, check = correct.learn(state, watch["shape"], watch["predicted_s"], at - watch["since"])
-                self._save_predictor({**state, "watch": None}, check)
+            if watch is not None or state.get("batch_since") is not None:
+                check = None
+                if watch is not None:
+                    batch_s = at - (state.get("batch_since") or watch["since"])
+                    state, check = correct.learn(
+                        state, watch["shape"], watch["predicted_s"], at - watch["since"], batch_s
+                    )
+                self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
+        if state.get("batch_since") is None:  # the batch's first report with work
+            state["batch_since"] = at
+            self._save_predictor(state)
         if self.executor.open_transitions():
             if watch is not None:
                 self._save_predictor({**state, "watch": None})

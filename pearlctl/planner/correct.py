@@ -6,7 +6,8 @@ makes it consistently off on a given machine and workload — on the CPU predict
 13–37% on every batch shape (docs/planner.md). The daemon checks each finished batch: the completion
 predicted at the batch's start (or at the last change of the serving GPUs, so that a plan made during the
 batch does not count as prediction error) against the time it really took, and keeps, per batch *shape*,
-the ratio measured / predicted as an exponential moving average in log space (``DECAY`` of the old value
+the ratio measured / predicted as an exponential moving average in log space — from watches that cover at
+least ``MIN_COVER`` of their batch (``DECAY`` of the old value
 kept per batch). A prediction for a shape seen before is multiplied by its ratio; for an unseen shape, by the
 ratio of all batches so far. The correction is the profile's ``time_scale`` (``predict`` scales every time
 it returns by it), so every policy, plan and deadline rule that predicts sees the corrected time.
@@ -27,6 +28,9 @@ from pearlctl.planner.model import Work
 DECAY = 0.5  # weight of the old log-ratio when a new batch of the shape is checked
 MIN_RATIO, MAX_RATIO = 0.25, 4.0
 MIN_PREDICTED_S = 1.0  # predictions shorter than this are too coarse to learn from
+# a watch must cover at least this share of its batch's time: one started in the tail (after lent GPUs went
+# back, say) sees stragglers only, where the prediction errs in its own way, not as it does on a whole batch
+MIN_COVER = 0.5
 
 
 def shape(work: Work, workers: int) -> str:
@@ -74,11 +78,17 @@ def _blend(entry: dict | None, ratio: float) -> dict:
     return {"ratio": math.exp(log), "batches": int(entry["batches"]) + 1}
 
 
-def learn(state: dict | None, key: str, predicted_s: float, measured_s: float) -> tuple[dict, Check | None]:
-    """The state after a batch of shape ``key`` predicted (uncorrected) at ``predicted_s`` took ``measured_s``;
-    and the check (None: the prediction was too short or not finite to learn from, state unchanged)."""
+def learn(
+    state: dict | None, key: str, predicted_s: float, measured_s: float, batch_s: float | None = None
+) -> tuple[dict, Check | None]:
+    """The state after a batch of shape ``key`` predicted (uncorrected) at ``predicted_s`` took ``measured_s``
+    from the prediction on (``batch_s``: the whole batch's time, when known); and the check (None: the
+    prediction was too short or not finite, or covered too little of its batch, to learn from; state
+    unchanged)."""
     state = dict(state or {})
     if not (math.isfinite(predicted_s) and predicted_s >= MIN_PREDICTED_S and measured_s > 0):
+        return state, None
+    if batch_s is not None and measured_s < MIN_COVER * batch_s:
         return state, None
     ratio = _clamp(measured_s / predicted_s)
     shapes = dict(state.get("shapes") or {})

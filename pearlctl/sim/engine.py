@@ -44,6 +44,9 @@ What the model guarantees — it must not flatter any policy:
   (at ``prefill_tok_s``), and only the rest of the tick decodes: prefill interferes with decode. In
   disaggregated mode PREFILL workers serve one shared FIFO, then the KV crosses at ``kv_transfer_gb_s``
   before the DECODE worker picks the sequence up.
+- **The truth may differ from the profile** (a model mismatch, ``Draws.decode_scale`` / ``prefill_scale``,
+  tool latencies drawn longer: ``with_mismatch``): each turn's decode iterations and prefill take that turn's
+  factor times what the profile says. Policies never see these factors.
 - **Transitions and weight syncs do no work.** A worker in transition is simply not in the role map; during a
   weight sync (``pause_until``) no worker prefills or decodes (tool calls, outside the engines, go on).
 
@@ -56,12 +59,12 @@ latency, no recompute, nothing lost); everything else identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pearlctl.planner.profile import Profile
-from pearlctl.sim.scenario import Workload
+from pearlctl.sim.scenario import Mismatch, Workload
 
 # Trajectory phases.
 PENDING, WAIT, PREFILL, XFER, DECODE, TOOL, DONE = range(7)
@@ -91,6 +94,10 @@ class Draws:
     response: np.ndarray  # [N, max_turns] tokens generated per turn
     tool_output: np.ndarray  # [N, max_turns] tokens each tool returns
     tool_latency: np.ndarray  # [N, max_turns] seconds
+    # Model mismatch (pearlctl.sim.scenario.Mismatch): per turn, how much longer than the profile says its decode
+    # iterations and its prefill really take (None: exactly as the profile says).
+    decode_scale: np.ndarray | None = None  # [N, max_turns]
+    prefill_scale: np.ndarray | None = None  # [N, max_turns]
 
     @property
     def n(self) -> int:
@@ -107,6 +114,24 @@ def draw(workload: Workload, n: int, rng: np.random.Generator) -> Draws:
         response=np.rint(workload.response_tokens.sample(rng, (n, t_max))).clip(1).astype(np.float32),
         tool_output=np.rint(workload.tool_output_tokens.sample(rng, (n, t_max))).clip(0).astype(np.float32),
         tool_latency=workload.tool_latency_s.sample(rng, (n, t_max)).astype(np.float32),
+    )
+
+
+def with_mismatch(draws: Draws, mismatch: Mismatch, rng: np.random.Generator) -> Draws:
+    """The true work under ``mismatch``: tool calls take ``bias`` x a per-call factor longer than drawn, and
+    each turn's decode and prefill get their factors (the engine applies them). The workload's own draws are
+    unchanged, so runs with and without a mismatch face the same trajectories."""
+    if mismatch.zero:
+        return draws
+    shape = draws.response.shape
+    decode = mismatch.decode.factors(rng, shape).astype(np.float32)
+    prefill = mismatch.prefill.factors(rng, shape).astype(np.float32)
+    tool = mismatch.tool_latency.factors(rng, shape).astype(np.float32)
+    return replace(
+        draws,
+        tool_latency=draws.tool_latency * tool,
+        decode_scale=None if mismatch.decode.zero else decode,
+        prefill_scale=None if mismatch.prefill.zero else prefill,
     )
 
 
@@ -463,16 +488,21 @@ class Engine:
         own = (self.w_role == W_ROLLOUT) | ((self.w_role == W_DECODE) & (n_prefill == 0))
         local = own[self.run_w[pf]]
 
+        # Work is counted in profile-seconds x rate: under a mismatch a turn's tokens take ``prefill_scale`` times
+        # as long as the profile says.
         loc = pf[local]
         if loc.size:
             loc = loc[np.lexsort((self.ready_at[loc], self.run_w[loc]))]
             w = self.run_w[loc]
             group = _group_starts(w)
-            cs = np.cumsum(self.pf_left[loc])
-            before = cs - self.pf_left[loc] - _shift(cs)[group]
-            work = np.clip(rate * avail - before, 0.0, self.pf_left[loc])
-            self.pf_left[loc] -= work
-            self.stats["prefill_tokens"] += float(work.sum())
+            scale = self._prefill_scale(loc)
+            need = self.pf_left[loc] if scale is None else self.pf_left[loc] * scale
+            cs = np.cumsum(need)
+            before = cs - need - _shift(cs)[group]
+            work = np.clip(rate * avail - before, 0.0, need)
+            tokens = work if scale is None else work / scale
+            self.pf_left[loc] -= tokens
+            self.stats["prefill_tokens"] += float(tokens.sum())
             p_time = np.bincount(w, work, n_w) / rate
             doneidx = loc[self.pf_left[loc] <= 1e-6]
             self.phase[doneidx] = DECODE
@@ -482,11 +512,14 @@ class Engine:
         if pool.size and n_prefill:
             pool = pool[np.argsort(self.ready_at[pool], kind="stable")]
             budget = rate * n_prefill * avail
-            cs = np.cumsum(self.pf_left[pool])
-            before = cs - self.pf_left[pool]
-            work = np.clip(budget - before, 0.0, self.pf_left[pool])
-            self.pf_left[pool] -= work
-            self.stats["prefill_tokens"] += float(work.sum())
+            scale = self._prefill_scale(pool)
+            need = self.pf_left[pool] if scale is None else self.pf_left[pool] * scale
+            cs = np.cumsum(need)
+            before = cs - need
+            work = np.clip(budget - before, 0.0, need)
+            tokens = work if scale is None else work / scale
+            self.pf_left[pool] -= tokens
+            self.stats["prefill_tokens"] += float(tokens.sum())
             fin = self.pf_left[pool] <= 1e-6
             doneidx = pool[fin]
             at = t0 + np.minimum(cs[fin] / budget, 1.0) * avail
@@ -511,7 +544,9 @@ class Engine:
         decode_time = np.maximum(avail - p_time, 0.0)
         iters = decode_time / itl
         left = self.dec_left[d]
-        adv = np.minimum(left, iters[w])
+        # Under a mismatch a turn's tokens each take ``decode_scale`` of its worker's iterations.
+        scale = None if self.draws.decode_scale is None else self.draws.decode_scale[d, self.turn[d]]
+        adv = np.minimum(left, iters[w] if scale is None else iters[w] / scale)
         self.ctx[d] += adv
         self.dec_left[d] = left - adv
         self.stats["decode_tokens"] += float(adv.sum())
@@ -519,7 +554,7 @@ class Engine:
         if not fin.any():
             return
         i = d[fin]
-        end = t0 + p_time[w[fin]] + left[fin] * itl[w[fin]]
+        end = t0 + p_time[w[fin]] + left[fin] * itl[w[fin]] * (1.0 if scale is None else scale[fin])
         last = (self.turn[i] + 1 >= self.draws.turns[i]) | (self.ctx[i] >= self.max_context - 1)
         self._finish(i[last], end[last])
         i, end = i[~last], end[~last]
@@ -528,6 +563,11 @@ class Engine:
         self.kv_hold[i] = self.ctx[i]  # the reservation shrinks to the context it keeps
         self.tool_start[i] = end
         self.tool_end[i] = end + self.draws.tool_latency[i, self.turn[i]]
+
+    def _prefill_scale(self, i: np.ndarray) -> np.ndarray | None:
+        """How much longer than the profile says trajectories ``i`` take to prefill this turn (None: as it says)."""
+        s = self.draws.prefill_scale
+        return None if s is None else s[i, np.minimum(self.turn[i], s.shape[1] - 1)]
 
     def _finish(self, i: np.ndarray, at) -> None:
         self.phase[i] = DONE
@@ -550,6 +590,11 @@ class Engine:
         future = turns_idx[None, :] > self.turn[lo:hi, None]
         future &= turns_idx[None, :] < d.turns[lo:hi, None]
         return float(self.dec_left[lo:hi][live].sum() + (d.response[lo:hi] * future)[live].sum())
+
+    def busy(self) -> bool:
+        """Some launched trajectory is unfinished (``in_flight`` is not empty)."""
+        ph = self.phase[self.lo : self.hi]
+        return bool(((ph != DONE) & (ph != PENDING)).any())
 
     def in_flight(self) -> np.ndarray:
         """Indices of launched, unfinished trajectories."""

@@ -3,7 +3,7 @@ transitions made and the trainer delay caused by late returns; ratios between po
 
 The JSON shape is a contract (``pearlctl simulate --json``; tests and the benchmark read it)::
 
-    {"scenario": str, "steps": int, "seed": int,
+    {"scenario": str, "steps": int, "seed": int, "mismatch": str,
      "policies": {NAME: {"samples_per_s": float, "steps_per_hour": float, "trainer_delay_s": float,
                          "transitions": int, "gpu_seconds_by_role": {ROLE: float}, ...more keys}},
      "ratios": {"pearl/static": float, ...}}
@@ -35,6 +35,11 @@ def policy_doc(r: RunResult) -> dict:
         "preemptions": r.preemptions,
         "batch_rollout_s": [round(x, 1) for x in r.batch_rollout_s],
         "engine": {k: round(v, 1) for k, v in r.engine.items()},
+        # the predictor's running correction as the run left it: batches checked, overall measured/predicted
+        "predictor": {
+            "checks": r.predictor_checks,
+            "ratio": None if r.predictor_ratio is None else round(r.predictor_ratio, 4),
+        },
     }
 
 
@@ -63,6 +68,7 @@ def to_json(scenario: Scenario, results: dict[str, RunResult]) -> dict:
         "scenario": scenario.name,
         "steps": scenario.steps,
         "seed": scenario.seed,
+        "mismatch": scenario.mismatch.label(),
         "batch_size": scenario.workload.batch_size,
         "training": scenario.training.mode,
         "policies": {name: policy_doc(r) for name, r in results.items()},

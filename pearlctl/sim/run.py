@@ -11,8 +11,17 @@ module ``pearlctl.policies.load_policy`` gives the daemon, never a copy. The pla
 pays).
 
 What a policy sees is what a live daemon could know: the GPUs and their roles, counts and means of the work in
-flight (turns left from the workload's history, not the drawn future), the trainer's phase and its expected
-wait from past batches. The oracle (``pearlctl.sim.oracle``) alone reads the future.
+flight (turns left from the workload's history, not the drawn future), the trainer's phase and the ETA the
+training loop itself reports (examples/grpo/train.py: a moving average of its measured waits; none before the
+first), transition costs as the daemon's running estimates (the median of the last 5 journaled steps of each
+kind, else the profile's), and the scenario's profile with the predictor's running correction as its
+``time_scale`` — kept as the daemon keeps it (``_check_prediction``, pearlctl.planner.correct). The oracle
+(``pearlctl.sim.oracle``) alone reads the future.
+
+Under a model mismatch (the scenario's ``[mismatch]``, pearlctl.sim.scenario.Mismatch) the engines run the
+truth — decode, prefill and tool calls slower or faster than the profile and the workload say — and every move
+takes its true cost (its profile cost times a factor drawn per move), while the policies keep seeing the
+scenario's profile and distributions: the planner does not know the truth, it only learns from what happens.
 
 Leaves are paid as the live system pays them (``pearlctl.sim.engine``: abort and continue). A move that takes a
 worker out of serving (return, retire, switch) first aborts what it runs — ``ABORT_S`` more than the step's own
@@ -28,25 +37,29 @@ The rollout driver launches a batch as examples/grpo/rollout.py does: when it is
 weight sync; asynchronous: within the staleness bound), but while workers are joining — GPUs in a transition
 toward a serving role — it waits for them, at most the scenario's ``join_wait_s``, whatever the policy.
 
-Guarantees: the daemon's return guarantee holds — when the trainer needs its GPUs, lent ones are returned
+Guarantees: deterministic for a scenario (its seed draws the work, the elastic trace and the mismatch); the
+daemon's return guarantee holds — when the trainer needs its GPUs, lent ones are returned
 (forced if the policy has not) and the wait they cause is counted as trainer delay; a GPU is never moved
 while it is in transition; moves that do not match the simulated state are refused and counted.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing
 import os
+import statistics
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from pearlctl.planner import correct, plan
+from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import (
     SERVING,
-    Deployment,
     GpuSlot,
     Mode,
     Move,
@@ -58,6 +71,7 @@ from pearlctl.planner.model import (
     Work,
 )
 from pearlctl.planner.predict import completion_s
+from pearlctl.planner.profile import TransitionCosts
 from pearlctl.sim.availability import Trace, build_trace
 from pearlctl.sim.engine import (
     ABORT_S,
@@ -70,6 +84,7 @@ from pearlctl.sim.engine import (
     Draws,
     Engine,
     draw,
+    with_mismatch,
 )
 from pearlctl.sim.scenario import Scenario
 
@@ -77,6 +92,17 @@ ENGINE_ROLE = {Role.ROLLOUT: W_ROLLOUT, Role.PREFILL: W_PREFILL, Role.DECODE: W_
 MAX_SIM_S = 7 * 24 * 3600.0  # a run that has not finished its steps by then is reported as unfinished
 STALL_S = 3600.0  # simulated seconds without decode progress or a train step: the run is stuck
 TIMELINE_EVERY_S = 10.0
+COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
+# journal step kind -> the TransitionCosts field its durations estimate (pearlctl.planner.profile.STEP_COSTS)
+STEP_FIELDS = {
+    "START": "start_s",
+    "WAKE": "wake_s",
+    "SLEEP": "sleep_s",
+    "STOP": "stop_s",
+    "OFFLOAD": "offload_s",
+    "RELOAD": "reload_s",
+    "SYNC_WEIGHTS": "weight_sync_s",
+}
 
 # GPU-second categories: the roles, with TRAIN split by whether the trainer is computing, and TRANSITION.
 CATEGORIES = ("TRAIN", "TRAIN_IDLE", "ROLLOUT", "PREFILL", "DECODE", "REWARD", "IDLE", "TRANSITION")
@@ -115,6 +141,10 @@ class RunResult:
     batch_rollout_s: list[float]
     engine: dict[str, float]
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    # the predictor's correction (pearlctl.planner.correct) as the run left it: batches checked, and the
+    # overall measured/predicted ratio (None: the correction was off or learned nothing)
+    predictor_checks: int = 0
+    predictor_ratio: float | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -139,6 +169,7 @@ class Sim:
         free_migration: bool = False,
         record_timeline: bool = False,
         router: str = DEFAULT_ROUTER,
+        correction: bool = True,
     ):
         self.scenario = scenario
         self.policy = policy
@@ -210,17 +241,25 @@ class Sim:
         # of the group now switching: the daemon runs a plan's switches one transition at a time
         self._switch_queue: list[list[Move]] = []
         self._switching: list[int] = []
+        # the loop's clocks: the next periodic decision, the events last decided on, the next timeline sample
+        self._next_control = 0.0
+        self._seen: tuple | None = None
+        self._next_sample = 0.0
+        # Model mismatch: each move's true duration is its profile cost times a factor drawn per move; the steps'
+        # true durations are journaled and the snapshot's costs are their running estimates, as the daemon's.
+        self._move_rng = np.random.default_rng([scenario.seed, 0x7A11])
+        self._journal: dict[str, list[float]] = {}
+        # The predictor's running correction (pearlctl.planner.correct), kept and applied as the daemon does.
+        self.correction = correction
+        self.predictor: dict = {}
+        self.checks: list[correct.Check] = []
 
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
         dt = self.scenario.tick_s
-        every = self.scenario.control_interval_s
-        next_control = 0.0
-        next_sample = 0.0
         t = 0.0
         progress, progress_at = -1.0, 0.0
-        seen = None
         while self.trained < self.steps and t < MAX_SIM_S:
             # A policy that leaves nothing serving would never finish: give up after an hour without progress.
             done = self.engine.stats["decode_tokens"] + self.trained
@@ -228,25 +267,7 @@ class Sim:
                 progress, progress_at = done, t
             elif t - progress_at > STALL_S:
                 break
-            self._availability(t)
-            self._trainer(t)
-            if self.controller is not None:
-                self.controller.control(self, t)
-            elif self._switch_queue or self._switching:
-                self._next_switch(t)  # the daemon plans nothing new while a plan's switches still run
-            elif t >= next_control - 1e-9 or self._events() != seen:
-                # every control interval, and as soon as the trainer or the elastic trace changes: the daemon
-                # decides every tick (0.5 s), so it reacts to a trainer's report or a grant within one
-                next_control, seen = t + every, self._events()
-                self._control(t)
-            if self._dirty or t >= self._next_expiry:
-                self._refresh(t)
-            self.engine.step(t, dt)
-            for k, n in self._counts.items():
-                self.gpu_s[k] += n * dt
-            if self.record_timeline and t >= next_sample:
-                self.timeline.append((t, dict(self._counts)))
-                next_sample = t + TIMELINE_EVERY_S
+            self.tick(t, dt)
             t += dt
         finished = self.trained >= self.steps
         end = self._finished_at if finished else t
@@ -267,7 +288,52 @@ class Sim:
             batch_rollout_s=[b - a for a, b in zip(self.launched_at, self.completed_at, strict=False)],
             engine={k: float(v) for k, v in self.engine.stats.items()},
             timeline=self.timeline,
+            predictor_checks=len(self.checks),
+            predictor_ratio=(self.predictor.get("all") or {}).get("ratio"),
         )
+
+    def tick(self, t: float, dt: float) -> None:
+        """One step of simulated time from ``t``: the elastic trace, the trainer and the driver, the control
+        (the policy or the oracle), the engines, the accounting."""
+        self._availability(t)
+        self._trainer(t)
+        if self.correction and self.controller is None:
+            self._check_prediction(t)
+        if self.controller is not None:
+            self.controller.control(self, t)
+        elif self._switch_queue or self._switching:
+            self._next_switch(t)  # the daemon plans nothing new while a plan's switches still run
+        elif t >= self._next_control - 1e-9 or self._events() != self._seen:
+            # every control interval, and as soon as the trainer or the elastic trace changes: the daemon
+            # decides every tick (0.5 s), so it reacts to a trainer's report or a grant within one
+            self._next_control, self._seen = t + self.scenario.control_interval_s, self._events()
+            self._control(t)
+        if self._dirty or t >= self._next_expiry:
+            self._refresh(t)
+        self.engine.step(t, dt)
+        for k, n in self._counts.items():
+            self.gpu_s[k] += n * dt
+        if self.record_timeline and t >= self._next_sample:
+            self.timeline.append((t, dict(self._counts)))
+            self._next_sample = t + TIMELINE_EVERY_S
+
+    def fork(self) -> Sim:
+        """A copy whose future can be played without touching this one (the oracle's lookahead): the same
+        state, its own engine and GPUs, no controller, nothing recorded. The draws and the elastic trace are
+        shared (read-only)."""
+        other = copy.copy(self)
+        other.engine = self.engine.clone()
+        other.gpus = [replace(g) for g in self.gpus]
+        other.controller = None
+        other.record_timeline, other.timeline = False, []
+        other.launched_at, other.completed_at = list(self.launched_at), list(self.completed_at)
+        other.gpu_s, other.refusals, other._counts = dict(self.gpu_s), dict(self.refusals), dict(self._counts)
+        other._killed = set(self._killed)
+        other._switch_queue, other._switching = [list(q) for q in self._switch_queue], list(self._switching)
+        other._journal = {k: list(v) for k, v in self._journal.items()}
+        other._move_rng = copy.deepcopy(self._move_rng)
+        other.predictor, other.checks = dict(self.predictor), list(self.checks)
+        return other
 
     # -- elastic capacity ----------------------------------------------------------------------------
 
@@ -455,34 +521,37 @@ class Sim:
             return self._refuse(move, f"GPU is {g.role.value}, not {move.from_role.value}")
         kind, to = move.kind, move.to_role
         stale = g.version < self.version
-        wake = c.wake_s + (self.scenario.training.weight_sync_s if stale else 0.0)
+        # the move's steps (journal kind, profile seconds); a stale wake also loads the newest weights
+        wake = [("WAKE", c.wake_s)] + ([("SYNC_WEIGHTS", self.scenario.training.weight_sync_s)] if stale else [])
         if kind == MoveKind.BORROW:
             # The trainer releases a GPU only while it waits for rollouts, never mid-step.
             if g.pool != "trainer" or self.training_until is not None or to not in SERVING:
                 return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
-            cost = c.offload_s + (wake if g.parked else c.start_s)
+            steps = [("OFFLOAD", c.offload_s)] + (wake if g.parked else [("START", c.start_s)])
             g.borrowed, g.parked = True, False
         elif kind == MoveKind.RETURN:
             if g.pool != "trainer" or to != Role.TRAIN:
                 return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
-            cost = c.sleep_s + c.reload_s  # the rollout worker is parked asleep: the next borrow is a wake
+            # the rollout worker is parked asleep: the next borrow is a wake
+            steps = [("SLEEP", c.sleep_s), ("RELOAD", c.reload_s)]
             g.borrowed, g.parked = False, True
         elif kind in (MoveKind.START, MoveKind.WAKE):
             if g.pool == "trainer" or g.role != Role.IDLE or to not in SERVING:
                 return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
-            cost = wake if g.parked else c.start_s  # a WAKE of a GPU with nothing parked is a cold start
+            steps = wake if g.parked else [("START", c.start_s)]  # a WAKE of a GPU with nothing parked: cold start
             g.parked = False
         elif kind == MoveKind.RETIRE:
             if g.role not in SERVING or to != Role.IDLE or g.pool == "trainer":
                 return self._refuse(move, "retire of a trainer GPU or of a GPU not serving")
             # Elastic GPUs may vanish: stop the worker; rollout GPUs park it for a quick wake.
-            cost, g.parked = (c.stop_s, False) if g.pool == "elastic" else (c.sleep_s, True)
+            steps, g.parked = ([("STOP", c.stop_s)], False) if g.pool == "elastic" else ([("SLEEP", c.sleep_s)], True)
         elif kind == MoveKind.SWITCH:
             if g.role not in SERVING or to not in SERVING:
                 return self._refuse(move, "switch between non-serving roles")
-            cost = c.role_switch_s
+            steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:
             return self._refuse(move, "unknown move kind")
+        cost = self._true_cost(steps)
         if g.role in SERVING:
             cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued elsewhere)
         if to in SERVING:
@@ -493,6 +562,28 @@ class Sim:
         self._dirty = True
         return True
 
+    def _true_cost(self, steps: list[tuple[str, float]]) -> float:
+        """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one
+        draw per move, in move order: deterministic for a seed). Each step's true duration is journaled."""
+        mm = self.scenario.mismatch.transitions
+        f = 1.0 if mm.zero else float(mm.factors(self._move_rng, 1)[0])
+        cost = 0.0
+        for kind, seconds in steps:
+            true_s = seconds * f
+            self._journal.setdefault(kind, []).append(true_s)
+            cost += true_s
+        return cost
+
+    def costs(self) -> TransitionCosts:
+        """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
+        median of the last 5 journaled steps of each kind, else the profile's)."""
+        est = {
+            field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
+            for kind, field in STEP_FIELDS.items()
+            if kind in self._journal
+        }
+        return replace(self.profile.costs, **est) if est else self.profile.costs
+
     def _refuse(self, move: Move, why: str) -> bool:
         key = f"{move.kind.value}: {why}"
         self.refusals[key] = self.refusals.get(key, 0) + 1
@@ -500,9 +591,11 @@ class Sim:
 
     # -- what the policy sees ----------------------------------------------------------------------------
 
-    def snapshot(self, t: float) -> Snapshot:
+    def snapshot(self, t: float, *, corrected: bool = True) -> Snapshot:
+        """What the daemon's ``Borrowing.snapshot`` would build from this state. ``corrected``: the profile's
+        ``time_scale`` is the predictor's correction for the work's shape (when the run keeps one)."""
         work = self.work_view()
-        trainer = self._trainer_view(t, work)
+        trainer = self._trainer_view(t)
         deadline = t + trainer.wait_left_s if trainer.phase == "waiting" else t
         gpus = tuple(
             GpuSlot(
@@ -519,51 +612,82 @@ class Sim:
             if g.present
         )
         disagg = any(g.role in (Role.PREFILL, Role.DECODE) for g in gpus)
+        profile = self.profile
+        if corrected and self.correction:  # predictions corrected by what the run's past batches took
+            key = correct.shape(work, serving_workers(gpus, profile.gpus_per_worker))
+            profile = replace(profile, time_scale=correct.factor(self.predictor, key))
         return Snapshot(
             now=t,
             gpus=gpus,
             work=work,
             trainer=trainer,
-            profile=self.profile,
-            costs=self.profile.costs,
+            profile=profile,
+            costs=self.costs(),
             mode=Mode.DISAGGREGATED if disagg else Mode.COLOCATED,
             preempt_per_hour=self.trace.preempt_per_hour,
             last_change_at=self.last_change_at,
         )
 
-    def _trainer_view(self, t: float, work: Work) -> Trainer:
+    def _trainer_view(self, t: float) -> Trainer:
         """What the trainer hook would report: its phase and its ETA for the batch it waits on."""
         step_s = self.scenario.training.train_step_s
         if self.training_until is not None:
             return Trainer(phase="training", wait_left_s=0.0, step_time_s=step_s)
-        return Trainer(phase="waiting", wait_left_s=self._expected_wait(t, work), step_time_s=step_s)
+        return Trainer(phase="waiting", wait_left_s=self._expected_wait(t), step_time_s=step_s)
 
-    def _expected_wait(self, t: float, work: Work) -> float:
-        """The trainer's ETA, as a training loop could know it. Synchronous: what examples/grpo/train.py
-        reports — from the moment it starts waiting (the end of its step, so the weight sync and the next
-        batch's launch are inside it), a moving average of its past waits less the time waited so far.
-        Asynchronous: from the interval between batch completions (batches overlap). Before any history, or
-        when the batch is already later than history says, the planner's prediction for the deployment
-        serving now (what a rollout driver with the profile would report)."""
-        wait = 0.0
-        if self.scenario.training.mode == "async":
-            if self.trained >= self.launched:
-                return 0.0
-            done = self.completed_at
-            if len(done) >= 2:
-                wait = float(np.mean(np.diff(done))) - (t - done[-1])
-        elif self.wait_ema is not None:
-            wait = self.wait_ema - (t - self.waiting_since)
-        if wait > 0 or work.empty:
-            return max(wait, 0.0)
-        predicted = completion_s(work, self._deployment(), self.profile)
-        return predicted if math.isfinite(predicted) else 0.0
+    def _expected_wait(self, t: float) -> float:
+        """The trainer's ETA, as examples/grpo/train.py computes it — the simulated trainer's own numbers, never
+        the policy's predictor: from the moment it starts waiting (the end of its step, so the weight sync and
+        the next batch's launch are inside it), a moving average (0.7 old, 0.3 new) of the waits it measured,
+        less the time waited so far, floored at 0 (the trainer hook's ``wait_until``). The same in an
+        asynchronous loop, where a batch generated ahead makes the wait short or nothing. Before any wait was
+        measured the trainer reports none (``--first-wait-s`` unset) and the daemon reads that as 0 left."""
+        if self.wait_ema is None:
+            return 0.0
+        return max(self.wait_ema - (t - self.waiting_since), 0.0)
 
-    def _deployment(self) -> Deployment:
-        n = {r: sum(1 for g in self.gpus if g.present and g.role == r) // self.gpw for r in SERVING}
-        if n[Role.PREFILL] or n[Role.DECODE]:
-            return Deployment(Mode.DISAGGREGATED, decode=n[Role.DECODE] + n[Role.ROLLOUT], prefill=n[Role.PREFILL])
-        return Deployment(Mode.COLOCATED, decode=n[Role.ROLLOUT])
+    # -- the predictor's correction (pearlctl.planner.correct), as the daemon keeps it ---------------------------
+
+    def _moving(self, t: float) -> bool:
+        """A transition is open: a GPU in one, or a plan's switches still to run."""
+        return bool(self._switch_queue) or any(g.present and g.busy_until > t for g in self.gpus)
+
+    def _serving_ids(self, t: float) -> tuple[int, ...]:
+        return tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+
+    def _check_prediction(self, t: float) -> None:
+        """The daemon's ``Borrowing.check_prediction`` on the simulated rollout driver's progress: a watch starts
+        while work is in flight and no transition is open — the completion predicted then for the serving GPUs
+        (uncorrected), the time, the GPUs; a change of the serving GPUs drops it (a plan's effect is not
+        prediction error) and the next stable moment starts another; the first moment without work ends the
+        batch, and measured / predicted goes into the correction (``correct.learn``)."""
+        watch = self.predictor.get("watch")
+        if not self.engine.busy():  # the driver reports no work left
+            if watch is not None:
+                batch_s = t - (self.predictor.get("batch_since") or watch["since"])
+                state, check = correct.learn(
+                    self.predictor, watch["shape"], watch["predicted_s"], t - watch["since"], batch_s
+                )
+                self.predictor = {**state, "watch": None}
+                if check is not None:
+                    self.checks.append(check)
+            self.predictor = {**self.predictor, "batch_since": None}
+            return
+        if self.predictor.get("batch_since") is None:  # the batch's first moment with work
+            self.predictor = {**self.predictor, "batch_since": t}
+        if self._moving(t):
+            if watch is not None:
+                self.predictor = {**self.predictor, "watch": None}
+            return
+        serving = self._serving_ids(t)
+        if watch is not None and watch["gpus"] == serving:
+            return
+        snap = self.snapshot(t, corrected=False)
+        work = snap.work
+        predicted = completion_s(work, plan.current_deployment(snap), self.profile)  # uncorrected
+        key = correct.shape(work, serving_workers(snap.gpus, self.gpw))
+        watch = {"since": t, "predicted_s": predicted, "shape": key, "gpus": serving}
+        self.predictor = {**self.predictor, "watch": watch}
 
     def work_view(self) -> Work:
         e = self.engine
@@ -630,6 +754,12 @@ class Sim:
         return counts
 
 
+def serving_workers(gpus, gpus_per_worker: int) -> int:
+    """Serving workers among planner GPU slots (whole groups per node and pool, as ``choose`` counts them) — the
+    daemon's count for the predictor's batch shape (pearlctl/daemon/borrowing.py, ``_serving_workers``)."""
+    return sum(worker_groups([g for g in gpus if g.role in SERVING], gpus_per_worker).values())
+
+
 def drain_s(notice_s: float) -> float:
     """How long a worker told of its preemption ``notice_s`` ahead drains before it aborts what is still in
     flight: the agent's drain timeout is the notice less 5 s (pearlctl/slurm/script.py, PEARL_DRAIN_TIMEOUT_S),
@@ -650,8 +780,11 @@ def _residual_table(turns) -> np.ndarray:
 
 
 def make_draws(scenario: Scenario) -> Draws:
+    """The run's trajectories, and under a model mismatch their truth (drawn from a stream of its own, so the
+    workload is the same with and without a mismatch)."""
     n = scenario.steps * scenario.workload.batch_size
-    return draw(scenario.workload, n, np.random.default_rng([scenario.seed, 0x7A5C]))
+    draws = draw(scenario.workload, n, np.random.default_rng([scenario.seed, 0x7A5C]))
+    return with_mismatch(draws, scenario.mismatch, np.random.default_rng([scenario.seed, 0x3A7C]))
 
 
 def make_trace(scenario: Scenario) -> Trace:
@@ -666,9 +799,11 @@ def run_policy(
     draws=None,
     trace=None,
     router: str = DEFAULT_ROUTER,
+    correction: bool = True,
 ) -> RunResult:
     """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds, or ``oracle``) on ``scenario``;
-    ``router``: the engine's router model (``pearlctl.sim.engine.ROUTERS``)."""
+    ``router``: the engine's router model (``pearlctl.sim.engine.ROUTERS``); ``correction``: keep and apply
+    the predictor's running correction, as the daemon does (the oracle predicts nothing)."""
     if policy == "oracle":
         from pearlctl.sim.oracle import run_oracle
 
@@ -676,7 +811,16 @@ def run_policy(
     from pearlctl.policies import load_policy
 
     module = load_policy(policy)
-    sim = Sim(scenario, policy, module.decide, draws=draws, trace=trace, record_timeline=record_timeline, router=router)
+    sim = Sim(
+        scenario,
+        policy,
+        module.decide,
+        draws=draws,
+        trace=trace,
+        record_timeline=record_timeline,
+        router=router,
+        correction=correction,
+    )
     return sim.run()
 
 
@@ -687,12 +831,14 @@ def compare(
     record_timeline: bool = False,
     workers: int | None = None,
     router: str = DEFAULT_ROUTER,
+    correction: bool = True,
 ) -> dict[str, RunResult]:
     """Every policy on the same drawn work and the same elastic trace; runs are independent, so they go to
     ``workers`` processes (default: one per policy, at most one per CPU). Results keep the given order."""
     draws, trace = make_draws(scenario), make_trace(scenario)
     n = min(len(policies), workers if workers is not None else (os.cpu_count() or 1))
     kw = {"record_timeline": record_timeline, "draws": draws, "trace": trace, "router": router}
+    kw["correction"] = correction
     if n <= 1:
         return {p: run_policy(scenario, p, **kw) for p in policies}
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:

