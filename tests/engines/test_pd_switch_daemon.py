@@ -20,46 +20,29 @@ pearl's plan made the first two switches and never ran them at once; every switc
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 from pearlctl.api.client import ControlClient
 from pearlctl.planner import profile as profiles
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
 from tests.engines.load import Load, prompts
+from tests.unit.test_policies import FAVOURS_PD, PROFILE
 
 RUN = "pdswitch"
 PROMPTS = prompts(4)
 TOKENS = 384  # a few seconds a turn here: longer than a leaving worker's drain (1 s, below), which aborts them
 PHASE_TURNS = 3  # turns completed after each switch before the next
-# An engine profile on which disaggregation pays for short turns with heavy prefill (decode bound by reading
-# the weights, KV moved over a fast link), and the batch the driver reports: such work. Pearl's decision
-# is the planner's, from these numbers — the tiny model's own speeds are not what is under test.
-PROFILE = Profile(
-    name="pd-favouring",
-    model="tiny",
-    hardware="stand-in",
-    decode=DecodeModel(weights_s=0.01, seq_s=2e-5, kv_s_per_token=1e-9),
-    prefill_tok_s=20_000,
-    kv_capacity_tokens=2_000_000,
-    kv_bytes_per_token=147_456,
-    kv_transfer_gb_s=400,
-    costs=TransitionCosts(),
-)
-PD_WORK = {
-    "trajectories": 16,
-    "turns_left": 200,
-    "turns_left_max": 200,
-    "decode_tokens_per_turn": 20,
-    "decode_tokens_per_turn_max": 20,
-    "prefill_tokens_per_turn": 200,
-    "context_tokens": 500,
-}
+# The policy tests' engine profile, on which disaggregation pays for short turns with heavy prefill (decode
+# bound by reading the weights, KV moved over a fast link), and the batch the driver reports: such work, as
+# those tests' FAVOURS_PD, with 16 trajectories (two workers' worth). Pearl's decision is the planner's, from
+# these numbers — the tiny model's own speeds are not what is under test.
+PD_WORK = asdict(replace(FAVOURS_PD, trajectories=16, tool_waiting=0))
 # the operator's switches back: the worker serving in this role -> ROLLOUT, and the roles served after each
 BACK = [("PREFILL", ["DECODE", "ROLLOUT"]), ("DECODE", ["ROLLOUT", "ROLLOUT"])]
 
