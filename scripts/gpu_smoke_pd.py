@@ -65,6 +65,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 import httpx  # noqa: E402
 
 from pearlctl.agent.engines.vllm import VllmServer  # noqa: E402
+from pearlctl.agent.workers import free_port  # noqa: E402
 from pearlctl.router import service  # noqa: E402
 from pearlctl.router.membership import RouterMembership  # noqa: E402
 
@@ -89,14 +90,6 @@ def nvidia_gpu() -> bool:
         shutil.which("nvidia-smi") is not None
         and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
     )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(srv: VllmServer) -> dict[str, float]:
