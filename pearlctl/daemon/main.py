@@ -123,6 +123,8 @@ class Daemon:
         self.stats = DaemonStats()
         self._server: uvicorn.Server | None = None
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
+        self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
+        self._stop_lock = threading.Lock()
 
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
@@ -188,8 +190,9 @@ class Daemon:
 
     # -- the three timers -------------------------------------------------------------------------
     def depose(self, why: str) -> None:
-        """Another daemon holds the lease now: stop at once (called from any thread)."""
-        if self.deposed is None:
+        """Another daemon holds the lease now: stop at once (called from any thread). After the stop is
+        recorded the lease is released on purpose, and a successor taking it deposes nobody."""
+        if self.deposed is None and not self._stop_recorded:
             self.deposed = why
             log.error("deposed: %s", why)
         self.stopping.set()
@@ -200,6 +203,8 @@ class Daemon:
         while not self.stopping.wait(every):
             try:
                 if not self.store.renew_lease(name, self.holder, self.epoch, self.settings.lease_ttl_s):
+                    if self.stopping.is_set():  # released on the way out, not taken
+                        return
                     self.depose(f"lost the lease of run {self.run_id} (epoch {self.epoch}): another daemon took over")
                     return
                 self.stats.lease_renewals += 1
@@ -312,6 +317,10 @@ class Daemon:
             raise
         for t in threads:
             t.start()
+        # the stop is recorded and the lease released as soon as SIGTERM arrives, not when the tick in
+        # progress ends: Slurm SIGKILLs a daemon job KillWait seconds after its SIGTERM, and a tick waiting
+        # on a slow slurmctld can take longer than that
+        threading.Thread(target=self._record_stop_when_told, args=(epoch,), name="pearl-stop", daemon=True).start()
         over = False
         try:
             while not self.stopping.is_set():
@@ -321,19 +330,11 @@ class Daemon:
                 controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
                 controller.wake.clear()
         finally:
+            # recorded before anything else, for the same reason: stopping the router can outlast KillWait
+            self._record_stop(epoch, stopping_router=over and router is not None)
             self.stopping.set()
             if self._server is not None:
                 self._server.should_exit = True
-            # the stop is recorded and the lease released first: Slurm may SIGKILL a daemon job a few seconds
-            # after its SIGTERM (KillWait), and stopping the router can take longer than that
-            if self.deposed is None:
-                try:
-                    stopping_router = over and router is not None
-                    data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
-                    self.store.journal_event(self.run_id, "runs", self.run_id, "daemon stopped", data=data, epoch=epoch)
-                    self.store.release_lease(run_lease_name(self.run_id), self.holder)
-                except Exception as exc:
-                    log.warning("could not record the stop: %s", exc)
             if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
                 try:
                     router.stop()  # its "router stopped" event may be refused now that the lease is released
@@ -341,6 +342,24 @@ class Daemon:
                     log.warning("router stop: %s", exc)
         if self.deposed is not None:
             raise DaemonRefused(self.deposed)
+
+    def _record_stop_when_told(self, epoch: int) -> None:
+        self.stopping.wait()
+        self._record_stop(epoch, stopping_router=False)
+
+    def _record_stop(self, epoch: int, *, stopping_router: bool) -> None:
+        """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end).
+        A deposed daemon records nothing: the lease and the run are another daemon's now."""
+        with self._stop_lock:
+            if self._stop_recorded or self.deposed is not None:
+                return
+            self._stop_recorded = True
+            try:
+                data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
+                self.store.journal_event(self.run_id, "runs", self.run_id, "daemon stopped", data=data, epoch=epoch)
+                self.store.release_lease(run_lease_name(self.run_id), self.holder)
+            except Exception as exc:
+                log.warning("could not record the stop: %s", exc)
 
     def _start(self, run: dict, epoch: int, poll_s: float):
         """Everything the control loop needs, with the lease already held and renewed: the controller, the

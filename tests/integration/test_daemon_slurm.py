@@ -136,11 +136,16 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     victim_worker = next(w["pid"] for w in doc["workers"] if w["allocation_id"] == victim["id"])
     os.kill(victim["agent_pid"], signal.SIGKILL)
     killed_at = time.time()
-    seen_at = wait_for(
-        lambda: time.time() if gpus_and_workers(victim["id"]) == ({"LOST"}, {"LOST"}) else None, 15, every=0.25
+    wait_for(lambda: gpus_and_workers(victim["id"]) == ({"LOST"}, {"LOST"}), 15, every=0.25)
+    # timed from the state's own timestamps: when the daemon wrote LOST, not when a status call saw it
+    victim_gpus = {str(g["id"]) for g in doc["gpus"] if g["allocation_id"] == victim["id"]}
+    lost_at = max(
+        j["ts"]
+        for j in pc.json("journal", "d")
+        if j["entity"] == "gpus" and j["entity_id"] in victim_gpus and j["to_state"] == "LOST"
     )
-    print(f"agent loss seen {seen_at - killed_at:.2f}s after SIGKILL (heartbeat {HEARTBEAT_S}s)")
-    assert seen_at - killed_at <= 2 * HEARTBEAT_S + 1.5  # + one daemon check tick and the status call
+    print(f"agent loss recorded {lost_at - killed_at:.2f}s after SIGKILL (heartbeat {HEARTBEAT_S}s)")
+    assert lost_at - killed_at <= 2 * HEARTBEAT_S + 1.0  # + one daemon check tick
     wait_for(lambda: not alive(victim_worker), 5)
 
     # the node job cancelled (scancel): the agent stops its worker and says it is leaving; its GPUs leave
@@ -149,10 +154,14 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     other = trainers[1]
     slurm_cluster.run("scancel", f"{other['job_id']}_{other['array_index']}")
     cancelled_at = time.time()
-    seen_at = wait_for(
-        lambda: time.time() if gpus_and_workers(other["id"]) == ({"GONE"}, {"STOPPED"}) else None, 15, every=0.25
+    wait_for(lambda: gpus_and_workers(other["id"]) == ({"GONE"}, {"STOPPED"}), 15, every=0.25)
+    other_gpus = {str(g["id"]) for g in doc["gpus"] if g["allocation_id"] == other["id"]}
+    gone_at = max(
+        j["ts"]
+        for j in pc.json("journal", "d")
+        if j["entity"] == "gpus" and j["entity_id"] in other_gpus and j["to_state"] == "GONE"
     )
-    assert seen_at - cancelled_at <= 2 * HEARTBEAT_S + 1.5
+    assert gone_at - cancelled_at <= 2 * HEARTBEAT_S + 1.0
 
 
 def _try_start(pc):
@@ -188,4 +197,5 @@ def test_daemon_as_a_slurm_job(run, slurm_cluster):
     slurm_cluster.wait_job_states(job_id, {"CANCELLED", "COMPLETED"}, timeout=30)
     wait_for(lambda: not alive(address["pid"]), 15)
     events = [j["event"] for j in pc.json("journal", "d")]
-    assert "daemon stopped" in events and "lease.released" in events
+    log_tail = (run_dir / "logs" / f"daemon-{job_id}.log").read_text()[-3000:]
+    assert "daemon stopped" in events and "lease.released" in events, log_tail
