@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -50,6 +51,7 @@ from pearlctl.watcher import apply_poll, poll_run
 
 log = logging.getLogger("pearlctl.daemon")
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 RUN_OVER = (RunState.CANCELLED, RunState.ENDED, RunState.FAILED)  # a daemon has nothing left to do
 
 
@@ -125,6 +127,9 @@ class Daemon:
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
         self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
         self._stop_lock = threading.Lock()
+        # the signal wakeup fd's two ends (install_signal_handlers); the stop thread reads the first
+        self._signals: socket.socket | None = None
+        self._signal_writer: socket.socket | None = None
 
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
@@ -344,8 +349,26 @@ class Daemon:
             raise DaemonRefused(self.deposed)
 
     def _record_stop_when_told(self, epoch: int) -> None:
-        self.stopping.wait()
+        """Wait for SIGTERM/SIGINT (or ``stopping``), then record the stop. The signal is read from the wakeup
+        fd that Python's C-level handler writes at once, so the stop is recorded even while the main thread
+        is inside a long C call (where the Python-level handler has not run yet)."""
+        got = None
+        while got is None and not self.stopping.is_set():
+            if self._signals is None:
+                self.stopping.wait(1.0)
+                continue
+            try:
+                if select.select([self._signals], [], [], 0.5)[0]:
+                    got = next((b for b in self._signals.recv(64) if b in STOP_SIGNALS), None)
+            except OSError:  # the socket closed under us: fall back to the event
+                self._signals = None
+        if got is not None:
+            log.warning("%s received: stopping", signal.Signals(got).name)
+        started = time.monotonic()
         self._record_stop(epoch, stopping_router=False)
+        self.stopping.set()
+        if self._stop_recorded:
+            log.warning("stop recorded and lease released in %.3fs", time.monotonic() - started)
 
     def _record_stop(self, epoch: int, *, stopping_router: bool) -> None:
         """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end).
@@ -451,5 +474,11 @@ class Daemon:
         return keeper
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """SIGTERM/SIGINT stop the daemon (call from the main thread, before ``run``). Besides the Python-level
+        handler, the signal number goes to a wakeup fd that the stop thread reads (``_record_stop_when_told``)."""
+        read, write = socket.socketpair()
+        write.setblocking(False)
+        signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        self._signals, self._signal_writer = read, write
+        for sig in STOP_SIGNALS:
             signal.signal(sig, lambda *_: self.stopping.set())

@@ -199,3 +199,4 @@ def test_daemon_as_a_slurm_job(run, slurm_cluster):
     events = [j["event"] for j in pc.json("journal", "d")]
     log_tail = (run_dir / "logs" / f"daemon-{job_id}.log").read_text()[-3000:]
     assert "daemon stopped" in events and "lease.released" in events, log_tail
+    assert "SIGTERM received: stopping" in log_tail and "stop recorded" in log_tail, log_tail
