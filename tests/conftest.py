@@ -68,13 +68,31 @@ def wait_for(fn, timeout: float, every: float = 0.5):
     """Call ``fn`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
     import time
 
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while time.monotonic() < deadline:
         value = fn()
         if value:
+            _trace_wait(started)
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def _trace_wait(started: float) -> None:
+    """With PEARL_TEST_TRACE=FILE, append where each wait_for was called and how long it waited: where a slow
+    test spends its time."""
+    import sys
+    import time
+
+    if trace := os.environ.get("PEARL_TEST_TRACE"):
+        caller = sys._getframe(2)
+        with open(trace, "a") as f:
+            print(
+                f"{time.strftime('%H:%M:%S')} {caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno} "
+                f"waited {time.monotonic() - started:.1f}s",
+                file=f,
+            )
 
 
 def router_gateways() -> set[int]:
