@@ -76,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-weights", type=int, default=3, help="exported weight versions kept on disk")
     p.add_argument("--release-mode", default="offload", choices=("offload", "checkpoint"))
-    p.add_argument("--poll-interval", type=float, default=0.02, help="seconds between channel polls while waiting")
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.2,  # the hook's own default: each poll is a report to the daemon and a collective of the ranks
+        help="seconds between channel polls while waiting (a release or reclaim waits at most this long)",
+    )
     p.add_argument(
         "--first-wait-s",
         type=float,
