@@ -213,7 +213,8 @@ class Sim:
         self.blocked_since: float | None = None
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
         self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
-        self.wait_ema: float | None = None  # its measured waits, averaged as examples/grpo/train.py does
+        # its measured waits, averaged as examples/grpo/train.py does, from its --first-wait-s (None: unknown)
+        self.wait_ema: float | None = scenario.training.first_wait_s
         self.version = 0
         # Lease events, in time order.
         self._grants = sorted(self.trace.leases, key=lambda x: x.start)

@@ -16,6 +16,7 @@ decode, prefill, tool latency and transition costs each get a bias and a per-req
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 import tomllib
@@ -133,6 +134,15 @@ class Workload:
         return self.prompts_per_step * self.group_size
 
 
+class Keep(enum.Enum):
+    """``with_overrides``'s "leave this key as the scenario has it", where None means something."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
+
+
 @dataclass(frozen=True)
 class Training:
     mode: str  # sync | async
@@ -140,6 +150,9 @@ class Training:
     weight_sync_s: float  # rollout workers pause this long after each step while new weights load
     staleness: int = 0  # async: a batch may be generated at most this many steps ahead of the trainer
     join_wait_s: float = JOIN_WAIT_S  # the rollout driver's join wait (above)
+    # the trainer's expected wait for its first batch (examples/grpo/train.py --first-wait-s); None: unknown, so
+    # it reports no wait, and nothing is lent, before its first measured wait
+    first_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -220,13 +233,21 @@ class Scenario:
     mismatch: Mismatch = NO_MISMATCH  # the truth against the belief ([mismatch]; none by default)
 
     def with_overrides(
-        self, *, steps: int | None = None, seed: int | None = None, mismatch: Mismatch | None = None
+        self,
+        *,
+        steps: int | None = None,
+        seed: int | None = None,
+        mismatch: Mismatch | None = None,
+        first_wait_s: float | None | Keep = KEEP,
     ) -> Scenario:
+        """The scenario with some keys replaced (None keeps a key; ``first_wait_s=None`` unsets the trainer's
+        first expected wait, KEEP keeps it)."""
         return replace(
             self,
             steps=self.steps if steps is None else steps,
             seed=self.seed if seed is None else seed,
             mismatch=self.mismatch if mismatch is None else mismatch,
+            training=self.training if first_wait_s is KEEP else replace(self.training, first_wait_s=first_wait_s),
         )
 
 
@@ -417,7 +438,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
 
     w = f"{where} [training]"
     tr = _table(doc, "training", where)
-    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness", "join_wait_s"}, w)
+    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness", "join_wait_s", "first_wait_s"}, w)
     mode = tr.get("mode", "sync")
     if mode not in ("sync", "async"):
         raise ScenarioError(f'{w} mode: must be "sync" or "async" (got {mode!r})')
@@ -427,6 +448,7 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         weight_sync_s=float(_number(tr, "weight_sync_s", w, default=profile.costs.weight_sync_s)),
         staleness=_number(tr, "staleness", w, default=1 if mode == "async" else 0, integer=True),
         join_wait_s=float(_number(tr, "join_wait_s", w, default=JOIN_WAIT_S)),
+        first_wait_s=float(_number(tr, "first_wait_s", w)) if "first_wait_s" in tr else None,
     )
     if mode == "async" and training.staleness < 1:
         raise ScenarioError(f'{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = "sync")')

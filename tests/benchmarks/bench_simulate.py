@@ -1,9 +1,10 @@
 """Benchmark and gate: every shipped scenario under static, elastic, pearl and the oracle, at its own step count,
 with the planner's model exact (no mismatch) and with the measured mismatch (docs/simulator.md, "Model
-mismatch"), and pearl once more without the predictor's correction.
+mismatch"), and pearl twice more: without the predictor's correction, and with its trainer's first expected
+wait unknown (the scenario's first_wait_s unset).
 
     .venv/bin/python tests/benchmarks/bench_simulate.py [--check] [--write-docs] [--steps N] [--router R]
-                                                        [--jobs N] [SCENARIO ...]
+                                                        [--first-wait-s S|none] [--jobs N] [SCENARIO ...]
 
 It prints the tables. ``--write-docs`` writes them to docs/simulator-results.md with the command, the commit
 they were measured at and the numbers in a machine-readable block. ``--check`` is the gate; it exits 1 when,
@@ -36,6 +37,8 @@ from pearlctl.sim.run import RunResult, run_policy  # noqa: E402
 
 POLICIES = ["static", "elastic", "pearl", "oracle"]
 UNCORRECTED = "pearl-uncorrected"  # pearl without the predictor's running correction
+NO_FIRST_WAIT = "pearl-no-first-wait"  # pearl with the trainer's first expected wait unknown (no --first-wait-s)
+VARIANTS = [UNCORRECTED, NO_FIRST_WAIT]
 MISMATCHES = {"none": sc.NO_MISMATCH, "measured": sc.MEASURED}
 DOCS = REPO / "docs/simulator-results.md"
 DOCS_TOLERANCE = 0.005  # relative: a documented ratio further than this from a fresh run is stale
@@ -46,36 +49,42 @@ REFERENCES = (
     "(Qwen3-30B-A3B) over the elastic RLBoost+ baseline (compare pearl/elastic: 1.27× / 1.36×)."
 )
 # the slowest runs first, so that the last one to finish is a short one
-_COST = {"oracle": 0, "static": 1, "elastic": 2, "pearl": 3, UNCORRECTED: 4}
+_COST = {"oracle": 0, "static": 1, "elastic": 2, "pearl": 3, UNCORRECTED: 4, NO_FIRST_WAIT: 5}
 
 
-def _job(path: Path, steps: int | None, mismatch: str, policy: str, router: str) -> RunResult:
-    s = sc.load(path).with_overrides(steps=steps, mismatch=MISMATCHES[mismatch])
-    name = "pearl" if policy == UNCORRECTED else policy
+def _job(path: Path, steps: int | None, mismatch: str, policy: str, router: str, first_wait) -> RunResult:
+    s = sc.load(path).with_overrides(steps=steps, mismatch=MISMATCHES[mismatch], first_wait_s=first_wait)
+    name = "pearl" if policy in VARIANTS else policy
+    if policy == NO_FIRST_WAIT:
+        s = s.with_overrides(first_wait_s=None)
     r = run_policy(s, name, router=router, correction=policy != UNCORRECTED)
     r.policy = policy
     return r
 
 
 def run(
-    paths: list[Path], steps: int | None, router: str = DEFAULT_ROUTER, jobs: int | None = None
+    paths: list[Path],
+    steps: int | None,
+    router: str = DEFAULT_ROUTER,
+    jobs: int | None = None,
+    first_wait: float | None | sc.Keep = sc.KEEP,
 ) -> tuple[list[dict], float]:
     """Every scenario at every mismatch under every policy: one document per scenario (``{"scenario", "steps",
     "training", "batch_size", MISMATCH: report.to_json(...)}``), and the wall time it took."""
-    scenarios = {p: sc.load(p).with_overrides(steps=steps) for p in paths}
-    work = [(p, m, pol) for p in paths for m in MISMATCHES for pol in [*POLICIES, UNCORRECTED]]
+    scenarios = {p: sc.load(p).with_overrides(steps=steps, first_wait_s=first_wait) for p in paths}
+    work = [(p, m, pol) for p in paths for m in MISMATCHES for pol in [*POLICIES, *VARIANTS]]
     work.sort(key=lambda w: (_COST[w[2]], -scenarios[w[0]].steps * scenarios[w[0]].workload.batch_size))
     n = max(1, min(len(work), jobs or os.cpu_count() or 1))
     t0 = time.monotonic()
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {w: pool.submit(_job, w[0], steps, w[1], w[2], router) for w in work}
+        futures = {w: pool.submit(_job, w[0], steps, w[1], w[2], router, first_wait) for w in work}
         results = {w: f.result() for w, f in futures.items()}
     wall = time.monotonic() - t0
     docs = []
     for p, s in scenarios.items():
         doc = {"scenario": s.name, "steps": s.steps, "training": s.training.mode, "batch_size": s.workload.batch_size}
         for m in MISMATCHES:
-            by = {pol: results[(p, m, pol)] for pol in [*POLICIES, UNCORRECTED]}
+            by = {pol: results[(p, m, pol)] for pol in [*POLICIES, *VARIANTS]}
             doc[m] = report.to_json(s.with_overrides(mismatch=MISMATCHES[m]), by)
         docs.append(doc)
     print(f"{len(work)} runs on {n} processes: {wall:.0f} s", file=sys.stderr)
@@ -165,8 +174,8 @@ def _x(r: float) -> str:
 def table(docs: list[dict]) -> str:
     lines = [
         "| scenario | pearl/static | pearl/elastic | pearl/oracle | static/oracle | elastic/oracle "
-        "| pearl with/without correction |",
-        "|" + "---|" * 7,
+        "| pearl with/without correction | pearl with/without a first wait |",
+        "|" + "---|" * 8,
     ]
     for d in docs:
 
@@ -177,16 +186,18 @@ def table(docs: list[dict]) -> str:
             f"| {d['scenario']} ({d['steps']} {d['training']} steps) "
             f"| {pair('pearl/static', _x)} | {pair('pearl/elastic', _x)} | {pair('pearl/oracle', '{:.3f}'.format)} "
             f"| {pair('static/oracle', '{:.3f}'.format)} | {pair('elastic/oracle', '{:.3f}'.format)} "
-            f"| {pair(f'pearl/{UNCORRECTED}', '{:.3f}'.format)} |"
+            f"| {pair(f'pearl/{UNCORRECTED}', '{:.3f}'.format)} | {pair(f'pearl/{NO_FIRST_WAIT}', '{:.3f}'.format)} |"
         )
     lines += [
         "",
         "Each cell: no mismatch · the measured mismatch. Ratios are of samples per second (trajectories trained per "
-        "simulated second); the last column is pearl with the predictor's correction against pearl without it.",
+        "simulated second); the last two columns are pearl against pearl without the predictor's correction, and "
+        "against pearl whose trainer reports no expected wait before its first measured one (no --first-wait-s: "
+        "the scenario's [training] first_wait_s unset).",
         "",
-        "| scenario | mismatch | static | elastic | pearl | pearl, no correction | oracle | pearl's learned "
-        "correction (batches) |",
-        "|" + "---|" * 8,
+        "| scenario | mismatch | static | elastic | pearl | pearl, no correction | pearl, no first wait | oracle "
+        "| pearl's learned correction (batches) |",
+        "|" + "---|" * 9,
     ]
     for d in docs:
         for m in MISMATCHES:
@@ -194,7 +205,7 @@ def table(docs: list[dict]) -> str:
             learned = _learned(p["pearl"]["predictor"])
             lines.append(
                 f"| {d['scenario']} | {m} "
-                + "".join(f"| {p[k]['samples_per_s']:.3f} " for k in ("static", "elastic", "pearl", UNCORRECTED))
+                + "".join(f"| {p[k]['samples_per_s']:.3f} " for k in ("static", "elastic", "pearl", *VARIANTS))
                 + f"| {p['oracle']['samples_per_s']:.3f} | {learned} |"
             )
     lines += [
@@ -273,12 +284,21 @@ def main() -> int:
         default=DEFAULT_ROUTER,
         help="the engines' router model (docs/simulator.md); --write-docs writes only the default's table",
     )
+    ap.add_argument(
+        "--first-wait-s",
+        default=None,
+        metavar="S|none",
+        help="override every scenario's [training] first_wait_s (the trainer's --first-wait-s); none: unknown",
+    )
     args = ap.parse_args()
-    full = not args.scenarios and args.steps is None and args.router == DEFAULT_ROUTER
+    first_wait = sc.KEEP
+    if args.first_wait_s is not None:
+        first_wait = None if args.first_wait_s == "none" else float(args.first_wait_s)
+    full = not args.scenarios and args.steps is None and args.router == DEFAULT_ROUTER and first_wait is sc.KEEP
     if args.write_docs and not full:
-        ap.error("--write-docs documents every shipped scenario at its own step count with the default router")
+        ap.error("--write-docs documents every shipped scenario as it is (steps, first wait) with the default router")
     paths = args.scenarios or sorted((REPO / "examples/scenarios").glob("*.toml"))
-    docs, wall = run(paths, args.steps, args.router, args.jobs)
+    docs, wall = run(paths, args.steps, args.router, args.jobs, first_wait)
     print(table(docs))
     print()
     print(REFERENCES)

@@ -19,8 +19,9 @@ from pearlctl.sim.run import Sim, run_policy, serving_workers
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _sim(name: str = "short-steps-8b", steps: int = 1, **kw) -> Sim:
-    s = sc.load(REPO / f"examples/scenarios/{name}.toml").with_overrides(steps=steps)
+def _sim(name: str = "short-steps-8b", steps: int = 1, first_wait_s: float | None = None, **kw) -> Sim:
+    """A scenario's simulation; its trainer's first expected wait unknown unless ``first_wait_s`` is given."""
+    s = sc.load(REPO / f"examples/scenarios/{name}.toml").with_overrides(steps=steps, first_wait_s=first_wait_s)
     return Sim(s, "test", lambda snap: None, **kw)
 
 
@@ -103,11 +104,24 @@ def test_the_trainer_reports_no_eta_before_its_first_measured_wait(monkeypatch):
         sim.wait_ema, sim.waiting_since = 120.0, 2.0
         assert sim._trainer_view(5.0).wait_left_s == pytest.approx(117.0)
         assert sim._trainer_view(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
+        # with --first-wait-s (the scenario's first_wait_s), that is its ETA before any wait was measured
+        sim = _sim(name, first_wait_s=300.0)
+        sim.engine.launch(0, sim.batch, 0.0)
+        sim.launched = 1
+        assert sim._trainer_view(5.0).wait_left_s == pytest.approx(295.0)
         monkeypatch.undo()
 
 
+def test_the_shipped_scenarios_state_their_first_wait_and_an_override_unsets_it():
+    for path in sorted((REPO / "examples/scenarios").glob("*.toml")):
+        s = sc.load(path)
+        assert s.training.first_wait_s is not None and s.training.first_wait_s > 0, path.name
+        assert s.with_overrides(first_wait_s=None).training.first_wait_s is None
+        assert s.with_overrides(steps=1).training.first_wait_s == s.training.first_wait_s
+
+
 def test_the_trainer_averages_its_waits_as_the_training_loop_does():
-    sim = _sim(steps=3)
+    sim = _sim(steps=3, first_wait_s=50.0)
     waits, t, before = [], 0.0, None
     while sim.trained < 3:
         sim.tick(t, sim.scenario.tick_s)
@@ -116,7 +130,7 @@ def test_the_trainer_averages_its_waits_as_the_training_loop_does():
             waits.append(max(sim.completed_at[sim.trained] - sim.waiting_since, 0.0))
         before = sim.training_until
     assert len(waits) == 3
-    ema = None
+    ema = 50.0  # from the first expected wait (--first-wait-s)
     for w in waits:
-        ema = w if ema is None else 0.7 * ema + 0.3 * w
+        ema = 0.7 * ema + 0.3 * w
     assert sim.wait_ema == pytest.approx(ema)

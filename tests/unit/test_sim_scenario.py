@@ -59,6 +59,7 @@ def load_doc(doc: dict) -> sc.Scenario:
         (lambda d: d["training"].update(mode="fast"), 'mode: must be "sync" or "async"'),
         (lambda d: d["training"].update(mode="async", staleness=0), "async needs staleness >= 1"),
         (lambda d: d["training"].update(join_wait_s=-1), "[training] join_wait_s: must be >= 0"),
+        (lambda d: d["training"].update(first_wait_s="10m"), "[training] first_wait_s: must be a number"),
         (lambda d: d["cluster"].update(trainer_gpus=-1), "[cluster] trainer_gpus: must be >= 1"),
         (lambda d: d["cluster"].update(rollout_gpus="8"), "rollout_gpus: must be an integer"),
         (lambda d: d["scenario"].update(profile="nope.toml"), "[scenario] profile: cannot read profile"),
