@@ -241,7 +241,11 @@ def commit() -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+            # the results file itself (rewritten by every --write-docs) does not make the tree dirty
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{DOCS.relative_to(REPO)}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
