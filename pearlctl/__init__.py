@@ -1,6 +1,6 @@
 """pearlctl: a Slurm control plane for agentic RL post-training.
 
-The package is layered (design.md §6, checked by import-linter in CI): ``cli`` renders, ``daemon``
+The package is layered (docs/architecture.md, checked by import-linter in CI): ``cli`` renders, ``daemon``
 decides, ``state`` alone touches SQLite, ``slurm`` alone runs Slurm commands, ``agent`` alone starts
 engines, ``planner`` and ``sim`` are pure.
 """

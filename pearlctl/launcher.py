@@ -1,6 +1,6 @@
 """Launch and cancel a run: validate against the cluster, record intent, submit, record Slurm ids.
 
-Order of writes (crash safety, design.md §4): the run, its pools and one REQUESTED allocation per array
+Order of writes (crash safety, docs/architecture.md): the run, its pools and one REQUESTED allocation per array
 task are written *before* anything is submitted; each pool's Slurm id is recorded right after its
 ``sbatch`` returns. A launch that crashed in between is finished by launching the same run again:
 pools without an id are first looked up by job name (``pearl.<run_id>.<pool>``) and adopted, so no

@@ -1,5 +1,5 @@
 """Policy `pearl`: elastic capacity + borrowed trainer GPUs + adaptive prefill–decode, with cost-aware gating
-(design.md §5.4; PEARL's cost-aware switching and borrowing).
+(docs/planner.md, "Policies"; PEARL's cost-aware switching and borrowing).
 
 Each decision considers a few GPU budgets — the rollout pool; + elastic GPUs; + lent trainer GPUs that need
 only a wake; + every lendable trainer GPU — lets ``choose`` pick the PD mode and ratio for each, and prices

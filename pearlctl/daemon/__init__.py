@@ -1,4 +1,4 @@
-"""The daemon: the single writer of a run's state while it runs (design.md §2, §4).
+"""The daemon: the single writer of a run's state while it runs (docs/architecture.md, "Who writes state").
 
 - ``lease``: one daemon per run, fenced by an epoch that every write and every command carries;
 - ``controller``: what the daemon knows and decides — agent registrations, heartbeats, reported

@@ -1,5 +1,5 @@
 """Checkpointed role transitions: a transition is a fixed sequence of idempotent steps, each journaled
-INTENT → effect → DONE/FAILED in state (design.md §4). The daemon carries out every move of a policy's plan
+INTENT → effect → DONE/FAILED in state (docs/architecture.md). The daemon carries out every move of a policy's plan
 (pearlctl.planner.model.MoveKind) as one transition of the same kind:
 
 - borrow (TRAIN → ROLLOUT):  OFFLOAD → START → VERIFY → REGISTER, or OFFLOAD → WAKE → VERIFY → REGISTER

@@ -1,4 +1,4 @@
-"""The planner: pure functions of a snapshot (design.md §5). No I/O, no clock, no state access — the
+"""The planner: pure functions of a snapshot (docs/planner.md). No I/O, no clock, no state access — the
 daemon and the simulator (pearlctl.sim) call the same code with the snapshots they build.
 
 - ``model``    the vocabulary: Snapshot (GPUs, rollout work, trainer), Deployment, Target, Move, Plan

@@ -1,4 +1,4 @@
-"""PD choice (design.md §5.2): for the GPUs that may serve, the deployment — colocated, or disaggregated with
+"""PD choice (docs/planner.md): for the GPUs that may serve, the deployment — colocated, or disaggregated with
 a prefill:decode ratio from a coarse grid — with the least predicted completion time, and the ``Target``
 that says it in GPU counts by pool.
 

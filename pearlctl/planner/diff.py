@@ -1,4 +1,4 @@
-"""Incremental plans (design.md §5.3): the smallest set of moves from the current GPU roles to a ``Target``.
+"""Incremental plans (docs/planner.md): the smallest set of moves from the current GPU roles to a ``Target``.
 
 A target is counts: serving GPUs per pool (``lend`` trainer GPUs, ``elastic`` elastic GPUs, the rest from
 the rollout pool) and, disaggregated, how many of them prefill. ``moves`` reaches the nearest assignment with

@@ -1,4 +1,4 @@
-"""The planner's vocabulary (design.md §3, §5) as frozen data: what the planner and the policies see
+"""The planner's vocabulary (docs/planner.md) as frozen data: what the planner and the policies see
 (``Snapshot``), what they decide (``Target``), and how the current assignment gets there (``Plan`` of
 ``Move``\\ s). The daemon builds snapshots from state, the simulator from its simulated cluster.
 

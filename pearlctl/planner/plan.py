@@ -1,4 +1,4 @@
-"""Plans (design.md §5): a target turned into moves (``diff``) and priced — the batch's predicted completion
+"""Plans (docs/planner.md): a target turned into moves (``diff``) and priced — the batch's predicted completion
 without the plan and with it, the moving time included.
 
 Completion over time. The GPUs serving change during a batch: moved GPUs stop serving when their move starts

@@ -1,4 +1,4 @@
-"""Rollout batch completion time for one deployment (design.md §5.1): how long the unfinished trajectories of
+"""Rollout batch completion time for one deployment (docs/planner.md): how long the unfinished trajectories of
 the current batch take on ``decode`` (+ ``prefill``) workers of a profile. Pure and cheap (a few hundred
 microseconds): the policies call it dozens of times a decision, the simulator thousands of times a run.
 

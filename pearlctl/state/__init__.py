@@ -1,4 +1,4 @@
-"""Durable state of pearlctl: the only package that touches SQLite (design.md §4, checked by ruff).
+"""Durable state of pearlctl: the only package that touches SQLite (docs/architecture.md, checked by ruff).
 
 - ``machines``: the state enums and their edge tables (pure).
 - ``schema``: the migrations that define the tables.

@@ -22,7 +22,7 @@
 
 Connections use ``isolation_level=None``: the sqlite3 driver never opens transactions by itself, so the
 Store's explicit ``BEGIN IMMEDIATE`` ... ``COMMIT`` is the whole truth about transaction boundaries.
-The database belongs on the head node's local disk (design.md §2): WAL needs shared memory that
+The database belongs on the head node's local disk (docs/architecture.md, "State"): WAL needs shared memory that
 network filesystems do not provide, which is why a failed switch to WAL is an error, not a warning.
 """
 

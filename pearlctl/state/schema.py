@@ -2,7 +2,7 @@
 
 ``MIGRATIONS[i]`` takes a database from schema version ``i`` to ``i + 1`` (``PRAGMA user_version``).
 Migrations are append-only: once released, a script is never edited; a change is a new script. The
-database is the daemon's durable memory (design.md §4), so every table that has a state machine has
+database is the daemon's durable memory (docs/architecture.md), so every table that has a state machine has
 ``state`` plus a ``version`` that each write bumps (compare-and-set), and the journal refuses UPDATE and
 DELETE at the SQL level, not only in Python.
 

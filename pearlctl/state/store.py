@@ -1,6 +1,6 @@
 """The Store: every read and write of pearlctl's durable state.
 
-What it guarantees (design.md §4):
+What it guarantees (docs/architecture.md, "State"):
 
 - **One transaction per write, with its journal entry.** Every write method runs inside ``_write``:
   ``BEGIN IMMEDIATE`` takes SQLite's write lock up front, so concurrent writers queue on the busy

@@ -51,10 +51,10 @@ Invariants:
   the id ``local-return:<returned_at>``, no daemon in the path; see pearlctl.trainer.channel.)
 - **Signals only set a flag.** The ranks agree at the next collective; a joint checkpoint follows.
 
-DeepSpeed 0.19.8 facts this module is shaped by (docs: engines-on-cpu.md): ``offload_states`` /
-``reload_states`` exist for ZeRO-1/2/3 only, and ZeRO-3's needs DeepSpeed's FusedAdam; ZeRO-0 (and
-ZeRO-3 with another optimizer) release by checkpoint instead. On a CPU-only machine offloading moves
-CPU to CPU: the call flow is real, the memory release is not.
+DeepSpeed 0.19.8 facts this module is shaped by (docs/architecture.md, "Engines on a CPU-only machine"):
+``offload_states`` / ``reload_states`` exist for ZeRO-1/2/3 only, and ZeRO-3's needs DeepSpeed's FusedAdam;
+ZeRO-0 (and ZeRO-3 with another optimizer) release by checkpoint instead. On a CPU-only machine offloading
+moves CPU to CPU: the call flow is real, the memory release is not.
 
 Import-light: importing this module imports neither torch nor deepspeed (the daemon and the CLI import
 the channel protocol from here); torch is imported inside the methods that need it.
@@ -212,8 +212,8 @@ class FileChannel:
     Layout: ``events.jsonl`` (one reported event per line), ``commands/*.json`` (taken in name order,
     each exactly once: the trainer renames it into ``commands/taken/``), ``acks/<command_id>.json``.
     Every file is written to a temporary name and renamed, so no side reads half a file. Not for
-    production across nodes: NFS attribute caching delays new files by seconds (design.md §2); the
-    daemon uses HTTP.
+    production across nodes: NFS attribute caching delays new files by seconds; the daemon uses HTTP
+    (docs/architecture.md, "The control API").
     """
 
     def __init__(self, root: str | os.PathLike) -> None:

@@ -1,5 +1,6 @@
 """The trainer hook with real DeepSpeed ranks on CPU: the example GRPO trainer (examples/grpo/train.py),
-two ranks started directly (the fastest way, engines-on-cpu.md), the tiny model.
+two ranks started directly (the fastest way: docs/architecture.md, "Engines on a CPU-only machine"), the tiny
+model.
 
 - training really changes the weights and the loss stays finite;
 - release/reclaim mid-training through a file channel: all ranks offload, training blocks until the

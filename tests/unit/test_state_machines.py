@@ -15,7 +15,7 @@ from pearlctl.state.machines import MACHINES, Machine, PoolKind, Role, StepKind,
 
 TABLES = ("runs", "allocations", "gpus", "workers", "transitions", "steps")
 
-# Decided on purpose; a change here is a design change (update design.md with it).
+# Decided on purpose; a change here is a design change (update docs/architecture.md with it).
 TERMINAL = {
     "runs": {"CANCELLED", "ENDED", "FAILED"},
     "allocations": {"ENDED"},

