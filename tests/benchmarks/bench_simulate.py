@@ -44,7 +44,7 @@ DOCS = REPO / "docs/simulator-results.md"
 DOCS_TOLERANCE = 0.005  # relative: a documented ratio further than this from a fresh run is stale
 _BLOCK = re.compile(r"<!-- results\n(.*?)\n-->", re.S)
 REFERENCES = (
-    "Published references (design.md §1; the PEARL paper itself was not available, docs/sources.md §7): PEARL "
+    "Published references (docs/sources.md §7; the PEARL paper itself was not available): PEARL "
     "2.17–2.79× the throughput of fixed-resource ROLL (compare pearl/static) and +26.9% (Qwen3-8B) / +36.3% "
     "(Qwen3-30B-A3B) over the elastic RLBoost+ baseline (compare pearl/elastic: 1.27× / 1.36×)."
 )
