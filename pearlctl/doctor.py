@@ -1,5 +1,6 @@
-"""`pearlctl doctor` checks: is Slurm reachable and which version, can engines be imported, is the
-state file healthy and on local disk. Each check is a value (name, status, detail); the CLI renders.
+"""`pearlctl doctor` checks: is Slurm configured and reachable and which version, does it have the settings
+preemption handling needs, can engines be imported, is the state file healthy and on local disk. Each
+check is a value (name, status, detail); the CLI renders.
 
 A check fails only for what breaks pearlctl on this machine; what only matters on compute nodes
 (engines) or is optional (accounting) warns.
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pearlctl import __version__, home
-from pearlctl.slurm.client import SlurmClient, SlurmError
+from pearlctl.slurm.client import SlurmClient, SlurmError, SlurmNotConfigured
+from pearlctl.slurm.parse import PartitionConfig
 from pearlctl.state.errors import IncompatibleSchema
 from pearlctl.state.store import Store
 
@@ -46,17 +48,45 @@ def _fs_type(path: Path) -> str:
     return fstype
 
 
-def check_slurm() -> list[Check]:
-    if not SlurmClient.installed():
+BUNDLED_CLUSTER = 'eval "$(python3 scripts/localslurm.py up | tail -n 1)"'
+DEFAULT_PREEMPT_NOTICE_S = 60  # a pool's preempt_notice_s when its spec sets none (docs/run-spec.md)
+
+
+def _no_config(env) -> str:
+    where = f"SLURM_CONF={env['SLURM_CONF']}" if env.get("SLURM_CONF") else "SLURM_CONF is not set"
+    return (
+        f"Slurm is installed but no Slurm configuration was found ({where}; no slurm.conf where Slurm looks, "
+        "no DNS SRV record of a slurmctld): point at one with `export SLURM_CONF=/path/to/slurm.conf`, or "
+        f"bring up the bundled 4-node cluster (as root) with `{BUNDLED_CLUSTER}`; "
+        'until then `backend = "auto"` uses the local backend'
+    )
+
+
+def check_slurm(client: SlurmClient | None = None, env=None) -> list[Check]:
+    """Slurm's checks; ``client`` and ``env`` are given by tests (a client on a recorded runner)."""
+    env = os.environ if env is None else env
+    if client is None:
+        if not SlurmClient.installed():
+            return [
+                Check(
+                    "slurm",
+                    WARN,
+                    "sbatch/squeue not on PATH: the local backend will be used "
+                    "(scripts/install-slurm.sh + scripts/localslurm.py up for a local cluster)",
+                )
+            ]
+        client = SlurmClient(timeout=10)
+    conf = env.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():  # Slurm would retry for 60 s before saying so
         return [
             Check(
-                "slurm",
-                WARN,
-                "sbatch/squeue not on PATH: the local backend will be used "
-                "(scripts/install-slurm.sh + scripts/localslurm.py up for a local cluster)",
+                "slurm config",
+                FAIL,
+                f"SLURM_CONF={conf} names no file: set it to the cluster's slurm.conf "
+                f"(`export SLURM_CONF=/path/to/slurm.conf`), or unset it, or bring up the bundled cluster "
+                f"with `{BUNDLED_CLUSTER}`",
             )
         ]
-    client = SlurmClient(timeout=10)
     checks = []
     try:
         checks.append(Check("slurm version", OK, client.version()))
@@ -75,8 +105,78 @@ def check_slurm() -> list[Check]:
                 else "sacct disabled: jobs that leave squeue are read from scontrol for MinJobAge only",
             )
         )
+        checks.extend(check_preemption(client.config(), client.partition_configs()))
+    except SlurmNotConfigured:
+        if not conf:
+            checks.append(Check("slurm config", WARN, _no_config(env)))
+        else:
+            checks.append(Check("slurmctld", FAIL, f"SLURM_CONF={conf}: Slurm found no configuration there"))
     except SlurmError as exc:
         checks.append(Check("slurmctld", FAIL, str(exc)))
+    return checks
+
+
+def check_preemption(config: dict[str, str], partitions: list[PartitionConfig]) -> list[Check]:
+    """The slurmctld settings preemption handling needs (`scontrol show config`, `scontrol show partition`).
+    A missing one warns, naming the slurm.conf line to add: users often cannot change slurm.conf, and
+    runs without preemptible pools do not need them."""
+    checks = []
+    params = config.get("SlurmctldParameters", "(null)")
+    has_signal = "preempt_send_user_signal" in [p.strip() for p in params.split(",")]
+    checks.append(
+        Check(
+            "preempt signal",
+            OK if has_signal else WARN,
+            f"SlurmctldParameters={params}"
+            if has_signal
+            else f"SlurmctldParameters={params} lacks preempt_send_user_signal: a preempted job gets no --signal "
+            "notice, so its agent cannot drain before the kill; add the slurm.conf line "
+            "`SlurmctldParameters=preempt_send_user_signal` (or append `,preempt_send_user_signal` to the "
+            "existing SlurmctldParameters line), then `scontrol reconfigure`",
+        )
+    )
+    mode = config.get("PreemptMode", "OFF")
+    requeues = "REQUEUE" in mode.upper().split(",")
+    requeue_parts = [p.name for p in partitions if "REQUEUE" in p.preempt_mode.upper().split(",")]
+    other_parts = [f"{p.name} ({p.preempt_mode})" for p in partitions if p.name not in requeue_parts]
+    if requeues:
+        detail = f"PreemptMode={mode} cluster-wide"
+        if other_parts:
+            detail += f"; partitions that override it: {', '.join(other_parts)} (preemptible pools do not belong there)"
+    else:
+        detail = f"PreemptMode={mode} cluster-wide: a preempted job is not requeued"
+        if requeue_parts:
+            detail += f" unless its partition overrides it (PreemptMode=REQUEUE on {', '.join(requeue_parts)})"
+        detail += "; add the slurm.conf line `PreemptMode=REQUEUE`"
+    checks.append(Check("preempt mode", OK if requeues else WARN, detail))
+    ptype = config.get("PreemptType", "preempt/none")
+    checks.append(
+        Check(
+            "preempt type",
+            WARN if ptype == "preempt/none" else OK,
+            f"PreemptType={ptype}: Slurm never preempts a job; add the slurm.conf line "
+            "`PreemptType=preempt/partition_prio` (or preempt/qos)"
+            if ptype == "preempt/none"
+            else f"PreemptType={ptype}",
+        )
+    )
+    graces = ", ".join(f"{p.name} {p.grace_time_s} s" for p in partitions) or "no partitions"
+    rule = (
+        f"a pool's preempt_notice_s (default {DEFAULT_PREEMPT_NOTICE_S}) must not exceed its partition's GraceTime: "
+        "Slurm kills a preempted job GraceTime seconds after its notice"
+    )
+    any_grace = any(p.grace_time_s > 0 for p in partitions)
+    checks.append(
+        Check(
+            "grace time",
+            OK if any_grace else WARN,
+            f"GraceTime: {graces}; {rule}"
+            if any_grace
+            else f"GraceTime: {graces}: a preempted job is killed at once, without time to drain; add "
+            f"`GraceTime={DEFAULT_PREEMPT_NOTICE_S}` (at least the pools' preempt_notice_s) to the slurm.conf "
+            "`PartitionName=...` line of the partition preemptible pools use; " + rule,
+        )
+    )
     return checks
 
 

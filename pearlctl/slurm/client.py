@@ -18,10 +18,13 @@ import shutil
 from pearlctl.slurm.parse import (
     SACCT_FIELDS,
     SINFO_FORMAT,
+    PartitionConfig,
     PartitionInfo,
     parse_sacct,
     parse_sbatch_parsable,
+    parse_scontrol_config,
     parse_scontrol_jobs,
+    parse_scontrol_partitions,
     parse_sinfo,
     parse_squeue_json,
 )
@@ -43,6 +46,19 @@ class SlurmError(Exception):
     """A Slurm command failed or could not be run. ``str()`` says which and what Slurm printed."""
 
 
+class SlurmNotConfigured(SlurmError):
+    """A Slurm command found no configuration: no SLURM_CONF, no slurm.conf where Slurm looks for one, no DNS
+    SRV record of a configless slurmctld. ``said`` is what the command printed."""
+
+    def __init__(self, message: str, said: str):
+        super().__init__(message)
+        self.said = said
+
+
+# What Slurm clients print when they find no configuration at all (22.05: DNS SRV lookup, then fatal).
+NO_CONFIG_MARKERS = ("Could not establish a configuration source", "DNS SRV lookup failed", "resolve_ctls_from_dns_srv")
+
+
 # How long one Slurm command may take by default (the daemon's lease outlives it: pearlctl.daemon.main).
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -61,7 +77,10 @@ class SlurmClient:
             raise SlurmError(str(exc)) from exc
         if result.returncode not in ok_codes:
             said = (result.stderr or result.stdout).strip()
-            raise SlurmError(f"{' '.join(argv)} exited {result.returncode}: {said}")
+            message = f"{' '.join(argv)} exited {result.returncode}: {said}"
+            if any(marker in said for marker in NO_CONFIG_MARKERS):
+                raise SlurmNotConfigured(message, said)
+            raise SlurmError(message)
         return result
 
     @staticmethod
@@ -81,6 +100,14 @@ class SlurmClient:
 
     def partitions(self) -> dict[str, PartitionInfo]:
         return parse_sinfo(self._run(["sinfo", "-h", "-o", SINFO_FORMAT]).stdout)
+
+    def config(self) -> dict[str, str]:
+        """`scontrol show config`: the running slurmctld's settings (PreemptType, PreemptMode, ...)."""
+        return parse_scontrol_config(self._run(["scontrol", "show", "config"]).stdout)
+
+    def partition_configs(self) -> list[PartitionConfig]:
+        """`scontrol show partition -o`: each partition's PreemptMode, GraceTime and PriorityTier."""
+        return parse_scontrol_partitions(self._run(["scontrol", "show", "partition", "-o"]).stdout)
 
     def accounting_enabled(self) -> bool:
         """Whether sacct works here (slurmdbd configured). Asked once per client."""

@@ -353,3 +353,47 @@ def parse_sinfo(text: str) -> dict[str, PartitionInfo]:
             time_limit=limit,
         )
     return parts
+
+
+# --- scontrol show config / scontrol show partition -o -------------------------------------------------
+
+_CONFIG_LINE_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)\s*=\s?(.*)$")
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """`scontrol show config` -> {key: value} for its ``Key   = Value`` lines (the first of a repeated key
+    wins: plugin sections after the main one repeat some names). Headers and blank lines are skipped."""
+    config: dict[str, str] = {}
+    for line in text.splitlines():
+        match = _CONFIG_LINE_RE.match(line.strip())
+        if match and match.group(1) not in config:
+            config[match.group(1)] = match.group(2).strip()
+    return config
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """What `scontrol show partition -o` says of one partition that preemption handling needs."""
+
+    name: str
+    preempt_mode: str
+    grace_time_s: int
+    priority_tier: int
+
+
+def parse_scontrol_partitions(text: str) -> list[PartitionConfig]:
+    """`scontrol show partition -o` (one line per partition) -> partitions, in the order Slurm lists them."""
+    parts: list[PartitionConfig] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields, _ = _scontrol_fields(line)
+        if "PartitionName" not in fields:
+            raise ParseError(f"scontrol show partition line has no PartitionName: {line!r}")
+        try:
+            grace = int(fields.get("GraceTime", "0"))
+            tier = int(fields.get("PriorityTier", "1"))
+        except ValueError:
+            raise ParseError(f"scontrol show partition: GraceTime/PriorityTier not integers: {line!r}") from None
+        parts.append(PartitionConfig(fields["PartitionName"], fields.get("PreemptMode", ""), grace, tier))
+    return parts
