@@ -8,7 +8,7 @@ import typer
 from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_TIMEOUT, err, exits, open_store, out, resolve_run
+from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out, resolve_run
 from pearlctl.router import service as router_service
 
 
@@ -16,6 +16,9 @@ from pearlctl.router import service as router_service
 def cancel(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for Slurm to end the jobs."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print one JSON object: id, name, state, all_ended (also on a timeout, exit 124)."
+    ),
 ) -> None:
     """Cancel every allocation of a run; the run ends CANCELLED with every allocation ENDED."""
     with exits():
@@ -29,10 +32,13 @@ def cancel(
         finally:
             store.close()
         _stop_router(run)
+        if json_out:
+            emit_json({"id": run["id"], "name": run["name"], "state": run["state"], "all_ended": bool(done)})
         if not done:
             err.print(f"Slurm has not ended every job after {timeout:g}s; run `pearlctl cancel {run['name']}` again")
             raise typer.Exit(EXIT_TIMEOUT)
-        out.print(f"{run['id']} {run['state']}", markup=False)
+        if not json_out:
+            out.print(f"{run['id']} {run['state']}", markup=False)
 
 
 def _stop_router(run: dict) -> None:
