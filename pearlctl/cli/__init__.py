@@ -9,7 +9,7 @@ Results go to stdout (``--json`` on every read), progress and logs to stderr. Ex
   3  the scheduler failed or could not be reached (Slurm command error, local process error)
   4  no such run
   5  conflict: the run exists already, or state changed under us; re-read and retry
-  6  `doctor` found a failing check
+  6  `doctor` found a failing check (its warnings exit 0)
   7  the run's daemon is not running or does not answer (`borrow`, `return`, `move`)
   8  the state database cannot be used: corrupted, read-only, or its disk is full (the message names it)
   9  `move --wait`: the transition failed or was rolled back (`pearlctl journal RUN` says why)
