@@ -8,12 +8,14 @@ from pathlib import Path
 
 from pearlctl.doctor import FAIL, OK, WARN, check_slurm
 from pearlctl.slurm.client import SlurmClient
+from pearlctl.slurm.parse import parse_scontrol_config, parse_scontrol_partitions
 from pearlctl.slurm.runner import CommandResult
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "slurm"
 PARTITIONS = (DATA / "scontrol_show_partition_o.txt").read_text()  # debug 0 s OFF, preempt 10 s REQUEUE, high 0 s OFF
 
-# `scontrol show config` as 22.05 prints it (an excerpt: header, aligned `Key = Value` lines, a plugin section)
+# An excerpt of `scontrol show config` in 22.05's shape (scontrol_show_config.txt is a whole one), the
+# preemption settings filled in per test
 CONFIG = """Configuration data as of 2026-11-30T08:20:01
 AccountingStorageBackupHost = (null)
 ClusterName             = pearl
@@ -75,6 +77,20 @@ def cluster(
 
 def checks_of(runner, env=None) -> dict[str, tuple[str, str]]:
     return {c.name: (c.status, c.detail) for c in check_slurm(SlurmClient(runner), env={} if env is None else env)}
+
+
+def test_recorded_scontrol_show_config_parses_the_settings_doctor_reads():
+    config = parse_scontrol_config((DATA / "scontrol_show_config.txt").read_text())
+    assert config["PreemptMode"] == "REQUEUE"
+    assert config["PreemptType"] == "preempt/partition_prio"
+    assert config["SlurmctldParameters"] == "preempt_send_user_signal"
+    assert config["ClusterName"] == "pearl" and config["KillWait"] == "5 sec"
+    parts = parse_scontrol_partitions(PARTITIONS)
+    assert [(p.name, p.preempt_mode, p.grace_time_s) for p in parts] == [
+        ("debug", "OFF", 0),
+        ("preempt", "REQUEUE", 10),
+        ("high", "OFF", 0),
+    ]
 
 
 def test_every_preemption_setting_present_is_ok_and_reports_each_partitions_grace_time():
