@@ -365,17 +365,17 @@ class Daemon:
         if got is not None:
             log.warning("%s received: stopping", signal.Signals(got).name)
         started = time.monotonic()
-        self._record_stop(epoch, stopping_router=False)
+        recorded = self._record_stop(epoch, stopping_router=False)
         self.stopping.set()
-        if self._stop_recorded:
+        if recorded:
             log.warning("stop recorded and lease released in %.3fs", time.monotonic() - started)
 
-    def _record_stop(self, epoch: int, *, stopping_router: bool) -> None:
-        """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end).
-        A deposed daemon records nothing: the lease and the run are another daemon's now."""
+    def _record_stop(self, epoch: int, *, stopping_router: bool) -> bool:
+        """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end);
+        True when this call did. A deposed daemon records nothing: the lease and the run are another's now."""
         with self._stop_lock:
             if self._stop_recorded or self.deposed is not None:
-                return
+                return False
             self._stop_recorded = True
             try:
                 data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
@@ -383,6 +383,8 @@ class Daemon:
                 self.store.release_lease(run_lease_name(self.run_id), self.holder)
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
+                return False
+            return True
 
     def _start(self, run: dict, epoch: int, poll_s: float):
         """Everything the control loop needs, with the lease already held and renewed: the controller, the
