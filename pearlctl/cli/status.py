@@ -7,11 +7,16 @@ poll interval across all shells (pearlctl.watcher.maybe_sync); ``--no-sync`` onl
 It reads through a read-only store, and opens the state read-write only for a refresh that is due. Where
 that cannot be done (a read-only state directory, a full disk) it says so in one line on stderr and
 shows the state as it is.
+
+``--timeline FILE.png`` draws the run's GPU roles over time, rebuilt from its journal (pearlctl.timeline),
+with the drawing ``pearlctl simulate --timeline`` uses, from the run's creation to now (or to its end);
+with ``--watch`` it is drawn again at every refresh.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
 from rich.live import Live
@@ -19,7 +24,7 @@ from rich.live import Live
 from pearlctl import home
 from pearlctl.backends import open_backend
 from pearlctl.cli import app
-from pearlctl.cli.common import emit_json, emit_json_line, err, exits, open_store, out, resolve_run
+from pearlctl.cli.common import EXIT_USAGE, emit_json, emit_json_line, err, exits, fail, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
 from pearlctl.daemon.elastic import elastic_view
 from pearlctl.router.service import view as router_view
@@ -42,7 +47,29 @@ def _sync_due(store: Store, run: dict) -> bool:
     return time.time() - (run.get("last_poll_at") or 0.0) >= interval * 0.9
 
 
-def _refresh(store: Store, run: dict, sync: bool, warned: set[str]) -> dict:
+_ENDED = (RunState.CANCELLED, RunState.ENDED, RunState.FAILED)
+
+
+def _timeline(store: Store, run: dict, path: Path) -> str:
+    """Draw the run's GPU roles over time (its journal, read through the store) to ``path``."""
+    from pearlctl.sim.timeline import draw
+    from pearlctl.timeline import reconstruct
+
+    kinds = {p["name"]: p["kind"] for p in store.pools(run["id"])}
+    gpus = [dict(g, pool_kind=kinds.get(g["pool"])) for g in store.gpus(run["id"])]
+    journal = store.journal(run["id"])
+    end = time.time()
+    if run["state"] in _ENDED:  # when it ended: the journal row that moved it there
+        ended = [j["ts"] for j in journal if j["entity"] == "runs" and j["to_state"] == run["state"]]
+        end = ended[-1] if ended else run["updated_at"]
+    tl = reconstruct(journal, gpus, start=run["created_at"], end=end)
+    policy = f", policy {run['policy']}" if run.get("policy") else ""
+    heading = f"{run['name']} ({run['backend']}{policy}): {tl.transitions} transitions, {len(tl.gpus)} GPUs"
+    title = f"run {run['name']}: GPU roles from its journal ({run['state'].lower()})"
+    return str(draw([(heading, tl.samples())], path, title=title, xlabel="minutes since the run was created"))
+
+
+def _refresh(store: Store, run: dict, sync: bool, warned: set[str], timeline: Path | None = None) -> dict:
     if sync and _sync_due(store, run):
         try:
             writer = open_store()
@@ -63,10 +90,21 @@ def _refresh(store: Store, run: dict, sync: bool, warned: set[str]) -> dict:
     if elastic is not None:  # the elastic pool: size now and wanted, its tasks, its size history
         doc["elastic"] = elastic
     doc["router"] = router_view(run["run_dir"])  # the run's one OpenAI-compatible endpoint (None: none yet)
+    if timeline is not None:
+        doc["timeline"] = _timeline(store, doc["run"], timeline)
     return doc
 
 
-def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json_out: bool, warned: set[str]) -> None:
+def _watch(
+    store: Store,
+    run: dict,
+    doc: dict,
+    sync: bool,
+    interval: float,
+    json_out: bool,
+    warned: set[str],
+    timeline: Path | None = None,
+) -> None:
     """Refresh every poll interval: in place on a terminal; appended (one JSON line each with --json)
     when the output is a pipe or a file, so a log of the run's progress can be kept."""
     if json_out or not out.is_terminal:
@@ -77,11 +115,11 @@ def _watch(store: Store, run: dict, doc: dict, sync: bool, interval: float, json
                 out.rule(time.strftime("%H:%M:%S"))
                 out.print(status_tables(doc))
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync, warned)
+            doc = _refresh(store, store.get_run(run["id"]), sync, warned, timeline)
     with Live(status_tables(doc), console=out, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync, warned)
+            doc = _refresh(store, store.get_run(run["id"]), sync, warned, timeline)
             live.update(status_tables(doc))
 
 
@@ -97,14 +135,19 @@ def status(
         False, "--watch", "-w", help="Refresh every poll interval (Ctrl-C stops); with --json, one document per line."
     ),
     sync: bool = typer.Option(True, "--sync/--no-sync", help="Poll the scheduler first when no daemon owns the run."),
+    timeline: Path = typer.Option(
+        None, "--timeline", help="Write a PNG of the run's GPU roles over time (from its journal) to this path."
+    ),
 ) -> None:
     """Show a run's allocations (with Slurm state), nodes, GPUs and roles."""
     with exits():
+        if timeline is not None and timeline.suffix.lower() != ".png":
+            raise fail(f"--timeline must name a .png file (got {timeline})", EXIT_USAGE)
         store = open_store(readonly=True)
         warned: set[str] = set()
         try:
             run = resolve_run(store, run_ref)
-            doc = _refresh(store, run, sync, warned)
+            doc = _refresh(store, run, sync, warned, timeline)
             if json_out and not watch:
                 emit_json(doc)
                 return
@@ -112,10 +155,12 @@ def status(
                 if run_ref is None and len(store.list_runs()) > 1:
                     out.print(runs_table(store.list_runs()))
                 out.print(status_tables(doc))
+                if timeline is not None:
+                    out.print(f"timeline: {doc['timeline']}", markup=False)
                 return
             interval = float(run["spec"].get("poll_interval_s", 5.0))
             try:
-                _watch(store, run, doc, sync, interval, json_out, warned)
+                _watch(store, run, doc, sync, interval, json_out, warned, timeline)
             except KeyboardInterrupt:
                 err.print("stopped watching")
         finally:

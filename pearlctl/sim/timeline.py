@@ -6,6 +6,7 @@ seconds when a run records them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pearlctl.sim.run import CATEGORIES, RunResult
@@ -23,26 +24,38 @@ COLORS = {
 
 
 def write_png(results: dict[str, RunResult], path: str | Path, *, title: str = "") -> Path:
+    runs = [r for r in results.values() if r.timeline]
+    if not runs:
+        raise ValueError("no timeline was recorded (run with record_timeline=True)")
+    panels = [(f"{r.policy}: {r.samples_per_s:.3f} samples/s, {r.transitions} transitions", r.timeline) for r in runs]
+    return draw(panels, path, title=title)
+
+
+def draw(
+    panels: Sequence[tuple[str, Sequence[tuple[float, Mapping[str, int]]]]],
+    path: str | Path,
+    *,
+    title: str = "",
+    xlabel: str = "simulated minutes",
+) -> Path:
+    """One stacked-area panel per (heading, samples): samples are (seconds, GPUs per category), drawn as
+    steps. The simulator's timelines and a real run's (``pearlctl status --timeline``, pearlctl.timeline)
+    both come here, so the two pictures compare."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a head node or in CI
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    runs = [r for r in results.values() if r.timeline]
-    if not runs:
-        raise ValueError("no timeline was recorded (run with record_timeline=True)")
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.3 * len(runs) + 0.6), sharex=True, squeeze=False)
-    for ax, r in zip(axes[:, 0], runs, strict=True):
-        t = [p[0] / 60.0 for p in r.timeline]
-        series = [[p[1].get(c, 0) for p in r.timeline] for c in CATEGORIES]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels) + 0.6), sharex=True, squeeze=False)
+    for ax, (heading, samples) in zip(axes[:, 0], panels, strict=True):
+        t = [p[0] / 60.0 for p in samples]
+        series = [[p[1].get(c, 0) for p in samples] for c in CATEGORIES]
         ax.stackplot(t, series, labels=CATEGORIES, colors=[COLORS[c] for c in CATEGORIES], step="post")
         ax.set_ylabel("GPUs")
-        ax.set_title(
-            f"{r.policy}: {r.samples_per_s:.3f} samples/s, {r.transitions} transitions", fontsize=9, loc="left"
-        )
+        ax.set_title(heading, fontsize=9, loc="left")
         ax.margins(x=0)
-    axes[-1, 0].set_xlabel("simulated minutes")
+    axes[-1, 0].set_xlabel(xlabel)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     if title:
         fig.suptitle(title, y=0.995, fontsize=10)

@@ -1,0 +1,167 @@
+"""A real run's GPU roles over time, rebuilt from its journal (pure: rows in, spans and samples out).
+
+``pearlctl status RUN --timeline FILE.png`` draws what this returns with the simulator's drawing
+(pearlctl.sim.timeline), so a run and its simulation can be set side by side.
+
+What the journal says, and what is made of it:
+
+- ``gpus`` rows: ``gpu.registered`` (``to_state`` UP, ``data.role``) brings a GPU in with its role; any
+  other ``to_state`` moves it (GONE: it leaves the picture; UP, DRAINING, LOST: it stays, in its role);
+  a field update journaled with ``data.fields.role`` sets its role.
+- ``transitions`` rows: ``transition.planned`` names the GPUs (``data.gpu_ids``) and the roles
+  (``from_role``, ``to_role``). While the transition runs (``to_state`` RUNNING, ROLLING_BACK) its GPUs are
+  in TRANSITION; DONE puts them in ``to_role``; ROLLED_BACK after running puts a trainer GPU back in
+  TRAIN and any other IDLE (what the compensating return or retire leaves), while a PLANNED transition
+  dropped before it ran leaves them as they were; FAILED (a person has to look) leaves them in the role
+  their row has now, the only role known for them.
+
+The role columns the daemon writes during a transition's steps are not journaled: the transition's own
+rows are what marks when GPUs moved. TRAIN is not split into computing and waiting (the simulator's
+TRAIN_IDLE): the journal does not record the trainer's phases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pearlctl.state.machines import GpuState, TransitionState
+from pearlctl.vocabulary import PoolKind, Role
+
+TRANSITION = "TRANSITION"
+# every category a span can have, in the order they stack
+CATEGORIES: tuple[str, ...] = (*(str(r) for r in Role), TRANSITION)
+_MOVING = (TransitionState.RUNNING, TransitionState.ROLLING_BACK)
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float  # seconds since the timeline's start
+    end: float
+    category: str  # a role, or TRANSITION
+
+
+@dataclass
+class RoleTimeline:
+    start: float  # unix seconds (the run's creation)
+    end: float  # unix seconds (now, or the run's end)
+    gpus: dict[int, list[Span]] = field(default_factory=dict)  # per GPU id, oldest first, only while present
+    labels: dict[int, str] = field(default_factory=dict)  # GPU id -> NODE:INDEX
+    transitions: int = 0  # transitions that ran (started), whatever their outcome
+
+    def samples(self) -> list[tuple[float, dict[str, int]]]:
+        """GPUs per category at every change, as (seconds since start, counts): the simulator's timeline
+        shape, drawn as a step plot. Always at least two points (start and end)."""
+        edges = {0.0, self.end - self.start}
+        for spans in self.gpus.values():
+            for s in spans:
+                edges.update((s.start, s.end))
+        out = []
+        for t in sorted(edges):
+            counts = dict.fromkeys(CATEGORIES, 0)
+            for spans in self.gpus.values():
+                for s in spans:
+                    if s.start <= t < s.end or (t == s.end == self.end - self.start and s.start < s.end):
+                        counts[s.category] = counts.get(s.category, 0) + 1
+                        break
+            out.append((t, counts))
+        return out
+
+
+@dataclass
+class _Gpu:
+    role: str | None = None
+    present: bool = False
+    moving: set[int] = field(default_factory=set)  # ids of the running transitions that move it
+    since: float = 0.0
+    open: str | None = None  # the category of the open span (None: not present)
+
+
+def reconstruct(
+    journal: Iterable[Mapping[str, Any]], gpus: Iterable[Mapping[str, Any]], *, start: float, end: float
+) -> RoleTimeline:
+    """Each GPU's role over ``[start, end]`` (unix seconds) from the run's journal rows (oldest first, as
+    ``Store.journal`` returns them) and its GPU rows (``Store.gpus``: id, role, state, pool, node, idx; a
+    ``pool_kind`` key, where given, says which GPUs are the trainer's, else a pool named ``trainer``)."""
+    end = max(end, start)
+    rows = {int(g["id"]): g for g in gpus}
+    tl = RoleTimeline(start=start, end=end)
+    tl.labels = {i: f"{g.get('node')}:{g.get('idx')}" for i, g in rows.items()}
+    journal = list(journal)
+    state: dict[int, _Gpu] = {}
+    planned: dict[int, dict[str, Any]] = {}
+
+    def trainer(gid: int) -> bool:
+        g = rows.get(gid) or {}
+        return (g.get("pool_kind") or g.get("pool")) == PoolKind.TRAINER
+
+    def gpu(gid: int) -> _Gpu:
+        return state.setdefault(gid, _Gpu())
+
+    def settle(gid: int, at: float) -> None:
+        """Close the GPU's open span if its category changed at ``at``, and open the new one."""
+        g = gpu(gid)
+        now = (TRANSITION if g.moving else g.role or Role.IDLE) if g.present else None
+        now = None if now is None else str(now)
+        if now == g.open:
+            return
+        if g.open is not None and at > g.since:
+            tl.gpus.setdefault(gid, []).append(Span(g.since - start, at - start, g.open))
+        g.open, g.since = now, at
+
+    # GPUs the journal never mentions (rows written without it): there all along, in their row's role
+    journaled = {str(j["entity_id"]) for j in journal if j.get("entity") == "gpus"}
+    for gid, row in rows.items():
+        if str(gid) not in journaled and row.get("state") != GpuState.GONE:
+            g = gpu(gid)
+            g.role, g.present = row.get("role"), True
+            settle(gid, start)
+    for j in journal:
+        at = min(max(float(j["ts"]), start), end)
+        entity, data = j.get("entity"), j.get("data") or {}
+        if not str(j.get("entity_id")).isdigit():
+            continue
+        if entity == "gpus":
+            gid = int(j["entity_id"])
+            g = gpu(gid)
+            if g.role is None:
+                g.role = data.get("role") or (rows.get(gid) or {}).get("role")
+            if j.get("event") == "gpu.registered" and data.get("role"):
+                g.role = data["role"]
+            if role := (data.get("fields") or {}).get("role"):
+                g.role = role
+            if j.get("to_state"):
+                g.present = j["to_state"] != GpuState.GONE
+            settle(gid, at)
+        elif entity == "transitions":
+            tid = int(j["entity_id"])
+            if j.get("event") == "transition.planned":
+                planned[tid] = {**data, "ran": False}
+                continue
+            t, to = planned.get(tid), j.get("to_state")
+            if t is None or to is None:
+                continue
+            ids = [int(i) for i in t.get("gpu_ids") or ()]
+            if to in _MOVING:
+                if not t["ran"]:
+                    tl.transitions += 1
+                t["ran"] = True
+                for gid in ids:
+                    gpu(gid).moving.add(tid)
+            else:
+                for gid in ids:
+                    g = gpu(gid)
+                    g.moving.discard(tid)
+                    if to == TransitionState.DONE:
+                        g.role = t.get("to_role") or g.role
+                    elif to == TransitionState.ROLLED_BACK and t["ran"]:
+                        g.role = Role.TRAIN if trainer(gid) else Role.IDLE
+                    elif to == TransitionState.FAILED:
+                        g.role = (rows.get(gid) or {}).get("role") or g.role
+            for gid in ids:
+                settle(gid, at)
+    for gid, g in state.items():
+        if g.open is not None and end > g.since:
+            tl.gpus.setdefault(gid, []).append(Span(g.since - start, end - start, g.open))
+    return tl

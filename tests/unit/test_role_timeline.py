@@ -1,0 +1,129 @@
+"""pearlctl.timeline: a run's GPU roles over time rebuilt from journal rows (hand-built, and a real store's)."""
+
+from __future__ import annotations
+
+from pearlctl.state.store import Store
+from pearlctl.timeline import CATEGORIES, Span, reconstruct
+from tests.conftest import create_trainer_run
+
+TRAINER = {"id": 1, "role": "TRAIN", "state": "UP", "pool": "trainer", "node": "n1", "idx": 0}
+ROLLOUT = {"id": 2, "role": "ROLLOUT", "state": "UP", "pool": "rollout", "node": "n2", "idx": 0}
+
+
+def registered(ts, gid, role=None):
+    return j(ts, "gpus", gid, "gpu.registered", to_state="UP", data={"role": role} if role else {"idx": 0})
+
+
+def gpu_state(ts, gid, to):
+    return j(ts, "gpus", gid, "allocation ended", to_state=to)
+
+
+def planned(ts, tid, gpu_ids, from_role, to_role, kind="borrow"):
+    data = {"kind": kind, "from_role": from_role, "to_role": to_role, "gpu_ids": gpu_ids}
+    return j(ts, "transitions", tid, "transition.planned", to_state="PLANNED", data=data)
+
+
+def moved(ts, tid, to):
+    return j(ts, "transitions", tid, "completed", to_state=to)
+
+
+def j(ts, entity, entity_id, event, *, to_state=None, data=None):
+    return {"ts": ts, "entity": entity, "entity_id": str(entity_id), "event": event, "to_state": to_state, "data": data}
+
+
+def test_a_trainer_gpu_lent_to_rollout_and_back():
+    rows = [
+        registered(10, 1, "TRAIN"),
+        planned(20, 5, [1], "TRAIN", "ROLLOUT"),
+        moved(20, 5, "RUNNING"),
+        moved(30, 5, "DONE"),
+        planned(50, 6, [1], "ROLLOUT", "TRAIN", kind="return"),
+        moved(51, 6, "RUNNING"),
+        moved(55, 6, "DONE"),
+        j(56, "transitions", 6, "deadline met", data={"lateness_s": -3}),  # an event, no state: nothing moves
+    ]
+    tl = reconstruct(rows, [TRAINER], start=0, end=100)
+    assert tl.gpus[1] == [
+        Span(10, 20, "TRAIN"),
+        Span(20, 30, "TRANSITION"),
+        Span(30, 51, "ROLLOUT"),
+        Span(51, 55, "TRANSITION"),
+        Span(55, 100, "TRAIN"),
+    ]
+    assert tl.transitions == 2 and tl.labels == {1: "n1:0"}
+
+
+def test_a_gpu_going_gone_leaves_the_picture_and_comes_back_in_its_role():
+    rows = [registered(0, 2, "ROLLOUT"), gpu_state(40, 2, "LOST"), gpu_state(45, 2, "GONE"), registered(60, 2)]
+    tl = reconstruct(rows, [dict(ROLLOUT, state="UP")], start=0, end=100)
+    # LOST keeps its role (its workers may still run); GONE is absent; re-registered without a role: the old one
+    assert tl.gpus[2] == [Span(0, 45, "ROLLOUT"), Span(60, 100, "ROLLOUT")]
+    samples = dict(tl.samples())
+    assert [samples[t]["ROLLOUT"] for t in (0.0, 45.0, 60.0)] == [1, 0, 1]
+
+
+def test_samples_count_gpus_per_category_at_every_change():
+    rows = [
+        registered(0, 1, "TRAIN"),
+        registered(0, 2, "IDLE"),
+        planned(10, 7, [2], "IDLE", "PREFILL", kind="start"),
+        moved(12, 7, "RUNNING"),
+        moved(20, 7, "DONE"),
+    ]
+    tl = reconstruct(rows, [TRAINER, dict(ROLLOUT, role="PREFILL")], start=0, end=30)
+    assert tl.gpus[2] == [Span(0, 12, "IDLE"), Span(12, 20, "TRANSITION"), Span(20, 30, "PREFILL")]
+    samples = tl.samples()
+    assert [t for t, _ in samples] == [0, 12, 20, 30]
+    assert all(set(c) == set(CATEGORIES) for _, c in samples)
+    picked = [{k: v for k, v in c.items() if v} for _, c in samples]
+    assert picked == [
+        {"TRAIN": 1, "IDLE": 1},
+        {"TRAIN": 1, "TRANSITION": 1},
+        {"TRAIN": 1, "PREFILL": 1},
+        {"TRAIN": 1, "PREFILL": 1},  # the end: what was there up to it
+    ]
+
+
+def test_rolled_back_dropped_and_failed_transitions():
+    rows = [
+        registered(0, 1, "TRAIN"),
+        registered(0, 2, "ROLLOUT"),
+        planned(10, 1, [1], "TRAIN", "ROLLOUT"),
+        moved(10, 1, "RUNNING"),
+        moved(15, 1, "ROLLING_BACK"),
+        moved(18, 1, "ROLLED_BACK"),  # the compensating return: the trainer has its GPU back
+        planned(20, 2, [2], "ROLLOUT", "DECODE", kind="switch"),
+        moved(21, 2, "ROLLED_BACK"),  # dropped while PLANNED: nothing moved
+        planned(30, 3, [2], "ROLLOUT", "PREFILL", kind="switch"),
+        moved(30, 3, "RUNNING"),
+        moved(35, 3, "FAILED"),  # a person has to look: the role its row has now
+    ]
+    tl = reconstruct(rows, [TRAINER, dict(ROLLOUT, role="IDLE")], start=0, end=40)
+    assert tl.gpus[1] == [Span(0, 10, "TRAIN"), Span(10, 18, "TRANSITION"), Span(18, 40, "TRAIN")]
+    assert tl.gpus[2] == [Span(0, 30, "ROLLOUT"), Span(30, 35, "TRANSITION"), Span(35, 40, "IDLE")]
+    assert tl.transitions == 2
+
+
+def test_the_window_clamps_rows_and_gpus_without_journal_rows_are_there_all_along():
+    rows = [registered(-5, 1, "TRAIN"), gpu_state(150, 1, "GONE")]
+    tl = reconstruct(rows, [TRAINER, ROLLOUT], start=0, end=100)
+    assert tl.gpus == {1: [Span(0, 100, "TRAIN")], 2: [Span(0, 100, "ROLLOUT")]}
+    assert reconstruct([], [], start=5, end=5).samples() == [(0.0, dict.fromkeys(CATEGORIES, 0))]
+
+
+def test_a_real_store_journal_reads_the_same(tmp_path):
+    clock = iter(float(t) for t in range(1000, 2000))
+    with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
+        alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
+        store.upsert_node_gpus("r", alloc["id"], "n1", [0, 1], "TRAIN")
+        lent = store.gpus("r")[0]["id"]
+        tid = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[lent])
+        store.set_state("transitions", tid, expect="PLANNED", to="RUNNING", event="started")
+        store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="completed")
+        store.upsert_node_gpus("r", alloc["id"], "n1", [0], "TRAIN")  # index 1 went away
+        run = store.get_run("r")
+        tl = reconstruct(store.journal("r"), store.gpus("r"), start=run["created_at"], end=run["created_at"] + 100)
+    other = next(g for g in tl.gpus if g != lent)
+    assert [s.category for s in tl.gpus[lent]] == ["TRAIN", "TRANSITION", "ROLLOUT"]
+    assert [s.category for s in tl.gpus[other]] == ["TRAIN"] and tl.gpus[other][0].end < 100
+    assert tl.transitions == 1
