@@ -124,7 +124,7 @@ class Controller:
         self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
         self.polling: collections.Counter[int] = collections.Counter()  # allocation -> heartbeats held now
-        self.started_at = clock()
+        self.started_at = clock()  # reset by ``published`` when agents can find this daemon
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
         self.lock = threading.RLock()
 
@@ -747,14 +747,26 @@ class Controller:
         return max(self.lost_after * self.heartbeat_s, bodies.MIN_LOSS_WINDOW_S)
 
     # -- agent loss -------------------------------------------------------------------------------
+    def published(self) -> None:
+        """The daemon's address is in the run directory now: agents can find it from here on."""
+        self.started_at = self.clock()
+
+    @property
+    def takeover_grace_s(self) -> float:
+        """How long a daemon that just started waits before it judges agents: one loss window from when its
+        address was published, plus the heartbeat interval an agent waits between failed attempts."""
+        return self.loss_window_s + self.heartbeat_s
+
     def check_agents(self) -> list[int]:
         """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked.
 
-        A daemon that just started gives agents one loss window to find it: their last heartbeat went to
-        the daemon before, so its age says nothing yet (judging them at once would, after every restart,
-        mark live workers LOST and plan around them — a parked worker passed over for a cold start)."""
+        A daemon that just started gives agents ``takeover_grace_s`` to find it: their last heartbeat went
+        to the daemon before, so its age says nothing yet (judging them at once would, after every restart,
+        mark live workers LOST and plan around them — a parked worker passed over for a cold start). The
+        time counts from the address's publication, not the controller's creation: before it, no agent can
+        reach this daemon (the router's start or adoption comes first)."""
         with self.lock:
-            if self.clock() - self.started_at < self.loss_window_s:
+            if self.clock() - self.started_at < self.takeover_grace_s:
                 return []
             deadline = self.clock() - self.loss_window_s
             marked = []

@@ -418,6 +418,7 @@ class Daemon:
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),  # set when it runs as `pearlctl daemon --slurm`
             },
         )
+        controller.published()  # agents find it from now: their loss is judged from here
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
         elastic = ElasticPool(
             self.store,
