@@ -130,6 +130,7 @@ class Daemon:
         # the signal wakeup fd's two ends (install_signal_handlers); the stop thread reads the first
         self._signals: socket.socket | None = None
         self._signal_writer: socket.socket | None = None
+        self._signal_at: float | None = None  # when the stop thread read SIGTERM/SIGINT (monotonic)
 
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
@@ -353,29 +354,29 @@ class Daemon:
         fd that Python's C-level handler writes at once, so the stop is recorded even while the main thread
         is inside a long C call (where the Python-level handler has not run yet)."""
         got = None
-        while got is None and not self.stopping.is_set():
-            if self._signals is None:
+        while True:
+            if self._signals is not None:
+                try:  # once stopping, one last look without waiting: the byte is there before the flag
+                    if select.select([self._signals], [], [], 0.0 if self.stopping.is_set() else 0.5)[0]:
+                        got = next((b for b in self._signals.recv(64) if b in STOP_SIGNALS), None)
+                except OSError:  # the socket closed under us: fall back to the event
+                    self._signals = None
+            elif not self.stopping.is_set():
                 self.stopping.wait(1.0)
-                continue
-            try:
-                if select.select([self._signals], [], [], 0.5)[0]:
-                    got = next((b for b in self._signals.recv(64) if b in STOP_SIGNALS), None)
-            except OSError:  # the socket closed under us: fall back to the event
-                self._signals = None
+            if got is not None or self.stopping.is_set():
+                break
         if got is not None:
+            self._signal_at = self._signal_at or time.monotonic()
             log.warning("%s received: stopping", signal.Signals(got).name)
-        started = time.monotonic()
-        recorded = self._record_stop(epoch, stopping_router=False)
+        self._record_stop(epoch, stopping_router=False)
         self.stopping.set()
-        if recorded:
-            log.warning("stop recorded and lease released in %.3fs", time.monotonic() - started)
 
-    def _record_stop(self, epoch: int, *, stopping_router: bool) -> bool:
-        """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end);
-        True when this call did. A deposed daemon records nothing: the lease and the run are another's now."""
+    def _record_stop(self, epoch: int, *, stopping_router: bool) -> None:
+        """Journal "daemon stopped" and release the lease, once (from the stop thread or the loop's end), and
+        log how long after the signal. A deposed daemon records nothing: the lease and the run are another's."""
         with self._stop_lock:
             if self._stop_recorded or self.deposed is not None:
-                return False
+                return
             self._stop_recorded = True
             try:
                 data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
@@ -383,8 +384,14 @@ class Daemon:
                 self.store.release_lease(run_lease_name(self.run_id), self.holder)
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
-                return False
-            return True
+                return
+            if self._signal_at is not None:
+                after = time.monotonic() - self._signal_at
+                log.warning("stop recorded and lease released %.3fs after the signal", after)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal_at = self._signal_at or time.monotonic()  # only an assignment: safe in a signal handler
+        self.stopping.set()
 
     def _start(self, run: dict, epoch: int, poll_s: float):
         """Everything the control loop needs, with the lease already held and renewed: the controller, the
@@ -484,4 +491,4 @@ class Daemon:
         signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
         self._signals, self._signal_writer = read, write
         for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda *_: self.stopping.set())
+            signal.signal(sig, self._on_signal)
