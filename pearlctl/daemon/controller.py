@@ -19,6 +19,7 @@ import collections
 import hashlib
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import ENGINE_FOR_ROLE, SERVING_ROLES, Engine, PoolKind, Role
+
+log = logging.getLogger("pearlctl.daemon")
 
 
 def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
@@ -124,7 +127,9 @@ class Controller:
         self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
         self.polling: collections.Counter[int] = collections.Counter()  # allocation -> heartbeats held now
-        self.started_at = clock()  # reset by ``published`` when agents can find this daemon
+        self._grace_from = clock()  # agents are judged only ``takeover_grace_s`` after this (``published``)
+        self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
+        self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
         self.lock = threading.RLock()
 
@@ -749,7 +754,7 @@ class Controller:
     # -- agent loss -------------------------------------------------------------------------------
     def published(self) -> None:
         """The daemon's address is in the run directory now: agents can find it from here on."""
-        self.started_at = self.clock()
+        self._grace_from = self.clock()
 
     @property
     def takeover_grace_s(self) -> float:
@@ -764,11 +769,24 @@ class Controller:
         to the daemon before, so its age says nothing yet (judging them at once would, after every restart,
         mark live workers LOST and plan around them — a parked worker passed over for a cold start). The
         time counts from the address's publication, not the controller's creation: before it, no agent can
-        reach this daemon (the router's start or adoption comes first)."""
+        reach this daemon (the router's start or adoption comes first).
+
+        A stall of the daemon itself is forgiven the same way: when this check comes more than half a loss
+        window after the last one (a slow tick, the decision lock held, a starved host), the agents'
+        heartbeats may have waited on that same lock, so for one loss window from then an agent may be silent
+        that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
+        still found, a loss window plus the stall later."""
         with self.lock:
-            if self.clock() - self.started_at < self.takeover_grace_s:
+            now = self.clock()
+            gap = 0.0 if self._checked_at is None else now - self._checked_at
+            self._checked_at = now
+            if gap > self.loss_window_s / 2:
+                log.warning("agent loss checked %.1fs after the last check: their silence is forgiven that long", gap)
+                self._held_up = (now + self.loss_window_s, gap)
+            if now - self._grace_from < self.takeover_grace_s:
                 return []
-            deadline = self.clock() - self.loss_window_s
+            until, held = self._held_up
+            deadline = now - self.loss_window_s - (held if now < until else 0.0)
             marked = []
             workers = self.store.workers(self.run_id)
             for alloc in self.store.allocations(self.run_id):

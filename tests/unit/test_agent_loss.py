@@ -1,0 +1,96 @@
+"""When the daemon judges an agent LOST (pearlctl/daemon/controller.py, ``check_agents``): after one loss window of
+silence, but never in the grace after the daemon's address was published (agents must find a new daemon first),
+and with a stall of the daemon itself forgiven (its checks came late, so heartbeats may have waited on it) — while
+an agent that really died is still found. A real SQLite state, a fake clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pearlctl.daemon.controller import Controller
+from pearlctl.state.store import Store
+
+T0 = 1_000_000.0
+HEARTBEAT_S = 1.0  # the loss window is then 2 s (lost_after 2), the takeover grace 3 s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    clock = Clock()
+    with Store.open(tmp_path / "s.db", clock=clock) as store:
+        pools = [{"name": "trainer", "kind": "trainer", "role": "TRAIN", "partition": None, "nodes": 1,
+                  "gpus_per_node": 1, "job_name": "pearl.r.trainer"}]  # fmt: skip
+        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
+                         policy="never", pools=pools)  # fmt: skip
+        (a,) = store.allocations("r")
+        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id="10")
+        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node="n0")
+        store.upsert_node_gpus("r", a["id"], "n0", [0], "TRAIN")
+        controller = Controller(store, "r", None, heartbeat_s=HEARTBEAT_S, clock=clock)
+        yield store, controller, clock, a["id"]
+
+
+def heard(store: Store, alloc: int, clock: Clock) -> None:
+    store.update_fields("allocations", alloc, agent_seen_at=clock.now)
+
+
+def gpu_state(store: Store) -> str:
+    (g,) = store.gpus("r")
+    return g["state"]
+
+
+def test_no_agent_is_judged_before_a_loss_window_and_a_heartbeat_after_the_address_is_published(run):
+    store, controller, clock, alloc = run
+    heard(store, alloc, clock)  # its last heartbeat went to the daemon before
+    clock.now += 30  # the new daemon took 30 s to start its router and publish its address
+    controller.published()
+    for _ in range(5):  # 2.5 s: inside the 3-s grace, the agent's 32-s silence says nothing yet
+        clock.now += 0.5
+        assert controller.check_agents() == []
+    clock.now += 0.5
+    assert controller.check_agents() == [alloc] and gpu_state(store) == "LOST"
+
+
+def test_a_stall_of_the_daemon_is_forgiven_and_a_dead_agent_is_still_found(run):
+    store, controller, clock, alloc = run
+    controller.published()
+    clock.now += 5  # past the grace, checked every 0.5 s, the agent heard every second
+    for i in range(8):
+        if i % 2 == 0:
+            heard(store, alloc, clock)
+        assert controller.check_agents() == []
+        clock.now += 0.5
+    heard(store, alloc, clock)
+    clock.now += 3.5  # the daemon was held up 3.5 s (a slow tick): the agent's heartbeats waited on it
+    assert controller.check_agents() == [] and gpu_state(store) == "UP"
+    # the agent is dead from here: nothing is heard, and it is found once its silence passes window + stall
+    lost_at = None
+    while lost_at is None and clock.now < T0 + 60:
+        clock.now += 0.5
+        if controller.check_agents():
+            lost_at = clock.now
+    assert lost_at is not None and gpu_state(store) == "LOST"
+    last_heard = store.allocations("r")[0]["agent_seen_at"]
+    assert 3.5 + 0.5 < lost_at - last_heard <= 2.0 + 3.5 + 0.5  # found after the forgiven window, not later
+
+
+def test_without_a_stall_an_agent_silent_past_the_window_is_lost_at_the_next_check(run):
+    store, controller, clock, alloc = run
+    controller.published()
+    clock.now += 5
+    heard(store, alloc, clock)
+    for _ in range(3):  # up to 1.5 s of silence: inside the 2-s window
+        clock.now += 0.5
+        assert controller.check_agents() == []
+    clock.now += 0.5  # 2 s: a whole window of silence
+    assert controller.check_agents() == [alloc]
