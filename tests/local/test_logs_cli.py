@@ -68,6 +68,12 @@ def cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # a test run started in the background (nohup, CI) ignores SIGINT, and a child inherits that: Python then
+    # never turns Ctrl-C into KeyboardInterrupt. The command is tested as a user's terminal runs it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def follow(state_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PEARL_STATE_DIR": str(state_dir)}
     return subprocess.Popen(
@@ -76,6 +82,7 @@ def follow(state_dir: Path, *args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         env=env,
         cwd=REPO,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
 
 
