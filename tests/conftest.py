@@ -37,6 +37,46 @@ class Pearlctl:
         return json.loads(self(*args, "--json").stdout)
 
 
+class FakeClock:
+    """A clock for state, controllers and executors in unit tests: reads ``now``, moved by hand."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def running_run(store, run_dir: Path, *, pool: str, role: str, nodes: int) -> None:
+    """Run "r" (Slurm backend, policy never) with one pool of ``nodes`` tasks of one GPU in ``role``, every task
+    RUNNING (job 10 + i on node n{i}) with its GPU registered."""
+    pools = [{"name": pool, "kind": pool, "role": role, "partition": None, "nodes": nodes, "gpus_per_node": 1,
+              "job_name": f"pearl.r.{pool}"}]  # fmt: skip
+    store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(run_dir), backend="slurm",
+                     policy="never", pools=pools)  # fmt: skip
+    for i, a in enumerate(store.allocations("r")):
+        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+        store.upsert_node_gpus("r", a["id"], f"n{i}", [0], role)
+
+
+def assert_quiet_on_broken_pipe(proc: subprocess.Popen, timeout: float, exit_code: int) -> None:
+    """Close ``proc``'s stdout (its reader goes away) and check that it exits ``exit_code``, with no traceback."""
+    try:
+        proc.stdout.close()
+        code = proc.wait(timeout=timeout)
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == exit_code, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
 def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
     """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
     store.create_run(

@@ -158,3 +158,11 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             down = _localslurm("down", "--dir", str(d), "--wipe", timeout=120)
             if down.returncode != 0:
                 print(f"localslurm down failed: {down.stderr}", file=sys.stderr)
+
+
+@pytest.fixture
+def cluster(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The bundled cluster with no job left from an earlier test, before and after this one."""
+    slurm_cluster.cancel_all()
+    yield slurm_cluster
+    slurm_cluster.cancel_all()

@@ -43,13 +43,6 @@ preempt_notice_s = 30
 
 
 @pytest.fixture
-def cluster(slurm_cluster):
-    slurm_cluster.cancel_all()
-    yield slurm_cluster
-    slurm_cluster.cancel_all()
-
-
-@pytest.fixture
 def pc(tmp_path, cluster) -> Pearlctl:
     return Pearlctl(tmp_path / "state", cluster.env)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import Pearlctl, write_spec
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -21,13 +19,6 @@ partition = "debug"
 nodes = 1
 gpus_per_node = 2
 """
-
-
-@pytest.fixture
-def cluster(slurm_cluster):
-    slurm_cluster.cancel_all()
-    yield slurm_cluster
-    slurm_cluster.cancel_all()
 
 
 def test_status_timeline_of_a_slurm_run(tmp_path, cluster, model_dir):

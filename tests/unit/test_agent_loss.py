@@ -11,36 +11,23 @@ import pytest
 
 from pearlctl.daemon.controller import Controller
 from pearlctl.state.store import Store
+from tests.conftest import FakeClock, running_run
 
 T0 = 1_000_000.0
 HEARTBEAT_S = 1.0  # the loss window is then 2 s (lost_after 2), the takeover grace 3 s
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def run(tmp_path: Path):
-    clock = Clock()
+    clock = FakeClock(T0)
     with Store.open(tmp_path / "s.db", clock=clock) as store:
-        pools = [{"name": "trainer", "kind": "trainer", "role": "TRAIN", "partition": None, "nodes": 1,
-                  "gpus_per_node": 1, "job_name": "pearl.r.trainer"}]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
+        running_run(store, tmp_path, pool="trainer", role="TRAIN", nodes=1)
         (a,) = store.allocations("r")
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id="10")
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node="n0")
-        store.upsert_node_gpus("r", a["id"], "n0", [0], "TRAIN")
         controller = Controller(store, "r", None, heartbeat_s=HEARTBEAT_S, clock=clock)
         yield store, controller, clock, a["id"]
 
 
-def heard(store: Store, alloc: int, clock: Clock) -> None:
+def heard(store: Store, alloc: int, clock: FakeClock) -> None:
     store.update_fields("allocations", alloc, agent_seen_at=clock.now)
 
 

@@ -26,6 +26,7 @@ from pearlctl.planner.predict import completion_s, predict
 from pearlctl.planner.profile import DecodeModel, Profile, ProfileError
 from pearlctl.state.store import Store
 from pearlctl.state.views import run_document
+from tests.conftest import FakeClock, running_run
 
 PROFILE = Profile(
     name="p",
@@ -100,26 +101,11 @@ def test_a_profile_file_neither_carries_nor_sets_the_correction():
 # -- the daemon's watch --------------------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def run(tmp_path: Path):
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     with Store.open(tmp_path / "s.db", clock=clock) as store:
-        pools = [{"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "partition": None, "nodes": 2,
-                  "gpus_per_node": 1, "job_name": "pearl.r.rollout"}]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
-        for i, a in enumerate(store.allocations("r")):
-            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-            store.upsert_node_gpus("r", a["id"], f"n{i}", [0], "ROLLOUT")
+        running_run(store, tmp_path, pool="rollout", role="ROLLOUT", nodes=2)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=clock)
         controller = Controller(store, "r", None, clock=clock)
         controller.borrowing = Borrowing(store, ex, "r", clock=clock)

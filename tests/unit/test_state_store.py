@@ -32,6 +32,7 @@ from pearlctl.state.errors import (
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.schema import SCHEMA_VERSION
 from pearlctl.state.store import Store, run_lease_name
+from tests.conftest import FakeClock
 
 TABLES = tuple(MACHINES)
 EDGES = [(table, old, new) for table in TABLES for (old, new) in MACHINES[table].edges]
@@ -43,17 +44,6 @@ NON_EDGES = [
     if (old, new) not in MACHINES[table].edges
 ]
 STATES = [(table, state) for table in TABLES for state in MACHINES[table].states]
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 _names = itertools.count()
