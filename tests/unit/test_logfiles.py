@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pearlctl.logfiles import (
     Follower,
+    LogFile,
     discover,
     is_known,
     known_targets,
@@ -136,3 +140,23 @@ def test_follower_marks_requeues_new_files_and_new_tasks(tmp_path):
     assert follower.poll() == [("rollout[0]", f"==> now {again} <=="), ("rollout[0]", "resubmitted")]
     again.write_text("")
     assert follower.poll() == [("rollout[0]", f"==> {again} truncated <==")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(target=st.text(max_size=40))
+def test_any_target_selects_only_files_of_that_target_and_unknown_ones_are_refused(target):
+    """Whatever a user types as TARGET: the files chosen are the run's own and match it, and a target the
+    state does not name is not known (the CLI then exits 2 naming the targets that exist)."""
+    files = [
+        LogFile("trainer[0]", "pool", Path("/r/logs/trainer-12_0.log"), pool="trainer", index=0, job="12"),
+        LogFile("rollout[1]", "pool", Path("/r/logs/rollout-13_1.log"), pool="rollout", index=1, job="13"),
+        LogFile("daemon", "daemon", Path("/r/logs/daemon.log")),
+        LogFile("7", "worker", Path("/r/logs/vllm-13_1-rollout-0.log"), pool="rollout", index=1, worker=7),
+    ]
+    workers = [{"id": 7, "worker_key": "rollout-0"}]
+    allocations = [{"pool": "trainer", "array_index": 0}, {"pool": "rollout", "array_index": 1}]
+    chosen = select(files, target, workers)
+    assert all(f in files for f in chosen)
+    assert all(target in (f.target, f.kind, f.pool) or (f.worker == 7 and target == "rollout-0") for f in chosen)
+    known = is_known(target, ["trainer", "rollout"], allocations, workers)
+    assert known == (target in {"trainer", "rollout", "trainer[0]", "rollout[1]", "daemon", "router", "7", "rollout-0"})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pearlctl.sim import scenario as sc
 
@@ -118,3 +121,25 @@ def test_lognormal_matches_its_median_and_p99():
     x = d.sample(np.random.default_rng(0), 200_000)
     assert np.median(x) == pytest.approx(100, rel=0.02)
     assert np.quantile(x, 0.99) == pytest.approx(1000, rel=0.05)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(min_value=-(10**12), max_value=10**12),
+        st.text(max_size=8),
+        st.booleans(),
+        st.lists(st.integers(), max_size=2),
+    )
+)
+def test_any_first_wait_loads_as_a_finite_non_negative_number_or_is_refused_by_name(value):
+    doc = base_doc()
+    doc["training"]["first_wait_s"] = value
+    try:
+        got = load_doc(doc).training.first_wait_s
+    except sc.ScenarioError as err:
+        assert "[training] first_wait_s: must be" in str(err)
+        return
+    assert isinstance(value, (int, float)) and not isinstance(value, bool)
+    assert got == float(value) and math.isfinite(got) and got >= 0
