@@ -11,16 +11,19 @@ import typer
 from rich.table import Table
 
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_USAGE, emit_json, exits, fail, out
+from pearlctl.cli.common import EXIT_USAGE, emit_json, err, exits, fail, out
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.sim import report
 from pearlctl.sim.run import compare
 from pearlctl.sim.scenario import ScenarioError, load
+from pearlctl.sweep import SweepError, run_sweep, tasks_of
 
 
 @app.command()
 def simulate(
-    scenario_path: Path = typer.Argument(..., metavar="SCENARIO.toml", help="A scenario file (examples/scenarios/)."),
+    scenario_paths: list[Path] = typer.Argument(
+        ..., metavar="SCENARIO.toml...", help="A scenario file (examples/scenarios/); with --sweep, one or more."
+    ),
     policy: str = typer.Option(None, "--policy", help="The policy to simulate (a name in policies/, or oracle)."),
     compare_names: str = typer.Option(
         None, "--compare", help="Comma-separated policies to run side by side, e.g. static,elastic,pearl,oracle."
@@ -29,9 +32,31 @@ def simulate(
     timeline: Path = typer.Option(None, "--timeline", help="Write a PNG of GPU roles over time to this path."),
     seed: int = typer.Option(None, "--seed", help="Override the scenario's seed (work draws and elastic trace)."),
     steps: int = typer.Option(None, "--steps", help="Override the number of RL steps to simulate."),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Run scenarios x seeds x policies as a job array and print one merged table."
+    ),
+    seeds: str = typer.Option(
+        None, "--seeds", help="--sweep: comma-separated seeds (default: each scenario's seed and the next two)."
+    ),
+    executor: str = typer.Option(
+        None, "--executor", help="--sweep: slurm, local or auto (default auto: slurm when a slurmctld answers)."
+    ),
+    partition: str = typer.Option(None, "--partition", help="--sweep on Slurm: the array's partition."),
+    time_limit: str = typer.Option(None, "--time", help="--sweep on Slurm: each task's time limit (default 60 min)."),
+    folder: Path = typer.Option(
+        None, "--folder", help="--sweep: keep submitit's files here (default: a folder under the state dir, removed)."
+    ),
 ) -> None:
     """Simulate RL steps of a scenario under one policy or several, and report throughput and costs."""
     with exits():
+        if not sweep:
+            sweep_only = {"--seeds": seeds, "--executor": executor, "--partition": partition, "--time": time_limit}
+            sweep_only["--folder"] = folder
+            given = [k for k, v in sweep_only.items() if v is not None]
+            if given:
+                raise fail(f"{', '.join(given)} only go with --sweep", EXIT_USAGE)
+            if len(scenario_paths) != 1:
+                raise fail(f"give one SCENARIO.toml (several only with --sweep), got {len(scenario_paths)}", EXIT_USAGE)
         if (policy is None) == (compare_names is None):
             raise fail("give exactly one of --policy NAME or --compare a,b,c", EXIT_USAGE)
         names = [policy] if policy else [n.strip() for n in compare_names.split(",") if n.strip()]
@@ -48,8 +73,13 @@ def simulate(
                 load_policy(name)
             except PolicyError as exc:
                 raise fail(f"{exc}, oracle", EXIT_USAGE) from None
+        if sweep:
+            _sweep(
+                scenario_paths, names, steps, seed, seeds, executor, partition, time_limit, folder, timeline, json_out
+            )
+            return
         try:
-            scenario = load(scenario_path).with_overrides(steps=steps, seed=seed)
+            scenario = load(scenario_paths[0]).with_overrides(steps=steps, seed=seed)
         except ScenarioError as exc:
             raise fail(str(exc), EXIT_USAGE) from None
         results = compare(scenario, names, record_timeline=timeline is not None)
@@ -87,3 +117,85 @@ def _render(doc: dict) -> None:
         out.print("  ".join(f"{k} {v:.2f}x" for k, v in doc["ratios"].items()), markup=False)
     if doc.get("timeline"):
         out.print(f"timeline: {doc['timeline']}", markup=False)
+
+
+def _sweep(paths, names, steps, seed, seeds_text, executor, partition, time_limit, folder, timeline, json_out) -> None:
+    """--sweep: checks every input before anything is submitted (exit 2), then runs the array (exit 3 when a
+    task gives no result: its state and log are named, and submitit's folder is kept)."""
+    from pearlctl.config import slurm_option_problems
+
+    if timeline is not None:
+        raise fail("--timeline draws one run: not with --sweep", EXIT_USAGE)
+    if seed is not None:
+        raise fail("--seed sets one seed: with --sweep use --seeds 1,2,3", EXIT_USAGE)
+    seeds = None
+    if seeds_text is not None:
+        try:
+            seeds = [int(x) for x in seeds_text.split(",") if x.strip()]
+        except ValueError:
+            seeds = []
+        if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+            raise fail(f"--seeds must be distinct non-negative integers, comma-separated (got {seeds_text!r})", 2)
+    if executor is not None and executor not in ("auto", "slurm", "local"):
+        raise fail(f"--executor must be auto, slurm or local (got {executor!r})", EXIT_USAGE)
+    bad = slurm_option_problems(partition=partition, time_limit=time_limit)
+    if bad:
+        raise fail("; ".join(str(p) for p in bad), EXIT_USAGE)
+    scenarios = []
+    for path in paths:
+        try:
+            scenarios.append(load(path).with_overrides(steps=steps))
+        except ScenarioError as exc:
+            raise fail(str(exc), EXIT_USAGE) from None
+    try:
+        tasks = tasks_of(scenarios, seeds, names)
+        err.print(f"sweep: {len(tasks)} simulations ({len(scenarios)} scenarios x seeds x {len(names)} policies)")
+        doc = run_sweep(
+            tasks,
+            executor=executor or "auto",
+            folder=folder,
+            partition=partition,
+            time_limit=time_limit,
+            progress=lambda line: err.print(line, markup=False),
+        )
+    except SweepError as exc:
+        raise fail(str(exc), exc.exit_code) from None
+    if json_out:
+        emit_json(doc)
+        return
+    _render_sweep(doc)
+
+
+def _cell(stats: dict, fmt: str) -> str:
+    return f"{stats['mean']:{fmt}} ± {stats['sd']:{fmt}}" if stats["sd"] else f"{stats['mean']:{fmt}}"
+
+
+def _render_sweep(doc: dict) -> None:
+    info = doc["sweep"]
+    where = f"job {info['job_id']}" if info["executor"] == "slurm" else "local processes"
+    table = Table(title=f"sweep: {info['tasks']} simulations on {info['executor']} ({where}); mean ± sd over seeds")
+    cols = ("scenario", "policy", "seeds", "samples/s", "steps/h", "transitions", "trainer delay s", "rollout GPU-h")
+    for col in (*cols, "idle GPU-h"):
+        table.add_column(col, justify="left" if col in ("scenario", "policy") else "right")
+    for name, sc in doc["scenarios"].items():
+        for p, row in sc["policies"].items():
+            table.add_row(
+                name,
+                p if row["finished"] else f"{p} (unfinished)",
+                str(row["n"]),
+                _cell(row["samples_per_s"], ".3f"),
+                _cell(row["steps_per_hour"], ".2f"),
+                _cell(row["transitions"], ".1f"),
+                _cell(row["trainer_delay_s"], ".1f"),
+                _cell(row["rollout_gpu_h"], ".1f"),
+                _cell(row["idle_gpu_h"], ".1f"),
+            )
+    out.print(table)
+    for name, sc in doc["scenarios"].items():
+        if sc["ratios"]:
+            ratios = "  ".join(
+                f"{k} {v['mean']:.2f}x" + (f" ± {v['sd']:.2f}" if v["sd"] else "") for k, v in sc["ratios"].items()
+            )
+            out.print(f"{name} (seeds {', '.join(map(str, sc['seeds']))}): {ratios}", markup=False)
+    if info["folder"]:
+        out.print(f"submitit files: {info['folder']}", markup=False)
