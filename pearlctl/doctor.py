@@ -252,10 +252,20 @@ def check_state(db: Path) -> list[Check]:
     return checks
 
 
+def check_policies() -> Check:
+    """The policies a name finds, each with where it comes from (pearlctl.policies's order of precedence):
+    ``never, pearl in /x/policies; mypolicy from entry point mypkg.policy of mypkg``."""
+    groups: dict[str, list[str]] = {}
+    for name, source in home.policy_sources():
+        where = f"from {source}" if source.startswith("entry point ") else f"in {Path(source).parent}"
+        groups.setdefault(where, []).append(name)
+    detail = "; ".join(f"{', '.join(names)} {where}" for where, names in groups.items())
+    return Check("policies", OK if groups else FAIL, detail or "none found")
+
+
 def run_checks() -> list[Check]:
     checks = [Check("pearlctl", OK, f"{__version__} on Python {platform.python_version()}")]
     worker = home.WORKER_SCRIPT
     checks.append(Check("jobs/worker.sh", OK if os.access(worker, os.R_OK) else FAIL, str(worker)))
-    policies = home.known_policies()
-    checks.append(Check("policies", OK if policies else FAIL, ", ".join(policies) or "none found"))
+    checks.append(check_policies())
     return checks + check_slurm() + check_engines() + check_state(home.state_db())
