@@ -21,7 +21,7 @@ from pearlctl.sim.scenario import ScenarioError, load
 @app.command()
 def simulate(
     scenario_paths: list[Path] = typer.Argument(
-        ..., metavar="SCENARIO.toml...", help="A scenario file (examples/scenarios/); with --sweep, one or more."
+        ..., metavar="SCENARIO.toml", help="A scenario file (examples/scenarios/); with --sweep, one or more."
     ),
     policy: str = typer.Option(None, "--policy", help="The policy to simulate (a name in policies/, or oracle)."),
     compare_names: str = typer.Option(
