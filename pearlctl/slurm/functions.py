@@ -108,9 +108,10 @@ def _executor(kind: str, folder: Path, res: Resources):
     if kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
         params: dict[str, Any] = {"job_name": res.job_name, "cpus_per_task": res.cpus, "stderr_to_stdout": True}
-        if minutes is not None:
-            params["time"] = minutes
-        else:
+        # submitit tells a timeout from a preemption by this value (a preempted task is requeued, a timed-out
+        # one ends); UNLIMITED goes to sbatch as such, with a value submitit can compare against
+        params["time"] = minutes if minutes is not None else 10**6
+        if minutes is None:
             params["additional_parameters"] = {"time": "UNLIMITED"}
         if res.partition:
             params["partition"] = res.partition
