@@ -35,10 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from pearlctl.planner import budget, plan
-from pearlctl.planner.choose import choose, worker_groups
-from pearlctl.planner.model import SERVING, Deployment, Mode, MoveKind, Plan, Snapshot
-from pearlctl.planner.predict import predict
+from pearlctl.planner import budget, plan, view
+from pearlctl.planner.choose import choose_workers, worker_groups
+from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
 
 NAME = "pearl"
 NEEDS_PROFILE = True  # predicts with the run's engine profile: the daemon refuses it for a run without one
@@ -86,18 +85,20 @@ def decide(snapshot: Snapshot) -> Plan | None:
     dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
     modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)
 
-    gpus = budget.servable(s)
+    # The budgets, counted in whole workers per pool: worker_groups(budget.servable(s).budget(...)), from
+    # counts made once per snapshot.
+    workers = view.of(s).workers
     budgets = (
-        ("rollout pool", gpus.budget(elastic=False, borrow=False)),
-        ("+ elastic", gpus.budget(elastic=True, borrow=False)),
-        ("+ elastic + warm borrow", gpus.budget(elastic=True, borrow=True, warm_borrow_only=True)),
-        ("+ elastic + borrow", gpus.budget(elastic=True, borrow=True)),
+        ("rollout pool", workers(elastic=False, borrow=False)),
+        ("+ elastic", workers(elastic=True, borrow=False)),
+        ("+ elastic + warm borrow", workers(elastic=True, borrow=True, warm_borrow_only=True)),
+        ("+ elastic + borrow", workers(elastic=True, borrow=True)),
     )
     threshold = max(MARGIN_S, MIN_RELATIVE_GAIN * baseline)
     best: tuple[float, Plan] | None = None
     tried = set()
-    for label, candidates in budgets:
-        choice = choose(s, candidates, modes=modes)
+    for label, by_pool in budgets:
+        choice = choose_workers(s, by_pool, modes=modes)
         if choice is None or choice.target in tried:
             continue
         tried.add(choice.target)
@@ -122,7 +123,7 @@ def decide(snapshot: Snapshot) -> Plan | None:
 def _migration_s(s: Snapshot, leaving: int) -> float:
     """Batch seconds that ``leaving`` serving GPUs cost on their way out: their share of the trajectories
     re-prefills its context on the workers that stay (abort and continue; the KV stays behind)."""
-    serving = sum(1 for g in s.gpus if g.role in SERVING)
+    serving = view.of(s).serving_count  # GPUs serving now, every pool
     staying = max(serving - leaving, 0) // s.profile.gpus_per_worker
     if not staying:
         return math.inf
@@ -159,11 +160,11 @@ def _preemption_risk(s: Snapshot, candidate: Plan, deployment: Deployment, horiz
     GPU's bring-up and the turns in flight on it, spread over the GPUs serving."""
     if s.preempt_per_hour <= 0:
         return 0.0
-    elastic = {g.id for g in s.gpus if g.pool == "elastic"}
+    elastic = view.of(s).elastic_ids
     added = [m for m in candidate.moves if m.kind in (MoveKind.START, MoveKind.WAKE) and m.gpu in elastic]
     if not added:
         return 0.0
-    turn_s = predict(s.work, deployment, s.profile).turn_s
+    turn_s = view.of(s).predict(deployment).turn_s  # predict(s.work, deployment, s.profile)
     gpus = max(deployment.workers * s.profile.gpus_per_worker, 1)
     exposure = min(horizon, candidate.predicted_s)
     preemptions = s.preempt_per_hour * exposure / 3600.0  # expected, per GPU

@@ -15,8 +15,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pearlctl.planner import view
 from pearlctl.planner.model import Deployment, GpuSlot, Mode, Snapshot, Target
-from pearlctl.planner.predict import Prediction, predict
+from pearlctl.planner.predict import Prediction
 
 # Prefill workers' share of all workers in disaggregated mode.
 PREFILL_SHARES = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3)
@@ -56,9 +57,14 @@ def choose(
     snapshot: Snapshot, budget: Sequence[GpuSlot], *, modes: Sequence[Mode] = (Mode.COLOCATED, Mode.DISAGGREGATED)
 ) -> Choice | None:
     """The best deployment of ``budget`` (None: not one whole worker in it)."""
-    profile = snapshot.profile
-    gpw = profile.gpus_per_worker
-    by_pool = worker_groups(budget, gpw)
+    return choose_workers(snapshot, worker_groups(budget, snapshot.profile.gpus_per_worker), modes=modes)
+
+
+def choose_workers(
+    snapshot: Snapshot, by_pool: dict[str, int], *, modes: Sequence[Mode] = (Mode.COLOCATED, Mode.DISAGGREGATED)
+) -> Choice | None:
+    """``choose`` for a budget already counted in whole workers per pool (``worker_groups``)."""
+    gpw = snapshot.profile.gpus_per_worker
     workers = sum(by_pool.values())
     if workers <= 0:
         return None
@@ -71,8 +77,9 @@ def choose(
         candidates += [Deployment(Mode.DISAGGREGATED, decode=d, prefill=p) for p, d in disaggregated_splits(workers)]
 
     best: Choice | None = None
+    predict = view.of(snapshot).predict  # predict(snapshot.work, dep, snapshot.profile), once per deployment
     for dep in candidates:
-        pred = predict(snapshot.work, dep, profile)
+        pred = predict(dep)
         if best is None or _better(pred.seconds, dep.mode, best, snapshot.mode):
             best = Choice(dep, target_of(dep), pred)
     return best

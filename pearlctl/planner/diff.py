@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from operator import attrgetter
 
-from pearlctl.planner import budget
-from pearlctl.planner.model import SERVING, GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
-from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
+from pearlctl.planner import view
+from pearlctl.planner.model import GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
 
 # the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
 # planned here)
-POOLS = tuple(str(p) for p in (PoolKind.TRAINER, *GENERATION_POOLS))
+POOLS = view.POOLS
 _ROLES = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
 _ORDER = {
     MoveKind.RETURN: 0,
@@ -39,17 +39,15 @@ _ORDER = {
     MoveKind.BORROW: 4,
     MoveKind.START: 5,
 }  # the order an executor should run them in: deadlines first, capacity freed before it is used
+_KINDS = sorted(_ORDER, key=_ORDER.__getitem__)
+_gpu = attrgetter("gpu")
 
 
 def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
     s = snapshot
-    serving: dict[str, list[GpuSlot]] = {p: [] for p in POOLS}
-    for g in s.gpus:
-        if g.pool in serving and g.role in SERVING:
-            serving[g.pool].append(g)
-    forced = [g for g in serving["trainer"] if budget.must_return(s, g)]
-    forced_ids = {g.id for g in forced}
-    serving["trainer"] = [g for g in serving["trainer"] if g.id not in forced_ids]
+    v = view.of(s)  # the snapshot's GPUs grouped and sorted once, for every target priced against it
+    serving = v.staying
+    forced = v.forced
 
     lend = max(target.lend, 0)
     if s.max_lend is not None:
@@ -60,11 +58,11 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
         "rollout": max(target.rollout_gpus - max(target.lend, 0) - max(target.elastic, 0), 0),
     }
     keep_n = {p: min(want[p], len(serving[p])) for p in POOLS}
-    # Only pools that grow need their candidates (sorting thousands of idle GPUs is most of a plan's cost).
+    # Only pools that grow need their candidates.
     candidates = {
-        "trainer": budget.lendable(s) if want["trainer"] > keep_n["trainer"] else [],
-        "rollout": _startable(s, "rollout") if want["rollout"] > keep_n["rollout"] else [],
-        "elastic": _startable(s, "elastic") if want["elastic"] > keep_n["elastic"] else [],
+        "trainer": v.lendable if want["trainer"] > keep_n["trainer"] else [],
+        "rollout": v.startable("rollout") if want["rollout"] > keep_n["rollout"] else [],
+        "elastic": v.startable("elastic") if want["elastic"] > keep_n["elastic"] else [],
     }
     add_n = {p: min(want[p] - keep_n[p], len(candidates[p])) for p in POOLS}
     drop_n = {p: len(serving[p]) - keep_n[p] for p in POOLS}
@@ -72,20 +70,19 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
     wanted_roles = _role_counts(target, final)
 
     # Which serving GPUs leave: as many as possible from roles that have too many GPUs (each saves a switch).
-    have = {(p, r): 0 for p in POOLS for r in _ROLES}
-    for p in POOLS:
-        for g in serving[p]:
-            have[(p, g.role)] += 1
+    have = v.staying_roles
     excess = {r: max(0, sum(have[(p, r)] for p in POOLS) - wanted_roles[r]) for r in _ROLES}
     from_role = _max_flow(drop_n, have, excess)
 
-    out: list[Move] = [_move(s, g, MoveKind.RETURN, Role.TRAIN) for g in forced]
-    kept: list[GpuSlot] = []
+    move = v.move  # (each cost from snapshot.costs: what the GPU's pool and parked worker make it)
+    out: list[Move] = [move(g, MoveKind.RETURN, Role.TRAIN) for g in forced]
+    kept_roles = {r: sum(have[(p, r)] for p in POOLS) for r in _ROLES}
+    kept_by_pool: dict[str, list[GpuSlot]] = {}
     for p in POOLS:
         if not drop_n[p]:  # (the common case, cheap: nothing leaves this pool)
-            kept += serving[p]
+            kept_by_pool[p] = serving[p]
             continue
-        order = sorted(serving[p], key=lambda g: _leaves_first(s, g))
+        order = v.leave_order(p)
         leaving: list[GpuSlot] = []
         for r in _ROLES:
             if from_role[(p, r)]:
@@ -94,38 +91,43 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
         rest = [g for g in order if g.id not in left]
         extra = drop_n[p] - len(leaving)
         leaving += rest[:extra]
-        kept += rest[extra:]
+        kept_by_pool[p] = rest[extra:]
+        for g in leaving:
+            kept_roles[g.role] -= 1
         kind = MoveKind.RETURN if p == "trainer" else MoveKind.RETIRE
         to = Role.TRAIN if p == "trainer" else Role.IDLE
-        out += [_move(s, g, kind, to) for g in leaving]
+        out += [move(g, kind, to) for g in leaving]
 
     # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short.
-    kept_roles = {r: 0 for r in _ROLES}
-    for g in kept:
-        kept_roles[g.role] += 1
     slots: list[Role] = []
     for r in _ROLES:
         slots += [r] * max(0, wanted_roles[r] - kept_roles[r])
     over = {r: max(0, kept_roles[r] - wanted_roles[r]) for r in _ROLES}
     switching: list[GpuSlot] = []
     if any(over.values()):
+        kept = [g for p in POOLS for g in kept_by_pool[p]]
         for g in sorted(kept, key=lambda g: (g.node, g.id)):
             if over[g.role] > 0:
                 over[g.role] -= 1
                 switching.append(g)
 
-    adding = [(p, g) for p in POOLS for g in candidates[p][: add_n[p]]]
     slot = iter(slots)
-    for p, g in adding:
-        role = next(slot)
+    for p in POOLS:
+        if not add_n[p]:
+            continue
         if p == "trainer":
-            out.append(_move(s, g, MoveKind.BORROW, role))
+            out += [move(g, MoveKind.BORROW, next(slot)) for g in candidates[p][: add_n[p]]]
         else:
-            out.append(_move(s, g, MoveKind.WAKE if g.parked else MoveKind.START, role))
+            out += [
+                move(g, MoveKind.WAKE if g.parked else MoveKind.START, next(slot)) for g in candidates[p][: add_n[p]]
+            ]
     for g in switching:
-        out.append(_move(s, g, MoveKind.SWITCH, next(slot)))
-    out.sort(key=lambda m: (_ORDER[m.kind], m.gpu))
-    return tuple(out)
+        out.append(move(g, MoveKind.SWITCH, next(slot)))
+    # in _ORDER, then by GPU (a stable sort by kind and GPU, one kind at a time)
+    by_kind: dict[MoveKind, list[Move]] = {kind: [] for kind in _KINDS}
+    for m in out:
+        by_kind[m.kind].append(m)
+    return tuple(m for kind in _KINDS for m in sorted(by_kind[kind], key=_gpu))
 
 
 def _role_counts(target: Target, final: int) -> dict[Role, int]:
@@ -137,37 +139,6 @@ def _role_counts(target: Target, final: int) -> dict[Role, int]:
         prefill = round(target.prefill_gpus * final / target.rollout_gpus)
     prefill = min(max(prefill, 0), final)
     return {Role.ROLLOUT: 0, Role.PREFILL: prefill, Role.DECODE: final - prefill}
-
-
-def _startable(s: Snapshot, pool: str) -> list[GpuSlot]:
-    """Idle GPUs of ``pool`` a worker may come up on, best first: parked (a wake), the allocation that lasts
-    longest, then by node so that new tensor-parallel groups fill whole nodes."""
-    out = [g for g in s.gpus if g.pool == pool and budget.may_start(s, g)]
-    out.sort(key=lambda g: (not g.parked, -(g.ends_at if g.ends_at is not None else math.inf), g.node, g.id))
-    return out
-
-
-def _leaves_first(s: Snapshot, g: GpuSlot) -> tuple:
-    """Retire order inside a pool: the soonest end (preemption notice, return deadline) first."""
-    end = budget.deadline(s, g) if g.pool == "trainer" else g.ends_at
-    return (end if end is not None else math.inf, g.node, g.id)
-
-
-def _move(s: Snapshot, g: GpuSlot, kind: MoveKind, to: Role) -> Move:
-    c = s.costs
-    if kind is MoveKind.RETURN:
-        cost = c.return_s(park=True)
-    elif kind is MoveKind.BORROW:
-        cost = c.borrow_s(warm=g.parked)
-    elif kind is MoveKind.WAKE:
-        cost = c.wake_s
-    elif kind is MoveKind.START:
-        cost = c.start_s
-    elif kind is MoveKind.SWITCH:
-        cost = c.role_switch_s
-    else:  # RETIRE: an elastic allocation may end, so its worker stops; a rollout worker parks asleep
-        cost = c.stop_s if g.pool == "elastic" else c.sleep_s
-    return Move(gpu=g.id, kind=kind, from_role=g.role, to_role=to, cost_s=cost)
 
 
 def _max_flow(drop: dict[str, int], have: dict[tuple[str, Role], int], excess: dict[Role, int]):

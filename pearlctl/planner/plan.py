@@ -18,14 +18,14 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from pearlctl.planner import budget
+from pearlctl.planner import view
 from pearlctl.planner.diff import POOLS, moves
-from pearlctl.planner.model import SERVING, Deployment, Mode, Move, MoveKind, Plan, Role, Snapshot, Target
-from pearlctl.planner.predict import completion_s
+from pearlctl.planner.model import SERVING, Deployment, Mode, Move, Plan, Role, Snapshot, Target
 
 _PLANNED_POOLS = frozenset(POOLS)
 _SERVING = frozenset(SERVING)
 _DEPARTURE_GRID = 16  # departures rounded down to 1/16 of the batch's time
+Key = tuple[str, str, Role]  # (node, pool, role)
 
 
 def make(snapshot: Snapshot, target: Target, why: str = "", *, predicted_now_s: float | None = None) -> Plan:
@@ -47,14 +47,16 @@ def make(snapshot: Snapshot, target: Target, why: str = "", *, predicted_now_s: 
 
 def current_deployment(snapshot: Snapshot) -> Deployment:
     """The deployment the serving GPUs form now (whole tensor-parallel workers only)."""
-    serving = [(g.node, g.pool, g.role) for g in snapshot.gpus if g.pool in _PLANNED_POOLS and g.role in _SERVING]
+    by_pool = view.of(snapshot).serving
+    serving = [(g.node, g.pool, g.role) for p in POOLS for g in by_pool[p]]
     return _Fleet(snapshot.profile.gpus_per_worker, serving).deployment()
 
 
 def current_target(snapshot: Snapshot) -> Target:
     """The current assignment as a target: ``make(snapshot, current_target(snapshot))`` moves only what must
     move anyway (lent GPUs due back)."""
-    serving = [g for g in snapshot.gpus if g.pool in POOLS and g.role in SERVING]
+    by_pool = view.of(snapshot).serving
+    serving = [g for p in POOLS for g in by_pool[p]]
     roles = Counter(g.role for g in serving)
     disaggregated = roles[Role.PREFILL] or roles[Role.DECODE]
     mode = Mode.DISAGGREGATED if disaggregated else (Mode.COLOCATED if serving else snapshot.mode)
@@ -62,8 +64,8 @@ def current_target(snapshot: Snapshot) -> Target:
         mode=mode,
         rollout_gpus=len(serving),
         prefill_gpus=roles[Role.PREFILL],
-        lend=sum(1 for g in serving if g.pool == "trainer"),
-        elastic=sum(1 for g in serving if g.pool == "elastic"),
+        lend=len(by_pool["trainer"]),
+        elastic=len(by_pool["elastic"]),
     )
 
 
@@ -82,73 +84,73 @@ def timeline_s(snapshot: Snapshot, planned: Iterable[Move], *, instant: bool = F
     """Predicted completion when ``planned`` runs now (``instant``: as if moves took no time — the steady
     gain of a plan, without its moving cost)."""
     s = snapshot
-    profile, work = s.profile, s.work
-    if work.empty:
+    if s.work.empty:
         return 0.0
-    moving = {m.gpu: m for m in planned}
-    # One pass over the GPUs (this runs for every candidate plan on snapshots of thousands of GPUs):
-    # serving from the start, arriving when a move is done, leaving when a return is due or an allocation ends.
-    serving: list[tuple[str, str, Role]] = []
-    arrivals: list[tuple[float, tuple[str, str, Role]]] = []  # (starts serving, worker key)
-    departures: list[tuple[float, float, tuple[str, str, Role]]] = []  # (leaves, started serving, worker key)
-    now = s.now
-    lent_due = budget.return_cost_s(s) + budget.RETURN_SLACK_S  # a lent GPU leaves this long before its deadline
-    trainer_due = budget.trainer_deadline(s)
-    for g in s.gpus:
-        pool = g.pool
-        if pool not in _PLANNED_POOLS:
-            continue
-        m = moving.get(g.id) if moving else None
-        if m is None:
-            role, start = g.role, 0.0
-        else:
-            role, start = m.to_role, (0.0 if instant else m.cost_s)
-        if role not in _SERVING:
-            continue
-        leave = g.ends_at - now if g.ends_at is not None else None
-        if pool == "trainer" and (g.borrowed or (m is not None and m.kind is MoveKind.BORROW)):
-            due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
-            leave = due if leave is None else min(leave, due)
-        key = (g.node, pool, role)
+    v = view.of(s)
+    # The current assignment's GPUs (serving from the start, leaving when a return is due or an allocation
+    # ends) are counted once per snapshot (``view.base``); a plan changes only its moved GPUs' shares: each
+    # stops serving as it was, and serves in its new role once its move is done.
+    gpw = s.profile.gpus_per_worker
+    base_gpus, base_workers, base_leaving, base_departing = v.base_timeline
+    taken, cancelled, added = v.changes(planned)
+    fleet = _Fleet(gpw)
+    fleet.gpus, fleet.workers = base_gpus.copy(), base_workers.copy()
+    if taken:
+        fleet.update(taken, -1)
+    joins: defaultdict[float, Counter] = defaultdict(Counter)  # (starts serving) -> worker key -> GPUs
+    arrived: Counter = Counter()
+    departing: list[tuple[float, float, Key, int]] = []  # (leaves, starts serving, worker key, GPUs)
+    for (key, leave, cost), n in added.items():
+        start = 0.0 if instant else cost
         if leave is not None:
             if leave <= start:
                 continue  # gone before it serves
-            departures.append((leave, start, key))
+            departing.append((leave, start, key, n))
         if start > 0:
-            arrivals.append((start, key))
+            joins[start][key] += n
         else:
-            serving.append(key)
-    fleet = _Fleet(profile.gpus_per_worker, serving)
-
-    cache: dict[Deployment, float] = {}
-
-    def seconds(dep: Deployment) -> float:
-        if dep not in cache:
-            cache[dep] = completion_s(work, dep, profile)
-        return cache[dep]
+            arrived[key] += n
+    if arrived:
+        fleet.update(arrived, 1)
+    seconds = v.completion_s
 
     # Events grouped by instant: at one instant arrivals count before departures (counts never go negative).
-    joins: defaultdict[float, Counter] = defaultdict(Counter)
-    for t, key in arrivals:
-        joins[t][key] += 1
-    leaving: list[tuple[float, tuple[str, str, Role]]] = []
-    if departures:
+    # Departures come from two lists, each in time order: the current assignment's that the plan keeps (sorted
+    # once per snapshot) and the moved GPUs'.
+    base = [] if base_departing - sum(cancelled.values()) <= 0 else base_leaving
+    leaving: list[tuple[float, Key, int]] = []  # (leaves, worker key, GPUs)
+    grid = 1.0
+    if base or departing:
         # Round departures down (never later than they happen, never before the GPU serves) to a grid
-        # scaled by the batch's time; sorted, and consumed only up to the batch's end.
+        # scaled by the batch's time; consumed in time order, and only up to the batch's end.
         final = fleet.copy()
         for joined in joins.values():
             final.update(joined, 1)
         ref = min(seconds(fleet.deployment()), seconds(final.deployment()))
         grid = ref / _DEPARTURE_GRID if math.isfinite(ref) and ref > 0 else 1.0
-        leaving = sorted(((max(math.floor(t / grid) * grid, start), key) for t, start, key in departures))
+        leaving = sorted((max(math.floor(t / grid) * grid, start), key, n) for t, start, key, n in departing)
     join_times = sorted(joins)
 
+    # the next kept departure of the current assignment: rounded times grow with its (sorted) raw times
+    b, b_end = 0, len(base)
+
+    def next_base() -> float:
+        nonlocal b
+        while b < b_end:
+            t, key, n = base[b]
+            if n - cancelled.get((t, 0.0, key), 0) > 0:
+                return max(math.floor(t / grid) * grid, 0.0)
+            b += 1
+        return math.inf
+
+    b_at = next_base()
     done, t = 0.0, 0.0
     j = k = 0
-    while j < len(join_times) or k < len(leaving):
+    while j < len(join_times) or k < len(leaving) or b < b_end:
         t_next = min(
             join_times[j] if j < len(join_times) else math.inf,
             leaving[k][0] if k < len(leaving) else math.inf,
+            b_at,
         )
         total = seconds(fleet.deployment())
         if math.isfinite(total):
@@ -162,8 +164,13 @@ def timeline_s(snapshot: Snapshot, planned: Iterable[Move], *, instant: bool = F
             j += 1
         left: Counter = Counter()
         while k < len(leaving) and leaving[k][0] == t_next:
-            left[leaving[k][1]] += 1
+            left[leaving[k][1]] += leaving[k][2]
             k += 1
+        while b_at == t_next:
+            at, key, n = base[b]
+            left[key] += n - cancelled.get((at, 0.0, key), 0)
+            b += 1
+            b_at = next_base()
         if left:
             fleet.update(left, -1)
     total = seconds(fleet.deployment())
@@ -188,6 +195,15 @@ class _Fleet:
             after = before + sign * count
             self.gpus[key] = after
             self.workers[key[2]] += after // gpw - before // gpw
+
+    @classmethod
+    def counted(cls, gpus_per_worker: int, gpus: Counter) -> _Fleet:
+        """A fleet of ``gpus`` already counted per (node, pool, role)."""
+        out = cls(gpus_per_worker)
+        out.gpus = +gpus  # (drops keys counted down to zero)
+        for (_, _, role), count in out.gpus.items():
+            out.workers[role] += count // gpus_per_worker
+        return out
 
     def copy(self) -> _Fleet:
         out = _Fleet(self.gpw)

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark: how long the planner takes for a 4,096-GPU / 512-node snapshot. Not a test: it prints a markdown
-table of median and p90 wall times; the target is under 50 ms for a plan (choose + diff + make) and for each
-policy's decision.
+table of median and p90 wall times; the targets: under 50 ms for a plan (choose + diff + make) and for each
+policy's decision, and under 25 ms at p90 for pearl's decision.
 
 The snapshot: 8 GPUs a node; a trainer pool of 128 nodes (a quarter of its GPUs lent to rollout, half the
 rest with a parked vLLM worker), a rollout pool of 256 nodes (some GPUs idle with a parked worker), an
 elastic pool of 128 nodes (half serving, half granted and idle, each with its own preemption notice), and a
 batch of trajectories in the middle of their turns: 16,384 with a long tail (a straggler bounds the batch), or
 131,072 (throughput bounds it, so pearl prices every candidate plan).
+
+Every timed call gets a fresh copy of the snapshot (``dataclasses.replace``), as the daemon and the simulator
+build a new one for every decision: what the planner derives from a snapshot once (pearlctl.planner.view) is
+derived again in every timed call, never carried over from the previous one.
 
     python tests/benchmarks/bench_planner.py [--reps 15]
 """
@@ -20,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,14 +144,15 @@ def main() -> None:
     for label, s in (("straggler-bound", big_snapshot()), ("throughput-bound", big_snapshot(long_tail=False))):
         choice, _, made = choose_diff_make(s)
         result = f"{len(made.moves)} moves; {choice.deployment.mode.value} {choice.deployment.workers} workers"
-        rows.append((label, "choose + diff + make", *timings(lambda s=s: choose_diff_make(s), args.reps), result))
+        rows.append(
+            (label, "choose + diff + make", *timings(lambda s=s: choose_diff_make(replace(s)), args.reps), result)
+        )
         for name in ("static", "elastic", "pearl"):
             policy = load_policy(name)
             decided = policy.decide(s)
             result = f"{len(decided.moves)} moves: {decided.why}" if decided else "no plan"
-            rows.append(
-                (label, f"policy {name}: decide", *timings(lambda p=policy, s=s: p.decide(s), args.reps), result)
-            )
+            timed = timings(lambda p=policy, s=s: p.decide(replace(s)), args.reps)
+            rows.append((label, f"policy {name}: decide", *timed, result))
 
     s = big_snapshot()
     print(f"snapshot: {len(s.gpus)} GPUs on {len({g.node for g in s.gpus})} nodes\n")
@@ -155,8 +161,10 @@ def main() -> None:
     for batch, step, median, p90, cpu, result in rows:
         print(f"| {batch} | {step} | {median:.1f} | {p90:.1f} | {cpu:.1f} | {result} |")
     worst = max(r[3] for r in rows)
+    pearl = max(r[3] for r in rows if r[1] == "policy pearl: decide")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\ntarget: under 50 ms — {'met' if worst < 50 else 'NOT met'} (worst p90 {worst:.1f} ms)")
+    print(f"\ntarget: every p90 under 50 ms — {'met' if worst < 50 else 'NOT met'} (worst p90 {worst:.1f} ms)")
+    print(f"target: pearl's decision p90 under 25 ms — {'met' if pearl < 25 else 'NOT met'} (p90 {pearl:.1f} ms)")
     print(f"machine: {os.cpu_count()} cores, load average {load:.2f} while it ran")
 
 

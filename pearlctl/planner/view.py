@@ -1,0 +1,363 @@
+"""What the planner derives from one snapshot more than once (docs/planner.md, "Planner speed").
+
+A policy's decision prices several targets against one snapshot: each ``choose``, ``diff.moves`` and
+``plan.timeline_s`` used to walk the snapshot's thousands of GPUs again, and each drain timeline predicted the
+same deployments again. ``of(snapshot)`` gives the snapshot's ``View``: the GPUs sorted and grouped the way the
+diff and the pricing need them, the timeline of the current assignment, and the predictions made so far —
+each computed on first use, once per snapshot.
+
+Still pure: a ``Snapshot`` is frozen, so everything here is a function of it, and a view answers exactly what
+the code without it computed (tests/unit/test_planner_recorded.py checks decisions against ones recorded
+before the view existed). Only the most recent snapshot's view is kept (a strong reference, compared by
+identity, so a new snapshot never meets an old snapshot's view): the daemon and the simulator build a new
+snapshot for every decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from functools import cached_property
+
+from pearlctl.planner import budget
+from pearlctl.planner.model import SERVING, Deployment, GpuSlot, Move, MoveKind, Role, Snapshot
+from pearlctl.planner.predict import Prediction, predict
+from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
+
+# the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
+# planned here)
+POOLS = tuple(str(p) for p in (PoolKind.TRAINER, *GENERATION_POOLS))
+_POOLS = frozenset(POOLS)
+_SERVING = frozenset(SERVING)
+
+Key = tuple[str, str, Role]  # (node, pool, role): GPUs counted into workers per key
+
+_last: tuple[Snapshot, View] | None = None
+_new = object.__new__
+
+
+def of(snapshot: Snapshot) -> View:
+    """The view of ``snapshot`` (the last one's if it is the same object)."""
+    global _last
+    last = _last
+    if last is not None and last[0] is snapshot:
+        return last[1]
+    view = View(snapshot)
+    _last = (snapshot, view)
+    return view
+
+
+class View:
+    """One snapshot's derived values. One pass over the GPUs sorts them into what the pool rules, the diff and
+    the pricing read; the rest is computed on first use."""
+
+    def __init__(self, snapshot: Snapshot):
+        s = self.s = snapshot
+        self._predictions: dict[Deployment, Prediction] = {}
+        self._leave_order: dict[str, list[GpuSlot]] = {}
+        self._moves: dict[tuple[int, MoveKind, Role], Move] = {}
+        self._changes: tuple[tuple[Move, ...], tuple[Counter, Counter, Counter]] | None = None
+        now, costs = s.now, s.costs
+        slack = budget.RETURN_SLACK_S
+        return_s = budget.return_cost_s(s)
+        self.lent_due_s = return_s + slack  # a lent GPU leaves this long before its deadline
+        self.trainer_due = trainer_due = budget.trainer_deadline(s)
+        training = s.trainer.phase == "training"
+        waiting = s.trainer.phase == "waiting"
+        lend_limit = trainer_due - slack - return_s  # budget.lendable: borrowed and back with the slack
+        start_by = {True: now + costs.wake_s + slack, False: now + costs.start_s + slack}  # budget.may_start
+        borrow_by = self._borrow_by = {True: costs.borrow_s(warm=True), False: costs.borrow_s(warm=False)}
+        self._cost_by_kind = {
+            MoveKind.RETURN: costs.return_s(park=True),
+            MoveKind.WAKE: costs.wake_s,
+            MoveKind.START: costs.start_s,
+            MoveKind.SWITCH: costs.role_switch_s,
+        }
+        idle, train = Role.IDLE, Role.TRAIN
+
+        # One pass sorts the GPUs by pool; one more per pool sorts them by what they may do.
+        by_pool: dict[str, list[GpuSlot]] = {p: [] for p in POOLS}
+        for g in s.gpus:
+            gpus = by_pool.get(g.pool)
+            if gpus is not None:
+                gpus.append(g)
+        planned = [g for g in s.gpus if g.pool in _POOLS]
+        serving: dict[str, list[GpuSlot]] = {}
+        startable: dict[str, list[GpuSlot]] = {}
+        may_serve: dict[str, list[GpuSlot]] = {}  # budget.servable: serving or startable, in snapshot order
+        for p in ("rollout", "elastic"):
+            on, up, may = serving[p], startable[p], may_serve[p] = [], [], []
+            for g in by_pool[p]:
+                role = g.role
+                if role in _SERVING:
+                    on.append(g)
+                    may.append(g)
+                elif role is idle and (g.ends_at is None or g.ends_at > start_by[g.parked]):  # budget.may_start
+                    up.append(g)
+                    may.append(g)
+        trainer = by_pool["trainer"]
+        serving["trainer"] = [g for g in trainer if g.role in _SERVING]
+        serving = {p: serving[p] for p in POOLS}
+        forced: list[GpuSlot] = []
+        lent: list[GpuSlot] = []  # budget.is_lent and not budget.must_return
+        for g in serving["trainer"]:
+            if g.borrowed:
+                due = g.return_deadline if g.return_deadline is not None else trainer_due
+                (forced if training or due - now <= self.lent_due_s else lent).append(g)
+        lendable = (
+            [g for g in trainer if g.role is train and not g.borrowed and now + borrow_by[g.parked] <= lend_limit]
+            if waiting
+            else []
+        )
+        by_id = {g.id: g for g in planned}
+        # ids are unique in a well-formed snapshot; where they are not, a move applies to every GPU of its id
+        self._twins: dict[int, list[GpuSlot]] | None = None
+        if len(by_id) != len(planned):
+            twins: dict[int, list[GpuSlot]] = {}
+            for g in planned:
+                twins.setdefault(g.id, []).append(g)
+            self._twins = twins
+
+        # The current assignment's timeline: serving from the start, leaving at the allocation's end or, lent,
+        # when its return must start.
+        serving_gpus = [g for p in POOLS for g in serving[p]]
+        base_serving = Counter([(g.node, g.pool, g.role) for g in serving_gpus])
+        departures: Counter[tuple[float, float, Key]] = Counter()
+        for g in serving_gpus:
+            if g.ends_at is not None or (g.pool == "trainer" and g.borrowed):
+                key, leave = self.contribution(g, g.role, 0.0, False) or (None, None)
+                if key is None:
+                    base_serving[(g.node, g.pool, g.role)] -= 1  # gone before it serves
+                elif leave is not None:
+                    departures[(leave, 0.0, key)] += 1
+
+        self.serving = serving
+        self.forced = forced
+        self.by_id = by_id
+        self.base = (base_serving, departures)
+        self._startable = startable
+        self._may_serve = may_serve
+        self._lent = lent
+        self._lendable = lendable
+
+    def move(self, g: GpuSlot, kind: MoveKind, to: Role) -> Move:
+        """The move of ``g`` (each move made once per snapshot: several targets share most of their moves)."""
+        key = (id(g), kind, to)
+        m = self._moves.get(key)
+        if m is None:
+            if kind is MoveKind.BORROW:
+                cost = self._borrow_by[g.parked]
+            elif kind is MoveKind.RETIRE:
+                # an elastic allocation may end, so its worker stops; a rollout worker parks asleep
+                cost = self.s.costs.stop_s if g.pool == "elastic" else self.s.costs.sleep_s
+            else:
+                cost = self._cost_by_kind[kind]
+            # Move(g.id, kind, g.role, to, cost) without the frozen dataclass's five object.__setattr__ calls
+            # (a plan of a 4,096-GPU snapshot has over a thousand moves)
+            m = _new(Move)
+            d = m.__dict__
+            d["gpu"], d["kind"], d["from_role"], d["to_role"], d["cost_s"] = g.id, kind, g.role, to, cost
+            self._moves[key] = m
+        return m
+
+    def changes(self, planned: Iterable[Move]) -> tuple[Counter, Counter, Counter]:
+        """What ``planned`` changes in the current assignment's timeline: the serving GPUs it takes away (per
+        worker key), their departures it cancels (per (leaves, 0.0, key)), and the GPUs it brings in (per
+        (key, leaves, move cost); leaves None: it stays). The last moves priced are remembered: a policy
+        prices a plan's moves twice (with their moving time, and without)."""
+        last = self._changes
+        if last is not None and last[0] is planned:
+            return last[1]
+        moving = {m.gpu: m for m in planned}
+        taken: list[Key] = []
+        cancelled: list[tuple[float, float, Key]] = []
+        added: list[tuple[Key, float | None, float]] = []
+        # (``contribution`` inlined: this runs over every move of every plan priced)
+        now, lent_due, trainer_due = self.s.now, self.lent_due_s, self.trainer_due
+        by_id, twins, borrow = self.by_id, self._twins, MoveKind.BORROW
+        for gid, m in moving.items():
+            if twins is None:
+                g = by_id.get(gid)
+                gpus: Iterable[GpuSlot] = () if g is None else (g,)
+            else:
+                gpus = twins.get(gid, ())
+            to = m.to_role
+            for g in gpus:
+                pool, ends = g.pool, g.ends_at
+                lent = pool == "trainer" and g.borrowed
+                if lent or (pool == "trainer" and m.kind is borrow):
+                    due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
+                else:
+                    due = None
+                if g.role in _SERVING:  # its share of the current assignment goes
+                    leave = ends - now if ends is not None else None
+                    if lent:
+                        leave = due if leave is None else min(leave, due)
+                    if leave is None:
+                        taken.append((g.node, pool, g.role))
+                    elif not leave <= 0.0:
+                        key = (g.node, pool, g.role)
+                        taken.append(key)
+                        cancelled.append((leave, 0.0, key))
+                if to in _SERVING:  # it serves in its new role (whether it does depends on its start)
+                    leave = ends - now if ends is not None else None
+                    if due is not None:
+                        leave = due if leave is None else min(leave, due)
+                    if leave is None or not leave <= -math.inf:
+                        added.append(((g.node, pool, to), leave, m.cost_s))
+        out = (Counter(taken), Counter(cancelled), Counter(added))
+        if isinstance(planned, tuple):
+            self._changes = (planned, out)
+        return out
+
+    def planned(self, gid: int) -> list[GpuSlot] | tuple[GpuSlot, ...]:
+        """The planned GPUs of id ``gid`` (one, in a well-formed snapshot; none: not planned)."""
+        if self._twins is not None:
+            return self._twins.get(gid, ())
+        g = self.by_id.get(gid)
+        return (g,) if g is not None else ()
+
+    @cached_property
+    def base_timeline(self) -> tuple[Counter[Key], Counter[Role], list[tuple[float, Key, int]], int]:
+        """The current assignment's GPUs serving now per worker key (none counted down to zero), its whole
+        workers per role, its departures as (leaves, key, GPUs) in time order, and how many GPUs depart."""
+        serving, departures = self.base
+        serving = +serving
+        gpw = self.s.profile.gpus_per_worker
+        workers: Counter[Role] = Counter()
+        for (_, _, role), count in serving.items():
+            workers[role] += count // gpw
+        leaving = sorted((t, key, n) for (t, _, key), n in departures.items())
+        return serving, workers, leaving, sum(departures.values())
+
+    def base_share(self, g: GpuSlot) -> tuple[Key, float | None] | None:
+        """``g``'s share of the current assignment's timeline (``contribution`` in its current role)."""
+        return self.contribution(g, g.role, 0.0, False)
+
+    @cached_property
+    def elastic_ids(self) -> frozenset[int]:
+        return frozenset(g.id for g in self.s.gpus if g.pool == "elastic")
+
+    @cached_property
+    def serving_count(self) -> int:
+        """GPUs serving now, every pool."""
+        return sum(1 for g in self.s.gpus if g.role in _SERVING)
+
+    # -- predictions ---------------------------------------------------------------------------------
+
+    def predict(self, dep: Deployment) -> Prediction:
+        """``predict(snapshot.work, dep, snapshot.profile)``, each deployment predicted once."""
+        p = self._predictions.get(dep)
+        if p is None:
+            p = self._predictions[dep] = predict(self.s.work, dep, self.s.profile)
+        return p
+
+    def completion_s(self, dep: Deployment) -> float:
+        return self.predict(dep).seconds
+
+    # -- the pool rules (budget) ---------------------------------------------------------------------
+
+    @cached_property
+    def lendable(self) -> list[GpuSlot]:
+        """``budget.lendable``."""
+        out = self._lendable
+        out.sort(key=lambda g: (not g.parked, g.node, g.id))
+        max_lend = self.s.max_lend
+        if max_lend is not None:
+            out = out[: max(0, max_lend - len(self._lent))]
+        return out
+
+    @cached_property
+    def servable(self) -> budget.Servable:
+        """``budget.servable``."""
+        lent = self._lent
+        if self.s.max_lend is not None:
+            lent = lent[: self.s.max_lend]
+        may = self._may_serve
+        return budget.Servable(tuple(may["rollout"]), tuple(may["elastic"]), tuple(lent), tuple(self.lendable))
+
+    def workers(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> dict[str, int]:
+        """``choose.worker_groups(self.servable.budget(...))``: whole workers per pool of a budget."""
+        parts = self._node_counts
+        per_node = parts["rollout"].copy()
+        if elastic:
+            per_node.update(parts["elastic"])
+        if borrow:
+            per_node.update(parts["lent"])
+            per_node.update(parts["warm"] if warm_borrow_only else parts["lendable"])
+        gpw = self.s.profile.gpus_per_worker
+        out: Counter[str] = Counter()
+        for (_, pool), count in per_node.items():
+            out[pool] += count // gpw
+        return dict(out)
+
+    @cached_property
+    def _node_counts(self) -> dict[str, Counter[tuple[str, str]]]:
+        """GPUs per (node, pool) of each part of the servable GPUs."""
+        s = self.servable
+        return {
+            "rollout": Counter([(g.node, g.pool) for g in s.rollout]),
+            "elastic": Counter([(g.node, g.pool) for g in s.elastic]),
+            "lent": Counter([(g.node, g.pool) for g in s.lent]),
+            "lendable": Counter([(g.node, g.pool) for g in s.lendable]),
+            "warm": Counter([(g.node, g.pool) for g in s.lendable if g.parked]),
+        }
+
+    # -- what the diff needs -------------------------------------------------------------------------
+
+    @cached_property
+    def staying(self) -> dict[str, list[GpuSlot]]:
+        """``serving`` without the lent GPUs that must go back."""
+        out = dict(self.serving)
+        if self.forced:
+            forced = {g.id for g in self.forced}
+            out["trainer"] = [g for g in out["trainer"] if g.id not in forced]
+        return out
+
+    @cached_property
+    def staying_roles(self) -> dict[tuple[str, Role], int]:
+        """How many ``staying`` GPUs hold each (pool, role)."""
+        have = Counter((g.pool, g.role) for p in POOLS for g in self.staying[p])
+        return {(p, r): have[(p, r)] for p in POOLS for r in SERVING}
+
+    def startable(self, pool: str) -> list[GpuSlot]:
+        """Idle GPUs of ``pool`` a worker may come up on, best first (diff's order: parked, the allocation
+        that lasts longest, then by node so that new tensor-parallel groups fill whole nodes)."""
+        return self._sorted_startable[pool]
+
+    @cached_property
+    def _sorted_startable(self) -> dict[str, list[GpuSlot]]:
+        def best(g: GpuSlot) -> tuple:
+            return (not g.parked, -(g.ends_at if g.ends_at is not None else math.inf), g.node, g.id)
+
+        return {pool: sorted(gpus, key=best) for pool, gpus in self._startable.items()}
+
+    def leave_order(self, pool: str) -> list[GpuSlot]:
+        """``staying[pool]`` in retire order: the soonest end (preemption notice, return deadline) first."""
+        order = self._leave_order.get(pool)
+        if order is None:
+            s = self.s
+
+            def first(g: GpuSlot) -> tuple:
+                end = budget.deadline(s, g) if g.pool == "trainer" else g.ends_at
+                return (end if end is not None else math.inf, g.node, g.id)
+
+            order = self._leave_order[pool] = sorted(self.staying[pool], key=first)
+        return order
+
+    # -- what the pricing needs ----------------------------------------------------------------------
+
+    def contribution(self, g: GpuSlot, role: Role, start: float, borrowing: bool) -> tuple[Key, float | None] | None:
+        """How ``g`` in ``role`` serves from ``start`` (seconds from now): its worker key and when it leaves
+        (None: it stays; the whole result None: it never serves)."""
+        if role not in _SERVING:
+            return None
+        now = self.s.now
+        leave = g.ends_at - now if g.ends_at is not None else None
+        if g.pool == "trainer" and (g.borrowed or borrowing):
+            due = (g.return_deadline if g.return_deadline is not None else self.trainer_due) - self.lent_due_s - now
+            leave = due if leave is None else min(leave, due)
+        if leave is not None and leave <= start:
+            return None  # gone before it serves
+        return (g.node, g.pool, role), leave
