@@ -128,4 +128,6 @@ def may_serve(snapshot: Snapshot, *, elastic: bool, borrow: bool, warm_borrow_on
     """The GPUs a deployment may use: the rollout pool's serving or startable GPUs; with ``elastic`` the
     elastic pool's; with ``borrow`` the lent trainer GPUs that need not return yet and the lendable ones
     (``warm_borrow_only``: only those with a parked worker, whose borrow is a wake)."""
-    return servable(snapshot).budget(elastic=elastic, borrow=borrow, warm_borrow_only=warm_borrow_only)
+    from pearlctl.planner import view  # (view builds on this module: ``servable`` once per snapshot)
+
+    return view.of(snapshot).servable.budget(elastic=elastic, borrow=borrow, warm_borrow_only=warm_borrow_only)

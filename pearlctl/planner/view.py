@@ -56,6 +56,7 @@ class View:
         s = self.s = snapshot
         self._predictions: dict[Deployment, Prediction] = {}
         self._leave_order: dict[str, list[GpuSlot]] = {}
+        self._move_changes: dict[int, tuple] = {}
         self._moves: dict[tuple[int, MoveKind, Role], Move] = {}
         self._changes: tuple[tuple[Move, ...], tuple[Counter, Counter, Counter]] | None = None
         now, costs = s.now, s.costs
@@ -173,43 +174,53 @@ class View:
         taken: list[Key] = []
         cancelled: list[tuple[float, float, Key]] = []
         added: list[tuple[Key, float | None, float]] = []
-        # (``contribution`` inlined: this runs over every move of every plan priced)
-        now, lent_due, trainer_due = self.s.now, self.lent_due_s, self.trainer_due
-        by_id, twins, borrow = self.by_id, self._twins, MoveKind.BORROW
+        # Each move's change is worked out once per snapshot (several plans share most of their moves): by
+        # the move's identity, the move kept with it so that its id is not reused.
+        memo = self._move_changes
         for gid, m in moving.items():
-            if twins is None:
-                g = by_id.get(gid)
-                gpus: Iterable[GpuSlot] = () if g is None else (g,)
-            else:
-                gpus = twins.get(gid, ())
-            to = m.to_role
-            for g in gpus:
-                pool, ends = g.pool, g.ends_at
-                lent = pool == "trainer" and g.borrowed
-                if lent or (pool == "trainer" and m.kind is borrow):
-                    due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
-                else:
-                    due = None
-                if g.role in _SERVING:  # its share of the current assignment goes
-                    leave = ends - now if ends is not None else None
-                    if lent:
-                        leave = due if leave is None else min(leave, due)
-                    if leave is None:
-                        taken.append((g.node, pool, g.role))
-                    elif not leave <= 0.0:
-                        key = (g.node, pool, g.role)
-                        taken.append(key)
-                        cancelled.append((leave, 0.0, key))
-                if to in _SERVING:  # it serves in its new role (whether it does depends on its start)
-                    leave = ends - now if ends is not None else None
-                    if due is not None:
-                        leave = due if leave is None else min(leave, due)
-                    if leave is None or not leave <= -math.inf:
-                        added.append(((g.node, pool, to), leave, m.cost_s))
+            change = memo.get(id(m))
+            if change is None or change[0] is not m:
+                change = memo[id(m)] = (m, *self._change(gid, m))
+            taken += change[1]
+            cancelled += change[2]
+            added += change[3]
         out = (Counter(taken), Counter(cancelled), Counter(added))
         if isinstance(planned, tuple):
             self._changes = (planned, out)
         return out
+
+    def _change(self, gid: int, m: Move) -> tuple[tuple, tuple, tuple]:
+        """One move's (taken, cancelled, added) entries (see ``changes``): ``contribution`` for the moved
+        GPU's current role and for its new one."""
+        taken: list[Key] = []
+        cancelled: list[tuple[float, float, Key]] = []
+        added: list[tuple[Key, float | None, float]] = []
+        now, lent_due, trainer_due = self.s.now, self.lent_due_s, self.trainer_due
+        to = m.to_role
+        for g in self.planned(gid):
+            pool, ends = g.pool, g.ends_at
+            lent = pool == "trainer" and g.borrowed
+            if lent or (pool == "trainer" and m.kind is MoveKind.BORROW):
+                due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
+            else:
+                due = None
+            if g.role in _SERVING:  # its share of the current assignment goes
+                leave = ends - now if ends is not None else None
+                if lent:
+                    leave = due if leave is None else min(leave, due)
+                if leave is None:
+                    taken.append((g.node, pool, g.role))
+                elif not leave <= 0.0:
+                    key = (g.node, pool, g.role)
+                    taken.append(key)
+                    cancelled.append((leave, 0.0, key))
+            if to in _SERVING:  # it serves in its new role (whether it does depends on its start)
+                leave = ends - now if ends is not None else None
+                if due is not None:
+                    leave = due if leave is None else min(leave, due)
+                if leave is None or not leave <= -math.inf:
+                    added.append(((g.node, pool, to), leave, m.cost_s))
+        return tuple(taken), tuple(cancelled), tuple(added)
 
     def planned(self, gid: int) -> list[GpuSlot] | tuple[GpuSlot, ...]:
         """The planned GPUs of id ``gid`` (one, in a well-formed snapshot; none: not planned)."""

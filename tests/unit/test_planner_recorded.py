@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.planner import budget, plan
-from pearlctl.planner.choose import choose
+from pearlctl.planner import budget, diff, plan, view
+from pearlctl.planner.choose import choose, worker_groups
 from pearlctl.planner.diff import moves
-from pearlctl.planner.model import GpuSlot, Mode, Plan, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import SERVING, GpuSlot, Mode, Plan, Role, Snapshot, Trainer, Work
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -295,6 +295,26 @@ def test_decisions_equal_the_recorded_ones(name, recorded):
     for key in want:
         assert got[key] == want[key], f"{name}: {key} differs from the record"
     assert got.keys() == want.keys()
+
+
+@pytest.mark.parametrize("name", sorted(snapshots()))
+def test_the_view_applies_the_pool_rules_as_budget_does(name):
+    s = snapshots()[name]
+    v = view.View(s)
+    assert v.servable == budget.servable(s)
+    assert v.lendable == budget.lendable(s)
+    assert v.forced == [g for g in s.gpus if g.pool in diff.POOLS and g.role in SERVING and budget.must_return(s, g)]
+    for pool in ("rollout", "elastic"):
+        assert v.startable(pool) == diff_startable(s, pool)
+    for kw in ({"elastic": False, "borrow": False}, {"elastic": True, "borrow": True, "warm_borrow_only": True}):
+        assert v.workers(**kw) == worker_groups(budget.servable(s).budget(**kw), s.profile.gpus_per_worker)
+
+
+def diff_startable(s: Snapshot, pool: str) -> list[GpuSlot]:
+    """diff's order of startable GPUs, as it was written before the view."""
+    out = [g for g in s.gpus if g.pool == pool and budget.may_start(s, g)]
+    out.sort(key=lambda g: (not g.parked, -(g.ends_at if g.ends_at is not None else math.inf), g.node, g.id))
+    return out
 
 
 if __name__ == "__main__":
