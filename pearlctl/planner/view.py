@@ -272,8 +272,8 @@ class View:
     @cached_property
     def lendable(self) -> list[GpuSlot]:
         """``budget.lendable``."""
-        out = self._lendable
-        out.sort(key=lambda g: (not g.parked, g.node, g.id))
+        # (a new list, never sorted in place: two threads may ask one view at once)
+        out = sorted(self._lendable, key=lambda g: (not g.parked, g.node, g.id))
         max_lend = self.s.max_lend
         if max_lend is not None:
             out = out[: max(0, max_lend - len(self._lent))]
