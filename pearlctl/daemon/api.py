@@ -34,9 +34,10 @@ Routes (JSON in, JSON out):
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -55,8 +56,9 @@ from pearlctl.state.errors import NotFound, StaleEpoch
 
 log = logging.getLogger("pearlctl.daemon")
 
-# Agents long-poll (one held request each): allow far more concurrent handler threads than anyio's 40.
-_LIMITER = anyio.CapacityLimiter(1024)
+# Handler threads: a held long poll waits in the event loop, not in one (pearlctl.daemon.longpoll), but 512
+# agents' reports may arrive at once; anyio's default is 40.
+_LIMITER = anyio.CapacityLimiter(256)
 
 
 class _Refused(Exception):
@@ -137,7 +139,12 @@ def build_app(
         *,
         method: str = "POST",
         agent: bool = False,
+        then: Callable[..., Awaitable[dict]] | None = None,
     ) -> Route:
+        """``fn`` runs in a handler thread (the controller is synchronous: SQLite); ``then``, if given, is
+        awaited in the event loop with the same arguments and ``fn``'s result, and answers instead (a long
+        poll's hold)."""
+
         async def endpoint(request: Request):
             try:
                 allocation = gate.check(request, agent=agent)
@@ -147,8 +154,12 @@ def build_app(
                     args.append(_parse(model, raw))
                 if agent:
                     args.append(allocation)
-                # the controller is synchronous (SQLite): run it off the event loop
-                return JSONResponse(await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER))
+                # an agent is alive from its request's arrival to its answer, however long it waits
+                with controller.arrived(allocation) if agent else contextlib.nullcontext():
+                    result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
+                    if then is not None:
+                        result = await then(*args, result)
+                return JSONResponse(result)
             except _Refused as exc:
                 return JSONResponse({"error": str(exc)}, exc.status)
             except ControlError as exc:
@@ -168,7 +179,7 @@ def build_app(
     routes = [
         route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
         route("/v1/agents/register", controller.register, bodies.Register),
-        route("/v1/agents/heartbeat", controller.heartbeat, bodies.Heartbeat, agent=True),
+        route("/v1/agents/heartbeat", controller.report, bodies.Heartbeat, agent=True, then=controller.hold),
         route("/v1/status", status, method="GET"),
         route("/v1/trainer/phase", controller.trainer_phase, bodies.TrainerPhase),
         route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),

@@ -126,6 +126,17 @@ def describe_moves(planned: Plan | None, gpus: dict[int, dict]) -> list[dict]:
 class Borrowing:
     def __init__(self, store: Store, executor: Executor, run_id: str, *, clock=time.time):
         self.store, self.executor, self.run_id, self.clock = store, executor, run_id, clock
+        # the run's GPU rows and the planner's GPU slots, kept for one state generation: a tick asks for them
+        # several times, and at 4,096 GPUs each read or rebuild costs milliseconds (read-only: never modified)
+        self._rows: tuple[tuple[int, int], list[dict]] | None = None
+        self._slots: tuple[tuple[int, int], tuple[GpuSlot, ...]] | None = None
+
+    def gpu_rows(self) -> list[dict]:
+        """The run's GPU rows as of now (shared, read-only)."""
+        generation = self.store.generation()
+        if self._rows is None or self._rows[0] != generation:
+            self._rows = (generation, self.store.gpus(self.run_id))
+        return self._rows[1]
 
     def settings(self) -> dict:
         run = self.store.get_run(self.run_id)
@@ -152,7 +163,7 @@ class Borrowing:
         return costs.borrow_s(warm=False) if kind == "borrow" else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
-        return [g for g in self.store.gpus(self.run_id) if g["state"] == G.UP and g["pool"] == "trainer"]
+        return [g for g in self.gpu_rows() if g["state"] == G.UP and g["pool"] == "trainer"]
 
     def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
         """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
@@ -163,9 +174,33 @@ class Borrowing:
         # each report's expected wait is what is left at that report (the hook's wait_until counts it down)
         since = trainer.get("reported_at") or trainer.get("phase_since")
         left = (since + wait - now) if wait is not None and since else 0.0
+        gpus = self.slots()
+        profile = self.profile() or UNMEASURED
+        work = work_from_progress(run.get("rollout") or {})
+        if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
+            key = correct.shape(work, _serving_workers(gpus, profile.gpus_per_worker))
+            profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
+        transitions = self.store.transitions(self.run_id, last=1)
+        return Snapshot(
+            now=now,
+            gpus=gpus,
+            work=work,
+            trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
+            profile=profile,
+            costs=self.costs(profile.costs),
+            mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
+            max_lend=settings.get("max_gpus"),
+            last_change_at=transitions[-1]["created_at"] if transitions else None,
+        )
+
+    def slots(self) -> tuple[GpuSlot, ...]:
+        """The planner's view of the run's live GPUs (kept for one state generation)."""
+        generation = self.store.generation()
+        if self._slots is not None and self._slots[0] == generation:
+            return self._slots[1]
         asleep = {w["id"] for w in self.store.workers(self.run_id) if w["state"] == "SLEEPING"}
         gpus = []
-        for g in self.store.gpus(self.run_id):
+        for g in self.gpu_rows():
             if g["state"] != G.UP:
                 continue
             if g["pool"] == "trainer":
@@ -183,23 +218,8 @@ class Borrowing:
                     return_deadline=g["return_deadline"],
                 )
             )
-        profile = self.profile() or UNMEASURED
-        work = work_from_progress(run.get("rollout") or {})
-        if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
-            key = correct.shape(work, _serving_workers(gpus, profile.gpus_per_worker))
-            profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
-        transitions = self.store.transitions(self.run_id, last=1)
-        return Snapshot(
-            now=now,
-            gpus=tuple(gpus),
-            work=work,
-            trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
-            profile=profile,
-            costs=self.costs(profile.costs),
-            mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
-            max_lend=settings.get("max_gpus"),
-            last_change_at=transitions[-1]["created_at"] if transitions else None,
-        )
+        self._slots = (generation, tuple(gpus))
+        return self._slots[1]
 
     def view(self, now: float, settings: dict | None = None) -> dict:
         """A summary of the snapshot for people (``borrow --dry-run``)."""
@@ -243,7 +263,7 @@ class Borrowing:
         for them (``borrow --dry-run``). Pure read."""
         settings = settings or self.settings()
         planned = self.decide(now, settings)
-        rows = {g["id"]: g for g in self.store.gpus(self.run_id)}
+        rows = {g["id"]: g for g in self.gpu_rows()}
         return {
             "why": planned.why if planned else None,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
@@ -336,7 +356,7 @@ class Borrowing:
             if watch is not None:
                 self._save_predictor({**state, "watch": None})
             return
-        serving = sorted(g["id"] for g in self.store.gpus(self.run_id) if g["state"] == G.UP and _serves(g))
+        serving = sorted(g["id"] for g in self.gpu_rows() if g["state"] == G.UP and _serves(g))
         if watch is not None and watch["gpus"] == serving:
             return
         profile = profiles.from_dict(doc)
@@ -409,7 +429,7 @@ class Borrowing:
                 return
         if planned is None or planned.empty:
             return
-        rows = {g["id"]: g for g in self.store.gpus(self.run_id)}
+        rows = {g["id"]: g for g in self.gpu_rows()}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
             detail = {"plan": t["plan"], "why": t["why"], "policy": settings["policy"], "planned_at": now}
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])

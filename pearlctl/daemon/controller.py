@@ -16,6 +16,7 @@ return is journaled here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -29,6 +30,7 @@ from urllib.parse import urlsplit
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
+from pearlctl.daemon.longpoll import LongPolls
 from pearlctl.planner import profile as profiles
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
@@ -124,9 +126,18 @@ class Controller:
         self.loop_at = clock()  # when the control loop last ticked (answers say how long ago)
         self.api_errors = 0  # requests answered 500 (a bug): /metrics
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
-        self.changed = threading.Condition()  # notified when desired state may have changed (long polls)
+        self.long_polls = LongPolls()  # held heartbeats, answered when their desired workers change (notify)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
-        self.polling: collections.Counter[int] = collections.Counter()  # allocation -> heartbeats held now
+        # allocation -> when its agent was last heard from: written to state once per tick in one transaction
+        # (check_agents), not once per heartbeat; and what was written
+        self._seen: dict[int, float] = {}
+        self._seen_written: dict[int, float] = {}
+        # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
+        self.heartbeats: collections.Counter[str] = collections.Counter()
+        self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
+        # allocation -> (its state's fingerprint, its report, desired workers, their hash) of its last fold
+        self._answered: dict[int, tuple[tuple | None, str | None, list[dict], str]] = {}
+        self.in_flight: collections.Counter[int] = collections.Counter()  # allocation -> requests not answered
         self._grace_from = clock()  # agents are judged only ``takeover_grace_s`` after this (``published``)
         self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
         self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
@@ -198,15 +209,23 @@ class Controller:
                 )
 
     def _nodes_of(self, alloc_id: int) -> list[dict]:
-        ids = {g["node_id"] for g in self.store.gpus(self.run_id) if g["allocation_id"] == alloc_id}
-        return [n for n in self.store.nodes(self.run_id) if n["id"] in ids]
+        ids = {g["node_id"] for g in self.store.gpus(self.run_id, allocation_id=alloc_id)}
+        return [self.store.get("nodes", i) for i in sorted(ids)]
 
     def heartbeat(self, body: bodies.Heartbeat, allocation_id: int) -> dict:
-        """Record what the agent runs; answer with what it should run.
+        """Record what the agent runs; answer with what it should run (never held: see ``report``)."""
+        return self.report(body, allocation_id)[0]
 
-        Long poll: an agent that sends the ``desired_hash`` of its last answer and ``wait_s`` is held
-        until its desired workers change (or ``wait_s``, at most one heartbeat interval, passes), so a
-        transition's effect reaches the agent in milliseconds, not a heartbeat later.
+    def report(self, body: bodies.Heartbeat, allocation_id: int) -> tuple[dict, int]:
+        """Record what the agent runs; answer with what it should run, and the number of long-poll passes
+        published before the answer was made (``hold`` waits from there).
+
+        Most heartbeats repeat the allocation's last report to a state that has not changed for it since
+        (``Store.allocation_fingerprint``: its row, GPUs and workers, the open transitions, the weights):
+        folding it in again would write nothing and answer the same, so such a heartbeat only notes the time and
+        answers from memory — one indexed query, no write. That is what lets one daemon hear 512 agents a
+        second while other allocations change. An allocation with lent GPUs is always folded: its answer
+        carries the return deadline, which depends on measured return times too.
         """
         if body.allocation_id != allocation_id:
             raise ControlError(
@@ -215,56 +234,97 @@ class Controller:
                 403,
             )
         alloc_id = allocation_id
+        self.heard(alloc_id)
+        report = body.model_dump_json(include={"workers", "draining"}) if not body.self_returns else None
+        # from memory without the decision lock: the fingerprint is read from committed state, so a tick in
+        # progress (which holds the lock for its whole decision) delays no repeated report
+        passes = self.long_polls.passes
+        last = self._answered.get(alloc_id)
+        if (
+            report is not None
+            and not body.leaving
+            and last is not None
+            and last[:2] == (self.store.allocation_fingerprint(alloc_id), report)
+        ):
+            self.heartbeats["remembered"] += 1
+            return self._answer(last[2], last[3]), passes
         with self.lock:
-            alloc = self._own_allocation(alloc_id)
-            self._check_urls(alloc, body)
-            self.store.update_fields("allocations", alloc_id, epoch=self.epoch, agent_seen_at=self.clock())
-            # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
-            # this allocation's workers out of routing
-            draining = alloc.get("drain_requested_at") is not None or any(
-                g["allocation_id"] == alloc_id and g["state"] == G.DRAINING for g in self.store.gpus(self.run_id)
-            )
-            moving = self._moving_places(alloc_id) if body.workers else set()
-            changed = [self._record_worker(alloc, report, draining, moving) for report in body.workers]
-            for r in body.self_returns:
-                self.store.journal_event(
-                    self.run_id,
-                    "allocations",
-                    alloc_id,
-                    "agent returned lent GPUs itself",
-                    data={**r.model_dump(mode="json"), "late_s": round(r.at - r.deadline, 3)},
-                    epoch=self.epoch,
-                )
-                changed.append(True)
+            passes = self.long_polls.passes
+            self.heartbeats["folded"] += 1
+            desired, changed = self._fold(alloc_id, body)
             if body.leaving:
-                # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
-                # leave with it from this moment, whatever Slurm says a poll later.
-                # GONE, not LOST: nothing about them is unknown
-                self._move_gpus(alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
-                self.wake.set()
-                return self._answer([], None)
-            if body.draining:
-                changed.append(self._drain(alloc_id))
+                self._answered.pop(alloc_id, None)
+                return self._answer([], None), passes
+            digest = desired_hash(desired)
+            if any("return_deadline" in w for w in desired):
+                self._answered.pop(alloc_id, None)
             else:
-                self._move_gpus(alloc_id, (G.LOST,), G.UP, "agent reporting again")
-            desired = [w.as_dict() for w in self.desired(alloc_id)]
-        if any(changed):
+                self._answered[alloc_id] = (self.store.allocation_fingerprint(alloc_id), report, desired, digest)
+        if changed:
             self.wake.set()  # a worker moved: a transition step may complete now
-        digest = desired_hash(desired)
+        return self._answer(desired, digest), passes
+
+    def heard(self, allocation_id: int) -> None:
+        """The allocation's agent was heard from just now (no lock: one dict assignment)."""
+        self._seen[allocation_id] = self.clock()
+
+    @contextlib.contextmanager
+    def arrived(self, allocation_id: int):
+        """An agent's request arrived (its credential proved who sent it) and is answered within: the agent is
+        alive all the while, however long the request waits for a handler thread, the lock or a long poll's
+        change — the control API wraps every agent request in it."""
+        self.heard(allocation_id)
+        self.in_flight[allocation_id] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[allocation_id] -= 1
+            self.heard(allocation_id)
+
+    async def hold(self, body: bodies.Heartbeat, allocation_id: int, reported: tuple[dict, int]) -> dict:
+        """Long poll: an agent that sent the ``desired_hash`` of its last answer and ``wait_s`` is held (in the
+        event loop) until its desired workers change or ``wait_s``, at most one heartbeat interval, passes, so
+        a transition's effect reaches the agent in milliseconds, not a heartbeat later."""
+        answer, passes = reported
         wait = min(body.wait_s, self.heartbeat_s)
-        if wait > 0 and body.desired_hash == digest:
-            deadline = time.monotonic() + wait
-            self.polling[alloc_id] += 1  # held here: the agent is alive even though it sends nothing new
-            try:
-                with self.changed:
-                    while digest == body.desired_hash and (left := deadline - time.monotonic()) > 0:
-                        self.changed.wait(left)
-                        with self.lock:
-                            desired = [w.as_dict() for w in self.desired(alloc_id)]
-                        digest = desired_hash(desired)
-            finally:
-                self.polling[alloc_id] -= 1
-        return self._answer(desired, digest)
+        if wait <= 0 or body.desired_hash is None or body.desired_hash != answer["desired_hash"]:
+            return answer
+        changed = await self.long_polls.hold(allocation_id, answer["desired_hash"], passes, wait)
+        return self._answer(*(changed or (answer["desired"], answer["desired_hash"])))  # loop_age_s as of now
+
+    def _fold(self, alloc_id: int, body: bodies.Heartbeat) -> tuple[list[dict], bool]:
+        """Fold an agent's report into state (under the lock): its workers, its self-returns, its draining
+        or leaving. Returns the allocation's desired workers and whether anything moved."""
+        alloc = self._own_allocation(alloc_id)
+        self._check_urls(alloc, body)
+        # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
+        # this allocation's workers out of routing
+        draining = alloc.get("drain_requested_at") is not None or any(
+            g["state"] == G.DRAINING for g in self.store.gpus(self.run_id, allocation_id=alloc_id)
+        )
+        moving = self._moving_places(alloc_id) if body.workers else set()
+        changed = [self._record_worker(alloc, report, draining, moving) for report in body.workers]
+        for r in body.self_returns:
+            self.store.journal_event(
+                self.run_id,
+                "allocations",
+                alloc_id,
+                "agent returned lent GPUs itself",
+                data={**r.model_dump(mode="json"), "late_s": round(r.at - r.deadline, 3)},
+                epoch=self.epoch,
+            )
+            changed.append(True)
+        if body.leaving:
+            # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
+            # leave with it from this moment, whatever Slurm says a poll later.
+            # GONE, not LOST: nothing about them is unknown
+            self._move_gpus(alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
+            return [], True
+        if body.draining:
+            changed.append(self._drain(alloc_id))
+        else:
+            self._move_gpus(alloc_id, (G.LOST,), G.UP, "agent reporting again")
+        return [w.as_dict() for w in self.desired(alloc_id)], any(changed)
 
     def _answer(self, desired: list[dict], digest: str | None) -> dict:
         return {
@@ -278,17 +338,24 @@ class Controller:
         }
 
     def notify(self) -> None:
-        """Desired state may have changed: wake every long-polling agent to look."""
-        with self.changed:
-            self.changed.notify_all()
+        """Desired state may have changed: if state changed since the last call (``Store.generation``), every
+        allocation's desired workers are computed in one pass and published to the held long polls, which
+        answer those whose allocation's desired workers changed (pearlctl.daemon.longpoll)."""
+        with self.lock:
+            generation = self.store.generation()
+            if generation == self._notified:
+                return
+            self._notified = generation
+            desired = {a: [w.as_dict() for w in ws] for a, ws in self.desired_all().items()}
+            self.long_polls.publish({a: (d, desired_hash(d)) for a, d in desired.items()})
 
     def _move_gpus(
         self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str, data: dict | None = None
     ) -> bool:
         """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
         hit = False
-        for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] in from_states:
+        for g in self.store.gpus(self.run_id, allocation_id=alloc_id):
+            if g["state"] in from_states:
                 self.store.set_state(
                     "gpus", g["id"], expect=g["state"], to=to, epoch=self.epoch, event=event, data=data
                 )
@@ -299,8 +366,8 @@ class Controller:
         """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
         requests from now on, before the drain ends and before Slurm's next poll says so."""
         hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
-        for w in self.store.workers(self.run_id):
-            if w["allocation_id"] == alloc_id and w["routable"]:
+        for w in self.store.workers(self.run_id, allocation_id=alloc_id):
+            if w["routable"]:
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, event="agent draining", routable=0)
                 hit = True
         return hit
@@ -312,7 +379,7 @@ class Controller:
             ids.update(t["gpu_ids"])
         if not ids:
             return set()
-        return {(g["allocation_id"], g["idx"]) for g in self.store.gpus(self.run_id) if g["id"] in ids}
+        return {(alloc_id, g["idx"]) for g in self.store.gpus(self.run_id, allocation_id=alloc_id) if g["id"] in ids}
 
     def _record_worker(
         self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]]
@@ -323,11 +390,7 @@ class Controller:
         key, state = report.key, report.state
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = next(
-            (
-                w
-                for w in self.store.workers(self.run_id)
-                if w["allocation_id"] == alloc["id"] and w.get("worker_key") == key
-            ),
+            (w for w in self.store.workers(self.run_id, allocation_id=alloc["id"]) if w.get("worker_key") == key),
             None,
         )
         replaced = (
@@ -418,13 +481,38 @@ class Controller:
         asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
         """
         alloc = self.store.get("allocations", alloc_id)
+        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
+        return self._desired(alloc, gpus, self._weights(), lambda wid: self.store.get("workers", wid))
+
+    def desired_all(self) -> dict[int, list[DesiredWorker]]:
+        """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
+        by_alloc: dict[int, list[dict]] = collections.defaultdict(list)
+        for g in self.store.gpus(self.run_id):
+            by_alloc[g["allocation_id"]].append(g)
+        workers = {w["id"]: w for w in self.store.workers(self.run_id)}
+        weights = self._weights()
+        return {
+            a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, workers.__getitem__)
+            for a in self.store.allocations(self.run_id)
+        }
+
+    def _weights(self) -> dict | None:
+        """The trainer's latest weight export that vLLM workers should serve, {version, path}."""
+        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+        if trainer.get("weight_version") is not None and trainer.get("weights_path"):
+            return {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
+        return None
+
+    def _desired(
+        self, alloc: dict, gpus: list[dict], weights: dict | None, worker: Callable[[int], dict]
+    ) -> list[DesiredWorker]:
         if alloc["state"] not in (A.RUNNING,):
             return []
         by_role: dict[str, list[int]] = {}
         parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
         deadlines: dict[str, float] = {}  # role -> the earliest return deadline of its lent GPUs
-        for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] == G.UP:
+        for g in gpus:
+            if g["state"] == G.UP:
                 by_role.setdefault(g["role"], []).append(g["idx"])
                 if g["borrowed"] and g["return_deadline"] is not None:
                     deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
@@ -432,10 +520,6 @@ class Controller:
                     by_role.setdefault("TRAIN", []).append(g["idx"])
                 if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
                     parked.setdefault(g["worker_id"], []).append(g["idx"])
-        trainer = self.store.get_run(self.run_id).get("trainer") or {}
-        weights = None
-        if trainer.get("weight_version") is not None and trainer.get("weights_path"):
-            weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
         out = []
         return_s = self.borrowing.cost("return") if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
@@ -456,7 +540,7 @@ class Controller:
                 )
             )
         for wid, idx in sorted(parked.items()):
-            w = self.store.get("workers", wid)
+            w = worker(wid)
             if w["state"] not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
                 out.append(DesiredWorker(w["worker_key"], w["role"], w["engine"], tuple(sorted(idx)), "SLEEPING"))
         return out
@@ -708,7 +792,8 @@ class Controller:
             last_tokens, last_at = before.get("tokens"), before.get("reported_at")
             if isinstance(last_tokens, int) and body.tokens is not None and last_at and now > last_at:
                 report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)
-            self.store.update_fields("runs", self.run_id, epoch=self.epoch, rollout=report)
+            # bookkeeping: no agent's desired workers derive from it (held long polls are not woken)
+            self.store.update_fields("runs", self.run_id, epoch=self.epoch, bookkeeping=True, rollout=report)
             return {"epoch": self.epoch}
 
     # -- rollout clients --------------------------------------------------------------------------
@@ -720,7 +805,7 @@ class Controller:
         RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
         allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
         (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
-        seen = {a["id"]: a.get("agent_seen_at") for a in self.store.allocations(self.run_id)}
+        seen = {a["id"]: self._seen.get(a["id"], a.get("agent_seen_at")) for a in self.store.allocations(self.run_id)}
         workers = [
             {
                 "id": w["id"],
@@ -777,6 +862,10 @@ class Controller:
         that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
         still found, a loss window plus the stall later."""
         with self.lock:
+            # heartbeats note their time without the lock: read a copy, never swap the dict under them
+            seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
+            self.store.record_agents_seen(self.run_id, seen, epoch=self.epoch)
+            self._seen_written.update(seen)
             now = self.clock()
             gap = 0.0 if self._checked_at is None else now - self._checked_at
             self._checked_at = now
@@ -792,7 +881,7 @@ class Controller:
             for alloc in self.store.allocations(self.run_id):
                 seen = alloc.get("agent_seen_at")
                 gone = alloc["state"] in (A.ENDED, A.LOST)
-                if seen is None or (not gone and (seen > deadline or self.polling[alloc["id"]] > 0)):
+                if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
                     continue
                 hit = self._move_gpus(alloc["id"], (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
                 for w in workers:

@@ -9,8 +9,9 @@ Served by the daemon at ``GET /metrics`` (authenticated like every route: scrape
 - ``pearl_workers{role,state}``
 - ``pearl_daemon_ticks_total``, ``pearl_daemon_tick_errors_total``, ``pearl_daemon_tick_seconds{quantile}``,
   ``pearl_daemon_polls_total``, ``pearl_daemon_poll_errors_total``, ``pearl_daemon_lease_renewals_total``,
-  ``pearl_daemon_api_errors_total``: the daemon's own health (a tick or poll that failed is counted and
-  journaled, and the daemon goes on)
+  ``pearl_daemon_api_errors_total``, ``pearl_daemon_heartbeats_total{path}``: the daemon's own health (a
+  tick or poll that failed is counted and journaled, and the daemon goes on; a heartbeat is answered from
+  memory when it repeats its last report to unchanged state, else folded into state)
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ class RunCollector:
             yield CounterMetricFamily(
                 "pearl_daemon_api_errors", "requests answered 500 (bugs)", value=self.controller.api_errors
             )
+            heartbeats = CounterMetricFamily(
+                "pearl_daemon_heartbeats",
+                "agent heartbeats: answered from memory (the same report to the same state) or folded into state",
+                labels=["path"],
+            )
+            for path in ("remembered", "folded"):
+                heartbeats.add_metric([path], self.controller.heartbeats[path])
+            yield heartbeats
         durations = sorted(st.tick_seconds)
         quantiles = GaugeMetricFamily("pearl_daemon_tick_seconds", "recent tick durations", labels=["quantile"])
         for q in (0.5, 0.99):

@@ -219,6 +219,11 @@ MIGRATION_7 = """
 ALTER TABLE runs ADD COLUMN predictor TEXT CHECK (predictor IS NULL OR json_valid(predictor));
 """
 
+# One daemon for thousands of GPUs: an agent's heartbeat reads only its own allocation's GPUs.
+MIGRATION_8 = """
+CREATE INDEX gpus_by_allocation ON gpus (allocation_id);
+"""
+
 MIGRATIONS: tuple[str, ...] = (
     MIGRATION_1,
     MIGRATION_2,
@@ -227,6 +232,7 @@ MIGRATIONS: tuple[str, ...] = (
     MIGRATION_5,
     MIGRATION_6,
     MIGRATION_7,
+    MIGRATION_8,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

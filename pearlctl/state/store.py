@@ -85,6 +85,12 @@ class Store:
         self.readonly = readonly
         self._clock = clock
         self._lock = threading.RLock()
+        # committed writes that changed a row, bookkeeping aside (``_write``): a reader compares it with the
+        # value it last saw to learn cheaply whether anything may have changed since (the daemon's long polls)
+        self.revision = 0
+        # whole-run reads of the largest tables (gpus, workers), kept while nothing could have changed them:
+        # (what, run_id) -> (generation, rows)
+        self._cache: dict[tuple[str, str], tuple[tuple[int, int], list[Row]]] = {}
         self._columns: dict[str, frozenset[str]] = {
             table: frozenset(row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")'))
             for table in db.table_names()
@@ -107,12 +113,15 @@ class Store:
     # ------------------------------------------------------------------ transactions
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """The one way to write: a ``BEGIN IMMEDIATE`` transaction, committed or rolled back whole."""
+    def _write(self, *, bookkeeping: bool = False) -> Iterator[sqlite3.Connection]:
+        """The one way to write: a ``BEGIN IMMEDIATE`` transaction, committed or rolled back whole. A commit
+        that changed rows counts in ``revision`` unless it is ``bookkeeping`` (heartbeat times, progress
+        counts: facts no desired state is derived from)."""
         if self.readonly:
             raise ReadOnlyStore("this store was opened read-only; only the daemon writes state")
         with self._lock:
             conn = self._conn
+            before = conn.total_changes
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -121,6 +130,46 @@ class Store:
                     conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+            if not bookkeeping and conn.total_changes != before:
+                self.revision += 1
+
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever anything a decision reads may have changed: a write of this store (``revision``;
+        bookkeeping aside) or a commit by another connection (``PRAGMA data_version``). Cheap: microseconds."""
+        with self._lock:
+            return self.revision, self._conn.execute("PRAGMA data_version").fetchone()[0]
+
+    def allocation_fingerprint(self, alloc_id: int) -> tuple | None:
+        """A value that changes whenever anything an agent's report is folded against changes: the
+        allocation's row, its GPUs, its workers, the run's open transitions, the trainer's weight export (every
+        row is versioned). One indexed query, for a heartbeat that repeats its last report; None if there is no
+        such allocation."""
+        open_states = sorted(OPEN_TRANSITION_STATES)
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT a.version,"
+                " (SELECT group_concat(id || '.' || version) FROM gpus WHERE allocation_id = a.id),"
+                " (SELECT group_concat(id || '.' || version) FROM workers WHERE allocation_id = a.id),"
+                " (SELECT count(*) || '.' || max(id) || '.' || sum(version) FROM transitions"
+                f"  WHERE run_id = a.run_id AND state IN ({', '.join('?' * len(open_states))})),"
+                " (SELECT json_extract(trainer, '$.weight_version') || '|' || json_extract(trainer, '$.weights_path')"
+                "  FROM runs WHERE id = a.run_id)"
+                " FROM allocations a WHERE a.id = ?",
+                [*open_states, alloc_id],
+            ).fetchone()
+        return None if row is None else tuple(row)
+
+    def _cached(self, what: str, run_id: str, read: Callable[[], list[Row]]) -> list[Row]:
+        """``read()``, or a copy of its last rows while the ``generation`` is the same (bookkeeping writes never
+        touch these tables). A daemon's tick and its HTTP handlers read a 4,096-GPU run many times a
+        second; most of those reads find nothing changed."""
+        with self._lock:
+            generation = self.generation()
+            hit = self._cache.get((what, run_id))
+            if hit is None or hit[0] != generation:
+                hit = (generation, read())
+                self._cache[(what, run_id)] = hit
+        return [dict(row) for row in hit[1]]
 
     def _query(self, sql: str, params: Sequence[Any] = (), *, table: str | None = None) -> list[Row]:
         with self._lock:
@@ -259,15 +308,17 @@ class Store:
         event: str | None = None,
         data: Mapping[str, Any] | None = None,
         epoch: int | None = None,
+        bookkeeping: bool = False,
         **fields: Any,
     ) -> int | None:
         """Write non-state columns; journal ``event`` if given. Returns the row's version (None if the
-        table has none). Writing values the row already has changes nothing and journals nothing."""
+        table has none). Writing values the row already has changes nothing and journals nothing.
+        ``bookkeeping``: not counted in ``revision`` (see ``_write``)."""
         if not fields:
             raise InvalidWrite("update_fields needs at least one field; use journal_event to record an event")
         columns = self._writable(table, fields)
         versioned = "version" in self._columns[table]
-        with self._write() as conn:
+        with self._write(bookkeeping=bookkeeping) as conn:
             run_id = self._run_of(conn, table, row_id)
             self._fence(conn, run_id, epoch)
             now = self._clock()
@@ -289,6 +340,22 @@ class Store:
             if event is not None:
                 self._journal(conn, now, run_id, table, row_id, event, epoch=epoch, data=_with_fields(data, fields))
             return row[0][0] if versioned else None
+
+    def record_agents_seen(self, run_id: str, seen: Mapping[int, float], *, epoch: int | None = None) -> None:
+        """When each allocation's agent was last heard from (``agent_seen_at``), many in one transaction: a
+        daemon keeps heartbeat times in memory and writes them once per tick, not once per heartbeat. Only
+        later times are written, and none to a PENDING allocation (its requeue reset the time: a heartbeat of the
+        task's last run must not come back); bookkeeping (not in ``revision``), no journal row, fenced by
+        ``epoch``."""
+        if not seen:
+            return
+        with self._write(bookkeeping=True) as conn:
+            self._fence(conn, run_id, epoch)
+            conn.executemany(
+                "UPDATE allocations SET agent_seen_at = ? WHERE id = ? AND run_id = ?"
+                " AND state != 'PENDING' AND (agent_seen_at IS NULL OR agent_seen_at < ?)",
+                [(at, alloc_id, run_id, at) for alloc_id, at in seen.items()],
+            )
 
     def journal_event(
         self,
@@ -694,18 +761,37 @@ class Store:
     def nodes(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM nodes WHERE run_id = ? ORDER BY name", (run_id,))
 
-    def gpus(self, run_id: str) -> list[Row]:
-        """GPUs of the run, each with its node's name as ``node`` and its pool's name as ``pool``."""
-        return self._query(
-            "SELECT g.*, n.name AS node, p.name AS pool FROM gpus g"
-            " JOIN nodes n ON n.id = g.node_id"
-            " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id"
-            " WHERE g.run_id = ? ORDER BY n.name, g.idx, g.id",
-            (run_id,),
-        )
+    def gpus(self, run_id: str, *, allocation_id: int | None = None) -> list[Row]:
+        """GPUs of the run (of one allocation only, if given: an index, not a scan), each with its node's
+        name as ``node`` and its pool's name as ``pool``."""
+        where, params = "g.run_id = ?", [run_id]
+        if allocation_id is not None:
+            where, params = where + " AND g.allocation_id = ?", [*params, allocation_id]
 
-    def workers(self, run_id: str) -> list[Row]:
-        return self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,), table="workers")
+        def read() -> list[Row]:
+            return self._query(
+                "SELECT g.*, n.name AS node, p.name AS pool FROM gpus g"
+                " JOIN nodes n ON n.id = g.node_id"
+                " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id"
+                f" WHERE {where} ORDER BY n.name, g.idx, g.id",
+                params,
+            )
+
+        return read() if allocation_id is not None else self._cached("gpus", run_id, read)
+
+    def workers(self, run_id: str, *, allocation_id: int | None = None) -> list[Row]:
+        """Workers of the run (of one allocation only, if given), oldest first."""
+        if allocation_id is None:
+            return self._cached(
+                "workers",
+                run_id,
+                lambda: self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,), table="workers"),
+            )
+        return self._query(
+            "SELECT * FROM workers WHERE run_id = ? AND allocation_id = ? ORDER BY id",
+            (run_id, allocation_id),
+            table="workers",
+        )
 
     def transitions(
         self, run_id: str, *, states: Iterable[str] | None = None, kind: str | None = None, last: int | None = None

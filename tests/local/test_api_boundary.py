@@ -476,3 +476,48 @@ def test_found_an_allocation_header_of_non_ascii_digits_is_a_401_not_a_500(live_
         answers[value] = resp.status_code
     assert answers == dict.fromkeys(answers, 401), answers
     assert run.api_errors() == 0
+
+
+# -- long polls: held in the event loop, answered when their own desired workers change ------------------------
+def test_a_held_heartbeat_is_answered_as_soon_as_its_desired_workers_change_and_not_before(tmp_path):
+    """Over real HTTP to the real daemon process: a rollout agent's long poll (heartbeat interval 5 s) is held
+    while nothing changes for it, and answered within a tick of the trainer's new weight export (the vLLM
+    worker's desired weights change); the trainer's agent, whose desired workers did not change, stays held."""
+    import concurrent.futures
+
+    run = LiveRun(tmp_path, heartbeat_s=5.0)
+    try:
+        agents = {pool: run.register(pool) for pool in ("rollout", "trainer")}
+        hashes = {}
+        for pool, agent in agents.items():
+            first = run.post("/v1/agents/heartbeat", {"allocation_id": agent["allocation_id"]},
+                             headers=run.agent_headers(agent))  # fmt: skip
+            assert first.status_code == 200, first.text
+            hashes[pool] = first.json()["desired_hash"]
+
+        def held(pool: str) -> tuple[float, dict]:
+            agent = agents[pool]
+            body = {"allocation_id": agent["allocation_id"], "desired_hash": hashes[pool], "wait_s": 5.0}
+            started = time.monotonic()
+            resp = run.post("/v1/agents/heartbeat", body, headers=run.agent_headers(agent))
+            assert resp.status_code == 200, resp.text
+            return time.monotonic() - started, resp.json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            rollout, trainer = pool.submit(held, "rollout"), pool.submit(held, "trainer")
+            time.sleep(1.0)
+            assert not rollout.done() and not trainer.done()  # nothing changed for either: both held
+            changed_at = time.monotonic()
+            phase = {"phase": "training", "step": 1, "weight_version": "v2", "weights_path": str(tmp_path / "w2")}
+            assert run.post("/v1/trainer/phase", phase).status_code == 200
+            took, answer = rollout.result(timeout=10)
+            answered_after = time.monotonic() - changed_at
+            assert answer["desired_hash"] != hashes["rollout"]
+            assert [w["weights"] for w in answer["desired"]] == [{"version": "v2", "path": str(tmp_path / "w2")}]
+            assert answered_after < 3.5, answered_after  # a tick (0.5 s) and a pass, not the 5-s hold
+            assert not trainer.done()  # the DeepSpeed worker's desired state did not change: still held
+            took, answer = trainer.result(timeout=10)
+            assert answer["desired_hash"] == hashes["trainer"] and took >= 4.5
+        assert run.alive() and run.api_errors() == 0, run.log()
+    finally:
+        run.stop()

@@ -1,0 +1,73 @@
+"""Held heartbeats (long polls), waiting in the control API's event loop rather than in a thread each.
+
+An agent that already has its desired workers sends their hash and is held until they change or its wait
+ends. Held requests cost no thread here: each is a future in the event loop. After a decision may have
+changed state, the control loop computes every allocation's desired workers in one pass and hands the
+result over (``publish``, from any thread); only the requests whose allocation's desired workers differ
+from what they hold are answered early, with the new ones. Nothing else is woken, so a change to one
+allocation does not make 512 agents each look at state.
+
+Guarantees:
+- a held request ends by its deadline, answered with what it holds if nothing changed;
+- no change is missed between a heartbeat's answer and its hold: each answer is stamped with the number of
+  passes published before it (``passes``); a pass published after it that disagrees answers it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+
+
+class LongPolls:
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.passes = 0  # passes published so far (read under the controller's lock by heartbeats)
+        self._lock = threading.Lock()
+        self._latest: tuple[int, dict[int, tuple[list[dict], str]]] = (0, {})  # the newest pass, by allocation
+        self._held: dict[int, list[tuple[str, asyncio.Future]]] = collections.defaultdict(list)
+
+    def publish(self, desired: dict[int, tuple[list[dict], str]]) -> None:
+        """Every allocation's desired workers and their hash, computed in one pass (any thread, under the
+        controller's lock so that passes are numbered in the order their state was read)."""
+        with self._lock:
+            self.passes += 1
+            self._latest = (self.passes, desired)
+            loop = self.loop
+        if loop is not None:  # always: a hold registering right now must be looked at after it registered
+            try:
+                loop.call_soon_threadsafe(self._answer_changed)
+            except RuntimeError:  # the event loop is closed: the daemon is stopping, nobody is held
+                pass
+
+    def _answer_changed(self) -> None:
+        _, desired = self._latest
+        for alloc_id, waiting in list(self._held.items()):
+            now = desired.get(alloc_id)
+            if now is None:
+                continue
+            for digest, future in waiting:
+                if digest != now[1] and not future.done():
+                    future.set_result(now)
+
+    async def hold(self, alloc_id: int, digest: str, after_pass: int, wait_s: float) -> tuple[list[dict], str] | None:
+        """Wait up to ``wait_s`` for the allocation's desired workers to differ from ``digest`` (computed with
+        ``after_pass`` passes published); the new ones and their hash, or None if they did not change."""
+        self.loop = asyncio.get_running_loop()
+        seq, desired = self._latest
+        now = desired.get(alloc_id)
+        if seq > after_pass and now is not None and now[1] != digest:
+            return now  # a pass newer than the answer already disagrees
+        future = self.loop.create_future()
+        entry = (digest, future)
+        self._held[alloc_id].append(entry)
+        try:
+            return await asyncio.wait_for(future, wait_s)
+        except TimeoutError:
+            return None
+        finally:
+            waiting = self._held[alloc_id]
+            waiting.remove(entry)
+            if not waiting:
+                del self._held[alloc_id]

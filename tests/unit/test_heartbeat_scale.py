@@ -1,0 +1,195 @@
+"""What lets one daemon hear 512 agents a second (pearlctl/daemon/controller.py, pearlctl/daemon/longpoll.py,
+pearlctl/state/store.py): a heartbeat that repeats its last report to unchanged state is answered from memory,
+and any change to what its answer derives from is folded in again; heartbeat times are written once per check,
+in one transaction; a held long poll is answered early only when its own allocation's desired workers change,
+and never misses a change made between its answer and its hold; an agent whose request waits is alive. A real
+SQLite state, a fake clock; the event loop is asyncio's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from pearlctl.api import bodies
+from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.longpoll import LongPolls
+from pearlctl.state.store import Store
+from tests.conftest import FakeClock, running_run
+
+T0 = 1_000_000.0
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    clock = FakeClock(T0)
+    with Store.open(tmp_path / "s.db", clock=clock) as store:
+        running_run(store, tmp_path, pool="rollout", role="ROLLOUT", nodes=3)
+        controller = Controller(store, "r", None, heartbeat_s=1.0, clock=clock)
+        yield store, controller, clock, [a["id"] for a in store.allocations("r")]
+
+
+def beat(controller: Controller, alloc: int, workers: list[dict]) -> dict:
+    body = bodies.Heartbeat.model_validate_json(json.dumps({"allocation_id": alloc, "workers": workers}))
+    return controller.heartbeat(body, alloc)
+
+
+def ready(store: Store, alloc: int, answer: dict) -> list[dict]:
+    node = store.get("allocations", alloc)["node"]
+    return [
+        {**{k: w[k] for k in ("key", "role", "engine", "gpus")}, "state": "READY", "pid": 7, "url": f"http://{node}:80"}
+        for w in answer["desired"]
+    ]
+
+
+def test_a_repeated_report_is_answered_from_memory_and_a_change_to_its_allocation_is_folded_in(run):
+    store, controller, clock, (a, b, _) = run
+    report = ready(store, a, beat(controller, a, []))
+    beat(controller, a, report)  # the worker is created READY
+    folded = controller.heartbeats["folded"]
+    revision = store.revision
+    first = beat(controller, a, report)
+    for _ in range(5):
+        assert beat(controller, a, report) == first
+    assert controller.heartbeats["folded"] == folded  # none of the six looked at state again
+    assert controller.heartbeats["remembered"] == 6
+    assert store.revision == revision  # and none wrote anything
+
+    # another allocation changing does not make it fold
+    beat(controller, b, ready(store, b, beat(controller, b, [])))
+    folded = controller.heartbeats["folded"]
+    beat(controller, a, report)
+    assert controller.heartbeats["folded"] == folded
+
+    # its own GPU changing does: the answer follows the state at once
+    (gpu,) = store.gpus("r", allocation_id=a)
+    store.update_fields("gpus", gpu["id"], role="IDLE")
+    assert beat(controller, a, report)["desired"] == []
+    assert controller.heartbeats["folded"] == folded + 1
+
+    # and so does a new weight export (the desired vLLM worker's weights)
+    store.update_fields("gpus", gpu["id"], role="ROLLOUT")
+    beat(controller, a, report)
+    store.update_fields("runs", "r", trainer={"weight_version": "7", "weights_path": "/w/7"})
+    (worker,) = beat(controller, a, report)["desired"]
+    assert worker["weights"] == {"version": "7", "path": "/w/7"}
+
+
+def test_an_allocation_with_lent_gpus_is_always_folded(run):
+    store, controller, clock, (a, _, _) = run
+    (gpu,) = store.gpus("r", allocation_id=a)
+    store.update_fields("gpus", gpu["id"], borrowed=1, return_deadline=T0 + 60)
+    report = ready(store, a, beat(controller, a, []))
+    beat(controller, a, report)
+    folded = controller.heartbeats["folded"]
+    for _ in range(3):
+        assert beat(controller, a, report)["desired"][0]["return_deadline"] == T0 + 60
+    assert controller.heartbeats["folded"] == folded + 3
+
+
+def test_heartbeat_times_are_written_once_per_check_in_one_transaction(run):
+    store, controller, clock, allocs = run
+    for a in allocs:
+        beat(controller, a, [])
+    clock.advance(0.4)
+    for a in allocs:
+        beat(controller, a, [])
+    assert all(x["agent_seen_at"] is None for x in store.allocations("r"))  # nothing written per heartbeat
+    revision = store.revision
+    controller.check_agents()
+    assert [x["agent_seen_at"] for x in store.allocations("r")] == [T0 + 0.4] * 3
+    assert store.revision == revision  # bookkeeping: held long polls are not woken for it
+    # an older time never overwrites a newer one, and a requeued (PENDING) task's time is not brought back
+    store.record_agents_seen("r", {allocs[0]: T0})
+    store.set_state("allocations", allocs[1], expect="RUNNING", to="PENDING", event="requeued", agent_seen_at=None)
+    store.record_agents_seen("r", {allocs[1]: T0 + 1})
+    seen = {x["id"]: x["agent_seen_at"] for x in store.allocations("r")}
+    assert seen[allocs[0]] == T0 + 0.4 and seen[allocs[1]] is None
+
+
+def test_an_agent_whose_request_waits_is_not_lost(run):
+    store, controller, clock, (a, b, c) = run
+    for x in (a, b, c):
+        beat(controller, x, [])
+    controller.published()
+    clock.advance(controller.takeover_grace_s + 1)
+    with controller.arrived(a):  # a's heartbeat waits for a thread, the lock or a change, for a long time
+        clock.advance(controller.loss_window_s * 3)
+        controller.check_agents()
+        controller.check_agents()
+    lost = {g["allocation_id"] for g in store.gpus("r") if g["state"] == "LOST"}
+    assert lost == {b, c}
+
+
+def test_the_gpu_and_worker_reads_of_a_whole_run_follow_every_write(run, tmp_path: Path):
+    store, controller, clock, (a, b, _) = run
+    before = store.gpus("r")
+    assert store.gpus("r") == before
+    (gpu,) = store.gpus("r", allocation_id=a)
+    store.update_fields("gpus", gpu["id"], role="IDLE")  # this connection's write
+    assert [g["role"] for g in store.gpus("r") if g["id"] == gpu["id"]] == ["IDLE"]
+    with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
+        other.update_fields("gpus", gpu["id"], role="DECODE")
+    assert [g["role"] for g in store.gpus("r") if g["id"] == gpu["id"]] == ["DECODE"]
+    rows = store.gpus("r")
+    rows[0]["role"] = "scribbled"  # a caller's copy is its own
+    assert store.gpus("r")[0]["role"] != "scribbled"
+
+
+# -- long polls in the event loop ---------------------------------------------------------------------------
+def test_a_held_poll_ends_at_its_deadline_when_nothing_changes():
+    async def main():
+        polls = LongPolls()
+        polls.loop = asyncio.get_running_loop()
+        held = asyncio.create_task(polls.hold(1, "h1", polls.passes, 0.2))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=polls.publish, args=({1: ([], "h1"), 2: ([], "h2")},)).start()  # the same
+        started = asyncio.get_running_loop().time()
+        assert await held is None
+        return asyncio.get_running_loop().time() - started
+
+    assert 0.1 < asyncio.run(main()) < 1.0
+
+
+def test_a_change_answers_only_the_polls_of_its_allocation_at_once():
+    async def main():
+        polls = LongPolls()
+        polls.loop = asyncio.get_running_loop()
+        one = asyncio.create_task(polls.hold(1, "h1", polls.passes, 5.0))
+        two = asyncio.create_task(polls.hold(2, "h2", polls.passes, 0.3))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=polls.publish, args=({1: (["new"], "h1b"), 2: ([], "h2")},)).start()
+        assert await asyncio.wait_for(one, 1.0) == (["new"], "h1b")
+        assert await two is None
+
+    asyncio.run(main())
+
+
+def test_a_change_published_between_an_answer_and_its_hold_is_not_missed():
+    async def main():
+        polls = LongPolls()
+        polls.loop = asyncio.get_running_loop()
+        answered_after = polls.passes  # the answer was made here...
+        polls.publish({1: (["new"], "h1b")})  # ...a pass disagreeing with it came before the hold
+        return await asyncio.wait_for(polls.hold(1, "h1", answered_after, 5.0), 1.0)
+
+    assert asyncio.run(main()) == (["new"], "h1b")
+
+
+def test_notify_publishes_only_when_state_changed(run):
+    store, controller, clock, (a, _, _) = run
+    controller.notify()
+    passes = controller.long_polls.passes
+    controller.notify()
+    controller.rollout_progress(bodies.Progress(queued=3))  # bookkeeping
+    controller.notify()
+    assert controller.long_polls.passes == passes
+    (gpu,) = store.gpus("r", allocation_id=a)
+    store.update_fields("gpus", gpu["id"], role="IDLE")
+    controller.notify()
+    assert controller.long_polls.passes == passes + 1
+    _, latest = controller.long_polls._latest
+    assert latest[a][0] == [] and set(latest) == {x["id"] for x in store.allocations("r")}
