@@ -821,10 +821,10 @@ class Gateway:
             if size > limit:
                 raise _BadRequest(413, f"body larger than {limit} bytes")
             chunks.append(chunk)
-        try:
-            doc = json.loads(b"".join(chunks) or b"null")
+        try:  # NaN and Infinity are not JSON: refused here, not when the request is sent on (a 500)
+            doc = json.loads(b"".join(chunks) or b"null", parse_constant=_not_json)
         except ValueError:
-            raise _BadRequest(400, "body must be a JSON object (an OpenAI request)") from None
+            raise _BadRequest(400, "body must be a JSON object (an OpenAI request; no NaN or Infinity)") from None
         if not isinstance(doc, dict):
             raise _BadRequest(400, "body must be a JSON object (an OpenAI request)")
         return doc
@@ -1535,6 +1535,10 @@ class Gateway:
         if refused is not None:
             return refused
         return JSONResponse({**self.stats, "members": len(self.members.by_url), "pd": dict(self.pd_info)})
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _parse(model: type[BaseModel], doc: dict) -> Any:

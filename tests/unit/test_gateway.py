@@ -1065,3 +1065,18 @@ def test_any_admin_or_generate_body_is_answered_below_500_and_the_gateway_keeps_
         assert r.status_code == 200, r.text
 
     run(scenario)
+
+
+def test_found_a_body_with_infinity_is_a_400_not_a_500() -> None:
+    """Found by the fuzz test above: ``{"": Infinity}`` parsed (Python's json accepts it) and failed only when the
+    gateway sent the request on, as a 500."""
+
+    async def scenario(gw, client, up):
+        for raw in (b'{"": Infinity}', b'{"prompt": "p", "temperature": NaN}', b'{"x": -Infinity}'):
+            r = await client.post("/v1/completions", content=raw, headers=AUTH)
+            assert r.status_code == 400, r.text
+            assert "NaN or Infinity" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+    run(scenario)
