@@ -223,7 +223,7 @@ def apply_poll(
         mover = _Mover(store, run_id, pools[alloc["pool_id"]], dict(alloc), now, epoch)
         mover.apply(_record_for(list(poll.records), alloc["job_id"], alloc["array_index"]))
         report.events += mover.events
-    store.update_fields("runs", run_id, epoch=epoch, last_poll_at=now)
+    store.update_fields("runs", run_id, epoch=epoch, bookkeeping=True, last_poll_at=now)  # derives nothing
     run = store.get_run(run_id)
     if run["state"] == RunState.ACTIVE and all(a["state"] == A.ENDED for a in store.allocations(run_id)):
         store.set_state(

@@ -140,10 +140,12 @@ def build_app(
         method: str = "POST",
         agent: bool = False,
         then: Callable[..., Awaitable[dict]] | None = None,
+        fast: Callable[..., Any] | None = None,
     ) -> Route:
-        """``fn`` runs in a handler thread (the controller is synchronous: SQLite); ``then``, if given, is
-        awaited in the event loop with the same arguments and ``fn``'s result, and answers instead (a long
-        poll's hold)."""
+        """``fn`` runs in a handler thread (the controller is synchronous: SQLite), unless ``fast``, called
+        first in the event loop with the same arguments (it must never block), answers; ``then``, if given, is
+        awaited in the event loop with the same arguments and that result, and answers instead (a long poll's
+        hold)."""
 
         async def endpoint(request: Request):
             try:
@@ -156,7 +158,9 @@ def build_app(
                     args.append(allocation)
                 # an agent is alive from its request's arrival to its answer, however long it waits
                 with controller.arrived(allocation) if agent else contextlib.nullcontext():
-                    result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
+                    result = fast(*args) if fast is not None else None
+                    if result is None:
+                        result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
                     if then is not None:
                         result = await then(*args, result)
                 return JSONResponse(result)
@@ -179,7 +183,14 @@ def build_app(
     routes = [
         route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
         route("/v1/agents/register", controller.register, bodies.Register),
-        route("/v1/agents/heartbeat", controller.report, bodies.Heartbeat, agent=True, then=controller.hold),
+        route(
+            "/v1/agents/heartbeat",
+            controller.report,
+            bodies.Heartbeat,
+            agent=True,
+            then=controller.hold,
+            fast=controller.remembered,  # a repeated report: from memory, no thread
+        ),
         route("/v1/status", status, method="GET"),
         route("/v1/trainer/phase", controller.trainer_phase, bodies.TrainerPhase),
         route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),

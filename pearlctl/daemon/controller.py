@@ -75,6 +75,12 @@ def edge_path(table: str, old: str, new: str) -> list[str]:
     return []
 
 
+def _report_key(body: bodies.Heartbeat) -> str | None:
+    """What a heartbeat reports, as a key to tell a repeated report by; None for one that must always be
+    folded (self-returns to journal)."""
+    return None if body.self_returns else body.model_dump_json(include={"workers", "draining"})
+
+
 def desired_hash(desired: list[dict]) -> str:
     return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -235,19 +241,10 @@ class Controller:
             )
         alloc_id = allocation_id
         self.heard(alloc_id)
-        report = body.model_dump_json(include={"workers", "draining"}) if not body.self_returns else None
-        # from memory without the decision lock: the fingerprint is read from committed state, so a tick in
-        # progress (which holds the lock for its whole decision) delays no repeated report
-        passes = self.long_polls.passes
-        last = self._answered.get(alloc_id)
-        if (
-            report is not None
-            and not body.leaving
-            and last is not None
-            and last[:2] == (self.store.allocation_fingerprint(alloc_id), report)
-        ):
-            self.heartbeats["remembered"] += 1
-            return self._answer(last[2], last[3]), passes
+        remembered = self.remembered(body, alloc_id)
+        if remembered is not None:
+            return remembered
+        report = _report_key(body)
         with self.lock:
             passes = self.long_polls.passes
             self.heartbeats["folded"] += 1
@@ -263,6 +260,22 @@ class Controller:
         if changed:
             self.wake.set()  # a worker moved: a transition step may complete now
         return self._answer(desired, digest), passes
+
+    def remembered(self, body: bodies.Heartbeat, allocation_id: int) -> tuple[dict, int] | None:
+        """``report``'s answer to a heartbeat that repeats its allocation's last report to unchanged state, from
+        memory: no decision lock (a tick in progress holds it for its whole decision), no write, one indexed
+        read on a connection of its own — cheap enough for the control API to call in its event loop. None
+        when the heartbeat must be folded into state (``report``)."""
+        last = self._answered.get(allocation_id)
+        if last is None or body.allocation_id != allocation_id or body.leaving:
+            return None
+        passes = self.long_polls.passes
+        key = _report_key(body)
+        if key is None or last[:2] != (self.store.allocation_fingerprint(allocation_id), key):
+            return None
+        self.heard(allocation_id)
+        self.heartbeats["remembered"] += 1
+        return self._answer(last[2], last[3]), passes
 
     def heard(self, allocation_id: int) -> None:
         """The allocation's agent was heard from just now (no lock: one dict assignment)."""

@@ -36,7 +36,7 @@ from typing import Any, Self
 
 from sqlite_utils import Database
 
-from pearlctl.state.db import connect, schema_version
+from pearlctl.state.db import BUSY_TIMEOUT_MS, connect, schema_version
 from pearlctl.state.errors import (
     DuplicateRun,
     DuplicateStep,
@@ -91,6 +91,7 @@ class Store:
         # whole-run reads of the largest tables (gpus, workers), kept while nothing could have changed them:
         # (what, run_id) -> (generation, rows)
         self._cache: dict[tuple[str, str], tuple[tuple[int, int], list[Row]]] = {}
+        self._reader: tuple[sqlite3.Connection, threading.Lock | threading.RLock] | None = None  # fingerprints
         self._columns: dict[str, frozenset[str]] = {
             table: frozenset(row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")'))
             for table in db.table_names()
@@ -102,6 +103,8 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
+            if self._reader is not None and self._reader[0] is not self._conn:
+                self._reader[0].close()
             self._db.close()
 
     def __enter__(self) -> Self:
@@ -145,8 +148,9 @@ class Store:
         row is versioned). One indexed query, for a heartbeat that repeats its last report; None if there is no
         such allocation."""
         open_states = sorted(OPEN_TRANSITION_STATES)
-        with self._lock:
-            row = self._conn.execute(
+        conn, lock = self._fingerprint_reader()
+        with lock:
+            row = conn.execute(
                 "SELECT a.version,"
                 " (SELECT group_concat(id || '.' || version) FROM gpus WHERE allocation_id = a.id),"
                 " (SELECT group_concat(id || '.' || version) FROM workers WHERE allocation_id = a.id),"
@@ -158,6 +162,20 @@ class Store:
                 [*open_states, alloc_id],
             ).fetchone()
         return None if row is None else tuple(row)
+
+    def _fingerprint_reader(self) -> tuple[sqlite3.Connection, threading.Lock | threading.RLock]:
+        """A read-only connection of its own for fingerprints (WAL: it sees every committed write), so that a
+        heartbeat never waits for the store's lock behind a whole-run read; the store's own connection where
+        the database has no file."""
+        if self._reader is None:
+            path = self._conn.execute("PRAGMA database_list").fetchone()[2]
+            if not path:
+                self._reader = (self._conn, self._lock)
+            else:
+                reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+                reader.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                self._reader = (reader, threading.Lock())
+        return self._reader
 
     def _cached(self, what: str, run_id: str, read: Callable[[], list[Row]]) -> list[Row]:
         """``read()``, or a copy of its last rows while the ``generation`` is the same (bookkeeping writes never
@@ -907,8 +925,9 @@ class Store:
             return epoch
 
     def renew_lease(self, name: str, holder: str, epoch: int, ttl_s: float) -> bool:
-        """Extend an unexpired lease this holder has at this epoch; False if it lapsed or changed hands."""
-        with self._write() as conn:
+        """Extend an unexpired lease this holder has at this epoch; False if it lapsed or changed hands.
+        Bookkeeping (``_write``): a renewal changes nothing a decision or a cached read derives from."""
+        with self._write(bookkeeping=True) as conn:
             now = self._clock()
             renewed = conn.execute(
                 "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",

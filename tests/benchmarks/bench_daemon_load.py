@@ -130,11 +130,12 @@ def daemon_main(state_db: str, out: str) -> None:
     class Timed(Daemon):
         def _tick(self, controller, borrowing):
             heartbeats["counts"] = controller.heartbeats
-            t0 = time.perf_counter()
+            heartbeats["passes"] = controller.long_polls
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return super()._tick(controller, borrowing)
-            finally:
-                ticks.append(time.perf_counter() - t0)
+            finally:  # (when it started, wall seconds, the tick thread's CPU seconds)
+                ticks.append((time.time(), time.perf_counter() - t0, time.thread_time() - c0))
 
     settings = DaemonSettings(host="127.0.0.1", advertise="127.0.0.1", heartbeat_s=HEARTBEAT_S, tick_s=0.5)
     daemon = Timed(store, AllRunning(nodes), "load", settings)
@@ -142,7 +143,9 @@ def daemon_main(state_db: str, out: str) -> None:
     try:
         daemon.run()
     finally:
-        doc = {"ticks": ticks, "tick_errors": daemon.stats.tick_errors, "heartbeats": heartbeats.get("counts", {})}
+        passes = heartbeats["passes"].passes if "passes" in heartbeats else 0
+        doc = {"ticks": ticks, "tick_errors": daemon.stats.tick_errors, "heartbeats": heartbeats.get("counts", {}),
+               "passes": passes}  # fmt: skip
         Path(out).write_text(json.dumps(doc))
 
 
@@ -226,7 +229,7 @@ class Agents:
                 self.progress.append(time.perf_counter() - t0)
             await asyncio.sleep(1.0)
 
-    async def run(self, warmup_s: float, seconds: float) -> float:
+    async def run(self, warmup_s: float, seconds: float) -> tuple[float, float]:
         import aiohttp
 
         measuring = asyncio.Event()
@@ -237,11 +240,12 @@ class Agents:
             tasks.append(asyncio.create_task(self.rollout_driver(session, measuring)))
             await asyncio.sleep(warmup_s)
             measuring.set()
-            started = time.monotonic()
+            started, since = time.monotonic(), time.time()
             await asyncio.sleep(seconds)
             self.stop.set()
+            wall = time.monotonic() - started
             await asyncio.wait(tasks, timeout=2 * HEARTBEAT_S + 5)
-            return time.monotonic() - started
+            return since, wall
 
 
 def proc_cpu_rss(pid: int) -> tuple[float, int, int]:
@@ -284,7 +288,7 @@ def main() -> int:
             allocations = [{**a, "gpus": args.gpus_per_node} for a in store.allocations("load")]
         agents = Agents(address["url"], read_secret(run_dir), allocations)
         cpu0, _, _ = proc_cpu_rss(proc.pid)
-        wall = asyncio.run(agents.run(args.warmup, args.seconds))
+        since, wall = asyncio.run(agents.run(args.warmup, args.seconds))
         cpu1, rss, peak = proc_cpu_rss(proc.pid)
     finally:
         proc.terminate()
@@ -295,7 +299,8 @@ def main() -> int:
         lost_gpus = sum(1 for g in store.gpus("load") if g["state"] == "LOST")
         gpus = len(store.gpus("load"))
     heartbeats = agents.held + agents.plain
-    ticks = daemon["ticks"]
+    measured = [t for t in daemon["ticks"] if since <= t[0] <= since + wall]  # the measured window only
+    ticks, tick_cpu = [t[1] for t in measured], [t[2] for t in measured]
     ms = 1000.0
     print(
         f"run: {len(allocations)} agents, {gpus} GPUs, heartbeat {HEARTBEAT_S:g} s (long polls), {wall:.0f} s measured"
@@ -309,13 +314,14 @@ def main() -> int:
         ("heartbeat not held (round trip)", agents.plain),
         ("rollout progress report", agents.progress),
         ("control-loop tick", ticks),
+        ("control-loop tick: its thread's CPU", tick_cpu),
     ):
         print(f"| {name} | {len(values)} | {quantile(values, 0.5) * ms:.1f} ms | {quantile(values, 0.9) * ms:.1f} ms | "
               f"{quantile(values, 0.99) * ms:.1f} ms | {max(values, default=float('nan')) * ms:.1f} ms |")  # fmt: skip
     print()
     rate = len(heartbeats) / wall
     print(f"heartbeats/s: {rate:.0f}; long polls woken early by a change: {agents.woken}; errors: {len(agents.errors)}")
-    print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}")
+    print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}; long-poll passes: {daemon['passes']}")
     for e in agents.errors[:5]:
         print("  ", e)
     mib = 2**20
