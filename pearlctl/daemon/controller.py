@@ -251,6 +251,7 @@ class Controller:
             desired, changed = self._fold(alloc_id, body)
             if body.leaving:
                 self._answered.pop(alloc_id, None)
+                self.wake.set()  # its GPUs left: the control loop looks now
                 return self._answer([], None), passes
             digest = desired_hash(desired)
             if any("return_deadline" in w for w in desired):
