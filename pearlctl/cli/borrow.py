@@ -21,7 +21,9 @@ def _run(run_ref: str) -> dict:
 @app.command()
 def borrow(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run name or id."),
-    policy: str = typer.Option(..., "--policy", help="Policy name (policies/*.py), e.g. greedy or never."),
+    policy: str = typer.Option(
+        ..., "--policy", help="Policy name (shipped, in $PEARL_POLICY_PATH, or an entry point), e.g. greedy."
+    ),
     gpus: int = typer.Option(None, "--gpus", min=1, help="Lend at most this many trainer GPUs."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what the policy would lend now; change nothing."),
     stop_on_return: bool = typer.Option(

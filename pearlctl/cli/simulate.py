@@ -23,7 +23,7 @@ def simulate(
     scenario_paths: list[Path] = typer.Argument(
         ..., metavar="SCENARIO.toml", help="A scenario file (examples/scenarios/); with --sweep, one or more."
     ),
-    policy: str = typer.Option(None, "--policy", help="The policy to simulate (a name in policies/, or oracle)."),
+    policy: str = typer.Option(None, "--policy", help="The policy to simulate (a name, as for borrow, or oracle)."),
     compare_names: str = typer.Option(
         None, "--compare", help="Comma-separated policies to run side by side, e.g. static,elastic,pearl,oracle."
     ),
