@@ -87,6 +87,17 @@ class SlurmClient:
     def installed() -> bool:
         return shutil.which("sbatch") is not None and shutil.which("squeue") is not None
 
+    @classmethod
+    def answers(cls) -> bool:
+        """Whether Slurm is installed and a slurmctld answers here (``scontrol ping``): how ``auto`` picks Slurm."""
+        if not cls.installed():
+            return False
+        try:
+            cls(timeout=10).ping()
+            return True
+        except SlurmError:
+            return False
+
     # -- cluster facts --
     def version(self) -> str:
         return self._run(["scontrol", "--version"]).stdout.strip()

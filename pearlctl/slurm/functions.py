@@ -80,14 +80,8 @@ class Ran:
 
 
 def slurm_answers() -> bool:
-    """Whether a slurmctld answers here (``scontrol ping``), as ``backend = "auto"`` decides."""
-    if not SlurmClient.installed():
-        return False
-    try:
-        SlurmClient(timeout=10).ping()
-        return True
-    except SlurmError:
-        return False
+    """Whether a slurmctld answers here, as ``backend = "auto"`` decides (``SlurmClient.answers``)."""
+    return SlurmClient.answers()
 
 
 def resolve_executor(name: str) -> str:
