@@ -274,8 +274,7 @@ class Controller:
         key = _report_key(body)
         if key is None or last[:2] != (self.store.allocation_fingerprint(allocation_id), key):
             return None
-        self.heard(allocation_id)
-        self.heartbeats["remembered"] += 1
+        self.heartbeats["remembered"] += 1  # heard already: on arrival (the API) or by ``report``
         return self._answer(last[2], last[3]), passes
 
     def heard(self, allocation_id: int) -> None:
