@@ -6,16 +6,70 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pearlctl.trainer import FileChannel, NullChannel, QueueChannel, TrainerHook
+from pearlctl.trainer import FileChannel, NullChannel, TrainerHook
+
+
+class QueueChannel:
+    """In-process channel for these tests and their threads: the controller side calls ``send`` and
+    ``wait_ack``. Delivers each command once (``repeats_commands`` is not set), like ``FileChannel``."""
+
+    def __init__(self) -> None:
+        self.commands: queue.Queue[dict] = queue.Queue()
+        self.events: list[dict] = []
+        self.acks: dict[str, dict] = {}
+        self._cond = threading.Condition()
+
+    # trainer side
+    def report(self, event: dict) -> dict | None:
+        with self._cond:
+            self.events.append(dict(event))
+            self._cond.notify_all()
+        try:
+            return self.commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def ack(self, command_id: str, result: dict) -> None:
+        with self._cond:
+            self.acks[command_id] = dict(result)
+            self._cond.notify_all()
+
+    # controller side
+    def send(self, command: str | None, *, command_id: str | None = None, **fields: Any) -> str:
+        command_id = command_id or uuid.uuid4().hex[:12]
+        self.commands.put({"command": command, "command_id": command_id, **fields})
+        return command_id
+
+    def wait_ack(self, command_id: str, timeout: float = 30.0) -> dict:
+        with self._cond:
+            if not self._cond.wait_for(lambda: command_id in self.acks, timeout):
+                raise TimeoutError(f"no ack for command {command_id} within {timeout} s")
+            return self.acks[command_id]
+
+    def wait_event(self, predicate: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+        with self._cond:
+            found: list[dict] = []
+
+            def seen() -> bool:
+                found[:] = [e for e in self.events if predicate(e)]
+                return bool(found)
+
+            if not self._cond.wait_for(seen, timeout):
+                raise TimeoutError(f"no matching trainer event within {timeout} s")
+            return found[0]
 
 
 class FakeEngine:
