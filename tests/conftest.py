@@ -1,4 +1,11 @@
-"""Shared test helpers: run the real `pearlctl` command in a subprocess with its own state directory."""
+"""Shared test helpers: run the real `pearlctl` command in a subprocess with its own state directory.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, in scripts/test): every test under
+tests/engines and tests/integration is in one unit of work that one worker runs in order (real engines and the
+one local Slurm cluster share the machine's cores and must not overlap; `pytest_xdist_make_scheduler`), while
+the other worker takes the rest. A test outside that unit runs at a lower CPU priority (``nice`` 10, its
+subprocesses too), so that the engines' timings are not what pays for the overlap. ``-n 0`` runs everything in
+one process."""
 
 from __future__ import annotations
 
@@ -135,8 +142,54 @@ def _trace_wait(started: float) -> None:
             )
 
 
+SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in one group, in order
+NICE = 10  # the CPU niceness of the other tests while the serial group runs beside them
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's xdist worker ("gw0", ...); None without xdist
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: the SERIAL tests as one unit of work (one worker, in collection order), every
+    other test a unit of its own. (xdist's own loadgroup reads ``xdist_group`` marks through ``item._nodeid``,
+    which pytest 9 no longer uses for the node id: with it, the groups would silently not form.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "serial" if nodeid.startswith(SERIAL) else nodeid
+
+    return SerialGroup(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_priority(request: pytest.FixtureRequest) -> None:
+    """Under xdist, a test outside the serial group runs at niceness NICE; a serial test at niceness 0 (raising
+    it back needs root, as in CI; without it, it stays lower)."""
+    if WORKER is None:
+        return
+    want = 0 if request.node.nodeid.startswith(SERIAL) else NICE
+    if os.getpriority(os.PRIO_PROCESS, 0) != want:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+        except PermissionError:
+            pass
+
+
+def _started_by_another_worker(pid: int) -> bool:
+    """Whether process ``pid`` inherited another xdist worker's PYTEST_XDIST_WORKER (it is that worker's test's)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    theirs = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"PYTEST_XDIST_WORKER=")), None)
+    return theirs is not None and theirs.decode() != WORKER
+
+
 def router_gateways() -> set[int]:
-    """Pids of this machine's run-router gateways (``python -m pearlctl.router``)."""
+    """Pids of this machine's run-router gateways (``python -m pearlctl.router``) that this pytest process's tests
+    may have started (under xdist, not another worker's)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -145,7 +198,7 @@ def router_gateways() -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"pearlctl.router" in argv and b"-m" in argv:
+        if b"pearlctl.router" in argv and b"-m" in argv and not _started_by_another_worker(int(entry.name)):
             pids.add(int(entry.name))
     return pids
 

@@ -41,10 +41,12 @@ def spec_text(
     train_args: tuple[str, ...] = (),
     generation_pools: str = ROLLOUT_POOL,
     policy: str = "never",
+    trainer: bool = True,
 ) -> str:
     """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
     RUN_DIR/rollouts, and one vLLM rollout worker (or ``generation_pools``: TOML of rollout/elastic pools);
-    ``train_args`` go to examples/grpo/train.py."""
+    ``train_args`` go to examples/grpo/train.py. ``trainer=False``: the trainer task holds its 2 GPUs with a
+    placeholder process instead, for tests of the rollout side that do not need training."""
     py = sys.executable
     train = [
         py,
@@ -66,6 +68,8 @@ def spec_text(
         "daemon",
         *train_args,
     ]
+    if not trainer:
+        train = [py, "-c", "import time; time.sleep(36000)"]
     return f"""
 [run]
 name = "{name}"

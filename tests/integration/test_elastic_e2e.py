@@ -8,6 +8,9 @@ workers on elastic (preemptible) tasks behind the run's router, the daemon, and 
   routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
 - The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task.
 
+The preemption and scancel tests are about the rollout side: their trainer task holds its GPUs with a
+placeholder process rather than training (the DeepSpeed ranks would only compete for the 2 cores).
+
 Each test prints the episodes expected and completed and the number of turns the router's gateway continued
 on another worker. Elastic tasks ask for all 8 CPUs of a node (``cpus_per_task = 8``) so each runs on a node
 of its own: a preemption then hits exactly one of them.
@@ -124,10 +127,12 @@ class Run:
 def make_run(slurm_cluster, tmp_path):
     made: list[Run] = []
 
-    def make(name: str, generation_pools: str, policy: str = "never", steps: int = 2) -> Run:
+    def make(name: str, generation_pools: str, policy: str = "never", steps: int = 2, trainer: bool = True) -> Run:
         slurm_cluster.cancel_all()
         d = slurm_cluster.new_shared_dir(name)
-        text = spec_text(d / "run", name=name, steps=steps, generation_pools=generation_pools, policy=policy)
+        text = spec_text(
+            d / "run", name=name, steps=steps, generation_pools=generation_pools, policy=policy, trainer=trainer
+        )
         (d / "run.toml").write_text(text)
         run = Run(Pearlctl(tmp_path / "state", slurm_cluster.env), d, name)
         run.pc("launch", str(d / "run.toml"), "--wait", "--timeout", "120")
@@ -210,7 +215,8 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
 
 @pytest.mark.parametrize("partition", ["preempt", "preempt0"], ids=["grace-10s", "grace-0-hard-kill"])
 def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_run, slurm_cluster, partition):
-    run = make_run(f"pre{partition[-1]}", elastic_pool(nodes=2, max_nodes=2, partition=partition), steps=1)
+    pool = elastic_pool(nodes=2, max_nodes=2, partition=partition)
+    run = make_run(f"pre{partition[-1]}", pool, steps=1, trainer=False)
 
     def two_serving():
         doc = run.status()
@@ -279,7 +285,7 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
 
 
 def test_scancel_of_a_fixed_rollout_task_mid_step_loses_no_episode(make_run, slurm_cluster):
-    run = make_run("cut", ROLLOUT2, steps=1)
+    run = make_run("cut", ROLLOUT2, steps=1, trainer=False)
 
     def two_serving():
         ready = [w for w in run.status()["workers"] if w["state"] == "READY" and w["routable"]]
