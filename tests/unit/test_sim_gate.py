@@ -1,8 +1,8 @@
 """The simulator's gate, as CI runs it: every shipped scenario at its own step count, with and without the
 measured model mismatch — no policy beats the oracle, pearl is never below static or elastic, and
 docs/simulator-results.md still holds the numbers (tests/benchmarks/bench_simulate.py --check). Takes minutes
-(4–5 on a shared 2-core machine; 10–15 in one process beside the engine tests, as scripts/test runs it):
-deselect with ``-m "not gate"`` while iterating."""
+(4–5 on a shared 2-core machine; about 25 at low priority in one process beside the engine tests, as
+scripts/test runs it): deselect with ``-m "not gate"`` while iterating."""
 
 from __future__ import annotations
 
