@@ -20,6 +20,7 @@ import pytest
 
 from pearlctl.runfiles import read_address
 from tests.conftest import REPO, Pearlctl, alive
+from tests.engines.conftest import PLACEHOLDER
 
 STEPS = 3
 
@@ -69,7 +70,7 @@ def spec_text(
         *train_args,
     ]
     if not trainer:
-        train = [py, "-c", "import time; time.sleep(36000)"]
+        train = PLACEHOLDER
     return f"""
 [run]
 name = "{name}"

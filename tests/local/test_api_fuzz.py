@@ -610,8 +610,8 @@ def test_the_strategies_cover_every_route_of_the_api():
 
     from pearlctl.daemon.api import build_app
 
-    names = ["register", "heartbeat", "trainer_phase", "trainer_ack", "borrow", "give_back", "routable_workers"]
-    names += ["rollout_progress", "set_profile", "move", "report", "remembered", "hold"]
+    names = ["register", "report", "remembered", "hold", "trainer_phase", "trainer_ack", "borrow", "give_back"]
+    names += ["routable_workers", "rollout_progress", "set_profile", "move"]
     controller = SimpleNamespace(run_id=RUN_ID, epoch=1, **{n: (lambda *a: {}) for n in names})
     app = build_app(controller, secret="s", status=lambda: {})
     served = {(m, r.path) for r in app.routes for m in r.methods if m != "HEAD"}
