@@ -818,7 +818,8 @@ class Controller:
         RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
         allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
         (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
-        seen = {a["id"]: self._seen.get(a["id"], a.get("agent_seen_at")) for a in self.store.allocations(self.run_id)}
+        allocations = self.store.allocations(self.run_id, cached=True)  # the times: ours are newer than its
+        seen = {a["id"]: self._seen.get(a["id"], a.get("agent_seen_at")) for a in allocations}
         workers = [
             {
                 "id": w["id"],
@@ -891,8 +892,13 @@ class Controller:
             deadline = now - self.loss_window_s - (held if now < until else 0.0)
             marked = []
             workers = self.store.workers(self.run_id)
-            for alloc in self.store.allocations(self.run_id):
+            # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
+            # what was just written, so the newer time we wrote counts; None stays None (never heard from, or
+            # reset by a requeue, which changes the rows and so the cache)
+            for alloc in self.store.allocations(self.run_id, cached=True):
                 seen = alloc.get("agent_seen_at")
+                if seen is not None:
+                    seen = max(seen, self._seen_written.get(alloc["id"], seen))
                 gone = alloc["state"] in (A.ENDED, A.LOST)
                 if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
                     continue

@@ -768,13 +768,21 @@ class Store:
     def pools(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM pools WHERE run_id = ? ORDER BY id", (run_id,))
 
-    def allocations(self, run_id: str) -> list[Row]:
-        """Allocations of the run, each with its pool's name as ``pool``."""
-        return self._query(
-            "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id"
-            " WHERE a.run_id = ? ORDER BY a.pool_id, a.array_index",
-            (run_id,),
-        )
+    def allocations(self, run_id: str, *, cached: bool = False) -> list[Row]:
+        """Allocations of the run, each with its pool's name as ``pool``.
+
+        ``cached``: the rows as of the last change a decision reads (``generation``), not read again while
+        nothing changed. Their ``agent_seen_at`` is bookkeeping, so it may be older than the table's: only a
+        caller that keeps newer heartbeat times itself (the daemon's controller) asks for this."""
+
+        def read() -> list[Row]:
+            return self._query(
+                "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id"
+                " WHERE a.run_id = ? ORDER BY a.pool_id, a.array_index",
+                (run_id,),
+            )
+
+        return self._cached("allocations", run_id, read) if cached else read()
 
     def nodes(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM nodes WHERE run_id = ? ORDER BY name", (run_id,))

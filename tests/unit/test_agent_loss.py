@@ -81,3 +81,24 @@ def test_without_a_stall_an_agent_silent_past_the_window_is_lost_at_the_next_che
         assert controller.check_agents() == []
     clock.now += 0.5  # 2 s: a whole window of silence
     assert controller.check_agents() == [alloc]
+
+
+def test_an_agent_heard_through_the_controller_is_never_lost_while_nothing_else_changes(run):
+    """The loss check reads the allocations from a cache that only a change of the rows refreshes; heartbeat
+    times are bookkeeping, written each check without such a change. The times it judges by must be the ones
+    just written, not the cached ones: an agent heard every second for a minute is never LOST."""
+    store, controller, clock, alloc = run
+    controller.published()
+    clock.now += 5
+    for _ in range(120):
+        controller.heard(alloc)
+        assert controller.check_agents() == []
+        clock.now += 0.5
+        assert controller.check_agents() == []
+        clock.now += 0.5
+    assert gpu_state(store) == "UP"
+    assert store.allocations("r")[0]["agent_seen_at"] == pytest.approx(clock.now - 1.0)
+    for _ in range(2):  # then it dies (last heard 1 s ago): found after one window of silence (2 s)
+        assert controller.check_agents() == []
+        clock.now += 0.5
+    assert controller.check_agents() == [alloc]
