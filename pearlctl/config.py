@@ -433,6 +433,12 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     train_command = _argv(c, raw, "train_command", p, placeholders=True)
     if train_command is not None and name != "trainer":
         c.fail(p + "train_command", "only the trainer pool runs a training command; move it to [pools.trainer]")
+    if train_command is not None and nodes is not None and nodes > 1 and "--standalone" in train_command:
+        c.fail(
+            p + "train_command",
+            f"--standalone makes each of the {nodes} nodes a trainer of its own; drop it: pearlctl gives torchrun "
+            "the multi-node rendezvous (PET_NNODES, PET_NODE_RANK, PET_RDZV_*; docs/run-spec.md)",
+        )
     engine_args = c.table(raw, "engine_args", p) or {}
     for k, v in engine_args.items():
         if not c.no_control(f"{p}engine_args.{k}", k):

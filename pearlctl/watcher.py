@@ -60,6 +60,14 @@ def _record_for(records: list[JobRecord], job_id: str, index: int) -> JobRecord 
     return fallback or whole
 
 
+def node_of(rec: JobRecord, index: int) -> str | None:
+    """The node task ``index`` runs on: an array task's only node; node ``index`` of a multi-node job (one
+    record for the whole job, its nodes in Slurm's order, which is ``SLURM_NODEID``'s)."""
+    if rec.array_task_id is None and len(rec.nodes) > 1:
+        return rec.nodes[index] if 0 <= index < len(rec.nodes) else None
+    return rec.nodes[0] if rec.nodes else None
+
+
 class _Mover:
     """Applies observed facts to one allocation row, journaling each edge it takes."""
 
@@ -143,7 +151,7 @@ class _Mover:
             self.gpus_down(GpuState.GONE)
             return
         # RUNNING
-        node = rec.nodes[0] if rec.nodes else None
+        node = node_of(rec, a["array_index"])
         if rec.state.startswith("COMPLETING") and state in (A.RUNNING, A.PREEMPTING):
             # the run is ending (its processes exit). After a preemption Slurm already counts the restart and
             # stamps a new PreemptTime on the COMPLETING record: that is the requeue, not a new start.

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+
+# torchrun's rendezvous port for a multi-node trainer: 29500 .. 29500 + 2000, by job id (a port the same on
+# every node without anyone publishing it; two trainers on one node 0 collide with probability 1/2000)
+RDZV_PORT_BASE, RDZV_PORT_SPAN = 29500, 2000
 
 
 def _indices(value: str | None) -> tuple[int, ...]:
@@ -29,23 +34,55 @@ class Identity:
     node: str
     gpus: tuple[int, ...]
     restarts: int
+    nnodes: int = 1  # nodes of the job this task is one node of (a multi-node trainer); task_id is its rank
+    rdzv_host: str = "127.0.0.1"  # where the job's node 0 is reached: its distributed rendezvous
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def rendezvous_env(self) -> dict[str, str]:
+        """torchrun's settings (its ``PET_*`` variables) for one trainer of ``nnodes`` nodes: a c10d rendezvous
+        at node 0, on a port derived from the job id (the same on every node, and after a requeue), keyed by
+        the job and its restart count. Empty for a one-node job. A value given on torchrun's command line
+        wins over these; ``--standalone`` would make every node a trainer of its own (pearlctl.config refuses
+        it for a trainer of several nodes)."""
+        if self.nnodes <= 1:
+            return {}
+        port = RDZV_PORT_BASE + zlib.crc32(self.job_id.encode()) % RDZV_PORT_SPAN
+        return {
+            "PET_NNODES": str(self.nnodes),
+            "PET_NODE_RANK": str(self.task_id),
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_RDZV_ENDPOINT": f"{self.rdzv_host}:{port}",
+            "PET_RDZV_ID": f"pearl-{self.job_id}-{self.restarts}",
+        }
+
 
 def identity_from_env(env: Mapping[str, str] | None = None) -> Identity:
     """Slurm sets SLURMD_NODENAME (hostname is the same for every slurmd of a multi-slurmd host),
-    SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES (no renumbering without cgroups), SLURM_RESTART_COUNT."""
+    SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES (no renumbering without cgroups), SLURM_RESTART_COUNT. A task of a
+    multi-node job (one srun task per node) is the node ``SLURM_NODEID`` of ``SLURM_JOB_NUM_NODES``, and its
+    node 0 is where srun was started (``SLURM_LAUNCH_NODE_IPADDR``: the batch host, the job's first node);
+    the local backend says ``PEARL_LOCAL_TASK_ID`` of ``PEARL_LOCAL_NNODES``, all on this machine."""
     env = os.environ if env is None else env
     gpus = _indices(env.get("SLURM_JOB_GPUS")) or _indices(env.get("CUDA_VISIBLE_DEVICES"))
+    array = env.get("SLURM_ARRAY_JOB_ID") is not None
     return Identity(
         run_id=env.get("PEARL_RUN_ID", ""),
         pool=env.get("PEARL_POOL", ""),
         role=env.get("PEARL_ROLE", "IDLE"),
         job_id=env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID") or env.get("PEARL_LOCAL_JOB_ID", ""),
-        task_id=int(env.get("SLURM_ARRAY_TASK_ID") or env.get("PEARL_LOCAL_TASK_ID") or 0),
+        task_id=_int(env.get("SLURM_ARRAY_TASK_ID") or env.get("SLURM_NODEID") or env.get("PEARL_LOCAL_TASK_ID")),
         node=env.get("SLURMD_NODENAME") or socket.gethostname(),
         gpus=gpus,
-        restarts=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+        restarts=_int(env.get("SLURM_RESTART_COUNT")),
+        nnodes=1 if array else max(1, _int(env.get("SLURM_JOB_NUM_NODES") or env.get("PEARL_LOCAL_NNODES"), 1)),
+        rdzv_host=env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1",
     )
+
+
+def _int(value: str | None, default: int = 0) -> int:
+    try:
+        return int(value) if value else default
+    except ValueError:
+        return default

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from pearlctl.agent.engines import ignore_preempt_signal
 from pearlctl.agent.identity import Identity
 
 log = logging.getLogger("pearlctl.agent")
@@ -44,12 +45,14 @@ def free_port() -> int:
 
 def die_with_parent() -> None:
     """In the child before exec: SIGKILL it if the agent dies (PR_SET_PDEATHSIG), so an engine never
-    outlives a SIGKILLed agent even though it runs in its own session (torchrun ranks do too).
-    The signal follows the parent *thread* that forked: the agent forks from its main thread."""
+    outlives a SIGKILLed agent even though it runs in its own session (torchrun ranks do too); and ignore
+    the preemption signal (``ignore_preempt_signal``). The death signal follows the parent *thread* that
+    forked: the agent forks from its main thread."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    ignore_preempt_signal()
 
 
 def kv_shared_dir(run_dir: str) -> Path:
@@ -325,7 +328,11 @@ class Reconciler:
             self.me,
             self.run_dir,
             argv,
-            {"PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus)), "PEARL_RETURN_FILE": str(self.return_file)},
+            {
+                "PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus)),
+                "PEARL_RETURN_FILE": str(self.return_file),
+                **self.me.rendezvous_env(),  # one trainer across the nodes of a multi-node job
+            },
         )
 
     def apply(self, desired: list[dict], now: float | None = None) -> None:

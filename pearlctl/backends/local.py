@@ -2,7 +2,8 @@
 Slurm at all (a laptop, a CI box, a newcomer's first run).
 
 It runs the same rendered sbatch script (the ``#SBATCH`` lines are comments to bash), one process
-group per array task, in its own session so the whole worker tree can be signalled at once.
+group per array task (per node of a multi-node job, ``PEARL_LOCAL_NNODES`` its size), in its own session
+so the whole worker tree can be signalled at once.
 Bookkeeping lives in files under ``<state_dir>/local-jobs/<job_id>/`` so any later pearlctl process
 can poll or cancel what an earlier one started:
 
@@ -86,8 +87,11 @@ class LocalBackend:
         )
         Path(req.run_dir, "logs").mkdir(parents=True, exist_ok=True)
         for task in range(req.first_task, req.first_task + req.array_size):
-            log_path = req.log_pattern.replace("%A", job_id).replace("%a", str(task))
+            log_path = req.log_pattern.replace("%A", job_id).replace("%j", job_id)
+            log_path = log_path.replace("%a", str(task)).replace("%t", str(task))
             env = dict(os.environ, PEARL_LOCAL_JOB_ID=job_id, PEARL_LOCAL_TASK_ID=str(task))
+            if req.gang:  # a multi-node job: every task is one node of it, the task index its rank
+                env["PEARL_LOCAL_NNODES"] = str(req.array_size)
             # As Slurm's --gres would, a task sees only its pool's share of this machine's GPUs (the first
             # gpus_per_node of them: there is no ledger sharing GPUs out among local jobs).
             env["CUDA_VISIBLE_DEVICES"] = ",".join(_visible_gpus()[: req.gpus_per_node])

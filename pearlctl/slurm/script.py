@@ -1,7 +1,13 @@
 """Render a pool's sbatch script from a request object. Pure: the rendered text is a value that
 ``launch --dry-run`` prints and ``launch`` submits unchanged.
 
-One pool = one array job; one array task = one node's worker (``--nodes=1`` per task). An elastic pool
+One pool = one array job; one array task = one node's worker (``--nodes=1`` per task). A trainer pool of
+several nodes is instead one multi-node job (``gang``): Slurm starts its nodes together and requeues them
+together, which one distributed trainer needs (its ranks rendezvous, and resume from one joint checkpoint).
+Its batch script ``srun``s ``jobs/worker.sh`` once per node; task ``t`` (``SLURM_NODEID``) is node rank ``t``
+and keys the allocation ``(job id, t)`` like an array task. Its preemption notice goes to the step's
+processes, not the batch shell (``srun`` would forward it there anyway): the agent drains, and the workers
+it starts ignore that signal unless they handle it (pearlctl.agent.workers). An elastic pool
 that grows gets one more single-task array per added task, under the same job name, with the next free
 task index (``first_task``: ``--array=K``), so every task of a pool is ``(job id, task index)`` with
 task indices unique within the pool (pearlctl.daemon.elastic). The body
@@ -50,6 +56,7 @@ class SubmitRequest:
     array: bool = True  # False: a single job (the daemon), no --array
     first_task: int = 0  # the first array task index: an elastic pool's added task is --array=K
     nodelist: str | None = None
+    gang: bool = False  # the array_size nodes as one multi-node job, an srun task per node (not an array)
 
     @property
     def job_name(self) -> str:
@@ -57,6 +64,9 @@ class SubmitRequest:
 
     @property
     def log_pattern(self) -> str:
+        """The task log's path: ``{pool}-{job}_{task}.log`` for a task of a pool (array task or gang node)."""
+        if self.gang:
+            return f"{self.run_dir}/logs/{self.pool}-%j_%t.log"
         return f"{self.run_dir}/logs/{self.pool}-%A_%a.log" if self.array else f"{self.run_dir}/logs/{self.pool}-%j.log"
 
 
@@ -89,10 +99,15 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
         raise ValueError(
             f"refusing to render the sbatch script: first_task must be >= 0 and needs an array, got {req.first_task}"
         )
+    if req.gang and (req.array or req.first_task or req.array_size < 1):
+        raise ValueError(
+            "refusing to render the sbatch script: a multi-node job (gang) is one job, not an array, "
+            f"with at least one node; got array={req.array}, first_task={req.first_task}, nodes={req.array_size}"
+        )
     d = [f"--job-name={req.job_name}"]
     if req.array:
         d.append(f"--array={array_range(req.first_task, req.array_size)}")
-    d += ["--nodes=1", "--ntasks-per-node=1"]
+    d += [f"--nodes={req.array_size if req.gang else 1}", "--ntasks-per-node=1"]
     if req.gpus_per_node:
         d.append(f"--gres=gpu:{req.gpus_per_node}")
     for flag, value in (
@@ -110,7 +125,9 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
         f"--output={req.log_pattern}",
         "--open-mode=append",  # a requeued task appends to its log instead of truncating it
         "--requeue" if req.requeue else "--no-requeue",
-        f"--signal=B:{req.preempt_signal}@{req.preempt_notice_s}",
+        # a gang job's notice goes to its srun step (every node's worker.sh, agent and workers); an array
+        # task's to its batch shell, which is worker.sh
+        f"--signal={'' if req.gang else 'B:'}{req.preempt_signal}@{req.preempt_notice_s}",
     ]
     for directive in d:
         _refuse_control("the directive", directive)
@@ -159,10 +176,19 @@ def render_script(req: SubmitRequest) -> str:
     lines = [
         "#!/bin/bash",
         f"# pearlctl: pool '{req.pool}' of run '{req.run_id}' ({req.array_size} node(s) x {req.gpus_per_node} GPU(s)).",
-        "# One array task = one node's worker. Rendered by `pearlctl launch`; jobs/README.md explains it.",
+        "# One array task = one node's worker. Rendered by `pearlctl launch`; jobs/README.md explains it."
+        if not req.gang
+        else "# One job of several nodes, one srun task = one node's worker. Rendered by `pearlctl launch`;"
+        " jobs/README.md explains it.",
     ]
     lines += [f"#SBATCH {d}" for d in directives]
     lines.append("")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    lines.append(f"exec /bin/bash {shlex.quote(req.worker_script)} {shlex.join(command)}")
+    worker = f"/bin/bash {shlex.quote(req.worker_script)} {shlex.join(command)}"
+    if req.gang:
+        # one task per node; Slurm's SLURM_NODEID is the node's rank. Without Slurm (the local backend runs
+        # this script once per node itself, PEARL_LOCAL_TASK_ID the rank) there is no srun.
+        srun = f"srun --ntasks-per-node=1 --open-mode=append --output={shlex.quote(req.log_pattern)}"
+        lines.append(f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} {worker}; fi')
+    lines.append(f"exec {worker}")
     return "\n".join(lines) + "\n"

@@ -179,3 +179,33 @@ def test_a_rendered_script_passes_a_star_literally(globbable):
     script.write_text(render_script(req))
     subprocess.run(["bash", str(script)], cwd=globbable, check=True, timeout=60)
     assert out.read_text() == '["*", "*.txt", "a b"]'
+
+
+# -- a trainer of several nodes: one multi-node job ----------------------------------------------------
+def gang_request(**kw) -> SubmitRequest:
+    return request(**{"pool": "trainer", "role": "TRAIN", "array_size": 2, "array": False, "gang": True, **kw})
+
+
+def test_a_multi_node_trainer_is_one_job_of_n_nodes_whose_notice_reaches_its_step():
+    d = directives(render_script(gang_request()))
+    assert "--nodes=2" in d and "--ntasks-per-node=1" in d and "--gres=gpu:2" in d
+    assert not any(x.startswith("--array") for x in d)
+    # not B: the notice goes to every node's processes (srun's step), not only the batch shell on node 0
+    assert "--signal=USR2@30" in d
+    assert "--output=/runs/tiny/logs/trainer-%j_%t.log" in d  # {pool}-{job}_{node rank}.log, like an array task
+
+
+def test_a_multi_node_trainer_sruns_the_worker_wrapper_once_per_node_under_slurm_and_runs_it_without():
+    body = [line for line in render_script(gang_request()).splitlines() if not line.startswith("#")]
+    worker = "/bin/bash /repo/jobs/worker.sh /venv/bin/python -m pearlctl.agent"
+    assert body[-2] == (
+        'if [ -n "${SLURM_JOB_ID:-}" ]; then exec srun --ntasks-per-node=1 --open-mode=append '
+        f"--output=/runs/tiny/logs/trainer-%j_%t.log {worker}; fi"
+    )
+    assert body[-1] == f"exec {worker}"  # the local backend runs the script once per node itself
+
+
+@pytest.mark.parametrize("kw", [{"array": True}, {"first_task": 1, "array": True}, {"array_size": 0}])
+def test_a_multi_node_job_that_is_also_an_array_or_has_no_node_is_refused(kw):
+    with pytest.raises(ValueError, match="multi-node job"):
+        sbatch_directives(gang_request(**kw))

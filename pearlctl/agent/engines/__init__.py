@@ -12,9 +12,23 @@ process) and what the server said.
 
 from __future__ import annotations
 
+import os
+import signal
+
 
 class EngineError(RuntimeError):
     """An engine process or one of its endpoints failed; the message says which and what it answered."""
 
 
-__all__ = ["EngineError"]
+def ignore_preempt_signal() -> None:
+    """In an engine's child before exec: ignore the pool's preemption signal (``PEARL_PREEMPT_SIGNAL``), so
+    it never kills an engine by its default action. A multi-node job's notice reaches every process of its
+    step, engines included (pearlctl.slurm.script): the agent drains them; a trainer rank that handles the
+    signal itself (pearlctl.trainer's ``save_on_signal``) installs its handler over this."""
+    name = os.environ.get("PEARL_PREEMPT_SIGNAL", "USR2")
+    signum = getattr(signal, "SIG" + name, None)
+    if isinstance(signum, signal.Signals) and signum not in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+__all__ = ["EngineError", "ignore_preempt_signal"]

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import httpx
 
-from pearlctl.agent.engines import EngineError
+from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 
 Role = Literal["ROLLOUT", "PREFILL", "DECODE", "REWARD"]
 Device = Literal["auto", "cpu", "gpu"]
@@ -134,6 +134,7 @@ def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent_pid:  # the agent died between fork and prctl
             os.kill(os.getpid(), signal.SIGTERM)
+        ignore_preempt_signal()
 
     return preexec
 
