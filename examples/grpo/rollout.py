@@ -7,9 +7,22 @@ tool — with a real latency (``--tool-latency-s``, exponential with that mean),
 does not decode — and returns the tool result; the policy answers again (turn 2). The reward is 1 if
 the final answer contains the right sum, partial credit for matching digits (train.sum_reward).
 
-Each step writes ``OUT/step-NNNNNN.jsonl`` (groups: prompt, completions, rewards, and per completion
-the worker and weight version that produced it) by rename, and reports progress to the daemon
-(queued / generating / tool_wait / done, tokens). Run next to train.py with ``--rollouts file:OUT``.
+Token-level, without drift: every turn is sent to vLLM as TOKEN IDS, never as re-rendered text. The first
+prompt is the ChatML user message tokenized once; the second turn's prompt is exactly the first prompt's
+ids + the ids vLLM sampled in turn 1 + the tokenized tool message (ChatML markup included; a ``<|im_end|>``
+first when turn 1 did not end with it). So the sequence the trainer trains on is the sequence the workers
+sampled, token for token, with the logprob vLLM returned for each sampled token (``logprobs: 0``). Only the
+environment's text (the user message, the tool's answer) is ever tokenized, by the model's tokenizer:
+``--tokenizer``, else ``$PEARL_MODEL``, else the model directory the workers serve (``root`` in the
+gateway's ``/v1/models``, a path on the shared filesystem). A turn whose answer lacks token ids or
+logprobs, or whose echoed prompt ids differ from those sent, fails the episode (and so the step).
+
+Each step writes ``OUT/step-NNNNNN.jsonl`` (token_batch.py; docs/rollout-batches.md): one GRPO group per
+line — the prompt and rewards, per episode its trajectory (prompt ids, completion ids, loss mask, sampled
+logprobs, per turn its span and weight version, per part of a continued turn the version that sampled it),
+and for people the episode's text and the worker and weight version of its last turn (``served_by``) —
+by rename, and reports progress to the daemon (queued / generating / tool_wait / done, tokens). Run next
+to train.py with ``--rollouts file:OUT``.
 
 A failed turn never loses the step: the client retries it on other workers, with back-off, for up to
 ``--retry-for-s`` (and continues a turn a draining worker aborted). A step is written whole or not at
@@ -29,31 +42,134 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from token_batch import Group, Part, Sampled, trajectory_from_turns, turn_version, write_batch  # noqa: E402
 from train import sum_reward  # noqa: E402  (the same rule the synthetic source uses)
 
-from pearlctl.router.client import JOIN_WAIT_S, RolloutClient, TurnFailed  # noqa: E402
+from pearlctl.router.client import JOIN_WAIT_S, Completion, RolloutClient, TurnFailed  # noqa: E402
+
+USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # ChatML, as the workers' chat template
+TOOL = "\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"  # after the assistant's <|im_end|>
+END = "<|im_end|>"
 
 
-def chat(turns: list[tuple[str, str]]) -> str:
-    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
-    return text + "<|im_start|>assistant\n"
+class BadTurn(Exception):
+    """A turn's answer cannot be trained on as it is (no token ids, no logprobs, a prompt that drifted)."""
 
 
-def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: random.Random, remaining) -> dict:
+class Encoder:
+    """The model's tokenizer, for the environment's text only (never for what the policy sampled). One call at
+    a time: a fast tokenizer shared by the episode threads can refuse concurrent calls ("Already borrowed")."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.lock = tokenizer, threading.Lock()
+        end = tokenizer.convert_tokens_to_ids(END) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        unknown = getattr(tokenizer, "unk_token_id", None)  # what a tokenizer without <|im_end|> maps it to
+        self.end_id = end if isinstance(end, int) and end != unknown else tokenizer.eos_token_id
+
+    def __call__(self, text: str) -> list[int]:
+        with self.lock:
+            return [int(t) for t in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+
+def model_root(client: RolloutClient, wait_s: float, poll_s: float = 1.0) -> str | None:
+    """The model directory the workers serve, as vLLM's ``/v1/models`` says (``root``), asked through the
+    gateway until it answers or ``wait_s`` has passed (the run's gateway or workers may still be starting);
+    None if it never says."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            url, key = client.endpoint()
+            resp = httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
+            root = resp.json()["data"][0].get("root") if resp.status_code == 200 else None
+            if isinstance(root, str) and root:
+                return root
+        except Exception:  # noqa: BLE001 — no gateway record yet, no answer, an answer of another shape: ask again
+            pass
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def load_tokenizer(args, client: RolloutClient) -> Encoder:
+    """``--tokenizer``, else ``$PEARL_MODEL``, else the served model's directory; exits 2 naming the three when
+    none is a tokenizer this machine can load."""
+    from transformers import AutoTokenizer
+
+    tried = []
+    for where in (args.tokenizer, os.environ.get("PEARL_MODEL"), None):
+        if where is None and tried:
+            continue
+        path = where if where is not None else model_root(client, args.weights_timeout_s)
+        if path is None:
+            continue
+        tried.append(path)
+        try:
+            return Encoder(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError) as exc:
+            print(json.dumps({"event": "tokenizer not loaded", "path": path, "error": str(exc)[:300]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "no tokenizer",
+                "tried": tried,
+                "hint": "pass --tokenizer MODEL_DIR (or set PEARL_MODEL): the driver tokenizes the environment's "
+                "text (user and tool messages) and sends every turn as token ids",
+            }
+        ),
+        flush=True,
+    )
+    raise SystemExit(2)
+
+
+def sample(
+    client: RolloutClient, session: str, prompt_ids: list[int], max_tokens: int, end_id: int | None = None
+) -> tuple[Completion, Sampled]:
+    """One turn sent as token ids, with the sampled tokens' logprobs (``logprobs: 0``: the sampled token's
+    only), ending at ``end_id`` (the sampled end token is part of the turn's ids, as any sampled token);
+    `BadTurn` if the answer lacks ids or logprobs, or the worker saw other prompt ids than those sent."""
+    extra: dict = {"logprobs": 0}
+    if end_id is not None:
+        extra["stop_token_ids"] = [end_id]
+    c = client.complete(session, prompt_ids, max_tokens=max_tokens, extra=extra)
+    if c.prompt_token_ids is not None and list(c.prompt_token_ids) != prompt_ids:
+        raise BadTurn(
+            f"session {session}: the worker saw {len(c.prompt_token_ids)} prompt ids, not the {len(prompt_ids)} sent"
+        )
+    if len(c.token_ids) != c.tokens:
+        raise BadTurn(f"session {session}: {c.tokens} token(s) generated but {len(c.token_ids)} token id(s) returned")
+    if c.logprobs is None or len(c.logprobs) != len(c.token_ids) or any(v is None for v in c.logprobs):
+        got = "none" if c.logprobs is None else f"{sum(v is not None for v in c.logprobs)} of {len(c.token_ids)}"
+        raise BadTurn(f"session {session}: logprobs of the sampled tokens: {got}")
+    parts = tuple(Part(tokens=int(p.get("tokens") or 0), weight_version=p.get("weight_version")) for p in c.parts)
+    version = turn_version(parts, c.weight_version)
+    if parts and sum(p.tokens for p in parts) != len(c.token_ids):
+        parts = ()  # the gateway's part counts do not add up: keep the turn's version (None if mixed), not the parts
+    turn = Sampled(
+        list(c.token_ids), [float(v) for v in c.logprobs if v is not None], version, parts, c.finish_reason, c.worker
+    )
+    return c, turn
+
+
+def episode(
+    client: RolloutClient, encode: Encoder, session: str, a: int, b: int, args, rng: random.Random, remaining
+) -> dict:
     prompt = f"{a} + {b} ="
-    turns = [("user", prompt)]
-    first = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    prompt_ids = encode(USER.format(prompt))
+    first, turn1 = sample(client, session, prompt_ids, args.max_tokens, encode.end_id)
     remaining.turn(session, first.tokens)
-    turns.append(("assistant", first.text))
     client.count("tool_wait")
     latency = args.tool_latency_s
     if args.tool_latency_dist == "exp" and latency > 0:
         latency = rng.expovariate(1.0 / latency)
     time.sleep(latency)  # the tool call: this episode does not decode meanwhile
     client.count("tool_wait", -1)
-    turns.append(("tool", f"calc({a},{b}) = {a + b}"))
-    second = client.complete(session, chat(turns), max_tokens=args.max_tokens, stop=["<|im_end|>"])
+    result = f"calc({a},{b}) = {a + b}"
+    ended = bool(turn1.ids) and turn1.ids[-1] == encode.end_id
+    tool_ids = encode(("" if ended else END) + TOOL.format(result))
+    second, turn2 = sample(client, session, prompt_ids + turn1.ids + tool_ids, args.max_tokens, encode.end_id)
     remaining.turn(session, second.tokens)
     completion = first.text + "\n" + second.text
     return {
@@ -64,6 +180,7 @@ def episode(client: RolloutClient, session: str, a: int, b: int, args, rng: rand
         "weight_version": second.weight_version,
         "retries": first.retries + second.retries,
         "tokens": first.tokens + second.tokens,
+        "trajectory": trajectory_from_turns(prompt_ids, [turn1, tool_ids, turn2]),
     }
 
 
@@ -117,7 +234,9 @@ class StepFailed(Exception):
     """An episode of the step could not complete: the step is not written."""
 
 
-def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, remaining: Remaining) -> list[dict]:
+def run_step(
+    client: RolloutClient, encode: Encoder, step: int, args, pool: ThreadPoolExecutor, remaining: Remaining
+) -> list[Group]:
     """Every episode of the step, grouped by prompt; `StepFailed` as soon as one episode fails (its turn
     exhausted the client's retry bound), with the episodes not started yet cancelled."""
     rng = random.Random(args.seed * 100_003 + step)
@@ -133,8 +252,8 @@ def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, r
                 client.count("queued", -1)
                 session = f"s{step}-p{p}-g{g}"
                 try:
-                    result = episode(client, session, a, b, args, random.Random(seed), remaining)
-                except TurnFailed as exc:
+                    result = episode(client, encode, session, a, b, args, random.Random(seed), remaining)
+                except (TurnFailed, BadTurn) as exc:
                     raise StepFailed(f"step {step}: episode {session} failed: {exc}") from exc
                 remaining.finish(session)
                 client.count("done")
@@ -157,12 +276,13 @@ def run_step(client: RolloutClient, step: int, args, pool: ThreadPoolExecutor, r
     if sorted(groups) != list(range(args.prompts)) or any(len(e) != args.group_size for e in groups.values()):
         raise StepFailed(f"step {step}: incomplete batch {[len(e) for _, e in sorted(groups.items())]}")
     return [
-        {
-            "prompt": eps[0]["prompt"],
-            "completions": [e["completion"] for e in eps],
-            "rewards": [e["reward"] for e in eps],
-            "served_by": [{"worker": e["worker"], "weight_version": e["weight_version"]} for e in eps],
-        }
+        Group(
+            prompt=eps[0]["prompt"],
+            rewards=tuple(float(e["reward"]) for e in eps),
+            trajectories=tuple(e["trajectory"] for e in eps),
+            completions=tuple(e["completion"] for e in eps),
+            served_by=tuple({"worker": e["worker"], "weight_version": e["weight_version"]} for e in eps),
+        )
         for _, eps in sorted(groups.items())
     ]
 
@@ -200,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the model's tokenizer directory, for the environment's text (default: $PEARL_MODEL, else the "
+        "model directory the workers serve, from the gateway's /v1/models)",
+    )
     ap.add_argument("--tool-latency-s", type=float, default=0.3, help="mean latency of one tool call")
     ap.add_argument("--tool-latency-dist", choices=("exp", "fixed"), default="exp")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -232,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
 
     remaining = Remaining(args)
+    encode = load_tokenizer(args, client)
 
     def progress():
         while not stop.wait(1.0):
@@ -244,19 +371,17 @@ def main(argv: list[str] | None = None) -> int:
             wait_for_workers(client, version, args.weights_timeout_s, args.join_wait_s)
             t0 = time.monotonic()
             try:
-                groups = run_step(client, step, args, pool, remaining)
+                groups = run_step(client, encode, step, args, pool, remaining)
             except StepFailed as exc:
                 print(json.dumps({"event": "rollout step failed", "step": step, "error": str(exc)}), flush=True)
                 sys.stderr.flush()
                 # nothing of this step was written; exit now rather than wait for the step's other
                 # episodes, which may retry for up to --retry-for-s more (a pool's threads are joined at exit)
                 os._exit(1)
-            tmp = args.out / f".step-{step:06d}.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(g) + "\n" for g in groups))
-            tmp.rename(args.out / f"step-{step:06d}.jsonl")
+            write_batch(args.out, step, groups)
             client.report_progress(step, work=remaining.work())
-            rewards = [r for g in groups for r in g["rewards"]]
-            versions = sorted({s["weight_version"] or "?" for g in groups for s in g["served_by"]})
+            rewards = [r for g in groups for r in g.rewards]
+            versions = sorted({t.weight_version or "?" for g in groups for tr in g.trajectories for t in tr.turns})
             print(
                 json.dumps(
                     {

@@ -1,20 +1,30 @@
 #!/usr/bin/env python3
 """A small GRPO-style trainer that really trains a (tiny) HF causal LM with DeepSpeed, using pearlctl's hook.
 
-Each step: wait for a rollout batch — prompts, a group of completions per prompt, their rewards —
-normalise rewards within each group (advantage = (r - mean) / (std + eps)), and minimise the
-policy-gradient loss ``-mean over completion tokens of log p(token) * advantage`` (no KL term, no
-clipping: one update per batch, so the ratio is 1). Then export the weights (version = step) for the
-rollout workers and report "waiting" with the expected wait for the next batch. Between steps pearlctl
-may borrow the GPUs (``release``/``reclaim`` through the hook's channel); USR2/TERM checkpoint jointly.
+Each step: wait for a rollout batch — GRPO groups of token-level trajectories (token_batch.py; the schema is
+docs/rollout-batches.md) — normalise rewards within each group (advantage = (r - mean) / (std + eps)), and
+minimise the policy-gradient loss over the tokens the policy sampled (mask 1; prompt and tool-output
+tokens are context only). The trainer never re-tokenizes: it trains on the exact ids the sampler produced,
+``prompt_ids + completion_ids``. The sampler's logprobs are used, not just recorded: each sampled token's
+term is weighted by the truncated importance ratio ``min(exp(log p_train - log p_sampled), --tis-cap)``
+(detached), which corrects for the sampler differing from the trainer (another dtype or kernels, a turn
+sampled by an older weight version); ``--tis-cap 0`` turns the weight off. With one update per batch there
+is no PPO clipping and no KL term. The loss is
+``-sum over sampled tokens of w * log p(token) * advantage / sampled tokens``; each step logs ``logp_gap``,
+the mean of ``log p_train - log p_sampled`` over them (0 when trainer and sampler agree). Then export the
+weights (version = step) for the rollout workers and report "waiting" with the expected wait for the next
+batch. Between steps pearlctl may borrow the GPUs (``release``/``reclaim`` through the hook's channel);
+USR2/TERM checkpoint jointly.
 
-Rollout sources:
+Rollout sources (both give the same token-level groups):
 
-- ``synthetic``: rank 0 samples completions from the model itself (HF generate) for "a + b =" prompts
-  and scores them by rule (1 for the right sum, partial credit for digits); works standalone.
-- ``file:DIR``: the batch for step N is ``DIR/step-00000N.jsonl``, one group per line:
-  ``{"prompt": str, "completions": [str, ...], "rewards": [float, ...]}``. The rollout driver writes it
-  to a temporary name and renames it; the trainer waits for it (serving pearlctl's commands meanwhile).
+- ``synthetic``: rank 0 samples completions from the model itself (HF generate, keeping each sampled token's
+  logprob from the raw logits) for "a + b =" prompts and scores them by rule (1 for the right sum, partial
+  credit for digits); works standalone.
+- ``file:DIR``: the batch for step N is ``DIR/step-00000N.jsonl``, one group per line (examples/grpo/rollout.py
+  writes it, to a temporary name then renamed; the trainer waits for it, serving pearlctl's commands
+  meanwhile). A batch is parsed and checked whole before training: a malformed line stops the trainer with
+  exit status 2 and a ``bad batch`` line naming the file, the line and the field.
 
 Run (two CPU ranks, from the repository root)::
 
@@ -46,9 +56,13 @@ from pathlib import Path
 
 T_PROCESS_START = time.monotonic()
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for _path in (REPO, HERE):  # run as a script from a checkout; token_batch.py sits next to this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from token_batch import BatchError, Group, Sampled, read_batch, trajectory_from_turns  # noqa: E402
 
 
 def die_with_parent() -> None:
@@ -73,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, help="synthetic: completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=8, help="synthetic: completion length")
     p.add_argument("--max-completion-tokens", type=int, default=128, help="longer completions are cut")
+    p.add_argument(
+        "--tis-cap",
+        type=float,
+        default=2.0,
+        help="cap of the truncated importance weight exp(log p_train - log p_sampled) per sampled token "
+        "(0: no weight, the sampled logprobs are only compared, in logp_gap)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-weights", type=int, default=3, help="exported weight versions kept on disk")
     p.add_argument("--release-mode", default="offload", choices=("offload", "checkpoint"))
@@ -138,7 +159,7 @@ class SyntheticRollouts:
         self.engine, self.tok, self.args = engine, tokenizer, args
         self.rank, self.world_size = rank, world_size
 
-    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[dict] | None:
+    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[Group] | None:
         import torch.distributed as dist
 
         hook.phase("waiting", step=step, expected_wait_s=expected_wait_s)  # the daemon may release here
@@ -158,7 +179,7 @@ class SyntheticRollouts:
             groups = box[0]
         return groups
 
-    def _generate(self, prompts: list[str], step: int) -> list[dict]:
+    def _generate(self, prompts: list[str], step: int) -> list[Group]:
         import torch
 
         module = self.engine.module
@@ -176,20 +197,41 @@ class SyntheticRollouts:
                 num_return_sequences=self.args.group_size,
                 pad_token_id=self.tok.pad_token_id,
                 eos_token_id=self.tok.eos_token_id,
+                return_dict_in_generate=True,
+                output_logits=True,  # raw logits: the sampled tokens' logprobs, as vLLM's default logprobs mode
             )
             module.train()
-        texts = self.tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            width = enc["input_ids"].shape[1]
+            new = out.sequences[:, width:]
+            steps = torch.stack(out.logits, dim=1).float()  # [sequences, new tokens, vocab]
+            logp = torch.log_softmax(steps, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        version = str(step - 1)  # the weights after step - 1's update (exported as that version)
         groups = []
         for i, prompt in enumerate(prompts):
-            completions = texts[i * self.args.group_size : (i + 1) * self.args.group_size]
+            keep = enc["attention_mask"][i].bool()
+            prompt_ids = [int(t) for t in enc["input_ids"][i][keep].tolist()]  # without the left padding
+            trajectories, completions = [], []
+            for j in range(i * self.args.group_size, (i + 1) * self.args.group_size):
+                ids = [int(t) for t in new[j].tolist()]
+                if self.tok.eos_token_id in ids:  # finished: the eos is sampled, the padding after it is not
+                    ids = ids[: ids.index(self.tok.eos_token_id) + 1]
+                turn = Sampled(ids, [float(v) for v in logp[j, : len(ids)].tolist()], version, finish_reason=None)
+                trajectories.append(trajectory_from_turns(prompt_ids, [turn]))
+                completions.append(self.tok.decode(ids, skip_special_tokens=True))
             groups.append(
-                {"prompt": prompt, "completions": completions, "rewards": [sum_reward(prompt, c) for c in completions]}
+                Group(
+                    prompt=prompt,
+                    rewards=tuple(sum_reward(prompt, c) for c in completions),
+                    trajectories=tuple(trajectories),
+                    completions=tuple(completions),
+                )
             )
         return groups
 
 
 class FileRollouts:
-    """Reads ``DIR/step-NNNNNN.jsonl`` written (atomically, by rename) by a rollout driver."""
+    """Reads ``DIR/step-NNNNNN.jsonl`` written (atomically, by rename) by a rollout driver, parsed into typed
+    groups (`token_batch.read_batch`): `BatchError` names the line and the field of a malformed one."""
 
     def __init__(self, root: Path, poll_interval_s: float):
         self.root = root
@@ -198,7 +240,7 @@ class FileRollouts:
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:06d}.jsonl"
 
-    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[dict] | None:
+    def next_batch(self, hook, step: int, expected_wait_s: float | None) -> list[Group] | None:
         path = self.path(step)
         ready = hook.wait_until(
             path.exists, step=step, expected_wait_s=expected_wait_s, poll_interval_s=self.poll_interval_s
@@ -206,44 +248,64 @@ class FileRollouts:
         if not ready:
             return None  # the ranks agreed to stop while waiting
         hook.ensure_reclaimed()
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_batch(path)
 
 
 # ---------------------------------------------------------------------- the policy-gradient step
-def pg_loss(engine, tokenizer, groups: list[dict], max_completion_tokens: int):
-    """Loss on this rank's groups: -sum(logp * advantage) / completion tokens. Returns (loss, tokens)."""
+def pack(groups: list[Group], max_completion_tokens: int, pad_id: int) -> dict | None:
+    """The trainer's input for these groups, from their token ids as sampled (never re-tokenized): per
+    trajectory with a non-zero advantage and a sampled token, ``ids`` = ``prompt_ids + completion_ids`` (the
+    completion cut at ``max_completion_tokens``), right-padded; ``mask[i, t]`` = 1 where the logits at
+    position t predict a sampled token (token t + 1 is mask 1), and ``sampled[i, t]`` its sampler's logprob;
+    ``adv`` one advantage per row. None when no row is left."""
     import torch
 
-    seqs, starts, advs = [], [], []
+    rows = []
     for g in groups:
-        adv = group_advantages([float(r) for r in g["rewards"]])
-        p_ids = tokenizer(g["prompt"], add_special_tokens=False)["input_ids"]
-        for completion, a in zip(g["completions"], adv, strict=True):
-            c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"][:max_completion_tokens]
-            if c_ids and a != 0.0:
-                seqs.append(p_ids + c_ids)
-                starts.append(len(p_ids))
-                advs.append(a)
+        for tr, a in zip(g.trajectories, group_advantages(list(g.rewards)), strict=True):
+            completion = tr.completion_ids[:max_completion_tokens]
+            bits = tr.mask[: len(completion)]
+            if a == 0.0 or not any(bits):
+                continue
+            rows.append((tr.prompt_ids, completion, bits, tr.logprobs[: sum(bits)], a))
+    if not rows:
+        return None
+    width = max(len(p) + len(c) for p, c, _, _, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    sampled = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, (prompt, completion, bits, logprobs, _) in enumerate(rows):
+        seq = list(prompt) + list(completion)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        at = [len(prompt) - 1 + k for k, bit in enumerate(bits) if bit]  # logits at t predict token t + 1
+        mask[i, at] = 1.0
+        sampled[i, at] = torch.tensor(logprobs, dtype=torch.float32)
+    adv = torch.tensor([r[4] for r in rows], dtype=torch.float32).unsqueeze(1)
+    return {"ids": ids, "attn": attn, "mask": mask, "sampled": sampled, "adv": adv}
+
+
+def pg_loss(engine, groups: list[Group], max_completion_tokens: int, pad_id: int, tis_cap: float = 2.0):
+    """Loss on this rank's groups: -sum(w * logp * advantage) / sampled tokens, w the truncated importance
+    weight min(exp(logp - logp_sampled), tis_cap) (1 when tis_cap is 0). Returns (loss, tokens, gap), gap the
+    sum over sampled tokens of logp - logp_sampled."""
+    import torch
+
     device = engine.device
-    pad = tokenizer.pad_token_id
-    if not seqs:  # nothing to learn on this rank: a zero loss that still runs backward (ZeRO's hooks)
-        logits = engine(input_ids=torch.tensor([[pad]], device=device)).logits
-        return logits.float().sum() * 0.0, 0
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
-    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        mask[i, start - 1 : len(s) - 1] = 1.0  # logits at t predict token t+1: completion tokens only
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    batch = pack(groups, max_completion_tokens, pad_id)
+    if batch is None:  # nothing to learn on this rank: a zero loss that still runs backward (ZeRO's hooks)
+        logits = engine(input_ids=torch.tensor([[pad_id]], device=device)).logits
+        return logits.float().sum() * 0.0, 0, 0.0
+    ids, attn, mask = batch["ids"].to(device), batch["attn"].to(device), batch["mask"].to(device)
+    sampled, adv = batch["sampled"].to(device), batch["adv"].to(device)
     logits = engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    adv = torch.tensor(advs, dtype=torch.float32, device=device).unsqueeze(1)
+    gap = (logp.detach() - sampled) * mask
+    weight = torch.exp(gap).clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(gap)
     tokens = mask.sum()
-    loss = -(logp * adv * mask).sum() / tokens.clamp(min=1.0)
-    return loss, int(tokens.item())
+    loss = -(weight * logp * adv * mask).sum() / tokens.clamp(min=1.0)
+    return loss, int(tokens.item()), float(gap.sum().item())
 
 
 # ---------------------------------------------------------------------- main
@@ -313,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     hook.save_on_signal(ckpt_dir)
 
+    if args.tis_cap < 0:
+        raise SystemExit(f"--tis-cap must be 0 (off) or positive, not {args.tis_cap}")
     if args.rollouts == "synthetic":
         source = SyntheticRollouts(engine, tokenizer, args, rank, world_size)
     elif args.rollouts.startswith("file:"):
@@ -328,12 +392,18 @@ def main(argv: list[str] | None = None) -> int:
         init_s=round(time.monotonic() - T_PROCESS_START, 3))  # fmt: skip
 
     weights_dir = args.out / "weights"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     expected_wait = args.first_wait_s  # then a moving average of the measured waits
     while step < args.steps:
         step += 1
         t_wait = time.monotonic()
         released_before = hook.released
-        groups = source.next_batch(hook, step, expected_wait)
+        try:
+            groups = source.next_batch(hook, step, expected_wait)
+        except BatchError as exc:  # every rank reads the same file and stops the same way
+            say("bad batch", step=step, error=str(exc))
+            print(f"bad batch: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         if groups is None:  # a signal arrived while waiting: the last finished step is step - 1
             say("checkpoint", step=step - 1, reason="signal")
             hook.checkpoint_and_exit(step - 1)
@@ -344,22 +414,23 @@ def main(argv: list[str] | None = None) -> int:
         hook.phase("training", step=step)
         t_train = time.monotonic()
         mine = groups[rank::world_size]
-        loss, tokens = pg_loss(engine, tokenizer, mine, args.max_completion_tokens)
+        loss, tokens, gap = pg_loss(engine, mine, args.max_completion_tokens, pad_id, args.tis_cap)
         engine.backward(loss)
         engine.step()
-        stats = torch.tensor([loss.item() * tokens, float(tokens)], dtype=torch.float64)
+        stats = torch.tensor([loss.item() * tokens, float(tokens), gap], dtype=torch.float64)
         if world_size > 1:
             dist.all_reduce(stats)
         train_s = time.monotonic() - t_train
 
         hook.export_weights(weights_dir, version=str(step))
         prune_weights(weights_dir, keep=args.keep_weights, rank=rank)
-        rewards = [float(r) for g in groups for r in g["rewards"]]
+        rewards = [float(r) for g in groups for r in g.rewards]
         say(
             "step",
             step=step,
             loss=stats[0].item() / max(stats[1].item(), 1.0),
             tokens=int(stats[1].item()),
+            logp_gap=stats[2].item() / max(stats[1].item(), 1.0),
             reward_mean=sum(rewards) / max(len(rewards), 1),
             global_steps=engine.global_steps,
             weight_version=hook.weight_version,

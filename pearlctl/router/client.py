@@ -8,8 +8,11 @@ authenticated OpenAI-compatible endpoint in front of the run's rollout workers.
 - **What the gateway does, not this client.** Picking a worker (vllm-router, ``X-Session-ID`` keeps an
   episode on one), moving a turn when a worker leaves, continuing an aborted or broken turn from its
   token ids on another worker, and tagging each part with its weight version. The client sends one
-  ``/v1/completions`` request per turn and reads ONE answer: text, token ids, finish reason, and the
-  gateway's ``pearl`` record (parts with weight versions, continuations, attempts).
+  ``/v1/completions`` request per turn and reads ONE answer: text, token ids, the prompt's token ids, the
+  sampled tokens' logprobs (when the request asks vLLM for ``logprobs``), finish reason, and the gateway's
+  ``pearl`` record (parts with weight versions, continuations, attempts). A continued turn's ids and
+  logprobs are the parts' joined in order by the gateway: each token's logprob is the one the worker that
+  sampled it returned, and ``parts`` says how many tokens each part made under which weight version.
 - **A turn is bounded in time.** Each request tells the gateway how long it may retry
   (``X-Pearl-Retry-For-S``: what is left of ``retry_for_s``). The client itself retries only what the
   gateway could not: the gateway unreachable or answering 502/503/504, with jittered exponential back-off,
@@ -84,6 +87,9 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)  # every version that produced a part
+    # per token of ``token_ids``: the logprob vLLM returned for the sampled token (``logprobs.token_logprobs``);
+    # None when the request did not ask for logprobs (``extra={"logprobs": 0}`` asks for the sampled token's)
+    logprobs: list[float | None] | None = None
 
 
 # -- retryable outcomes of one attempt (internal) ---------------------------------------------------
@@ -283,6 +289,10 @@ class RolloutClient:
             text, reason = str(choice["text"]), choice.get("finish_reason")
             ids = [int(t) for t in choice.get("token_ids") or []]
             tokens = int((doc.get("usage") or {}).get("completion_tokens") or len(ids))
+            lp = choice.get("logprobs")
+            logprobs = None
+            if isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list):
+                logprobs = [None if v is None else float(v) for v in lp["token_logprobs"]]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise _Retry(f"an unreadable answer from the gateway ({type(exc).__name__}: {exc})") from exc
         pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
@@ -301,6 +311,7 @@ class RolloutClient:
             token_ids=ids,
             prompt_token_ids=choice.get("prompt_token_ids"),
             weight_versions=list(pearl.get("weight_versions") or []),
+            logprobs=logprobs,
         )
 
     def complete(

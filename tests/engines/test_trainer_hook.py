@@ -7,7 +7,9 @@ model.
   reclaim, and no step is lost;
 - USR2 to both ranks: joint checkpoint, exit 0; a restart resumes at the next step and its losses match
   an uninterrupted run;
-- the exported weight directory loads with transformers and matches the base model's shapes and dtypes.
+- the exported weight directory loads with transformers and matches the base model's shapes and dtypes;
+- a malformed rollout batch stops both ranks with exit status 2 and a ``bad batch`` event naming the line and
+  the field (docs/rollout-batches.md), not a traceback from deep in the loss.
 
 Every test runs under the engine lock (tests/engines/conftest.py: an exclusive flock on
 /tmp/pearl-engine.lock, shared with the vLLM tests; the machine has 2 cores) and kills the ranks it
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,6 +37,10 @@ pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "grpo" / "train.py"
 TINY = REPO / "examples" / "models" / "tiny"
+if str(TRAIN.parent) not in sys.path:
+    sys.path.insert(0, str(TRAIN.parent))
+
+import token_batch as tb  # noqa: E402  (examples/grpo: the rollout batch format)
 
 
 def free_port() -> int:
@@ -229,18 +236,27 @@ def write_batch(root: Path, step: int, groups: list[dict]) -> None:
     tmp.rename(root / f"step-{step:06d}.jsonl")
 
 
+def token_group(prompt: str, rewards: list[float], seed: int) -> dict:
+    """A token-level group of two-turn trajectories (ids of the tiny model's vocabulary), as a driver writes it."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, 2048) for _ in range(n)]
+
+    def turn(n: int) -> tb.Sampled:
+        return tb.Sampled(ids(n), [-rng.uniform(0.5, 8.0) for _ in range(n)], "0")
+
+    trajectories = tuple(tb.trajectory_from_turns(ids(8), [turn(4), ids(6), turn(3)]) for _ in rewards)
+    return json.loads(tb.dump_group(tb.Group(prompt=prompt, rewards=tuple(rewards), trajectories=trajectories)))
+
+
 def test_file_rollouts_release_while_waiting_for_the_batch(ranks, tmp_path):
     from pearlctl.trainer import FileChannel
 
     rollouts, out = tmp_path / "rollouts", tmp_path / "run"
     channel = FileChannel(tmp_path / "channel")
     groups = [
-        {
-            "prompt": f"{a} + {b} =",
-            "completions": [f" {a + b}.", " 7", " the", f" {a + b + 1}"],
-            "rewards": [1, 0.2, 0, 0.3],
-        }
-        for a, b in ((1, 2), (30, 4), (5, 60), (7, 7))
+        token_group(f"{a} + {b} =", [1, 0.2, 0, 0.3], seed=a * 100 + b) for a, b in ((1, 2), (30, 4), (5, 60), (7, 7))
     ]
     write_batch(rollouts, 1, groups)
     r = ranks(out, "--steps", "2", "--rollouts", f"file:{rollouts}", "--channel", f"file:{channel.root}",
@@ -259,6 +275,22 @@ def test_file_rollouts_release_while_waiting_for_the_batch(ranks, tmp_path):
     steps = events(out, "step")
     assert [e["step"] for e in steps] == [1, 2] and all(math.isfinite(e["loss"]) for e in steps)
     assert steps[0]["reward_mean"] == pytest.approx(0.375)
+    assert steps[0]["tokens"] == 4 * 4 * 7  # the mask-1 tokens of every trajectory: 4 groups of 4, 7 sampled each
+    assert all(math.isfinite(e["logp_gap"]) for e in steps)
+
+
+def test_a_malformed_batch_stops_the_ranks_with_the_field_named(ranks, tmp_path):
+    rollouts, out = tmp_path / "rollouts", tmp_path / "run"
+    good = token_group("1 + 2 =", [1, 0], seed=1)
+    bad = token_group("3 + 4 =", [1, 0], seed=2)
+    bad["trajectories"][1]["logprobs"].pop()
+    write_batch(rollouts, 1, [good, bad])
+    r = ranks(out, "--steps", "1", "--rollouts", f"file:{rollouts}", "--poll-interval", "0.05")
+    assert r.wait(60) == [2, 2], r.tail()
+    (event,) = events(out, "bad batch")
+    assert event["step"] == 1 and "step-000001.jsonl line 2: trajectories.1" in event["error"], event
+    assert "logprobs has 6 entries, mask has 7 sampled token(s)" in event["error"]
+    assert events(out, "step") == [] and "Traceback" not in r.tail()
 
 
 # ---------------------------------------------------------------------- (c) signals, joint checkpoint, resume

@@ -4,7 +4,8 @@ clock whose sleep advances it), so back-off runs without waiting. What the gatew
 continuation, weight-version tags) is tested in tests/unit/test_gateway.py.
 
 Also: the reference driver writes a step whole or not at all, and VllmWorker.stop aborts what a failed
-drain leaves in flight before it stops the server, within the drain timeout it is given.
+drain leaves in flight before it stops the server, within the drain timeout it is given. (The driver's token
+ids, logprobs and weight versions per turn: tests/unit/test_rollout_batches.py.)
 """
 
 from __future__ import annotations
@@ -163,6 +164,27 @@ def test_the_completion_carries_the_gateways_parts_weight_versions_and_continuat
     assert isinstance(c, Completion)
     assert (c.worker, c.weight_version, c.continued, c.retries, c.tokens) == (B, "8", 1, 2, 8)
     assert c.parts == pearl["parts"] and c.weight_versions == ["7", "8"]
+
+
+def test_a_token_id_prompt_and_logprobs_go_through_and_the_sampled_logprobs_come_back() -> None:
+    """A prompt of token ids is sent as such, ``logprobs`` rides in ``extra``, and the answer's
+    ``logprobs.token_logprobs`` (the gateway joins a continued turn's parts) become `Completion.logprobs`."""
+    lp = {"tokens": ["a", "b", "c"], "token_logprobs": [-0.5, -1.25, 0.0], "top_logprobs": [], "text_offset": [0, 1, 2]}
+
+    def serve(body: dict, headers: dict) -> httpx.Response:
+        resp = answer("abc", (7, 8, 9))
+        doc = json.loads(resp.content)
+        doc["choices"][0]["logprobs"] = lp
+        doc["choices"][0]["prompt_token_ids"] = body["prompt"]
+        return httpx.Response(200, json=doc)
+
+    gw = Gateway(serve)
+    c = make_client(gw, FakeTime()).complete("s", [1, 5, 9], max_tokens=3, extra={"logprobs": 0})
+    ((_, body, _),) = gw.requests
+    assert body["prompt"] == [1, 5, 9] and body["logprobs"] == 0 and body["return_token_ids"] is True
+    assert c.token_ids == [7, 8, 9] and c.prompt_token_ids == [1, 5, 9] and c.logprobs == [-0.5, -1.25, 0.0]
+    plain = make_client(Gateway(), FakeTime()).complete("s", [1], max_tokens=2)
+    assert plain.logprobs is None  # not asked for: none (never an empty list that would look like 0 tokens)
 
 
 def test_an_ambiguous_part_has_no_version_and_no_worker() -> None:
@@ -378,6 +400,18 @@ def load_driver():
     return module
 
 
+class CharTokenizer:
+    """A stand-in tokenizer for the driver's environment text: one id per character, ``<|im_end|>`` is 2."""
+
+    eos_token_id = 2
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 2
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [3 + ord(ch) % 100 for ch in text]}
+
+
 class ScriptedClient:
     """The driver's view of a RolloutClient; ``fail`` names the sessions whose first turn fails."""
 
@@ -388,10 +422,10 @@ class ScriptedClient:
     def count(self, key: str, delta: int = 1) -> None:
         self.counts[key] += delta
 
-    def complete(self, session: str, prompt: str, **kw) -> Completion:
+    def complete(self, session: str, prompt: list[int], **kw) -> Completion:
         if session in self.fail:
             raise TurnFailed(session, 600.0, 123, httpx.ConnectError("refused"))
-        return Completion(" 5", 2, A, "1", 0, "stop")
+        return Completion(" 5", 2, A, "1", 0, "stop", token_ids=[5, 2], logprobs=[-0.5, -0.1], prompt_token_ids=prompt)
 
 
 def driver_args(**kw) -> SimpleNamespace:
@@ -402,16 +436,18 @@ def driver_args(**kw) -> SimpleNamespace:
 def test_driver_step_whole_or_failed_loudly() -> None:
     driver = load_driver()
     args = driver_args()
+    encode = driver.Encoder(CharTokenizer())
     with ThreadPoolExecutor(4) as pool:
-        groups = driver.run_step(ScriptedClient(set()), 1, args, pool, driver.Remaining(args))
-        assert [len(g["completions"]) for g in groups] == [2, 2, 2]
+        groups = driver.run_step(ScriptedClient(set()), encode, 1, args, pool, driver.Remaining(args))
+        assert [len(g.trajectories) for g in groups] == [2, 2, 2] == [len(g.rewards) for g in groups]
         with pytest.raises(driver.StepFailed, match=r"episode s2-p1-g0 failed: turn of session s2-p1-g0"):
-            driver.run_step(ScriptedClient({"s2-p1-g0"}), 2, args, pool, driver.Remaining(args))
+            driver.run_step(ScriptedClient({"s2-p1-g0"}), encode, 2, args, pool, driver.Remaining(args))
 
 
 def test_driver_exits_1_and_writes_no_batch_when_an_episode_fails(tmp_path: Path, monkeypatch, capsys) -> None:
     driver = load_driver()
     monkeypatch.setattr(driver, "RolloutClient", lambda *a, **kw: ScriptedClientWithProgress({"s1-p0-g1"}))
+    monkeypatch.setattr(driver, "load_tokenizer", lambda args, client: driver.Encoder(CharTokenizer()))
     exits: list[int] = []
 
     def fake_exit(code: int) -> None:
