@@ -129,6 +129,7 @@ def main() -> int:
                 drain_started = float("inf")  # logged once
         wake.clear()
     seconds = workers.stop_all(grace_s)
+    workers.clear_weight_store()
     client.heartbeat(workers.report(), leaving=True)
     _log("stop", draining=draining.is_set(), stop_s=round(seconds, 3))
     client.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from typing import Protocol
 
 from pearlctl.agent.engines import ignore_preempt_signal
 from pearlctl.agent.identity import Identity
+from pearlctl.trainer.weights import stored_version
 
 log = logging.getLogger("pearlctl.agent")
 
@@ -126,6 +128,7 @@ class VllmWorker:
         self._stopped = False
         self._sleep_state: str | None = None
         self.weight_version: str | None = None
+        self.store: Path | None = weight_store(me)
 
     @property
     def url(self) -> str:
@@ -185,13 +188,22 @@ class VllmWorker:
         threading.Thread(target=run, name=f"wake-{self.key}", daemon=True).start()
 
     def sync_weights(self, weights: dict | None) -> None:
-        """Reload weights from the trainer's export when the desired version differs from the served one."""
+        """Reload weights from the trainer's export when the desired version differs from the served one: from
+        this node's weight store when the version is there (written by a trainer rank on this node), else from
+        the export on shared disk (``weights["path"]``, the fallback). The log line names the source."""
         if not weights or weights.get("version") in (None, self.weight_version) or self.state() != "READY":
             return
-        seconds = self.server.reload_weights(weights["path"])
-        self.server.set_weight_version(str(weights["version"]))
-        self.weight_version = str(weights["version"])
-        log.warning("worker %s now serves weights %s (reload %.3fs)", self.key, self.weight_version, seconds)
+        version = str(weights["version"])
+        local = self.store / version if self.store is not None else None
+        source, path = "shared disk", weights["path"]
+        if local is not None and stored_version(local) == version:
+            source, path = "node-local store", str(local)
+        seconds = self.server.reload_weights(path)
+        self.server.set_weight_version(version)
+        self.weight_version = version
+        log.warning(
+            "worker %s now serves weights %s from the %s %s (reload %.3fs)", self.key, version, source, path, seconds
+        )
 
     def stop(self, drain_timeout: float) -> None:
         """Drain, then stop, all within ``drain_timeout`` (the agent's ``PEARL_DRAIN_TIMEOUT_S``, from the
@@ -288,6 +300,16 @@ class CommandWorker:
         return {**identity(self), "pid": self.proc.pid if self.proc else None}
 
 
+def weight_store(me: Identity) -> Path:
+    """This node's store of the run's trainer weights (``<version>/``, the export's layout, pearlctl.trainer.
+    weights): shared memory (``/dev/shm``) where the node has it, else the system's temporary directory;
+    ``PEARL_SHM_DIR`` overrides. The trainer's ranks on this node write each version here once (they get it as
+    PEARL_WEIGHT_STORE), and vLLM workers on this node reload from it: no shared-disk round trip. Keyed by
+    node name as well as run, so the nodes of one test machine (several slurmd) keep separate stores."""
+    base = os.environ.get("PEARL_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return Path(base, "pearl", me.run_id or "run", me.node, "weights")
+
+
 def return_file(me: Identity) -> Path:
     """Where this allocation's agent tells its trainer, on the node itself, that it returned lent GPUs
     (node-local: no daemon and no shared filesystem in the path). The trainer gets it as PEARL_RETURN_FILE
@@ -331,6 +353,7 @@ class Reconciler:
             {
                 "PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus)),
                 "PEARL_RETURN_FILE": str(self.return_file),
+                "PEARL_WEIGHT_STORE": str(weight_store(self.me)),  # this node's copy of each exported version
                 **self.me.rendezvous_env(),  # one trainer across the nodes of a multi-node job
             },
         )
@@ -473,6 +496,12 @@ class Reconciler:
             for r in report:
                 if r["state"] in ("STOPPED", "FAILED") and r["key"] in self.retiring:
                     del self.retiring[r["key"]]
+
+    def clear_weight_store(self) -> None:
+        """At the agent's exit: a trainer node's agent frees the run's weight store on its node (shared
+        memory is RAM); its trainer ranks, the only writers, have stopped."""
+        if self.me.role == "TRAIN":
+            shutil.rmtree(weight_store(self.me), ignore_errors=True)
 
     def stop_all(self, drain_timeout: float) -> float:
         """Drain and stop every worker (shutdown); returns the seconds it took."""

@@ -7,6 +7,12 @@
                       and the base model directory's non-weight files (tokenizer, chat template, ...)
     out_dir/LATEST    (LATEST_WEIGHTS_FILE): the latest version's name, one line
 
+Each node's copy (the node-local store): when the node's agent gives the ranks ``PEARL_WEIGHT_STORE`` (a
+directory in shared memory, pearlctl.agent.workers ``weight_store``), local rank 0 of every node writes the
+same layout there too, keeping the newest ``NODE_STORE_KEEP`` versions. vLLM workers on that node reload
+from it, with no shared-disk read; the shared-disk export stays, for workers on other nodes and as the
+fallback. Under ZeRO-3 only rank 0 holds the whole state, so only rank 0's node gets a copy.
+
 Guarantees:
 
 - **Never half a directory.** Rank 0 writes into a temporary directory in ``out_dir`` and renames it into
@@ -36,6 +42,7 @@ from typing import Any
 
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"
 LATEST_WEIGHTS_FILE = "LATEST"
+NODE_STORE_KEEP = 2  # versions a node's shared-memory store keeps: the one being served and the next
 
 # Files of a base model directory that an export copies (tokenizer, chat template, generation config):
 # everything except weights, which the export writes itself.
@@ -77,14 +84,18 @@ class WeightExport:
         out = Path(out_dir)
         final = out / version
         base = Path(base_model_dir) if base_model_dir is not None else self.base_model_dir
+        store = node_store_writer()
         t0 = time.monotonic()
         if self.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()
-        else:
-            state = self.engine.module.state_dict() if self.rank == 0 else None
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # whole on rank 0 only
+        else:  # replicated on every rank: rank 0 and each node's store writer read their own copy
+            state = self.engine.module.state_dict() if self.rank == 0 or store is not None else None
+        if self.rank != 0 and not state:
+            store = None  # ZeRO-3: only rank 0 holds the whole state; other nodes' workers read the disk export
         gather_s = time.monotonic() - t0
-        write_s = 0.0
-        if self.rank == 0:
+        write_s = store_s = 0.0
+        store_error = None
+        if self.rank == 0 or store is not None:
             t = time.monotonic()
             config = self._export_config(base)
             target = _torch_dtype(dtype) if dtype is not None else _torch_dtype(_config_dtype(config))
@@ -98,35 +109,30 @@ class WeightExport:
                 config["dtype"] = dtype_name
                 if "torch_dtype" in config:
                     config["torch_dtype"] = dtype_name
-            out.mkdir(parents=True, exist_ok=True)
-            tmp = out / f".{version}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                if base is not None:
-                    for f in sorted(base.iterdir()):
-                        if f.is_file() and not _WEIGHT_FILE.match(f.name) and f.name not in ("config.json",):
-                            shutil.copy2(f, tmp / f.name)
-                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-                from safetensors.torch import save_file
-
-                save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-                os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600; workers may be another user
-                (tmp / WEIGHT_VERSION_FILE).write_text(version + "\n")
-                _swap_in(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            _write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n")
-            del tensors
+            if self.rank == 0:
+                _write_version(out, version, tensors, config, base)
             write_s = time.monotonic() - t
+            if store is not None:  # this node's copy, in shared memory: its vLLM workers read no shared disk
+                t = time.monotonic()
+                try:
+                    _write_version(store, version, tensors, config, base)
+                    _prune(store, keep=NODE_STORE_KEEP)
+                except OSError as exc:  # a full or missing tmpfs: this node's workers read the disk export
+                    store_error = f"{type(exc).__name__}: {exc}"
+                    store = None
+                store_s = time.monotonic() - t
+            del tensors
         del state
-        self._barrier()  # when export_weights returns on any rank, the directory is there
+        self._barrier()  # when export_weights returns on any rank, the directory (and every node's copy) is there
         self.weight_version = version
         self.last_export = {
             "version": version,
             "path": str(final),
             "gather_s": round(gather_s, 6),
             "write_s": round(write_s, 6),
+            "node_store": str(store / version) if store is not None else None,
+            "node_store_s": round(store_s, 6),
+            "node_store_error": store_error,
             "export_s": round(time.monotonic() - t0, 6),
         }
         return final
@@ -138,6 +144,57 @@ class WeightExport:
         if config is None or not hasattr(config, "to_dict"):
             raise ValueError("export_weights needs base_model_dir (the module has no HF config)")
         return config.to_dict()
+
+
+def node_store_writer() -> Path | None:
+    """This node's weight store (``PEARL_WEIGHT_STORE``, set by the node's agent: pearlctl.agent.workers,
+    ``weight_store``) when this rank writes it: local rank 0 of each node. None otherwise."""
+    store = os.environ.get("PEARL_WEIGHT_STORE")
+    return Path(store) if store and os.environ.get("LOCAL_RANK", "0") == "0" else None
+
+
+def stored_version(directory: str | os.PathLike) -> str | None:
+    """The version a finished export directory holds (its ``WEIGHT_VERSION_FILE``), None if it is not one."""
+    try:
+        return (Path(directory) / WEIGHT_VERSION_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _write_version(out: Path, version: str, tensors: dict, config: dict, base: Path | None) -> Path:
+    """``out/<version>/`` and ``out/LATEST``, whole or not at all (see the module's guarantees)."""
+    out.mkdir(parents=True, exist_ok=True)
+    final = out / version
+    tmp = out / f".{version}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        if base is not None:
+            for f in sorted(base.iterdir()):
+                if f.is_file() and not _WEIGHT_FILE.match(f.name) and f.name not in ("config.json",):
+                    shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600; workers may be another user
+        (tmp / WEIGHT_VERSION_FILE).write_text(version + "\n")
+        _swap_in(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n")
+    return final
+
+
+def _prune(store: Path, *, keep: int) -> None:
+    """Keep the ``keep`` newest versions of a node's store (by modification time): shared memory is RAM. A
+    worker reloading from an older one has copied it into its own memory already (vLLM maps the file
+    only while loading)."""
+    versions = sorted(
+        (d for d in store.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.stat().st_mtime
+    )
+    for old in versions[:-keep] if keep > 0 else versions:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _config_dtype(config: dict) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pearlctl.trainer import FileChannel, NullChannel, TrainerHook
+from pearlctl.trainer.weights import stored_version
 
 
 class QueueChannel:
@@ -594,6 +595,41 @@ def test_export_weights_writes_a_complete_directory_atomically(tmp_path):
     assert [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith(".")] == []
     with pytest.raises(ValueError, match="one path component"):
         hook.export_weights(tmp_path / "weights", "../escape")
+
+
+def test_each_nodes_first_rank_writes_the_export_into_its_nodes_store_and_keeps_two_versions(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "float32"}))
+    store = tmp_path / "shm" / "weights"
+    monkeypatch.setenv("PEARL_WEIGHT_STORE", str(store))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    engine = FakeEngine()
+    engine.module = TinyModule(torch)
+    # rank 2 of 4: node 1's first rank writes only its node's copy; the shared-disk export is rank 0's
+    hook = TrainerHook(engine, channel=QueueChannel(), rank=2, world_size=4, base_model_dir=base)
+    hook._barrier = lambda: None  # no process group in a unit test
+    for version in ("1", "2", "3"):
+        hook.export_weights(tmp_path / "disk", version)
+    assert not (tmp_path / "disk").exists()
+    assert sorted(p.name for p in store.iterdir() if p.is_dir()) == ["2", "3"]  # the newest two
+    assert stored_version(store / "3") == "3" and (store / "LATEST").read_text() == "3\n"
+    assert torch.equal(
+        load_file(str(store / "3" / "model.safetensors"))["lm_head.weight"], torch.arange(6.0).reshape(2, 3)
+    )
+    assert hook.last_export["node_store"] == str(store / "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the node's other ranks write nothing
+    hook.export_weights(tmp_path / "disk", "4")
+    assert not (store / "4").exists() and not (tmp_path / "disk").exists()
+    # a store that cannot be written (here: a file where its directory should be) loses the copy, not the step
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("PEARL_WEIGHT_STORE", str(tmp_path / "not-a-dir"))
+    (tmp_path / "not-a-dir").write_text("")
+    hook.export_weights(tmp_path / "disk", "5")
+    assert hook.last_export["node_store"] is None and "not-a-dir" in hook.last_export["node_store_error"]
 
 
 # ---------------------------------------------------------------------- the file channel

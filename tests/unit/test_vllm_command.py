@@ -273,3 +273,40 @@ def test_the_agents_prefill_and_decode_workers_of_a_run_share_one_kv_directory(m
     assert [c["kv_role"] for c in configs] == ["kv_producer", "kv_consumer"]
     shared = {c["kv_connector_extra_config"]["shared_storage_path"] for c in configs}
     assert shared == {str(tmp_path / "kv-shared")}
+
+
+class ReloadRecorder:
+    """The server seam of a worker's weight sync: records where it was told to reload from."""
+
+    def __init__(self):
+        self.reloaded: list[str] = []
+        self.versions: list[str] = []
+
+    def reload_weights(self, path):
+        self.reloaded.append(str(path))
+        return 0.01
+
+    def set_weight_version(self, version):
+        self.versions.append(version)
+
+
+def test_a_worker_reloads_from_its_nodes_store_when_the_version_is_there_else_from_shared_disk(monkeypatch, tmp_path):
+    from pearlctl.agent.identity import Identity
+    from pearlctl.agent.workers import VllmWorker, weight_store
+
+    monkeypatch.setenv("PEARL_ENGINE_DEVICE", "cpu")
+    monkeypatch.setenv("PEARL_SHM_DIR", str(tmp_path / "shm"))
+    me = Identity(run_id="r", pool="trainer", role="TRAIN", job_id="7", task_id=1, node="gpu2", gpus=(0, 1), restarts=0)
+    assert weight_store(me) == tmp_path / "shm" / "pearl" / "r" / "gpu2" / "weights"  # per run and node
+    worker = VllmWorker("rollout-0", "ROLLOUT", (1,), me, str(tmp_path), MODEL, {})
+    worker.server = ReloadRecorder()
+    worker.state = lambda: "READY"
+    disk = tmp_path / "disk"
+    worker.sync_weights({"version": "3", "path": str(disk / "3")})  # not in the node's store: the disk export
+    (weight_store(me) / "4").mkdir(parents=True)
+    (weight_store(me) / "4" / "pearl_weight_version.txt").write_text("4\n")
+    worker.sync_weights({"version": "4", "path": str(disk / "4")})  # written on this node: no disk read
+    (weight_store(me) / "5").mkdir()  # a directory still being written has no version file yet
+    worker.sync_weights({"version": "5", "path": str(disk / "5")})
+    assert worker.server.reloaded == [str(disk / "3"), str(weight_store(me) / "4"), str(disk / "5")]
+    assert worker.server.versions == ["3", "4", "5"] and worker.weight_version == "5"
