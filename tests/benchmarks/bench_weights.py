@@ -42,9 +42,9 @@ def tensors_of(gb: float) -> dict:
     return {f"model.layers.{i}.weight": torch.full((per,), float(i), dtype=torch.float32) for i in range(n)}
 
 
-def read_all(directory: Path) -> int:
-    """Every tensor of the directory's safetensors, as vLLM's default loader reads them (safe_open, mmap)."""
-    import torch
+def read_all(directory: Path, into: dict) -> int:
+    """Every tensor of the directory's safetensors, as vLLM's loader takes them: opened with ``safe_open`` (a
+    memory map) and copied into the live parameters (``into``, preallocated), which touches every byte."""
     from safetensors import safe_open
 
     total = 0
@@ -52,7 +52,8 @@ def read_all(directory: Path) -> int:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 t = st.get_tensor(name)
-                total += int(torch.sum(t[:: 1 << 20]).item() >= 0) and t.numel() * t.element_size()
+                into[name].copy_(t)
+                total += t.numel() * t.element_size()
     return total
 
 
@@ -69,6 +70,7 @@ def file_path(root: Path, tensors: dict, reps: int, drop: bool) -> tuple[list[fl
     from pearlctl.trainer.weights import _write_version
 
     config = {"model_type": "llama", "dtype": "float32"}
+    params = {name: t.clone() for name, t in tensors.items()}  # the worker's live weights
     writes, reads, dropped = [], [], drop
     for rep in range(reps):
         t = time.perf_counter()
@@ -78,7 +80,7 @@ def file_path(root: Path, tensors: dict, reps: int, drop: bool) -> tuple[list[fl
         if drop:
             dropped = drop_caches() and dropped
         t = time.perf_counter()
-        read_all(out)
+        assert read_all(out, params) == sum(t.numel() * t.element_size() for t in tensors.values())
         reads.append(time.perf_counter() - t)
         shutil.rmtree(out)
     return writes, reads, dropped
@@ -90,8 +92,11 @@ def _receiver(port: int, numel: int, reps: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
     buf = torch.empty(numel, dtype=torch.float32)
-    for _ in range(reps + 1):
+    dist.broadcast(buf, src=0)  # the sender's warm-up
+    for _ in range(reps):  # the same collectives, in the same order, as gloo_path
+        dist.barrier()
         dist.broadcast(buf, src=0)
+        dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
 
