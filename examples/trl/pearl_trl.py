@@ -252,7 +252,7 @@ class RouterRollout:
         t0 = time.monotonic()
         with ThreadPoolExecutor(1) as one:
             future = one.submit(self._generate, trainer, prompt_ids, step, rank, version)
-            self._wait(future, trainer, step)
+            self._wait(future, trainer, step, t0)
         failure = future.exception()
         if not _all_ranks(failure is None, trainer):  # one rank's failure stops every rank here
             why = f"{type(failure).__name__}: {failure}" if failure else "another rank's batch failed"
@@ -263,12 +263,15 @@ class RouterRollout:
         self.last = {"step": step, "wait_s": round(wait_s, 3), "completions": len(prompts)}
         return out
 
-    def _wait(self, future: Future, trainer: Any, step: int) -> None:
+    def _wait(self, future: Future, trainer: Any, step: int, t0: float) -> None:
         """Every rank: report "waiting" (a release may happen here) until every rank's batch is done; then take
-        the GPUs back and report "training"."""
+        the GPUs back and report "training". Each report says what is left of the expected wait (counted down
+        from ``t0``, as the hook's ``wait_until`` does): the daemon's return deadline is that report's time plus it."""
         hook = self.callback.hook
+        expected = self.expected_wait_s
         while True:
-            hook.phase("waiting", step=step, expected_wait_s=self.expected_wait_s)
+            left = None if expected is None else max(0.0, expected - (time.monotonic() - t0))
+            hook.phase("waiting", step=step, expected_wait_s=left)
             if _all_ranks(future.done(), trainer):
                 break
             time.sleep(self.poll_interval_s)

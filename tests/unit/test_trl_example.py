@@ -10,6 +10,7 @@ import json
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ class FakeHook:
     def __init__(self, engine=None, **kwargs):
         self.engine, self.kwargs = engine, kwargs
         self.calls: list[tuple] = []
+        self.waits: list[tuple] = []  # (phase, expected_wait_s) of each phase() report
         self.stop = False
         self.weight_version = None
         self.zero_stage = 0
@@ -45,6 +47,7 @@ class FakeHook:
 
     def phase(self, name, *, step, expected_wait_s=None):
         self.calls.append(("phase", name, step))
+        self.waits.append((name, expected_wait_s))
 
     def export_weights(self, out_dir, version):
         self.calls.append(("export_weights", Path(out_dir).name, version))
@@ -237,6 +240,24 @@ def test_rollout_func_returns_trls_keys_one_completion_per_prompt_in_order(tmp_p
     assert hook.calls[0] == ("phase", "waiting", 3)
     assert hook.calls[-2:] == [("ensure_reclaimed",), ("phase", "training", 3)]
     assert rollout.expected_wait_s is not None  # the next batch's wait is announced to the daemon
+
+
+def test_the_waiting_reports_count_the_expected_wait_down_then_announce_the_measured_one(tmp_path):
+    from transformers import AutoTokenizer
+
+    trainer = fake_trainer(tmp_path)
+    trainer.processing_class = AutoTokenizer.from_pretrained(TINY)
+    cb, hook, _ = make_callback(tmp_path, trainer)
+
+    def slow(prompt_ids):
+        time.sleep(0.05)
+        return [5, 2], [-1.0, -1.0]
+
+    rollout = pearl_trl.RouterRollout(FakeClient(slow), cb, concurrency=1, poll_interval_s=0.01, first_wait_s=30.0)
+    rollout(["1 + 1 =", "1 + 1 ="], trainer)
+    waiting = [w for name, w in hook.waits if name == "waiting"]
+    assert len(waiting) >= 3 and waiting == sorted(waiting, reverse=True) and 29.0 < waiting[-1] < waiting[0] <= 30.0
+    assert rollout.expected_wait_s == pytest.approx(0.7 * 30.0 + 0.3 * rollout.last["wait_s"], abs=0.01)
 
 
 def test_a_failed_batch_raises_once_the_gpus_are_back(tmp_path):
