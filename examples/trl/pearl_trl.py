@@ -279,8 +279,7 @@ class RouterRollout:
         hook.phase("training", step=step)
 
     def _generate(self, trainer: Any, prompt_ids: list[list[int]], step: int, rank: int, version: str | None) -> dict:
-        if version is not None:
-            self._wait_for_weights(version)
+        self._wait_for_workers(version)
         self.client.wait_for_joining(self.join_wait_s)
         args = trainer.args
         n = max(1, int(getattr(trainer, "num_generations", 1) or 1))
@@ -297,18 +296,18 @@ class RouterRollout:
             answers = list(pool.map(one, range(len(prompt_ids))))
         return completions_to_rollout(prompt_ids, answers)
 
-    def _wait_for_weights(self, version: str) -> None:
-        """On-policy: every routable worker serves ``version`` (the previous step's export), at most
-        ``weights_timeout_s``; then generate anyway (logged)."""
+    def _wait_for_workers(self, version: str | None) -> None:
+        """Before a batch: the daemon lists a routable worker (the run's first workers may still be starting when
+        the trainer's first batch begins) and, on-policy, every routable worker serves ``version`` (the previous
+        step's export); at most ``weights_timeout_s``, then generate anyway (logged: the turns still retry)."""
         deadline = time.monotonic() + self.weights_timeout_s
         while time.monotonic() < deadline:
             workers = self.client.workers(force=True)
-            if workers and all(w.get("weight_version") == version for w in workers):
+            if workers and (version is None or all(w.get("weight_version") == version for w in workers)):
                 return
             time.sleep(0.2)
-        log.warning(
-            "the rollout workers do not all serve weight version %s after %.0f s", version, self.weights_timeout_s
-        )
+        want = "a routable worker" if version is None else f"every routable worker on weight version {version}"
+        log.warning("generating without %s after %.0f s", want, self.weights_timeout_s)
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any) -> list[int]:
