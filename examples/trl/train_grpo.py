@@ -95,6 +95,22 @@ def ds_config(zero: int, lr: float) -> dict:
     }
 
 
+def cpu_deepspeed_state() -> None:
+    """DeepSpeed ranks on a machine without accelerators, through accelerate 1.15 (the Trainer's ``deepspeed=``):
+    ``PartialState`` picks a backend only for an accelerator or for ``cpu=True`` (gloo), and ``AcceleratorState``
+    turns DeepSpeed on only when not ``cpu``; so with ``deepspeed=`` it has no backend, counts one process while
+    DeepSpeed's process group has two, and TRL's first gather fails ("ProcessGroupGloo::allgather: invalid output
+    tensor list"). The state is made here instead, with gloo and DeepSpeed, and the Trainer told to use it
+    (``accelerator_config={"use_configured_state": True}``)."""
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
 def main(argv: list[str] | None = None, **attach_kwargs) -> int:
     """``attach_kwargs`` go to ``pearl_trl.attach`` (tests give a stand-in rollout client and channel)."""
     args = parse_args(argv)
@@ -112,6 +128,10 @@ def main(argv: list[str] | None = None, **attach_kwargs) -> int:
 
         skip_shm_comm_build()
     cuda = torch.cuda.is_available()
+    accelerator_config = None
+    if args.zero >= 0 and not cuda and world > 1:
+        cpu_deepspeed_state()
+        accelerator_config = {"use_configured_state": True}
     config = GRPOConfig(
         output_dir=str(args.out),
         max_steps=args.steps,
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None, **attach_kwargs) -> int:
         seed=args.seed,
         deepspeed=ds_config(args.zero, args.lr) if args.zero >= 0 else None,
         disable_tqdm=True,
+        accelerator_config=accelerator_config,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
