@@ -14,13 +14,15 @@ Every test under tests/integration is marked `integration` (select/deselect with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,3 +168,26 @@ def cluster(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     slurm_cluster.cancel_all()
     yield slurm_cluster
     slurm_cluster.cancel_all()
+
+
+@contextlib.contextmanager
+def spec_run(
+    cluster: SlurmCluster, state_dir: Path, prefix: str, spec: Callable[[Path], str]
+) -> Iterator[tuple[object, Path]]:
+    """A run spec on the cluster, not launched yet: ``(pearlctl, dir)`` with ``dir/run.toml`` = ``spec(dir /
+    "run")`` in a fresh shared directory, and ``pearlctl`` a CLI on state under ``state_dir``. Before and
+    after, every job is cancelled; after, the run's daemon is stopped too."""
+    from pearlctl.runfiles import read_address
+    from tests.conftest import Pearlctl, alive
+
+    cluster.cancel_all()
+    d = cluster.new_shared_dir(prefix)
+    (d / "run.toml").write_text(spec(d / "run"))
+    try:
+        yield Pearlctl(state_dir, cluster.env), d
+    finally:
+        address = read_address(d / "run")
+        if address and alive(address["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(address["pid"], signal.SIGTERM)
+        cluster.cancel_all()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.runfiles import read_address
 from tests.conftest import REPO, Pearlctl, alive
 from tests.engines.conftest import PLACEHOLDER
+from tests.integration.conftest import spec_run
 
 STEPS = 3
 
@@ -43,17 +41,20 @@ def spec_text(
     generation_pools: str = ROLLOUT_POOL,
     policy: str = "never",
     trainer: bool = True,
+    nodes: int = 1,
+    trainer_pool: str = 'partition = "debug"',
 ) -> str:
     """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
     RUN_DIR/rollouts, and one vLLM rollout worker (or ``generation_pools``: TOML of rollout/elastic pools);
     ``train_args`` go to examples/grpo/train.py. ``trainer=False``: the trainer task holds its 2 GPUs with a
-    placeholder process instead, for tests of the rollout side that do not need training."""
+    placeholder process instead, for tests of the rollout side that do not need training. ``nodes``: that
+    many such nodes as one trainer (one job; torchrun without --standalone); ``trainer_pool``: its other keys."""
     py = sys.executable
     train = [
         py,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(["--standalone"] if nodes == 1 else []),
         "--nproc_per_node",
         "2",
         str(REPO / "examples/grpo/train.py"),
@@ -79,8 +80,8 @@ run_dir = "{run_dir}"
 poll_interval_s = 2
 policy = "{policy}"
 [pools.trainer]
-partition = "debug"
-nodes = 1
+{trainer_pool}
+nodes = {nodes}
 gpus_per_node = 2
 env = {{ OMP_NUM_THREADS = "1" }}
 train_command = {json.dumps(train)}
@@ -89,18 +90,8 @@ train_command = {json.dumps(train)}
 
 @pytest.fixture
 def e2e(slurm_cluster, tmp_path):
-    slurm_cluster.cancel_all()
-    d = slurm_cluster.new_shared_dir("e2e")
-    (d / "run.toml").write_text(spec_text(d / "run"))
-    pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
-    yield pc, d
-    address = read_address(d / "run")
-    if address and alive(address["pid"]):
-        try:
-            os.kill(address["pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    slurm_cluster.cancel_all()
+    with spec_run(slurm_cluster, tmp_path / "state", "e2e", spec_text) as run:
+        yield run
 
 
 def test_borrow_end_to_end_with_real_engines(e2e):
