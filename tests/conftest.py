@@ -111,6 +111,33 @@ def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
     return store.get("allocations", alloc["id"])
 
 
+GRPO_EXAMPLE = REPO / "examples" / "grpo"
+
+
+def load_example(name: str, path: Path):
+    """A script of examples/ (not a package) imported as module ``name``: each test file its own copy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for the rollout driver's environment text: one id per character (3 + its code
+    modulo 100); ``<|im_end|>``, the end of a turn, is 2."""
+
+    eos_token_id = 2
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 2
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [3 + ord(ch) % 100 for ch in text]}
+
+
 def wait_for(fn, timeout: float, every: float = 0.5):
     """Call ``fn`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
     import time

@@ -22,7 +22,6 @@ one router; both stopped at the end.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 import threading
@@ -38,29 +37,20 @@ from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
 from pearlctl.router.client import Completion, RolloutClient
 from pearlctl.router.membership import RouterMembership
+from tests.conftest import GRPO_EXAMPLE as GRPO
+from tests.conftest import load_example
 from tests.engines.conftest import TINY_MODEL, group_alive, tiny_servers, wait_running
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "examples" / "grpo"
 if str(GRPO) not in sys.path:
     sys.path.insert(0, str(GRPO))
 
 import token_batch as tb  # noqa: E402
 
-
-def load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, GRPO / file)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = load("grpo_rollout_engine", "rollout.py")
-train = load("grpo_train_engine", "train.py")
+driver = load_example("grpo_rollout_engine", GRPO / "rollout.py")
+train = load_example("grpo_train_engine", GRPO / "train.py")
 
 
 @pytest.fixture(scope="module")

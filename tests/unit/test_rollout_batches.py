@@ -17,7 +17,6 @@ The same chain against a real vLLM server: tests/engines/test_rollout_tokens_eng
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import sys
@@ -30,25 +29,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pearlctl.router.client import Completion
+from tests.conftest import GRPO_EXAMPLE as GRPO
+from tests.conftest import REPO, CharTokenizer, load_example
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "examples" / "grpo"
 if str(GRPO) not in sys.path:
     sys.path.insert(0, str(GRPO))
 
 import token_batch as tb  # noqa: E402
 
-
-def load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, GRPO / file)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-train = load("grpo_train_for_batches", "train.py")
-driver = load("grpo_rollout_for_batches", "rollout.py")
+train = load_example("grpo_train_for_batches", GRPO / "train.py")
+driver = load_example("grpo_rollout_for_batches", GRPO / "rollout.py")
 
 
 def two_turns(v1: str | None = "3", v2: str | None = "3") -> tb.Trajectory:
@@ -311,18 +301,6 @@ def test_a_cut_completion_keeps_mask_and_logprobs_aligned_and_equal_rewards_teac
 
 
 # -- the driver ----------------------------------------------------------------------------------------
-class CharTokenizer:
-    """One id per character (3 + its code modulo 100); ``<|im_end|>``, the end of a turn, is 2."""
-
-    eos_token_id = 2
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return 2
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [3 + ord(ch) % 100 for ch in text]}
-
-
 class ScriptedClient:
     """Answers each turn with the next scripted (token ids, logprobs, parts) and records the prompts sent."""
 

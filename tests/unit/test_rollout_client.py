@@ -11,7 +11,6 @@ ids, logprobs and weight versions per turn: tests/unit/test_rollout_batches.py.)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import random
 import time
@@ -26,8 +25,8 @@ import pytest
 from pearlctl.api.client import DaemonRefusal
 from pearlctl.router import service
 from pearlctl.router.client import JOIN_WAIT_S, Completion, RolloutClient, TurnFailed, TurnRefused
+from tests.conftest import REPO, CharTokenizer, load_example
 
-REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
 A, B = "http://a:8000", "http://b:8000"
 GW = "http://gw:8100"
@@ -393,23 +392,7 @@ def test_concurrent_sessions_share_one_client() -> None:
 
 # -- the reference driver: a step is written whole or not at all ----------------------------------------
 def load_driver():
-    spec = importlib.util.spec_from_file_location("grpo_rollout_driver", REPO / "examples/grpo/rollout.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-class CharTokenizer:
-    """A stand-in tokenizer for the driver's environment text: one id per character, ``<|im_end|>`` is 2."""
-
-    eos_token_id = 2
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return 2
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [3 + ord(ch) % 100 for ch in text]}
+    return load_example("grpo_rollout_driver", REPO / "examples/grpo/rollout.py")
 
 
 class ScriptedClient:
