@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from pearlctl.agent.engines import ignore_preempt_signal
+from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.identity import Identity
+from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.weights import stored_version
 
 log = logging.getLogger("pearlctl.agent")
@@ -129,6 +130,8 @@ class VllmWorker:
         self._sleep_state: str | None = None
         self.weight_version: str | None = None
         self.store: Path | None = weight_store(me)
+        # started with the pearl_gloo receiver (pearlctl.trainer.broadcast.server_engine_args): the trainer may push
+        self.receives_broadcast = (engine_args.get("weight_transfer_config") or {}).get("backend") == BROADCAST_BACKEND
 
     @property
     def url(self) -> str:
@@ -188,12 +191,18 @@ class VllmWorker:
         threading.Thread(target=run, name=f"wake-{self.key}", daemon=True).start()
 
     def sync_weights(self, weights: dict | None) -> None:
-        """Reload weights from the trainer's export when the desired version differs from the served one: from
-        this node's weight store when the version is there (written by a trainer rank on this node), else from
-        the export on shared disk (``weights["path"]``, the fallback). The log line names the source."""
+        """Serve the desired version when it differs from the served one: adopt it with no reload when the
+        trainer already broadcast it into this server (pearlctl.trainer.broadcast: the server's ``/weight_info``
+        names it, which vLLM sets only at the end of a whole transfer), else reload from this node's weight store
+        when the version is there (written by a trainer rank on this node), else from the export on shared disk
+        (``weights["path"]``, the fallback). The log line names the source."""
         if not weights or weights.get("version") in (None, self.weight_version) or self.state() != "READY":
             return
         version = str(weights["version"])
+        if self.receives_broadcast and self._pushed_version() == version:
+            self.weight_version = version
+            log.warning("worker %s now serves weights %s from the trainer's broadcast (no reload)", self.key, version)
+            return
         local = self.store / version if self.store is not None else None
         source, path = "shared disk", weights["path"]
         if local is not None and stored_version(local) == version:
@@ -204,6 +213,15 @@ class VllmWorker:
         log.warning(
             "worker %s now serves weights %s from the %s %s (reload %.3fs)", self.key, version, source, path, seconds
         )
+
+    def _pushed_version(self) -> str | None:
+        """The version label the server reports (set by the trainer's ``/finish_weight_update``), None when it
+        does not answer: then the version is reloaded from a file, as without a broadcast."""
+        try:
+            return self.server.weight_version()
+        except EngineError as exc:
+            log.warning("worker %s: cannot read its weight version (%s): reloading from a file", self.key, exc)
+            return None
 
     def stop(self, drain_timeout: float) -> None:
         """Drain, then stop, all within ``drain_timeout`` (the agent's ``PEARL_DRAIN_TIMEOUT_S``, from the

@@ -1,0 +1,257 @@
+"""The trainer side of the cross-node weight path: one version's tensors broadcast to vLLM workers over a
+torch.distributed gloo group, received through vLLM's own weight-update routes.
+
+vLLM 0.32 has a weight-transfer engine (``--weight-transfer-config``; routes ``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/shutdown_weight_transfer_engine``)
+whose built-in backends need CUDA. ``pearl_gloo`` is the CPU stand-in: the vLLM side is
+:mod:`pearlctl.agent.engines.vllm_gloo`, registered inside the vLLM worker by ``--worker-extension-cls``;
+a server the agent starts with ``server_engine_args()`` in its engine args has it. This module is the
+sender (docs/weights.md, "Across nodes"):
+
+    sender = GlooWeightSender(["http://node7:8000"], master_address="trainer-node-0")
+    sender.connect()                          # once: one gloo group, trainer rank 0 and every worker
+    stats = sender.send(state_dict, "3")      # every step: the worker serves version "3" when it returns
+    sender.close()
+
+Guarantees:
+
+- **A worker serves the whole version or keeps its old one's label.** ``send`` calls ``/start_weight_update``,
+  then ``/update_weights`` (names, dtypes, shapes) while it broadcasts every tensor from rank 0, then
+  ``/finish_weight_update`` with the version, which is what the server's ``/weight_info`` reports after.
+  When anything fails before the finish, the error is raised and the label stays the old one, so the agent's
+  ``sync_weights`` (pearlctl.agent.workers) reloads that version from the disk export: the disk path stays the
+  fallback. The weights themselves may then be half-updated until that reload: pause the worker first
+  (the daemon's weight step does).
+- **Fails fast on a server without the engine**: ``connect`` asks each worker which transfer backend it has
+  (``/collective_rpc pearl_weight_transfer_info``) before any rendezvous, and refuses one without ``pearl_gloo``.
+- **No file is written or read**: the bytes go from the trainer's memory to the worker's parameters.
+- One rank per worker: each URL is one vLLM server with one worker process (tensor parallel size 1, as on
+  CPU). The group is trainer rank 0, then the workers in ``urls`` order (ranks 1..n).
+- The sender holds a full state dict: call it on one trainer rank (rank 0; ZeRO-3 gathers first, as
+  ``export_weights`` does).
+
+NCCL on GPUs is vLLM's own ``nccl`` backend and its trainer engine (``NCCLTrainerWeightTransferEngine``),
+which this module does not replace.
+
+Import-light: stdlib only at import; torch is imported inside the functions that need it. HTTP goes through
+``urllib`` (the trainer process has no httpx).
+
+    python -m pearlctl.trainer.broadcast --worker URL [--worker URL ...] --weights HF_DIR --version V
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+BACKEND = "pearl_gloo"
+WORKER_EXTENSION = "pearlctl.agent.engines.vllm_gloo.PearlWeightTransferExtension"
+INFO_RPC = "pearl_weight_transfer_info"  # the extension's method, through POST /collective_rpc
+GROUP_PREFIX = "pearl-weights"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def server_engine_args() -> dict[str, Any]:
+    """The vLLM engine args that give a server the ``pearl_gloo`` receiver (for ``VllmServer(engine_args=...)``,
+    which turns them into ``--weight-transfer-config '{"backend":"pearl_gloo"}' --worker-extension-cls ...``)."""
+    return {"weight_transfer_config": {"backend": BACKEND}, "worker_extension_cls": WORKER_EXTENSION}
+
+
+class TransferError(RuntimeError):
+    """A worker refused or failed a step of the transfer; the message names the worker and the step."""
+
+
+class GlooWeightSender:
+    """Rank 0 of a gloo group with vLLM workers; ``send`` makes each of them serve one version."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        master_address: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if not urls:
+            raise ValueError("GlooWeightSender needs at least one worker URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.master_address = master_address or socket.gethostname()
+        self.timeout_s = float(timeout_s)
+        self._store: Any = None
+        self._group: Any = None
+        self.last: dict | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.urls)
+
+    def connect(self) -> None:
+        """Check every worker has the engine, then form the group: a TCPStore on a free port here, each
+        worker's ``/init_weight_transfer_engine`` (its rank: 1 + its index) while this process joins as rank 0."""
+        import torch.distributed as dist
+
+        for url in self.urls:
+            info = self._post(url, "collective_rpc", {"method": INFO_RPC, "timeout": 30}, timeout=40)
+            backends = {(r or {}).get("backend") for r in (info or {}).get("results", [])}
+            if backends != {BACKEND}:
+                raise TransferError(f"{url} has weight-transfer backend(s) {sorted(map(str, backends))}, not {BACKEND}")
+        timeout = timedelta(seconds=self.timeout_s)
+        self._store = dist.TCPStore("0.0.0.0", 0, self.world_size, True, timeout=timeout, wait_for_workers=False)
+        port = self._store.port
+        calls = [
+            (
+                url,
+                "init_weight_transfer_engine",
+                {
+                    "init_info": {
+                        "master_address": self.master_address,
+                        "master_port": port,
+                        "rank_offset": 1 + i,
+                        "world_size": self.world_size,
+                        "timeout_s": self.timeout_s,
+                    }
+                },
+            )
+            for i, url in enumerate(self.urls)
+        ]
+        threads, errors = self._start(calls)
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, self._store), 0, self.world_size, timeout)
+        self._join(threads, errors)
+
+    def send(self, tensors: Mapping[str, Any], version: str) -> dict:
+        """Broadcast ``tensors`` (HF checkpoint names, as ``state_dict()`` gives them) to every worker, which
+        loads them through vLLM's layerwise reload and then serves ``version``. Returns timings and sizes."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise TransferError("send before connect")
+        t0 = time.monotonic()
+        host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        update_info = {
+            "names": list(host),
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in host.values()],
+            "shapes": [list(t.shape) for t in host.values()],
+        }
+        for url in self.urls:
+            self._post(url, "start_weight_update", None)
+        threads, errors = self._start([(url, "update_weights", {"update_info": update_info}) for url in self.urls])
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        t = time.monotonic()
+        nbytes = 0
+        for tensor in host.values():
+            if errors:
+                break  # a worker failed before receiving: nobody waits on the rest of the broadcast
+            self._group.broadcast([tensor], opts).wait()
+            nbytes += tensor.numel() * tensor.element_size()
+        broadcast_s = time.monotonic() - t
+        self._join(threads, errors)
+        for url in self.urls:
+            self._post(url, "finish_weight_update", {"weight_version": str(version)})
+        self.last = {
+            "version": str(version),
+            "tensors": len(host),
+            "bytes": nbytes,
+            "workers": len(self.urls),
+            "broadcast_s": round(broadcast_s, 6),
+            "send_s": round(time.monotonic() - t0, 6),
+        }
+        return self.last
+
+    def close(self) -> None:
+        """Release the group on every worker (``/shutdown_weight_transfer_engine``) and here; errors are ignored."""
+        if self._group is not None:
+            for url in self.urls:
+                try:
+                    self._post(url, "shutdown_weight_transfer_engine", None, timeout=30)
+                except TransferError:
+                    pass
+        self._group = None
+        self._store = None
+
+    def __enter__(self) -> GlooWeightSender:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- HTTP -----------------------------------------------------------------------------------
+
+    def _post(self, url: str, route: str, body: dict | None, *, timeout: float | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        req = urllib.request.Request(
+            f"{url}/{route}", data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s + 10) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:500].decode(errors="replace").strip()
+            raise TransferError(f"POST {url}/{route} answered {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise TransferError(f"POST {url}/{route}: {e}") from e
+        return json.loads(raw) if raw else None
+
+    def _start(self, calls: list[tuple[str, str, dict]]) -> tuple[list[threading.Thread], list[str]]:
+        """The calls that block until this process joins a collective, each on its own thread."""
+        errors: list[str] = []
+
+        def call(url: str, route: str, body: dict) -> None:
+            try:
+                self._post(url, route, body)
+            except TransferError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=call, args=c, daemon=True) for c in calls]
+        for th in threads:
+            th.start()
+        return threads, errors
+
+    def _join(self, threads: list[threading.Thread], errors: list[str]) -> None:
+        for th in threads:
+            th.join(self.timeout_s + 20)
+        if errors:
+            raise TransferError("; ".join(errors))
+        if any(th.is_alive() for th in threads):
+            raise TransferError(f"a worker did not answer within {self.timeout_s + 20:g} s")
+
+
+def load_hf_dir(directory: str | Path) -> dict:
+    """Every tensor of an HF directory's safetensors files (what ``export_weights`` writes)."""
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    if not out:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Broadcast one weight version to vLLM workers over gloo.")
+    ap.add_argument("--worker", action="append", required=True, help="a worker's base URL (repeat for more)")
+    ap.add_argument("--weights", required=True, help="an HF directory whose safetensors are the version")
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--master-address", default=None, help="this host's address as the workers reach it")
+    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    args = ap.parse_args(argv)
+    tensors = load_hf_dir(args.weights)
+    with GlooWeightSender(args.worker, master_address=args.master_address, timeout_s=args.timeout_s) as sender:
+        stats = sender.send(tensors, args.version)
+    print(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
