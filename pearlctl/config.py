@@ -454,6 +454,9 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
             c.fail(f"{p}env.{k}", f'must be a string, got {v!r} (quote numbers: "1")')
         else:
             c.no_control(f"{p}env.{k}", v)
+    rdzv_port = env.get("PEARL_RDZV_PORT")
+    if isinstance(rdzv_port, str) and not (rdzv_port.isdigit() and 1024 <= int(rdzv_port) <= 65535):
+        c.fail(f"{p}env.PEARL_RDZV_PORT", f"must be a TCP port from 1024 to 65535, got {rdzv_port!r}")
     if len(c.problems) > before:
         return None
     return PoolSpec(

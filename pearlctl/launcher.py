@@ -30,7 +30,7 @@ from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import POOL_KINDS, PoolKind
+from pearlctl.vocabulary import POOL_KINDS, one_job_of_nodes
 from pearlctl.watcher import sync_run
 
 POOL_ORDER = tuple(str(k) for k in POOL_KINDS)  # the trainer first
@@ -91,7 +91,7 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
 def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, first_task: int = 0) -> SubmitRequest:
     """The submission of ``pool``: all its launch tasks, or (``first_task``) one task added to it. A trainer
     of several nodes is one multi-node job (``gang``): one distributed trainer, started and requeued whole."""
-    gang = pool.name == PoolKind.TRAINER and pool.nodes > 1 and not first_task
+    gang = one_job_of_nodes(pool.name, pool.nodes) and not first_task
     return SubmitRequest(
         array=not gang,
         gang=gang,

@@ -71,3 +71,10 @@ DEFAULT_ROLE: dict[PoolKind, Role] = {
 SERVING_ROLES: frozenset[Role] = frozenset({Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD})
 # Which engine serves which role (IDLE runs nothing).
 ENGINE_FOR_ROLE: dict[Role, Engine] = {Role.TRAIN: Engine.DEEPSPEED, **{r: Engine.VLLM for r in SERVING_ROLES}}
+
+
+def one_job_of_nodes(pool: str, nodes: int) -> bool:
+    """Whether a pool is launched as one multi-node job, its tasks the job's nodes (``sbatch --nodes``), rather
+    than as an array of one-node tasks: a trainer of several nodes, which trains as one distributed job and is
+    started and requeued whole. Its Slurm id is the job's (``5``), not an array task's (``5_1``)."""
+    return pool == PoolKind.TRAINER and nodes > 1

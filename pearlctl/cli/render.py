@@ -9,6 +9,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pearlctl.vocabulary import one_job_of_nodes
+
 STATE_STYLE = {
     "RUNNING": "green",
     "ACTIVE": "green",
@@ -47,6 +49,17 @@ def _ago(ts: float | None) -> str:
     return f"{max(0.0, time.time() - ts):.0f}s ago"
 
 
+def slurm_id(alloc: dict, pools: list[dict]) -> str:
+    """How Slurm names an allocation (what ``scancel`` takes): an array task ``job_task``, or the job itself
+    for a node of a multi-node job; ``-`` before it is submitted."""
+    if not alloc["job_id"]:
+        return "-"
+    pool = next((p for p in pools if p["name"] == alloc["pool"]), None)
+    if pool and one_job_of_nodes(pool["name"], pool["nodes"]):
+        return str(alloc["job_id"])
+    return f"{alloc['job_id']}_{alloc['array_index']}"
+
+
 def status_tables(doc: dict) -> Group:
     run = doc["run"]
     head = Table.grid(padding=(0, 2))
@@ -77,7 +90,7 @@ def status_tables(doc: dict) -> Group:
     for col in ("allocation", "slurm id", "state", "slurm state", "node", "restarts", "reason", "since"):
         allocs.add_column(col)
     for a in doc["allocations"]:
-        sid = f"{a['job_id']}_{a['array_index']}" if a["job_id"] else "-"
+        sid = slurm_id(a, doc["pools"])
         reason = a.get("reason") or ""
         allocs.add_row(
             f"{a['pool']}[{a['array_index']}]",

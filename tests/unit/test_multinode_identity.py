@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.agent.identity import RDZV_PORT_BASE, RDZV_PORT_SPAN, identity_from_env
+from pearlctl.cli.render import slurm_id
 from pearlctl.config import SpecError, load_spec
 from pearlctl.launcher import requests_for
 from pearlctl.slurm.records import JobRecord
@@ -47,6 +48,11 @@ def test_an_array_task_or_a_one_node_job_gets_no_rendezvous():
     me = identity_from_env(array)
     assert (me.job_id, me.task_id, me.nnodes) == ("7", 3, 1) and me.rendezvous_env() == {}
     assert identity_from_env({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1"}).rendezvous_env() == {}
+
+
+def test_the_pools_env_can_name_the_rendezvous_host_and_port():
+    me = identity_from_env({**GANG_TASK, "PEARL_RDZV_HOST": "gpu7-ib0", "PEARL_RDZV_PORT": "31000"})
+    assert me.rendezvous_env()["PET_RDZV_ENDPOINT"] == "gpu7-ib0:31000"
 
 
 def test_the_local_backends_nodes_are_ranks_on_this_machine():
@@ -105,3 +111,26 @@ def test_standalone_torchrun_in_a_trainer_of_several_nodes_is_refused_by_name(tm
         spec(tmp_path, 2, train)
     assert "pools.trainer.train_command" in str(err.value) and "--standalone" in str(err.value)
     spec(tmp_path, 1, train)  # one node: standalone is right
+
+
+@pytest.mark.parametrize("port", ["80", "70000", "x", "29500 "])
+def test_a_rendezvous_port_that_is_no_tcp_port_is_refused_by_name(tmp_path, port):
+    path = tmp_path / "run.toml"
+    spec(tmp_path, 2, '["python", "t.py"]')  # writes the spec
+    path.write_text(
+        path.read_text().replace("[pools.rollout]", f'env = {{ PEARL_RDZV_PORT = "{port}" }}\n[pools.rollout]')
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(path, ("never",))
+    assert "pools.trainer.env.PEARL_RDZV_PORT" in str(err.value) and "1024 to 65535" in str(err.value)
+
+
+def test_status_names_a_node_of_the_multi_node_trainer_by_its_job_and_an_array_task_by_job_and_task():
+    pools = [{"name": "trainer", "nodes": 2}, {"name": "rollout", "nodes": 2}]
+    node1 = {"pool": "trainer", "job_id": "7", "array_index": 1}
+    task1 = {"pool": "rollout", "job_id": "8", "array_index": 1}
+    assert slurm_id(node1, pools) == "7"  # `scancel 7_1` names no job: the trainer is not an array
+    assert slurm_id(task1, pools) == "8_1"
+    assert slurm_id({**node1, "job_id": None}, pools) == "-"
+    one = [{"name": "trainer", "nodes": 1}]  # a one-node trainer is an array of one task
+    assert slurm_id({**node1, "array_index": 0}, one) == "7_0"
