@@ -139,18 +139,25 @@ class CharTokenizer:
 
 
 def wait_for(fn, timeout: float, every: float = 0.5):
-    """Call ``fn`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
+    """Call ``fn`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError
+    naming the caller's line and what ``fn`` last returned)."""
+    import sys
     import time
 
     started = time.monotonic()
     deadline = started + timeout
+    value = None
     while time.monotonic() < deadline:
         value = fn()
         if value:
             _trace_wait(started)
             return value
         time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
+    caller = sys._getframe(1)
+    raise AssertionError(
+        f"condition at {caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno} not met within {timeout}s "
+        f"(it last returned {value!r:.300})"
+    )
 
 
 def _trace_wait(started: float) -> None:

@@ -38,8 +38,11 @@ from tests.engines.load import Load, prompts
 from tests.unit.test_policies import FAVOURS_PD, PROFILE
 
 RUN = "pdswitch"
-PROMPTS = prompts(4)
-TOKENS = 384  # a few seconds a turn here: longer than a leaving worker's drain (1 s, below), which aborts them
+PROMPTS = prompts(4, repeat=2)  # 148 tokens each: with TOKENS, within the tiny model's 1,024 positions
+# Several seconds a turn, far longer than a leaving worker's drain (1 s, below) plus the step from DEREGISTER to
+# DRAIN: a turn in flight when its worker leaves is still running when the drain ends, so it is aborted and
+# continued. (At 384 tokens, turns on a quicker machine could all finish in that gap, and none was caught.)
+TOKENS = 840
 PHASE_TURNS = 3  # turns completed after each switch before the next
 # The policy tests' engine profile, on which disaggregation pays for short turns with heavy prefill (decode
 # bound by reading the weights, KV moved over a fast link), and the batch the driver reports: such work, as

@@ -32,6 +32,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+import transformers
 
 from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
@@ -40,9 +42,6 @@ from pearlctl.router.membership import RouterMembership
 from tests.conftest import GRPO_EXAMPLE as GRPO
 from tests.conftest import load_example
 from tests.engines.conftest import TINY_MODEL, group_alive, tiny_servers, wait_running
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 if str(GRPO) not in sys.path:
     sys.path.insert(0, str(GRPO))

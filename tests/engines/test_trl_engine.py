@@ -20,10 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("trl")
-pytest.importorskip("deepspeed")
+import deepspeed  # noqa: F401  (installed by scripts/setup, TRL as the trl extra: missing fails, never skips)
+import trl  # noqa: F401
 
 from tests.engines.conftest import free_port  # noqa: E402
 

@@ -176,7 +176,8 @@ def spec_run(
 ) -> Iterator[tuple[object, Path]]:
     """A run spec on the cluster, not launched yet: ``(pearlctl, dir)`` with ``dir/run.toml`` = ``spec(dir /
     "run")`` in a fresh shared directory, and ``pearlctl`` a CLI on state under ``state_dir``. Before and
-    after, every job is cancelled; after, the run's daemon is stopped too."""
+    after, every job is cancelled; after, the run's daemon is stopped too. A test that fails prints the end of
+    each of the run's logs (its captured output)."""
     from pearlctl.runfiles import read_address
     from tests.conftest import Pearlctl, alive
 
@@ -185,9 +186,20 @@ def spec_run(
     (d / "run.toml").write_text(spec(d / "run"))
     try:
         yield Pearlctl(state_dir, cluster.env), d
+    except BaseException:
+        _print_log_tails(d / "run")  # the shared directory goes when the cluster is wiped: say what it held
+        raise
     finally:
         address = read_address(d / "run")
         if address and alive(address["pid"]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(address["pid"], signal.SIGTERM)
         cluster.cancel_all()
+
+
+def _print_log_tails(run_dir: Path, lines: int = 60) -> None:
+    """The last ``lines`` lines of each log of a run (its logs/ and its trainer's train.jsonl), to stdout."""
+    for path in sorted([*run_dir.glob("logs/*.log"), *run_dir.glob("trainer/*.jsonl")]):
+        with contextlib.suppress(OSError):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            print(f"----- {path} (last {len(tail)} lines) -----", *tail, sep="\n")

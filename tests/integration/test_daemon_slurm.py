@@ -145,7 +145,9 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
         if j["entity"] == "gpus" and j["entity_id"] in victim_gpus and j["to_state"] == "LOST"
     )
     print(f"agent loss recorded {lost_at - killed_at:.2f}s after SIGKILL (heartbeat {HEARTBEAT_S}s)")
-    assert lost_at - killed_at <= 2 * HEARTBEAT_S + 1.0  # + one daemon check tick
+    # + one check tick (0.5 s) and what the check and its writes wait for on a loaded 2-core machine (3.1 s was
+    # seen there twice against a bound of 3.0)
+    assert lost_at - killed_at <= 2 * HEARTBEAT_S + 1.5
     wait_for(lambda: not alive(victim_worker), 5)
 
     # the node job cancelled (scancel): the agent stops its worker and says it is leaving; its GPUs leave
@@ -161,7 +163,7 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
         for j in pc.json("journal", "d")
         if j["entity"] == "gpus" and j["entity_id"] in other_gpus and j["to_state"] == "GONE"
     )
-    assert gone_at - cancelled_at <= 2 * HEARTBEAT_S + 1.0
+    assert gone_at - cancelled_at <= 2 * HEARTBEAT_S + 1.5
 
 
 def _try_start(pc):

@@ -271,7 +271,6 @@ def test_property_any_value_anywhere_parses_or_is_a_batch_error_never_a_crash(da
 
 # -- the trainer's input -------------------------------------------------------------------------------
 def test_the_trainer_trains_on_the_sampled_ids_with_the_mask_and_logprobs_on_them() -> None:
-    pytest.importorskip("torch")
     g = tb.parse_group(json.dumps(group_doc()))
     batch = train.pack([g], max_completion_tokens=128, pad_id=0)
     assert batch is not None and batch["ids"].shape[0] == 2
@@ -290,7 +289,6 @@ def test_the_trainer_trains_on_the_sampled_ids_with_the_mask_and_logprobs_on_the
 
 
 def test_a_cut_completion_keeps_mask_and_logprobs_aligned_and_equal_rewards_teach_nothing() -> None:
-    pytest.importorskip("torch")
     g = tb.parse_group(json.dumps(group_doc()))
     batch = train.pack([g], max_completion_tokens=4, pad_id=0)  # turn 1 (3 tokens) and one tool token
     assert batch is not None and batch["ids"].shape[1] == 3 + 4
@@ -420,8 +418,9 @@ def test_a_step_of_the_driver_is_a_batch_the_trainer_parses(tmp_path: Path) -> N
 
 # -- the synthetic source ------------------------------------------------------------------------------
 def test_the_synthetic_source_gives_token_groups_whose_logprobs_are_the_models() -> None:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     model_dir = REPO / "examples" / "models" / "tiny"
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

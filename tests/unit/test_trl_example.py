@@ -2,7 +2,7 @@
 Trainer's step boundaries, the ``rollout_func`` output TRL 1.16 requires, and a real GRPOTrainer run of 2 steps
 on the tiny model with generation through a stand-in of the run's gateway, a borrow (release, then reclaim)
 during the first batch's generation, a weight export per step, and TRL's importance-sampling correction fed
-by the sampled logprobs. Skipped without TRL (the optional ``trl`` extra)."""
+by the sampled logprobs. Needs TRL (the ``trl`` extra, which scripts/setup installs)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-pytest.importorskip("trl")
+import trl  # noqa: F401  (the trl extra, installed by scripts/setup: missing fails, never skips)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "models" / "tiny"
