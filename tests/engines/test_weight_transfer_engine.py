@@ -93,6 +93,7 @@ def test_a_version_broadcast_over_gloo_serves_what_the_same_weights_from_disk_se
         print(f"\nsender: {stats}")
         assert stats["tensors"] == len(sizes) and stats["bytes"] == expected_bytes
 
+        assert not pushed.is_paused()  # the sender paused the scheduler for the update and resumed it
         after = greedy(pushed.url)
         assert [t for t, _ in after] == [t for t, _ in reference]
         for (_, got), (_, want) in zip(after, reference, strict=True):

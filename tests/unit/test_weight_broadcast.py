@@ -33,7 +33,9 @@ class StandInServer:
             def do_POST(self):  # noqa: N802
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n)) if n else None
-                route = self.path.strip("/")
+                route, _, query = self.path.strip("/").partition("?")
+                if route == "pause":
+                    assert query == "mode=keep"  # frozen, not aborted
                 outer.calls.append(route)
                 out = getattr(outer, route)(body)
                 data = json.dumps(out or {}).encode()
@@ -63,6 +65,12 @@ class StandInServer:
         self.group = dist.ProcessGroupGloo(
             dist.PrefixStore(GROUP_PREFIX, store), self.rank, info["world_size"], timeout
         )
+
+    def pause(self, body):
+        pass
+
+    def resume(self, body):
+        pass
 
     def start_weight_update(self, body):
         pass
@@ -109,9 +117,11 @@ def test_the_sender_broadcasts_every_tensor_to_every_worker_through_the_update_r
             expected = [
                 "collective_rpc",
                 "init_weight_transfer_engine",
+                "pause",
                 "start_weight_update",
                 "update_weights",
                 "finish_weight_update",
+                "resume",
                 "shutdown_weight_transfer_engine",
             ]
             assert w.calls == expected
