@@ -14,7 +14,10 @@ GPUs' departures at their deadlines):
 ``T_steady`` is the plan's completion as if its moves were instant, ``T_plan`` with them; the horizon is
 ``snapshot.horizon_s`` or ``T0``. A plan runs only if ``gain - delay - risk`` beats ``MARGIN_S`` and
 ``MIN_RELATIVE_GAIN`` of ``T0`` (a relative band: the model is not finer, and a band stops borrow/return
-or ratio flapping). No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``.
+or ratio flapping); of those, the one with the largest net gain, then the fewest moves, then the first budget.
+No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``. Candidates are priced most promising
+first, and one whose gain with instant moves is already below a net gain priced is not priced further (the
+delay and the risks only lower it): the plan chosen is the one pricing every candidate whole would choose.
 
 Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and lent GPUs go back once the
 batch is predicted to end within a return's time, or as soon as they no longer pay: when the batch predicted
@@ -35,8 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from pearlctl.planner import budget, plan, view
-from pearlctl.planner.choose import choose_workers, worker_groups
+from pearlctl.planner import budget, diff, plan, view
+from pearlctl.planner.choose import Choice, choose_workers, worker_groups
 from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
 
 NAME = "pearl"
@@ -95,7 +98,8 @@ def decide(snapshot: Snapshot) -> Plan | None:
         ("+ elastic + borrow", workers(elastic=True, borrow=True)),
     )
     threshold = max(MARGIN_S, MIN_RELATIVE_GAIN * baseline)
-    best: tuple[float, Plan] | None = None
+    # The candidates, in the order of the budgets above (a target two budgets share keeps the first's label).
+    candidates: list[tuple[int, str, Choice]] = []
     tried = set()
     for label, by_pool in budgets:
         choice = choose_workers(s, by_pool, modes=modes)
@@ -106,12 +110,33 @@ def decide(snapshot: Snapshot) -> Plan | None:
         # plan that could not clear the threshold even for free.
         if baseline - choice.seconds < threshold:
             continue
+        candidates.append((len(candidates), label, choice))
+
+    # Each candidate's net gain. The most promising (the fastest steady prediction) is priced first; a later
+    # one whose gain with instant moves — which its net gain never exceeds: the delay and the risks are never
+    # negative — is below a net gain already priced cannot be the best, and its moving time is not priced.
+    # The choice below is made in the budgets' order, so it is the one pricing every candidate would make.
+    priced: dict[int, tuple[float, Plan]] = {}
+    best_net = -math.inf
+    for index, label, choice in sorted(candidates, key=lambda c: c[2].seconds):
         d = choice.deployment
         shape = f"{d.mode.value} {d.workers}w" + (f" ({d.prefill}P:{d.decode}D)" if d.prefill else "")
-        candidate = plan.make(s, choice.target, why=f"pearl: {label}, {shape}", predicted_now_s=keep.predicted_now_s)
-        if candidate.empty:
+        planned = diff.moves(s, choice.target)
+        if not planned:
             continue
-        net = _net_gain(s, candidate, d, baseline, horizon)
+        steady = plan.timeline_s(s, planned, instant=True)
+        if math.isfinite(baseline) and _gain(baseline, steady, horizon) < best_net:
+            continue
+        why = f"pearl: {label}, {shape}"
+        candidate = plan.make(s, choice.target, why=why, predicted_now_s=keep.predicted_now_s, planned=planned)
+        net = _net_gain(s, candidate, d, baseline, horizon, steady=steady)
+        priced[index] = (net, candidate)
+        if net > best_net:
+            best_net = net
+
+    best: tuple[float, Plan] | None = None
+    for index in sorted(priced):
+        net, candidate = priced[index]
         if best is None or net > best[0] or (net == best[0] and len(candidate.moves) < len(best[1].moves)):
             best = (net, candidate)
 
@@ -143,14 +168,21 @@ def _lend_ahead(s: Snapshot) -> bool:
     return s.trainer.wait_left_s >= 2 * moving
 
 
-def _net_gain(s: Snapshot, candidate: Plan, deployment: Deployment, baseline: float, horizon: float) -> float:
-    """gain - delay - risk, in seconds of batch time (see the module doc)."""
-    steady = plan.timeline_s(s, candidate.moves, instant=True)
+def _gain(baseline: float, steady: float, horizon: float) -> float:
+    """The speed-up of a plan whose moves are instant, counted over the horizon only (see the module doc)."""
+    return (baseline - steady) * (min(1.0, horizon / baseline) if baseline > 0 else 0.0)
+
+
+def _net_gain(
+    s: Snapshot, candidate: Plan, deployment: Deployment, baseline: float, horizon: float, *, steady: float
+) -> float:
+    """gain - delay - risk, in seconds of batch time (see the module doc). ``steady``: the candidate's completion
+    with instant moves (``plan.timeline_s(s, candidate.moves, instant=True)``)."""
     if not math.isfinite(candidate.predicted_s):
         return -math.inf
     if not math.isfinite(baseline):
         return math.inf  # nothing serves now: any plan that serves beats waiting
-    gain = (baseline - steady) * (min(1.0, horizon / baseline) if baseline > 0 else 0.0)
+    gain = _gain(baseline, steady, horizon)
     delay = max(0.0, candidate.predicted_s - steady)
     return gain - delay - _preemption_risk(s, candidate, deployment, horizon) - _late_return_risk(s, candidate)
 

@@ -98,10 +98,15 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
         to = Role.TRAIN if p == "trainer" else Role.IDLE
         out += [move(g, kind, to) for g in leaving]
 
-    # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short.
-    slots: list[Role] = []
+    # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short: the
+    # slots, in order, are runs of one role each (ROLLOUT, PREFILL, DECODE), as (role, first, end) here.
+    runs: list[tuple[Role, int, int]] = []
+    end = 0
     for r in _ROLES:
-        slots += [r] * max(0, wanted_roles[r] - kept_roles[r])
+        short = max(0, wanted_roles[r] - kept_roles[r])
+        if short:
+            runs.append((r, end, end + short))
+            end += short
     over = {r: max(0, kept_roles[r] - wanted_roles[r]) for r in _ROLES}
     switching: list[GpuSlot] = []
     if any(over.values()):
@@ -111,18 +116,23 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
                 over[g.role] -= 1
                 switching.append(g)
 
-    slot = iter(slots)
+    # The pools' new GPUs take the slots in order (POOLS' order, each pool's best candidates first), then the
+    # switchers: each new GPU's move (BORROW, WAKE or START) is ``view.adds``'.
+    at = 0
     for p in POOLS:
-        if not add_n[p]:
+        n = add_n[p]
+        if not n:
             continue
-        if p == "trainer":
-            out += [move(g, MoveKind.BORROW, next(slot)) for g in candidates[p][: add_n[p]]]
-        else:
-            out += [
-                move(g, MoveKind.WAKE if g.parked else MoveKind.START, next(slot)) for g in candidates[p][: add_n[p]]
-            ]
-    for g in switching:
-        out.append(move(g, MoveKind.SWITCH, next(slot)))
+        for r, first, stop in runs:
+            lo, hi = max(first, at), min(stop, at + n)
+            if lo < hi:
+                out += v.adds(p, r, lo - at, hi - at)
+        at += n
+    if switching:
+        roles = [r for r, first, stop in runs for _ in range(stop - first)]
+        for g in switching:
+            out.append(move(g, MoveKind.SWITCH, roles[at]))
+            at += 1
     # in _ORDER, then by GPU (a stable sort by kind and GPU, one kind at a time)
     by_kind: dict[MoveKind, list[Move]] = {kind: [] for kind in _KINDS}
     for m in out:

@@ -28,11 +28,19 @@ _DEPARTURE_GRID = 16  # departures rounded down to 1/16 of the batch's time
 Key = tuple[str, str, Role]  # (node, pool, role)
 
 
-def make(snapshot: Snapshot, target: Target, why: str = "", *, predicted_now_s: float | None = None) -> Plan:
+def make(
+    snapshot: Snapshot,
+    target: Target,
+    why: str = "",
+    *,
+    predicted_now_s: float | None = None,
+    planned: tuple[Move, ...] | None = None,
+) -> Plan:
     """The plan from the current assignment to ``target`` (clipped to what the pool rules allow).
     ``predicted_now_s``: the completion without a plan, when the caller already has it (a policy pricing
-    several targets against one snapshot)."""
-    planned = moves(snapshot, target)
+    several targets against one snapshot); ``planned``: ``moves(snapshot, target)``, when the caller has it."""
+    if planned is None:
+        planned = moves(snapshot, target)
     if predicted_now_s is None:
         predicted_now_s = timeline_s(snapshot, ())
     return Plan(
@@ -55,14 +63,17 @@ def current_deployment(snapshot: Snapshot) -> Deployment:
 def current_target(snapshot: Snapshot) -> Target:
     """The current assignment as a target: ``make(snapshot, current_target(snapshot))`` moves only what must
     move anyway (lent GPUs due back)."""
-    by_pool = view.of(snapshot).serving
-    serving = [g for p in POOLS for g in by_pool[p]]
-    roles = Counter(g.role for g in serving)
+    v = view.of(snapshot)
+    by_pool = v.serving
+    serving = sum(len(by_pool[p]) for p in POOLS)
+    roles: Counter[Role] = Counter()
+    for (_, role), count in v.serving_roles.items():
+        roles[role] += count
     disaggregated = roles[Role.PREFILL] or roles[Role.DECODE]
     mode = Mode.DISAGGREGATED if disaggregated else (Mode.COLOCATED if serving else snapshot.mode)
     return Target(
         mode=mode,
-        rollout_gpus=len(serving),
+        rollout_gpus=serving,
         prefill_gpus=roles[Role.PREFILL],
         lend=len(by_pool["trainer"]),
         elastic=len(by_pool["elastic"]),

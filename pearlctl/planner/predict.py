@@ -224,10 +224,16 @@ def _steady(
         batch = hi  # more would decode if they could: the cap binds (or every trajectory decodes)
         capped = hi < per_worker
     else:
+        # g(mid) > mid, with it(mid) computed once per step and the constant products hoisted: the same
+        # floating-point operations in the same order as per_worker * decode_tokens * it(mid) / cycle(mid)
         lo = 0.0
+        waits = tool_s + own_prefill
+        demand = per_worker * decode_tokens
         for _ in range(_BISECTIONS):
             mid = 0.5 * (lo + hi)
-            if per_worker * decode_tokens * it(mid) / cycle(mid) > mid:
+            i = itl(mid) + mid * steal
+            c = max(waits + decode_tokens * i, floor)
+            if demand * i / c > mid:
                 lo = mid
             else:
                 hi = mid

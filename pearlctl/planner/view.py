@@ -11,6 +11,10 @@ the code without it computed (tests/unit/test_planner_recorded.py checks decisio
 before the view existed). Only the most recent snapshot's view is kept (a strong reference, compared by
 identity, so a new snapshot never meets an old snapshot's view): the daemon and the simulator build a new
 snapshot for every decision.
+
+Moves are made once per snapshot too: ``move`` for returns, retires and switches, ``adds`` for the GPUs a
+target brings up (prefixes of the same best-first candidates, whichever target asks), each with its change to
+the current assignment's timeline (``changes``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from functools import cached_property
+from itertools import chain, repeat
+from operator import is_, itemgetter
 
 from pearlctl.planner import budget
 from pearlctl.planner.model import SERVING, Deployment, GpuSlot, Move, MoveKind, Role, Snapshot
@@ -34,6 +40,9 @@ _SERVING = frozenset(SERVING)
 Key = tuple[str, str, Role]  # (node, pool, role): GPUs counted into workers per key
 
 _last: tuple[Snapshot, View] | None = None
+_UNKNOWN = (None, (), (), ())  # a move whose change is not worked out yet
+_first = itemgetter(0)
+_PARTS = (itemgetter(1), itemgetter(2), itemgetter(3))  # a move's (taken, cancelled, added)
 _new = object.__new__
 
 
@@ -58,6 +67,7 @@ class View:
         self._leave_order: dict[str, list[GpuSlot]] = {}
         self._move_changes: dict[int, tuple] = {}
         self._moves: dict[tuple[int, MoveKind, Role], Move] = {}
+        self._adds: dict[tuple[str, Role], list[Move]] = {}
         self._changes: tuple[tuple[Move, ...], tuple[Counter, Counter, Counter]] | None = None
         now, costs = s.now, s.costs
         slack = budget.RETURN_SLACK_S
@@ -69,6 +79,9 @@ class View:
         lend_limit = trainer_due - slack - return_s  # budget.lendable: borrowed and back with the slack
         start_by = {True: now + costs.wake_s + slack, False: now + costs.start_s + slack}  # budget.may_start
         borrow_by = self._borrow_by = {True: costs.borrow_s(warm=True), False: costs.borrow_s(warm=False)}
+        # (kind, cost) of bringing up an idle GPU (``adds``), by whether a worker is parked on it
+        self._wake_or_start = {True: (MoveKind.WAKE, costs.wake_s), False: (MoveKind.START, costs.start_s)}
+        self._lend = {parked: (MoveKind.BORROW, cost) for parked, cost in borrow_by.items()}
         self._cost_by_kind = {
             MoveKind.RETURN: costs.return_s(park=True),
             MoveKind.WAKE: costs.wake_s,
@@ -124,6 +137,12 @@ class View:
         # when its return must start.
         serving_gpus = [g for p in POOLS for g in serving[p]]
         base_serving = Counter([(g.node, g.pool, g.role) for g in serving_gpus])
+        # serving GPUs per (pool, role), from the few hundred worker keys rather than the thousands of GPUs
+        serving_roles: Counter[tuple[str, Role]] = Counter()
+        for (_, pool, role), count in base_serving.items():
+            serving_roles[(pool, role)] += count
+        self.serving_roles = serving_roles
+        self._other_pools = len(planned) != len(s.gpus)  # GPUs of pools not planned here (reward)
         departures: Counter[tuple[float, float, Key]] = Counter()
         for g in serving_gpus:
             if g.ends_at is not None or (g.pool == "trainer" and g.borrowed):
@@ -143,7 +162,8 @@ class View:
         self._lendable = lendable
 
     def move(self, g: GpuSlot, kind: MoveKind, to: Role) -> Move:
-        """The move of ``g`` (each move made once per snapshot: several targets share most of their moves)."""
+        """The move of ``g`` (each move made once per snapshot: several targets share most of their moves). The
+        moves that bring GPUs up (BORROW, WAKE, START) are ``adds``'."""
         key = (id(g), kind, to)
         m = self._moves.get(key)
         if m is None:
@@ -162,6 +182,43 @@ class View:
             self._moves[key] = m
         return m
 
+    def adds(self, pool: str, role: Role, start: int, stop: int) -> list[Move]:
+        """The moves that bring up ``pool``'s candidates ``[start:stop]`` in ``role``: lendable trainer GPUs
+        borrowed, startable rollout or elastic GPUs woken (parked) or started, in ``lendable`` and
+        ``startable(pool)`` order. The moves of a prefix are made once per snapshot (the targets a decision
+        prices bring up prefixes of the same candidates), each with its change to the timeline (``changes``):
+        these GPUs serve nothing now, so a move only adds its GPU in ``role`` once it is done."""
+        made = self._adds.get((pool, role))
+        if made is None:
+            made = self._adds[(pool, role)] = []
+        if len(made) < stop:
+            now, lent_due, trainer_due = self.s.now, self.lent_due_s, self.trainer_due
+            memo = None if self._twins is not None else self._move_changes  # (twins: ``_change`` adds them all)
+            serves = role in _SERVING
+            if pool == "trainer":
+                gpus, cost_of = self.lendable[len(made) : stop], self._lend
+            else:
+                gpus, cost_of = self._sorted_startable[pool][len(made) : stop], self._wake_or_start
+            borrow = pool == "trainer"
+            for g in gpus:
+                # Move(g.id, kind, g.role, role, cost), as ``move`` makes it
+                kind, cost = cost_of[g.parked]
+                m = _new(Move)
+                d = m.__dict__
+                d["gpu"], d["kind"], d["from_role"], d["to_role"], d["cost_s"] = g.id, kind, g.role, role, cost
+                made.append(m)
+                if memo is not None:  # ``_change(g.id, m)``
+                    ends = g.ends_at
+                    leave = ends - now if ends is not None else None
+                    if borrow:
+                        due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
+                        leave = due if leave is None else min(leave, due)
+                    if serves and (leave is None or not leave <= -math.inf):
+                        memo[id(m)] = (m, (), (), (((g.node, pool, role), leave, cost),))
+                    else:
+                        memo[id(m)] = (m, (), (), ())
+        return made[start:stop]
+
     def changes(self, planned: Iterable[Move]) -> tuple[Counter, Counter, Counter]:
         """What ``planned`` changes in the current assignment's timeline: the serving GPUs it takes away (per
         worker key), their departures it cancels (per (leaves, 0.0, key)), and the GPUs it brings in (per
@@ -170,21 +227,17 @@ class View:
         last = self._changes
         if last is not None and last[0] is planned:
             return last[1]
-        moving = {m.gpu: m for m in planned}
-        taken: list[Key] = []
-        cancelled: list[tuple[float, float, Key]] = []
-        added: list[tuple[Key, float | None, float]] = []
+        moving = list({m.gpu: m for m in planned}.values())
         # Each move's change is worked out once per snapshot (several plans share most of their moves): by
-        # the move's identity, the move kept with it so that its id is not reused.
+        # the move's identity, the move kept with it so that its id is not reused. (Looked up, checked and
+        # summed with the iterator built-ins: a plan has thousands of moves.)
         memo = self._move_changes
-        for gid, m in moving.items():
-            change = memo.get(id(m))
-            if change is None or change[0] is not m:
-                change = memo[id(m)] = (m, *self._change(gid, m))
-            taken += change[1]
-            cancelled += change[2]
-            added += change[3]
-        out = (Counter(taken), Counter(cancelled), Counter(added))
+        changes = list(map(memo.get, map(id, moving), repeat(_UNKNOWN)))
+        if not all(map(is_, map(_first, changes), moving)):
+            for i, m in enumerate(moving):
+                if changes[i][0] is not m:
+                    changes[i] = memo[id(m)] = (m, *self._change(m.gpu, m))
+        out = tuple(Counter(chain.from_iterable(map(part, changes))) for part in _PARTS)
         if isinstance(planned, tuple):
             self._changes = (planned, out)
         return out
@@ -253,7 +306,9 @@ class View:
     @cached_property
     def serving_count(self) -> int:
         """GPUs serving now, every pool."""
-        return sum(1 for g in self.s.gpus if g.role in _SERVING)
+        if self._other_pools:
+            return sum(1 for g in self.s.gpus if g.role in _SERVING)
+        return sum(len(gpus) for gpus in self.serving.values())
 
     # -- predictions ---------------------------------------------------------------------------------
 
@@ -329,7 +384,10 @@ class View:
     @cached_property
     def staying_roles(self) -> dict[tuple[str, Role], int]:
         """How many ``staying`` GPUs hold each (pool, role)."""
-        have = Counter((g.pool, g.role) for p in POOLS for g in self.staying[p])
+        have = self.serving_roles
+        if self.forced:  # (``staying``: by id)
+            forced = {g.id for g in self.forced}
+            have = have - Counter([(g.pool, g.role) for g in self.serving["trainer"] if g.id in forced])
         return {(p, r): have[(p, r)] for p in POOLS for r in SERVING}
 
     def startable(self, pool: str) -> list[GpuSlot]:
