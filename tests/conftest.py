@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,9 @@ def _trace_wait(started: float) -> None:
 SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in one group, in order
 NICE = 10  # the CPU niceness of the other tests while the serial group runs beside them
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's xdist worker ("gw0", ...); None without xdist
+# this pytest run, inherited by every process its tests start (xdist's workers inherit the controller's): which
+# stray routers are this run's to stop (no_router_outlives_its_test), never another run's on the same machine
+SESSION = os.environ.setdefault("PEARL_TEST_SESSION", uuid.uuid4().hex)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -211,19 +215,22 @@ def _cpu_priority(request: pytest.FixtureRequest) -> None:
             pass
 
 
-def _started_by_another_worker(pid: int) -> bool:
-    """Whether process ``pid`` inherited another xdist worker's PYTEST_XDIST_WORKER (it is that worker's test's)."""
+def _started_here(pid: int) -> bool:
+    """Whether process ``pid`` was started under this pytest process: it inherited this session's
+    PEARL_TEST_SESSION and this xdist worker's PYTEST_XDIST_WORKER (none without xdist). A router of another
+    pytest run on this machine, or of another worker of this one, is never ours."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    theirs = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"PYTEST_XDIST_WORKER=")), None)
-    return theirs is not None and theirs.decode() != WORKER
+    env = dict(e.split(b"=", 1) for e in environ if b"=" in e)
+    worker = env.get(b"PYTEST_XDIST_WORKER")
+    return env.get(b"PEARL_TEST_SESSION") == SESSION.encode() and (worker.decode() if worker else None) == WORKER
 
 
 def router_gateways() -> set[int]:
     """Pids of this machine's run-router gateways (``python -m pearlctl.router``) that this pytest process's tests
-    may have started (under xdist, not another worker's)."""
+    may have started: never another pytest run's, nor (under xdist) another worker's."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -232,7 +239,7 @@ def router_gateways() -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"pearlctl.router" in argv and b"-m" in argv and not _started_by_another_worker(int(entry.name)):
+        if b"pearlctl.router" in argv and b"-m" in argv and _started_here(int(entry.name)):
             pids.add(int(entry.name))
     return pids
 
