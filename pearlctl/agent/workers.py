@@ -28,7 +28,28 @@ from pearlctl.trainer.weights import stored_version
 
 log = logging.getLogger("pearlctl.agent")
 
+# A worker that fails is restarted after RESTART_BACKOFF_S, and each further failure before it is READY doubles
+# the wait, up to RESTART_BACKOFF_MAX_S: an engine that cannot start (a bad engine argument, a missing model)
+# does not reload the model every few seconds for ever. A worker that reached READY starts the count afresh.
 RESTART_BACKOFF_S = 10.0
+RESTART_BACKOFF_MAX_S = 300.0
+
+
+def restart_wait(failures: int) -> float:
+    """Seconds before the restart that follows ``failures`` failures in a row (1 for the first)."""
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, failures - 1))
+
+
+def _log_end(path: Path) -> str:
+    """The last non-empty line of a log, for a one-line failure note."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return f"(no log at {path})"
+    return f"log {path} ends: {lines[-1].strip()[:300]}" if lines else f"log {path} is empty"
 
 
 def engine_device() -> str:
@@ -81,6 +102,8 @@ class WorkerHandle(Protocol):
     def stop(self, drain_timeout: float) -> None: ...
 
     def report(self) -> dict: ...
+
+    def failure(self) -> str: ...
 
 
 def identity(handle: WorkerHandle) -> dict:
@@ -258,6 +281,10 @@ class VllmWorker:
             "weight_version": self.weight_version,
         }
 
+    def failure(self) -> str:
+        """Why the server is not running: its exit status and the end of its log."""
+        return f"exit {self.server.returncode}; {_log_end(self.server.log_path)}"
+
 
 class CommandWorker:
     """A worker that is a plain command in its own process group (trainer ranks: torchrun/deepspeed)."""
@@ -317,6 +344,10 @@ class CommandWorker:
     def report(self) -> dict:
         return {**identity(self), "pid": self.proc.pid if self.proc else None}
 
+    def failure(self) -> str:
+        """Why the command is not running: its exit status and the end of its log."""
+        return f"exit {self.proc.returncode if self.proc else None}; {_log_end(self.log_path)}"
+
 
 def weight_store(me: Identity) -> Path:
     """This node's store of the run's trainer weights (``<version>/``, the export's layout, pearlctl.trainer.
@@ -346,7 +377,9 @@ class Reconciler:
         self.drain_timeout = drain_timeout
         self.workers: dict[str, WorkerHandle] = {}
         self.retiring: dict[str, WorkerHandle] = {}
-        self.failed_at: dict[str, float] = {}
+        self.failed_at: dict[str, float] = {}  # key -> when its current failure was seen (monotonic)
+        self.failures: dict[str, int] = {}  # key -> failures in a row since it was last READY
+        self.clock = time.monotonic
         self.return_file = return_file(me)
         self.lent: dict[str, dict] = {}  # key -> its desired entry, for workers on lent GPUs (with deadlines)
         self.returned: dict[str, float] = {}  # key -> the deadline of a lending this agent ended itself
@@ -397,15 +430,28 @@ class Reconciler:
         for key in list(self.workers):
             if key not in wanted:
                 self.retire(key)
-        now = time.monotonic()
+        now = self.clock()
         for key, want in wanted.items():
             handle = self.workers.get(key)
             if want.get("state") == "SLEEPING":
                 if isinstance(handle, VllmWorker):  # parked on trainer GPUs: asleep until the next borrow
                     handle.park(self.drain_timeout)
                 continue  # nothing running under that key: nothing to park
-            if handle is not None and handle.state() == "FAILED":
-                if now - self.failed_at.setdefault(key, now) < RESTART_BACKOFF_S:
+            state = handle.state() if handle is not None else None
+            if state == "READY":
+                self.failures.pop(key, None)
+            if state == "FAILED":
+                if key not in self.failed_at:
+                    self.failed_at[key] = now
+                    self.failures[key] = self.failures.get(key, 0) + 1
+                    log.warning(
+                        "worker %s failed (%s); failure %d in a row, restarting in %.0fs",
+                        key,
+                        handle.failure(),
+                        self.failures[key],
+                        restart_wait(self.failures[key]),
+                    )
+                if now - self.failed_at[key] < restart_wait(self.failures[key]):
                     continue
                 log.warning("restarting failed worker %s", key)
                 self.workers.pop(key)
