@@ -24,6 +24,7 @@ from typing import Protocol
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.identity import Identity
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
+from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
 
 log = logging.getLogger("pearlctl.agent")
@@ -222,16 +223,23 @@ class VllmWorker:
         if not weights or weights.get("version") in (None, self.weight_version) or self.state() != "READY":
             return
         version = str(weights["version"])
-        if self.receives_broadcast and self._pushed_version() == version:
-            self.weight_version = version
-            log.warning("worker %s now serves weights %s from the trainer's broadcast (no reload)", self.key, version)
-            return
+        paused = False
+        if self.receives_broadcast:
+            if self._pushed_version() == version:
+                self.weight_version = version
+                log.warning(
+                    "worker %s now serves weights %s from the trainer's broadcast (no reload)", self.key, version
+                )
+                return
+            paused = self._end_failed_broadcast()
         local = self.store / version if self.store is not None else None
         source, path = "shared disk", weights["path"]
         if local is not None and stored_version(local) == version:
             source, path = "node-local store", str(local)
         seconds = self.server.reload_weights(path)
         self.server.set_weight_version(version)
+        if paused:  # left paused by a broadcast that failed: it serves again, on the version just reloaded
+            self.server.resume()
         self.weight_version = version
         log.warning(
             "worker %s now serves weights %s from the %s %s (reload %.3fs)", self.key, version, source, path, seconds
@@ -245,6 +253,23 @@ class VllmWorker:
         except EngineError as exc:
             log.warning("worker %s: cannot read its weight version (%s): reloading from a file", self.key, exc)
             return None
+
+    def _end_failed_broadcast(self) -> bool:
+        """Before a file reload on a worker with the receiver: finish a weight update a sender started and did
+        not finish (vLLM's reload fails while one is open), and say whether the scheduler is paused (a sender
+        pauses it for the update and resumes it only after a whole one: a READY worker is paused by nothing else).
+        The version's file reload then replaces whatever mix of versions the failure left."""
+        try:
+            info = self.server._json(
+                "POST", "/collective_rpc", body={"method": BROADCAST_INFO_RPC, "timeout": 30}, timeout=40
+            )
+            if any((r or {}).get("update_active") for r in (info or {}).get("results", [])):
+                self.server._call("POST", "/finish_weight_update", body={}, timeout=300)
+                log.warning("worker %s: finished a weight update its sender left open", self.key)
+            return self.server.is_paused()
+        except EngineError as exc:
+            log.warning("worker %s: cannot check for a failed broadcast (%s)", self.key, exc)
+            return False
 
     def stop(self, drain_timeout: float) -> None:
         """Drain, then stop, all within ``drain_timeout`` (the agent's ``PEARL_DRAIN_TIMEOUT_S``, from the

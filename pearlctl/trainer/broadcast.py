@@ -22,8 +22,8 @@ Guarantees:
   do after the agent's ``reload_weights``.
 - **A failure leaves the label and the pause.** When a step fails, ``send`` raises `TransferError` and does not
   resume: the worker keeps its old version's label, so the agent's ``sync_weights`` (pearlctl.agent.workers) will
-  not take the version as broadcast and reloads it from a file (the disk path stays the fallback). Resuming such
-  a worker is not automated yet (docs/weights.md).
+  not take the version as broadcast: it finishes an update left open, reloads the version from a file (the disk
+  path stays the fallback) and resumes the worker, which until then serves nothing (docs/weights.md).
 - **Fails fast on a server without the engine**: ``connect`` asks each worker which transfer backend it has
   (``/collective_rpc pearl_weight_transfer_info``) before any rendezvous, and refuses one without ``pearl_gloo``.
 - **No file is written or read**: the bytes go from the trainer's memory to the worker's parameters.

@@ -161,12 +161,35 @@ def test_server_engine_args_give_a_vllm_server_the_receiver():
 
 
 class LabelledServer:
-    """A worker's server seam: the label the server reports, and the reloads it was asked for."""
+    """A worker's server seam: the label the server reports, its receiver's state, and what it was asked."""
 
-    def __init__(self, label: str | None):
+    def __init__(self, label: str | None, *, update_active: bool = False, paused: bool = False):
         self.label = label
+        self.update_active = update_active
+        self.paused = paused
         self.reloaded: list[str] = []
         self.asked = 0
+        self.calls: list[str] = []
+
+    def _json(self, method, path, body=None, timeout=None):
+        assert (method, path, body["method"]) == ("POST", "/collective_rpc", "pearl_weight_transfer_info")
+        if self.label is None:
+            raise EngineError("POST /collective_rpc: no answer")
+        return {"results": [{"backend": BACKEND, "update_active": self.update_active}]}
+
+    def _call(self, method, path, body=None, timeout=None):
+        assert (method, path) == ("POST", "/finish_weight_update")
+        assert self.update_active, "finish only a session a sender left open"
+        self.update_active = False
+        self.calls.append("finish")
+
+    def is_paused(self):
+        return self.paused
+
+    def resume(self):
+        assert self.reloaded, "resumed before the version was reloaded"
+        self.paused = False
+        self.calls.append("resume")
 
     def weight_version(self):
         self.asked += 1
@@ -175,7 +198,9 @@ class LabelledServer:
         return self.label
 
     def reload_weights(self, path):
+        assert not self.update_active, "vLLM's reload fails while a weight update is open"
         self.reloaded.append(str(path))
+        self.calls.append("reload")
         return 0.01
 
     def set_weight_version(self, version):
@@ -213,3 +238,23 @@ def test_a_worker_without_the_receiver_never_asks_its_server_for_a_pushed_versio
     w.server = LabelledServer("3")
     w.sync_weights({"version": "3", "path": str(tmp_path / "disk" / "3")})
     assert w.server.asked == 0 and w.server.reloaded == [str(tmp_path / "disk" / "3")]
+
+
+def test_after_a_broadcast_that_failed_a_worker_finishes_the_open_update_reloads_from_disk_and_resumes(
+    tmp_path, monkeypatch
+):
+    w = worker(tmp_path, monkeypatch, server_engine_args())
+    # the sender died between /start_weight_update and /finish_weight_update: old label, paused, update open
+    w.server = LabelledServer("3", update_active=True, paused=True)
+    w.weight_version = "3"
+    w.sync_weights({"version": "4", "path": str(tmp_path / "disk" / "4")})
+    assert w.server.calls == ["finish", "reload", "resume"]
+    assert w.server.reloaded == [str(tmp_path / "disk" / "4")] and w.server.label == "4" and not w.server.paused
+    # receiving failed inside the worker (the receiver closed the update itself): reload, then resume
+    w.server = LabelledServer("4", paused=True)
+    w.sync_weights({"version": "5", "path": str(tmp_path / "disk" / "5")})
+    assert w.server.calls == ["reload", "resume"]
+    # a worker that is not paused is not resumed
+    w.server = LabelledServer("5")
+    w.sync_weights({"version": "6", "path": str(tmp_path / "disk" / "6")})
+    assert w.server.calls == ["reload"]

@@ -20,6 +20,11 @@ Guarantees:
 - Every received version is logged by the worker with its size and time ("received ... over gloo"), and
   ``POST /collective_rpc {"method": "pearl_weight_transfer_info"}`` returns the backend, the last
   transfer's counts and the model path the worker loaded from (which a disk reload would change).
+- **A failed transfer leaves a model a file reload can fix**: when receiving fails, vLLM's layerwise reload
+  is closed (the layers not received keep their old tensors) and the error is raised; the server's label stays the
+  old version. ``update_active`` in ``pearl_weight_transfer_info`` tells an agent that a sender died between
+  ``/start_weight_update`` and its ``/finish_weight_update`` (pearlctl.agent.workers ``sync_weights`` then
+  finishes it before its reload).
 - Needs no accelerator: unlike vLLM's base ``update_weights`` it does not call ``torch.accelerator.synchronize()``
   (gloo's ``wait()`` returns with the bytes in place), which a CPU-only torch refuses.
 """
@@ -107,7 +112,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base class ends with torch.accelerator.synchronize(), which raises without an accelerator
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # The worker ends the update session on this error (no /finish_weight_update can follow), but vLLM's
+            # layerwise reload would stay open, with the layers not yet received on the meta device, and a later
+            # reload_weights from disk fails ("'Parameter' object has no attribute 'weight_loader'"). Closing it
+            # puts back the old tensors of the layers not received: the model holds a mix of versions, under the
+            # old label, until the agent reloads the version from a file.
+            try:
+                self.finish_weight_update()
+            except Exception:
+                logger.exception("pearl_gloo weight transfer: closing the layerwise reload after a failure failed")
+            logger.error("pearl_gloo weight transfer failed: the model holds a mix of versions until reloaded")
+            raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
@@ -145,6 +163,8 @@ class PearlWeightTransferExtension:
             "backend": cfg.backend if cfg is not None else None,
             "engine": type(engine).__name__ if engine is not None else None,
             "initialized": getattr(engine, "group", None) is not None,
+            # a /start_weight_update without its /finish_weight_update (a sender that died in between)
+            "update_active": bool(getattr(self, "_weight_update_active", False)),
             "last": getattr(engine, "last", None),
             "model": self.vllm_config.model_config.model,  # type: ignore[attr-defined]  # a disk reload changes it
         }
