@@ -21,6 +21,24 @@ from the journal) and answers with a ``Plan``.
 The return deadline comes from the trainer's own report: when it said it would wait, plus how long it
 said. Whether a return met its deadline is journaled (``deadline met`` / ``deadline missed`` with the
 lateness) and counted in the metrics.
+
+The policy is asked only when its answer may differ from the last one it gave (the tick's own rules — open
+transitions, lent GPUs due back — run every tick). A policy is a pure function of the snapshot, and the
+snapshot is a function of what it is built from (its inputs: the GPUs' pools, roles, parked workers and
+return deadlines, the rollout driver's work, the trainer's phase and the time its report says it waits
+until, the profile and its learned correction, the transition costs, the last transition's time, the
+borrowing settings) and of the clock. The clock enters through deadlines only — a lent GPU's return, the
+trainer's wait, the mode-flip dwell — so with the inputs unchanged a tick re-decides when:
+
+- ``REDECIDE_S`` (5 s) have passed since the last decision: a decision that waits on the clock alone (a
+  dwell ending, a borrow that stops paying as its return nears) comes at most that late;
+- a lent GPU's return must start within ``REDECIDE_S`` plus the return's running cost and the slack: then
+  the policy is asked every tick, as it was before, so that it returns lent GPUs by its own rule and never
+  waits for the tick's deadline rule.
+
+Otherwise the tick skips the decision: the same inputs gave the last plan, and that plan was carried out
+(a plan whose transitions ran has changed the GPUs or opened transitions, both of which decide again).
+A tick that fails after deciding forgets the decision, so the next one decides again.
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ from dataclasses import asdict, replace
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
+from pearlctl.planner.budget import RETURN_SLACK_S
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Plan, Role, Snapshot, Trainer, Work
 from pearlctl.planner.predict import completion_s
@@ -64,6 +83,7 @@ UNMEASURED = Profile(
 
 
 _PD = (Role.PREFILL, Role.DECODE)
+REDECIDE_S = 5.0  # with unchanged inputs, the policy decides again at least this often (see the module doc)
 # a transition per move kind; the variants: a warm borrow wakes a parked worker, a return or a rollout
 # GPU's retire parks its worker asleep when workers are kept warm (an elastic GPU's worker stops: its
 # allocation may be preempted)
@@ -130,6 +150,10 @@ class Borrowing:
         # several times, and at 4,096 GPUs each read or rebuild costs milliseconds (read-only: never modified)
         self._rows: tuple[tuple[int, int], list[dict]] | None = None
         self._slots: tuple[tuple[int, int], tuple[GpuSlot, ...]] | None = None
+        # the inputs of the last decision the tick carried out, and when it was made (``REDECIDE_S``)
+        self._decided: tuple[tuple, float] | None = None
+        self.decisions = 0  # the policy's decisions in ticks, and the ticks that skipped one (unchanged inputs)
+        self.skipped = 0
 
     def gpu_rows(self) -> list[dict]:
         """The run's GPU rows as of now (shared, read-only)."""
@@ -167,6 +191,11 @@ class Borrowing:
 
     def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
         """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
+        return self._snapshot(now, settings)[0]
+
+    def _snapshot(self, now: float, settings: dict | None = None) -> tuple[Snapshot, tuple]:
+        """``snapshot`` and its inputs: everything it is built from but the clock (see the module doc; equal
+        inputs and the same ``now`` build equal snapshots)."""
         run = self.store.get_run(self.run_id)
         settings = settings or self.settings()
         trainer = run.get("trainer") or {}
@@ -181,7 +210,7 @@ class Borrowing:
             key = correct.shape(work, _serving_workers(gpus, profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
         transitions = self.store.transitions(self.run_id, last=1)
-        return Snapshot(
+        snapshot = Snapshot(
             now=now,
             gpus=gpus,
             work=work,
@@ -192,6 +221,12 @@ class Borrowing:
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1]["created_at"] if transitions else None,
         )
+        # the clock only in ``now`` and the trainer's wait left: the inputs hold the time it waits until instead
+        # (the GPUs: one tuple per state generation, and equal tuples compare element by element)
+        timeless = replace(snapshot, now=0.0, trainer=replace(snapshot.trainer, wait_left_s=0.0))
+        waits_until = (since, wait) if wait is not None and since else None
+        inputs = (timeless, waits_until, sorted(settings.items(), key=lambda kv: kv[0]))
+        return snapshot, inputs
 
     def slots(self) -> tuple[GpuSlot, ...]:
         """The planner's view of the run's live GPUs (kept for one state generation)."""
@@ -416,7 +451,39 @@ class Borrowing:
                 why = "the trainer is waiting for its GPUs"
             elif now >= deadline - self.cost("return"):
                 why = "return deadline"
-        planned = None if why else self.decide(now, settings)
+        inputs = None
+        if why:
+            planned = None
+        else:
+            snapshot, inputs = self._snapshot(now, settings)
+            if not self._decision_due(inputs, now, lent):
+                self.skipped += 1
+                return
+            self._decided = None  # (until this decision is carried out)
+            planned = load_policy(settings["policy"]).decide(snapshot)
+            self.decisions += 1
+        self._carry_out(now, settings, planned, lent, why, deadline if lent else None)
+        if inputs is not None:
+            self._decided = (inputs, now)
+
+    def _decision_due(self, inputs: tuple, now: float, lent: list[dict]) -> bool:
+        """Whether the tick asks the policy (see the module doc): its inputs changed since the last decision
+        carried out, ``REDECIDE_S`` passed since, or a lent GPU's return must start within ``REDECIDE_S``."""
+        if self._decided is None:
+            return True
+        last, at = self._decided
+        if now - at >= REDECIDE_S or now < at or inputs != last:
+            return True
+        if lent:
+            deadline = min(g["return_deadline"] or now for g in lent)
+            return now >= deadline - self.cost("return") - RETURN_SLACK_S - REDECIDE_S
+        return False
+
+    def _carry_out(
+        self, now: float, settings: dict, planned: Plan | None, lent: list[dict], why: str | None, deadline
+    ) -> None:
+        """The tick's return of lent GPUs (``why``) and the policy's plan, as transitions."""
+        keep_warm = settings.get("keep_warm", True)
         if lent and planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
             why = f"policy: {planned.why}"
         if why:

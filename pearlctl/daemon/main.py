@@ -12,7 +12,8 @@ Invariants:
   * the **Slurm poller**: one batched poll per ``poll_interval_s``, run with no lock held (a frozen
     slurmctld blocks only this thread), folded into state under the decision lock;
   * the **control loop**: agent loss, transitions, return deadlines, the policy — every ``tick_s``, or
-    at once when a report arrives;
+    at once when a report arrives (the policy only when what it decides from changed, or at least every
+    ``borrowing.REDECIDE_S``: pearlctl.daemon.borrowing);
 - a tick or a poll that fails is isolated: its error is journaled (once per distinct error) and counted
   in ``/metrics``, and the next one runs. Only a lost lease (``StaleEpoch``: another daemon took over)
   stops the daemon, and then at once.

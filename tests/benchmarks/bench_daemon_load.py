@@ -2,7 +2,7 @@
 """Benchmark: one daemon for a 4,096-GPU run. Not a test: it prints a markdown table and the targets.
 
 The real daemon (``pearlctl.daemon.main.Daemon``: its uvicorn control API, control loop, lease renewer and
-Slurm poller, the ``pearl`` policy deciding every tick) runs in its own process against a run of 512
+Slurm poller, the ``pearl`` policy deciding in its ticks) runs in its own process against a run of 512
 allocations × 8 GPUs (a trainer pool of 64 nodes, a rollout pool of 448). The scheduler is the one thing
 not real: the backend answers every poll with all 512 tasks RUNNING (the seam the daemon's unit tests use),
 and the run's router is off (the data plane is benchmarked in bench_dataplane.py).
@@ -131,6 +131,7 @@ def daemon_main(state_db: str, out: str) -> None:
         def _tick(self, controller, borrowing):
             heartbeats["counts"] = controller.heartbeats
             heartbeats["passes"] = controller.long_polls
+            heartbeats["borrowing"] = borrowing
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return super()._tick(controller, borrowing)
@@ -144,8 +145,10 @@ def daemon_main(state_db: str, out: str) -> None:
         daemon.run()
     finally:
         passes = heartbeats["passes"].passes if "passes" in heartbeats else 0
+        policy = heartbeats.get("borrowing")
         doc = {"ticks": ticks, "tick_errors": daemon.stats.tick_errors, "heartbeats": heartbeats.get("counts", {}),
-               "passes": passes}  # fmt: skip
+               "passes": passes, "decisions": getattr(policy, "decisions", None),
+               "skipped": getattr(policy, "skipped", None)}  # fmt: skip
         Path(out).write_text(json.dumps(doc))
 
 
@@ -323,6 +326,8 @@ def main() -> int:
     rate = len(heartbeats) / wall
     print(f"heartbeats/s: {rate:.0f}; long polls woken early by a change: {agents.woken}; errors: {len(agents.errors)}")
     print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}; long-poll passes: {daemon['passes']}")
+    print(f"the policy's decisions in ticks (whole run): {daemon.get('decisions')}; skipped, inputs unchanged: "
+          f"{daemon.get('skipped')}")  # fmt: skip
     for e in agents.errors[:5]:
         print("  ", e)
     mib = 2**20
