@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from pearlctl.cli.render import slurm_id
 from pearlctl.runfiles import read_address, read_secret
 from tests.conftest import Pearlctl, alive, wait_for, write_spec
 
@@ -150,11 +151,13 @@ def test_auth_lease_registration_loss_and_restart(run, slurm_cluster):
     assert lost_at - killed_at <= 2 * HEARTBEAT_S + 1.5
     wait_for(lambda: not alive(victim_worker), 5)
 
-    # the node job cancelled (scancel): the agent stops its worker and says it is leaving; its GPUs leave
-    # the plan at once (GONE: nothing about them is unknown, so not LOST), the worker is STOPPED, and
-    # Slurm's end is recorded a poll later
+    # the job cancelled (scancel): the other node's agent stops its worker and says it is leaving; its GPUs
+    # leave the plan at once (GONE: nothing about them is unknown, so not LOST), the worker is STOPPED, and
+    # Slurm's end is recorded a poll later. A trainer of 2 nodes is one job of 2 nodes (not an array of two
+    # tasks, whose `scancel 5_1` would stop one node): cancelling it cancels both, the victim's already LOST
     other = trainers[1]
-    slurm_cluster.run("scancel", f"{other['job_id']}_{other['array_index']}")
+    assert slurm_id(other, doc["pools"]) == str(other["job_id"])
+    slurm_cluster.run("scancel", slurm_id(other, doc["pools"]))
     cancelled_at = time.time()
     wait_for(lambda: gpus_and_workers(other["id"]) == ({"GONE"}, {"STOPPED"}), 15, every=0.25)
     other_gpus = {str(g["id"]) for g in doc["gpus"] if g["allocation_id"] == other["id"]}
