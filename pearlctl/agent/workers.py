@@ -23,6 +23,7 @@ from typing import Protocol
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.identity import Identity
+from pearlctl.api.bodies import as_text
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
@@ -108,14 +109,13 @@ class WorkerHandle(Protocol):
 
 
 def identity(handle: WorkerHandle) -> dict:
-    """What every worker report starts with: which worker, on which GPUs, in which state."""
-    return {
-        "key": handle.key,
-        "role": handle.role,
-        "engine": handle.engine,
-        "gpus": list(handle.gpus),
-        "state": handle.state(),
-    }
+    """What every worker report starts with: which worker, on which GPUs, in which state (and, FAILED, why:
+    one printable line of at most 256 characters, as the control API takes it)."""
+    state = handle.state()
+    out = {"key": handle.key, "role": handle.role, "engine": handle.engine, "gpus": list(handle.gpus), "state": state}
+    if state == "FAILED":
+        out["error"] = as_text(handle.failure())
+    return out
 
 
 class VllmWorker:

@@ -38,6 +38,7 @@ __all__ = [
     "TrainerPhase",
     "ValidationError",
     "WorkerReport",
+    "as_text",
     "describe",
     "parse",
 ]
@@ -53,7 +54,16 @@ def _printable(value: str) -> str:
     return value
 
 
-Text = Annotated[str, Field(max_length=256), AfterValidator(_printable)]
+TEXT_MAX = 256
+Text = Annotated[str, Field(max_length=TEXT_MAX), AfterValidator(_printable)]
+
+
+def as_text(value: str) -> str:
+    """``value`` made into what a ``Text`` field takes: control characters (colour escapes, newlines) as
+    spaces, cut to its length. For a sender that quotes a log."""
+    return _CONTROL.sub(" ", value)[:TEXT_MAX]
+
+
 Path = Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_printable)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")]  # ids, keys, versions
 HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,252})$")]
@@ -111,6 +121,7 @@ class WorkerReport(Body):
     url: Annotated[str, Field(max_length=300), AfterValidator(_http_url)] | None = None
     pid: Annotated[int, Field(ge=1, le=2**31)] | None = None
     weight_version: Name | None = None
+    error: Text | None = None  # a FAILED worker's exit status and the end of its log (journaled by the daemon)
 
 
 class SelfReturn(Body):

@@ -468,7 +468,7 @@ class Controller:
                     to=step,
                     epoch=self.epoch,
                     event="agent reported",
-                    data={"reported": state},
+                    data={"reported": state, **({"error": report.error} if report.error and step == W.FAILED else {})},
                 )
                 current = step
         if report.engine == Engine.VLLM and self._pool_of(alloc)["name"] != "trainer":

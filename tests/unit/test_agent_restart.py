@@ -1,13 +1,19 @@
 """A worker that keeps failing is restarted with a growing wait (pearlctl.agent.workers.Reconciler): 10 s, then
 twice as long after each failure in a row, at most 5 minutes; a worker that reached READY starts afresh. The
-clock and the worker handles are stand-ins (the seams); the agent's reconciler is the real one."""
+clock and the worker handles are stand-ins (the seams); the agent's reconciler is the real one. A failed worker's
+report says why (exit status, the end of its log) and the daemon journals it."""
 
 from __future__ import annotations
 
 import pytest
 
 from pearlctl.agent.identity import Identity
-from pearlctl.agent.workers import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, Reconciler, restart_wait
+from pearlctl.agent.workers import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, Reconciler, identity, restart_wait
+from pearlctl.api import bodies
+from pearlctl.api.bodies import parse
+from pearlctl.daemon.controller import Controller
+from pearlctl.state.store import Store
+from tests.conftest import create_trainer_run
 
 WANT = {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": "RUNNING"}
 
@@ -87,3 +93,33 @@ def test_a_worker_that_became_ready_starts_its_count_afresh(agent):
     crashed = clock[0]
     run_for(r, clock, 30)
     assert len(starts) == 6 and starts[-1] - crashed == 10  # seen failed at once, restarted 10 s later
+
+
+class LoudCrash(Crashing):
+    """A failed engine whose log ends in a coloured, over-long line."""
+
+    def failure(self) -> str:
+        return "exit 1; log /x/vllm.log ends: \x1b[31mValueError\x1b[0m: " + "max_model_len " * 40 + "\nnext"
+
+
+def test_a_failed_workers_report_says_why_in_one_line_the_control_api_takes():
+    report = identity(LoudCrash("rollout-0", ready=False))
+    assert report["state"] == "FAILED"
+    assert report["error"].startswith("exit 1; log /x/vllm.log ends:  [31mValueError") and len(report["error"]) == 256
+    worker = parse(bodies.WorkerReport, report)  # what the daemon parses it into: accepted as it is
+    assert worker.error == report["error"]
+    assert "error" not in identity(Crashing("rollout-0", ready=True))
+
+
+def test_the_daemon_journals_why_a_worker_failed(tmp_path):
+    with Store.open(tmp_path / "state.db") as store:
+        alloc = create_trainer_run(store, tmp_path, job_id="7")
+        store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
+        controller = Controller(store, "r", None, heartbeat_s=1.0)
+        controller.register(parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1]}))
+        train = {"key": "train-0", "role": "TRAIN", "engine": "deepspeed", "gpus": [0, 1], "pid": 5}
+        for state, error in (("READY", None), ("FAILED", "exit 1; log /x/train.log ends: CUDA error: out of memory")):
+            beat = {"allocation_id": alloc["id"], "workers": [{**train, "state": state, "error": error}]}
+            controller.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
+        failed = [j for j in store.journal("r") if j["entity"] == "workers" and j["to_state"] == "FAILED"]
+        assert [j["data"]["error"] for j in failed] == ["exit 1; log /x/train.log ends: CUDA error: out of memory"]
