@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable
 from functools import cached_property
 from itertools import chain, repeat
-from operator import is_, itemgetter
+from operator import attrgetter, is_, itemgetter
 
 from pearlctl.planner import budget
 from pearlctl.planner.model import SERVING, Deployment, GpuSlot, Move, MoveKind, Role, Snapshot
@@ -42,6 +42,8 @@ Key = tuple[str, str, Role]  # (node, pool, role): GPUs counted into workers per
 _last: tuple[Snapshot, View] | None = None
 _UNKNOWN = (None, (), (), ())  # a move whose change is not worked out yet
 _first = itemgetter(0)
+_worker_key = attrgetter("node", "pool", "role")  # a GPU's (node, pool, role)
+_node_pool = attrgetter("node", "pool")
 _PARTS = (itemgetter(1), itemgetter(2), itemgetter(3))  # a move's (taken, cancelled, added)
 _new = object.__new__
 
@@ -136,7 +138,7 @@ class View:
         # The current assignment's timeline: serving from the start, leaving at the allocation's end or, lent,
         # when its return must start.
         serving_gpus = [g for p in POOLS for g in serving[p]]
-        base_serving = Counter([(g.node, g.pool, g.role) for g in serving_gpus])
+        base_serving = Counter(map(_worker_key, serving_gpus))  # (g.node, g.pool, g.role) per GPU
         # serving GPUs per (pool, role), from the few hundred worker keys rather than the thousands of GPUs
         serving_roles: Counter[tuple[str, Role]] = Counter()
         for (_, pool, role), count in base_serving.items():
@@ -363,10 +365,10 @@ class View:
         """GPUs per (node, pool) of each part of the servable GPUs."""
         s = self.servable
         return {
-            "rollout": Counter([(g.node, g.pool) for g in s.rollout]),
-            "elastic": Counter([(g.node, g.pool) for g in s.elastic]),
-            "lent": Counter([(g.node, g.pool) for g in s.lent]),
-            "lendable": Counter([(g.node, g.pool) for g in s.lendable]),
+            "rollout": Counter(map(_node_pool, s.rollout)),  # (g.node, g.pool) per GPU
+            "elastic": Counter(map(_node_pool, s.elastic)),
+            "lent": Counter(map(_node_pool, s.lent)),
+            "lendable": Counter(map(_node_pool, s.lendable)),
             "warm": Counter([(g.node, g.pool) for g in s.lendable if g.parked]),
         }
 
