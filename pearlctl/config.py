@@ -158,6 +158,8 @@ class PoolSpec:
     train_command: tuple[str, ...] | None = None  # trainer pools: what the agent runs as the TRAIN worker
     engine_args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # vLLM pools: how a new weight version reaches workers on nodes without a trainer rank (WEIGHT_PATHS)
+    weights: str = "disk"
 
     @property
     def role(self) -> str:
@@ -340,7 +342,15 @@ _POOL_KEYS = (
     "train_command",
     "engine_args",
     "env",
+    "weights",
 )
+# [pools.<vllm pool>] weights: "disk" (every worker reloads each version from the node-local store or the shared
+# disk: the default) or "broadcast" (its workers get the pearl_gloo receiver, and trainer rank 0 sends each
+# version to those on nodes without a trainer rank before it is published; docs/weights.md)
+WEIGHT_PATHS = ("disk", "broadcast")
+WEIGHTS_POOLS = ("rollout", "elastic")  # the pools whose vLLM workers serve the trainer's weights
+# engine_args keys the broadcast sets itself (pearlctl.trainer.broadcast.server_engine_args)
+BROADCAST_ENGINE_KEYS = ("weight_transfer_config", "worker_extension_cls")
 # USR1 is left alone on purpose: NCCL may use it (submitit notes the same).
 PREEMPT_SIGNALS = ("USR2", "TERM", "INT", "HUP", "URG")
 
@@ -454,6 +464,20 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
             c.fail(f"{p}env.{k}", f'must be a string, got {v!r} (quote numbers: "1")')
         else:
             c.no_control(f"{p}env.{k}", v)
+    weights = c.choice(raw, "weights", p, WEIGHT_PATHS, default="disk")
+    if "weights" in raw and name not in WEIGHTS_POOLS:
+        c.fail(
+            p + "weights",
+            f"only the pools whose vLLM workers serve the trainer's weights ({', '.join(WEIGHTS_POOLS)}) take it; "
+            "remove it",
+        )
+    if weights == "broadcast":
+        for key in BROADCAST_ENGINE_KEYS:
+            if key in engine_args:
+                c.fail(
+                    f"{p}engine_args.{key}",
+                    'weights = "broadcast" sets it (the pearl_gloo receiver); remove it, or use weights = "disk"',
+                )
     rdzv_port = env.get("PEARL_RDZV_PORT")
     if isinstance(rdzv_port, str) and not (rdzv_port.isdigit() and 1024 <= int(rdzv_port) <= 65535):
         c.fail(f"{p}env.PEARL_RDZV_PORT", f"must be a TCP port from 1024 to 65535, got {rdzv_port!r}")
@@ -478,6 +502,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         train_command=tuple(train_command) if train_command else None,
         engine_args=dict(engine_args),
         env={k: str(v) for k, v in env.items()},
+        weights=weights,
     )
 
 

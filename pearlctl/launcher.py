@@ -30,6 +30,7 @@ from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
+from pearlctl.trainer.broadcast import BROADCAST_ENV, server_engine_args
 from pearlctl.vocabulary import POOL_KINDS, one_job_of_nodes
 from pearlctl.watcher import sync_run
 
@@ -81,11 +82,10 @@ def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
 
 
 def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
-    return [
-        _pool_request(spec.pools[name], run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model))
-        for name in POOL_ORDER
-        if name in spec.pools
-    ]
+    pools = [spec.pools[name] for name in POOL_ORDER if name in spec.pools]
+    if any(p.weights == "broadcast" for p in pools):  # the trainer's rank 0 sends each version (docs/weights.md)
+        pools = [dataclasses.replace(p, env={BROADCAST_ENV: "1", **p.env}) if p.name == "trainer" else p for p in pools]
+    return [_pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model)) for p in pools]
 
 
 def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, first_task: int = 0) -> SubmitRequest:
@@ -115,7 +115,8 @@ def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, firs
         preempt_notice_s=pool.preempt_notice_s,
         command=pool.command,
         train_command=_expand(pool.train_command, model=model, run_dir=run_dir),
-        engine_args=pool.engine_args,
+        # weights = "broadcast": the pearl_gloo receiver, so trainer rank 0 can send each version (docs/weights.md)
+        engine_args={**pool.engine_args, **server_engine_args()} if pool.weights == "broadcast" else pool.engine_args,
         env=pool.env,
         first_task=first_task,
     )

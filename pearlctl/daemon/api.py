@@ -27,6 +27,7 @@ Routes (JSON in, JSON out):
   POST /v1/borrow              {policy, gpus?, dry_run?, keep_warm?}: turn borrowing on (or show the plan)
   POST /v1/return              {now?, keep_warm?}: turn borrowing off; lent GPUs go back
   GET  /v1/workers             READY, routable rollout workers (for rollout clients)
+  GET  /v1/weights/targets     the workers trainer rank 0 broadcasts each version to (pearlctl.daemon.weights)
   POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens
   POST /v1/profile             store the run's engine profile
   GET  /metrics                Prometheus text format (pearlctl.daemon.metrics)
@@ -52,6 +53,7 @@ from pearlctl.api import bodies
 from pearlctl.api.client import ALLOCATION_HEADER, RUN_HEADER
 from pearlctl.daemon.controller import ControlError, Controller, allocation_credential
 from pearlctl.daemon.metrics import render as render_metrics
+from pearlctl.daemon.weights import broadcast_targets
 from pearlctl.state.errors import NotFound, StaleEpoch
 
 log = logging.getLogger("pearlctl.daemon")
@@ -198,6 +200,11 @@ def build_app(
         route("/v1/return", controller.give_back, bodies.ReturnNow),
         route("/v1/moves", controller.move, bodies.Move),
         route("/v1/workers", controller.routable_workers, method="GET"),
+        route(
+            "/v1/weights/targets",
+            lambda: {"epoch": controller.epoch, **broadcast_targets(controller.store, controller.run_id)},
+            method="GET",
+        ),
         route("/v1/rollout/progress", controller.rollout_progress, bodies.Progress),
         route("/v1/profile", controller.set_profile, bodies.ProfileBody),
     ]

@@ -32,6 +32,13 @@ Guarantees:
 - The sender holds a full state dict: call it on one trainer rank (rank 0; ZeRO-3 gathers first, as
   ``export_weights`` does).
 
+In a run (opt-in: ``[pools.rollout] weights = "broadcast"``, docs/run-spec.md): the launcher gives that pool's
+workers ``server_engine_args()`` and the trainer ``PEARL_WEIGHTS_BROADCAST=1`` (``BROADCAST_ENV``); rank 0's
+``export_weights`` (pearlctl.trainer.weights) then hands each version to a `WeightBroadcaster`, which asks the
+daemon for the targets (``DaemonChannel.broadcast_targets``: ``GET /v1/weights/targets``) and sends the version to
+them after the disk export and before the hook's next report publishes it. `WeightBroadcaster.send` never raises:
+a failed or partial send is logged and returned, and the workers it did not reach reload from disk as before.
+
 NCCL on GPUs is vLLM's own ``nccl`` backend and its trainer engine (``NCCLTrainerWeightTransferEngine``),
 which this module does not replace.
 
@@ -45,13 +52,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import socket
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +70,11 @@ WORKER_EXTENSION = "pearlctl.agent.engines.vllm_gloo.PearlWeightTransferExtensio
 INFO_RPC = "pearl_weight_transfer_info"  # the extension's method, through POST /collective_rpc
 GROUP_PREFIX = "pearl-weights"
 DEFAULT_TIMEOUT_S = 300.0
+BROADCAST_ENV = "PEARL_WEIGHTS_BROADCAST"  # "1": the trainer's rank 0 broadcasts each version (set by the launcher)
+TIMEOUT_ENV = "PEARL_BROADCAST_TIMEOUT_S"  # the run's bound on each step of a broadcast (default RUN_TIMEOUT_S)
+RUN_TIMEOUT_S = 60.0
+
+log = logging.getLogger("pearlctl.trainer")
 
 
 def server_engine_args() -> dict[str, Any]:
@@ -232,6 +246,109 @@ class GlooWeightSender:
             raise TransferError("; ".join(errors))
         if any(th.is_alive() for th in threads):
             raise TransferError(f"a worker did not answer within {self.timeout_s + 20:g} s")
+
+
+def broadcast_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this trainer broadcasts each version (``PEARL_WEIGHTS_BROADCAST=1``, set by the launcher when a
+    pool of the run has ``weights = "broadcast"``)."""
+    return (os.environ if env is None else env).get(BROADCAST_ENV, "") == "1"
+
+
+class WeightBroadcaster:
+    """What trainer rank 0 keeps across versions: the targets' group, formed again when the targets change.
+
+    ``targets``: a function returning the workers to send to, each ``{"id": ..., "url": ...}`` (the daemon's
+    ``GET /v1/weights/targets``, through ``DaemonChannel.broadcast_targets``; ``[]`` when it cannot be asked).
+    ``send`` never raises: it returns what happened (``sent``, ``workers``, timings, or ``error``). After a
+    failure the group is closed, so the next version forms a new one; the workers it did not reach keep their
+    old label and reload the version from the node-local store or the disk once it is published
+    (pearlctl.agent.workers, ``VllmWorker.sync_weights``). ``make_sender`` is the seam tests replace."""
+
+    def __init__(
+        self,
+        targets: Callable[[], list[dict]],
+        *,
+        timeout_s: float | None = None,
+        master_address: str | None = None,
+        make_sender: Callable[..., Any] | None = None,
+    ):
+        self.targets = targets
+        if timeout_s is None:
+            try:
+                timeout_s = float(os.environ.get(TIMEOUT_ENV) or RUN_TIMEOUT_S)
+            except ValueError:
+                timeout_s = RUN_TIMEOUT_S
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self.make_sender = make_sender or GlooWeightSender
+        self._sender: Any = None
+        self._members: tuple = ()  # (worker id, url) of the group's workers, in rank order
+
+    def send(self, tensors: Mapping[str, Any], version: str) -> dict:
+        t0 = time.monotonic()
+        try:
+            targets = list(self.targets() or [])
+        except Exception as exc:  # the channel answers [] on failure; anything else must not stop the export
+            targets = []
+            log.warning(
+                "weight broadcast of %s: no targets (%s: %s); workers read the disk", version, type(exc).__name__, exc
+            )
+        members = tuple(sorted({(t.get("id"), str(t["url"]).rstrip("/")) for t in targets if t.get("url")}))
+        if not members:
+            self.close()
+            return {"version": str(version), "sent": False, "workers": 0}
+        stage = "connect"
+        try:
+            if members != self._members or self._sender is None:
+                self.close()  # a gloo group has a fixed size: another set of workers needs a new group
+                self._sender = self.make_sender(
+                    [url for _, url in members], master_address=self.master_address, timeout_s=self.timeout_s
+                )
+                self._sender.connect()
+                self._members = members
+            stage = "send"
+            stats = dict(self._sender.send(tensors, str(version)))
+        except Exception as exc:
+            error = f"{stage}: {type(exc).__name__}: {exc}"
+            log.warning(
+                "weight broadcast of %s to %d worker(s) failed (%s); they reload it from the node-local store or "
+                "the disk once it is published",
+                version,
+                len(members),
+                error,
+            )
+            self.close()
+            return {
+                "version": str(version),
+                "sent": False,
+                "workers": len(members),
+                "error": error[:500],
+                "send_s": round(time.monotonic() - t0, 6),
+            }
+        log.info(
+            "weight broadcast of %s: %s tensors (%s bytes) to %d worker(s) over gloo in %.3fs",
+            version,
+            stats.get("tensors"),
+            stats.get("bytes"),
+            len(members),
+            time.monotonic() - t0,
+        )
+        return {
+            **stats,
+            "version": str(version),
+            "sent": True,
+            "workers": len(members),
+            "urls": [u for _, u in members],
+        }
+
+    def close(self) -> None:
+        if self._sender is not None:
+            try:
+                self._sender.close()
+            except Exception as exc:
+                log.warning("closing the weight broadcast group failed: %s", exc)
+        self._sender = None
+        self._members = ()
 
 
 def load_hf_dir(directory: str | Path) -> dict:

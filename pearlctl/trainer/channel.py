@@ -103,6 +103,23 @@ class DaemonChannel:
             return None
         return {k: answer[k] for k in ("command", "command_id", "mode") if answer.get(k) is not None}
 
+    def broadcast_targets(self) -> list[dict]:
+        """The vLLM workers trainer rank 0 broadcasts each version to (``GET /v1/weights/targets``: READY,
+        routable, started with the receiver, on nodes without a trainer rank), each ``{"id", "url", ...}``.
+        ``[]`` when the daemon cannot be asked or refuses: those workers then read the disk, as by default."""
+        try:
+            answer = self._client.try_call("GET", "/v1/weights/targets")
+        except DaemonRefusal as exc:
+            log.warning("daemon refused /v1/weights/targets (%s): %s", exc.status, exc)
+            return []
+        except Exception as exc:  # whatever it is, the trainer goes on
+            log.warning("trainer channel /v1/weights/targets failed: %s: %s", type(exc).__name__, exc)
+            return []
+        workers = (answer or {}).get("workers")
+        if not isinstance(workers, list):
+            return []
+        return [w for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+
     def ack(self, command_id: str, result: dict) -> None:
         try:
             if result.get("command") == "release" and result.get("ok"):

@@ -13,6 +13,13 @@ same layout there too, keeping the newest ``NODE_STORE_KEEP`` versions. vLLM wor
 from it, with no shared-disk read; the shared-disk export stays, for workers on other nodes and as the
 fallback. Under ZeRO-3 only rank 0 holds the whole state, so only rank 0's node gets a copy.
 
+Across nodes (opt-in, ``[pools.rollout] weights = "broadcast"``): when the launcher gave the trainer
+``PEARL_WEIGHTS_BROADCAST=1`` and the hook's channel can name the targets (``DaemonChannel.broadcast_targets``),
+rank 0 also sends each version over gloo to the vLLM workers on nodes without a trainer rank
+(pearlctl.trainer.broadcast, ``WeightBroadcaster``), after the disk export and before the barrier, so before the
+hook's next report publishes the version. A failed send is logged and recorded (``last_export["broadcast"]``);
+the export itself never fails for it, and the workers not reached reload from the disk.
+
 Guarantees:
 
 - **Never half a directory.** Rank 0 writes into a temporary directory in ``out_dir`` and renames it into
@@ -40,6 +47,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pearlctl.trainer.broadcast import WeightBroadcaster, broadcast_enabled
+
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"
 LATEST_WEIGHTS_FILE = "LATEST"
 NODE_STORE_KEEP = 2  # versions a node's shared-memory store keeps: the one being served and the next
@@ -60,6 +69,7 @@ class WeightExport:
     base_model_dir: Path | None
     weight_version: str | None
     last_export: dict | None
+    _broadcaster: WeightBroadcaster | None = None  # rank 0, when the run broadcasts: the targets' group
 
     def export_weights(
         self,
@@ -95,6 +105,7 @@ class WeightExport:
         gather_s = time.monotonic() - t0
         write_s = store_s = 0.0
         store_error = None
+        broadcast = None
         if self.rank == 0 or store is not None:
             t = time.monotonic()
             config = self._export_config(base)
@@ -112,6 +123,8 @@ class WeightExport:
             if self.rank == 0:
                 _write_version(out, version, tensors, config, base)
             write_s = time.monotonic() - t
+            if self.rank == 0:  # opt-in: before the version is published, so workers that get it need no reload
+                broadcast = self._broadcast(tensors, version)
             if store is not None:  # this node's copy, in shared memory: its vLLM workers read no shared disk
                 t = time.monotonic()
                 try:
@@ -135,7 +148,19 @@ class WeightExport:
             "node_store_error": store_error,
             "export_s": round(time.monotonic() - t0, 6),
         }
+        if broadcast is not None:
+            self.last_export["broadcast"] = broadcast
         return final
+
+    def _broadcast(self, tensors: dict, version: str) -> dict | None:
+        """Rank 0: send the version to the channel's broadcast targets (module docstring); None when off."""
+        targets = getattr(getattr(self, "channel", None), "broadcast_targets", None)
+        if targets is None or not broadcast_enabled():
+            return None
+        broadcaster = getattr(self, "_broadcaster", None)
+        if broadcaster is None:
+            broadcaster = self._broadcaster = WeightBroadcaster(targets)
+        return broadcaster.send(tensors, version)
 
     def _export_config(self, base: Path | None) -> dict:
         if base is not None and (base / "config.json").exists():

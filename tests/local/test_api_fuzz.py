@@ -133,6 +133,7 @@ ROUTES = {  # name -> (method, path, body model, agent route)
     "return": ("POST", "/v1/return", bodies.ReturnNow, False),
     "moves": ("POST", "/v1/moves", bodies.Move, False),
     "workers": ("GET", "/v1/workers", None, False),
+    "weight_targets": ("GET", "/v1/weights/targets", None, False),
     "rollout_progress": ("POST", "/v1/rollout/progress", bodies.Progress, False),
     "profile": ("POST", "/v1/profile", bodies.ProfileBody, False),
     "metrics": ("GET", "/metrics", None, False),
