@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.engines.conftest import TINY_MODEL, build_tiny_model, free_port, group_alive
-from tests.engines.test_weight_transfer_engine import greedy
+from tests.engines.test_weight_transfer_engine import greedy, wait_ready
 
 SPEC = """
 [run]
@@ -135,10 +135,7 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
     url = worker.url
     worker.start()
     try:
-        deadline = time.monotonic() + 300
-        while worker.state() != "READY":
-            assert worker.state() in ("STARTING", "READY") and time.monotonic() < deadline, worker.server.log_tail()
-            time.sleep(0.5)
+        wait_ready(worker)
         wid = store.add_worker(run_id="r", allocation_id=alloc["rollout"], role="ROLLOUT", engine="vllm", url=url)
         store.set_state("workers", wid, expect="STARTING", to="READY", event="t", routable=1)
         before = greedy(url, str(TINY_MODEL))

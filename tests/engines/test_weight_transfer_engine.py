@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,29 @@ def greedy(url: str, model: str = "tiny") -> list[tuple[str, list[float]]]:
         choice = r.json()["choices"][0]
         out.append((choice["text"], choice["logprobs"]["token_logprobs"]))
     return out
+
+
+def send(url: str, weights: Path) -> dict:
+    """Broadcast ``weights`` as version v1 to the server at ``url`` from a separate sender process (the
+    trainer's side, ``python -m pearlctl.trainer.broadcast``); returns its summary (tensors, bytes)."""
+    sender = subprocess.run(
+        [sys.executable, "-m", "pearlctl.trainer.broadcast", "--worker", url, "--weights", str(weights)]
+        + ["--version", "v1", "--master-address", "127.0.0.1", "--timeout-s", "120"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert sender.returncode == 0, sender.stderr[-3000:]
+    return json.loads(sender.stdout.strip().splitlines()[-1])
+
+
+def wait_ready(worker, timeout: float = 300) -> None:
+    """Until the agent's ``VllmWorker`` says READY; its log's end if it fails or runs out of time."""
+    deadline = time.monotonic() + timeout
+    while worker.state() != "READY":
+        assert worker.state() in ("STARTING", "READY") and time.monotonic() < deadline, worker.server.log_tail()
+        time.sleep(0.5)
 
 
 def test_a_version_broadcast_over_gloo_serves_what_the_same_weights_from_disk_serve(tmp_path_factory):
@@ -80,16 +104,7 @@ def test_a_version_broadcast_over_gloo_serves_what_the_same_weights_from_disk_se
         reference = greedy(disk.url)
         assert [t for t, _ in before] != [t for t, _ in reference]  # the two versions do answer differently
 
-        sender = subprocess.run(
-            [sys.executable, "-m", "pearlctl.trainer.broadcast", "--worker", pushed.url, "--weights", str(new)]
-            + ["--version", "v1", "--master-address", "127.0.0.1", "--timeout-s", "120"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert sender.returncode == 0, sender.stderr[-3000:]
-        stats = json.loads(sender.stdout.strip().splitlines()[-1])
+        stats = send(pushed.url, new)
         print(f"\nsender: {stats}")
         assert stats["tensors"] == len(sizes) and stats["bytes"] == expected_bytes
 
@@ -147,8 +162,6 @@ def die_midway(url: str, weights: str, after: str) -> None:
 def test_after_a_trainer_dies_mid_transfer_the_agent_reloads_the_version_from_disk_and_the_worker_serves_it(
     tmp_path_factory, monkeypatch
 ):
-    import time
-
     from pearlctl.agent.identity import Identity
     from pearlctl.agent.workers import VllmWorker
     from pearlctl.trainer.broadcast import server_engine_args
@@ -181,22 +194,11 @@ def test_after_a_trainer_dies_mid_transfer_the_agent_reloads_the_version_from_di
 
     worker.start()
     try:
-        deadline = time.monotonic() + 300
-        while worker.state() != "READY":
-            assert worker.state() in ("STARTING", "READY") and time.monotonic() < deadline, worker.server.log_tail()
-            time.sleep(0.5)
+        wait_ready(worker)
         seed0 = greedy(url, model)
 
         # v1 (seed 1) broadcast whole: the agent adopts it, no reload
-        sender = subprocess.run(
-            [sys.executable, "-m", "pearlctl.trainer.broadcast", "--worker", url, "--weights", str(new)]
-            + ["--version", "v1", "--master-address", "127.0.0.1", "--timeout-s", "120"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert sender.returncode == 0, sender.stderr[-3000:]
+        send(url, new)
         worker.sync_weights({"version": "v1", "path": str(new)})
         assert worker.weight_version == "v1"
         seed1 = greedy(url, model)
