@@ -71,6 +71,23 @@ def running_run(store, run_dir: Path, *, pool: str, role: str, nodes: int) -> No
         store.upsert_node_gpus("r", a["id"], f"n{i}", [0], role)
 
 
+def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
+    """Run "r" of pools ``shapes`` ((name, role, nodes, gpus_per_node), ...) with every allocation RUNNING, the
+    i-th on node ``n<i>`` as Slurm job ``10 + i``; yields ``(i, allocation, pool name)`` for each, in order."""
+    pools = [
+        {"name": n, "kind": n, "role": role, "partition": None, "nodes": k, "gpus_per_node": g,
+         "job_name": f"pearl.r.{n}"}
+        for n, role, k, g in shapes
+    ]  # fmt: skip
+    store.create_run(run_id="r", name="r", spec=spec or {}, spec_path=None, run_dir=str(run_dir), backend="slurm",
+                     policy="never", pools=pools)  # fmt: skip
+    names = {p["id"]: p["name"] for p in store.pools("r")}
+    for i, a in enumerate(store.allocations("r")):
+        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+        yield i, a, names[a["pool_id"]]
+
+
 def assert_quiet_on_broken_pipe(proc: subprocess.Popen, timeout: float, exit_code: int) -> None:
     """Close ``proc``'s stdout (its reader goes away) and check that it exits ``exit_code``, with no traceback."""
     try:

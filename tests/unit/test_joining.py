@@ -11,6 +11,7 @@ import pytest
 
 from pearlctl.daemon.controller import Controller
 from pearlctl.state.store import Store
+from tests.conftest import running_pools
 
 NOW = 1_000_000.0
 
@@ -19,19 +20,8 @@ NOW = 1_000_000.0
 def run(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
         shapes = (("trainer", "TRAIN", 1, 2), ("rollout", "ROLLOUT", 1, 2), ("elastic", "ROLLOUT", 2, 1))
-        pools = [
-            {"name": n, "kind": n, "role": role, "partition": None, "nodes": k, "gpus_per_node": g,
-             "job_name": f"pearl.r.{n}"}
-            for n, role, k, g in shapes
-        ]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
-        names = {p["id"]: p["name"] for p in store.pools("r")}
         gpus: dict[str, list[int]] = {}
-        for i, a in enumerate(store.allocations("r")):
-            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-            pool = names[a["pool_id"]]
+        for i, a, pool in running_pools(store, tmp_path, shapes):
             count = 1 if pool == "elastic" else 2
             role = {"trainer": "TRAIN", "rollout": "ROLLOUT", "elastic": "IDLE"}[pool]
             store.upsert_node_gpus("r", a["id"], f"n{i}", list(range(count)), role)

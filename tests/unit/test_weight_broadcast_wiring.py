@@ -18,6 +18,7 @@ from pearlctl.slurm.script import worker_env
 from pearlctl.state.store import Store
 from pearlctl.trainer.broadcast import BROADCAST_ENV, WeightBroadcaster, server_engine_args
 from pearlctl.trainer.channel import DaemonChannel
+from tests.conftest import running_pools
 from tests.unit.test_trainer_hook_unit import FakeEngine, QueueChannel, TinyModule, hook_for
 from tests.unit.test_weight_broadcast import StandInServer
 
@@ -115,19 +116,8 @@ def state(tmp_path: Path):
     spec = {"pools": {"trainer": {}, "rollout": {"weights": "broadcast"}, "elastic": {}}}
     with Store.open(tmp_path / "s.db") as store:
         shapes = (("trainer", "TRAIN", 1, 1), ("rollout", "ROLLOUT", 2, 0), ("elastic", "ROLLOUT", 1, 0))
-        pools = [
-            {"name": n, "kind": n, "role": role, "partition": None, "nodes": k, "gpus_per_node": g,
-             "job_name": f"pearl.r.{n}"}
-            for n, role, k, g in shapes
-        ]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec=spec, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
-        names = {p["id"]: p["name"] for p in store.pools("r")}
         workers: dict[str, int] = {}
-        for i, a in enumerate(store.allocations("r")):
-            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-            pool = names[a["pool_id"]]
+        for i, a, pool in running_pools(store, tmp_path, shapes, spec=spec):
             if pool == "trainer":
                 store.upsert_node_gpus("r", a["id"], "n0", [0], "TRAIN")
             role = "ROLLOUT"
