@@ -162,6 +162,7 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "url": st.sampled_from([f"http://{NODE}:8000", f"http://{NODE.upper()}:9", "http://evil.example:1"]),
             "pid": st.integers(1, 2**31),
             "weight_version": names,
+            "error": texts,  # a FAILED worker's reason: control characters or over 256 are refused
         },
     )
     self_return = st.fixed_dictionaries(
