@@ -50,6 +50,13 @@ KILLS = (
     ("return_sleep", "DRAIN"),
     ("return_sleep", "SLEEP"),
 )
+# The kills the default run makes (the others are marked ``long``: ./scripts/test -m long runs them): the step
+# kinds whose effect only these plans have (OFFLOAD, RELOAD, REGISTER, DEREGISTER) and a warm borrow's WAKE. They
+# chain without a set-up move. The pool-transition matrix's default kills cover the other kinds (DRAIN, SLEEP,
+# STOP, START, WAKE) on real engines; tests/engines/test_crash_matrix_moves.py checks that together they cover
+# every step kind with an effect.
+DEFAULT_KILLS = (("borrow", "OFFLOAD"), ("return", "RELOAD"), ("borrow", "REGISTER"), ("return_sleep", "DEREGISTER"),
+                 ("borrow_warm", "WAKE"))  # fmt: skip
 
 
 def cases() -> list[tuple[str, int, str, str]]:
@@ -199,7 +206,17 @@ def test_the_kills_cover_every_step_kind_with_an_effect():
     assert {kind for _, _, kind, _ in CASES} == kinds
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{s}{k}-{pt}" for p, s, k, pt in CASES])
+def test_the_default_kills_chain_in_kills_order():
+    assert [k for k in KILLS if k in DEFAULT_KILLS] == list(DEFAULT_KILLS)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param((p, s, k, pt), id=f"{p}-{s}{k}-{pt}", marks=() if (p, k) in DEFAULT_KILLS else pytest.mark.long)
+        for p, s, k, pt in CASES
+    ],
+)
 def test_daemon_killed_at_step_boundary_converges(harness, case):
     h = harness
     plan, seq, kind, point = case

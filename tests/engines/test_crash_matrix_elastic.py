@@ -49,6 +49,9 @@ from tests.engines.load import Load, prompts
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
 CASES = [("grow", "after_intent"), ("shrink", "after_intent"), ("grow", "after_effect"), ("shrink", "after_effect")]
+# the cases the default run makes, each kind at one point and each point once, chained (a grow leaves the two
+# tasks the shrink starts from); the other two are marked ``long`` (./scripts/test -m long runs them)
+DEFAULT_CASES = (("grow", "after_intent"), ("shrink", "after_effect"))
 STEP = {"grow": "GROW", "shrink": "SHRINK"}
 SIZE = {"grow": 2, "shrink": 1}  # the size each kind converges to (and 3 - it: the size it starts from)
 CONVERGE_S = 240  # a grow after its intent waits SUBMIT_SETTLE_S (35 s), then starts an agent and a vLLM
@@ -230,7 +233,9 @@ def harness(engine_lock, tmp_path_factory):
         h.store.close()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{kind}-{point}" for kind, point in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT_CASES else pytest.mark.long) for c in CASES]
+)
 def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     h = harness
     kind, point = case

@@ -64,14 +64,22 @@ AFTER_TURNS = 2  # turns completed after the new daemon converged, before the lo
 ROUTER_STEPS = (StepKind.REGISTER, StepKind.DEREGISTER)
 
 
+# The kill the default run makes in each plan, one cycle with every step kind once (the other cases are marked
+# ``long``: ./scripts/test -m long runs them). The step kinds only the borrow plans have are killed by the default
+# run of tests/engines/test_crash_matrix_daemon.py.
+DEFAULT_KILLS = {"retire_sleep": StepKind.SLEEP, "wake": StepKind.WAKE, "switch": StepKind.DRAIN,
+                 "retire": StepKind.STOP, "start": StepKind.START}  # fmt: skip
+
+
 def cases() -> list[tuple[str, int, str]]:
-    """(plan, seq, step kind) for every step of every plan but VERIFY (a probe, no effect) and the router's, in
-    rounds of the cycle: round r kills each plan at its r-th such step."""
+    """(plan, seq, step kind) for every step of every plan but VERIFY (a probe, no effect) and the router's: first
+    the default run's cycle (DEFAULT_KILLS), then the rest in rounds of the cycle (round r kills each plan at its
+    r-th such step)."""
     skip = (StepKind.VERIFY, *ROUTER_STEPS)
     steps = {p: [(seq, k) for seq, k in enumerate(PLANS[p]) if k not in skip] for p in CYCLE}
-    out = []
+    out = [(p, list(PLANS[p]).index(DEFAULT_KILLS[p]), DEFAULT_KILLS[p]) for p in CYCLE]
     for r in range(max(len(s) for s in steps.values())):
-        out += [(p, *steps[p][r]) for p in CYCLE if r < len(steps[p])]
+        out += [(p, *steps[p][r]) for p in CYCLE if r < len(steps[p]) and (p, *steps[p][r]) not in out]
     return out
 
 
@@ -169,7 +177,23 @@ def test_the_cases_cover_every_effect_step_of_every_pool_transition():
     assert all(MOVES[a][2] == MOVES[b][1] for a, b in zip(CYCLE, CYCLE[1:] + CYCLE[:1], strict=True))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{s}{k}" for p, s, k in CASES])
+def test_the_default_runs_kills_of_both_matrices_cover_every_step_kind_with_an_effect():
+    from tests.engines.test_crash_matrix_daemon import DEFAULT_KILLS as BORROW_KILLS
+    from tests.engines.test_crash_matrix_daemon import KILLS
+
+    plans = {p for p, _ in KILLS} | set(CYCLE)
+    kinds = {k for p in plans for k in PLANS[p]} - {StepKind.VERIFY}
+    assert {k for _, k in BORROW_KILLS} | set(DEFAULT_KILLS.values()) == kinds
+    assert CASES[: len(CYCLE)] == [(p, list(PLANS[p]).index(k), k) for p, k in DEFAULT_KILLS.items()]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=f"{c[0]}-{c[1]}{c[2]}", marks=() if DEFAULT_KILLS[c[0]] == c[2] else pytest.mark.long)
+        for c in CASES
+    ],
+)
 def test_daemon_killed_after_a_pool_step_converges(harness, case):
     h = harness
     plan, seq, kind = case

@@ -26,6 +26,21 @@ for _path in (REPO / "examples" / "trl",):
 import pearl_trl  # noqa: E402
 
 
+def test_importing_trl_at_collection_leaves_the_vllm_log_level_to_the_servers_the_tests_start(monkeypatch):
+    """``import trl`` (above) sets VLLM_LOGGING_LEVEL=ERROR in this process; tests/conftest.py puts the environment
+    back after collection, else every vLLM server a later test starts here would log nothing at INFO."""
+    import os
+
+    from trl import _compat
+
+    from tests.conftest import ENV_AT_START
+
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == ENV_AT_START.get("VLLM_LOGGING_LEVEL")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    _compat._patch_vllm_logging()  # what the import ran: TRL still does it
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+
+
 # ---------------------------------------------------------------------- stand-ins
 class FakeHook:
     """Records the hook calls the glue makes (every call is collective on a real hook)."""
