@@ -1,12 +1,12 @@
 """Shared test helpers: run the real `pearlctl` command in a subprocess with its own state directory.
 
-The suite runs on three pytest-xdist workers (``-n 3 --dist loadgroup``, in scripts/test): the tests under
-tests/engines are one unit of work that one worker runs in order (real engines on this machine: they must not
-overlap one another), the tests under tests/integration another (the one local Slurm cluster), and the third
-worker takes the rest (`pytest_xdist_make_scheduler`). The two chains overlap: the Slurm tests mostly wait on
-the cluster's timers while the engine tests mostly compute. A test outside them runs at a lower CPU priority
-(``nice`` 10, its subprocesses too), so that the chains' timings are not what pays for the overlap. ``-n 0`` runs
-everything in one process.
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, in scripts/test): every test under
+tests/engines and tests/integration is in one unit of work that one worker runs in order (real engines and the
+one local Slurm cluster share the machine's cores and must not overlap; `pytest_xdist_make_scheduler`), while
+the other worker takes the rest. A test outside that unit runs at a lower CPU priority (``nice`` 10, its
+subprocesses too), so that the engines' timings are not what pays for the overlap. ``-n 0`` runs everything in
+one process. (Engines and Slurm as two chains on two workers of three were tried: each chain's tests ran about
+1.6 times slower beside the other, which ate most of what the overlap saved.)
 
 Environment: whatever importing the test modules changed in ``os.environ`` is put back once collection ends
 (`pytest_collection_finish`). ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and
@@ -200,8 +200,8 @@ def _trace_wait(started: float) -> None:
             )
 
 
-CHAINS = ("tests/engines/", "tests/integration/")  # node id prefixes: each a chain that one worker runs in order
-NICE = 10  # the CPU niceness of the other tests while the chains run beside them
+SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in one group, in order
+NICE = 10  # the CPU niceness of the other tests while the serial group runs beside them
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's xdist worker ("gw0", ...); None without xdist
 # this pytest run, inherited by every process its tests start (xdist's workers inherit the controller's): which
 # stray routers are this run's to stop (no_router_outlives_its_test), never another run's on the same machine
@@ -218,28 +218,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadgroup``: each of CHAINS one unit of work (one worker each, in collection order: xdist hands
-    the largest units out first, one to a worker), every other test a unit of its own. (xdist's own loadgroup
-    reads ``xdist_group`` marks through ``item._nodeid``, which pytest 9 no longer uses for the node id: with
-    it, the groups would silently not form.)"""
+    """``--dist loadgroup``: the SERIAL tests as one unit of work (one worker, in collection order), every
+    other test a unit of its own. (xdist's own loadgroup reads ``xdist_group`` marks through ``item._nodeid``,
+    which pytest 9 no longer uses for the node id: with it, the groups would silently not form.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class Chains(LoadScopeScheduling):
+    class SerialGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return next((chain for chain in CHAINS if nodeid.startswith(chain)), nodeid)
+            return "serial" if nodeid.startswith(SERIAL) else nodeid
 
-    return Chains(config, log)
+    return SerialGroup(config, log)
 
 
 @pytest.fixture(autouse=True)
 def _cpu_priority(request: pytest.FixtureRequest) -> None:
-    """Under xdist, a test outside the CHAINS runs at niceness NICE; a chain's test at niceness 0 (raising it
-    back needs root, as in CI; without it, it stays lower)."""
+    """Under xdist, a test outside the serial group runs at niceness NICE; a serial test at niceness 0 (raising
+    it back needs root, as in CI; without it, it stays lower)."""
     if WORKER is None:
         return
-    want = 0 if request.node.nodeid.startswith(CHAINS) else NICE
+    want = 0 if request.node.nodeid.startswith(SERIAL) else NICE
     if os.getpriority(os.PRIO_PROCESS, 0) != want:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, want)

@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                 "export_s": hook.last_export["export_s"],
                 "since_start_s": round(time.monotonic() - T_PROCESS_START, 3),
             },
+            # rank 0, where the run broadcasts weights (weights = "broadcast"): what it sent, to how many workers
+            **({"broadcast": hook.last_export["broadcast"]} if "broadcast" in hook.last_export else {}),
         )
         if args.save_every and step % args.save_every == 0:
             info = hook.checkpoint(step)

@@ -891,7 +891,7 @@ class Controller:
             until, held = self._held_up
             deadline = now - self.loss_window_s - (held if now < until else 0.0)
             marked = []
-            workers = self.store.workers(self.run_id)
+            workers: list[dict] | None = None  # read when an agent is found silent, not every tick
             # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
             # what was just written, so the newer time we wrote counts; None stays None (never heard from, or
             # reset by a requeue, which changes the rows and so the cache)
@@ -903,6 +903,7 @@ class Controller:
                 if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
                     continue
                 hit = self._move_gpus(alloc["id"], (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
+                workers = self.store.workers(self.run_id) if workers is None else workers
                 for w in workers:
                     if w["allocation_id"] == alloc["id"] and w["state"] not in (W.STOPPED, W.FAILED, W.LOST):
                         self.store.set_state(

@@ -10,8 +10,11 @@ A worker is a target when, and only when:
 - it is READY and routable, with a URL, and its engine is vLLM;
 - its allocation belongs to a pool whose spec says ``weights = "broadcast"`` (so it was started with the
   receiver; a pool launched before the key existed is ``disk``);
-- none of its allocation's nodes (the allocation's node, its agent's host, its GPUs' nodes) runs a trainer rank
-  (a RUNNING or PREEMPTING trainer allocation's nodes): workers there read the node-local store instead.
+- none of its allocation's nodes (the allocation's node and its GPUs' nodes: Slurm node names, what the node-local
+  store is keyed by, pearlctl.agent.workers ``weight_store``) runs a trainer rank (a RUNNING or PREEMPTING trainer
+  allocation's nodes): workers there read the node-local store instead. Nodes that share one host (several
+  slurmd on one machine) are told apart, as their stores are; the agent's host counts only where no node name
+  is known.
 
 ``select_targets`` is pure (rows in, targets out); ``broadcast_targets`` reads the rows from state. The daemon
 only answers: it neither sends nor records a broadcast, and a worker left out reads the disk as by default.
@@ -50,11 +53,14 @@ def select_targets(
     node_name = {n["id"]: n["name"] for n in nodes}
     hosts: dict[int, set[str]] = {}
     for a in allocations:
-        hosts[a["id"]] = {h.lower() for h in (a.get("node"), a.get("agent_host")) if h}
+        hosts[a["id"]] = {a["node"].lower()} if a.get("node") else set()
     for g in gpus:
         name = node_name.get(g["node_id"])
         if name:
             hosts.setdefault(g["allocation_id"], set()).add(name.lower())
+    for a in allocations:
+        if not hosts[a["id"]] and a.get("agent_host"):
+            hosts[a["id"]] = {a["agent_host"].lower()}
     trainer_nodes: set[str] = set()
     for a in allocations:
         if pool_name.get(a["pool_id"]) == PoolKind.TRAINER and a["state"] in _TRAINER_LIVE:

@@ -86,6 +86,7 @@ def test_cpu_environment() -> None:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
+        "TORCHDYNAMO_DISABLE": "1",
     }
     assert "CUDA_VISIBLE_DEVICES" not in env
 

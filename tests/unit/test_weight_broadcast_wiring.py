@@ -141,6 +141,20 @@ def test_the_targets_are_the_ready_broadcast_workers_on_nodes_without_a_trainer_
     assert broadcast_targets(store, "r")["workers"] == []
 
 
+def test_nodes_that_share_a_host_are_told_apart_by_node_name_as_their_stores_are(state):
+    """Several slurmd on one machine (the local test cluster): every agent reports the same host, but each node
+    has its own node-local store (keyed by node name), so a worker on another node is still a target; the agent's
+    host counts only for an allocation with no node name."""
+    store, workers = state
+    allocations = {a["id"]: a for a in store.allocations("r")}
+    for a in allocations.values():
+        store.update_fields("allocations", a["id"], agent_host="same-machine")
+    assert [t["id"] for t in broadcast_targets(store, "r")["workers"]] == [workers["rollout1"], workers["rollout2"]]
+    rollout2 = next(a for a in allocations.values() if a["node"] == "n2")
+    store.update_fields("allocations", rollout2["id"], node=None, agent_host="n0")  # only its host known: n0's
+    assert [t["id"] for t in broadcast_targets(store, "r")["workers"]] == [workers["rollout1"]]
+
+
 def test_the_route_answers_the_targets_through_the_daemons_app(state):
     from starlette.testclient import TestClient
 

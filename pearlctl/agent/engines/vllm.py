@@ -59,6 +59,10 @@ CPU_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "PYTHONUNBUFFERED": "1",
+    # the engine runs eager on CPU (--enforce-eager); vLLM's few torch.compile'd helpers (the logprob ranks of
+    # every request that asks for logprobs) would trace with dynamo and build with inductor and g++ at their first
+    # use in each engine process: about 3 CPU-seconds with inductor's cache warm, far more with it cold
+    "TORCHDYNAMO_DISABLE": "1",
 }
 GPU_ENV: dict[str, str] = {
     "VLLM_SERVER_DEV_MODE": "1",

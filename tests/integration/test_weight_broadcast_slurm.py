@@ -1,0 +1,92 @@
+"""Weights by broadcast across Slurm nodes, with real engines: a 2-rank DeepSpeed trainer on one node of the local
+cluster and a vLLM rollout worker of a ``weights = "broadcast"`` pool on another (both jobs ``--exclusive``, through
+sbatch's own SBATCH_EXCLUSIVE, so Slurm cannot pack them onto one node), the daemon and the reference rollout driver.
+
+Each version the trainer exports reaches the worker over a gloo group from trainer rank 0 before it is published
+(pearlctl.trainer.broadcast): the trainer's step events count the tensors sent, the worker's vLLM log the same
+tensors received, its agent says it serves the version from the broadcast with no reload, and vLLM's disk reload
+never ran. The trainer trains every step, and every step after the first is generated on the previous step's
+weights. (The node-local store is keyed by Slurm node name, so the cluster's nodes, one machine, are told apart.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, wait_for
+from tests.integration.conftest import spec_run
+from tests.integration.test_borrow_e2e import ROLLOUT_POOL
+from tests.integration.test_borrow_e2e import spec_text as borrow_spec
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 3
+
+
+def spec_text(run_dir: Path) -> str:
+    return borrow_spec(run_dir, name="bcast", steps=STEPS, generation_pools=ROLLOUT_POOL + 'weights = "broadcast"\n')
+
+
+@pytest.fixture
+def bcast(slurm_cluster, tmp_path):
+    with spec_run(slurm_cluster, tmp_path / "state", "bcast", spec_text) as (pc, d):
+        pc.env["SBATCH_EXCLUSIVE"] = "exclusive"  # sbatch's input variable for --exclusive: one job per node
+        yield pc, d
+
+
+def lines(run_dir: Path, pattern: str, needle: str) -> list[str]:
+    return [x for p in sorted((run_dir / "logs").glob(pattern)) for x in p.read_text().splitlines() if needle in x]
+
+
+def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadcast(bcast):
+    pc, d = bcast
+    run_dir = d / "run"
+    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
+    doc = pc.json("status", "bcast")
+    nodes = {a["pool"]: a["node"] for a in doc["allocations"]}
+    assert nodes["trainer"] != nodes["rollout"], nodes
+    pc("daemon", "bcast", "--heartbeat-s", "1", "--json")
+    driver = subprocess.run(
+        [sys.executable, str(REPO / "examples/grpo/rollout.py"), "--run-dir", str(run_dir), "--run-id",
+         doc["run"]["id"], "--out", str(run_dir / "rollouts"), "--steps", str(STEPS), "--prompts", "4",
+         "--group-size", "4", "--concurrency", "4"],
+        capture_output=True, text=True, timeout=600, env=pc.env,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stderr[-3000:]
+
+    log = run_dir / "trainer" / "train.jsonl"
+    wait_for(lambda: log.exists() and '"done"' in log.read_text(), 180, every=1)
+    events = [json.loads(x) for x in log.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(e["loss"]) for e in steps)
+
+    # every version the rollout worker served after the first step came over gloo from trainer rank 0
+    sent = {  # what trainer rank 0's export says it broadcast with each version (the example trainer's step event)
+        e["broadcast"]["version"]: (e["broadcast"]["tensors"], e["broadcast"]["bytes"])
+        for e in steps
+        if (e.get("broadcast") or {}).get("sent") and e["broadcast"]["workers"] == 1
+    }
+    served = {}
+    for step in range(1, STEPS + 1):
+        groups = [json.loads(x) for x in (run_dir / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()]
+        served[step] = {s["weight_version"] for g in groups for s in g["served_by"]}
+    for step in range(2, STEPS + 1):
+        assert served[step] == {str(step - 1)}, served
+    versions = {str(v) for v in range(1, STEPS)}
+    assert versions <= set(sent), sent
+    received = lines(run_dir, "vllm-*rollout*.log", "over gloo")
+    for v in versions:
+        tensors, size = sent[v]
+        assert any(f"received {tensors} tensors ({size} bytes) over gloo" in x for x in received), received
+    from_broadcast = lines(run_dir, "rollout-*.log", "from the trainer's broadcast (no reload)")
+    assert {m.group(1) for x in from_broadcast if (m := re.search(r"now serves weights (\S+) from", x))} >= versions
+    assert not lines(run_dir, "vllm-*rollout*.log", "Reloading weights inplace")  # vLLM never read a checkpoint
+    print(json.dumps({"nodes": nodes, "sent": sent, "served": {k: sorted(v) for k, v in served.items()}}))
