@@ -60,6 +60,9 @@ def slurm_id(alloc: dict, pools: list[dict]) -> str:
     return f"{alloc['job_id']}_{alloc['array_index']}"
 
 
+SHOWN_FAILURES = 3  # the latest failed workers whose reasons status shows (a crash loop makes one per restart)
+
+
 def status_tables(doc: dict) -> Group:
     run = doc["run"]
     head = Table.grid(padding=(0, 2))
@@ -135,6 +138,16 @@ def status_tables(doc: dict) -> Group:
                 w.get("weight_version") or "-",
             )
         parts.append(workers)
+        failed = [w for w in doc["workers"] if w.get("error")]  # FAILED workers: why, as their agents reported it
+        if len(failed) > SHOWN_FAILURES:
+            parts.append(
+                Text(
+                    f"{len(failed) - SHOWN_FAILURES} earlier failed workers: pearlctl journal {doc['run']['name']}",
+                    style="dim",
+                )
+            )
+        for w in failed[-SHOWN_FAILURES:]:
+            parts.append(Text(f"worker {w['id']} failed: {w['error']}", style="red"))
     else:
         parts.append(Text("workers: none (engines start with the daemon)", style="dim"))
     running = [t for t in doc["transitions"] if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]

@@ -881,6 +881,18 @@ class Store:
             params.append(limit)
         return self._query(sql, params, table="journal")
 
+    def failure_reasons(self, run_id: str) -> dict[int, str]:
+        """Each FAILED worker's reason, as its agent reported it (the ``error`` journaled on its move to FAILED,
+        the latest if it failed more than once); workers without one are absent. One indexed read."""
+        rows = self._query(
+            "SELECT j.entity_id, j.data FROM journal j JOIN workers w ON w.id = CAST(j.entity_id AS INTEGER)"
+            " WHERE w.run_id = ? AND w.state = 'FAILED' AND j.entity = 'workers' AND j.to_state = 'FAILED'"
+            " AND json_extract(j.data, '$.error') IS NOT NULL ORDER BY j.id",
+            [run_id],
+            table="journal",
+        )
+        return {int(r["entity_id"]): r["data"]["error"] for r in rows}
+
     def health(self) -> Row:
         """What ``pearlctl doctor`` reports: SQLite's integrity check, journal mode, schema version and
         row counts. Read-only; works on a read-only store."""

@@ -6,14 +6,16 @@ from pearlctl.state.store import Store
 
 
 def run_document(store: Store, run_id: str) -> dict:
-    """The status document: stable top-level keys, values straight from state."""
+    """The status document: stable top-level keys, values straight from state. A FAILED worker carries
+    ``error``: why, as its agent reported it (journaled on its move to FAILED)."""
+    reasons = store.failure_reasons(run_id)
     return {
         "run": store.get_run(run_id),
         "pools": store.pools(run_id),
         "allocations": store.allocations(run_id),
         "nodes": store.nodes(run_id),
         "gpus": store.gpus(run_id),
-        "workers": store.workers(run_id),
+        "workers": [dict(w, error=reasons[w["id"]]) if w["id"] in reasons else w for w in store.workers(run_id)],
         "transitions": [_with_current_step(store, t) for t in store.transitions(run_id)],
     }
 
