@@ -883,12 +883,18 @@ class Store:
 
     def failure_reasons(self, run_id: str) -> dict[int, str]:
         """Each FAILED worker's reason, as its agent reported it (the ``error`` journaled on its move to FAILED,
-        the latest if it failed more than once); workers without one are absent. One indexed read."""
+        the latest if it failed more than once); workers without one are absent. Reads the journal by entity
+        (its index), only for the run's FAILED workers."""
+        failed = [
+            str(r["id"]) for r in self._query("SELECT id FROM workers WHERE run_id = ? AND state = 'FAILED'", [run_id])
+        ]
+        if not failed:
+            return {}
         rows = self._query(
-            "SELECT j.entity_id, j.data FROM journal j JOIN workers w ON w.id = CAST(j.entity_id AS INTEGER)"
-            " WHERE w.run_id = ? AND w.state = 'FAILED' AND j.entity = 'workers' AND j.to_state = 'FAILED'"
-            " AND json_extract(j.data, '$.error') IS NOT NULL ORDER BY j.id",
-            [run_id],
+            "SELECT entity_id, data FROM journal WHERE entity = 'workers' AND entity_id IN"
+            f" ({', '.join('?' * len(failed))}) AND to_state = 'FAILED' AND json_extract(data, '$.error') IS NOT NULL"
+            " ORDER BY id",
+            failed,
             table="journal",
         )
         return {int(r["entity_id"]): r["data"]["error"] for r in rows}
