@@ -111,54 +111,55 @@ def test_a_failed_workers_report_says_why_in_one_line_the_control_api_takes():
     assert "error" not in identity(Crashing("rollout-0", ready=True))
 
 
-def test_the_daemon_journals_why_a_worker_failed(tmp_path):
+WHY = "exit 1; log /x/train.log ends: CUDA error: out of memory"
+TRAIN = {"key": "train-0", "role": "TRAIN", "engine": "deepspeed", "gpus": [0, 1], "pid": 5}
+
+
+@pytest.fixture
+def failed(tmp_path):
+    """A trainer allocation whose agent reported its worker READY, then FAILED with WHY: (store, controller,
+    allocation)."""
     with Store.open(tmp_path / "state.db") as store:
         alloc = create_trainer_run(store, tmp_path, job_id="7")
         store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
         controller = Controller(store, "r", None, heartbeat_s=1.0)
         controller.register(parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1]}))
-        train = {"key": "train-0", "role": "TRAIN", "engine": "deepspeed", "gpus": [0, 1], "pid": 5}
-        for state, error in (("READY", None), ("FAILED", "exit 1; log /x/train.log ends: CUDA error: out of memory")):
-            beat = {"allocation_id": alloc["id"], "workers": [{**train, "state": state, "error": error}]}
+        for state, error in (("READY", None), ("FAILED", WHY)):
+            beat = {"allocation_id": alloc["id"], "workers": [{**TRAIN, "state": state, "error": error}]}
             controller.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
-        failed = [j for j in store.journal("r") if j["entity"] == "workers" and j["to_state"] == "FAILED"]
-        assert [j["data"]["error"] for j in failed] == ["exit 1; log /x/train.log ends: CUDA error: out of memory"]
+        yield store, controller, alloc
 
 
-def test_status_shows_why_a_worker_failed(tmp_path):
+def test_the_daemon_journals_why_a_worker_failed(failed):
+    store, _, _ = failed
+    failed_rows = [j for j in store.journal("r") if j["entity"] == "workers" and j["to_state"] == "FAILED"]
+    assert [j["data"]["error"] for j in failed_rows] == [WHY]
+
+
+def test_status_shows_why_a_worker_failed(failed):
     from rich.console import Console
 
     from pearlctl.cli.render import status_tables
     from pearlctl.state.views import run_document
 
-    with Store.open(tmp_path / "state.db") as store:
-        alloc = create_trainer_run(store, tmp_path, job_id="7")
-        store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
-        controller = Controller(store, "r", None, heartbeat_s=1.0)
-        controller.register(parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1]}))
-        train = {"key": "train-0", "role": "TRAIN", "engine": "deepspeed", "gpus": [0, 1], "pid": 5}
-        why = "exit 1; log /x/train.log ends: CUDA error: out of memory"
-        for state, error in (("READY", None), ("FAILED", why)):
-            beat = {"allocation_id": alloc["id"], "workers": [{**train, "state": state, "error": error}]}
-            controller.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
-        doc = run_document(store, "r")
-        [worker] = doc["workers"]
-        assert worker["state"] == "FAILED" and worker["error"] == why
-        console = Console(width=200, record=True)
-        console.print(status_tables({**doc, "router": None}))
-        assert f"worker {worker['id']} failed: {why}" in console.export_text()
-        # restarted: a new worker, without a reason; the failed one keeps its own
-        beat = {"allocation_id": alloc["id"], "workers": [{**train, "state": "STARTING", "pid": 6}]}
-        controller.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
-        assert [(w["state"], w.get("error")) for w in run_document(store, "r")["workers"]] == [
-            ("FAILED", why),
-            ("STARTING", None),
-        ]
-        # a crash loop: the latest failures are named, the rest counted
-        doc = run_document(store, "r")
-        many = [dict(worker, id=i, error=f"exit {i}") for i in range(1, 8)]
-        console = Console(width=200, record=True)
-        console.print(status_tables({**doc, "workers": many, "router": None}))
-        text = console.export_text()
-        assert "worker 7 failed: exit 7" in text and "worker 4 failed" not in text
-        assert "4 earlier failed workers: pearlctl journal" in text
+    store, controller, alloc = failed
+    doc = run_document(store, "r")
+    [worker] = doc["workers"]
+    assert worker["state"] == "FAILED" and worker["error"] == WHY
+    console = Console(width=200, record=True)
+    console.print(status_tables({**doc, "router": None}))
+    assert f"worker {worker['id']} failed: {WHY}" in console.export_text()
+    # restarted: a new worker, without a reason; the failed one keeps its own
+    beat = {"allocation_id": alloc["id"], "workers": [{**TRAIN, "state": "STARTING", "pid": 6}]}
+    controller.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
+    assert [(w["state"], w.get("error")) for w in run_document(store, "r")["workers"]] == [
+        ("FAILED", WHY),
+        ("STARTING", None),
+    ]
+    # a crash loop: the latest failures are named, the rest counted
+    many = [dict(worker, id=i, error=f"exit {i}") for i in range(1, 8)]
+    console = Console(width=200, record=True)
+    console.print(status_tables({**doc, "workers": many, "router": None}))
+    text = console.export_text()
+    assert "worker 7 failed: exit 7" in text and "worker 4 failed" not in text
+    assert "4 earlier failed workers: pearlctl journal" in text
