@@ -36,6 +36,9 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SLURM_WORD_RE = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
 # A Slurm hostlist: names, ranges and lists, e.g. ``gpu[1-3,7],head``.
 _HOSTLIST_RE = re.compile(r"[A-Za-z0-9_.,\[\]-]{1,1024}")
+# a Slurm feature expression (sbatch --constraint): features joined by & | , with [ ] ( ) grouping and *N counts
+_CONSTRAINT_RE = re.compile(r"[A-Za-z0-9_.+&|,*\[\]()-]{1,1024}")
+CONSTRAINT_WHAT = "a Slurm feature expression like a100|h100 or [rack1|rack2]&nvlink"
 _MEM_RE = re.compile(r"(\d{1,12})([KMGT]?)")
 # Control characters (C0 and DEL) are refused in every string of a spec: each ends up in a shell script.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -148,6 +151,8 @@ class PoolSpec:
     qos: str | None = None
     cpus_per_task: int | None = None
     mem: str | None = None
+    constraint: str | None = None  # sbatch --constraint: the node features the pool's nodes must have
+    exclude: str | None = None  # sbatch --exclude: nodes the pool must not run on
     max_nodes: int | None = None  # elastic pools may grow up to this
     # elastic pools: an added task still PENDING after this long is cancelled, and growth backs off
     pending_timeout_s: float | None = None
@@ -333,6 +338,8 @@ _POOL_KEYS = (
     "qos",
     "cpus_per_task",
     "mem",
+    "constraint",
+    "exclude",
     "max_nodes",
     "pending_timeout_s",
     "requeue",
@@ -418,6 +425,8 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     qos = c.string(raw, "qos", p, pattern=_SLURM_WORD_RE, what="a Slurm QOS name")
     cpus = c.integer(raw, "cpus_per_task", p, minimum=1, maximum=MAX_CPUS_PER_TASK)
     mem = c.string(raw, "mem", p, check=_mem_ok, what="a Slurm memory size like 16G, at most 64T")
+    constraint = c.string(raw, "constraint", p, pattern=_CONSTRAINT_RE, what=CONSTRAINT_WHAT)
+    exclude = c.string(raw, "exclude", p, pattern=_HOSTLIST_RE, what=HOSTLIST_WHAT)
     max_nodes = c.integer(raw, "max_nodes", p, minimum=1, maximum=MAX_NODES)
     if max_nodes is not None and name != "elastic":
         c.fail(p + "max_nodes", "only an elastic pool can grow; remove it or move it to [pools.elastic]")
@@ -493,6 +502,8 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         qos=qos,
         cpus_per_task=cpus,
         mem=mem,
+        constraint=constraint,
+        exclude=exclude,
         max_nodes=max_nodes,
         pending_timeout_s=pending_timeout,
         requeue=requeue,

@@ -110,6 +110,8 @@ def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, firs
         qos=pool.qos,
         cpus_per_task=pool.cpus_per_task,
         mem=pool.mem,
+        constraint=pool.constraint,
+        exclude=pool.exclude,
         requeue=pool.requeue,
         preempt_signal=pool.preempt_signal,
         preempt_notice_s=pool.preempt_notice_s,

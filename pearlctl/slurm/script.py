@@ -46,6 +46,8 @@ class SubmitRequest:
     qos: str | None = None
     cpus_per_task: int | None = None
     mem: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
     requeue: bool = False
     preempt_signal: str = "USR2"
     preempt_notice_s: int = 60
@@ -117,6 +119,8 @@ def sbatch_directives(req: SubmitRequest) -> list[str]:
         ("qos", req.qos),
         ("cpus-per-task", req.cpus_per_task),
         ("mem", req.mem),
+        ("constraint", req.constraint),
+        ("exclude", req.exclude),
         ("nodelist", req.nodelist),
     ):
         if value is not None:

@@ -1,6 +1,6 @@
 """Weights by broadcast across Slurm nodes, with real engines: a 2-rank DeepSpeed trainer on one node of the local
-cluster and a vLLM rollout worker of a ``weights = "broadcast"`` pool on another (both jobs ``--exclusive``, through
-sbatch's own SBATCH_EXCLUSIVE, so Slurm cannot pack them onto one node), the daemon and the reference rollout driver.
+cluster and a vLLM rollout worker of a ``weights = "broadcast"`` pool on another (the pools' ``exclude`` keeps the
+trainer on gpu1 and the rollout pool off it), the daemon and the reference rollout driver.
 
 Each version the trainer exports reaches the worker over a gloo group from trainer rank 0 before it is published
 (pearlctl.trainer.broadcast): the trainer's step events count the tensors sent, the worker's vLLM log the same
@@ -31,14 +31,19 @@ STEPS = 3
 
 
 def spec_text(run_dir: Path) -> str:
-    return borrow_spec(run_dir, name="bcast", steps=STEPS, generation_pools=ROLLOUT_POOL + 'weights = "broadcast"\n')
+    return borrow_spec(
+        run_dir,
+        name="bcast",
+        steps=STEPS,
+        trainer_pool='partition = "debug"\nexclude = "gpu[2-4]"',
+        generation_pools=ROLLOUT_POOL + 'weights = "broadcast"\nexclude = "gpu1"\n',
+    )
 
 
 @pytest.fixture
 def bcast(slurm_cluster, tmp_path):
-    with spec_run(slurm_cluster, tmp_path / "state", "bcast", spec_text) as (pc, d):
-        pc.env["SBATCH_EXCLUSIVE"] = "exclusive"  # sbatch's input variable for --exclusive: one job per node
-        yield pc, d
+    with spec_run(slurm_cluster, tmp_path / "state", "bcast", spec_text) as run:
+        yield run
 
 
 def lines(run_dir: Path, pattern: str, needle: str) -> list[str]:
@@ -51,7 +56,7 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
     doc = pc.json("status", "bcast")
     nodes = {a["pool"]: a["node"] for a in doc["allocations"]}
-    assert nodes["trainer"] != nodes["rollout"], nodes
+    assert nodes["trainer"] == "gpu1" and nodes["rollout"] != "gpu1", nodes  # each pool's exclude held
     pc("daemon", "bcast", "--heartbeat-s", "1", "--json")
     driver = subprocess.run(
         [sys.executable, str(REPO / "examples/grpo/rollout.py"), "--run-dir", str(run_dir), "--run-id",

@@ -323,3 +323,27 @@ def test_daemon_slurm_options_are_checked_like_a_spec():
     bad = slurm_option_problems(partition="debug\n", nodelist="gpu1\nid", time_limit="10\n")
     assert [p.key for p in bad] == ["--partition", "--nodelist", "--time"]
     assert all("\n" not in str(p) for p in bad)
+
+
+def test_constraint_and_exclude_reach_every_task_of_the_pool_as_sbatch_directives(spec_dir):
+    from pearlctl.launcher import grow_request, requests_for
+    from pearlctl.slurm.script import sbatch_directives
+
+    (spec_dir / "m").mkdir(exist_ok=True)
+    doc = data(constraint="[rack1|rack2]&nvlink", exclude="gpu[7-8],head")
+    doc["pools"]["elastic"] = {"nodes": 1, "max_nodes": 3, "gpus_per_node": 1, "exclude": "gpu7"}
+    spec = parse_spec(doc, spec_dir / "run.toml", POLICIES)
+    reqs = {r.pool: sbatch_directives(r) for r in requests_for(spec, "t1-0001")}
+    assert "--constraint=[rack1|rack2]&nvlink" in reqs["trainer"] and "--exclude=gpu[7-8],head" in reqs["trainer"]
+    assert not any(d.startswith(("--constraint", "--exclude")) for d in reqs["rollout"])
+    run = {"id": "t1-0001", "run_dir": str(spec.run_dir), "spec": spec.to_dict()}
+    assert "--exclude=gpu7" in sbatch_directives(grow_request(run, "elastic", 1))  # a task the daemon adds later
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("constraint", "h100 && a100"), ("constraint", "a;rm -rf"), ("exclude", "gpu1 gpu2"), ("exclude", "$(id)")],
+)
+def test_a_bad_constraint_or_exclude_is_refused_by_name(spec_dir, key, value):
+    found = parse_problems(spec_dir, data(**{key: value}))
+    assert f"pools.trainer.{key}" in found and "Slurm" in found[f"pools.trainer.{key}"], found
