@@ -36,6 +36,10 @@ from tests.engines.conftest import TINY_MODEL
 # the agent and trainer simulated; here real engines prove that no process is started twice.
 POINT = "after_effect"
 RUN = "crash"
+# The killed daemon's lease must still be unexpired when the next one starts, so that the takeover shows it broken
+# (the holder's process is gone), not waited out: with a 30-s TTL a loaded machine (the kill, then the new
+# daemon's imports) let it lapse first, and there was nothing left to break.
+LEASE_TTL_S = "120"
 # (plan, step kind) in the order they run: every step kind of the four plans once (VERIFY is a probe: no effect),
 # each where its effect does something real — OFFLOAD/RELOAD the trainer's, START/WAKE/SLEEP/STOP an engine's,
 # REGISTER/DEREGISTER the router's, DRAIN the agent's. The effect code of a step kind is the same in every plan.
@@ -121,7 +125,7 @@ class Harness:
         if fault:
             env["PEARL_FAULT"] = fault
         pc = Pearlctl(self.pc.env["PEARL_STATE_DIR"], env)
-        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", "30", "--json").stdout)
+        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", LEASE_TTL_S, "--json").stdout)
 
     def stop_daemon(self) -> None:
         address = read_address(self.run_dir)

@@ -45,6 +45,7 @@ from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
 from tests.engines.load import Load, prompts
+from tests.engines.test_crash_matrix_daemon import LEASE_TTL_S
 
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
@@ -95,7 +96,7 @@ class Harness:
         if fault:
             env["PEARL_FAULT"] = fault
         pc = Pearlctl(self.state_dir, env)
-        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", "30", "--json").stdout)
+        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", LEASE_TTL_S, "--json").stdout)
 
     def stop_daemon(self) -> None:
         address = read_address(self.run_dir)
