@@ -396,6 +396,14 @@ class Reconciler:
     """Makes the running workers match the daemon's desired state, and returns lent GPUs by itself when it
     must (``return_lent``). Thread-safe: the agent's main loop and its return watchdog both call it."""
 
+    # A return without the daemon stops the lent worker (drain what finishes, abort the rest, SIGTERM,
+    # SIGKILL), where the daemon's own return parks it in far less time (its ``return_by`` is the deadline
+    # less that parking's measured cost). So the agent's return starts early enough for its stop to end
+    # before the deadline: the stop gets SELF_RETURN_STOP_S, and STOP_OVERRUN_S is what a stop may take
+    # beyond its budget (VllmWorker.stop's floors for the abort and the SIGTERM, the SIGKILL's reaping).
+    SELF_RETURN_STOP_S = 4.0
+    STOP_OVERRUN_S = 2.0
+
     def __init__(self, me: Identity, run_dir: str, env: dict[str, str] | None = None, *, drain_timeout: float = 30.0):
         self.me, self.run_dir = me, run_dir
         self.env = dict(os.environ if env is None else env)
@@ -500,20 +508,25 @@ class Reconciler:
         the trainer on this node (the return file) and, later, the daemon (``self_returns``). Returns the
         keys whose return started. Idempotent: a lending is returned once.
 
-        ``early_s``: start that much before the lending's ``return_by`` — the time it took to notice that
-        the daemon is gone, so that a daemon lost just before ``return_by`` still costs no lateness."""
+        Starts at the lending's ``return_by``, or earlier where the stop needs more (the class's
+        SELF_RETURN_STOP_S and STOP_OVERRUN_S before the deadline). ``early_s``: that much earlier still —
+        the time it took to notice that the daemon is gone, so that a daemon lost just before the start
+        still costs no lateness."""
         now = time.time() if now is None else now
         started = []
         with self._lock:
             for key, want in self.lent.items():
-                start_at = float(want.get("return_by") or want["return_deadline"]) - early_s
-                if key in self.returned or now < start_at:
+                deadline = float(want["return_deadline"])
+                by = min(
+                    float(want.get("return_by") or deadline), deadline - self.SELF_RETURN_STOP_S - self.STOP_OVERRUN_S
+                )
+                if key in self.returned or now < by - early_s:
                     continue
                 self.returned[key] = want["return_deadline"]
                 handle = self.workers.pop(key, None)
                 if handle is not None:
                     self.retiring[key] = handle
-                budget = max(0.5, min(self.drain_timeout, want["return_deadline"] - now - 1.0))
+                budget = max(0.5, min(self.drain_timeout, deadline - now - self.STOP_OVERRUN_S))
                 threading.Thread(
                     target=self._return_one, args=(key, want, handle, budget), name=f"return-{key}", daemon=True
                 ).start()

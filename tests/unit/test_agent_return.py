@@ -108,3 +108,58 @@ def test_a_returned_lending_is_not_served_again_from_a_stale_desired_state(recon
     r.delivered(r.report())
     r.apply(lent(now, by=now + 100, deadline=now + 110), now=now + 7)
     assert made == ["train-0", "rollout-1", "rollout-1"]
+
+
+def test_without_the_daemon_a_lending_returned_by_a_cheap_park_starts_early_enough_for_a_stop(reconciler):
+    """The daemon's ``return_by`` is the deadline less its parking return's cost (well under a second); the
+    agent's own return stops the worker instead, so it starts early enough for that stop to end in time."""
+    r, _ = reconciler
+    now = time.time()
+    deadline = now + 40
+    r.apply(lent(now, by=deadline - 0.4, deadline=deadline), now=now)
+    lead = Reconciler.SELF_RETURN_STOP_S + Reconciler.STOP_OVERRUN_S
+    assert r.return_lent(deadline - lead - 3.1, early_s=3.0) == []
+    assert r.return_lent(deadline - lead - 2.9, early_s=3.0) == ["rollout-1"]
+    handle = r.retiring["rollout-1"]
+    assert handle.done.wait(5)
+    # the stop's budget and what a stop may overrun it by both end before the deadline
+    assert handle.stop_budget + Reconciler.STOP_OVERRUN_S <= deadline - (deadline - lead - 2.9)
+
+
+class SlowServer:
+    """A vLLM server (the VllmWorker's seam) at its slowest: the drain never finishes, the abort and the
+    SIGTERM each use all the time they are given, and the SIGKILL's reaping takes a moment more."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, float]] = []
+
+    def alive(self) -> bool:
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        self.calls.append(("drain", timeout))
+        time.sleep(timeout)
+        return False
+
+    def abort_in_flight(self, timeout: float) -> int:
+        self.calls.append(("abort", timeout))
+        time.sleep(timeout)
+        return 3
+
+    def stop(self, timeout: float) -> int:
+        self.calls.append(("stop", timeout))
+        time.sleep(timeout + 0.2)
+        return -9
+
+
+@pytest.mark.parametrize("budget", [0.5, 2.0, 4.0, 8.0])
+def test_a_vllm_workers_stop_overruns_its_budget_by_at_most_the_reconcilers_allowance(budget):
+    from pearlctl.agent.workers import VllmWorker
+
+    worker = VllmWorker.__new__(VllmWorker)  # no vLLM process: the server is the seam
+    worker.key, worker.server = "rollout-1", SlowServer()
+    t0 = time.monotonic()
+    worker.stop(budget)
+    took = time.monotonic() - t0
+    assert [c for c, _ in worker.server.calls] == ["drain", "abort", "stop"]
+    assert took <= budget + Reconciler.STOP_OVERRUN_S, (took, worker.server.calls)
