@@ -527,10 +527,12 @@ class Controller:
         for g in gpus:
             if g["state"] == G.UP:
                 by_role.setdefault(g["role"], []).append(g["idx"])
-                if g["borrowed"] and g["return_deadline"] is not None:
-                    deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
-                if g["borrowed"]:
-                    by_role.setdefault("TRAIN", []).append(g["idx"])
+                # lent: serving another role (a TRAIN GPU is its trainer's whatever its flag says: its agent
+                # must never be handed a trainer's GPUs twice, nor a deadline to stop the trainer by)
+                if g["borrowed"] and g["role"] != Role.TRAIN:
+                    by_role.setdefault(Role.TRAIN, []).append(g["idx"])
+                    if g["return_deadline"] is not None:
+                        deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
                 if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
                     parked.setdefault(g["worker_id"], []).append(g["idx"])
         out = []

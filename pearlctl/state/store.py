@@ -407,7 +407,8 @@ class Store:
         """Make the allocation's GPUs match what its agent reported: ``gpu_indices`` on ``node``.
 
         New indices get UP rows with ``role``; GONE or LOST ones come back UP (a GONE one, a fresh start,
-        also takes ``role``; a LOST one keeps its role: its workers may have kept running); an index
+        also takes ``role`` and is no longer lent nor holds a parked worker; a LOST one keeps its role and
+        lending: its workers may have kept running); an index
         reported on another node moves there; indices no longer reported go GONE. UP and DRAINING rows
         keep their role, so re-registration never undoes a borrow. Calling it again changes nothing.
         """
@@ -462,8 +463,8 @@ class Store:
                     continue
                 gpu_id, state, old_node_id = existing[idx]
                 columns: dict[str, Any] = {"node_id": node_id} if old_node_id != node_id else {}
-                if state == GpuState.GONE:
-                    columns["role"] = role
+                if state == GpuState.GONE:  # a fresh start: nothing of the GPU's last allocation holds
+                    columns.update(role=role, borrowed=0, return_deadline=None, worker_id=None)
                 if state in (GpuState.GONE, GpuState.LOST):
                     self._cas(
                         conn,

@@ -478,9 +478,11 @@ def test_upsert_node_gpus(store: Store) -> None:
         (a0, "node-a", 2, "GONE", "TRAIN"),
     ]
 
-    gpu1 = store.gpus(run_id)[1]
+    gpu1, gpu2 = store.gpus(run_id)[1:]
     store.update_fields("gpus", gpu1["id"], role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     store.set_state("gpus", gpu1["id"], expect="UP", to="LOST", event="heartbeat.missed")
+    # a GPU that went while lent (its job preempted and requeued): the lending ended with the allocation
+    store.update_fields("gpus", gpu2["id"], role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     # requeued elsewhere: 0 moves, 1 comes back from LOST keeping its borrowed role, 2 comes back fresh
     store.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
     assert view() == [
@@ -488,6 +490,8 @@ def test_upsert_node_gpus(store: Store) -> None:
         (a0, "node-b", 1, "UP", "ROLLOUT"),
         (a0, "node-b", 2, "UP", "TRAIN"),
     ]
+    lending = [(g["borrowed"], g["return_deadline"]) for g in store.gpus(run_id)]
+    assert lending == [(0, None), (1, 2000.0), (0, None)]  # the fresh one is no longer lent
     events = [e["event"] for e in store.journal(since_id=since) if e["entity"] == "gpus"]
     assert events.count("gpu.moved") == 1 and events.count("gpu.gone") == 1
 

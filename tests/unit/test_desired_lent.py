@@ -1,0 +1,65 @@
+"""What the daemon tells a trainer allocation's agent to run while one of its GPUs is lent
+(pearlctl.daemon.controller.Controller.desired), against a real SQLite state: the TRAIN worker keeps every
+GPU of the allocation, once each and with no deadline; the vLLM worker on the lent GPU carries the deadline
+and ``return_by``. A requeued job's GPUs that went while lent come back as the trainer's alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pearlctl.daemon.borrowing import Borrowing
+from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.transitions import Executor
+from pearlctl.state.store import Store
+
+NOW = 1_000_000.0
+
+
+@pytest.fixture
+def trainer(tmp_path: Path):
+    with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
+        pools = [{"name": "trainer", "kind": "trainer", "role": "TRAIN", "partition": None, "nodes": 1,
+                  "gpus_per_node": 2, "job_name": "pearl.r.trainer"}]  # fmt: skip
+        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
+                         policy="greedy", pools=pools)  # fmt: skip
+        (a,) = store.allocations("r")
+        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id="10")
+        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node="n0")
+        store.upsert_node_gpus("r", a["id"], "n0", [0, 1], "TRAIN")
+        controller = Controller(store, "r", None, clock=lambda: NOW)
+        ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
+        controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
+        yield store, controller, a["id"]
+
+
+def view(controller: Controller, alloc_id: int) -> list[tuple]:
+    return [(d.key, d.role, d.gpus, d.return_deadline, d.return_by) for d in controller.desired(alloc_id)]
+
+
+def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
+    store, controller, alloc = trainer
+    lent = store.gpus("r")[1]
+    store.update_fields("gpus", lent["id"], role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    (rollout, train) = view(controller, alloc)  # by role
+    assert train == ("train-0", "TRAIN", (0, 1), None, None)
+    key, role, gpus, deadline, by = rollout
+    assert (key, role, gpus, deadline) == ("rollout-1", "ROLLOUT", (1,), NOW + 60)
+    assert by == round(NOW + 60 - controller.borrowing.cost("return"), 3)
+
+
+def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):
+    store, controller, alloc = trainer
+    lent = store.gpus("r")[1]
+    store.update_fields("gpus", lent["id"], role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    # the job preempted and requeued: its GPUs went, and came back with the new allocation's agent
+    for g in store.gpus("r"):
+        store.set_state("gpus", g["id"], expect="UP", to="DRAINING", event="t")
+        store.set_state("gpus", g["id"], expect="DRAINING", to="GONE", event="t")
+    store.upsert_node_gpus("r", alloc, "n1", [0, 1], "TRAIN")
+    assert view(controller, alloc) == [("train-0", "TRAIN", (0, 1), None, None)]
+    # and were a TRAIN GPU ever flagged lent, the TRAIN worker still gets each GPU once and no deadline
+    store.update_fields("gpus", lent["id"], borrowed=1, return_deadline=NOW + 60)
+    assert view(controller, alloc) == [("train-0", "TRAIN", (0, 1), None, None)]
