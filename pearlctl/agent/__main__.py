@@ -71,6 +71,7 @@ def main() -> int:
     workers = Reconciler(me, run_dir, drain_timeout=grace_s)
     interval, reachable = 2.0, None
     drain_started: float | None = None
+    drained = False
     last_sent: list[dict] | None = None
     last_sent_at = 0.0
 
@@ -124,9 +125,9 @@ def main() -> int:
             interval = float(answer.get("heartbeat_s", interval))
             if not draining.is_set():
                 workers.apply(answer.get("desired", []))
-            elif drain_started is not None and workers.settled():
+            elif drain_started is not None and not drained and workers.settled():
                 _log("drained", drain_s=round(time.monotonic() - drain_started, 3))
-                drain_started = float("inf")  # logged once
+                drained = True  # logged once
         wake.clear()
     seconds = workers.stop_all(grace_s)
     workers.clear_weight_store()
