@@ -46,7 +46,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from typing import Any
 
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import correct, plan
@@ -150,6 +152,7 @@ class Borrowing:
         # several times, and at 4,096 GPUs each read or rebuild costs milliseconds (read-only: never modified)
         self._rows: tuple[tuple[int, int], list[dict]] | None = None
         self._slots: tuple[tuple[int, int], tuple[GpuSlot, ...]] | None = None
+        self._derived: dict[str, tuple[tuple[int, int], Any]] = {}  # what ``_per_generation`` keeps
         # the inputs of the last decision the tick carried out, and when it was made (``REDECIDE_S``)
         self._decided: tuple[tuple, float] | None = None
         self.decisions = 0  # the policy's decisions in ticks, and the ticks that skipped one (unchanged inputs)
@@ -161,6 +164,27 @@ class Borrowing:
         if self._rows is None or self._rows[0] != generation:
             self._rows = (generation, self.store.gpus(self.run_id))
         return self._rows[1]
+
+    def _per_generation(self, what: str, make: Callable[[], Any]) -> Any:
+        """``make()``, kept for one state generation under the name ``what`` (something derived from the
+        GPU rows or slots, which change only with it)."""
+        generation = self.store.generation()
+        hit = self._derived.get(what)
+        if hit is None or hit[0] != generation:
+            hit = self._derived[what] = (generation, make())
+        return hit[1]
+
+    def serving_gpu_ids(self) -> list[int]:
+        """The ids of the GPUs that serve rollouts now, sorted (shared, read-only)."""
+        return self._per_generation(
+            "serving", lambda: sorted(g["id"] for g in self.gpu_rows() if g["state"] == G.UP and _serves(g))
+        )
+
+    def serving_workers(self, gpus_per_worker: int) -> int:
+        """Serving workers among the planner's GPU slots now (``_serving_workers``)."""
+        return self._per_generation(
+            f"workers/{gpus_per_worker}", lambda: _serving_workers(self.slots(), gpus_per_worker)
+        )
 
     def settings(self) -> dict:
         run = self.store.get_run(self.run_id)
@@ -207,7 +231,7 @@ class Borrowing:
         profile = self.profile() or UNMEASURED
         work = work_from_progress(run.get("rollout") or {})
         if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
-            key = correct.shape(work, _serving_workers(gpus, profile.gpus_per_worker))
+            key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
         transitions = self.store.transitions(self.run_id, last=1)
         snapshot = Snapshot(
@@ -391,12 +415,12 @@ class Borrowing:
             if watch is not None:
                 self._save_predictor({**state, "watch": None})
             return
-        serving = sorted(g["id"] for g in self.gpu_rows() if g["state"] == G.UP and _serves(g))
+        serving = self.serving_gpu_ids()
         if watch is not None and watch["gpus"] == serving:
             return
         profile = profiles.from_dict(doc)
         snapshot = self.snapshot(at)
-        workers = _serving_workers(snapshot.gpus, profile.gpus_per_worker)
+        workers = self.serving_workers(profile.gpus_per_worker)
         predicted = completion_s(work, plan.current_deployment(snapshot), profile)  # uncorrected
         shape = correct.shape(work, workers)
         self._save_predictor(

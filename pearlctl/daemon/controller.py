@@ -43,6 +43,11 @@ from pearlctl.vocabulary import ENGINE_FOR_ROLE, SERVING_ROLES, Engine, PoolKind
 
 log = logging.getLogger("pearlctl.daemon")
 
+# Agents' heartbeat times reach state (``agent_seen_at``: status, a successor daemon, which gives agents a
+# takeover grace anyway) at most this often; the loss check reads them from memory. At 512 agents a write
+# every tick was a quarter of a tick that decided nothing (docs/benchmarks.md).
+SEEN_WRITE_S = 5.0
+
 
 def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
     """The credential of one allocation's agent: derived from the run's token, so a restarted daemon
@@ -134,10 +139,11 @@ class Controller:
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
         self.long_polls = LongPolls()  # held heartbeats, answered when their desired workers change (notify)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
-        # allocation -> when its agent was last heard from: written to state once per tick in one transaction
-        # (check_agents), not once per heartbeat; and what was written
+        # allocation -> when its agent was last heard from: the loss check reads it here; it reaches state (for
+        # status and a successor daemon) at most every SEEN_WRITE_S in one transaction, not once per heartbeat
         self._seen: dict[int, float] = {}
         self._seen_written: dict[int, float] = {}
+        self._seen_written_at: float | None = None
         # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
         self.heartbeats: collections.Counter[str] = collections.Counter()
         self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
@@ -879,10 +885,12 @@ class Controller:
         still found, a loss window plus the stall later."""
         with self.lock:
             # heartbeats note their time without the lock: read a copy, never swap the dict under them
-            seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
-            self.store.record_agents_seen(self.run_id, seen, epoch=self.epoch)
-            self._seen_written.update(seen)
             now = self.clock()
+            if self._seen_written_at is None or now - self._seen_written_at >= SEEN_WRITE_S:
+                seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
+                self.store.record_agents_seen(self.run_id, seen, epoch=self.epoch)
+                self._seen_written.update(seen)
+                self._seen_written_at = now
             gap = 0.0 if self._checked_at is None else now - self._checked_at
             self._checked_at = now
             if gap > self.loss_window_s / 2:
@@ -895,12 +903,12 @@ class Controller:
             marked = []
             workers: list[dict] | None = None  # read when an agent is found silent, not every tick
             # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
-            # what was just written, so the newer time we wrote counts; None stays None (never heard from, or
-            # reset by a requeue, which changes the rows and so the cache)
+            # what was written since, or heard since, so the newer time in memory counts; None stays None (never
+            # heard from, or reset by a requeue, which changes the rows and so the cache)
             for alloc in self.store.allocations(self.run_id, cached=True):
                 seen = alloc.get("agent_seen_at")
                 if seen is not None:
-                    seen = max(seen, self._seen_written.get(alloc["id"], seen))
+                    seen = max(seen, self._seen.get(alloc["id"], seen))
                 gone = alloc["state"] in (A.ENDED, A.LOST)
                 if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
                     continue

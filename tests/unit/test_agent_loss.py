@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.controller import SEEN_WRITE_S, Controller
 from pearlctl.state.store import Store
 from tests.conftest import FakeClock, running_run
 
@@ -97,8 +97,41 @@ def test_an_agent_heard_through_the_controller_is_never_lost_while_nothing_else_
         assert controller.check_agents() == []
         clock.now += 0.5
     assert gpu_state(store) == "UP"
-    assert store.allocations("r")[0]["agent_seen_at"] == pytest.approx(clock.now - 1.0)
+    written = store.allocations("r")[0]["agent_seen_at"]
+    assert clock.now - 1.0 - SEEN_WRITE_S <= written <= clock.now - 1.0  # state has it, at most that late
     for _ in range(2):  # then it dies (last heard 1 s ago): found after one window of silence (2 s)
         assert controller.check_agents() == []
         clock.now += 0.5
+    assert controller.check_agents() == [alloc]
+
+
+def test_heartbeat_times_reach_state_at_most_every_seen_write_s_and_the_loss_check_reads_memory(run):
+    store, controller, clock, alloc = run
+    controller.published()
+    clock.now += 5
+    first = clock.now
+    controller.heard(alloc)
+    controller.check_agents()
+    assert store.allocations("r")[0]["agent_seen_at"] == first  # the first check writes
+    while clock.now < first + SEEN_WRITE_S - 0.5:
+        clock.now += 0.5
+        controller.heard(alloc)
+        assert controller.check_agents() == []
+        assert store.allocations("r")[0]["agent_seen_at"] == first  # not again before SEEN_WRITE_S
+    clock.now = first + SEEN_WRITE_S
+    controller.heard(alloc)
+    controller.check_agents()
+    assert store.allocations("r")[0]["agent_seen_at"] == first + SEEN_WRITE_S
+    # heard once more (in memory only), then silent: judged from that heartbeat, not state's older time
+    last = clock.now + 0.5
+    clock.now = last
+    controller.heard(alloc)
+    window = controller.loss_window_s
+    while clock.now + 0.5 < last + window:  # checks half a second apart (no stall of the daemon to forgive)
+        clock.now += 0.5
+        assert controller.check_agents() == []
+    clock.now = last + window - 0.1
+    assert store.allocations("r")[0]["agent_seen_at"] == first + SEEN_WRITE_S < clock.now - window
+    assert controller.check_agents() == []  # state's time alone would have it LOST now
+    clock.now = last + window + 0.1
     assert controller.check_agents() == [alloc]
