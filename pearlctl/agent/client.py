@@ -37,6 +37,7 @@ class DaemonClient:
         self.desired_hash: str | None = None
         self.clock = clock
         self.in_control_at = clock()  # the last answer from a daemon whose control loop was running
+        self._refused: str | None = None  # the last refusal of a report as invalid (logged once)
 
     @property
     def allocation_id(self) -> int | None:
@@ -59,7 +60,12 @@ class DaemonClient:
         except DaemonRefusal as exc:
             if exc.status in (403, 404) and path != "/v1/agents/register":
                 self.api.unbind()  # the daemon does not know us (new state?) or our credential: register again
-            log.warning("daemon refused %s: %s %s", path, exc.status, exc)
+            if exc.status == 422:  # the report itself is invalid (a bug): it will be refused again, say so once
+                if self._refused != str(exc):
+                    self._refused = str(exc)
+                    log.error("daemon refused %s as invalid (%s); every retry will be: %s", path, exc.status, exc)
+            else:
+                log.warning("daemon refused %s: %s %s", path, exc.status, exc)
             return None
         if float(answer.get("loop_age_s") or 0.0) < STUCK_LOOP_S:
             self.in_control_at = self.clock()

@@ -150,6 +150,7 @@ def build_app(
         hold)."""
 
         async def endpoint(request: Request):
+            allocation = None
             try:
                 allocation = gate.check(request, agent=agent)
                 raw = await gate.body(request)
@@ -167,6 +168,8 @@ def build_app(
                         result = await then(*args, result)
                 return JSONResponse(result)
             except _Refused as exc:
+                if allocation is not None and exc.status == 422:
+                    controller.refused_report(allocation, str(exc))
                 return JSONResponse({"error": str(exc)}, exc.status)
             except ControlError as exc:
                 return JSONResponse({"error": str(exc)}, exc.status)

@@ -146,6 +146,7 @@ class Controller:
         self._seen_written_at: float | None = None
         # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
         self.heartbeats: collections.Counter[str] = collections.Counter()
+        self._refused: dict[int, str] = {}  # allocation -> the last error its refused report got (logged once)
         self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
         # allocation -> (its state's fingerprint, its report, desired workers, their hash) of its last fold
         self._answered: dict[int, tuple[tuple | None, str | None, list[dict], str]] = {}
@@ -286,6 +287,16 @@ class Controller:
     def heard(self, allocation_id: int) -> None:
         """The allocation's agent was heard from just now (no lock: one dict assignment)."""
         self._seen[allocation_id] = self.clock()
+
+    def refused_report(self, allocation_id: int, error: str) -> None:
+        """An agent's report was refused as invalid (422, naming the field): a bug in that agent or in what
+        this daemon told it, and the agent will send the same again. Counted (``/metrics``: heartbeats,
+        path "refused") and logged once per allocation and error, not once per heartbeat (no lock, no I/O
+        but the log: called in the event loop)."""
+        self.heartbeats["refused"] += 1
+        if self._refused.get(allocation_id) != error:
+            self._refused[allocation_id] = error
+            log.error("refused a report of allocation %s's agent (it will repeat it): %s", allocation_id, error)
 
     @contextlib.contextmanager
     def arrived(self, allocation_id: int):

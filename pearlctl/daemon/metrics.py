@@ -46,10 +46,11 @@ class RunCollector:
             )
             heartbeats = CounterMetricFamily(
                 "pearl_daemon_heartbeats",
-                "agent heartbeats: answered from memory (the same report to the same state) or folded into state",
+                "agent heartbeats: answered from memory (the same report to the same state), folded into state,"
+                " or refused as invalid (422: a bug; the daemon's log names the field)",
                 labels=["path"],
             )
-            for path in ("remembered", "folded"):
+            for path in ("remembered", "folded", "refused"):
                 heartbeats.add_metric([path], self.controller.heartbeats[path])
             yield heartbeats
         durations = sorted(st.tick_seconds)

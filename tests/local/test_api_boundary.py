@@ -48,6 +48,7 @@ NODE = socket.gethostname()  # what the local backend reports as every task's no
 TICKS = re.compile(r"^pearl_daemon_ticks_total (\S+)$", re.M)
 TICK_ERRORS = re.compile(r"^pearl_daemon_tick_errors_total (\S+)$", re.M)
 API_ERRORS = re.compile(r"^pearl_daemon_api_errors_total (\S+)$", re.M)
+REFUSED = re.compile(r'^pearl_daemon_heartbeats_total\{path="refused"\} (\S+)$', re.M)
 
 
 def _start_ticks(pid: int) -> str:
@@ -285,6 +286,14 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     assert bad.status_code == 422 and "wait_s" in bad.json()["error"], bad.text
     with run.read() as store:
         assert store.workers(RUN_ID) == []  # no refused report left a worker behind
+    # an agent repeats a refused report at every heartbeat: each is counted, each distinct error logged once
+    repeated = {"allocation_id": agent["allocation_id"], "workers": [{**worker, "gpus": [0, 0]}]}
+    for _ in range(5):
+        bad = run.post("/v1/agents/heartbeat", repeated, headers=headers)
+        assert bad.status_code == 422 and "distinct" in bad.json()["error"], bad.text
+    assert float(REFUSED.search(run.metrics()).group(1)) == 8
+    logged = [line for line in run.log_path.read_text().splitlines() if "refused a report of allocation" in line]
+    assert len(logged) == 4 and "distinct" in logged[-1], logged
 
     # a 30 MiB phase report: 413, and state did not grow with it
     before = state_bytes(run)
