@@ -148,11 +148,10 @@ def describe_moves(planned: Plan | None, gpus: dict[int, dict]) -> list[dict]:
 class Borrowing:
     def __init__(self, store: Store, executor: Executor, run_id: str, *, clock=time.time):
         self.store, self.executor, self.run_id, self.clock = store, executor, run_id, clock
-        # the run's GPU rows and the planner's GPU slots, kept for one state generation: a tick asks for them
-        # several times, and at 4,096 GPUs each read or rebuild costs milliseconds (read-only: never modified)
-        self._rows: tuple[tuple[int, int], list[dict]] | None = None
-        self._slots: tuple[tuple[int, int], tuple[GpuSlot, ...]] | None = None
-        self._derived: dict[str, tuple[tuple[int, int], Any]] = {}  # what ``_per_generation`` keeps
+        # the run's GPU rows, the planner's GPU slots and what is derived from them, kept for one state
+        # generation (``_per_generation``): a tick asks for them several times, and at 4,096 GPUs each read or
+        # rebuild costs milliseconds (read-only: never modified)
+        self._derived: dict[str, tuple[tuple[int, int], Any]] = {}
         # the inputs of the last decision the tick carried out, and when it was made (``REDECIDE_S``)
         self._decided: tuple[tuple, float] | None = None
         self.decisions = 0  # the policy's decisions in ticks, and the ticks that skipped one (unchanged inputs)
@@ -160,14 +159,11 @@ class Borrowing:
 
     def gpu_rows(self) -> list[dict]:
         """The run's GPU rows as of now (shared, read-only)."""
-        generation = self.store.generation()
-        if self._rows is None or self._rows[0] != generation:
-            self._rows = (generation, self.store.gpus(self.run_id))
-        return self._rows[1]
+        return self._per_generation("rows", lambda: self.store.gpus(self.run_id))
 
     def _per_generation(self, what: str, make: Callable[[], Any]) -> Any:
-        """``make()``, kept for one state generation under the name ``what`` (something derived from the
-        GPU rows or slots, which change only with it)."""
+        """``make()``, kept for one state generation under the name ``what`` (the GPU rows, or something
+        derived from state, which changes only with the generation)."""
         generation = self.store.generation()
         hit = self._derived.get(what)
         if hit is None or hit[0] != generation:
@@ -254,9 +250,9 @@ class Borrowing:
 
     def slots(self) -> tuple[GpuSlot, ...]:
         """The planner's view of the run's live GPUs (kept for one state generation)."""
-        generation = self.store.generation()
-        if self._slots is not None and self._slots[0] == generation:
-            return self._slots[1]
+        return self._per_generation("slots", self._make_slots)
+
+    def _make_slots(self) -> tuple[GpuSlot, ...]:
         asleep = {w["id"] for w in self.store.workers(self.run_id) if w["state"] == "SLEEPING"}
         gpus = []
         for g in self.gpu_rows():
@@ -277,8 +273,7 @@ class Borrowing:
                     return_deadline=g["return_deadline"],
                 )
             )
-        self._slots = (generation, tuple(gpus))
-        return self._slots[1]
+        return tuple(gpus)
 
     def view(self, now: float, settings: dict | None = None) -> dict:
         """A summary of the snapshot for people (``borrow --dry-run``)."""
