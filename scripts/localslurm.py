@@ -91,16 +91,36 @@ def port_free(port: int) -> bool:
     return True
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default when unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    return 32768, 60999
+
+
+def block_usable(base: int, count: int) -> bool:
+    """True if ports base..base+count-1 are all free and all outside the ephemeral range.
+
+    A daemon's fixed port must not lie in the ephemeral range: any outgoing connection on the machine
+    (a test's HTTP client, a vLLM server's) may hold it as its local port when the daemon restarts, and
+    slurmctld then dies with "Address already in use".
+    """
+    lo, hi = ephemeral_ports()
+    ports = range(base, base + count)
+    return all(not lo <= p <= hi for p in ports) and all(port_free(p) for p in ports)
+
+
 def pick_port_block(d: Path, count: int) -> int:
-    """A block of `count` free TCP ports, starting at a place derived from DIR (stable across runs)."""
+    """A usable block (see block_usable) of `count` ports, starting at a place derived from DIR."""
+    bases = range(10000, 65536 - count, 64)
     h = int(hashlib.sha256(str(d).encode()).hexdigest(), 16)
-    span = (60000 - 20000) // 64
-    start = h % span
-    for i in range(span):
-        base = 20000 + ((start + i) % span) * 64
-        if all(port_free(base + k) for k in range(count)):
+    start = h % len(bases)
+    for i in range(len(bases)):
+        base = bases[(start + i) % len(bases)]
+        if block_usable(base, count):
             return base
-    raise ClusterError("no free block of TCP ports found")
+    raise ClusterError("no free block of TCP ports outside the ephemeral range found")
 
 
 def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -198,7 +218,7 @@ class Cluster:
         old = self.meta() or {}
         nports = nodes + 3  # slurmctld, slurmdbd, mariadb, one per slurmd
         base = old.get("port_base")
-        if base is None or old.get("nodes", 0) < nodes:
+        if base is None or not block_usable(base, max(nports, 8)):
             base = pick_port_block(self.dir, max(nports, 8))
         meta = {
             "nodes": nodes,
