@@ -5,13 +5,21 @@ What is measured, over the worker's OpenAI-compatible API (requests with token-i
 ``ignore_eos``, so every request prefills and decodes exactly the tokens asked for):
 
 - decode: for each (batch B, context L), B concurrent requests of L prompt tokens decode M1 and then M2
-  tokens; the inter-token latency is ``(T(M2) - T(M1)) / (M2 - M1)``, which cancels queueing and
-  prefill. The planner's decode model ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` is fitted to
-  those points by non-negative least squares;
+  tokens. When the worker exports its engine metrics, each point is what the engine itself saw while the
+  M2 requests ran: the mean inter-token latency (``vllm:inter_token_latency_seconds``) at the mean number of
+  sequences an engine step decoded (``vllm:generation_tokens_total`` over the steps of
+  ``vllm:iteration_tokens_total``) — B requests sent at once do not all decode at once when the API server
+  takes them one at a time, so the asked B is not the batch that ran. Without metrics, the inter-token
+  latency is ``(T(M2) - T(M1)) / (M2 - M1)`` at the asked B, which cancels queueing and prefill. The
+  planner's decode model ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` is fitted to those points by
+  non-negative least squares;
 - prefill: one request of L2 and one of L1 prompt tokens, each decoding one token:
   ``prefill_tok_s = (L2 - L1) / (T(L2) - T(L1))`` — or ``L2 / T(L2)``, a lower bound, when the difference
   is within the timing noise (a tiny model); what ``T(L1)`` leaves beyond its prefill is the per-request
   overhead (HTTP, tokenizing, scheduling);
+- serial request handling: ``B`` one-token requests sent at once against one alone; what each request
+  beyond the first adds, ``(T_B - T_1) / (B - 1)`` (at most the overhead), is the part of the overhead the
+  worker's API server does one request at a time (``request_serial_s``);
 - KV capacity: vLLM's ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``) from /metrics.
 
 Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind.
@@ -45,7 +53,7 @@ class ProfilingError(Exception):
 
 @dataclass(frozen=True)
 class DecodePoint:
-    batch: int
+    batch: float  # sequences per decode step (the engine's mean when measured from its metrics)
     context: int
     itl_s: float
 
@@ -56,6 +64,7 @@ class Measurement:
     prefill_tok_s: float
     kv_capacity_tokens: int | None
     request_overhead_s: float = 0.0
+    request_serial_s: float = 0.0
 
 
 def fit_decode(points: Iterable[DecodePoint]) -> DecodeModel:
@@ -93,17 +102,89 @@ def kv_capacity(metrics_text: str) -> int | None:
     return None
 
 
-class WorkerProbe:
-    """Timed requests against one worker. ``post`` is the seam for tests (default: httpx)."""
+# the engine's own counters of a decode (vLLM's /metrics): their differences across a measurement
+_ENGINE_COUNTERS = {
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:generation_tokens_total": "tokens",
+    "vllm:iteration_tokens_total_count": "steps",
+}
 
-    def __init__(self, url: str, model: str, *, post: Callable[[str, dict], dict] | None = None, timeout: float = 300):
-        self.url, self.model, self.timeout = url.rstrip("/"), model, timeout
+
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """The decode counters in a /metrics text, summed over engines (absent ones are left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            key = _ENGINE_COUNTERS.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def engine_decode(before: dict[str, float], after: dict[str, float]) -> tuple[float, float] | None:
+    """(mean sequences per engine step, mean inter-token latency) between two readings of
+    :func:`engine_counters`; None when a counter is missing or nothing was decoded."""
+    if any(k not in before or k not in after for k in _ENGINE_COUNTERS.values()):
+        return None
+    d = {k: after[k] - before[k] for k in _ENGINE_COUNTERS.values()}
+    if d["itl_count"] <= 0 or d["steps"] <= 0 or d["tokens"] <= 0 or d["itl_sum"] <= 0:
+        return None
+    return d["tokens"] / d["steps"], d["itl_sum"] / d["itl_count"]
+
+
+class WorkerProbe:
+    """Timed requests against one worker, over one pool of kept-alive connections as a rollout driver's client
+    would: a new connection (and TLS context) per request costs the client tens of milliseconds of CPU on a
+    small host, which would be measured as the worker's overhead. ``post`` and ``get`` are the seams for tests
+    (default: the pooled httpx client). A context manager; ``close`` releases the connections."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        post: Callable[[str, dict], dict] | None = None,
+        get: Callable[[str], str] | None = None,
+        timeout: float = 300,
+        connections: int = 256,
+    ):
+        self.url, self.model = url.rstrip("/"), model
+        self._client = httpx.Client(
+            base_url=self.url,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
         self._post = post or self._http_post
+        self._get = get or self._http_get
+
+    def __enter__(self) -> WorkerProbe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
 
     def _http_post(self, path: str, body: dict) -> dict:
-        r = httpx.post(self.url + path, json=body, timeout=self.timeout)
+        r = self._client.post(path, json=body)
         r.raise_for_status()
         return r.json()
+
+    def _http_get(self, path: str) -> str:
+        r = self._client.get(path, timeout=30)
+        r.raise_for_status()
+        return r.text
+
+    def counters(self) -> dict[str, float]:
+        """The engine's decode counters now (empty when the worker exports no metrics)."""
+        try:
+            return engine_counters(self._get("/metrics"))
+        except (httpx.HTTPError, ValueError):
+            return {}
 
     def complete(self, prompt_tokens: int, max_tokens: int, *, offset: int = 0) -> float:
         """Seconds for one request of exactly ``prompt_tokens`` prompt and ``max_tokens`` output tokens.
@@ -140,23 +221,31 @@ def measure(
     contexts: tuple[int, ...] = (32, 256),
     tokens: tuple[int, int] = (8, 40),
     prefill_lengths: tuple[int, int] = (32, 384),
+    burst: int = 8,
     repeats: int = 3,
     metrics_text: str | None = None,
 ) -> Measurement:
-    """Decode points for every (batch, context), prefill throughput, and KV capacity. Medians of ``repeats``."""
+    """Decode points for every (batch, context), prefill throughput, the per-request overhead and its serial
+    part, and KV capacity. Medians of ``repeats``."""
     probe.complete(8, 2)  # warm-up: the first request pays for lazy initialisation
     offset = 1000
     points = []
     m1, m2 = tokens
     for context in contexts:
         for b in batches:
-            short, long = [], []
+            short, long, seen = [], [], []
             for _ in range(repeats):
                 offset += 2 * b
                 short.append(probe.batch(b, context, m1, offset=offset))
+                before = probe.counters()
                 long.append(probe.batch(b, context, m2, offset=offset + b))
-            itl = (statistics.median(long) - statistics.median(short)) / (m2 - m1)
-            points.append(DecodePoint(b, context + (m1 + m2) // 2, max(itl, 1e-6)))
+                seen.append(engine_decode(before, probe.counters()))
+            if all(x is not None for x in seen):  # what the engine ran: its batch and its inter-token latency
+                batch = statistics.median(x[0] for x in seen)  # type: ignore[index]
+                itl = statistics.median(x[1] for x in seen)  # type: ignore[index]
+            else:
+                batch, itl = float(b), (statistics.median(long) - statistics.median(short)) / (m2 - m1)
+            points.append(DecodePoint(batch, context + (m1 + m2) // 2, max(itl, 1e-6)))
     l1, l2 = prefill_lengths
     t1 = statistics.median(probe.complete(l1, 1, offset=offset + 10 + i) for i in range(repeats))
     t2 = statistics.median(probe.complete(l2, 1, offset=offset + 20 + i) for i in range(repeats))
@@ -165,7 +254,12 @@ def measure(
     else:  # the longer prompt costs no measurable time (a tiny model): charge it all, a lower bound
         prefill = l2 / t2
     overhead = max(0.0, t1 - l1 / prefill)  # what a one-token request costs beyond its prefill
-    return Measurement(tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None, overhead)
+    # what each request of a burst adds beyond the first: the serial part of the overhead
+    together = statistics.median(probe.batch(burst, l1, 1, offset=offset + 40 + i * burst) for i in range(repeats))
+    serial = max(0.0, (together - t1) / (burst - 1)) if burst > 1 else 0.0
+    return Measurement(
+        tuple(points), prefill, kv_capacity(metrics_text) if metrics_text else None, overhead, min(serial, overhead)
+    )
 
 
 def build_profile(
@@ -182,7 +276,7 @@ def build_profile(
     if m.kv_capacity_tokens is None:
         raise ProfilingError("the worker does not report its KV cache size (vllm:cache_config_info in /metrics)")
     decode = fit_decode(m.decode)
-    points = "; ".join(f"B={p.batch} L={p.context}: {p.itl_s * 1000:.2f} ms" for p in m.decode)
+    points = "; ".join(f"B={p.batch:.3g} L={p.context}: {p.itl_s * 1000:.2f} ms" for p in m.decode)
     return Profile(
         name=name,
         model=model,
@@ -191,6 +285,7 @@ def build_profile(
         prefill_tok_s=m.prefill_tok_s,
         kv_capacity_tokens=m.kv_capacity_tokens,
         request_overhead_s=m.request_overhead_s,
+        request_serial_s=m.request_serial_s,
         max_num_seqs=max_num_seqs,
         kv_bytes_per_token=kv_bytes_per_token,
         costs=TransitionCosts(**(costs or {})),
@@ -198,6 +293,7 @@ def build_profile(
             "decode": f"measured by pearlctl profile {source}: {points}",
             "prefill_tok_s": f"measured by pearlctl profile {source}",
             "request_overhead_s": f"measured by pearlctl profile {source}",
+            "request_serial_s": f"measured by pearlctl profile {source} (a burst of one-token requests)",
             "kv_capacity_tokens": "vllm:cache_config_info (num_gpu_blocks x block_size)",
             "costs": "medians of the run's journaled steps" if costs else "defaults (no transition journaled yet)",
         },
@@ -249,13 +345,8 @@ def profile_engine(
         server.start()
         server.wait_ready(ready_timeout_s)
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
-        m = measure(
-            WorkerProbe(server.url, server.model_name),
-            batches=batches,
-            contexts=contexts,
-            repeats=repeats,
-            metrics_text=metrics,
-        )
+        with WorkerProbe(server.url, server.model_name) as probe:
+            m = measure(probe, batches=batches, contexts=contexts, repeats=repeats, metrics_text=metrics)
     gpus = ",".join(str(g) for g in me.gpus) or "none"
     return build_profile(
         m,

@@ -130,13 +130,14 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise fail(f"worker {w['url']} does not answer as a vLLM server: {exc}", 3) from None
     err.print(f"measuring {w['worker_key']} at {w['url']} (model {model}); this takes a minute or two")
-    measurement = profiling.measure(
-        profiling.WorkerProbe(w["url"], model),
-        batches=_int_list(batches, "--batches"),
-        contexts=_int_list(contexts, "--contexts"),
-        repeats=repeats,
-        metrics_text=metrics,
-    )
+    with profiling.WorkerProbe(w["url"], model) as probe:
+        measurement = profiling.measure(
+            probe,
+            batches=_int_list(batches, "--batches"),
+            contexts=_int_list(contexts, "--contexts"),
+            repeats=repeats,
+            metrics_text=metrics,
+        )
     engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w["allocation_id"])) or {}).get("engine_args") or {}
     return profiling.build_profile(
         measurement,

@@ -21,6 +21,12 @@ keep their context cached only while it fits: the fraction that does not must re
 next turn (``recompute_tokens_per_turn``) — on the decode workers when colocated, on the (fewer) prefill
 workers when disaggregated.
 
+Requests. Each turn is one request, and a worker's API server does part of its handling one request at a time
+(``request_serial_s``, measured by ``pearlctl profile``): that floors the cycle at ``K * request_serial_s``,
+and at the batch's start, when every trajectory sends its first request at once, the last a worker takes
+waits ``(K - 1) * request_serial_s`` — added to the straggler. (On a GPU node the serial part is a few
+milliseconds and rarely binds; on a CPU worker sharing its cores with the engine it is tens.)
+
 Disaggregated: prefill workers and decode workers run in parallel; each turn adds the KV transfer of the
 context (``Profile.kv_transfer_s``); prefill capacity floors the cycle at ``n * P / (prefill workers *
 prefill_tok_s)`` — the slower side bounds.
@@ -61,6 +67,7 @@ class Bound(StrEnum):
     THROUGHPUT = "throughput"  # decode iterations of the whole batch (incl. the max_num_seqs cap)
     KV_CAPACITY = "kv_capacity"  # the running batch is capped by KV cache: sequences queue
     PREFILL = "prefill"  # disaggregated: the prefill workers cannot keep up
+    REQUESTS = "requests"  # the workers' API servers, taking requests one at a time, cannot keep up
     STRAGGLER = "straggler"  # the longest trajectory, at (near) batch-1 speed
 
 
@@ -147,6 +154,10 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
     s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
     straggler = s_decode * s_it + s_tool + max_turns * (last.prefill_s + last.queue_s)
+    if context0 <= 0:  # the batch's start: every trajectory sends its first request at once, and the last
+        # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
+        entry = min(dep.decode, dep.prefill) if disaggregated else dep.decode
+        straggler += max(n / entry - 1.0, 0.0) * profile.request_serial_s
 
     # (identical trajectories make the two equal: the drain's bound says more then)
     seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest[1])
@@ -199,16 +210,21 @@ def _steady(
     prefill_eff = prefill_tokens + recompute
 
     pf = profile.prefill_tok_s
-    # a turn's request also waits for the server's own handling (HTTP, tokenizing, scheduling): latency only
+    # a turn's request also waits for the server's own handling (HTTP, tokenizing, scheduling); the serial
+    # part of it bounds the requests a worker's API server takes per second: every turn of its trajectories
+    # passes through it once (disaggregated: through a prefill worker's and a decode worker's)
     overhead = profile.request_overhead_s
+    requests_floor = per_worker * profile.request_serial_s
     if dep.mode is Mode.DISAGGREGATED:
         own_prefill = prefill_eff / pf + profile.kv_transfer_s(context) + overhead
         steal = 0.0
-        floor = active * prefill_eff / (dep.prefill * pf)
+        prefill_floor = active * prefill_eff / (dep.prefill * pf)
+        requests_floor = max(requests_floor, active / dep.prefill * profile.request_serial_s)
     else:
         own_prefill = prefill_eff / pf + overhead
         steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
-        floor = 0.0
+        prefill_floor = 0.0
+    floor = max(prefill_floor, requests_floor)
 
     itl = decode.itl_at(context)
 
@@ -245,7 +261,7 @@ def _steady(
     turn = max(c, per_worker * decode_tokens * it_s / batch) if capped else c
 
     if floor > 0 and floor >= tool_s + own_prefill + decode_tokens * it_s:
-        bound = Bound.PREFILL
+        bound = Bound.PREFILL if prefill_floor >= requests_floor else Bound.REQUESTS
     elif capped and kv_cap < profile.max_num_seqs:
         bound = Bound.KV_CAPACITY
     else:

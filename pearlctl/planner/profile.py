@@ -137,6 +137,9 @@ class Profile:
     kv_bytes_per_token: int = 0
     kv_transfer_gb_s: float = 10.0  # prefill -> decode KV transfer bandwidth (disaggregated mode)
     request_overhead_s: float = 0.0  # per request, outside prefill and decode: HTTP, tokenizing, scheduling
+    # the part of request_overhead_s a worker's API server does one request at a time: B requests arriving
+    # together wait up to (B - 1) times this, and a worker serves at most 1 / this requests a second
+    request_serial_s: float = 0.0
     costs: TransitionCosts = field(default_factory=TransitionCosts)
     sources: dict[str, str] = field(default_factory=dict)  # field -> citation
     # the predictor's learned correction (pearlctl.planner.correct): every predicted time is multiplied by it.
@@ -150,8 +153,9 @@ class Profile:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)!r})")
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
             problems.append(f"time_scale must be a finite number > 0 (got {self.time_scale!r})")
-        if not self.request_overhead_s >= 0:
-            problems.append(f"request_overhead_s must be >= 0 (got {self.request_overhead_s!r})")
+        for name in ("request_overhead_s", "request_serial_s"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name} must be >= 0 (got {getattr(self, name)!r})")
         d = self.decode
         if not d.weights_s > 0 or d.seq_s < 0 or d.kv_s_per_token < 0 or d.experts_s < 0:
             problems.append("decode: weights_s must be > 0; seq_s, kv_s_per_token, experts_s >= 0")

@@ -35,6 +35,9 @@ MOE = replace(
     decode=replace(_MOE_DECODE, experts_s=(_dense_at_1 - _MOE_DECODE.itl(1, 0)) / 8),
 )
 
+# A worker whose API server takes 20 ms of each request one at a time (a CPU worker's is tens of ms)
+SERIAL = replace(DENSE, name="serial-test", request_overhead_s=0.03, request_serial_s=0.02)
+
 WORK = Work(
     trajectories=512,
     tool_waiting=128,
@@ -73,7 +76,7 @@ works = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(work=works, n=st.integers(1, 64), profile=st.sampled_from([DENSE, MOE]))
+@given(work=works, n=st.integers(1, 64), profile=st.sampled_from([DENSE, MOE, SERIAL]))
 def test_more_colocated_workers_are_never_predicted_slower(work, n, profile):
     fewer = completion_s(work, colocated(n), profile)
     more = completion_s(work, colocated(n + 1), profile)
@@ -173,6 +176,28 @@ def test_too_few_prefill_workers_bound_a_disaggregated_deployment():
     heavy_prefill = replace(WORK, prefill_tokens_per_turn=8_000, tool_latency_s=0, tool_latency_max_s=0)
     p = predict(heavy_prefill, Deployment(Mode.DISAGGREGATED, decode=15, prefill=1), DENSE)
     assert p.bound is Bound.PREFILL
+
+
+def test_a_serial_api_server_bounds_the_turns_a_worker_takes():
+    # 512 trajectories on one worker, 20 ms each of serial handling: a turn of all of them takes >= 10.2 s,
+    # far more than their decode and tools
+    quick = replace(WORK, decode_tokens_per_turn=20, decode_tokens_per_turn_max=20, prefill_tokens_per_turn=50,
+                    context_tokens=200, tool_latency_s=0.5, tool_latency_max_s=0.5)  # fmt: skip
+    p = predict(quick, colocated(1), SERIAL)
+    assert p.bound is Bound.REQUESTS
+    assert p.turn_s >= 512 * 0.02 * (1 - 1e-9)
+    assert predict(quick, colocated(1), DENSE).turn_s < 0.5 * p.turn_s  # without the serial part: not bound
+    assert predict(quick, colocated(64), SERIAL).bound is not Bound.REQUESTS  # 8 a worker: far below
+
+
+def test_at_the_batch_start_the_last_request_of_the_burst_waits_for_the_others():
+    start = replace(WORK, trajectories=64, tool_waiting=0, context_tokens=0, tool_latency_max_s=30)
+    later = replace(start, context_tokens=1e-3)
+    for dep, takers in ((colocated(2), 2), (Deployment(Mode.DISAGGREGATED, decode=3, prefill=2), 2)):
+        burst = predict(start, dep, SERIAL).straggler_s - predict(later, dep, SERIAL).straggler_s
+        assert abs(burst - (64 / takers - 1) * 0.02) < 1e-3, dep
+        no_serial = predict(start, dep, DENSE).straggler_s - predict(later, dep, DENSE).straggler_s
+        assert abs(no_serial) < 1e-6, dep
 
 
 def test_the_tail_drains_with_falling_concurrency():

@@ -7,7 +7,16 @@ import pytest
 
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.profile import DecodeModel, Profile, ProfileError, step_costs
-from pearlctl.profiling import DecodePoint, ProfilingError, fit_decode, kv_capacity
+from pearlctl.profiling import (
+    DecodePoint,
+    ProfilingError,
+    WorkerProbe,
+    engine_counters,
+    engine_decode,
+    fit_decode,
+    kv_capacity,
+    measure,
+)
 
 
 def test_fit_recovers_the_decode_model_it_was_measured_from():
@@ -93,3 +102,71 @@ def test_moe_decode_grows_far_less_with_batch_than_dense():
     dense = DecodeModel(weights_s=moe.itl(1, 0) - moe.seq_s, seq_s=moe.seq_s, kv_s_per_token=moe.kv_s_per_token)
     assert moe.itl(1, 0) == pytest.approx(dense.itl(1, 0))
     assert moe.tok_s(64, 0) / moe.tok_s(1, 0) < 0.5 * dense.tok_s(64, 0) / dense.tok_s(1, 0)
+
+
+def _counters_text(itl_sum: float, itl_count: float, tokens: float, steps: float) -> str:
+    return f"""# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_sum}
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {itl_count}
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {tokens}
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_sum{{engine="0",model_name="m"}} {tokens * 3}
+vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {steps}
+"""
+
+
+def test_engine_decode_is_the_difference_of_the_engines_counters():
+    before = engine_counters(_counters_text(1.0, 100, 1000, 400))
+    after = engine_counters(_counters_text(1.0 + 0.5, 100 + 100, 1000 + 120, 400 + 40))
+    batch, itl = engine_decode(before, after)
+    assert batch == pytest.approx(3.0)  # 120 tokens in 40 steps
+    assert itl == pytest.approx(0.005)
+    assert engine_decode({}, after) is None  # a worker without metrics
+    assert engine_decode(after, after) is None  # nothing decoded in between
+
+
+class _SerialWorker(WorkerProbe):
+    """A worker at the probe's seams whose API server takes 30 ms of each request one at a time, so that B
+    requests sent together never decode more than 3 at once; the engine's counters say so."""
+
+    SERIAL, OVERHEAD, PREFILL = 0.03, 0.05, 10_000.0
+    TRUTH = DecodeModel(weights_s=0.004, seq_s=0.001, kv_s_per_token=0.0)
+
+    def __init__(self):
+        super().__init__("http://worker", "m", get=self._metrics)
+        self.c = {"itl_sum": 0.0, "itl_count": 0.0, "tokens": 0.0, "steps": 0.0}
+
+    def _metrics(self, path: str) -> str:
+        assert path == "/metrics"
+        return _counters_text(self.c["itl_sum"], self.c["itl_count"], self.c["tokens"], self.c["steps"])
+
+    def complete(self, prompt_tokens: int, max_tokens: int, *, offset: int = 0) -> float:
+        return self.batch(1, prompt_tokens, max_tokens, offset=offset)
+
+    def batch(self, batch: int, prompt_tokens: int, max_tokens: int, *, offset: int) -> float:
+        ran = min(batch, 3)
+        itl = self.TRUTH.itl(ran, prompt_tokens + max_tokens)
+        self.c["tokens"] += batch * max_tokens
+        self.c["steps"] += batch * max_tokens / ran
+        self.c["itl_count"] += batch * (max_tokens - 1)
+        self.c["itl_sum"] += batch * (max_tokens - 1) * itl
+        return self.OVERHEAD + (batch - 1) * self.SERIAL + prompt_tokens / self.PREFILL + max_tokens * itl
+
+
+def test_measure_takes_the_batch_the_engine_ran_and_the_serial_part_of_the_overhead():
+    m = measure(_SerialWorker(), batches=(1, 2, 4, 8), contexts=(32, 256), repeats=1)
+    assert sorted({round(p.batch, 9) for p in m.decode}) == [1, 2, 3]  # 4 and 8 were asked; 3 ran
+    for p in m.decode:
+        assert p.itl_s == pytest.approx(_SerialWorker.TRUTH.itl(p.batch, 0))
+    fit = fit_decode(m.decode)
+    assert fit.seq_s == pytest.approx(0.001, rel=1e-6)
+    assert m.request_serial_s == pytest.approx(0.03, rel=0.02)  # and a decode step at batch 3, not 1
+    assert m.request_overhead_s == pytest.approx(0.05 + 0.004 + 0.001, rel=1e-6)  # + one decode step
+
+
+def test_measure_without_engine_metrics_falls_back_to_the_asked_batch():
+    probe = _SerialWorker()
+    probe._get = lambda path: "# no metrics here\n"
+    m = measure(probe, batches=(1, 2, 4), contexts=(32,), repeats=1)
+    assert [p.batch for p in m.decode] == [1, 2, 4]
