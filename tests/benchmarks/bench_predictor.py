@@ -159,6 +159,7 @@ def main() -> int:
                 print(f"  {workload} batch {b + 1}: measured {measured[-1]:.2f} s, predicted {raw:.2f} s",
                       file=sys.stderr)  # fmt: skip
             rows.append(summarise(workload, raw, raw * correct.factor(state, shape), measured))
+        probe.close()
     first = [abs(r["error"]) for r in rows]
     after_two = [abs(r["corrected_error"]) for r in rows]
     held = max(after_two) <= 0.15
