@@ -135,6 +135,9 @@ def engine_decode(before: dict[str, float], after: dict[str, float]) -> tuple[fl
     return d["tokens"] / d["steps"], d["itl_sum"] / d["itl_count"]
 
 
+KEEPALIVE_S = 2.0  # the probe's idle keep-alive, below the server's
+
+
 class WorkerProbe:
     """Timed requests against one worker, over one pool of kept-alive connections as a rollout driver's client
     would: a new connection (and TLS context) per request costs the client tens of milliseconds of CPU on a
@@ -155,7 +158,11 @@ class WorkerProbe:
         self._client = httpx.Client(
             base_url=self.url,
             timeout=timeout,
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            # an idle connection is dropped before the server's keep-alive timeout (vLLM's uvicorn: 5 s) closes
+            # it: at the same 5 s, a request sent on a connection the server is closing is reset
+            limits=httpx.Limits(
+                max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=KEEPALIVE_S
+            ),
         )
         self._post = post or self._http_post
         self._get = get or self._http_get
