@@ -102,26 +102,22 @@ def kv_capacity(metrics_text: str) -> int | None:
     return None
 
 
-# the engine's own counters of a decode (vLLM's /metrics): their differences across a measurement
+# the engine's own counters of a decode (vLLM's /metrics, as pearlctl.agent.engines.vllm.parse_metrics names
+# them): their differences across a measurement
 _ENGINE_COUNTERS = {
-    "vllm:inter_token_latency_seconds_sum": "itl_sum",
-    "vllm:inter_token_latency_seconds_count": "itl_count",
-    "vllm:generation_tokens_total": "tokens",
-    "vllm:iteration_tokens_total_count": "steps",
+    "inter_token_latency_seconds_sum": "itl_sum",
+    "inter_token_latency_seconds_count": "itl_count",
+    "generation_tokens_total": "tokens",
+    "engine_steps_total": "steps",
 }
 
 
 def engine_counters(metrics_text: str) -> dict[str, float]:
     """The decode counters in a /metrics text, summed over engines (absent ones are left out)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from pearlctl.agent.engines.vllm import parse_metrics
 
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            key = _ENGINE_COUNTERS.get(sample.name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + float(sample.value)
-    return out
+    parsed = parse_metrics(metrics_text)
+    return {short: float(parsed[name]) for name, short in _ENGINE_COUNTERS.items() if name in parsed}
 
 
 def engine_decode(before: dict[str, float], after: dict[str, float]) -> tuple[float, float] | None:

@@ -569,6 +569,10 @@ SELECTED_METRICS = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
     "vllm:prompt_tokens_total": "prompt_tokens_total",
     "vllm:generation_tokens_total": "generation_tokens_total",
+    # decode timing, for pearlctl.profiling: the engine's inter-token latencies and its steps
+    "vllm:inter_token_latency_seconds_sum": "inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count": "inter_token_latency_seconds_count",
+    "vllm:iteration_tokens_total_count": "engine_steps_total",
 }
 
 
