@@ -154,8 +154,9 @@ class Profile:
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
             problems.append(f"time_scale must be a finite number > 0 (got {self.time_scale!r})")
         for name in ("request_overhead_s", "request_serial_s"):
-            if not getattr(self, name) >= 0:
-                problems.append(f"{name} must be >= 0 (got {getattr(self, name)!r})")
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                problems.append(f"{name} must be a finite number >= 0 (got {value!r})")
         d = self.decode
         if not d.weights_s > 0 or d.seq_s < 0 or d.kv_s_per_token < 0 or d.experts_s < 0:
             problems.append("decode: weights_s must be > 0; seq_s, kv_s_per_token, experts_s >= 0")

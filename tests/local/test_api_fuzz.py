@@ -250,7 +250,15 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "tokens": counts,
             "work": st.dictionaries(st.sampled_from(WORK_FIELDS), st.floats(0, 1e6), max_size=4),
         },
-        "profile": {"profile": st.just({"profile": PROFILE["profile"], "sources": PROFILE["sources"]})},
+        # with every optional key set, so that mutations reach each of them too
+        "profile": {
+            "profile": st.just(
+                {
+                    "profile": {**PROFILE["profile"], "request_overhead_s": 0.004, "request_serial_s": 0.002},
+                    "sources": PROFILE["sources"],
+                }
+            )
+        },
     }
 
 

@@ -97,6 +97,15 @@ def test_profile_file_errors_name_the_key_and_the_known_ones(tmp_path):
         _profile(prefill_tok_s=0.0)
 
 
+@pytest.mark.parametrize("field", ["request_overhead_s", "request_serial_s"])
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf"), "5 ms", None])
+def test_a_request_cost_that_is_not_a_finite_number_at_least_0_is_refused_by_name(field, bad):
+    doc = profiles.to_dict(_profile())
+    doc["profile"][field] = bad
+    with pytest.raises(ProfileError, match=rf"{field} must be a finite number >= 0 \(got "):
+        profiles.from_dict(doc)
+
+
 def test_moe_decode_grows_far_less_with_batch_than_dense():
     moe = _profile().decode
     dense = DecodeModel(weights_s=moe.itl(1, 0) - moe.seq_s, seq_s=moe.seq_s, kv_s_per_token=moe.kv_s_per_token)
