@@ -225,7 +225,7 @@ class Remaining:
             "decode_tokens_per_turn_max": float(self.args.max_tokens),
             "prefill_tokens_per_turn": 16.0,  # the question, then the tool's answer: a few words each
             "context_tokens": 16.0 + mean_tokens * (TURNS - (sum(left) / len(left) if left else 0)),
-            "tool_latency_s": latency * (TURNS - 1) / TURNS,  # no tool call after the last answer
+            "tool_latency_s": latency,  # of one call; none follows the last answer (the predictor knows)
             "tool_latency_max_s": tail,
         }
 

@@ -56,7 +56,7 @@ from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Plan, Role, Snapshot, Trainer, Work
-from pearlctl.planner.predict import completion_s
+from pearlctl.planner.predict import predict
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
@@ -399,7 +399,12 @@ class Borrowing:
                 if watch is not None:
                     batch_s = at - (state.get("batch_since") or watch["since"])
                     state, check = correct.learn(
-                        state, watch["shape"], watch["predicted_s"], at - watch["since"], batch_s
+                        state,
+                        watch["shape"],
+                        watch["predicted_s"],
+                        at - watch["since"],
+                        batch_s,
+                        spread=watch.get("spread", 0.0),
                     )
                 self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
@@ -416,10 +421,14 @@ class Borrowing:
         profile = profiles.from_dict(doc)
         snapshot = self.snapshot(at)
         workers = self.serving_workers(profile.gpus_per_worker)
-        predicted = completion_s(work, plan.current_deployment(snapshot), profile)  # uncorrected
+        p = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
+        predicted, spread = p.seconds, p.spread
         shape = correct.shape(work, workers)
         self._save_predictor(
-            {**state, "watch": {"since": at, "predicted_s": predicted, "shape": shape, "gpus": serving}}
+            {
+                **state,
+                "watch": {"since": at, "predicted_s": predicted, "spread": spread, "shape": shape, "gpus": serving},
+            }
         )
 
     def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:

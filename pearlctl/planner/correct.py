@@ -2,15 +2,25 @@
 
 ``predict.completion_s`` models decode, prefill, tools and queues from the run's profile; what it leaves out
 (the API server and the clients sharing the host, tokenizing, scheduling gaps, the spread of tool latencies)
-makes it consistently off on a given machine and workload — on the CPU predictor benchmark, short by
-13–37% on every batch shape (docs/planner.md). The daemon checks each finished batch: the completion
+makes it consistently off on a given machine and workload — on the CPU predictor benchmark's first run,
+short by 13–37% on every batch shape (docs/planner.md). The daemon checks each finished batch: the completion
 predicted at the batch's start (or at the last change of the serving GPUs, so that a plan made during the
-batch does not count as prediction error) against the time it really took, and keeps, per batch *shape*,
-the ratio measured / predicted as an exponential moving average in log space — from watches that cover at
-least ``MIN_COVER`` of their batch (``DECAY`` of the old value
-kept per batch). A prediction for a shape seen before is multiplied by its ratio; for an unseen shape, by the
+batch does not count as prediction error) against the time it really took — from watches that cover at
+least ``MIN_COVER`` of their batch — and keeps, per batch *shape*, an estimate of the log of measured /
+predicted. A prediction for a shape seen before is multiplied by its ratio; for an unseen shape, by the
 ratio of all batches so far. The correction is the profile's ``time_scale`` (``predict`` scales every time
 it returns by it), so every policy, plan and deadline rule that predicts sees the corrected time.
+
+How much one batch teaches. A batch's completion is set by its slowest trajectory, and with random tool
+latencies that straggler varies from batch to batch by an amount the predictor knows
+(``Prediction.straggler_sd_s``): the maximum of n exponential draws has a standard deviation of about 1.3
+draws' means whatever n. A correction that took each batch at its word would carry that noise into every
+later prediction. So the estimate is a scalar Kalman filter in log space: it starts ``PRIOR_SD`` from the
+ratio of all batches (how far the model is off a shape it has not seen), may drift ``DRIFT_SD`` a batch, and
+each batch counts with the noise its prediction expected (``spread``, the straggler's relative standard
+deviation, at least ``NOISE_FLOOR``: the batch-to-batch jitter of a shape with fixed latencies on a shared
+machine). A batch of a shape with fixed tool latencies moves the correction almost all the way; one of a
+shape whose straggler spreads 25% moves it about halfway at first, and less as batches accumulate.
 
 A shape is the work's order of magnitude on the axes that move the error: trajectories per worker, tokens
 per turn, and tool latency (log2 buckets). Pure: the state is a JSON-able dict the daemon stores with the run.
@@ -25,7 +35,9 @@ from dataclasses import dataclass
 
 from pearlctl.planner.model import Work
 
-DECAY = 0.5  # weight of the old log-ratio when a new batch of the shape is checked
+PRIOR_SD = 0.25  # log: how far the model may be off a shape not seen yet (the first CPU run: 13-37% short)
+DRIFT_SD = 0.05  # log, per batch: how far a shape's true ratio may move between two of its batches
+NOISE_FLOOR = 0.05  # log: a batch's own jitter when the predictor expects no spread (fixed latencies)
 MIN_RATIO, MAX_RATIO = 0.25, 4.0
 MIN_PREDICTED_S = 1.0  # predictions shorter than this are too coarse to learn from
 # a watch must cover at least this share of its batch's time: one started in the tail (after lent GPUs went
@@ -71,18 +83,31 @@ def factor(state: dict | None, key: str) -> float:
     return float(overall["ratio"]) if overall else 1.0
 
 
-def _blend(entry: dict | None, ratio: float) -> dict:
-    if not entry:
-        return {"ratio": ratio, "batches": 1}
-    log = DECAY * math.log(float(entry["ratio"])) + (1.0 - DECAY) * math.log(ratio)
-    return {"ratio": math.exp(log), "batches": int(entry["batches"]) + 1}
+def _blend(entry: dict | None, ratio: float, noise: float, prior: float) -> dict:
+    """The Kalman update of ``entry`` (log ratio and its variance) by one batch's ``ratio`` observed with
+    log-space standard deviation ``noise``; a new entry starts at ``prior`` with variance ``PRIOR_SD ** 2``."""
+    if entry:
+        mean = math.log(float(entry["ratio"]))
+        var = float(entry.get("var", PRIOR_SD**2)) + DRIFT_SD**2
+        batches = int(entry["batches"])
+    else:
+        mean, var, batches = math.log(prior), PRIOR_SD**2, 0
+    gain = var / (var + noise**2)
+    mean += gain * (math.log(ratio) - mean)
+    return {"ratio": math.exp(mean), "batches": batches + 1, "var": (1.0 - gain) * var}
 
 
 def learn(
-    state: dict | None, key: str, predicted_s: float, measured_s: float, batch_s: float | None = None
+    state: dict | None,
+    key: str,
+    predicted_s: float,
+    measured_s: float,
+    batch_s: float | None = None,
+    spread: float = 0.0,
 ) -> tuple[dict, Check | None]:
     """The state after a batch of shape ``key`` predicted (uncorrected) at ``predicted_s`` took ``measured_s``
-    from the prediction on (``batch_s``: the whole batch's time, when known); and the check (None: the
+    from the prediction on (``batch_s``: the whole batch's time, when known; ``spread``: the relative standard
+    deviation the prediction expected of it, ``straggler_sd_s / seconds``); and the check (None: the
     prediction was too short or not finite, or covered too little of its batch, to learn from; state
     unchanged)."""
     state = dict(state or {})
@@ -91,8 +116,10 @@ def learn(
     if batch_s is not None and measured_s < MIN_COVER * batch_s:
         return state, None
     ratio = _clamp(measured_s / predicted_s)
+    spread = spread if math.isfinite(spread) and spread > 0 else 0.0
+    noise = math.hypot(NOISE_FLOOR, math.log1p(spread))
     shapes = dict(state.get("shapes") or {})
-    shapes[key] = _blend(shapes.get(key), ratio)
+    shapes[key] = _blend(shapes.get(key), ratio, noise, factor(state, key))
     state["shapes"] = shapes
-    state["all"] = _blend(state.get("all"), ratio)
+    state["all"] = _blend(state.get("all"), ratio, noise, 1.0)
     return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])

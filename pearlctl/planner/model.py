@@ -49,8 +49,8 @@ class Work:
     decode_tokens_per_turn_max: float = 0.0
     prefill_tokens_per_turn: float = 0.0  # new tokens per turn: the prompt, then tool output
     context_tokens: float = 0.0  # current context of a trajectory
-    tool_latency_s: float = 0.0  # mean latency of one tool call
-    tool_latency_max_s: float = 0.0  # a tail latency (p99) for the straggler
+    tool_latency_s: float = 0.0  # mean latency of one tool call (a trajectory calls one after every turn but its last)
+    tool_latency_max_s: float = 0.0  # the p99 latency of one tool call
 
     @property
     def empty(self) -> bool:

@@ -34,10 +34,19 @@ prefill_tok_s)`` — the slower side bounds.
 The batch drains: trajectories have different numbers of turns left. Turns left follow ``M * q ** a`` over
 quantiles ``q`` (``a = M / m - 1`` makes the mean ``m`` and the maximum ``M`` exact); the model runs
 ``PHASES`` phases, each with the trajectories still unfinished, so concurrency falls in the tail. Contexts
-grow by ``P + T`` per turn. Finally no trajectory beats its own sequential time: the straggler floor is one
-tail turn and ``turns_left_max - 1`` typical ones, ``(decode_tokens_per_turn_max + (M - 1) * T) * it(B_last)
-+ tool_latency_max_s + (M - 1) * W + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1
-decode speed.
+grow by ``P + T`` per turn. A trajectory calls a tool after every turn but its last: of the turns a phase
+runs, the last turns of the trajectories it finishes wait on no tool.
+
+Finally no trajectory beats its own sequential time: the straggler floor is ``(decode_tokens_per_turn_max +
+(M - 1) * T) * it(B_last) + tools + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1
+decode speed — one tail response and the others typical. Its ``tools`` are the *expected maximum*, over the
+trajectories that have (within one) ``M`` turns left, of the sum of their ``M - 1`` tool calls: the slowest
+of n trajectories is slow because of its draws. A call's latency is modelled as a shifted exponential with
+the reported mean and p99 (fixed latencies: no spread; an exponential law: no shift), so a sum of k calls is
+``k * shift + Gamma(k, scale)``; the expected maximum of n such sums is the Gamma quantile at ``1 -
+e^-gamma / n`` (the Gumbel limit: within a few percent of the exact mean for n >= 4), never below the mean.
+``Prediction.straggler_sd_s`` is that maximum's standard deviation: how far one batch may land from the
+prediction even when the model is right (the correction, pearlctl.planner.correct, weighs batches by it).
 
 Every time returned is multiplied by the profile's ``time_scale``: the run's learned correction of what this
 model leaves out (pearlctl.planner.correct; 1 for a profile as measured).
@@ -51,11 +60,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from statistics import NormalDist
 
 from pearlctl.planner.model import Deployment, Mode, Work
 from pearlctl.planner.profile import Profile
 
 PHASES = 4  # drain phases: enough to see the tail, few enough to stay cheap
+_NORMAL = NormalDist()
+_EULER_GAMMA = 0.5772156649015329
+_P99_EXP = math.log(100.0) - 1.0  # (p99 - mean) of an exponential law, in units of its scale
+_GUMBEL_SD = math.pi / math.sqrt(6.0)  # standard deviation of the standard Gumbel law
 _BISECTIONS = 18  # B to ~4e-6 of its range: far below what the profile is accurate to
 
 
@@ -78,8 +92,14 @@ class Prediction:
     bound: Bound
     turn_s: float = 0.0  # one turn of a mean trajectory, first phase (decode + prefill + tool + queue)
     straggler_s: float = 0.0  # the straggler floor
+    straggler_sd_s: float = 0.0  # the straggler's spread from batch to batch (its tool draws): standard deviation
     recompute_tokens_per_turn: float = 0.0  # context re-prefilled per turn (evicted while on a tool), first phase
     phases_s: tuple[float, ...] = ()  # the duration of each drain phase
+
+    @property
+    def spread(self) -> float:
+        """The batch-to-batch spread expected of ``seconds``: the straggler's standard deviation relative to it."""
+        return self.straggler_sd_s / self.seconds if 0 < self.seconds < math.inf else 0.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +151,10 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
             continue
         active = n * (PHASES - k) / PHASES  # groups k.. are still running
         context = context0 + (done_turns + delta / 2) * growth
-        steady = _steady(active, context, dep, profile, decode_tokens, prefill_tokens, tool_s)
+        # the groups this phase finishes call no tool after their last turn
+        ending = sum(1 for g in groups[k:] if g - turns <= 1e-12) / (PHASES - k)
+        phase_tool_s = tool_s * (1.0 - ending * min(1.0, 1.0 / delta))
+        steady = _steady(active, context, dep, profile, decode_tokens, prefill_tokens, phase_tool_s)
         duration = delta * steady.turn_s
         phases.append(duration)
         total += duration
@@ -145,12 +168,13 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
         return Prediction(0.0, 0.0, Bound.NONE)
 
     # The straggler: its own turns one after another, in the last phase's batch (never faster than batch 1)
-    # and behind the last phase's queue for a batch slot or a prefill worker. It owes its length to one tail
-    # turn (the ``*_max`` response and tool call), its other turns being typical: per-turn lengths are
-    # independent, so two tail turns in one trajectory are rare (two p99 turns: 1e-4) — charging every turn at
-    # the tail would predict a straggler no batch has.
+    # and behind the last phase's queue for a batch slot or a prefill worker. One tail response (the ``*_max``),
+    # the others typical: response lengths per turn are independent, so two tail turns in one trajectory are
+    # rare. Its tools: the expected maximum of the tool-time sums of the trajectories that could be it.
     s_decode = max(work.decode_tokens_per_turn_max, decode_tokens) + (max_turns - 1) * decode_tokens
-    s_tool = max(work.tool_latency_max_s, tool_s) + (max_turns - 1) * tool_s
+    s_tool, s_sd = _slowest_tools(
+        max(max_turns - 1.0, 0.0), n * _tail_share(mean_turns, max_turns), tool_s, work.tool_latency_max_s
+    )
     s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
     s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
     straggler = s_decode * s_it + s_tool + max_turns * (last.prefill_s + last.queue_s)
@@ -169,9 +193,48 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
         bound=bound,
         turn_s=first.turn_s * k,
         straggler_s=straggler * k,
+        straggler_sd_s=s_sd * k,
         recompute_tokens_per_turn=first.recompute,
         phases_s=tuple(p * k for p in phases),
     )
+
+
+def _tail_share(mean_turns: float, max_turns: float) -> float:
+    """The share of trajectories with at least ``max_turns - 1`` turns left, under the drain's law of turns left
+    ``M * q ** a`` (``_turn_groups``): all when every trajectory has as many."""
+    if max_turns <= 1.0 or mean_turns <= 0:
+        return 1.0
+    a = max_turns / mean_turns - 1.0
+    if a <= 1e-9:
+        return 1.0
+    return 1.0 - ((max_turns - 1.0) / max_turns) ** (1.0 / a)
+
+
+def _slowest_tools(calls: float, trajectories: float, mean_s: float, p99_s: float) -> tuple[float, float]:
+    """The expected maximum, over ``trajectories``, of the sum of ``calls`` tool latencies of mean ``mean_s`` and
+    p99 ``p99_s``, and its standard deviation (the module doc: a shifted exponential per call, a Gamma sum,
+    the Gumbel limit of its maximum), never below the sum's mean."""
+    mean_s = max(mean_s, 0.0)
+    if calls <= 0 or mean_s <= 0:
+        return 0.0, 0.0
+    scale = max(p99_s - mean_s, 0.0) / _P99_EXP if math.isfinite(p99_s) else mean_s
+    shift = mean_s - scale  # below 0 for a law with a heavier tail than the exponential's: its p99 still holds
+    if scale <= 0:
+        return calls * mean_s, 0.0
+    n = max(trajectories, 1.0)
+    top = _gamma_quantile(calls, 1.0 - math.exp(-_EULER_GAMMA) / n)
+    # the Gumbel scale: the quantile's step from 1 - 1/n to 1 - 1/(e n); one trajectory: the sum's own spread
+    if n < 2.0:
+        sd = math.sqrt(calls)
+    else:
+        sd = _GUMBEL_SD * (_gamma_quantile(calls, 1.0 - 1.0 / (math.e * n)) - _gamma_quantile(calls, 1.0 - 1.0 / n))
+    return max(calls * shift + scale * top, calls * mean_s), scale * sd
+
+
+def _gamma_quantile(shape: float, p: float) -> float:
+    """The ``p`` quantile of Gamma(``shape``, 1), by the Wilson–Hilferty cube-root normal approximation."""
+    c = 1.0 / (9.0 * shape)
+    return shape * max(1.0 - c + _NORMAL.inv_cdf(p) * math.sqrt(c), 0.0) ** 3
 
 
 def _turn_groups(mean_turns: float, max_turns: float) -> list[float]:

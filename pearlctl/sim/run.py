@@ -70,7 +70,7 @@ from pearlctl.planner.model import (
     Trainer,
     Work,
 )
-from pearlctl.planner.predict import completion_s
+from pearlctl.planner.predict import predict
 from pearlctl.planner.profile import TransitionCosts
 from pearlctl.sim.availability import Trace, build_trace
 from pearlctl.sim.engine import (
@@ -667,7 +667,12 @@ class Sim:
             if watch is not None:
                 batch_s = t - (self.predictor.get("batch_since") or watch["since"])
                 state, check = correct.learn(
-                    self.predictor, watch["shape"], watch["predicted_s"], t - watch["since"], batch_s
+                    self.predictor,
+                    watch["shape"],
+                    watch["predicted_s"],
+                    t - watch["since"],
+                    batch_s,
+                    spread=watch.get("spread", 0.0),
                 )
                 self.predictor = {**state, "watch": None}
                 if check is not None:
@@ -685,9 +690,10 @@ class Sim:
             return
         snap = self.snapshot(t, corrected=False)
         work = snap.work
-        predicted = completion_s(work, plan.current_deployment(snap), self.profile)  # uncorrected
+        p = predict(work, plan.current_deployment(snap), self.profile)  # uncorrected
+        predicted, spread = p.seconds, p.spread
         key = correct.shape(work, serving_workers(snap.gpus, self.gpw))
-        watch = {"since": t, "predicted_s": predicted, "shape": key, "gpus": serving}
+        watch = {"since": t, "predicted_s": predicted, "spread": spread, "shape": key, "gpus": serving}
         self.predictor = {**self.predictor, "watch": watch}
 
     def work_view(self) -> Work:

@@ -12,18 +12,28 @@ measured profile).
 "After two batches". A batch's completion is a random variable: the last trajectory to finish sets it, and
 with exponential tool latencies that straggler's time has a spread no predictor can know in advance (the
 maximum of n exponential draws has a standard deviation of about 1.3 means, whatever n). So the benchmark
-compares predictions with the shape's *expected* completion, estimated by the mean of batches 3 to N:
+compares predictions with the shape's *expected* completion, estimated from batches 3 to N:
 
-- without correction: the raw prediction against that mean;
+- the expected completion: the mean over those batches of (measured time - the batch's largest sum of tool
+  draws over its trajectories), plus the expectation of that largest sum under the tool law (by simulation,
+  20,000 batches). The benchmark drew the tools itself, so it can take the draws' luck out; the estimate is
+  unbiased (E[largest sum] is the same in every batch) and far less noisy than the plain mean — on the 32 x 4
+  exponential shape, batches of 12.5 to 23.6 s had 12.1 to 23.2 s of slowest tool draws. The plain mean of
+  batches 3 to N is printed too, and the error against it in parentheses;
+- without correction: the raw prediction against it;
 - corrected after two batches: the raw prediction times the correction the daemon would hold after the
-  shape's first two batches (pearlctl.planner.correct, learned as the daemon learns it, every shape in turn;
-  batches after the second do not teach it), against that mean.
+  shape's first two batches (pearlctl.planner.correct, learned as the daemon learns it — measured times, luck
+  and all — every shape in turn; batches after the second do not teach it), against it.
 
 Beside them it prints the spread of batches 3 to N (their coefficient of variation, and the largest over the
-smallest): the per-batch error of even an exact predictor of the mean. ``--check`` exits 1 unless every
-corrected error after two batches is within 15%. docs/planner.md keeps the table.
+smallest): the per-batch error of even an exact predictor of the mean; and the spread the predictor expected
+(``Prediction.spread``), which sets how much each batch moves the correction. ``--check`` exits 1 unless
+every error against the expected completion, raw and corrected after two batches, is within 15%.
+docs/planner.md keeps the table.
 
     python tests/benchmarks/bench_predictor.py [--batches 6] [--check] [--json]
+
+``--json`` also prints the measured profile, so predictions can be recomputed from a run's batches.
 
 Holds the engine lock (/tmp/pearl-engine.lock) so no engine test runs beside it.
 """
@@ -51,7 +61,8 @@ from pearlctl.agent.engines.vllm import VllmServer  # noqa: E402
 from pearlctl.agent.workers import free_port  # noqa: E402
 from pearlctl.planner import correct  # noqa: E402
 from pearlctl.planner.model import Deployment, Mode, Work  # noqa: E402
-from pearlctl.planner.predict import predict  # noqa: E402
+from pearlctl.planner.predict import Prediction, predict  # noqa: E402
+from pearlctl.planner.profile import to_dict  # noqa: E402
 
 MODEL = REPO / "examples" / "models" / "tiny"
 MAX_MODEL_LEN = 512
@@ -71,6 +82,19 @@ def tool_latencies(n: int, turns: int, mean: float, law: str, rng: random.Random
     if law == "fixed":
         return [[mean] * turns for _ in range(n)]
     return [[rng.expovariate(1.0 / mean) for _ in range(turns)] for _ in range(n)]
+
+
+def slowest_tools(turns: int, latencies) -> float:
+    """The largest sum of one batch's tool draws (no call after a trajectory's last turn)."""
+    return max(sum(row[: turns - 1]) for row in latencies)
+
+
+def expected_slowest_tools(workload, samples: int = 20_000) -> float:
+    """E[slowest_tools] under the workload's tool law, by simulation (its own seed: the batches' draws stay
+    as they were)."""
+    n, turns, _, _, mean, law = workload
+    rng = random.Random(1)
+    return statistics.fmean(slowest_tools(turns, tool_latencies(n, turns, mean, law, rng)) for _ in range(samples))
 
 
 def run_batch(probe: profiling.WorkerProbe, workload, latencies, offset: int) -> float:
@@ -103,7 +127,7 @@ def work_of(workload) -> Work:
         prefill_tokens_per_turn=new_tokens,
         context_tokens=0,
         # the driver knows its tool's latency law, not the draws: the mean and the p99 of the law
-        tool_latency_s=mean * (turns - 1) / turns,  # no tool call after the last turn
+        tool_latency_s=mean,  # of one call (no call after the last turn: the predictor knows)
         tool_latency_max_s=mean * 4.6 if law == "exp" else mean,  # the law's p99, as examples/grpo/rollout.py
     )
 
@@ -111,7 +135,7 @@ def work_of(workload) -> Work:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=6, help="batches per workload, one after another (>= 4)")
-    ap.add_argument("--check", action="store_true", help="exit 1 unless all corrected errors after two batches <= 15%%")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless every error, raw and corrected, is <= 15%%")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.batches < 4:
@@ -148,59 +172,74 @@ def main() -> int:
         for workload in WORKLOADS:
             work = work_of(workload)
             shape = correct.shape(work, 1)
-            raw = predict(work, Deployment(Mode.COLOCATED, decode=1), profile).seconds
-            measured = []
+            prediction = predict(work, Deployment(Mode.COLOCATED, decode=1), profile)
+            raw = prediction.seconds
+            measured, drawn = [], []
             for b in range(args.batches):
                 latencies = tool_latencies(workload[0], workload[1], workload[4], workload[5], rng)
                 offset += 10_000
                 measured.append(run_batch(probe, workload, latencies, offset))
+                drawn.append(slowest_tools(workload[1], latencies))
                 if b < 2:
-                    state, _ = correct.learn(state, shape, raw, measured[-1])
+                    state, _ = correct.learn(state, shape, raw, measured[-1], spread=prediction.spread)
                 print(f"  {workload} batch {b + 1}: measured {measured[-1]:.2f} s, predicted {raw:.2f} s",
                       file=sys.stderr)  # fmt: skip
-            rows.append(summarise(workload, raw, raw * correct.factor(state, shape), measured))
+            rows.append(summarise(workload, prediction, raw * correct.factor(state, shape), measured, drawn))
         probe.close()
     first = [abs(r["error"]) for r in rows]
     after_two = [abs(r["corrected_error"]) for r in rows]
-    held = max(after_two) <= 0.15
+    held = max(after_two) <= 0.15 and max(first) <= 0.15
     if args.json:
-        print(json.dumps({"rows": rows, "max_abs_error_after_two": max(after_two), "held": held}, indent=2))
+        doc = {"rows": rows, "max_abs_error_after_two": max(after_two), "held": held, "profile": to_dict(profile)}
+        print(json.dumps(doc, indent=2))
     else:
         n = args.batches
         print(f"| trajectories | turns | tokens/turn | new tokens/turn | tool latency | batches 1-2 "
-              f"| batches 3-{n}: mean | spread (CV, max/min) | predicted | error "
+              f"| batches 3-{n}: mean | spread (CV, max/min) | predicted CV | expected | predicted | error "
               "| corrected after two | error |")  # fmt: skip
-        print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             t, turns, out_tokens, new_tokens, mean, law = r["workload"]
             first_two = ", ".join(f"{x:.2f}" for x in r["measured_s"][:2])
             print(f"| {t} | {turns} | {out_tokens} | {new_tokens} | {law} {mean:g} s | {first_two} s "
-                  f"| {r['expected_s']:.2f} s | {r['cv'] * 100:.0f}%, {r['max_over_min']:.2f}x "
-                  f"| {r['predicted_s']:.2f} s | {r['error'] * 100:+.0f}% "
-                  f"| {r['corrected_s']:.2f} s | {r['corrected_error'] * 100:+.0f}% |")  # fmt: skip
+                  f"| {r['mean_s']:.2f} s | {r['cv'] * 100:.0f}%, {r['max_over_min']:.2f}x "
+                  f"| {r['predicted_cv'] * 100:.0f}% | {r['expected_s']:.2f} s "
+                  f"| {r['predicted_s']:.2f} s | {r['error'] * 100:+.0f}% ({r['error_vs_mean'] * 100:+.0f}%) "
+                  f"| {r['corrected_s']:.2f} s | {r['corrected_error'] * 100:+.0f}% "
+                  f"({r['corrected_error_vs_mean'] * 100:+.0f}%) |")  # fmt: skip
+        vs_mean = [abs(r["corrected_error_vs_mean"]) for r in rows]
         print(
-            f"\nagainst the expected completion (the mean of batches 3-{n}): without correction median |error| "
+            f"\nagainst the expected completion: without correction median |error| "
             f"{statistics.median(first) * 100:.0f}%, max {max(first) * 100:.0f}%; corrected after two batches of the "
             f"shape: median {statistics.median(after_two) * 100:.0f}%, max {max(after_two) * 100:.0f}% — "
-            f"target <= 15%: {'held' if held else 'MISSED'}"
+            f"target <= 15%: {'held' if held else 'MISSED'}. (Against the plain mean of batches 3-{n}, corrected: "
+            f"median {statistics.median(vs_mean) * 100:.0f}%, max {max(vs_mean) * 100:.0f}%.)"
         )
     return 1 if args.check and not held else 0
 
 
-def summarise(workload, raw: float, corrected: float, measured: list[float]) -> dict:
-    """One shape's row: the expected completion is the mean of the batches after the two learned from."""
-    later = measured[2:]
-    expected = statistics.fmean(later)
+def summarise(workload, prediction: Prediction, corrected: float, measured: list[float], drawn: list[float]) -> dict:
+    """One shape's row, against the batches after the two learned from: their mean, and the expected completion
+    with the tool draws' luck taken out (the module doc)."""
+    later, luck = measured[2:], drawn[2:]
+    mean = statistics.fmean(later)
+    expected = statistics.fmean(m - d for m, d in zip(later, luck, strict=True)) + expected_slowest_tools(workload)
+    raw = prediction.seconds
     return {
         "workload": workload,
         "measured_s": measured,
+        "slowest_tools_s": drawn,
+        "mean_s": mean,
         "expected_s": expected,
-        "cv": statistics.stdev(later) / expected,
+        "cv": statistics.stdev(later) / mean,
+        "predicted_cv": prediction.spread,
         "max_over_min": max(later) / min(later),
         "predicted_s": raw,
         "error": (raw - expected) / expected,
+        "error_vs_mean": (raw - mean) / mean,
         "corrected_s": corrected,
         "corrected_error": (corrected - expected) / expected,
+        "corrected_error_vs_mean": (corrected - mean) / mean,
     }
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,13 +114,13 @@ def test_tool_waits_lower_the_batch_below_trajectories_per_worker():
     ),
 )
 def test_the_straggler_floor_holds(work, dep):
-    """No deployment finishes before the longest trajectory could — one tail turn and its other turns typical —
-    decoding alone at batch-1 speed."""
+    """No deployment finishes before the longest trajectory could — one tail response and its others typical,
+    decoding alone at batch-1 speed, its tool calls (one after every turn but the last) at least their mean."""
     turns = work.turns_left_max
     tokens = (
         max(work.decode_tokens_per_turn_max, work.decode_tokens_per_turn) + (turns - 1) * work.decode_tokens_per_turn
     )
-    tool = max(work.tool_latency_max_s, work.tool_latency_s) + (turns - 1) * work.tool_latency_s
+    tool = max(turns - 1, 0) * work.tool_latency_s
     floor = tokens * DENSE.decode.itl(1, work.context_tokens) + tool
     assert completion_s(work, dep, DENSE) >= floor * (1 - 1e-9)
 
@@ -215,3 +218,53 @@ def test_no_work_takes_no_time_and_no_workers_never_finish():
     assert completion_s(Work(), colocated(4), DENSE) == 0
     assert completion_s(WORK, colocated(0), DENSE) == math.inf
     assert completion_s(WORK, Deployment(Mode.DISAGGREGATED, decode=4, prefill=0), DENSE) == math.inf
+
+
+# -- the straggler's tool calls ------------------------------------------------------------------------------
+
+# a handful of short trajectories on ample workers: the straggler bounds, and its tools are all that differs
+AMPLE = colocated(4_096)
+SHORT = replace(WORK, decode_tokens_per_turn=20, decode_tokens_per_turn_max=20, prefill_tokens_per_turn=10)
+
+
+def straggler_tools(work: Work) -> tuple[float, float]:
+    """The straggler's tool time (its floor with these tools less the same without any) and its spread."""
+    with_tools = predict(work, AMPLE, DENSE)
+    without = predict(replace(work, tool_latency_s=0, tool_latency_max_s=0), AMPLE, DENSE)
+    return with_tools.straggler_s - without.straggler_s, with_tools.straggler_sd_s
+
+
+def test_the_last_turn_calls_no_tool():
+    two_turns = replace(SHORT, trajectories=8, turns_left=2, turns_left_max=2, tool_latency_s=0.5,
+                        tool_latency_max_s=0.5)  # fmt: skip
+    tools, spread = straggler_tools(two_turns)
+    assert tools == pytest.approx(0.5, rel=1e-4) and spread == 0.0  # one call of a fixed 0.5 s
+    last = replace(two_turns, turns_left=1, turns_left_max=1)
+    assert predict(last, colocated(1), DENSE) == predict(replace(last, tool_latency_s=9, tool_latency_max_s=40),
+                                                         colocated(1), DENSE)  # fmt: skip
+
+
+@pytest.mark.parametrize(("calls", "trajectories"), [(1, 8), (1, 64), (2, 16), (3, 32), (5, 4)])
+def test_the_stragglers_tools_are_the_expected_maximum_of_the_trajectories_sums(calls, trajectories):
+    """Exponential tool latencies (p99 = mean * ln 100): the predicted straggler's tools against the mean and
+    the standard deviation of the slowest of ``trajectories`` sums of ``calls`` draws, by seeded simulation."""
+    mean = 2.0
+    work = replace(SHORT, trajectories=trajectories, turns_left=calls + 1, turns_left_max=calls + 1,
+                   tool_latency_s=mean, tool_latency_max_s=mean * math.log(100))  # fmt: skip
+    tools, spread = straggler_tools(work)
+    rng = random.Random(7)
+    slowest = [max(sum(rng.expovariate(1 / mean) for _ in range(calls)) for _ in range(trajectories))
+               for _ in range(4_000)]  # fmt: skip
+    assert tools == pytest.approx(statistics.fmean(slowest), rel=0.06)
+    assert spread == pytest.approx(statistics.stdev(slowest), rel=0.25)
+
+
+def test_more_trajectories_make_a_slower_straggler_only_when_tool_latency_spreads():
+    exp = replace(SHORT, turns_left=3, turns_left_max=3, tool_latency_s=1.0, tool_latency_max_s=4.6)
+    fixed = replace(exp, tool_latency_max_s=1.0)
+    assert straggler_tools(replace(exp, trajectories=8))[0] < straggler_tools(replace(exp, trajectories=256))[0]
+    for n in (8, 256):
+        assert straggler_tools(replace(fixed, trajectories=n)) == (pytest.approx(2.0, rel=1e-4), 0.0)
+    # a tail heavier than the exponential's (p99 = 40 means) still reaches past the p99 at many trajectories
+    heavy = replace(exp, turns_left=2, turns_left_max=2, trajectories=512, tool_latency_max_s=40.0)
+    assert straggler_tools(heavy)[0] > 40.0

@@ -98,7 +98,7 @@ def test_the_trainer_reports_no_eta_before_its_first_measured_wait(monkeypatch):
         sim = _sim(name)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-        monkeypatch.setattr(simrun, "completion_s", no)
+        monkeypatch.setattr(simrun, "predict", no)
         view = sim._trainer_view(5.0)
         assert view.phase == "waiting" and view.wait_left_s == 0.0
         sim.wait_ema, sim.waiting_since = 120.0, 2.0
