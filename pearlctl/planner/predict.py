@@ -232,9 +232,11 @@ def _slowest_tools(calls: float, trajectories: float, mean_s: float, p99_s: floa
 
 
 def _gamma_quantile(shape: float, p: float) -> float:
-    """The ``p`` quantile of Gamma(``shape``, 1), by the Wilson–Hilferty cube-root normal approximation."""
+    """The ``p`` quantile of Gamma(``shape``, 1), by the Wilson–Hilferty cube-root normal approximation (``p``
+    kept off 1: ``1 - x / n`` rounds to 1 for n beyond 1e16)."""
     c = 1.0 / (9.0 * shape)
-    return shape * max(1.0 - c + _NORMAL.inv_cdf(p) * math.sqrt(c), 0.0) ** 3
+    z = _NORMAL.inv_cdf(min(p, 1.0 - 1e-15))
+    return shape * max(1.0 - c + z * math.sqrt(c), 0.0) ** 3
 
 
 def _turn_groups(mean_turns: float, max_turns: float) -> list[float]:

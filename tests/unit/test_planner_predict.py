@@ -268,3 +268,11 @@ def test_more_trajectories_make_a_slower_straggler_only_when_tool_latency_spread
     # a tail heavier than the exponential's (p99 = 40 means) still reaches past the p99 at many trajectories
     heavy = replace(exp, turns_left=2, turns_left_max=2, trajectories=512, tool_latency_max_s=40.0)
     assert straggler_tools(heavy)[0] > 40.0
+
+
+def test_a_batch_of_absurdly_many_trajectories_still_gets_a_finite_straggler():
+    # 1 - e^-gamma / n rounds to 1.0 beyond n ~ 1e16: the normal quantile must not be asked for it
+    huge = replace(SHORT, trajectories=10**18, turns_left=3, turns_left_max=3, tool_latency_s=1.0,
+                   tool_latency_max_s=4.6)  # fmt: skip
+    p = predict(huge, AMPLE, DENSE)
+    assert math.isfinite(p.straggler_s) and p.straggler_s >= 2.0 and math.isfinite(p.straggler_sd_s)
