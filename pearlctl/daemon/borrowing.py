@@ -395,17 +395,7 @@ class Borrowing:
         work = work_from_progress(report)
         if work.empty:
             if watch is not None or state.get("batch_since") is not None:
-                check = None
-                if watch is not None:
-                    batch_s = at - (state.get("batch_since") or watch["since"])
-                    state, check = correct.learn(
-                        state,
-                        watch["shape"],
-                        watch["predicted_s"],
-                        at - watch["since"],
-                        batch_s,
-                        spread=watch.get("spread", 0.0),
-                    )
+                state, check = correct.finish(state, at)
                 self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
         if state.get("batch_since") is None:  # the batch's first report with work
@@ -421,15 +411,8 @@ class Borrowing:
         profile = profiles.from_dict(doc)
         snapshot = self.snapshot(at)
         workers = self.serving_workers(profile.gpus_per_worker)
-        p = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
-        predicted, spread = p.seconds, p.spread
-        shape = correct.shape(work, workers)
-        self._save_predictor(
-            {
-                **state,
-                "watch": {"since": at, "predicted_s": predicted, "spread": spread, "shape": shape, "gpus": serving},
-            }
-        )
+        prediction = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
+        self._save_predictor({**state, "watch": correct.watch(prediction, correct.shape(work, workers), at, serving)})
 
     def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:
         event, data = ("prediction checked", asdict(check)) if check else (None, None)

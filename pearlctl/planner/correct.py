@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from pearlctl.planner.model import Work
+from pearlctl.planner.predict import Prediction
 
 PRIOR_SD = 0.25  # log: how far the model may be off a shape not seen yet (the first CPU run: 13-37% short)
 DRIFT_SD = 0.05  # log, per batch: how far a shape's true ratio may move between two of its batches
@@ -123,3 +124,19 @@ def learn(
     state["shapes"] = shapes
     state["all"] = _blend(state.get("all"), ratio, noise, 1.0)
     return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])
+
+
+def watch(prediction: Prediction, key: str, since: float, gpus) -> dict:
+    """The watch of a batch (as the daemon stores it with the run): its uncorrected ``prediction`` made at
+    ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``."""
+    return {"since": since, "predicted_s": prediction.seconds, "spread": prediction.spread, "shape": key, "gpus": gpus}
+
+
+def finish(state: dict, at: float) -> tuple[dict, Check | None]:
+    """``learn`` from the state's watch, its batch ended at ``at`` (the whole batch counted from
+    ``state["batch_since"]``, else from the watch); the state unchanged without a watch."""
+    w = state.get("watch")
+    if w is None:
+        return state, None
+    batch_s = at - (state.get("batch_since") or w["since"])
+    return learn(state, w["shape"], w["predicted_s"], at - w["since"], batch_s, spread=w.get("spread", 0.0))

@@ -665,15 +665,7 @@ class Sim:
         watch = self.predictor.get("watch")
         if not self.engine.busy():  # the driver reports no work left
             if watch is not None:
-                batch_s = t - (self.predictor.get("batch_since") or watch["since"])
-                state, check = correct.learn(
-                    self.predictor,
-                    watch["shape"],
-                    watch["predicted_s"],
-                    t - watch["since"],
-                    batch_s,
-                    spread=watch.get("spread", 0.0),
-                )
+                state, check = correct.finish(self.predictor, t)
                 self.predictor = {**state, "watch": None}
                 if check is not None:
                     self.checks.append(check)
@@ -690,11 +682,9 @@ class Sim:
             return
         snap = self.snapshot(t, corrected=False)
         work = snap.work
-        p = predict(work, plan.current_deployment(snap), self.profile)  # uncorrected
-        predicted, spread = p.seconds, p.spread
+        prediction = predict(work, plan.current_deployment(snap), self.profile)  # uncorrected
         key = correct.shape(work, serving_workers(snap.gpus, self.gpw))
-        watch = {"since": t, "predicted_s": predicted, "spread": spread, "shape": key, "gpus": serving}
-        self.predictor = {**self.predictor, "watch": watch}
+        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving)}
 
     def work_view(self) -> Work:
         e = self.engine
