@@ -175,6 +175,27 @@ def wait_running(srv, n: int = 1, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def generated(srv) -> float:
+    """Tokens the server has generated since it started (its /metrics counter)."""
+    return srv.metrics().get("generation_tokens_total", 0)
+
+
+def mid_turn(srv, n: int, generated_before: float, tokens: int = 32, timeout: float = 60.0) -> None:
+    """``n`` turns run on ``srv`` and ``tokens`` are out since ``generated_before`` (so an interruption has a
+    part to continue from), by the server's own counters. A fixed sleep instead once let a turn that started
+    first finish before the interruption on a fast machine: one attempt, nothing interrupted."""
+    wait_running(srv, n, timeout)
+    deadline = time.monotonic() + timeout
+    while generated(srv) - generated_before < tokens:
+        assert time.monotonic() < deadline, f"no {tokens} tokens out on {srv.url} within {timeout:g} s"
+        time.sleep(0.02)
+
+
+def still_running(srv, n: int) -> None:
+    """The precondition of an interruption: the ``n`` turns still run on ``srv`` (else nothing is tested)."""
+    assert running(srv) == n, f"a turn ended on {srv.url} before it was interrupted: nothing would be tested"
+
+
 PLACEHOLDER = [sys.executable, "-c", "import time; time.sleep(36000)"]
 
 

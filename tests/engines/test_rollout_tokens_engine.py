@@ -41,7 +41,7 @@ from pearlctl.router.client import Completion, RolloutClient
 from pearlctl.router.membership import RouterMembership
 from tests.conftest import GRPO_EXAMPLE as GRPO
 from tests.conftest import load_example
-from tests.engines.conftest import TINY_MODEL, group_alive, tiny_servers, wait_running
+from tests.engines.conftest import TINY_MODEL, generated, group_alive, mid_turn, still_running, tiny_servers
 
 if str(GRPO) not in sys.path:
     sys.path.insert(0, str(GRPO))
@@ -189,10 +189,11 @@ def test_a_turn_aborted_by_a_drain_and_continued_keeps_ids_logprobs_and_both_ver
     long = Recording(client, ignore_eos=True)  # a turn long enough to be interrupted midway
     box: list = []
     runner = threading.Thread(target=lambda: box.append(driver.sample(long, "drained", prompt_ids, 300)), daemon=True)
+    before = generated(worker)
     runner.start()
-    wait_running(worker, 1)
-    time.sleep(0.3)  # some tokens out
+    mid_turn(worker, 1, before)
     assert members.remove(worker.url) is True  # the agent's drain: out of routing first...
+    still_running(worker, 1)
     aborted = worker.abort_requests()  # ... then what still runs ends with "abort" and its partial output
     time.sleep(0.5)
     members.add(worker.url, "2")  # back, serving new weights: the gateway continues the turn here

@@ -38,11 +38,11 @@ from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
 from pearlctl.router.client import RolloutClient
 from pearlctl.router.membership import RouterMembership
-from tests.engines.conftest import free_port, group_alive, tiny_servers, wait_running
+from tests.engines.conftest import free_port, generated, group_alive, mid_turn, still_running, tiny_servers
 
 NAME = "tiny"
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dataplane.py"
-LONG = 300  # tokens of the long greedy turns: about 1-3 s on this machine, time to interrupt them
+LONG = 440  # tokens of the long greedy turns (the prompts take < 40 of the 512): time to interrupt them
 PROMPT = "<|im_start|>user\nwrite a long story about a cat<|im_end|>\n<|im_start|>assistant\n"
 MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
 
@@ -213,13 +213,14 @@ def test_b_a_drained_worker_aborts_and_the_turns_continue_exactly(
     assert len(expected) == len(expected_chat) == LONG
 
     members.sync({a.url: "1"})  # only A: the turns start there
+    before = generated(a)
     with ThreadPoolExecutor(2) as pool:
         plain = pool.submit(greedy_completion_doc, router.base_url, key, "b-1")
         chat = pool.submit(greedy_chat_stream, router.base_url, key, "b-2")
-        wait_running(a, 2)
-        time.sleep(0.3)  # some tokens out
+        mid_turn(a, 2, before)
         members.add(b.url, "1")
         assert members.remove(a.url) is True  # the agent's drain: out of routing first...
+        still_running(a, 2)
         aborted = a.abort_requests()  # ... then what still runs on it ends with "abort" and its partial output
         doc = plain.result(timeout=300)
         chat_ids, chat_text, chat_pearl, _ = chat.result(timeout=300)
@@ -298,14 +299,15 @@ def test_c_a_worker_killed_mid_request_the_turns_still_complete(
     expected = greedy_completion(router.base_url, key, "ref-3")
     expected_chat, _, _, _ = greedy_chat_stream(router.base_url, key, "ref-4")
     members.sync({a.url: "1"})
+    before = generated(a)
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         plain = pool.submit(greedy_completion_doc, router.base_url, key, "c-1")
         chat = pool.submit(greedy_chat_stream, router.base_url, key, "c-2")
-        wait_running(a, 2)
-        time.sleep(0.3)
+        mid_turn(a, 2, before)
         members.add(b.url, "1")
         assert a.pid is not None
+        still_running(a, 2)
         os.killpg(a.pid, signal.SIGKILL)  # no abort answer, no drain; A stays a member until vllm-router's
         killed = time.monotonic()  # health check drops it
         doc = plain.result(timeout=300)
