@@ -4,12 +4,12 @@ from the journal.
 What is measured, over the worker's OpenAI-compatible API (requests with token-id prompts and
 ``ignore_eos``, so every request prefills and decodes exactly the tokens asked for):
 
-- decode: for each (batch B, context L), B concurrent requests of L prompt tokens decode M1 and then M2
-  tokens. When the worker exports its engine metrics, each point is what the engine itself saw while the
-  M2 requests ran: the mean inter-token latency (``vllm:inter_token_latency_seconds``) at the mean number of
-  sequences an engine step decoded (``vllm:generation_tokens_total`` over the steps of
-  ``vllm:iteration_tokens_total``) — B requests sent at once do not all decode at once when the API server
-  takes them one at a time, so the asked B is not the batch that ran. Without metrics, the inter-token
+- decode: for each (batch B, context L), B concurrent requests of L prompt tokens decode M2 tokens. When
+  the worker exports its engine metrics, each point is what the engine itself saw while they ran: the mean
+  inter-token latency (``vllm:inter_token_latency_seconds``) at the mean number of sequences an engine step
+  decoded (``vllm:generation_tokens_total`` over the steps of ``vllm:iteration_tokens_total``) — B requests
+  sent at once do not all decode at once when the API server takes them one at a time, so the asked B is
+  not the batch that ran. Without metrics, the same requests decode M1 tokens too, and the inter-token
   latency is ``(T(M2) - T(M1)) / (M2 - M1)`` at the asked B, which cancels queueing and prefill. The
   planner's decode model ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` is fitted to those points by
   non-negative least squares;
@@ -236,18 +236,18 @@ def measure(
     m1, m2 = tokens
     for context in contexts:
         for b in batches:
-            short, long, seen = [], [], []
+            long, seen, offsets = [], [], []
             for _ in range(repeats):
                 offset += 2 * b
-                short.append(probe.batch(b, context, m1, offset=offset))
+                offsets.append(offset)
                 before = probe.counters()
                 long.append(probe.batch(b, context, m2, offset=offset + b))
                 seen.append(engine_decode(before, probe.counters()))
-            ran = [x for x in seen if x is not None]
-            if len(ran) == len(seen):  # what the engine ran: its batch and its inter-token latency
-                batch = statistics.median(x[0] for x in ran)
-                itl = statistics.median(x[1] for x in ran)
-            else:
+            if all(x is not None for x in seen):  # what the engine ran: its batch and its inter-token latency
+                batch = statistics.median(x[0] for x in seen if x is not None)
+                itl = statistics.median(x[1] for x in seen if x is not None)
+            else:  # no engine counters: the M1 runs too, and the difference of the two lengths
+                short = [probe.batch(b, context, m1, offset=o) for o in offsets]
                 batch, itl = float(b), (statistics.median(long) - statistics.median(short)) / (m2 - m1)
             points.append(DecodePoint(batch, context + (m1 + m2) // 2, max(itl, 1e-6)))
     l1, l2 = prefill_lengths

@@ -179,3 +179,28 @@ def test_measure_without_engine_metrics_falls_back_to_the_asked_batch():
     probe._get = lambda path: "# no metrics here\n"
     m = measure(probe, batches=(1, 2, 4), contexts=(32,), repeats=1)
     assert [p.batch for p in m.decode] == [1, 2, 4]
+
+
+class _CountingWorker(_SerialWorker):
+    """Records the output length of every batch it is sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def batch(self, batch: int, prompt_tokens: int, max_tokens: int, *, offset: int) -> float:
+        self.lengths.append(max_tokens)
+        return super().batch(batch, prompt_tokens, max_tokens, offset=offset)
+
+
+def test_measure_sends_the_short_decode_runs_only_when_the_engine_reports_no_counters():
+    with_metrics = _CountingWorker()
+    measure(with_metrics, batches=(1, 2), contexts=(32,), tokens=(8, 40), repeats=2)
+    assert 8 not in with_metrics.lengths and with_metrics.lengths.count(40) == 4  # 2 batches x 2 repeats
+
+    without = _CountingWorker()
+    without._get = lambda path: "# no metrics here\n"
+    m = measure(without, batches=(1, 2), contexts=(32,), tokens=(8, 40), repeats=2)
+    assert without.lengths.count(8) == without.lengths.count(40) == 4
+    for p in m.decode:  # the difference of the two lengths still cancels overhead and prefill
+        assert p.itl_s == pytest.approx(_SerialWorker.TRUTH.itl(min(p.batch, 3), p.context - 24), rel=1e-6)
