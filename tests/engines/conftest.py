@@ -180,11 +180,23 @@ def generated(srv) -> float:
     return srv.metrics().get("generation_tokens_total", 0)
 
 
-def mid_turn(srv, n: int, generated_before: float, tokens: int = 32, timeout: float = 60.0) -> None:
-    """``n`` turns run on ``srv`` and ``tokens`` are out since ``generated_before`` (so an interruption has a
-    part to continue from), by the server's own counters. A fixed sleep instead once let a turn that started
-    first finish before the interruption on a fast machine: one attempt, nothing interrupted."""
-    wait_running(srv, n, timeout)
+@contextlib.contextmanager
+def held(srv, arrive_s: float = 0.5) -> Iterator[None]:
+    """Requests sent inside the block wait in ``srv``'s queue (paused, ``keep``) and are released together at its
+    end, ``arrive_s`` later: they are in flight from then on. Waiting for vLLM's running gauge instead can miss
+    them: the tiny model decodes a few hundred tokens in about a second, and a busy API server can take that long
+    to answer one /metrics."""
+    srv.pause("keep")
+    try:
+        yield
+        time.sleep(arrive_s)  # they reach the server; one still on its way starts a little after the others
+    finally:
+        srv.resume()
+
+
+def mid_turn(srv, generated_before: float, tokens: int = 32, timeout: float = 60.0) -> None:
+    """``tokens`` are out on ``srv`` since ``generated_before`` (its own counter, which cannot be missed as a
+    gauge can), so that an interruption has a part to continue from."""
     deadline = time.monotonic() + timeout
     while generated(srv) - generated_before < tokens:
         assert time.monotonic() < deadline, f"no {tokens} tokens out on {srv.url} within {timeout:g} s"

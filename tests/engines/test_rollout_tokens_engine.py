@@ -41,7 +41,7 @@ from pearlctl.router.client import Completion, RolloutClient
 from pearlctl.router.membership import RouterMembership
 from tests.conftest import GRPO_EXAMPLE as GRPO
 from tests.conftest import load_example
-from tests.engines.conftest import TINY_MODEL, generated, group_alive, mid_turn, still_running, tiny_servers
+from tests.engines.conftest import TINY_MODEL, generated, group_alive, held, mid_turn, still_running, tiny_servers
 
 if str(GRPO) not in sys.path:
     sys.path.insert(0, str(GRPO))
@@ -190,8 +190,9 @@ def test_a_turn_aborted_by_a_drain_and_continued_keeps_ids_logprobs_and_both_ver
     box: list = []
     runner = threading.Thread(target=lambda: box.append(driver.sample(long, "drained", prompt_ids, 300)), daemon=True)
     before = generated(worker)
-    runner.start()
-    mid_turn(worker, 1, before)
+    with held(worker):
+        runner.start()
+    mid_turn(worker, before)
     assert members.remove(worker.url) is True  # the agent's drain: out of routing first...
     still_running(worker, 1)
     aborted = worker.abort_requests()  # ... then what still runs ends with "abort" and its partial output

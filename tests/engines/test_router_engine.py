@@ -38,7 +38,7 @@ from pearlctl.agent.engines.vllm import VllmServer
 from pearlctl.router import service
 from pearlctl.router.client import RolloutClient
 from pearlctl.router.membership import RouterMembership
-from tests.engines.conftest import free_port, generated, group_alive, mid_turn, still_running, tiny_servers
+from tests.engines.conftest import free_port, generated, group_alive, held, mid_turn, still_running, tiny_servers
 
 NAME = "tiny"
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dataplane.py"
@@ -215,9 +215,10 @@ def test_b_a_drained_worker_aborts_and_the_turns_continue_exactly(
     members.sync({a.url: "1"})  # only A: the turns start there
     before = generated(a)
     with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(greedy_completion_doc, router.base_url, key, "b-1")
-        chat = pool.submit(greedy_chat_stream, router.base_url, key, "b-2")
-        mid_turn(a, 2, before)
+        with held(a):
+            plain = pool.submit(greedy_completion_doc, router.base_url, key, "b-1")
+            chat = pool.submit(greedy_chat_stream, router.base_url, key, "b-2")
+        mid_turn(a, before)
         members.add(b.url, "1")
         assert members.remove(a.url) is True  # the agent's drain: out of routing first...
         still_running(a, 2)
@@ -302,9 +303,10 @@ def test_c_a_worker_killed_mid_request_the_turns_still_complete(
     before = generated(a)
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(greedy_completion_doc, router.base_url, key, "c-1")
-        chat = pool.submit(greedy_chat_stream, router.base_url, key, "c-2")
-        mid_turn(a, 2, before)
+        with held(a):
+            plain = pool.submit(greedy_completion_doc, router.base_url, key, "c-1")
+            chat = pool.submit(greedy_chat_stream, router.base_url, key, "c-2")
+        mid_turn(a, before)
         members.add(b.url, "1")
         assert a.pid is not None
         still_running(a, 2)

@@ -17,7 +17,7 @@ import pytest
 
 from pearlctl.agent.engines import EngineError
 from pearlctl.agent.engines.vllm import ENTRY_POINT, VllmServer
-from tests.engines.conftest import TINY_MODEL, build_tiny_model, generated, group_alive, tiny_server
+from tests.engines.conftest import TINY_MODEL, build_tiny_model, generated, group_alive, held, tiny_server
 
 NAME = "tiny"
 
@@ -160,25 +160,15 @@ def test_sleep_wake_contract_on_cpu(server: VllmServer) -> None:
     print(f"\nsleep(1) {sleep_s * 1000:.0f} ms, wake_up {wake_s * 1000:.0f} ms")
 
 
-def held_then_started(server: VllmServer, n: int, tokens: int, label: str) -> list[tuple[threading.Thread, list]]:
-    """``n`` requests of ``tokens`` tokens sent while the server is paused (held in its queue), then released
-    together: they are in flight from the moment this returns. Waiting for vLLM's running gauge instead can miss
-    them altogether: the tiny model decodes 400 tokens in about a second, and a busy API server can take that
-    long to answer one /metrics."""
-    server.pause("keep")
-    try:
-        threads = [
-            in_background(complete, server, f"{label} {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)
-        ]
-        time.sleep(0.5)  # they reach the server and wait there; one still on its way starts a little later
-    finally:
-        server.resume()
-    return threads
+def started(server: VllmServer, n: int, tokens: int, label: str) -> list[tuple[threading.Thread, list]]:
+    """``n`` requests of ``tokens`` tokens, in flight together when this returns (`held`)."""
+    with held(server):
+        return [in_background(complete, server, f"{label} {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)]
 
 
 def test_abort_requests_ends_them_with_partial_output(server: VllmServer) -> None:
     before = generated(server)
-    threads = held_then_started(server, 8, 480, "long request")
+    threads = started(server, 8, 480, "long request")
     wait_for(lambda: generated(server) - before >= 8, 30, "tokens out")  # a counter: it cannot be missed
     # freeze them mid-generation first: the tiny model can finish 480 tokens before an abort arrives
     server.pause("keep")
@@ -219,7 +209,7 @@ def test_drain_loses_nothing_then_stop_ends_the_group(server: VllmServer) -> Non
     """Requests in flight complete; one that arrives while the drain has the server paused is served too
     (not left queued); then stop ends the whole process group."""
     n, tokens = 6, 400
-    threads = held_then_started(server, n, tokens, "in flight")
+    threads = started(server, n, tokens, "in flight")
     t0 = time.monotonic()
     drainer, drained = in_background(server.drain, timeout=120)
     wait_for(server.is_paused, 30, "the drain to pause the server")
