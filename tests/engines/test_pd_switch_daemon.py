@@ -119,10 +119,14 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
             return len(done) == 2 and sorted(w["role"] for w in serving(store, run_id)) == ["DECODE", "PREFILL"]
 
         wait_for(pair_serves, 300, every=0.2)
+        decode = next(w["url"] for w in serving(store, run_id) if w["role"] == "DECODE")
+        decoded = lambda: sum(decode in o["workers"] for o in load.done[mark:])  # noqa: E731
+        # a turn the pair served, however slow the host: the first turns to complete after the switch may all
+        # have begun before it (a loaded host once completed three such turns and none through the pair)
+        wait_for(lambda: decoded() >= 1, 300, every=0.2)
         pc("borrow", RUN, "--policy", "never")  # pearl would keep the pair; the operator switches it back
         load.wait_turns(PHASE_TURNS)
-        decode = next(w["url"] for w in serving(store, run_id) if w["role"] == "DECODE")
-        via_pd = sum(decode in o["workers"] for o in load.done[mark:])
+        via_pd = decoded()
         for role, roles in BACK:  # GPUs by id: on the local backend both tasks hold the node's GPU 0
             gpu = next(g["id"] for g in store.gpus(run_id) if g["pool"] == "rollout" and g["role"] == role)
             pc("move", RUN, "switch", str(gpu), "--role", "ROLLOUT", "--wait", "--timeout", "300")
