@@ -243,9 +243,10 @@ def measure(
                 before = probe.counters()
                 long.append(probe.batch(b, context, m2, offset=offset + b))
                 seen.append(engine_decode(before, probe.counters()))
-            if all(x is not None for x in seen):  # what the engine ran: its batch and its inter-token latency
-                batch = statistics.median(x[0] for x in seen if x is not None)
-                itl = statistics.median(x[1] for x in seen if x is not None)
+            ran = [x for x in seen if x is not None]
+            if len(ran) == len(seen):  # what the engine ran: its batch and its inter-token latency
+                batch = statistics.median(x[0] for x in ran)
+                itl = statistics.median(x[1] for x in ran)
             else:  # no engine counters: the M1 runs too, and the difference of the two lengths
                 short = [probe.batch(b, context, m1, offset=o) for o in offsets]
                 batch, itl = float(b), (statistics.median(long) - statistics.median(short)) / (m2 - m1)

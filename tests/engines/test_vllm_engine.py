@@ -17,7 +17,7 @@ import pytest
 
 from pearlctl.agent.engines import EngineError
 from pearlctl.agent.engines.vllm import ENTRY_POINT, VllmServer
-from tests.engines.conftest import TINY_MODEL, build_tiny_model, generated, group_alive, held, tiny_server
+from tests.engines.conftest import TINY_MODEL, build_tiny_model, generated, group_alive, held, mid_turn, tiny_server
 
 NAME = "tiny"
 
@@ -169,7 +169,7 @@ def started(server: VllmServer, n: int, tokens: int, label: str) -> list[tuple[t
 def test_abort_requests_ends_them_with_partial_output(server: VllmServer) -> None:
     before = generated(server)
     threads = started(server, 8, 480, "long request")
-    wait_for(lambda: generated(server) - before >= 8, 30, "tokens out")  # a counter: it cannot be missed
+    mid_turn(server, before, tokens=8, timeout=30)
     # freeze them mid-generation first: the tiny model can finish 480 tokens before an abort arrives
     server.pause("keep")
     try:
