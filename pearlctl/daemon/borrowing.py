@@ -234,13 +234,22 @@ class Borrowing:
             now=now,
             gpus=gpus,
             work=work,
-            trainer=Trainer(phase=trainer.get("phase"), wait_left_s=left, step_time_s=trainer.get("step_s") or 0.0),
+            trainer=Trainer(
+                phase=trainer.get("phase"),
+                wait_left_s=left,
+                step_time_s=trainer.get("step_s") or 0.0,
+                wait_known=wait is not None,
+            ),
             profile=profile,
             costs=self.costs(profile.costs),
             mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1]["created_at"] if transitions else None,
         )
+        # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
+        # from a measured profile only (the placeholder's speeds predict nothing: nothing is lent then)
+        if profile is not UNMEASURED:
+            snapshot = plan.expect_wait(snapshot)
         # the clock only in ``now`` and the trainer's wait left: the inputs hold the time it waits until instead
         # (the GPUs: one tuple per state generation, and equal tuples compare element by element)
         timeless = replace(snapshot, now=0.0, trainer=replace(snapshot.trainer, wait_left_s=0.0))
@@ -398,6 +407,9 @@ class Borrowing:
                 state, check = correct.finish(state, at)
                 self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
+        if correct.grew(state, work):  # the next batch joined before this one ended: no watch spans both
+            state = {**state, "watch": None, "batch_since": None}
+            watch = None
         if state.get("batch_since") is None:  # the batch's first report with work
             state["batch_since"] = at
             self._save_predictor(state)
@@ -412,7 +424,8 @@ class Borrowing:
         snapshot = self.snapshot(at)
         workers = self.serving_workers(profile.gpus_per_worker)
         prediction = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
-        self._save_predictor({**state, "watch": correct.watch(prediction, correct.shape(work, workers), at, serving)})
+        key = correct.shape(work, workers)
+        self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work.trajectories)})
 
     def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:
         event, data = ("prediction checked", asdict(check)) if check else (None, None)
@@ -559,6 +572,7 @@ def summary(s: Snapshot) -> dict:
     return {
         "phase": s.trainer.phase,
         "wait_left_s": s.trainer.wait_left_s,
+        "wait_from": "prediction" if s.trainer.wait_predicted else "trainer",
         "idle_gpus": sum(1 for g in s.gpus if g.pool == "trainer" and not g.borrowed),
         "max_gpus": s.max_lend,
         "borrow_cost_s": s.costs.borrow_s(warm=False),

@@ -126,10 +126,27 @@ def learn(
     return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])
 
 
-def watch(prediction: Prediction, key: str, since: float, gpus) -> dict:
+def watch(prediction: Prediction, key: str, since: float, gpus, trajectories: int = 0) -> dict:
     """The watch of a batch (as the daemon stores it with the run): its uncorrected ``prediction`` made at
-    ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``."""
-    return {"since": since, "predicted_s": prediction.seconds, "spread": prediction.spread, "shape": key, "gpus": gpus}
+    ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``, and the
+    ``trajectories`` in flight then (``grew``)."""
+    return {
+        "since": since,
+        "predicted_s": prediction.seconds,
+        "spread": prediction.spread,
+        "shape": key,
+        "gpus": gpus,
+        "trajectories": trajectories,
+    }
+
+
+def grew(state: dict, work: Work) -> bool:
+    """Whether work joined the batch the state watches: more trajectories in flight than when the watch began.
+    A watch spans one batch: in an asynchronous run the next batch is launched before the current one ends
+    (the work in flight never empties between them), and a watch that ran on would measure two batches
+    against the prediction of one. Its watch and its batch's start are dropped (the caller starts anew)."""
+    w = state.get("watch")
+    return w is not None and work.trajectories > int(w.get("trajectories") or 0)
 
 
 def finish(state: dict, at: float) -> tuple[dict, Check | None]:

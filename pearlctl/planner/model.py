@@ -62,6 +62,10 @@ class Trainer:
     phase: str | None = None  # "training" | "waiting" | None (no report)
     wait_left_s: float = 0.0  # how long the trainer still expects to wait for rollouts
     step_time_s: float = 0.0  # its measured training step time
+    # False: the trainer reported no expected wait (none measured yet); ``plan.expect_wait`` then puts the
+    # planner's own prediction of the batch in flight in ``wait_left_s`` and sets ``wait_predicted``
+    wait_known: bool = True
+    wait_predicted: bool = False
 
 
 @dataclass(frozen=True)

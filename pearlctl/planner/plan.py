@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
 
 from pearlctl.planner import view
 from pearlctl.planner.diff import POOLS, moves
@@ -58,6 +59,21 @@ def current_deployment(snapshot: Snapshot) -> Deployment:
     by_pool = view.of(snapshot).serving
     serving = [(g.node, g.pool, g.role) for p in POOLS for g in by_pool[p]]
     return _Fleet(snapshot.profile.gpus_per_worker, serving).deployment()
+
+
+def expect_wait(snapshot: Snapshot) -> Snapshot:
+    """The snapshot with the trainer's wait filled in when the trainer waits and reported none (``wait_known``
+    false: it has measured no wait yet): the batch in flight's predicted completion on the GPUs serving now, by
+    the predictor and its correction (the profile's ``time_scale``). So the first batch's lending horizon needs
+    no hint from the user. Nothing serving, or nothing in flight, predicts no wait (nothing is lent on it). The
+    daemon (``Borrowing.snapshot``) and the simulator (``Sim.snapshot``) both build their snapshots through it.
+    """
+    trainer = snapshot.trainer
+    if trainer.wait_known or trainer.phase != "waiting":
+        return snapshot
+    seconds = 0.0 if snapshot.work.empty else view.of(snapshot).completion_s(current_deployment(snapshot))
+    wait = seconds if math.isfinite(seconds) else 0.0
+    return replace(snapshot, trainer=replace(trainer, wait_left_s=wait, wait_predicted=True))
 
 
 def current_target(snapshot: Snapshot) -> Target:

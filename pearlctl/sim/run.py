@@ -254,6 +254,7 @@ class Sim:
         self.correction = correction
         self.predictor: dict = {}
         self.checks: list[correct.Check] = []
+        self._launches_seen = 0  # batches launched when the correction last looked
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -617,7 +618,7 @@ class Sim:
         if corrected and self.correction:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, serving_workers(gpus, profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(self.predictor, key))
-        return Snapshot(
+        snapshot = Snapshot(
             now=t,
             gpus=gpus,
             work=work,
@@ -628,12 +629,20 @@ class Sim:
             preempt_per_hour=self.trace.preempt_per_hour,
             last_change_at=self.last_change_at,
         )
+        if trainer.wait_known:
+            return snapshot
+        # no wait measured yet: the horizon is the planner's prediction of the batch in flight, as the daemon's
+        snapshot = plan.expect_wait(snapshot)
+        deadline = t + snapshot.trainer.wait_left_s
+        return replace(snapshot, gpus=tuple(replace(g, return_deadline=deadline) if g.borrowed else g for g in gpus))
 
     def _trainer_view(self, t: float) -> Trainer:
         """What the trainer hook would report: its phase and its ETA for the batch it waits on."""
         step_s = self.scenario.training.train_step_s
         if self.training_until is not None:
             return Trainer(phase="training", wait_left_s=0.0, step_time_s=step_s)
+        if self.wait_ema is None:  # no wait measured yet: the trainer reports none (``plan.expect_wait``)
+            return Trainer(phase="waiting", step_time_s=step_s, wait_known=False)
         return Trainer(phase="waiting", wait_left_s=self._expected_wait(t), step_time_s=step_s)
 
     def _expected_wait(self, t: float) -> float:
@@ -642,10 +651,9 @@ class Sim:
         the next batch's launch are inside it), a moving average (0.7 old, 0.3 new) of the waits it measured,
         less the time waited so far, floored at 0 (the trainer hook's ``wait_until``). The same in an
         asynchronous loop, where a batch generated ahead makes the wait short or nothing. Before any wait was
-        measured the trainer reports none (``--first-wait-s`` unset) and the daemon reads that as 0 left."""
-        if self.wait_ema is None:
-            return 0.0
-        return max(self.wait_ema - (t - self.waiting_since), 0.0)
+        measured the trainer reports none, unless the scenario gives it a hint (``first_wait_s``, as
+        ``--first-wait-s``); ``_trainer_view`` then leaves the wait to the planner's prediction."""
+        return max((self.wait_ema or 0.0) - (t - self.waiting_since), 0.0)
 
     # -- the predictor's correction (pearlctl.planner.correct), as the daemon keeps it ---------------------------
 
@@ -671,6 +679,12 @@ class Sim:
                     self.checks.append(check)
             self.predictor = {**self.predictor, "batch_since": None}
             return
+        # (trajectories join only at a launch: the work is looked at only after one)
+        launched, self._launches_seen = self._launches_seen, self.launched
+        if watch is not None and launched != self.launched and correct.grew(self.predictor, self.work_view()):
+            # the next batch joined before this one ended (asynchronous): no watch spans both
+            self.predictor = {**self.predictor, "watch": None, "batch_since": None}
+            watch = None
         if self.predictor.get("batch_since") is None:  # the batch's first moment with work
             self.predictor = {**self.predictor, "batch_since": t}
         if self._moving(t):
@@ -684,7 +698,7 @@ class Sim:
         work = snap.work
         prediction = predict(work, plan.current_deployment(snap), self.profile)  # uncorrected
         key = correct.shape(work, serving_workers(snap.gpus, self.gpw))
-        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving)}
+        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving, work.trajectories)}
 
     def work_view(self) -> Work:
         e = self.engine

@@ -1,7 +1,8 @@
 """The simulator keeps the predictor's running correction as the live daemon does (pearlctl.planner.correct,
 pearlctl/daemon/borrowing.py ``check_prediction`` and ``snapshot``): a watch from the last stable set of serving
 GPUs, learned at the batch's end, and a snapshot whose profile's ``time_scale`` is the correction for the work's
-shape. The trainer's ETA is the simulated trainer's own (examples/grpo/train.py), never the predictor's."""
+shape. The trainer's ETA is the simulated trainer's own (examples/grpo/train.py) once it measured a wait; before
+that, the planner's prediction of the batch in flight (pearlctl.planner.plan.expect_wait), as the daemon's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from pearlctl.planner import correct, plan
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.planner.predict import completion_s
-from pearlctl.sim import run as simrun
 from pearlctl.sim import scenario as sc
 from pearlctl.sim.run import Sim, run_policy, serving_workers
 
@@ -88,36 +88,44 @@ def test_without_the_correction_nothing_is_learned():
     assert off.predictor_checks == 0 and off.predictor_ratio is None
 
 
-def test_the_trainer_reports_no_eta_before_its_first_measured_wait(monkeypatch):
-    # examples/grpo/train.py: expected_wait = --first-wait-s (default None), then a moving average of its waits;
-    # the daemon reads "no ETA" as nothing left to wait. The policy's predictor is never asked.
-    def no(*a, **k):
-        raise AssertionError("the trainer's ETA must not come from the planner's predictor")
-
+def test_before_its_first_measured_wait_the_lending_horizon_is_the_predicted_batch():
+    # examples/grpo/train.py reports no ETA before it measured a wait (no --first-wait-s): the snapshot's wait is
+    # then the planner's own prediction of the batch in flight on the GPUs serving now (plan.expect_wait), as the
+    # daemon's; once a wait was measured, the trainer's moving average, never the predictor.
     for name in ("short-steps-8b", "agentic-coding-8b"):  # sync and async
         sim = _sim(name)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-        monkeypatch.setattr(simrun, "predict", no)
+        sim._refresh(0.0)
         view = sim._trainer_view(5.0)
-        assert view.phase == "waiting" and view.wait_left_s == 0.0
+        assert view.phase == "waiting" and not view.wait_known
+        snap = sim.snapshot(5.0)
+        expected = completion_s(snap.work, plan.current_deployment(snap), snap.profile)
+        assert snap.trainer.wait_predicted and snap.trainer.wait_left_s == pytest.approx(expected)
+        assert expected > 10.0  # a whole batch ahead (short-steps: about 15 s)
         sim.wait_ema, sim.waiting_since = 120.0, 2.0
-        assert sim._trainer_view(5.0).wait_left_s == pytest.approx(117.0)
+        measured = sim.snapshot(5.0).trainer
+        assert measured.wait_known and not measured.wait_predicted
+        assert measured.wait_left_s == pytest.approx(117.0)
         assert sim._trainer_view(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
-        # with --first-wait-s (the scenario's first_wait_s), that is its ETA before any wait was measured
+        # with --first-wait-s (a user's hint, the scenario's first_wait_s), that is its ETA before any measured wait
         sim = _sim(name, first_wait_s=300.0)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-        assert sim._trainer_view(5.0).wait_left_s == pytest.approx(295.0)
-        monkeypatch.undo()
+        assert sim.snapshot(5.0).trainer.wait_left_s == pytest.approx(295.0)
+    # with no work in flight nothing is predicted: nothing is lent on an unknown wait
+    sim = _sim()
+    assert sim.snapshot(0.0).trainer.wait_left_s == 0.0
 
 
-def test_the_shipped_scenarios_state_their_first_wait_and_an_override_unsets_it():
+def test_no_shipped_scenario_gives_a_first_wait_and_an_override_sets_or_unsets_it():
     for path in sorted((REPO / "examples/scenarios").glob("*.toml")):
         s = sc.load(path)
-        assert s.training.first_wait_s is not None and s.training.first_wait_s > 0, path.name
-        assert s.with_overrides(first_wait_s=None).training.first_wait_s is None
-        assert s.with_overrides(steps=1).training.first_wait_s == s.training.first_wait_s
+        assert s.training.first_wait_s is None, path.name  # no shipped or gated number leans on a hint
+        hinted = s.with_overrides(first_wait_s=300.0)
+        assert hinted.training.first_wait_s == 300.0
+        assert hinted.with_overrides(steps=1).training.first_wait_s == 300.0
+        assert hinted.with_overrides(first_wait_s=None).training.first_wait_s is None
 
 
 def test_the_trainer_averages_its_waits_as_the_training_loop_does():
