@@ -175,12 +175,15 @@ def status_tables(doc: dict) -> Group:
         )
     rollout = run.get("rollout") or {}
     if rollout:
+        # the rate between the driver's last two progress reports (pearlctl.daemon.controller.rollout_progress),
+        # a second or so apart: how fast it generates lately, not its tokens over the whole rollout's wall time
         rate = rollout.get("tokens_per_s")
         parts.append(
             Text(
                 f"rollout: queued {rollout.get('queued')}, generating {rollout.get('generating')}, "
                 f"waiting on tools {rollout.get('tool_wait')}, done {rollout.get('done')}, "
-                f"{rollout.get('tokens')} tokens" + (f", {rate} tok/s" if rate is not None else "")
+                f"{rollout.get('tokens')} tokens"
+                + (f"; {rate} tok/s between the driver's last two reports" if rate is not None else "")
             )
         )
     overall = ((run.get("predictor") or {}).get("all")) or {}

@@ -106,7 +106,9 @@ class RunCollector:
             "pearl_rollout_tokens_total", "tokens generated (rollout driver's count)", value=rollout.get("tokens") or 0
         )
         yield GaugeMetricFamily(
-            "pearl_rollout_tokens_per_second", "rollout decode throughput", value=rollout.get("tokens_per_s") or 0
+            "pearl_rollout_tokens_per_second",
+            "rollout tokens per second between the driver's last two progress reports",
+            value=rollout.get("tokens_per_s") or 0,
         )
         episodes = GaugeMetricFamily("pearl_rollout_episodes", "episodes by state", labels=["state"])
         for state in ("queued", "generating", "tool_wait", "done"):
