@@ -161,7 +161,7 @@ def _lend_ahead(s: Snapshot) -> bool:
     and the batch). Without work to price, only when the GPUs would serve at least as long as they spend
     moving: the borrow (a parked worker's weights are a train step old, so a wake pays the weight sync too),
     the return and the slack must take at most half of the trainer's wait."""
-    if s.trainer.phase != "waiting":
+    if s.trainer.phase != "waiting" or s.trainer.batch_ready:  # its batch is complete: it trains next
         return False
     c = s.costs
     moving = c.borrow_s(warm=True) + c.weight_sync_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S

@@ -2,8 +2,10 @@
 the trainer needs them.
 
 Each tick: advance open transitions (aborting a borrow whose return deadline is too close). With nothing
-moving: lent GPUs go back at once when the trainer blocks waiting for them, borrowing was turned off, or
-their deadline minus the running estimate of a return's duration has come; otherwise the policy's plan is
+moving: lent GPUs go back at once when the trainer blocks waiting for them, its batch is complete (the
+rollout driver reported no work left since the trainer began waiting: ``batch_ready``; it trains next,
+whatever the deadline says), borrowing was turned off, or their deadline minus the running estimate of a
+return's duration has come; otherwise the policy's plan is
 carried out whole — every move of it, on every pool: RETURN and BORROW of trainer GPUs, START, WAKE,
 RETIRE and SWITCH of rollout and elastic GPUs (``transitions_for`` groups the moves into transitions,
 one per allocation, kind and target role — the GPUs of one worker move together).
@@ -19,8 +21,10 @@ rollout driver's progress as ``Work``, the trainer's phase, the run's profile, t
 from the journal) and answers with a ``Plan``.
 
 The return deadline comes from the trainer's own report: when it said it would wait, plus how long it
-said. Whether a return met its deadline is journaled (``deadline met`` / ``deadline missed`` with the
-lateness) and counted in the metrics.
+said. A trainer that reported no expected wait (it has measured none yet: the first batch) gets the
+planner's prediction of the batch in flight instead (``plan.expect_wait``, with a measured profile only), so
+the borrow's deadline is its decision time plus that prediction. Whether a return met its deadline is
+journaled (``deadline met`` / ``deadline missed`` with the lateness) and counted in the metrics.
 
 The policy is asked only when its answer may differ from the last one it gave (the tick's own rules — open
 transitions, lent GPUs due back — run every tick). A policy is a pure function of the snapshot, and the
@@ -226,6 +230,7 @@ class Borrowing:
         gpus = self.slots()
         profile = self.profile() or UNMEASURED
         work = work_from_progress(run.get("rollout") or {})
+        ready = batch_ready(trainer, run.get("rollout") or {})
         if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
@@ -239,6 +244,7 @@ class Borrowing:
                 wait_left_s=left,
                 step_time_s=trainer.get("step_s") or 0.0,
                 wait_known=wait is not None,
+                batch_ready=ready,
             ),
             profile=profile,
             costs=self.costs(profile.costs),
@@ -468,11 +474,14 @@ class Borrowing:
         why = None
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
-            trainer = self.store.get_run(self.run_id).get("trainer") or {}
+            run = self.store.get_run(self.run_id)
+            trainer = run.get("trainer") or {}
             if settings["policy"] == "never":
                 why = "borrowing turned off"
             elif trainer.get("blocked_s") is not None:
                 why = "the trainer is waiting for its GPUs"
+            elif batch_ready(trainer, run.get("rollout") or {}):
+                why = "the trainer's batch is complete"
             elif now >= deadline - self.cost("return"):
                 why = "return deadline"
         inputs = None
@@ -592,6 +601,16 @@ def _serving_workers(gpus, gpus_per_worker: int) -> int:
     """Serving workers among planner GPU slots (whole groups per node and pool, as ``choose`` counts them)."""
     serving = [g for g in gpus if g.role in (Role.ROLLOUT, Role.PREFILL, Role.DECODE)]
     return sum(worker_groups(serving, gpus_per_worker).values())
+
+
+def batch_ready(trainer: dict, rollout: dict) -> bool:
+    """Whether the batch the trainer waits for is complete (``Trainer.batch_ready``): it reports phase
+    "waiting", and the rollout driver's work in flight emptied (``emptied_at``, kept by the controller's
+    ``rollout_progress``) since that wait began. In a synchronous loop that is the batch's end: the trainer
+    takes the batch and trains next. A wait that began after the work emptied is for a batch not launched
+    yet (the trainer reports its next wait at the end of its step): that one may still be lent into."""
+    emptied, since = rollout.get("emptied_at"), trainer.get("phase_since")
+    return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since
 
 
 def work_from_progress(report: dict) -> Work:

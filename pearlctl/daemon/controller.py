@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
-from pearlctl.daemon.borrowing import PolicyError, load_policy
+from pearlctl.daemon.borrowing import PolicyError, load_policy, work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.longpoll import LongPolls
 from pearlctl.planner import profile as profiles
@@ -821,6 +821,15 @@ class Controller:
             report["reported_at"] = now
             if body.work is not None:  # what the planner predicts with (planner.model.Work's fields)
                 report["work"] = dict(body.work)
+            # when the work in flight last emptied (the batch's end): kept while it stays empty, None while work
+            # is left and before any work was seen (the planner's Trainer.batch_ready compares it with the wait)
+            if not work_from_progress(report).empty:
+                report["emptied_at"] = None
+            elif before and not work_from_progress(before).empty:
+                report["emptied_at"] = now
+                self.wake.set()  # the batch ended: lent GPUs go back now (Borrowing.tick)
+            else:
+                report["emptied_at"] = before.get("emptied_at")
             last_tokens, last_at = before.get("tokens"), before.get("reported_at")
             if isinstance(last_tokens, int) and body.tokens is not None and last_at and now > last_at:
                 report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)

@@ -7,7 +7,9 @@ Guarantees (what ``diff`` enforces and the property tests check):
   in all, and never when its return would be late: ``now + borrow cost + return cost + RETURN_SLACK_S`` must
   not pass the deadline ``now + trainer.wait_left_s``;
 - a lent GPU must go back (``must_return``) once its deadline is within its return cost plus the slack, or
-  as soon as the trainer reports phase "training" (it is already waiting for its GPUs);
+  as soon as the trainer reports phase "training" (it is already waiting for its GPUs) or its batch is
+  complete (``Trainer.batch_ready``: the rollout driver reported no work left after the trainer began waiting,
+  so it trains next, whatever deadline its wait — reported or predicted — gave); nothing is lent then;
 - an idle GPU whose allocation ends (``ends_at``: an elastic GPU's preemption notice) before a worker could
   be up on it is not used.
 
@@ -51,7 +53,7 @@ def must_return(snapshot: Snapshot, gpu: GpuSlot) -> bool:
     """A lent GPU that has to start its return now to be back in time."""
     if not gpu.borrowed:
         return False
-    if snapshot.trainer.phase == "training":
+    if snapshot.trainer.phase == "training" or snapshot.trainer.batch_ready:
         return True
     return deadline(snapshot, gpu) - snapshot.now <= return_cost_s(snapshot) + RETURN_SLACK_S
 
@@ -63,7 +65,7 @@ def is_lent(gpu: GpuSlot) -> bool:
 def lendable(snapshot: Snapshot) -> list[GpuSlot]:
     """Trainer GPUs that may be lent now (not yet lent), best first (parked: a warm borrow), capped so that
     kept lent GPUs plus these never exceed ``max_lend``."""
-    if snapshot.trainer.phase != "waiting":
+    if snapshot.trainer.phase != "waiting" or snapshot.trainer.batch_ready:
         return []
     limit = trainer_deadline(snapshot) - RETURN_SLACK_S - return_cost_s(snapshot)
     out = [

@@ -66,6 +66,9 @@ class Trainer:
     # planner's own prediction of the batch in flight in ``wait_left_s`` and sets ``wait_predicted``
     wait_known: bool = True
     wait_predicted: bool = False
+    # True: the batch the trainer waits for is complete — the rollout driver reported no work left after the
+    # trainer began this wait — so it trains next: nothing is lent, and lent GPUs go back now (``budget``)
+    batch_ready: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,8 @@ class View:
         return_s = budget.return_cost_s(s)
         self.lent_due_s = return_s + slack  # a lent GPU leaves this long before its deadline
         self.trainer_due = trainer_due = budget.trainer_deadline(s)
-        training = s.trainer.phase == "training"
-        waiting = s.trainer.phase == "waiting"
+        training = s.trainer.phase == "training" or s.trainer.batch_ready  # budget.must_return
+        waiting = s.trainer.phase == "waiting" and not s.trainer.batch_ready  # budget.lendable
         lend_limit = trainer_due - slack - return_s  # budget.lendable: borrowed and back with the slack
         start_by = {True: now + costs.wake_s + slack, False: now + costs.start_s + slack}  # budget.may_start
         borrow_by = self._borrow_by = {True: costs.borrow_s(warm=True), False: costs.borrow_s(warm=False)}
