@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -189,7 +190,15 @@ TURNS = 2  # an episode: answer, tool call, answer
 
 class Remaining:
     """The remaining work of the current step, as the planner's Work fields (pearlctl.planner.model.Work):
-    turns left per unfinished episode, tokens per turn seen so far, the tool's latency law."""
+    turns left per unfinished episode, tokens per turn seen so far, the tool's latency law.
+
+    The planner's trajectories all run at once, each a closed loop (a turn, a tool call, the next turn). The
+    driver runs at most ``--concurrency`` episodes at once and queues the others, so it reports its work as
+    that many loops (``slots``), each running its share of the unfinished episodes one after another: their
+    turns in sequence, and their tool calls spread over the gaps between those turns (an episode's last turn
+    calls no tool, and the next episode starts at once). Reported as if every episode ran at once, a batch
+    of 16 episodes 4 at a time was predicted a quarter of its length. With no queue (``--concurrency`` at
+    least the episodes left) the slots are the episodes themselves."""
 
     def __init__(self, args):
         self.args, self.lock = args, threading.Lock()
@@ -217,16 +226,22 @@ class Remaining:
         mean_tokens = sum(recent) / len(recent) if recent else float(self.args.max_tokens)
         latency = self.args.tool_latency_s
         tail = latency * 4.6 if self.args.tool_latency_dist == "exp" else latency  # p99 of the law
+        concurrency = getattr(self.args, "concurrency", None)
+        slots = min(len(left), concurrency) if concurrency else len(left)
+        turns = sum(left)
+        gaps = turns - slots  # the tool calls the planner counts: after every turn of a slot but its last
+        calls = sum(n - 1 for n in left)  # the tool calls left: after every turn of an episode but its last
+        spread = calls / gaps if gaps > 0 else 1.0  # 1 without a queue
         return {
-            "trajectories": len(left),
-            "turns_left": sum(left) / len(left) if left else 0.0,
-            "turns_left_max": float(max(left, default=0)),
+            "trajectories": slots,
+            "turns_left": turns / slots if slots else 0.0,
+            "turns_left_max": float(max(max(left, default=0), math.ceil(turns / slots) if slots else 0)),
             "decode_tokens_per_turn": mean_tokens,
             "decode_tokens_per_turn_max": float(self.args.max_tokens),
             "prefill_tokens_per_turn": 16.0,  # the question, then the tool's answer: a few words each
             "context_tokens": 16.0 + mean_tokens * (TURNS - (sum(left) / len(left) if left else 0)),
-            "tool_latency_s": latency,  # of one call; none follows the last answer (the predictor knows)
-            "tool_latency_max_s": tail,
+            "tool_latency_s": latency * spread,  # of one call; none follows the last answer (the predictor knows)
+            "tool_latency_max_s": tail * spread,
         }
 
 

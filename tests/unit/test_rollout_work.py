@@ -1,0 +1,68 @@
+"""The reference rollout driver's work report (examples/grpo/rollout.py, ``Remaining.work``): with more episodes
+than ``--concurrency`` it reports the episodes as that many closed loops running their share one after another,
+so the predictor — whose trajectories all run at once — predicts the queued batch, not a quarter of it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pearlctl.planner.model import Deployment, Mode, Work
+from pearlctl.planner.predict import predict
+from pearlctl.planner.profile import DecodeModel, Profile
+from tests.conftest import REPO, load_example
+
+driver = load_example("grpo_rollout_work", REPO / "examples/grpo/rollout.py")
+# a small CPU worker: decoding a 16-token turn takes a fraction of a second, the tool call 12 s
+PROFILE = Profile(
+    name="cpu",
+    model="tiny",
+    hardware="cpu",
+    decode=DecodeModel(weights_s=0.006, seq_s=0.0005, kv_s_per_token=0.0),
+    prefill_tok_s=5000.0,
+    kv_capacity_tokens=4000,
+)
+
+
+def remaining(concurrency: int | None, episodes: int = 16) -> object:
+    args = SimpleNamespace(max_tokens=16, tool_latency_s=12.0, tool_latency_dist="fixed", concurrency=concurrency)
+    r = driver.Remaining(args)
+    r.start([f"s1-p0-g{i}" for i in range(episodes)])
+    return r
+
+
+def seconds(work: dict) -> float:
+    return predict(Work(**work), Deployment(Mode.COLOCATED, 1), PROFILE).seconds
+
+
+def test_queued_episodes_are_reported_as_concurrency_loops_with_the_same_tool_time():
+    w = remaining(4).work()
+    # 16 episodes of 2 turns, 4 at a time: 4 loops of 8 turns; 16 tool calls of 12 s over their 28 gaps
+    assert w["trajectories"] == 4 and w["turns_left"] == 8.0 and w["turns_left_max"] == 8.0
+    assert w["tool_latency_s"] == pytest.approx(12.0 * 16 / 28) and w["tool_latency_max_s"] == w["tool_latency_s"]
+    # 4 episodes after one another, each a 12 s tool call and two short turns
+    assert 4 * 12.0 <= seconds(w) < 4 * 12.0 + 4.0
+    all_at_once = remaining(16).work()
+    assert all_at_once["trajectories"] == 16 and all_at_once["tool_latency_s"] == 12.0
+    assert 12.0 <= seconds(all_at_once) < 14.0
+
+
+@pytest.mark.parametrize("concurrency", [None, 16, 64])
+def test_without_a_queue_the_episodes_are_the_loops(concurrency):
+    w = remaining(concurrency).work()
+    assert (w["trajectories"], w["turns_left"], w["turns_left_max"]) == (16, 2.0, 2.0)
+    assert w["tool_latency_s"] == 12.0
+
+
+def test_the_tail_has_fewer_episodes_than_loops_and_an_empty_batch_reports_none():
+    r = remaining(4, episodes=6)
+    for i in range(3):
+        r.finish(f"s1-p0-g{i}")
+    r.turn("s1-p0-g3", 16)  # one episode answered its first turn: its tool call is next
+    w = r.work()
+    assert w["trajectories"] == 3 and w["turns_left"] == pytest.approx(5 / 3) and w["tool_latency_s"] == 12.0
+    for i in range(3, 6):
+        r.finish(f"s1-p0-g{i}")
+    w = r.work()
+    assert w["trajectories"] == 0 and w["turns_left"] == 0.0 and Work(**w).empty
