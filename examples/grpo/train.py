@@ -107,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--first-wait-s",
         type=float,
         default=None,
-        help="expected wait for the first rollout batch (default: unknown, so nothing is lent before it)",
+        help="a hint: the expected wait for the first rollout batch, before any wait was measured (default none: "
+        "the daemon predicts the batch in flight from the run's profile; without a profile nothing is lent on it)",
     )
     p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
     return p.parse_args(argv)

@@ -239,8 +239,9 @@ class RouterRollout:
         self.concurrency, self.on_policy = concurrency, on_policy
         self.weights_timeout_s, self.join_wait_s = weights_timeout_s, join_wait_s
         self.poll_interval_s = poll_interval_s
-        # told to the daemon at each waiting report; before the first batch ``first_wait_s`` (None: unknown, so
-        # nothing is lent for it), then a moving average of the measured waits
+        # told to the daemon at each waiting report; before the first batch ``first_wait_s``, a hint (None: none
+        # — the daemon predicts a batch from the work a rollout driver reports, and this rollout reports none,
+        # so nothing is lent for the first batch), then a moving average of the measured waits
         self.expected_wait_s: float | None = first_wait_s
         self.last: dict = {}  # timings of the latest batch
 
@@ -433,9 +434,10 @@ def attach(
     """pearlctl for this GRPOTrainer (module docstring). ``model_dir``: the base model directory (its tokenizer
     and config go into each weight export). ``client``: the rollout client (default: a
     `pearlctl.router.client.RolloutClient` of the run under pearlctl; none outside it, and then TRL generates
-    itself). ``first_wait_s``: the expected wait announced for the first batch (default unknown: nothing is lent
-    before a wait was measured). ``sampled_logprobs``: apply TRL's importance-sampling correction to the workers'
-    logprobs (`use_sampled_logprobs`). Returns the callback (its ``hook`` once training began)."""
+    itself). ``first_wait_s``: a hint, the expected wait announced for the first batch (default none: this
+    rollout reports no work for the daemon to predict from, so nothing is lent before a wait was measured).
+    ``sampled_logprobs``: apply TRL's importance-sampling correction to the workers' logprobs
+    (`use_sampled_logprobs`). Returns the callback (its ``hook`` once training began)."""
     if trainer.rollout_func is not None:
         raise ValueError("this GRPOTrainer already has a rollout_func; pearlctl's would replace it")
     if client is None and under_pearlctl():

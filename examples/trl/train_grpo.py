@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--first-wait-s",
         type=float,
         default=None,
-        help="expected wait for the first batch, told to the daemon (default: unknown, so nothing is lent before it)",
+        help="a hint: the expected wait for the first batch, told to the daemon (default none: the daemon predicts "
+        "a batch from the run's profile and the work reported to it; this example reports none, so nothing is "
+        "lent before the first measured wait)",
     )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on signals)")
     return p.parse_args(argv)
