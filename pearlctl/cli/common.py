@@ -28,6 +28,7 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SCHEDULER, EXIT_NOT_FOUND, EXIT_CONFLIC
 EXIT_NO_DAEMON = 7
 EXIT_STATE = 8  # the state database cannot be used: corrupted, read-only, disk full
 EXIT_MOVE_FAILED = 9  # `move --wait`: the transition failed or was rolled back
+EXIT_SIMULATION = 10  # `simulate`: a simulation ran out of its memory limit, or its process died
 EXIT_TIMEOUT = 124
 EXIT_BROKEN_PIPE = 141  # stdout's reader went away (`| head`): 128 + SIGPIPE, what a shell reports
 

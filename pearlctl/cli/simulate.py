@@ -5,16 +5,18 @@ simulator only plays the cluster, the engines and the RL loop. ``oracle`` is the
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from pearlctl.cli import app
-from pearlctl.cli.common import EXIT_USAGE, emit_json, err, exits, fail, out
+from pearlctl.cli.common import EXIT_SIMULATION, EXIT_USAGE, emit_json, err, exits, fail, out
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.sim import report
-from pearlctl.sim.run import compare
+from pearlctl.sim.run import SimulationError, compare
 from pearlctl.sim.scenario import ScenarioError, load
 
 
@@ -45,6 +47,12 @@ def simulate(
     folder: Path = typer.Option(
         None, "--folder", help="--sweep: keep submitit's files here (default: a folder under the state dir, removed)."
     ),
+    max_memory: float = typer.Option(
+        None,
+        "--max-memory",
+        help="GiB each simulation process may use (default: half this machine's memory over the processes run at "
+        "once); past it the command stops with one line (exit 10). 0 lifts the guard.",
+    ),
 ) -> None:
     """Simulate RL steps of a scenario under one policy or several, and report throughput and costs."""
     with exits():
@@ -63,6 +71,8 @@ def simulate(
             raise fail(f"--compare needs distinct policy names, comma-separated (got {compare_names!r})", EXIT_USAGE)
         if steps is not None and steps < 1:
             raise fail(f"--steps must be >= 1 (got {steps})", EXIT_USAGE)
+        if max_memory is not None and not (max_memory >= 0 and math.isfinite(max_memory)):
+            raise fail(f"--max-memory must be a number of GiB >= 0 (0: no guard), got {max_memory}", EXIT_USAGE)
         if timeline is not None and timeline.suffix.lower() != ".png":
             raise fail(f"--timeline must name a .png file (got {timeline})", EXIT_USAGE)
         for name in names:
@@ -81,7 +91,12 @@ def simulate(
             scenario = load(scenario_paths[0]).with_overrides(steps=steps, seed=seed)
         except ScenarioError as exc:
             raise fail(str(exc), EXIT_USAGE) from None
-        results = compare(scenario, names, record_timeline=timeline is not None)
+        try:
+            results = compare(
+                scenario, names, record_timeline=timeline is not None, max_memory=_memory_limit(max_memory, names)
+            )
+        except SimulationError as exc:
+            raise fail(str(exc), EXIT_SIMULATION) from None
         doc = report.to_json(scenario, results)
         if timeline is not None:
             from pearlctl.sim.timeline import write_png
@@ -91,6 +106,19 @@ def simulate(
             emit_json(doc)
             return
         _render(doc)
+
+
+def _memory_limit(gib: float | None, names: list[str]) -> int | None:
+    """Bytes each simulation process may use: ``--max-memory`` (0: no limit), by default half the machine's
+    memory shared by the processes that run at once (one per policy, at most one per CPU)."""
+    if gib is not None:
+        return None if gib == 0 else int(gib * 2**30)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    at_once = max(1, min(len(names), os.cpu_count() or 1))
+    return total // 2 // at_once
 
 
 def _render(doc: dict) -> None:

@@ -138,12 +138,6 @@ def with_mismatch(draws: Draws, mismatch: Mismatch, rng: np.random.Generator) ->
 class Engine:
     """Trajectories and workers of one simulated run. ``launch`` a batch, set the worker roles, ``step``."""
 
-    _MUTABLE = (
-        "phase", "turn", "ctx", "new_tok", "dec_left", "pf_left", "pf_total", "run_w", "kv_w", "kv_hold",
-        "ready_at", "tool_start", "tool_end", "xfer_end", "done_at", "migrated", "w_role", "dec_turn", "orphaned",
-        "w_admit", "disp_w",
-    )  # fmt: skip
-
     def __init__(
         self,
         profile: Profile,
@@ -197,15 +191,6 @@ class Engine:
         self.stats |= {"requeued": 0, "aborted": 0, "killed": 0, "lost_tokens": 0.0, "leave_recompute_tokens": 0.0}
 
     # -- control ----------------------------------------------------------------------------------
-
-    def clone(self) -> Engine:
-        """A copy whose future can be explored without touching this one (the oracle's lookahead)."""
-        other = object.__new__(Engine)
-        other.__dict__.update(self.__dict__)
-        for name in self._MUTABLE:
-            setattr(other, name, getattr(self, name).copy())
-        other.stats = dict(self.stats)
-        return other
 
     def launch(self, lo: int, hi: int, t: float) -> None:
         """Make trajectories [lo, hi) ready: their prompts wait for a decode slot."""

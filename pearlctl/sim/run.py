@@ -45,7 +45,6 @@ while it is in transition; moves that do not match the simulated state are refus
 
 from __future__ import annotations
 
-import copy
 import math
 import multiprocessing
 import os
@@ -124,6 +123,16 @@ class SimGpu:
 
 
 @dataclass
+class Schedule:
+    """What a run did with its GPUs, as the oracle replays it (pearlctl.sim.oracle, ``ReplayController``): every
+    change of a GPU's role (its target role from the moment its move began; None while the GPU is not granted),
+    and when each of the trainer's steps began its epoch — ``epochs[e]``: the time it had trained ``e`` steps."""
+
+    epochs: list[float] = field(default_factory=lambda: [0.0])
+    changes: list[tuple[float, int, Role | None]] = field(default_factory=list)
+
+
+@dataclass
 class RunResult:
     policy: str
     scenario: str
@@ -145,6 +154,8 @@ class RunResult:
     # overall measured/predicted ratio (None: the correction was off or learned nothing)
     predictor_checks: int = 0
     predictor_ratio: float | None = None
+    schedule: Schedule | None = None  # the GPU roles over time (``record_schedule``), for the oracle's replay
+    oracle_choice: str | None = None  # the oracle's winning candidate (pearlctl.sim.oracle)
 
     @property
     def samples_per_s(self) -> float:
@@ -170,6 +181,7 @@ class Sim:
         record_timeline: bool = False,
         router: str = DEFAULT_ROUTER,
         correction: bool = True,
+        record_schedule: bool = False,
     ):
         self.scenario = scenario
         self.policy = policy
@@ -208,6 +220,7 @@ class Sim:
         self.launched = 0
         self.launched_at: list[float] = []
         self.completed_at: list[float] = []
+        self.step_times: list[float] = []  # when each train step ended
         self.training_until: float | None = None
         self.sync_until = 0.0
         self.blocked_since: float | None = None
@@ -255,24 +268,42 @@ class Sim:
         self.predictor: dict = {}
         self.checks: list[correct.Check] = []
         self._launches_seen = 0  # batches launched when the correction last looked
+        # The roles over time, for the oracle's replay (``Schedule``): recorded at every refresh of the roles.
+        self.schedule = Schedule() if record_schedule else None
+        self._recorded: list[Role | None] = [None] * total
+        # The loop's own clock and progress (``advance``).
+        self.now = 0.0
+        self._progress, self._progress_at = -1.0, 0.0
+        self.stalled = False
 
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        self.advance(math.inf)
+        return self.result()
+
+    @property
+    def over(self) -> bool:
+        """The run trained its steps, or gave up (stalled, or past ``MAX_SIM_S``)."""
+        return self.trained >= self.steps or self.stalled or self.now >= MAX_SIM_S
+
+    def advance(self, until: float) -> None:
+        """Tick until simulated time ``until`` or the run is over (the oracle plays candidates leg by leg)."""
         dt = self.scenario.tick_s
-        t = 0.0
-        progress, progress_at = -1.0, 0.0
-        while self.trained < self.steps and t < MAX_SIM_S:
+        while not self.over and self.now < until - 1e-9:
             # A policy that leaves nothing serving would never finish: give up after an hour without progress.
             done = self.engine.stats["decode_tokens"] + self.trained
-            if done != progress:
-                progress, progress_at = done, t
-            elif t - progress_at > STALL_S:
+            if done != self._progress:
+                self._progress, self._progress_at = done, self.now
+            elif self.now - self._progress_at > STALL_S:
+                self.stalled = True
                 break
-            self.tick(t, dt)
-            t += dt
+            self.tick(self.now, dt)
+            self.now += dt
+
+    def result(self) -> RunResult:
         finished = self.trained >= self.steps
-        end = self._finished_at if finished else t
+        end = self._finished_at if finished else self.now
         return RunResult(
             policy=self.policy,
             scenario=self.scenario.name,
@@ -292,6 +323,7 @@ class Sim:
             timeline=self.timeline,
             predictor_checks=len(self.checks),
             predictor_ratio=(self.predictor.get("all") or {}).get("ratio"),
+            schedule=None if self.schedule is None else replace(self.schedule, epochs=[0.0, *self.step_times]),
         )
 
     def tick(self, t: float, dt: float) -> None:
@@ -318,24 +350,6 @@ class Sim:
         if self.record_timeline and t >= self._next_sample:
             self.timeline.append((t, dict(self._counts)))
             self._next_sample = t + TIMELINE_EVERY_S
-
-    def fork(self) -> Sim:
-        """A copy whose future can be played without touching this one (the oracle's lookahead): the same
-        state, its own engine and GPUs, no controller, nothing recorded. The draws and the elastic trace are
-        shared (read-only)."""
-        other = copy.copy(self)
-        other.engine = self.engine.clone()
-        other.gpus = [replace(g) for g in self.gpus]
-        other.controller = None
-        other.record_timeline, other.timeline = False, []
-        other.launched_at, other.completed_at = list(self.launched_at), list(self.completed_at)
-        other.gpu_s, other.refusals, other._counts = dict(self.gpu_s), dict(self.refusals), dict(self._counts)
-        other._killed = set(self._killed)
-        other._switch_queue, other._switching = [list(q) for q in self._switch_queue], list(self._switching)
-        other._journal = {k: list(v) for k, v in self._journal.items()}
-        other._move_rng = copy.deepcopy(self._move_rng)
-        other.predictor, other.checks = dict(self.predictor), list(self.checks)
-        return other
 
     # -- elastic capacity ----------------------------------------------------------------------------
 
@@ -394,6 +408,7 @@ class Sim:
             self.training_until = None
             self.waiting_since = t
             self._dirty = True
+            self.step_times.append(t)
             if self.trained >= self.steps:
                 self._finished_at = t
                 return
@@ -723,12 +738,23 @@ class Sim:
     # -- engine roles and accounting -----------------------------------------------------------------------
 
     def _refresh(self, t: float) -> None:
+        if self.schedule is not None:
+            self._record(t)
         self._sync_roles(t)
         self._counts = self._census(t)
         self._next_expiry = min(
             (x for g in self.gpus for x in (g.busy_until, g.abort_at or 0.0) if x > t), default=math.inf
         )
         self._dirty = False
+
+    def _record(self, t: float) -> None:
+        """Append the GPUs whose role (or presence) changed since the last record to the schedule."""
+        seen, changes = self._recorded, self.schedule.changes
+        for g in self.gpus:
+            role = g.role if g.present else None
+            if role != seen[g.id]:
+                seen[g.id] = role
+                changes.append((t, g.id, role))
 
     def _sync_roles(self, t: float) -> None:
         n = len(self.gpus) // self.gpw
@@ -811,14 +837,20 @@ def run_policy(
     trace=None,
     router: str = DEFAULT_ROUTER,
     correction: bool = True,
+    record_schedule: bool = False,
+    schedules: dict[str, Schedule] | None = None,
 ) -> RunResult:
     """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds, or ``oracle``) on ``scenario``;
     ``router``: the engine's router model (``pearlctl.sim.engine.ROUTERS``); ``correction``: keep and apply
-    the predictor's running correction, as the daemon does (the oracle predicts nothing)."""
+    the predictor's running correction, as the daemon does (the oracle predicts nothing); ``record_schedule``:
+    keep the run's roles over time (``RunResult.schedule``) for the oracle; ``schedules``: for the oracle, the
+    compared policies' schedules it replays (pearl's is run when missing)."""
     if policy == "oracle":
         from pearlctl.sim.oracle import run_oracle
 
-        return run_oracle(scenario, record_timeline=record_timeline, draws=draws, trace=trace, router=router)
+        return run_oracle(
+            scenario, record_timeline=record_timeline, draws=draws, trace=trace, router=router, schedules=schedules
+        )
     from pearlctl.policies import load_policy
 
     module = load_policy(policy)
@@ -831,8 +863,38 @@ def run_policy(
         record_timeline=record_timeline,
         router=router,
         correction=correction,
+        record_schedule=record_schedule,
     )
     return sim.run()
+
+
+class SimulationError(Exception):
+    """A simulation that could not finish: out of its memory limit, or its process died. One line, naming the
+    policy and the scenario (the CLI prints it as it is)."""
+
+
+def _limit_memory(max_bytes: int | None) -> None:
+    """Cap this process's address space at ``max_bytes`` (``simulate --max-memory``): an allocation past it
+    raises MemoryError here rather than the machine running out of memory."""
+    if max_bytes is None:
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _guarded(scenario: Scenario, policy: str, max_memory: int | None, kw: dict) -> RunResult:
+    """``run_policy`` under the memory limit, its failure one ``SimulationError`` line."""
+    _limit_memory(max_memory)
+    try:
+        return run_policy(scenario, policy, **kw)
+    except MemoryError:
+        gib = (max_memory or 0) / 2**30
+        raise SimulationError(
+            f"simulating {policy} on {scenario.name} ran out of memory (limit {gib:.1f} GiB, --max-memory)"
+        ) from None
 
 
 def compare(
@@ -843,15 +905,48 @@ def compare(
     workers: int | None = None,
     router: str = DEFAULT_ROUTER,
     correction: bool = True,
+    max_memory: int | None = None,
 ) -> dict[str, RunResult]:
     """Every policy on the same drawn work and the same elastic trace; runs are independent, so they go to
-    ``workers`` processes (default: one per policy, at most one per CPU). Results keep the given order."""
+    ``workers`` processes (default: one per policy, at most one per CPU), each capped at ``max_memory`` bytes.
+    The oracle runs last and replays every other policy's schedule (pearlctl.sim.oracle). Results keep the
+    given order. A run that fails raises ``SimulationError`` (one line, naming the policy and the scenario)."""
     draws, trace = make_draws(scenario), make_trace(scenario)
-    n = min(len(policies), workers if workers is not None else (os.cpu_count() or 1))
     kw = {"record_timeline": record_timeline, "draws": draws, "trace": trace, "router": router}
     kw["correction"] = correction
-    if n <= 1:
-        return {p: run_policy(scenario, p, **kw) for p in policies}
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {p: pool.submit(run_policy, scenario, p, **kw) for p in policies}
-        return {p: f.result() for p, f in futures.items()}
+    oracle = "oracle" in policies
+    others = [p for p in policies if p != "oracle"]
+    n = min(len(others), workers if workers is not None else (os.cpu_count() or 1))
+    results: dict[str, RunResult] = {}
+    if others:
+        kw_others = {**kw, "record_schedule": oracle}
+        if n <= 1:
+            results = {p: _run_in_process(scenario, p, max_memory, kw_others) for p in others}
+        else:
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = {p: pool.submit(_guarded, scenario, p, max_memory, kw_others) for p in others}
+                results = {p: _result(f, p, scenario) for p, f in futures.items()}
+    if oracle:
+        schedules = {p: r.schedule for p, r in results.items() if r.schedule is not None}
+        results["oracle"] = _run_in_process(scenario, "oracle", max_memory, {**kw, "schedules": schedules})
+    for r in results.values():
+        r.schedule = None  # replayed: not part of the result any more
+    return {p: results[p] for p in policies}
+
+
+def _run_in_process(scenario: Scenario, policy: str, max_memory: int | None, kw: dict) -> RunResult:
+    """One run in a process of its own (so that its memory limit and its memory go with it)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return _result(pool.submit(_guarded, scenario, policy, max_memory, kw), policy, scenario)
+
+
+def _result(future, policy: str, scenario: Scenario) -> RunResult:
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise SimulationError(
+            f"simulating {policy} on {scenario.name}: its process died (killed, most likely out of memory: "
+            "lower --max-memory or the scenario's size)"
+        ) from None
