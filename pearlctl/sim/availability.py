@@ -78,8 +78,14 @@ def build_trace(scenario: Scenario, *, horizon_s: float, seed: int) -> Trace:
             # The lowest free ids: grants of node size on a node-aligned pool stay node-aligned.
             take = free[:n]
             if take:
-                # Every grant (explicit or random) draws a lifetime when the scenario sets lifetime_s.
-                life = rng.exponential(a.lifetime_s) if a.lifetime_s > 0 else math.inf
+                # Every grant (explicit or random) draws a lifetime when the scenario sets lifetime_s or
+                # lifetime_mixture (a component by weight, then its exponential).
+                if a.lifetime_mixture:
+                    weights = [p for p, _ in a.lifetime_mixture]
+                    mean = a.lifetime_mixture[int(rng.choice(len(weights), p=weights))][1]
+                    life = rng.exponential(mean)
+                else:
+                    life = rng.exponential(a.lifetime_s) if a.lifetime_s > 0 else math.inf
                 leases.append([tuple(take), t, t + life, notice])
         else:
             alive = [lease for lease in leases if lease[1] <= t < lease[2]]

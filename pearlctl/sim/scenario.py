@@ -106,14 +106,18 @@ class AvailabilityEvent:
 @dataclass(frozen=True)
 class Availability:
     """Elastic capacity: explicit events and/or a seeded random process. Random grants arrive as a Poisson
-    process of node-sized grants, each living an exponential lifetime; cluster-wide reclaims (a higher-priority
-    job takes the partition) preempt every granted GPU at once — the correlated preemption."""
+    process of node-sized grants, each living an exponential lifetime (or one drawn from a mixture of
+    exponentials, ``lifetime_mixture``); cluster-wide reclaims (a higher-priority job takes the partition)
+    preempt every granted GPU at once — the correlated preemption."""
 
     events: tuple[AvailabilityEvent, ...] = ()
     initial_gpus: int = 0  # granted at t=0
     grant_interval_s: float = 0.0  # mean time between random grants; 0: no random grants
     grant_gpus: int = 8  # GPUs per random grant (a node)
-    lifetime_s: float = 0.0  # mean lifetime of a random grant; 0: lives until reclaimed
+    lifetime_s: float = 0.0  # mean lifetime of a grant (exponential); 0: lives until reclaimed
+    # or a mixture of exponential lifetimes, ((weight, mean_s), ...) with weights summing to 1 (lifetime_s is then
+    # its mean): bimodal spot lifetimes, many short-lived grants and some long-lived ones
+    lifetime_mixture: tuple[tuple[float, float], ...] = ()
     reclaim_interval_s: float = 0.0  # mean time between cluster-wide reclaims; 0: none
     notice_s: float = 30.0  # warning before a preemption (ends_at is visible this long before)
 
@@ -337,6 +341,36 @@ def _perturbation(t: dict, key: str, where: str, default: Perturbation) -> Pertu
     return Perturbation(**values)
 
 
+def _lifetime_mixture(a: dict, where: str) -> tuple[tuple[float, float], ...]:
+    """``[availability] lifetime_mixture = [{weight = 0.6, mean_s = 1500}, {weight = 0.4, mean_s = 17000}]``:
+    each grant's lifetime is exponential with the mean of a component drawn by weight. Weights > 0 summing to 1,
+    means > 0; not together with ``lifetime_s``."""
+    spec = a.get("lifetime_mixture")
+    if spec is None:
+        return ()
+    w = f"{where} lifetime_mixture"
+    if "lifetime_s" in a:
+        raise ScenarioError(f"{w}: give lifetime_s (one exponential mean) or lifetime_mixture, not both")
+    if not isinstance(spec, list) or not spec:
+        raise ScenarioError(f"{w}: must be a non-empty list of {{weight = 0.6, mean_s = 1500.0}}")
+    out = []
+    for i, c in enumerate(spec):
+        wc = f"{w}[{i}]"
+        if not isinstance(c, dict):
+            raise ScenarioError(f"{wc}: must be an inline table {{weight = 0.6, mean_s = 1500.0}}")
+        _known(c, {"weight", "mean_s"}, wc)
+        out.append(
+            (
+                float(_number(c, "weight", f"{wc}", minimum=0.0, strict=True)),
+                float(_number(c, "mean_s", f"{wc}", minimum=0.0, strict=True)),
+            )
+        )
+    total = sum(p for p, _ in out)
+    if abs(total - 1.0) > 1e-6:
+        raise ScenarioError(f"{w}: the weights must sum to 1 (got {total:g})")
+    return tuple(out)
+
+
 def mismatch_from_dict(t: dict, where: str = "[mismatch]") -> Mismatch:
     """``[mismatch]``: ``preset = "none" | "measured"`` (default none), then any of ``decode``, ``prefill``,
     ``tool_latency``, ``transitions`` as a bias or ``{bias, spread}`` on top of the preset."""
@@ -384,9 +418,19 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
     a = _table(doc, "availability", where, required=False)
     _known(
         a,
-        {"events", "initial_gpus", "grant_interval_s", "grant_gpus", "lifetime_s", "reclaim_interval_s", "notice_s"},
+        {
+            "events",
+            "initial_gpus",
+            "grant_interval_s",
+            "grant_gpus",
+            "lifetime_s",
+            "lifetime_mixture",
+            "reclaim_interval_s",
+            "notice_s",
+        },
         w,
     )
+    mixture = _lifetime_mixture(a, w)
     events = []
     for i, e in enumerate(a.get("events", [])):
         we = f"{w} events[{i}]"
@@ -407,7 +451,8 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         initial_gpus=_number(a, "initial_gpus", w, default=0, integer=True),
         grant_interval_s=float(_number(a, "grant_interval_s", w, default=0.0)),
         grant_gpus=_number(a, "grant_gpus", w, default=cluster.gpus_per_node, minimum=1, integer=True),
-        lifetime_s=float(_number(a, "lifetime_s", w, default=0.0)),
+        lifetime_s=sum(p * m for p, m in mixture) if mixture else float(_number(a, "lifetime_s", w, default=0.0)),
+        lifetime_mixture=mixture,
         reclaim_interval_s=float(_number(a, "reclaim_interval_s", w, default=0.0)),
         notice_s=float(_number(a, "notice_s", w, default=30.0)),
     )

@@ -17,9 +17,27 @@ SCENARIOS = sorted((REPO / "examples/scenarios").glob("*.toml"))
 PROFILES = sorted((REPO / "examples/profiles").glob("*.toml"))
 
 
-def test_the_shipped_scenarios_are_four_of_different_character():
+def test_the_shipped_scenarios_are_of_different_character():
     names = {p.stem for p in SCENARIOS}
-    assert {"agentic-coding-8b", "reasoning-tools-30b-moe", "bursty-elastic-8b", "short-steps-8b"} <= names
+    assert {
+        "agentic-coding-8b",  # KV-cache pressure, asynchronous (staleness 1)
+        "reasoning-tools-30b-moe",  # a long-tailed MoE, asynchronous (staleness 2)
+        "bursty-elastic-8b",  # bursty elastic grants, correlated reclaims
+        "short-steps-8b",  # short multi-turn steps
+        "spot-bimodal-8b",  # spot lifetimes that are bimodal
+        "single-turn-math-8b",  # single-turn short steps
+        "rag-long-prompt-8b",  # long prompts, prefill dominates
+        "preemption-storm-8b",  # half the elastic pool gone within one minute
+        "scale-4096-8b",  # 4,096 GPUs
+    } <= names
+    by_name = {p.stem: sc.load(p) for p in SCENARIOS}
+    big = by_name["scale-4096-8b"].cluster
+    assert big.trainer_gpus + big.rollout_gpus + big.elastic_gpus == 4096
+    storm = by_name["preemption-storm-8b"]
+    preempts = [e for e in storm.availability.events if e.preempt]
+    assert sum(e.preempt for e in preempts) * 2 >= storm.cluster.elastic_gpus
+    assert max(e.at_s for e in preempts) - min(e.at_s for e in preempts) <= 60
+    assert len(by_name["spot-bimodal-8b"].availability.lifetime_mixture) == 2
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
@@ -44,6 +62,11 @@ def base_doc() -> dict:
 
 def load_doc(doc: dict) -> sc.Scenario:
     return sc.from_dict(doc, base=REPO / "examples/scenarios", where="s.toml")
+
+
+def _elastic(doc: dict, **availability) -> None:
+    doc["cluster"]["elastic_gpus"] = 8
+    doc["availability"] = {"grant_interval_s": 600.0, **availability}
 
 
 @pytest.mark.parametrize(
@@ -79,6 +102,28 @@ def load_doc(doc: dict) -> sc.Scenario:
             lambda d: d["workload"].update(max_context_tokens=10**7),
             "max_context_tokens: must be <= the profile's kv_capacity_tokens",
         ),
+        (
+            lambda d: _elastic(d, lifetime_mixture=[{"weight": 0.5, "mean_s": 60.0}, {"weight": 0.4, "mean_s": 6e3}]),
+            "[availability] lifetime_mixture: the weights must sum to 1 (got 0.9)",
+        ),
+        (
+            lambda d: _elastic(d, lifetime_s=60.0, lifetime_mixture=[{"weight": 1.0, "mean_s": 60.0}]),
+            "lifetime_mixture: give lifetime_s (one exponential mean) or lifetime_mixture, not both",
+        ),
+        (
+            lambda d: _elastic(d, lifetime_mixture=[{"weight": 1.0, "mean_s": 0.0}]),
+            "lifetime_mixture[0] mean_s: must be > 0",
+        ),
+        (
+            lambda d: _elastic(d, lifetime_mixture=[{"weight": 0.0, "mean_s": 5.0}, {"weight": 1.0, "mean_s": 5.0}]),
+            "lifetime_mixture[0] weight: must be > 0",
+        ),
+        (
+            lambda d: _elastic(d, lifetime_mixture=[{"weight": 1.0, "median_s": 5.0}]),
+            "lifetime_mixture[0]: unknown key(s) median_s",
+        ),
+        (lambda d: _elastic(d, lifetime_mixture=[]), "lifetime_mixture: must be a non-empty list"),
+        (lambda d: _elastic(d, lifetime_mixture=600.0), "lifetime_mixture: must be a non-empty list"),
     ],
 )
 def test_bad_scenarios_name_the_key_and_what_is_allowed(edit, message):
@@ -121,6 +166,34 @@ def test_lognormal_matches_its_median_and_p99():
     x = d.sample(np.random.default_rng(0), 200_000)
     assert np.median(x) == pytest.approx(100, rel=0.02)
     assert np.quantile(x, 0.99) == pytest.approx(1000, rel=0.05)
+
+
+def test_a_lifetime_mixture_gives_bimodal_lifetimes_with_the_mixtures_mean():
+    import numpy as np
+
+    from pearlctl.sim.availability import build_trace
+
+    doc = base_doc()
+    doc["cluster"]["elastic_gpus"] = 512  # 64 node slots: a grant is almost never refused for want of a slot
+    mixture = [{"weight": 0.6, "mean_s": 100.0}, {"weight": 0.4, "mean_s": 10_000.0}]
+    doc["availability"] = {"grant_interval_s": 1000.0, "lifetime_mixture": mixture}
+    s = load_doc(doc)
+    assert s.availability.lifetime_mixture == ((0.6, 100.0), (0.4, 10_000.0))
+    assert s.availability.lifetime_s == pytest.approx(4060.0)  # the mixture's mean: what preempt_per_hour uses
+    trace = build_trace(s, horizon_s=1e6, seed=3)
+    life = np.array([x.end - x.start for x in trace.leases])
+    assert len(life) > 800
+    # 0.6 (1 - e^-5) + 0.4 (1 - e^-0.05) = 0.615 die within 500 s; one exponential of the same mean: 0.116
+    assert np.mean(life < 500) == pytest.approx(0.615, abs=0.06)
+    assert np.mean(life > 5000) == pytest.approx(0.4 * np.exp(-0.5), abs=0.06)
+    assert life.mean() == pytest.approx(4060.0, rel=0.2)
+    assert trace.preempt_per_hour == pytest.approx(3600.0 / 4060.0)
+    again = build_trace(s, horizon_s=1e6, seed=3)
+    assert again == trace  # the same seed, the same trace
+    # without a mixture the trace is drawn as before (one exponential of lifetime_s)
+    doc["availability"] = {"grant_interval_s": 1000.0, "lifetime_s": 4060.0}
+    single = np.array([x.end - x.start for x in build_trace(load_doc(doc), horizon_s=1e6, seed=3).leases])
+    assert np.mean(single < 500) == pytest.approx(0.116, abs=0.05)
 
 
 @settings(max_examples=200, deadline=None)
