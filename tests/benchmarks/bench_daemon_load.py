@@ -20,9 +20,12 @@ Measured:
 - agents falsely LOST (every agent heartbeats throughout, so any LOST GPU is false), from the state;
 - the daemon's RSS (peak) and CPU (seconds of user+system per second of wall time).
 
-Targets (issue: one daemon for 4,096 GPUs): no agent falsely LOST; tick p99 < 100 ms; heartbeat p99 < 200 ms.
+Targets (issue: one daemon for 4,096 GPUs; named constants below with their reasons): no agent falsely LOST;
+tick p99 < 100 ms; heartbeat p99 < 200 ms; no failed request or tick. ``--check`` exits 1 when one is missed,
+``--target NAME=VALUE`` moves one, ``--write-docs`` writes the table into docs/benchmarks.md.
 
     python tests/benchmarks/bench_daemon_load.py [--agents 512] [--gpus-per-node 8] [--seconds 120]
+        [--check] [--target NAME=VALUE] [--write-docs]
         [--profile FILE]   # cProfile of the control loop's ticks after the warm-up, for pstats
 """
 
@@ -41,8 +44,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tests.benchmarks import _targets  # noqa: E402
+
 HEARTBEAT_S = 1.0
 TRAINER_SHARE = 8  # one allocation in 8 is the trainer's
+DOC = REPO / "docs" / "benchmarks.md"
+# The targets (issue "one daemon for 4,096 GPUs"; docs/benchmarks.md). A tick is when the daemon reacts — a
+# lent GPU's return before the trainer's deadline, a worker's desired state — so its p99 under 100 ms; a
+# heartbeat's p99 under 200 ms, a fifth of the 1-s interval, so that a slow answer never nears the loss window
+# (two intervals); every agent heartbeats throughout, so any LOST GPU is false, and no request may fail.
+TICK_P99_MS = 100.0
+HEARTBEAT_P99_MS = 200.0
+TARGETS = [
+    _targets.Target("false_lost", 0, "", "no agent falsely LOST: every agent heartbeats throughout"),
+    _targets.Target("tick_p99_ms", TICK_P99_MS, "ms", "control-loop tick p99: the daemon reacts in its ticks"),
+    _targets.Target("heartbeat_p99_ms", HEARTBEAT_P99_MS, "ms", "heartbeat p99: a fifth of the 1-s interval"),
+    _targets.Target("errors", 0, "", "no failed request, no failed tick"),
+]
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -276,7 +294,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=40.0)
     ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the daemon's ticks to FILE (pstats)")
     ap.add_argument("--daemon", nargs=2, metavar=("STATE_DB", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    _targets.add_arguments(ap, TARGETS)
     args = ap.parse_args()
+    targets = _targets.resolve(ap, args, TARGETS)
     if args.daemon:
         daemon_main(*args.daemon, profile=args.profile, profile_after_s=args.warmup)
         return 0
@@ -316,12 +337,13 @@ def main() -> int:
     measured = [t for t in daemon["ticks"] if since <= t[0] <= since + wall]  # the measured window only
     ticks, tick_cpu = [t[1] for t in measured], [t[2] for t in measured]
     ms = 1000.0
-    print(
-        f"run: {len(allocations)} agents, {gpus} GPUs, heartbeat {HEARTBEAT_S:g} s (long polls), {wall:.0f} s measured"
-    )
-    print()
-    print("| what | n | p50 | p90 | p99 | max |")
-    print("|---|---:|---:|---:|---:|---:|")
+    lines = [
+        f"run: {len(allocations)} agents, {gpus} GPUs, heartbeat {HEARTBEAT_S:g} s (long polls), {wall:.0f} s "
+        f"measured after a {args.warmup:g}-s warm-up",
+        "",
+        "| what | n | p50 | p90 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, values in (
         ("heartbeat (all)", heartbeats),
         ("heartbeat held (round trip − hold)", agents.held),
@@ -330,31 +352,43 @@ def main() -> int:
         ("control-loop tick", ticks),
         ("control-loop tick: its thread's CPU", tick_cpu),
     ):
-        print(f"| {name} | {len(values)} | {quantile(values, 0.5) * ms:.1f} ms | {quantile(values, 0.9) * ms:.1f} ms | "
-              f"{quantile(values, 0.99) * ms:.1f} ms | {max(values, default=float('nan')) * ms:.1f} ms |")  # fmt: skip
-    print()
+        lines.append(
+            f"| {name} | {len(values):,} | {quantile(values, 0.5) * ms:.1f} ms | {quantile(values, 0.9) * ms:.1f} ms "
+            f"| {quantile(values, 0.99) * ms:.1f} ms | {max(values, default=float('nan')) * ms:.1f} ms |"
+        )
     rate = len(heartbeats) / wall
-    print(f"heartbeats/s: {rate:.0f}; long polls woken early by a change: {agents.woken}; errors: {len(agents.errors)}")
-    print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}; long-poll passes: {daemon['passes']}")
-    print(f"the policy's decisions in ticks (whole run): {daemon.get('decisions')}; skipped, inputs unchanged: "
-          f"{daemon.get('skipped')}")  # fmt: skip
-    for e in agents.errors[:5]:
-        print("  ", e)
     mib = 2**20
     cores = (cpu1 - cpu0) / wall
-    print(f"daemon: CPU {cores:.2f} cores (user+system), RSS {rss / mib:.0f} MiB (peak {peak / mib:.0f} MiB)")
-    print(f"tick errors: {daemon['tick_errors']}; GPUs LOST now: {lost_gpus}; LOST events: {len(lost)}")
+    lines += [
+        "",
+        f"heartbeats/s: {rate:.0f}; long polls woken early by a change: {agents.woken}; errors: {len(agents.errors)}; "
+        f"the policy decided in {daemon.get('decisions')} ticks and was skipped in {daemon.get('skipped')} (inputs "
+        f"unchanged); daemon: CPU {cores:.2f} cores (user+system), RSS {rss / mib:.0f} MiB (peak {peak / mib:.0f} "
+        f"MiB); tick errors: {daemon['tick_errors']}; GPUs LOST now: {lost_gpus}; LOST events: {len(lost)}",
+    ]
+    print("\n".join(lines))
+    print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}; long-poll passes: {daemon['passes']}")
+    for e in agents.errors[:5]:
+        print("  ", e)
     load = os.getloadavg()[0]
     print(f"machine: {os.cpu_count()} cores, load average {load:.2f}")
-    checks = {
-        "no agent falsely LOST": not lost and not lost_gpus,
-        "tick p99 < 100 ms": quantile(ticks, 0.99) < 0.100,
-        "heartbeat p99 < 200 ms": quantile(heartbeats, 0.99) < 0.200,
-        "no errors": not agents.errors and not daemon["tick_errors"],
-    }
-    print("targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in checks.items()))
     print(f"(daemon log: {tmp / 'daemon.log'})")
-    return 0 if all(checks.values()) else 1
+    results = [
+        (targets["false_lost"], float(len(lost) + lost_gpus)),
+        (targets["tick_p99_ms"], quantile(ticks, 0.99) * ms),
+        (targets["heartbeat_p99_ms"], quantile(heartbeats, 0.99) * ms),
+        (targets["errors"], float(len(agents.errors) + daemon["tick_errors"])),
+    ]
+    status = _targets.verdict("bench_daemon_load", results, check=args.check, summary=args.summary, moved=args.target)
+    if args.write_docs:
+        held = "; ".join(f"{t.name} {t.describe()}: {v:.4g}, {'held' if t.holds(v) else 'MISSED'}" for t, v in results)
+        command = f"python tests/benchmarks/bench_daemon_load.py --seconds {args.seconds:g} --write-docs"
+        _targets.write_block(
+            DOC,
+            "bench_daemon_load",
+            f"`{command}`, {_targets.stamp()}:\n\n" + "\n".join(lines) + f"\n\nTargets: {held}.",
+        )
+    return status
 
 
 if __name__ == "__main__":

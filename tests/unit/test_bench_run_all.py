@@ -1,0 +1,96 @@
+"""tests/benchmarks/run_all.py against fake benchmarks (small scripts built on tests/benchmarks/_targets.py, as
+the real ones are): a held target exits 0, a target moved past reach exits 1 and is named, a benchmark that
+crashes or has only an exit status (the simulator's gate) is judged by it, and the docs flag reaches the script."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
+
+import run_all  # noqa: E402
+
+FAKE = f"""
+import argparse, sys
+sys.path.insert(0, {str(REPO)!r})
+from tests.benchmarks import _targets
+TARGETS = [_targets.Target("speed_ms", 10.0, "ms", "fast enough"), _targets.Target("errors", 0, "", "none")]
+ap = argparse.ArgumentParser()
+ap.add_argument("--write-docs", action="store_true")
+_targets.add_arguments(ap, TARGETS)
+args = ap.parse_args()
+targets = _targets.resolve(ap, args, TARGETS)
+if args.write_docs:
+    print("WROTE DOCS")
+sys.exit(_targets.verdict("fake", [(targets["speed_ms"], 4.2), (targets["errors"], 0.0)], check=args.check,
+                          summary=args.summary, moved=args.target))
+"""
+
+
+@pytest.fixture
+def benches(tmp_path: Path, monkeypatch) -> dict:
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    (tmp_path / "fake.py").write_text(FAKE)
+    (tmp_path / "gate.py").write_text("import sys\nprint('GATE: FAILED (1 s)')\nsys.exit(1)\n")
+    (tmp_path / "crash.py").write_text("raise RuntimeError('boom')\n")
+    return {
+        "fake": run_all.Benchmark("fake.py"),
+        "gate": run_all.Benchmark("gate.py", targets=False),
+        "crash": run_all.Benchmark("crash.py"),
+    }
+
+
+def test_held_targets_exit_0_and_the_table_lists_each_target(benches, capsys):
+    assert run_all.main(["--check", "--only", "fake", "--no-docs"], benches) == 0
+    out = capsys.readouterr().out
+    assert "| fake | speed_ms <= 10 ms | 4.2 ms | held |" in out
+    assert "| fake | errors <= 0 | 0 | held |" in out
+    assert "every target held (fake)" in out
+    assert "WROTE DOCS" not in out
+
+
+def test_a_target_moved_past_reach_exits_1_and_is_named(benches, capsys):
+    assert run_all.main(["--check", "--only", "fake", "--target", "fake.speed_ms=1"], benches) == 1
+    out = capsys.readouterr().out
+    assert "| fake | speed_ms <= 1 ms | 4.2 ms | MISSED |" in out
+    assert out.rstrip().endswith("MISSED: fake (speed_ms)")
+    assert "WROTE DOCS" not in out  # a moved target writes no docs
+
+
+def test_without_check_a_miss_is_reported_but_exits_0(benches, capsys):
+    assert run_all.main(["--only", "fake", "--target", "fake.speed_ms=1"], benches) == 0
+    assert "MISSED: fake (speed_ms)" in capsys.readouterr().out
+
+
+def test_docs_are_written_unless_no_docs(benches, capsys):
+    assert run_all.main(["--check", "--only", "fake"], benches) == 0
+    assert "WROTE DOCS" in capsys.readouterr().out
+    assert run_all.main(["--check", "--only", "fake", "--no-docs", "gate"], benches) == 0  # another one's docs
+    assert "WROTE DOCS" in capsys.readouterr().out
+    assert run_all.main(["--check", "--only", "fake", "--no-docs", "fake"], benches) == 0
+    assert "WROTE DOCS" not in capsys.readouterr().out
+
+
+def test_a_gate_judged_by_its_exit_status_and_a_crash_are_misses(benches, capsys):
+    assert run_all.main(["--check", "--no-docs"], benches) == 1
+    out = capsys.readouterr().out
+    assert "| gate | gate (its rules: bench_simulate.py) | FAILED (1 s) | MISSED |" in out
+    assert "| crash | finishes | exit status 1, no verdict | MISSED |" in out
+    assert "MISSED: gate (gate); crash (finishes)" in out
+
+
+def test_unknown_names_and_targets_are_usage_errors(benches):
+    for argv in (
+        ["--only", "nope"],
+        ["--target", "gate.x=1"],  # the gate has no targets
+        ["--target", "fake.speed_ms"],  # no value
+        ["--only", "gate", "--target", "fake.speed_ms=1"],  # not run
+        ["--no-docs", "nope"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            run_all.main(argv, benches)
+        assert exc.value.code == 2, argv
