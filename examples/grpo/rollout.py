@@ -167,6 +167,7 @@ def episode(
         latency = rng.expovariate(1.0 / latency)
     time.sleep(latency)  # the tool call: this episode does not decode meanwhile
     client.count("tool_wait", -1)
+    remaining.tool(session)
     result = f"calc({a},{b}) = {a + b}"
     ended = bool(turn1.ids) and turn1.ids[-1] == encode.end_id
     tool_ids = encode(("" if ended else END) + TOOL.format(result))
@@ -196,42 +197,54 @@ class Remaining:
     driver runs at most ``--concurrency`` episodes at once and queues the others, so it reports its work as
     that many loops (``slots``), each running its share of the unfinished episodes one after another: their
     turns in sequence, and their tool calls spread over the gaps between those turns (an episode's last turn
-    calls no tool, and the next episode starts at once). Reported as if every episode ran at once, a batch
-    of 16 episodes 4 at a time was predicted a quarter of its length. With no queue (``--concurrency`` at
-    least the episodes left) the slots are the episodes themselves."""
+    calls no tool, and the next episode starts at once); a tool call in progress counts as one left, since its
+    slot waits for it. Reported as if every episode ran at once, a batch of 16 episodes 4 at a time was
+    predicted a quarter of its length. With no queue (``--concurrency`` at least the episodes left) the
+    slots are the episodes themselves, reported as they are."""
 
     def __init__(self, args):
         self.args, self.lock = args, threading.Lock()
         self.turns_done: dict[str, int] = {}
+        self.tools_done: dict[str, int] = {}
         self.tokens: list[int] = []
         self.prompt_chars: list[int] = []
 
     def start(self, sessions: list[str]) -> None:
         with self.lock:
             self.turns_done = dict.fromkeys(sessions, 0)
+            self.tools_done = dict.fromkeys(sessions, 0)
 
     def turn(self, session: str, tokens: int) -> None:
         with self.lock:
             self.turns_done[session] += 1
             self.tokens.append(tokens)
 
+    def tool(self, session: str) -> None:
+        """The session's tool call returned."""
+        with self.lock:
+            self.tools_done[session] = self.tools_done.get(session, 0) + 1
+
     def finish(self, session: str) -> None:
         with self.lock:
             self.turns_done.pop(session, None)
+            self.tools_done.pop(session, None)
 
     def work(self) -> dict:
         with self.lock:
             left = [TURNS - d for d in self.turns_done.values()]
+            # the tool calls not returned yet: after every turn of an episode but its last, those in progress too
+            calls = sum(TURNS - 1 - self.tools_done.get(s, 0) for s in self.turns_done)
             recent = self.tokens[-200:]
         mean_tokens = sum(recent) / len(recent) if recent else float(self.args.max_tokens)
         latency = self.args.tool_latency_s
         tail = latency * 4.6 if self.args.tool_latency_dist == "exp" else latency  # p99 of the law
         concurrency = getattr(self.args, "concurrency", None)
-        slots = min(len(left), concurrency) if concurrency else len(left)
         turns = sum(left)
-        gaps = turns - slots  # the tool calls the planner counts: after every turn of a slot but its last
-        calls = sum(n - 1 for n in left)  # the tool calls left: after every turn of an episode but its last
-        spread = calls / gaps if gaps > 0 else 1.0  # 1 without a queue
+        if concurrency and len(left) > concurrency:  # episodes queue: ``concurrency`` loops
+            slots = concurrency
+            spread = calls / (turns - slots)  # over the gaps the planner counts: after each turn of a loop but its last
+        else:
+            slots, spread = len(left), 1.0
         return {
             "trajectories": slots,
             "turns_left": turns / slots if slots else 0.0,
@@ -384,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.first_step, args.first_step + args.steps):
             version = str(step - 1) if args.on_policy and step > 1 else None
             wait_for_workers(client, version, args.weights_timeout_s, args.join_wait_s)
-            t0 = time.monotonic()
+            t0, started_at = time.monotonic(), time.time()
             try:
                 groups = run_step(client, encode, step, args, pool, remaining)
             except StepFailed as exc:
@@ -402,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                     {
                         "event": "rollout step",
                         "step": step,
+                        "started_at": round(started_at, 3),  # the step's launch (wall clock, as state's times)
                         "seconds": round(time.monotonic() - t0, 3),
                         "reward_mean": round(sum(rewards) / len(rewards), 4),
                         "tokens": client.counts["tokens"],

@@ -539,7 +539,10 @@ class Borrowing:
                 self.executor.plan(
                     "borrow",
                     borrow["gpu_ids"],
-                    detail={k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
+                    detail={
+                        **{k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
+                        "wait_from": borrow["view"]["wait_from"],  # the deadline's wait: the trainer's, or predicted
+                    },
                 )
 
     def _plan_broke(self, t: dict) -> bool:

@@ -113,6 +113,7 @@ def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when
     planned = [t for t in run.store.transitions("q") if t["kind"] == "borrow"]
     assert len(planned) == 1 and planned[0]["gpu_ids"] == borrow["gpu_ids"]
     assert planned[0]["detail"]["return_deadline"] == pytest.approx(run.clock.now + expected)
+    assert planned[0]["detail"]["wait_from"] == "prediction"
 
 
 def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):

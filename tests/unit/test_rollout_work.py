@@ -43,6 +43,16 @@ def test_queued_episodes_are_reported_as_concurrency_loops_with_the_same_tool_ti
     assert w["tool_latency_s"] == pytest.approx(12.0 * 16 / 28) and w["tool_latency_max_s"] == w["tool_latency_s"]
     # 4 episodes after one another, each a 12 s tool call and two short turns
     assert 4 * 12.0 <= seconds(w) < 4 * 12.0 + 4.0
+    # the first 4 answered their first turn and wait on their tool: still 4 x 12 s of tool time a loop
+    r = remaining(4)
+    for i in range(4):
+        r.turn(f"s1-p0-g{i}", 16)
+    w = r.work()
+    assert w["trajectories"] == 4 and w["turns_left"] == 7.0
+    assert 6 * w["tool_latency_s"] == pytest.approx(4 * 12.0) and 4 * 12.0 <= seconds(w) < 4 * 12.0 + 4.0
+    for i in range(4):
+        r.tool(f"s1-p0-g{i}")  # their tools returned: one call fewer a loop
+    assert 6 * r.work()["tool_latency_s"] == pytest.approx(3 * 12.0)
     all_at_once = remaining(16).work()
     assert all_at_once["trajectories"] == 16 and all_at_once["tool_latency_s"] == 12.0
     assert 12.0 <= seconds(all_at_once) < 14.0
