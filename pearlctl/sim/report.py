@@ -40,6 +40,7 @@ def policy_doc(r: RunResult) -> dict:
             "checks": r.predictor_checks,
             "ratio": None if r.predictor_ratio is None else round(r.predictor_ratio, 4),
         },
+        **({"oracle_choice": r.oracle_choice} if r.oracle_choice else {}),  # the oracle's winning candidate
     }
 
 
