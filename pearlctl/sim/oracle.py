@@ -23,7 +23,7 @@ The candidates:
    none): the oracle's action set contains pearl's at every decision time, each action free.
 2. **pearl's prefill-decode choices on every available GPU** (``WidenedController``): at each moment pearl's
    configuration (colocated, or its share of prefill workers) applied to every granted elastic GPU and every
-   trainer GPU the trainer is not using.
+   trainer GPU the trainer is not using. (When pearl never left colocated this is candidate 3: played once.)
 3. **Every available GPU serving, colocated** (``FixedController``), from t = 0 to the end.
 
 What holds by construction is the containment: whatever pearl did, the oracle could do at the same moment of
@@ -33,7 +33,7 @@ shipped one; a narrowed oracle (without the replay, or without lending) fails th
 do that no policy can is listed in docs/simulator.md ("The oracle").
 
 Cost: a candidate is one simulation, nothing is forked, and the candidates run one after another (the memory of
-one engine at a time), so the oracle costs three runs more than the policies and scales as they do.
+one engine at a time), so the oracle costs two or three runs more than the policies and scales as they do.
 """
 
 from __future__ import annotations
@@ -233,7 +233,9 @@ def run_oracle(
         schedules[REPLAYED] = pearl.schedule
     results: dict[str, RunResult] = {}  # (ties go to the first: the simplest)
     results[EVERY_GPU] = _sim(scenario, draws, trace, router, FixedController, 0.0).run()
-    results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
+    if any(role in (Role.PREFILL, Role.DECODE) for _, _, role in schedules[REPLAYED].changes):
+        # (a pearl that stayed colocated widens to the candidate above: not played twice)
+        results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
     for name, schedule in schedules.items():
         results[f"replay of {name}"] = _sim(scenario, draws, trace, router, ReplayController, schedule).run()
     label = min(results, key=lambda k: (not results[k].finished, -results[k].samples_per_s))
