@@ -7,9 +7,9 @@ How a doc quotes a number. Whatever reads as a simulator number — a ratio with
 a range ``2.17–2.79×``) or a number with three decimals (``0.956``, ``1.000``) — is followed at once (after a
 closing ``**`` if bold) by a citation, an HTML comment the rendered page does not show:
 
-- ``<!-- cell SCENARIO MISMATCH KEY -->``: the ratio KEY (``pearl/static``, ``pearl/oracle``,
-  ``pearl/pearl-no-first-wait``, …) of SCENARIO at MISMATCH (``none`` or ``measured``) in the results block of
-  docs/simulator-results.md, equal at the precision quoted (``1.328×`` is the cell formatted with three
+- ``<!-- cell SCENARIO MISMATCH KEY -->``: the ratio KEY (``pearl/static``, ``pearl/oracle``, …; its mean over
+  the seeds, or with ``@worst`` its worst seed) of SCENARIO at MISMATCH (``none`` or ``measured``) in the results
+  block of docs/simulator-results.md, equal at the precision quoted (``1.328×`` is the cell formatted with three
   decimals). SCENARIO or MISMATCH may be ``*`` (every one), with ``except SCENARIO MISMATCH`` pairs after the key.
   The prose must say it too: the quoted number's sentence names the scenario (``*``: "every scenario") and the
   mismatch ("no mismatch", "measured"; ``*``: "either mismatch"), and its paragraph or bullet names the ratio
@@ -64,12 +64,11 @@ def test_the_results_hold_every_shipped_scenario_at_its_own_length_with_and_with
         s = sc.load(path)
         h = held["scenarios"][s.name]
         assert h["steps"] == s.steps
+        assert len(h["seeds"]) >= 3 and h["seeds"][0] == s.seed  # the scenario's own seed and the next ones
         for m in ("none", "measured"):
-            variants = {"pearl-uncorrected", "pearl-no-first-wait"}
-            assert {"pearl/static", "pearl/elastic", "pearl/oracle"} | {f"pearl/{v}" for v in variants} <= set(
-                h[m]["ratios"]
-            )
-            assert set(h[m]["samples_per_s"]) >= {"static", "elastic", "pearl", "oracle"} | variants
+            for part in ("ratios", "worst"):  # the mean over the seeds, and the worst seed
+                assert {"pearl/static", "pearl/elastic", "pearl/oracle"} <= set(h[m][part])
+            assert set(h[m]["samples_per_s"]) >= {"static", "elastic", "pearl", "oracle"}
 
 
 def _around(text: str, start: int, end: int, bound: re.Pattern) -> str:
@@ -114,17 +113,19 @@ def cited(text: str, held: dict, *, consts: object = sc, published: str = "") ->
             problems.append(f"{where}: expected <!-- cell SCENARIO MISMATCH KEY [except SCENARIO MISMATCH]... -->")
             continue
         scenario, mismatch, key = args[:3]
+        key, _, part = key.partition("@")  # KEY@worst: the ratio's worst seed, else its mean over the seeds
+        part = "worst" if part == "worst" else "ratios"
         excepted = {(args[i + 1], args[i + 2]) for i in range(3, len(args), 3)}
         scenarios = sorted(held["scenarios"]) if scenario == "*" else [scenario]
         mismatches = ["none", "measured"] if mismatch == "*" else [mismatch]
         cells = [(s, mm) for s in scenarios for mm in mismatches if (s, mm) not in excepted]
-        ratios = {(s, mm): held["scenarios"].get(s, {}).get(mm, {}).get("ratios", {}) for s, mm in cells}
+        ratios = {(s, mm): held["scenarios"].get(s, {}).get(mm, {}).get(part, {}) for s, mm in cells}
         missing = [f"{s} {mm}" for (s, mm), r in ratios.items() if key not in r]
         if missing or mismatch not in MISMATCH_WORDS or not cells:
             problems.append(f"{where}: docs/simulator-results.md has no cell {key} at {', '.join(missing) or args}")
             continue
         for s, mm in cells:
-            value = held["scenarios"][s][mm]["ratios"][key]
+            value = held["scenarios"][s][mm][part][key]
             if not _equal(quoted, value):
                 problems.append(f"{where} is cited as {s} {mm} {key}, whose cell is {value}")
         sentence = _around(text, m.start(), m.end(), SENTENCE_END)
