@@ -2,7 +2,8 @@
 vLLM rollout worker, the daemon, the reference rollout driver (multi-turn episodes with a tool), and
 borrowing under the greedy policy: an idle trainer GPU becomes a serving vLLM worker and comes back
 (the worker parked asleep and woken for the next borrow), weights sync every step, and the trainer
-loses no step."""
+loses no step. The trainer gives no hint of its first wait: with the run's rollout worker profiled, the
+daemon lends into the first batch on its prediction of that batch, and every return deadline is met."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Pearlctl, alive
+from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PLACEHOLDER
 from tests.integration.conftest import spec_run
 
 STEPS = 3
+# 16 episodes a step, 4 at a time, with a 20-s tool call each: a batch of about 85 s, which the daemon
+# predicts long enough for a cold borrow and its return as estimated before any was measured (62 s and 5 s)
+TOOL_S = 20
 
 
 ROLLOUT_POOL = """
@@ -88,12 +92,43 @@ train_command = {json.dumps(train)}
 {generation_pools}"""
 
 
+def profile(pc: Pearlctl, name: str) -> None:
+    """Measure the run's serving rollout worker into its profile (``pearlctl profile``, a short sweep): what
+    the daemon predicts the first batch with, before the trainer measured a wait."""
+
+    def serving():
+        workers = pc.json("status", name, "--no-sync")["workers"]
+        return any(w["state"] == "READY" and w["role"] == "ROLLOUT" and w["url"] for w in workers)
+
+    wait_for(serving, 240)
+    pc("profile", name, "--batches", "1,4", "--contexts", "32", "--repeats", "1", timeout=600)
+
+
+def assert_first_batch_lent_and_deadlines_met(doc: dict, journal: list[dict]) -> dict:
+    """The first borrow was planned before the first train step began — from state's and the journal's times
+    — on the daemon's prediction (the trainer reported no wait), and every return met its deadline. Returns
+    the times, for the log."""
+    train1 = min(
+        j["ts"]
+        for j in journal
+        if j["event"] == "trainer phase" and (j["data"] or {}).get("phase") == "training" and j["data"]["step"] == 1
+    )
+    borrows = sorted((t for t in doc["transitions"] if t["kind"] == "borrow"), key=lambda t: t["created_at"])
+    assert borrows and borrows[0]["created_at"] < train1, (borrows[:1], train1)
+    assert borrows[0]["detail"]["wait_from"] == "prediction", borrows[0]["detail"]
+    returns = [t for t in doc["transitions"] if t["kind"] == "return" and t["state"] == "DONE"]
+    verdicts = [j["event"] for j in journal if j["event"] in ("deadline met", "deadline missed")]
+    assert returns and verdicts == ["deadline met"] * len(returns), (verdicts, len(returns))
+    return {"first_lend_before_train_s": round(train1 - borrows[0]["created_at"], 3), "returns": len(returns)}
+
+
 @pytest.fixture
 def e2e(slurm_cluster, tmp_path):
     with spec_run(slurm_cluster, tmp_path / "state", "e2e", spec_text) as run:
         yield run
 
 
+@pytest.mark.timeout(900)  # three batches of ~85 s, the launch, the profile and a daemon's restart
 def test_borrow_end_to_end_with_real_engines(e2e):
     pc, d = e2e
     run_dir = d / "run"
@@ -102,6 +137,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
     # GPU); a second daemon takes over and must finish that borrow without starting a second vLLM.
     faulty = Pearlctl(pc.env["PEARL_STATE_DIR"], dict(pc.env, PEARL_FAULT="after_intent:START"))
     first = json.loads(faulty("daemon", "e2e", "--heartbeat-s", "1", "--lease-ttl-s", "3", "--json").stdout)
+    profile(pc, "e2e")  # no --first-wait-s: the first batch's wait is the daemon's prediction
     pc("borrow", "e2e", "--policy", "greedy", "--gpus", "1")
     run_id = pc.json("status", "e2e")["run"]["id"]
     restarted = []
@@ -136,7 +172,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
             "--concurrency",
             "4",
             "--tool-latency-s",
-            "12",
+            str(TOOL_S),
             "--tool-latency-dist",
             "fixed",
         ],
@@ -189,7 +225,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
 
     journal = pc.json("journal", "e2e")
     assert any(j["event"] == "effect re-issued after restart" for j in journal)
-    assert any(j["event"] in ("deadline met", "deadline missed") for j in journal)
+    lending = assert_first_batch_lent_and_deadlines_met(doc, journal)
     done_kinds = [j["data"]["kind"] for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
     assert done_kinds[:4] == ["OFFLOAD", "START", "VERIFY", "REGISTER"]
     print(
@@ -198,6 +234,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
                 "borrows": len(borrows),
                 "returns": len(returns),
                 "deadline": [j["event"] for j in journal if j["event"].startswith("deadline")],
+                **lending,
             }
         )
     )
