@@ -3,7 +3,8 @@ the reference rollout driver and the daemon lending a trainer GPU under the gree
 
 - slurmctld frozen (SIGSTOP) for 60 s while a GPU is lent and every agent heartbeats: the daemon stays up
   and keeps its lease, nothing is marked LOST, every return deadline is met, the trainer trains every
-  step, and after SIGCONT the Slurm view converges;
+  step, and after SIGCONT the Slurm view converges. The GPU is lent in the first batch, with no hint of
+  the trainer's first wait: the run's rollout worker is profiled and the daemon lends on its prediction;
 - the daemon SIGKILLed and kept down while a GPU is lent: the agent on the trainer's node returns the GPU
   by itself, the trainer reclaims on the node and trains its next step within the deadline plus one
   return's time; then a supervised daemon comes up within seconds, journals what happened and converges,
@@ -28,6 +29,7 @@ import pytest
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
+from tests.integration.test_borrow_e2e import TOOL_S, assert_first_batch_lent_and_deadlines_met, profile
 from tests.integration.test_borrow_e2e import spec_text as e2e_spec
 
 STEPS = 3
@@ -36,8 +38,8 @@ pytestmark = pytest.mark.timeout(1500)  # a tiny run of 3 steps with real engine
 
 
 def spec_text(run_dir: Path, name: str) -> str:
-    # a first expected wait, so that the first step's rollouts can already borrow
-    return e2e_spec(run_dir, name=name, steps=STEPS, train_args=("--first-wait-s", "40"))
+    # no hint of the first wait (--first-wait-s): a profiled run lends into the first batch on its prediction
+    return e2e_spec(run_dir, name=name, steps=STEPS)
 
 
 class Run:
@@ -52,10 +54,11 @@ class Run:
     def journal(self) -> list[dict]:
         return self.pc.json("journal", self.name)
 
-    def driver(self, run_id: str) -> subprocess.Popen:
+    def driver(self, run_id: str, tool_s: float = 8) -> subprocess.Popen:
+        """The reference driver, 16 episodes a step, 4 at a time, ``tool_s`` per tool call."""
         args = ["--run-dir", str(self.run_dir), "--run-id", run_id, "--out", str(self.run_dir / "rollouts"),
                 "--steps", str(STEPS), "--prompts", "4", "--group-size", "4", "--concurrency", "4",
-                "--tool-latency-s", "8", "--tool-latency-dist", "fixed"]  # fmt: skip
+                "--tool-latency-s", str(tool_s), "--tool-latency-dist", "fixed"]  # fmt: skip
         log = open(self.run_dir / "driver.log", "w")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen(
             [sys.executable, str(REPO / "examples/grpo/rollout.py"), *args], stdout=log, stderr=log, env=self.pc.env
@@ -128,9 +131,10 @@ def assert_every_step_trained(events: list[dict]) -> None:
 def test_slurmctld_frozen_60s_while_a_gpu_is_lent(tiny_run, slurm_cluster):
     run, procs = tiny_run
     daemon = json.loads(run.pc("daemon", run.name, "--heartbeat-s", HEARTBEAT, "--json").stdout)
+    profile(run.pc, run.name)
     run.pc("borrow", run.name, "--policy", "greedy", "--gpus", "1")
     run_id = run.status()["run"]["id"]
-    procs.append(run.driver(run_id))
+    procs.append(run.driver(run_id, tool_s=TOOL_S))  # batches long enough to lend into the first
 
     wait_for(run.serving_lent, 400, every=0.5)  # a borrow is DONE: a trainer GPU serves rollout now
     ctld = int((slurm_cluster.dir / "pids" / "slurmctld.pid").read_text())
@@ -166,7 +170,8 @@ def test_slurmctld_frozen_60s_while_a_gpu_is_lent(tiny_run, slurm_cluster):
     doc = run.status()
     assert all(a["state"] == "RUNNING" for a in doc["allocations"])
     assert not any(g["borrowed"] for g in doc["gpus"])
-    print(json.dumps({"returns": len(returns), "deadlines": [j["data"] for j in deadlines]}))
+    lending = assert_first_batch_lent_and_deadlines_met(doc, run.journal())
+    print(json.dumps({"returns": len(returns), "deadlines": [j["data"] for j in deadlines], **lending}))
 
 
 @pytest.mark.parametrize("tiny_run", ["down"], indirect=True)
