@@ -125,6 +125,8 @@ class Smoke:
             "--out",
             "{run_dir}/trainer",
         ]
+        # a hint of the first (only) wait: no GPU serves rollout before the borrow here (the rollout pool has
+        # none), so the daemon has no batch to predict the wait from
         train += ["--rollouts", "file:{run_dir}/rollouts", "--channel", "daemon", "--first-wait-s", "600"]
         engine_args = {"max_model_len": 512}
         if self.device == "gpu":

@@ -88,6 +88,7 @@ def spec(d: Path) -> str:
         str(d / "run" / "trainer"),
         "--rollouts",
         f"file:{d / 'rollouts'}",  # never written: the trainer waits for its first batch all along
+        # a hint of that wait: no GPU serves rollout before a borrow here, so the daemon has no batch to predict
         "--first-wait-s",
         "36000",
         "--channel",
