@@ -28,6 +28,7 @@ EXTERNAL = {
     "recipe/dapo/README.md",
     "docs/tutorial/retool.md",
     "blog/AReaL_v0_3.md",
+    "LongBench/task.md",
 }
 
 
