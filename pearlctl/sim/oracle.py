@@ -44,7 +44,7 @@ import numpy as np
 
 from pearlctl.planner.model import SERVING, Role
 from pearlctl.sim.engine import DEFAULT_ROUTER, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
-from pearlctl.sim.run import RunResult, Schedule, Sim
+from pearlctl.sim.run import RunResult, Schedule, Sim, make_draws, make_trace, run_policy
 
 REPLAYED = "pearl"  # the policy whose schedule the oracle always replays (and widens)
 WIDENED = "pearl's prefill-decode choices on every GPU"
@@ -136,7 +136,7 @@ class _Follow:
             self.roles[gid] = role
             self.applied += 1
 
-    def share(self, gpw: int) -> float:
+    def share(self) -> float:
         """The prefill share of the policy's serving GPUs now (0: colocated)."""
         counts = {r: 0 for r in SERVING}
         for role in self.roles.values():
@@ -181,7 +181,7 @@ class WidenedController(FixedController):
 
     def control(self, sim: Sim, t: float) -> None:
         self.plan.follow(sim, t)
-        self.share = self.plan.share(self.gpw)
+        self.share = self.plan.share()
         super().control(sim, t)
 
 
@@ -223,8 +223,6 @@ def run_oracle(
     """The oracle's run: the best of the candidates (the module doc). ``schedules``: the compared policies' own
     schedules (``RunResult.schedule``, recorded with ``record_schedule``) to replay; pearl's is always among them
     (run here when missing)."""
-    from pearlctl.sim.run import make_draws, make_trace, run_policy
-
     draws = draws if draws is not None else make_draws(scenario)
     trace = trace if trace is not None else make_trace(scenario)
     schedules = dict(schedules or {})
