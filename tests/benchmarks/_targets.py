@@ -40,6 +40,13 @@ class Target:
         return f"{'>=' if self.at_least else '<='} {_num(self.limit)}{_unit(self.unit)}"
 
 
+def summary_line(results: list[tuple[Target, float]]) -> str:
+    """The targets in one line for a doc: ``name <= limit: measured, held; …``."""
+    return "; ".join(
+        f"{t.name} {t.describe()}: {_num(v)}{_unit(t.unit)}, {'held' if t.holds(v) else 'MISSED'}" for t, v in results
+    )
+
+
 def _num(x: float) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 

@@ -352,9 +352,12 @@ def main() -> int:
         ("control-loop tick", ticks),
         ("control-loop tick: its thread's CPU", tick_cpu),
     ):
+        if not values:
+            lines.append(f"| {name} | 0 | — | — | — | — |")
+            continue
         lines.append(
             f"| {name} | {len(values):,} | {quantile(values, 0.5) * ms:.1f} ms | {quantile(values, 0.9) * ms:.1f} ms "
-            f"| {quantile(values, 0.99) * ms:.1f} ms | {max(values, default=float('nan')) * ms:.1f} ms |"
+            f"| {quantile(values, 0.99) * ms:.1f} ms | {max(values) * ms:.1f} ms |"
         )
     rate = len(heartbeats) / wall
     mib = 2**20
@@ -381,7 +384,7 @@ def main() -> int:
     ]
     status = _targets.verdict("bench_daemon_load", results, check=args.check, summary=args.summary, moved=args.target)
     if args.write_docs:
-        held = "; ".join(f"{t.name} {t.describe()}: {v:.4g}, {'held' if t.holds(v) else 'MISSED'}" for t, v in results)
+        held = _targets.summary_line(results)
         command = f"python tests/benchmarks/bench_daemon_load.py --seconds {args.seconds:g} --write-docs"
         _targets.write_block(
             DOC,

@@ -188,10 +188,7 @@ def main() -> int:
     results = [(targets["step_p90_ms"], worst), (targets["pearl_p90_ms"], pearl)]
     status = _targets.verdict("bench_planner", results, check=args.check, summary=args.summary, moved=args.target)
     if args.write_docs:
-        held = "; ".join(
-            f"{t.why.split(':')[0]} {t.describe()}: {v:.1f} ms, {'held' if t.holds(v) else 'MISSED'}"
-            for t, v in results
-        )
+        held = _targets.summary_line(results)
         _targets.write_block(
             DOC,
             "bench_planner",

@@ -320,7 +320,7 @@ def main() -> int:
         out=sys.stderr if args.json else sys.stdout,
     )
     if args.write_docs:
-        held = "; ".join(f"{t.why} {t.describe()}: {v:.0f}%, {'held' if t.holds(v) else 'MISSED'}" for t, v in results)
+        held = _targets.summary_line(results)
         _targets.write_block(
             DOC,
             "bench_predictor",

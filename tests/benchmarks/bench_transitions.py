@@ -229,8 +229,7 @@ def main() -> int:
         )
         if args.write_docs:
             counts = {k: sum(1 for r in rows if r["kind"] == k) for k in ("borrow", "borrow_warm", "return_sleep")}
-            held = "; ".join(f"{t.name} {t.describe()}: {v:.3g}, {'held' if t.holds(v) else 'MISSED'}"
-                             for t, v in results)  # fmt: skip
+            held = _targets.summary_line(results)
             _targets.write_block(
                 DOC,
                 "bench_transitions",

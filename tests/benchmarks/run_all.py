@@ -22,12 +22,14 @@ written then. The targets, their values and reasons are named constants in each 
 simulator's gate has rules rather than values (bench_simulate.py) and takes none.
 
 The engine benchmarks hold the engine lock (/tmp/pearl-engine.lock) while they run, as the engine tests do:
-the predictor takes it itself, the others run under ``flock``. About 20 minutes on a quiet 2-core machine.
+the predictor takes it itself, run_all takes it for the others (the wall time in the table leaves out the wait
+for it, shown beside). About 20 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import subprocess
 import sys
@@ -46,7 +48,7 @@ class Benchmark:
     script: str  # under tests/benchmarks/
     args: tuple[str, ...] = ()  # the documented run
     doc: str = ""  # where --write-docs writes its table
-    lock: bool = False  # run under flock on the engine lock
+    lock: bool = False  # run holding the engine lock (bench_predictor takes it itself)
     targets: bool = True  # takes --target and --summary (tests/benchmarks/_targets.py)
 
 
@@ -74,6 +76,7 @@ class Outcome:
     rc: int
     wall_s: float
     rows: list[Row] = field(default_factory=list)
+    waited_s: float = 0.0  # for the engine lock, before it ran
 
     @property
     def missed(self) -> list[str]:
@@ -98,20 +101,26 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
             argv += ["--summary", str(summary)]
             for m in moved:
                 argv += ["--target", m]
-        if bench.lock:
-            argv = ["flock", LOCK, *argv]
         print(f"\n== {name}: {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
-        lines = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            lines.append(line)
-        rc = proc.wait()
+        lock = open(LOCK, "a+") if bench.lock else None  # held until the benchmark ends
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # as the engine tests take it: no engine runs beside the benchmark
+        waited, t0 = time.monotonic() - t0, time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+            rc = proc.wait()
+        finally:
+            if lock is not None:
+                lock.close()
         wall = time.monotonic() - t0
         sys.stdout.flush()
-        outcome = Outcome(name, rc, wall)
+        outcome = Outcome(name, rc, wall, waited_s=waited)
         if bench.targets and summary.exists():
             for t in json.loads(summary.read_text())["targets"]:
                 limit = f"{'>=' if t['at_least'] else '<='} {fmt(t['limit'], t['unit'])}"
@@ -128,12 +137,18 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
     return outcome
 
 
+def wall_cell(o: Outcome, r: Row) -> str:
+    if r.wall_s is None:
+        return ""
+    return f"{r.wall_s:.0f} s" + (f" (+{o.waited_s:.0f} s waiting for the engine lock)" if o.waited_s >= 1 else "")
+
+
 def summary_table(outcomes: list[Outcome]) -> str:
     lines = ["| benchmark | target | measured | verdict | wall time |", "|---|---|---|---|---:|"]
     for o in outcomes:
         for r in o.rows:
-            wall = f"{r.wall_s:.0f} s" if r.wall_s is not None else ""
-            lines.append(f"| {r.benchmark} | {r.target} | {r.measured} | {'held' if r.held else 'MISSED'} | {wall} |")
+            verdict = "held" if r.held else "MISSED"
+            lines.append(f"| {r.benchmark} | {r.target} | {r.measured} | {verdict} | {wall_cell(o, r)} |")
     return "\n".join(lines)
 
 

@@ -4,7 +4,9 @@ crashes or has only an exit status (the simulator's gate) is judged by it, and t
 
 from __future__ import annotations
 
+import fcntl
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ sys.exit(_targets.verdict("fake", [(targets["speed_ms"], 4.2), (targets["errors"
 @pytest.fixture
 def benches(tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(run_all, "HERE", tmp_path)
+    monkeypatch.setattr(run_all, "LOCK", str(tmp_path / "engine.lock"))
     (tmp_path / "fake.py").write_text(FAKE)
     (tmp_path / "gate.py").write_text("import sys\nprint('GATE: FAILED (1 s)')\nsys.exit(1)\n")
     (tmp_path / "crash.py").write_text("raise RuntimeError('boom')\n")
@@ -41,6 +44,7 @@ def benches(tmp_path: Path, monkeypatch) -> dict:
         "fake": run_all.Benchmark("fake.py"),
         "gate": run_all.Benchmark("gate.py", targets=False),
         "crash": run_all.Benchmark("crash.py"),
+        "locked": run_all.Benchmark("fake.py", lock=True),
     }
 
 
@@ -94,3 +98,15 @@ def test_unknown_names_and_targets_are_usage_errors(benches):
         with pytest.raises(SystemExit) as exc:
             run_all.main(argv, benches)
         assert exc.value.code == 2, argv
+
+
+def test_a_locked_benchmark_waits_for_the_engine_lock_and_its_wall_time_leaves_the_wait_out(benches, capsys):
+    with open(run_all.LOCK, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # an engine test holds it ...
+        threading.Timer(1.5, held.close).start()  # ... and lets go 1.5 s later
+        assert run_all.main(["--check", "--only", "locked", "--no-docs"], benches) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| locked | speed_ms"))
+    assert row.endswith(" s waiting for the engine lock) |")
+    waited = row.split("|")[-2].split(" s (+")[1]
+    assert int(waited.split()[0]) >= 1
