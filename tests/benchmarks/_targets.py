@@ -63,7 +63,7 @@ def add_arguments(ap: argparse.ArgumentParser, targets: list[Target]) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help=f"move a target (repeatable), e.g. to show --check failing; the targets: {names}",
+        help=f"move a target (repeatable), e.g. to show --check failing; the targets: {names}".replace("%", "%%"),
     )
     ap.add_argument("--summary", metavar="FILE", help="write the targets and the measured values there (JSON)")
 

@@ -23,7 +23,7 @@ simulator's gate has rules rather than values (bench_simulate.py) and takes none
 
 The engine benchmarks hold the engine lock (/tmp/pearl-engine.lock) while they run, as the engine tests do:
 the predictor takes it itself, run_all takes it for the others (the wall time in the table leaves out the wait
-for it, shown beside). About 20 minutes on a quiet 2-core machine.
+for it, shown beside). About half an hour on a quiet 2-core machine (49 minutes loaded, in the first full run).
 """
 
 from __future__ import annotations

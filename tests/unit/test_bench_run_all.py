@@ -4,6 +4,7 @@ crashes or has only an exit status (the simulator's gate) is judged by it, and t
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import sys
 import threading
@@ -15,6 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
 import run_all  # noqa: E402
+
+from tests.benchmarks import _targets  # noqa: E402
 
 FAKE = f"""
 import argparse, sys
@@ -110,3 +113,9 @@ def test_a_locked_benchmark_waits_for_the_engine_lock_and_its_wall_time_leaves_t
     assert row.endswith(" s waiting for the engine lock) |")
     waited = row.split("|")[-2].split(" s (+")[1]
     assert int(waited.split()[0]) >= 1
+
+
+def test_a_benchmarks_help_lists_its_targets_percent_units_included():
+    ap = argparse.ArgumentParser()
+    _targets.add_arguments(ap, [_targets.Target("error_pct", 15.0, "%", "within 15%")])
+    assert "error_pct (<= 15%)" in " ".join(ap.format_help().split())
