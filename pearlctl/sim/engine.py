@@ -55,6 +55,10 @@ tool call starts then), but a tool's return is noticed at the next tick (on aver
 the same for every policy). ``free_migration`` is the oracle's world: a worker that leaves hands its
 sequences and their KV over at once, and a session's KV follows it wherever the router sends it (no abort
 latency, no recompute, nothing lost); everything else identical.
+
+Speed, not model: a tick works only on the window of trajectories in flight (``Engine.lo`` .. ``Engine.hi``:
+launched and not all done) and skips what has nothing to do; the ``Engine`` doc lists the shortcuts, each of
+which leaves every result bit for bit as it was.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pearlctl.planner.profile import Profile
+from pearlctl.planner.profile import DecodeModel, Profile
 from pearlctl.sim.scenario import Mismatch, Workload
 
 # Trajectory phases.
@@ -136,7 +140,27 @@ def with_mismatch(draws: Draws, mismatch: Mismatch, rng: np.random.Generator) ->
 
 
 class Engine:
-    """Trajectories and workers of one simulated run. ``launch`` a batch, set the worker roles, ``step``."""
+    """Trajectories and workers of one simulated run. ``launch`` a batch, set the worker roles, ``step``.
+
+    Speed (every tick of every run comes here; none of this changes a result, bit for bit):
+
+    - The window: each tick works on trajectories ``[lo, hi)``; those before ``lo`` are all DONE (``lo`` moves
+      when one finishes), those from ``hi`` on PENDING.
+    - Skips: arrivals before the earliest pending tool return or KV transfer (``_next_tool``, ``_next_xfer``:
+      lower bounds, exact after each scan); admission when nothing changed since a call that admitted nothing
+      (``_admit_dirty``: the consistent-hash admission is a pure function of the waiting requests, the running
+      reservations and the roles) and no waiting request becomes ready (``_admit_wake``); prefill when no
+      sequence prefills (``_prefilling``).
+    - The consistent-hash queue persists (``_queue``, in the order a sort of all waiting requests would give):
+      a request is routed and put in its place once, when it becomes ready; it is rebuilt when roles change.
+    - Invariants the scans rely on: ``run_w >= 0`` exactly while a sequence runs (PREFILL, XFER, DECODE);
+      ``tool_end`` is finite exactly in TOOL, ``xfer_end`` exactly in XFER.
+    - Few events (up to ``_FEW`` arrivals, admissions, turn ends, colocated prefills in a tick) are handled
+      element by element (``*_few``), where numpy's cost per call would dominate; the same arithmetic in the
+      same order.
+    - Sums keep their order: ``np.bincount`` in index order, running totals in queue order, numpy's own sums
+      over the same arrays.
+    """
 
     def __init__(
         self,
@@ -156,34 +180,56 @@ class Engine:
         self.free_migration = free_migration
         n = draws.n
         self.phase = np.full(n, PENDING, np.int8)
-        self.turn = np.zeros(n, np.int32)
+        self.turn = np.zeros(n, np.intp)
         self.ctx = np.zeros(n)  # tokens the next decoded token attends to
         self.new_tok = np.zeros(n)  # tokens of the context not yet in any KV cache
         self.dec_left = np.zeros(n)
         self.dec_turn = np.zeros(n)  # the current turn's decode budget (a hard kill restarts the turn from it)
         self.pf_left = np.zeros(n)
         self.pf_total = np.zeros(n)  # tokens this admission prefills (KV transfer size when disaggregated)
-        self.run_w = np.full(n, -1, np.int32)  # the worker it runs on (RUNNING phases)
-        self.kv_w = np.full(n, -1, np.int32)  # the worker holding its KV, or -1
+        self.run_w = np.full(n, -1, np.intp)  # the worker it runs on (RUNNING phases; -1 otherwise)
+        self.kv_w = np.full(n, -1, np.intp)  # the worker holding its KV, or -1
         self.kv_hold = np.zeros(n)  # KV tokens held on kv_w (running: the reservation)
         self.ready_at = np.zeros(n)  # FIFO order in the waiting queue
         self.tool_start = np.zeros(n)  # LRU order for eviction
-        self.tool_end = np.full(n, np.inf)
-        self.xfer_end = np.full(n, np.inf)
+        self.tool_end = np.full(n, np.inf)  # when its tool returns (TOOL only; inf otherwise)
+        self.xfer_end = np.full(n, np.inf)  # when its KV transfer lands (XFER only; inf otherwise)
         self.done_at = np.full(n, np.nan)
         self.migrated = np.zeros(n, bool)  # free_migration: its KV followed it off a leaving worker
         self.orphaned = np.zeros(n, bool)  # its KV was lost to a leaving or draining worker
-        self.w_role = np.zeros(n_workers, np.int8)
-        self.w_admit = np.ones(n_workers, bool)  # routable: takes new requests (false: draining)
-        self.disp_w = np.full(n, -1, np.int32)  # the worker a waiting request was sent to (it queues there)
+        self.disp_w = np.full(n, -1, np.intp)  # the worker a waiting request was sent to (it queues there)
         # The router's hash ring: each session's hash and each worker's virtual nodes, fixed for the run (the
         # same for every policy); the ring of the routable workers is rebuilt when they change.
         self.session = np.random.default_rng(0x5E55).random(n)
         self.vnodes = np.random.default_rng(0x21A6).random((n_workers, VIRTUAL_NODES))
         self._ring: tuple[bytes, np.ndarray, np.ndarray] | None = None
+        self._ring_at: tuple[bytes, int, int, np.ndarray] | None = None  # the ring's worker for trajectories lo..hi
         self.pause_until = 0.0
         self.lo = 0  # trajectories before lo are all DONE; those from hi on are PENDING
         self.hi = 0
+        # What a tick may skip (the class doc).
+        self._next_tool = np.inf
+        self._next_xfer = np.inf
+        self._admit_dirty = True
+        self._admit_wake = np.inf
+        self._prefilling = False  # some sequence may be in PREFILL
+        # consistent_hash: the routed waiting requests, kept in the order the queues serve them (their worker,
+        # then ready_at, then index) from one admission to the next (rebuilt when the roles change)
+        self._queue = np.zeros(0, np.intp)
+        self._queue_ok = False
+        self._queued = np.zeros(n, bool)
+        self._arrived: list[np.ndarray] = []  # requests that became ready since the last admission (arrivals)
+        self._need = np.zeros(n)  # a queued request's KV reservation (context + the turn's response)
+        self._itl = _vector_itl(profile.decode)
+        # The mismatch factors of each trajectory's current turn (kept as its turn advances).
+        ds, ps = draws.decode_scale, draws.prefill_scale
+        self._dscale = None if ds is None else ds[:, 0].copy()
+        self._pscale = None if ps is None else ps[:, 0].copy()
+        self._distinct: np.ndarray | None = None
+        self._finished = False  # some trajectory finished this tick: the window's lo may move
+        self.w_role = np.zeros(n_workers, np.int8)
+        self.w_admit = np.ones(n_workers, bool)  # routable: takes new requests (false: draining)
+        self._roles_changed()
         self.stats = {"prefill_tokens": 0.0, "recompute_tokens": 0.0, "decode_tokens": 0.0, "evictions": 0}
         # requeued: sequences a leaving worker was running; of them aborted (continued, tokens kept) and
         # killed (hard kill: the turn retried, lost_tokens gone); leave_recompute_tokens: context re-prefilled
@@ -203,6 +249,10 @@ class Engine:
         self.dec_turn[s] = self.dec_left[s]
         self.ready_at[s] = t
         self.hi = max(self.hi, hi)
+        self._admit_dirty = True
+        self._queue_ok = False
+        self._arrived = []
+        self._admit_wake = min(self._admit_wake, t)
 
     def set_roles(self, roles: np.ndarray, t: float = 0.0, *, routable=None, killed=None) -> None:
         """The workers' roles from ``t`` on (W_OFF while absent, in transition or stopped). A worker that leaves
@@ -217,6 +267,23 @@ class Engine:
             self._evict_workers(changed, t, hard)
         self.w_role = roles.copy()
         self.w_admit = np.ones(len(roles), bool) if routable is None else np.asarray(routable, bool).copy()
+        self._roles_changed()
+
+    def _roles_changed(self) -> None:
+        """What the tick reads of the roles, kept until they change."""
+        roles = self.w_role
+        self._serving = bool((roles != W_OFF).any())
+        self._decode_w = (roles == W_ROLLOUT) | (roles == W_DECODE)
+        self._routable = self._decode_w & self.w_admit
+        self._any_routable = bool(self._routable.any())
+        self._n_prefill = int(((roles == W_PREFILL) & self.w_admit).sum())
+        # A worker prefills its own sequences when it is colocated, or when no PREFILL worker exists.
+        self._own = (roles == W_ROLLOUT) | ((roles == W_DECODE) & (self._n_prefill == 0))
+        self._admit_dirty = True
+        self._queue_ok = False  # routes and rings may change
+        self._arrived = []
+        if self._ring_at is not None and self._ring_at[0] != self._routable.tobytes():
+            self._ring_at = None
 
     def _evict_workers(self, workers: np.ndarray, t: float, hard: np.ndarray) -> None:
         s = slice(self.lo, self.hi)
@@ -233,6 +300,7 @@ class Engine:
         queued += self.lo
         self.disp_w[queued] = -1
         self.stats["requeued"] += int(idx.size)
+        self.xfer_end[idx] = np.inf  # a KV transfer in flight is lost with its worker
         if self.free_migration:
             # The oracle's world: the sequences and their KV move at once; nothing is aborted or lost.
             self.phase[idx] = WAIT
@@ -256,6 +324,7 @@ class Engine:
         self.run_w[idx] = -1
         self.ready_at[idx] = t + ABORT_S  # a new request, behind those already waiting
         self.ready_at[queued] = np.maximum(self.ready_at[queued], t + ABORT_S)
+        self._admit_wake = min(self._admit_wake, t + ABORT_S)
         self.orphaned[held] = True
         self.kv_w[held] = -1
         self.kv_hold[held] = 0.0
@@ -266,94 +335,205 @@ class Engine:
         """Advance every trajectory from ``t`` to ``t + dt``."""
         if self.lo >= self.hi:
             return
-        self._arrivals(t)
+        if t >= self._next_xfer or t >= self._next_tool:
+            self._arrivals(t)
         start = min(max(self.pause_until - t, 0.0), dt)  # a weight sync holds the engines
         avail = dt - start
-        if avail > 0 and (self.w_role != W_OFF).any():
+        if avail > 0 and self._serving:
             if self._admit(t + start):
                 self._evict_for_capacity()  # only an admission can push a worker over its KV capacity
-            p_time = self._prefill(t + start, avail)
+            p_time = self._prefill(t + start, avail) if self._prefilling else np.zeros(len(self.w_role))
             self._decode(t + start, avail, p_time)
-        # Trajectories before lo are all done: shrink the window the next tick works on.
-        tail = self.phase[self.lo : self.hi] != DONE
-        self.lo += int(np.argmax(tail)) if tail.any() else self.hi - self.lo
+        if self._finished:
+            # Trajectories before lo are all done: shrink the window the next tick works on.
+            self._finished = False
+            tail = self.phase[self.lo : self.hi] != DONE
+            self.lo += int(tail.argmax()) if np.count_nonzero(tail) else self.hi - self.lo
 
     def _arrivals(self, t: float) -> None:
         s = slice(self.lo, self.hi)
-        ph = self.phase[s]
-        # KV transfers that have landed: the decode worker takes the sequence into its batch.
-        x = np.flatnonzero((ph == XFER) & (self.xfer_end[s] <= t)) + self.lo
-        self.phase[x] = DECODE
+        if t >= self._next_xfer:
+            # KV transfers that have landed: the decode worker takes the sequence into its batch.
+            x = (self.xfer_end[s] <= t).nonzero()[0] + self.lo
+            self.phase[x] = DECODE
+            self.xfer_end[x] = np.inf
+            self._next_xfer = float(self.xfer_end[s].min())
+        if t < self._next_tool:
+            return
         # Tools that have returned: the next turn is ready (its tool output joins the context).
-        r = np.flatnonzero((ph == TOOL) & (self.tool_end[s] <= t)) + self.lo
+        r = (self.tool_end[s] <= t).nonzero()[0]
         if not r.size:
+            self._next_tool = float(self.tool_end[s].min())
+            return
+        r += self.lo
+        if r.size <= _FEW:
+            self._arrived_few(r, s)
             return
         d = self.draws
         k = self.turn[r]
-        out = np.minimum(d.tool_output[r, k], np.maximum(self.max_context - self.ctx[r], 0.0))
-        self.ctx[r] += out
+        ctx = self.ctx[r]
+        out = np.minimum(d.tool_output[r, k], np.maximum(self.max_context - ctx, 0.0))
+        ctx = ctx + out
+        self.ctx[r] = ctx
         self.new_tok[r] = out
-        self.turn[r] = k + 1
-        self.dec_left[r] = np.minimum(d.response[r, k + 1], self.max_context - self.ctx[r])
-        self.dec_turn[r] = self.dec_left[r]
-        full = self.dec_left[r] < 1.0  # the context is full: the trajectory ends here
-        self._finish(r[full], self.tool_end[r[full]])
-        r = r[~full]
-        self.phase[r] = WAIT
-        self.ready_at[r] = self.tool_end[r]
+        k = k + 1
+        self.turn[r] = k
+        if self._dscale is not None:
+            self._dscale[r] = d.decode_scale[r, k]
+        if self._pscale is not None:
+            self._pscale[r] = d.prefill_scale[r, np.minimum(k, d.prefill_scale.shape[1] - 1)]
+        left = np.minimum(d.response[r, k], self.max_context - ctx)
+        self.dec_left[r] = left
+        self.dec_turn[r] = left
+        end = self.tool_end[r]
         self.tool_end[r] = np.inf
+        self._next_tool = float(self.tool_end[s].min())
+        full = left < 1.0  # the context is full: the trajectory ends here
+        if np.count_nonzero(full):
+            self._finish(r[full], end[full])
+            keep = ~full
+            r, end = r[keep], end[keep]
+        if r.size:
+            self.phase[r] = WAIT
+            self.ready_at[r] = end
+            self._admit_dirty = True
+            if self.router == "consistent_hash":
+                self._arrived.append(r)
 
-    def _decode_workers(self) -> np.ndarray:
-        return (self.w_role == W_ROLLOUT) | (self.w_role == W_DECODE)
+    def _arrived_few(self, r: np.ndarray, s: slice) -> None:
+        """``_arrivals``' tools returned for a few trajectories ``r``, element by element (the same arithmetic)."""
+        d = self.draws
+        top = self.max_context
+        last = d.response.shape[1] - 1
+        waiting = []
+        for i in r.tolist():
+            k = self.turn.item(i)
+            ctx = self.ctx.item(i)
+            out = min(d.tool_output.item(i, k), max(top - ctx, 0.0))
+            ctx = ctx + out
+            self.ctx[i] = ctx
+            self.new_tok[i] = out
+            k += 1
+            self.turn[i] = k
+            if self._dscale is not None:
+                self._dscale[i] = d.decode_scale[i, k]
+            if self._pscale is not None:
+                self._pscale[i] = d.prefill_scale[i, min(k, last)]
+            left = min(d.response.item(i, k), top - ctx)
+            self.dec_left[i] = left
+            self.dec_turn[i] = left
+            end = self.tool_end.item(i)
+            self.tool_end[i] = np.inf
+            if left < 1.0:  # the context is full: the trajectory ends here
+                self._finish_one(i, end)
+            else:
+                self.phase[i] = WAIT
+                self.ready_at[i] = end
+                waiting.append(i)
+        self._next_tool = float(self.tool_end[s].min())
+        if waiting:
+            self._admit_dirty = True
+            if self.router == "consistent_hash":
+                self._arrived.append(np.array(waiting, np.intp))
 
     def _admit(self, now: float) -> int:
         """Route the requests waiting since ``now`` or earlier and give each a decode slot and a KV reservation
         on its worker; how many were admitted."""
+        if not self._any_routable:
+            return 0
+        ring = self.router == "consistent_hash"
+        if ring and not self._admit_dirty and now + 1e-9 < self._admit_wake:
+            return 0  # nothing changed since a call that admitted nothing: it would admit nothing again
+        self._admit_dirty = False
         s = slice(self.lo, self.hi)
-        ph = self.phase[s]
-        q = np.flatnonzero((ph == WAIT) & (self.ready_at[s] <= now + 1e-9)) + self.lo
-        if not q.size:
-            return 0
-        routable = self._decode_workers() & self.w_admit
-        if not routable.any():
-            return 0
+        if ring and self._queue_ok and now + 1e-9 < self._admit_wake:
+            ready = None  # the requests that became ready since the last admission are the arrivals'
+        else:
+            ph = self.phase[s]
+            ready_at = self.ready_at[s]
+            waiting = ph == WAIT
+            ready = ready_at <= now + 1e-9
+            if self._admit_wake <= now + 1e-9:  # the next request to become ready
+                later = waiting & ~ready
+                self._admit_wake = float(ready_at[later].min()) if np.count_nonzero(later) else np.inf
+            ready &= waiting
         prof = self.profile
         n_w = len(self.w_role)
-        running = np.flatnonzero((ph >= PREFILL) & (ph <= DECODE)) + self.lo
-        rw = self.run_w[running]
-        load = np.bincount(rw, minlength=n_w)
+        routable = self._routable
+        # run_w >= 0 exactly for the running sequences (bin 0 collects the rest): their loads and reservations.
+        rw = self.run_w[s] + 1
+        load = np.bincount(rw, minlength=n_w + 1)[1:]
         slots = np.where(routable, prof.max_num_seqs - load, 0)
         # Admission counts only running reservations: tool-waiting KV is evictable (see _evict_for_capacity).
-        free_kv = np.where(routable, prof.kv_capacity_tokens - np.bincount(rw, self.kv_hold[running], n_w), -1.0)
-        need = self.ctx[q] + self.dec_left[q]
-        if self.router == "balance":
-            admitted_w = self._route_balance(q, routable, load, slots, free_kv, need)
+        free_kv = np.where(routable, prof.kv_capacity_tokens - np.bincount(rw, self.kv_hold[s], n_w + 1)[1:], -1.0)
+        if ring:
+            i, w, need = self._route_ring(ready, routable, slots, free_kv)
+            if not i.size:
+                return 0
         else:
-            admitted_w = self._route_ring(q, routable, slots, free_kv, need)
+            q = ready.nonzero()[0]
+            if not q.size:
+                return 0
+            q += self.lo
+            need = self.ctx[q] + self.dec_left[q]
+            admitted_w = self._route_balance(q, routable, load, slots, free_kv, need)
+            a = (admitted_w >= 0).nonzero()[0]
+            if not a.size:
+                return 0
+            i, w, need = q[a], admitted_w[a], need[a]
 
-        a = np.flatnonzero(admitted_w >= 0)
-        if not a.size:
-            return 0
-        i, w = q[a], admitted_w[a]
+        self._admit_dirty = True
+        self._prefilling = True
+        if i.size <= _FEW:
+            self._admitted_few(i, w, need, ring)
+            return int(i.size)
         kv = self.kv_w[i]
         resident = (kv == w) | self.migrated[i]
-        if self.free_migration and self.router == "consistent_hash":
+        if self.free_migration and ring:
             resident |= kv >= 0  # the oracle's world: a session's KV follows it wherever the ring sends it
-        pf = np.where(resident, self.new_tok[i], self.ctx[i])
-        recompute = pf - self.new_tok[i]
+        new = self.new_tok[i]
+        pf = np.where(resident, new, self.ctx[i])
+        recompute = pf - new
         self.stats["recompute_tokens"] += float(recompute.sum())
         left = self.orphaned[i] | ((kv >= 0) & ~routable[np.maximum(kv, 0)])
-        self.stats["leave_recompute_tokens"] += float(recompute[left].sum())
+        if np.count_nonzero(left):
+            self.stats["leave_recompute_tokens"] += float(recompute[left].sum())
         self.phase[i] = PREFILL
         self.run_w[i] = w
         self.kv_w[i] = w
-        self.kv_hold[i] = need[a]
+        self.kv_hold[i] = need
         self.pf_left[i] = pf
         self.pf_total[i] = pf
         self.migrated[i] = False
         self.orphaned[i] = False
         self.disp_w[i] = -1
-        return int(a.size)
+        return int(i.size)
+
+    def _admitted_few(self, i: np.ndarray, w: np.ndarray, need: np.ndarray, ring: bool) -> None:
+        """``_admit``'s bookkeeping for a few admitted requests ``i`` (in index order), element by element: the
+        same values as its vector form (the recompute sums are numpy's, over the same arrays)."""
+        follows = self.free_migration and ring
+        recompute, lost = [], []
+        for j, k, x in zip(i.tolist(), w.tolist(), need.tolist(), strict=True):
+            kv = self.kv_w.item(j)
+            new = self.new_tok.item(j)
+            pf = new if kv == k or self.migrated.item(j) or (follows and kv >= 0) else self.ctx.item(j)
+            recompute.append(pf - new)
+            if self.orphaned.item(j) or (kv >= 0 and not self._routable.item(kv)):
+                lost.append(pf - new)
+            self.phase[j] = PREFILL
+            self.run_w[j] = k
+            self.kv_w[j] = k
+            self.kv_hold[j] = x
+            self.pf_left[j] = pf
+            self.pf_total[j] = pf
+            self.migrated[j] = False
+            self.orphaned[j] = False
+            self.disp_w[j] = -1
+        if any(recompute):  # (a sum of zeros adds nothing)
+            self.stats["recompute_tokens"] += float(np.add.reduce(np.array(recompute)))
+        if lost:
+            self.stats["leave_recompute_tokens"] += float(np.add.reduce(np.array(lost)))
 
     def _route_balance(self, q, routable, load, slots, free_kv, need) -> np.ndarray:
         """The ``balance`` model (this simulator's before the run's router existed; no real router's rule):
@@ -363,7 +543,7 @@ class Engine:
         the most free KV, and the first that fits nowhere blocks the queue behind it. A request waits in one
         queue until a worker admits it; running decodes never move. Returns each request's worker (-1: waits)."""
         n_w = len(self.w_role)
-        admitted_w = np.full(q.size, -1, np.int32)
+        admitted_w = np.full(q.size, -1, np.intp)
         slots, free_kv = slots.copy(), free_kv.copy()
         kw = self.kv_w[q]
         excess = np.where(routable, load - load[routable].mean(), 0.0)
@@ -372,7 +552,7 @@ class Engine:
             if moving.size:
                 moving = moving[np.lexsort((self.ready_at[q[moving]], kw[moving]))]
                 w = kw[moving]
-                rank = np.arange(w.size) - _group_starts(w)
+                rank = np.arange(w.size) - _group_starts(w, n_w)
                 moving = moving[rank < excess[w] - BALANCE_ABS]
                 self.kv_w[q[moving]] = -1
                 self.kv_hold[q[moving]] = 0.0
@@ -402,57 +582,130 @@ class Engine:
             free_kv[w] -= need[j]
         return admitted_w
 
-    def _route_ring(self, q, routable, slots, free_kv, need) -> np.ndarray:
+    def _route_ring(self, ready: np.ndarray, routable, slots, free_kv) -> tuple[np.ndarray, ...]:
         """vllm-router's ``consistent_hash`` policy, the one the run's router uses (pearlctl/router/service.py):
         a request goes to the worker its session hashes to on the ring of the routable workers (``VIRTUAL_NODES``
         virtual nodes each), whatever the loads, and queues there (vLLM's waiting queue, first come first
         served: the first that does not fit blocks the ones behind it) while that worker serves — even if the
         ring changes meanwhile. When a worker joins, the sessions that now hash to it move at their next turn
-        and re-prefill there; when one leaves, its sessions go to the ring's next owners. Returns each
-        request's worker (-1: it waits)."""
-        d = self.disp_w[q]
-        serving = self._decode_workers()
-        target = np.where((d >= 0) & serving[np.maximum(d, 0)], d, self._ring_lookup(q, routable))
-        self.disp_w[q] = target
-        order = np.lexsort((self.ready_at[q], target))
-        ok = _fits(target[order], need[order], slots, free_kv)
-        admitted_w = np.full(q.size, -1, np.int32)
-        admitted_w[order[ok]] = target[order[ok]]
-        return admitted_w
+        and re-prefill there; when one leaves, its sessions go to the ring's next owners. ``ready``: the window's
+        ready waiting requests (a mask; None: those queued and the arrivals since). Returns the admitted requests
+        (in index order), their workers and needs.
 
-    def _ring_lookup(self, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
-        """The worker each session of trajectories ``i`` hashes to on the ring of the ``routable`` workers."""
-        key = routable.tobytes()
-        if self._ring is None or self._ring[0] != key:
-            workers = np.flatnonzero(routable)
-            pos = self.vnodes[workers].ravel()
-            owner = np.repeat(workers, VIRTUAL_NODES).astype(np.int32)
-            by = np.argsort(pos)
-            self._ring = (key, pos[by], owner[by])
-        _, pos, owner = self._ring
-        return owner[np.searchsorted(pos, self.session[i]) % pos.size]
+        The routed queue (``_queue``) persists between admissions: a request is routed once, when it becomes
+        ready, and put in its place (by worker, ready_at, index: the order a sort of all of them would give)."""
+        if ready is None:
+            new = self._arrived[0] if len(self._arrived) == 1 else np.concatenate(self._arrived or [self._queue[:0]])
+        elif self._queue_ok:
+            new = (ready & ~self._queued[self.lo : self.hi]).nonzero()[0] + self.lo
+        else:  # route every ready request again
+            self._queued[self._queue] = False
+            self._queue = self._queue[:0]
+            self._queue_ok = True
+            new = ready.nonzero()[0] + self.lo
+        self._arrived = []
+        if new.size:
+            d = self.disp_w[new]
+            if d.max() < 0:
+                target = self._ring_lookup(new)
+            else:
+                target = np.where((d >= 0) & self._decode_w[np.maximum(d, 0)], d, self._ring_lookup(new))
+            self.disp_w[new] = target
+            self._need[new] = self.ctx[new] + self.dec_left[new]
+            self._queued[new] = True
+            if new.size > 1:
+                by = np.lexsort((self.ready_at[new], target))
+                new, target = new[by], target[by]
+            self._enqueue(new, target)
+        queue = self._queue
+        if not queue.size:
+            return queue, queue, queue
+        w = self.disp_w[queue]
+        ok = _fits(w, self._need[queue], slots, free_kv)
+        sel = ok.nonzero()[0]
+        if not sel.size:
+            return sel, sel, sel
+        self._queue = queue[~ok]
+        i = queue[sel]
+        self._queued[i] = False
+        by = i.argsort()
+        i = i[by]
+        return i, w[sel][by], self._need[i]
+
+    def _enqueue(self, new: np.ndarray, target: np.ndarray) -> None:
+        """Put routed requests ``new`` (sorted by ``target``, then ready_at, then index) in their places in the
+        queue: at the end of their worker's queue when they became ready after all of it (the usual case), else
+        by sorting the whole queue again."""
+        queue = self._queue
+        if not queue.size:
+            self._queue = new
+            return
+        w = self.disp_w[queue]
+        end = w.searchsorted(target, side="right")
+        if new.size <= _FEW:
+            ready_at = self.ready_at
+            after = all(
+                e == 0 or w.item(e - 1) != k or ready_at.item(queue.item(e - 1)) < ready_at.item(j)
+                for e, k, j in zip(end.tolist(), target.tolist(), new.tolist(), strict=True)
+            )
+        else:
+            last = queue[np.maximum(end - 1, 0)]
+            after = (end == 0) | (w[np.maximum(end - 1, 0)] != target) | (self.ready_at[last] < self.ready_at[new])
+            after = after.all()
+        if not after:
+            both = np.concatenate((queue, new))
+            self._queue = both[np.lexsort((both, self.ready_at[both], self.disp_w[both]))]
+            return
+        pos = end + np.arange(new.size)
+        merged = np.empty(queue.size + new.size, queue.dtype)
+        merged[pos] = new
+        old = np.empty(merged.size, bool)
+        old.fill(True)
+        old[pos] = False
+        merged[old] = queue
+        self._queue = merged
+
+    def _ring_lookup(self, i: np.ndarray) -> np.ndarray:
+        """The worker each session of trajectories ``i`` (in the window) hashes to on the ring of the routable
+        workers (looked up for the whole window at once, once per ring and window)."""
+        at = self._ring_at
+        if at is None or at[1] > self.lo or at[2] < self.hi:
+            routable = self._routable
+            key = routable.tobytes()
+            if self._ring is None or self._ring[0] != key:
+                workers = np.flatnonzero(routable)
+                pos = self.vnodes[workers].ravel()
+                owner = np.repeat(workers, VIRTUAL_NODES)
+                by = np.argsort(pos)
+                self._ring = (key, pos[by], owner[by])
+            _, pos, owner = self._ring
+            at = (key, self.lo, self.hi, owner[pos.searchsorted(self.session[self.lo : self.hi]) % pos.size])
+            self._ring_at = at
+        return at[3][i - at[1]]
 
     def _evict_for_capacity(self) -> None:
         """Evict the least recently used idle KV (tool-waiting or queued sequences) where a worker is over
         capacity; those sequences will re-prefill their whole context."""
         s = slice(self.lo, self.hi)
-        kv_w = self.kv_w[s]
-        held = kv_w >= 0
-        if not held.any():
-            return
         n_w = len(self.w_role)
-        over = np.bincount(kv_w[held], self.kv_hold[s][held], n_w) - self.profile.kv_capacity_tokens
-        if not (over > 0).any():
+        kv_w1 = self.kv_w[s] + 1  # bin 0: no KV held
+        over = np.bincount(kv_w1, self.kv_hold[s], n_w + 1)[1:] - self.profile.kv_capacity_tokens
+        is_over = over > 0
+        if not np.count_nonzero(is_over):
             return
         ph = self.phase[s]
-        cand = np.flatnonzero(held & ((ph == TOOL) | (ph == WAIT)) & (over[np.maximum(kv_w, 0)] > 0)) + self.lo
+        idle = (ph == WAIT) | (ph == TOOL)  # idle KV: tool-waiting or queued
+        cand = (idle & np.concatenate(([False], is_over))[kv_w1]).nonzero()[0]
         if not cand.size:
             return
-        cand = cand[np.lexsort((self.tool_start[cand], self.kv_w[cand]))]
+        cand += self.lo
         w = self.kv_w[cand]
-        group = _group_starts(w)
-        cs = np.cumsum(self.kv_hold[cand])
-        before = cs - self.kv_hold[cand] - _shift(cs)[group]
+        by = np.lexsort((self.tool_start[cand], w))
+        cand, w = cand[by], w[by]
+        hold = self.kv_hold[cand]
+        cs = np.zeros(cand.size + 1)
+        np.add.accumulate(hold, out=cs[1:])
+        before = cs[1:] - hold - cs[_group_starts(w, n_w)]
         ev = cand[before < over[w]]
         self.kv_w[ev] = -1
         self.kv_hold[ev] = 0.0
@@ -463,96 +716,213 @@ class Engine:
         n_w = len(self.w_role)
         p_time = np.zeros(n_w)
         s = slice(self.lo, self.hi)
-        pf = np.flatnonzero(self.phase[s] == PREFILL) + self.lo
+        pf = (self.phase[s] == PREFILL).nonzero()[0]
         if not pf.size:
+            self._prefilling = False
             return p_time
+        pf += self.lo
+        left = pf.size
         rate = self.profile.prefill_tok_s
         # The shared prefill FIFO runs on the routable PREFILL workers (a draining one takes nothing new).
-        n_prefill = int(((self.w_role == W_PREFILL) & self.w_admit).sum())
-        # A worker prefills its own sequences when it is colocated, or when no PREFILL worker exists.
-        own = (self.w_role == W_ROLLOUT) | ((self.w_role == W_DECODE) & (n_prefill == 0))
-        local = own[self.run_w[pf]]
+        n_prefill = self._n_prefill
+        pw = self.run_w[pf]
+        local = self._own[pw]
 
         # Work is counted in profile-seconds x rate: under a mismatch a turn's tokens take ``prefill_scale`` times
         # as long as the profile says.
         loc = pf[local]
-        if loc.size:
-            loc = loc[np.lexsort((self.ready_at[loc], self.run_w[loc]))]
-            w = self.run_w[loc]
-            group = _group_starts(w)
+        if 0 < loc.size <= _FEW:
+            p_time, done = self._prefill_few(loc, pw[local], rate * avail, n_w)
+            left -= done
+        elif loc.size:
+            w = pw[local]
+            by = np.lexsort((self.ready_at[loc], w))
+            loc, w = loc[by], w[by]
             scale = self._prefill_scale(loc)
-            need = self.pf_left[loc] if scale is None else self.pf_left[loc] * scale
-            cs = np.cumsum(need)
-            before = cs - need - _shift(cs)[group]
-            work = np.clip(rate * avail - before, 0.0, need)
+            pf_left = self.pf_left[loc]
+            need = pf_left if scale is None else pf_left * scale
+            cs = np.zeros(loc.size + 1)
+            np.add.accumulate(need, out=cs[1:])
+            before = cs[1:] - need - cs[_group_starts(w, n_w)]
+            work = np.minimum(np.maximum(rate * avail - before, 0.0), need)
             tokens = work if scale is None else work / scale
-            self.pf_left[loc] -= tokens
+            pf_left = pf_left - tokens
+            self.pf_left[loc] = pf_left
             self.stats["prefill_tokens"] += float(tokens.sum())
             p_time = np.bincount(w, work, n_w) / rate
-            doneidx = loc[self.pf_left[loc] <= 1e-6]
+            fin = pf_left <= 1e-6
+            doneidx = loc[fin]
             self.phase[doneidx] = DECODE
             self.new_tok[doneidx] = 0.0
+            left -= doneidx.size
 
-        pool = pf[~local]
+        pool = pf[~local] if loc.size < pf.size else pf[:0]
         if pool.size and n_prefill:
-            pool = pool[np.argsort(self.ready_at[pool], kind="stable")]
+            pool = pool[self.ready_at[pool].argsort(kind="stable")]
             budget = rate * n_prefill * avail
             scale = self._prefill_scale(pool)
-            need = self.pf_left[pool] if scale is None else self.pf_left[pool] * scale
-            cs = np.cumsum(need)
+            pf_left = self.pf_left[pool]
+            need = pf_left if scale is None else pf_left * scale
+            cs = need.cumsum()
             before = cs - need
-            work = np.clip(budget - before, 0.0, need)
+            work = np.minimum(np.maximum(budget - before, 0.0), need)
             tokens = work if scale is None else work / scale
-            self.pf_left[pool] -= tokens
+            pf_left = pf_left - tokens
+            self.pf_left[pool] = pf_left
             self.stats["prefill_tokens"] += float(tokens.sum())
-            fin = self.pf_left[pool] <= 1e-6
+            fin = pf_left <= 1e-6
             doneidx = pool[fin]
-            at = t0 + np.minimum(cs[fin] / budget, 1.0) * avail
-            self.phase[doneidx] = XFER
-            self.new_tok[doneidx] = 0.0
-            self.xfer_end[doneidx] = at + self.profile.kv_transfer_s(self.pf_total[doneidx])
+            if doneidx.size:
+                at = t0 + np.minimum(cs[fin] / budget, 1.0) * avail
+                self.phase[doneidx] = XFER
+                self.new_tok[doneidx] = 0.0
+                xfer_end = at + self.profile.kv_transfer_s(self.pf_total[doneidx])
+                self.xfer_end[doneidx] = xfer_end
+                self._next_xfer = min(self._next_xfer, float(xfer_end.min()))
+                left -= doneidx.size
+        self._prefilling = left > 0
         return p_time
+
+    def _prefill_few(self, loc: np.ndarray, w: np.ndarray, budget: float, n_w: int) -> tuple[np.ndarray, int]:
+        """``_prefill``'s colocated queues for a few sequences, element by element (the same arithmetic in the same
+        order as its vector form): each worker prefills its own FIFO for ``budget`` profile-token-seconds. The
+        seconds each worker spent and how many sequences finished."""
+        rate = self.profile.prefill_tok_s
+        at, ws, ready = loc.tolist(), w.tolist(), self.ready_at[loc].tolist()
+        left = self.pf_left[loc].tolist()
+        scale = self._prefill_scale(loc)
+        scales = None if scale is None else scale.tolist()
+        spent: dict[int, float] = {}
+        tokens = []
+        cs = base = 0.0  # the running total of the work asked, and where this worker's queue started in it
+        cur = -1
+        done = 0
+        for j in sorted(range(len(at)), key=lambda j: (ws[j], ready[j])):
+            k = ws[j]
+            if k != cur:
+                cur, base = k, cs
+            need = left[j] if scales is None else left[j] * scales[j]
+            cs += need
+            work = min(max(budget - (cs - need - base), 0.0), need)
+            tok = work if scales is None else work / scales[j]
+            tokens.append(tok)
+            spent[k] = spent.get(k, 0.0) + work
+            i = at[j]
+            rest = left[j] - tok
+            self.pf_left[i] = rest
+            if rest <= 1e-6:
+                self.phase[i] = DECODE
+                self.new_tok[i] = 0.0
+                done += 1
+        self.stats["prefill_tokens"] += float(np.add.reduce(np.array(tokens)))
+        p_time = np.zeros(n_w)
+        for k, x in spent.items():
+            p_time[k] = x / rate
+        return p_time, done
 
     def _decode(self, t0: float, avail: float, p_time: np.ndarray) -> None:
         s = slice(self.lo, self.hi)
-        d = np.flatnonzero(self.phase[s] == DECODE) + self.lo
+        d = (self.phase[s] == DECODE).nonzero()[0]
         if not d.size:
             return
+        d += self.lo
         n_w = len(self.w_role)
         w = self.run_w[d]
         batch = np.bincount(w, minlength=n_w)
-        ctx_sum = np.bincount(w, self.ctx[d], n_w)
-        itl = np.full(n_w, np.inf)
-        for k in np.flatnonzero(batch):
-            # The planner's own decode model: sublinear in batch, MoE experts, the batch-1 straggler floor.
-            itl[k] = self.profile.decode.itl(float(batch[k]), ctx_sum[k] / batch[k])
+        ctx = self.ctx[d]
+        ctx_sum = np.bincount(w, ctx, n_w)
+        # The planner's own decode model: sublinear in batch, MoE experts, the batch-1 straggler floor.
+        itl = self._decode_itl(batch, ctx_sum)
         decode_time = np.maximum(avail - p_time, 0.0)
-        iters = decode_time / itl
+        iters = (decode_time / itl)[w]
         left = self.dec_left[d]
         # Under a mismatch a turn's tokens each take ``decode_scale`` of its worker's iterations.
-        scale = None if self.draws.decode_scale is None else self.draws.decode_scale[d, self.turn[d]]
-        adv = np.minimum(left, iters[w] if scale is None else iters[w] / scale)
-        self.ctx[d] += adv
-        self.dec_left[d] = left - adv
-        self.stats["decode_tokens"] += float(adv.sum())
-        fin = left - adv <= 1e-6
-        if not fin.any():
+        scale = None if self._dscale is None else self._dscale[d]
+        adv = np.minimum(left, iters if scale is None else iters / scale)
+        ctx = ctx + adv
+        self.ctx[d] = ctx
+        rest = left - adv
+        self.dec_left[d] = rest
+        self.stats["decode_tokens"] += float(np.add.reduce(adv))
+        fin = rest <= 1e-6
+        done = np.count_nonzero(fin)
+        if not done:
+            return
+        self._admit_dirty = True  # slots and KV reservations free up
+        if done <= _FEW:
+            self._decoded_few(d, fin, w, left, ctx, itl, t0, p_time, scale)
             return
         i = d[fin]
-        end = t0 + p_time[w[fin]] + left[fin] * itl[w[fin]] * (1.0 if scale is None else scale[fin])
-        last = (self.turn[i] + 1 >= self.draws.turns[i]) | (self.ctx[i] >= self.max_context - 1)
-        self._finish(i[last], end[last])
-        i, end = i[~last], end[~last]
+        wf = w[fin]
+        took = left[fin] * itl[wf]
+        end = t0 + p_time[wf] + (took if scale is None else took * scale[fin])
+        turn = self.turn[i]
+        last = (turn + 1 >= self.draws.turns[i]) | (ctx[fin] >= self.max_context - 1)
+        if np.count_nonzero(last):
+            self._finish(i[last], end[last])
+            more = ~last
+            i, end, turn = i[more], end[more], turn[more]
+            if not i.size:
+                return
         self.phase[i] = TOOL
         self.run_w[i] = -1
         self.kv_hold[i] = self.ctx[i]  # the reservation shrinks to the context it keeps
         self.tool_start[i] = end
-        self.tool_end[i] = end + self.draws.tool_latency[i, self.turn[i]]
+        tool_end = end + self.draws.tool_latency[i, turn]
+        self.tool_end[i] = tool_end
+        self._next_tool = min(self._next_tool, float(tool_end.min()))
+
+    def _decoded_few(self, d, fin, w, left, ctx, itl, t0: float, p_time, scale) -> None:
+        """``_decode``'s turn ends for a few sequences, element by element (the same arithmetic): each ends its
+        trajectory or starts its tool call."""
+        draws = self.draws
+        top = self.max_context - 1
+        for j in fin.nonzero()[0].tolist():
+            i, k = d.item(j), w.item(j)
+            took = left.item(j) * itl.item(k)
+            end = t0 + p_time.item(k) + (took if scale is None else took * scale.item(j))
+            turn = self.turn.item(i)
+            c = ctx.item(j)
+            if turn + 1 >= draws.turns.item(i) or c >= top:
+                self._finish_one(i, end)
+                continue
+            self.phase[i] = TOOL
+            self.run_w[i] = -1
+            self.kv_hold[i] = c  # the reservation shrinks to the context it keeps
+            self.tool_start[i] = end
+            tool_end = end + draws.tool_latency.item(i, turn)
+            self.tool_end[i] = tool_end
+            self._next_tool = min(self._next_tool, tool_end)
+
+    def _decode_itl(self, batch: np.ndarray, ctx_sum: np.ndarray) -> np.ndarray:
+        """Each worker's decode iteration, ``profile.decode.itl(batch, mean context)`` (inf: no batch)."""
+        if self._itl is None:  # a decode model of its own: asked worker by worker
+            itl_of = self.profile.decode.itl
+            bc = zip(batch.tolist(), ctx_sum.tolist(), strict=True)
+            return np.array([itl_of(float(b), c / b) if b else np.inf for b, c in bc])
+        b = np.maximum(batch, 1)  # (a worker with no batch gets inf)
+        if self._distinct is None:  # the model's distinct experts by batch size (a batch is at most max_num_seqs)
+            top = max(self.profile.max_num_seqs, 1)
+            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
+        try:
+            e = self._distinct[b]
+        except IndexError:  # a batch above max_num_seqs
+            top = int(b.max())
+            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
+            e = self._distinct[b]
+        return np.where(batch > 0, self._itl(b, ctx_sum / b, e), np.inf)
 
     def _prefill_scale(self, i: np.ndarray) -> np.ndarray | None:
         """How much longer than the profile says trajectories ``i`` take to prefill this turn (None: as it says)."""
-        s = self.draws.prefill_scale
-        return None if s is None else s[i, np.minimum(self.turn[i], s.shape[1] - 1)]
+        return None if self._pscale is None else self._pscale[i]
+
+    def _finish_one(self, i: int, at: float) -> None:
+        self.phase[i] = DONE
+        self.done_at[i] = at
+        self.run_w[i] = -1
+        self.kv_w[i] = -1
+        self.kv_hold[i] = 0.0
+        self._finished = True
 
     def _finish(self, i: np.ndarray, at) -> None:
         self.phase[i] = DONE
@@ -560,10 +930,15 @@ class Engine:
         self.run_w[i] = -1
         self.kv_w[i] = -1
         self.kv_hold[i] = 0.0
+        self._finished = True
 
     # -- what the run loop reads --------------------------------------------------------------------
 
     def all_done(self, lo: int, hi: int) -> bool:
+        if hi <= self.lo:
+            return True  # before the window: all done
+        if lo <= self.lo < hi and self.lo < self.hi:
+            return False  # the window's first trajectory is not done
         return bool((self.phase[lo:hi] == DONE).all())
 
     def remaining_decode_tokens(self, lo: int, hi: int) -> float:
@@ -578,33 +953,59 @@ class Engine:
 
     def busy(self) -> bool:
         """Some launched trajectory is unfinished (``in_flight`` is not empty)."""
+        if self.lo >= self.hi:
+            return False
+        if self.phase[self.lo] != PENDING:
+            return True  # the window's first trajectory is in flight (it is not done)
         ph = self.phase[self.lo : self.hi]
-        return bool(((ph != DONE) & (ph != PENDING)).any())
+        return bool(np.count_nonzero((ph != DONE) & (ph != PENDING)))
 
     def in_flight(self) -> np.ndarray:
         """Indices of launched, unfinished trajectories."""
-        s = slice(self.lo, self.hi)
-        return np.flatnonzero((self.phase[s] != DONE) & (self.phase[s] != PENDING)) + self.lo
+        ph = self.phase[self.lo : self.hi]
+        return ((ph != DONE) & (ph != PENDING)).nonzero()[0] + self.lo
+
+
+# Up to this many sequences, a step's bookkeeping runs element by element (numpy's per-call cost dominates).
+_FEW = 16
 
 
 def _fits(w: np.ndarray, need: np.ndarray, slots: np.ndarray, free_kv: np.ndarray) -> np.ndarray:
     """For requests sorted by worker ``w`` (FIFO within each), which are admitted: first come first served
     per worker, as far as its free slots and KV go (a request that does not fit blocks those behind it)."""
-    group = _group_starts(w)
-    cs = np.cumsum(need)
-    cs_group = cs - _shift(cs)[group]
-    rank = np.arange(w.size) - group
-    return (rank < slots[w]) & (cs_group <= free_kv[w])
+    counts = np.bincount(w, minlength=slots.size)
+    start = counts.cumsum() - counts  # where each worker's requests start
+    cs = np.zeros(w.size + 1)  # cs[g]: the running total before position g
+    np.add.accumulate(need, out=cs[1:])
+    # rank within the worker's queue < its free slots; the running total of its queue (as a difference of
+    # the running totals of the whole queue) within its free KV
+    return (np.arange(w.size) < (start + slots)[w]) & (cs[1:] - cs[start[w]] <= free_kv[w])
 
 
-def _group_starts(keys: np.ndarray) -> np.ndarray:
-    """For sorted ``keys``, the index where each element's group (run of equal keys) starts."""
-    starts = np.flatnonzero(np.diff(keys)) + 1
-    first = np.zeros(keys.size, np.int64)
-    first[starts] = starts
-    return np.maximum.accumulate(first)
+def _group_starts(keys: np.ndarray, n_keys: int) -> np.ndarray:
+    """For sorted ``keys`` (in 0 .. n_keys - 1), the index where each element's group (run of equal keys) starts."""
+    counts = np.bincount(keys, minlength=n_keys)
+    return (counts.cumsum() - counts)[keys]
 
 
-def _shift(cs: np.ndarray) -> np.ndarray:
-    """``cs`` with a 0 in front: ``_shift(cs)[g]`` is the running total before position ``g``."""
-    return np.concatenate(([0.0], cs))
+def _vector_itl(decode):
+    """``DecodeModel.itl`` over arrays of workers (batch sizes ``b`` >= 1, mean contexts ``c``, distinct experts
+    ``e`` of each batch size): the same operations in the same order, so bit for bit the same seconds; None when
+    the decode model is not one this matches (the engine then asks ``itl`` worker by worker)."""
+    if type(decode) is not DecodeModel:
+        return None
+    ws, es, ss, ks = decode.weights_s, decode.experts_s, decode.seq_s, decode.kv_s_per_token
+
+    def itl(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
+        return ws + es * e + ss * b + ks * b * np.maximum(c, 0.0)
+
+    def dense(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
+        return ws + ss * b + ks * b * np.maximum(c, 0.0)  # ws + es * 0.0 is ws
+
+    # A check that DecodeModel.itl is still this formula.
+    b = np.array([1.0, 2.0, 7.0, 64.0, 255.0])
+    c = np.array([0.0, 1234.5, 40000.25, 3.0e3 / 7.0, 9.99e4 / 3.0])
+    e = np.array([decode.distinct_experts(x) for x in b])
+    if itl(b, c, e).tolist() != [decode.itl(x, y) for x, y in zip(b.tolist(), c.tolist(), strict=True)]:
+        return None
+    return itl if decode.moe_experts else dense
