@@ -508,7 +508,11 @@ def check_state(run: LiveRun) -> list[str]:
                 problems.append(f"trainer.expected_wait_s = {wait!r}")
         rollout = r.get("rollout")
         if rollout is not None:
-            doc = {k: v for k, v in rollout.items() if k not in ("reported_at", "tokens_per_s")}
+            # the daemon's own fields beside the driver's report: when it came, its rate, when the work emptied
+            doc = {k: v for k, v in rollout.items() if k not in ("reported_at", "tokens_per_s", "emptied_at")}
+            emptied = rollout.get("emptied_at")
+            if not (emptied is None or (isinstance(emptied, (int, float)) and math.isfinite(emptied))):
+                problems.append(f"rollout.emptied_at = {emptied!r}")
             try:
                 bodies.parse(bodies.Progress, doc)
             except bodies.ValidationError as exc:
