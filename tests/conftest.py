@@ -108,6 +108,21 @@ def assert_quiet_on_broken_pipe(proc: subprocess.Popen, timeout: float, exit_cod
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
 
 
+def create_serving_run(store, run_dir: Path, *, run_id: str = "q") -> None:
+    """Run ``run_id`` (Slurm backend, policy never): a trainer pool of 2 GPUs on node n1 and a rollout pool of
+    one GPU on node n2, each GPU registered in its pool's role — for tests that need a serving worker."""
+    pools = [
+        {"name": name, "kind": name, "role": role, "partition": None, "nodes": 1, "gpus_per_node": n,
+         "job_name": f"pearl.{run_id}.{name}"}
+        for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))
+    ]  # fmt: skip
+    store.create_run(run_id=run_id, name=run_id, spec={}, spec_path=None, run_dir=str(run_dir), backend="slurm",
+                     policy="never", pools=pools)  # fmt: skip
+    placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
+    for a, (node, idx, role) in zip(store.allocations(run_id), placed, strict=True):
+        store.upsert_node_gpus(run_id, a["id"], node, idx, role)
+
+
 def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
     """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
     store.create_run(

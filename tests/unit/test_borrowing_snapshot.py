@@ -14,10 +14,9 @@ from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner.model import Role
 from pearlctl.state.store import Store
-from tests.conftest import create_trainer_run
+from tests.conftest import create_serving_run, create_trainer_run
 
 NOW = 1_000_000.0
-POOL = {"partition": None, "nodes": 1}
 
 
 @pytest.fixture
@@ -26,15 +25,7 @@ def daemon(tmp_path: Path):
         alloc = create_trainer_run(store, tmp_path, job_id="1")
         store.upsert_node_gpus("r", alloc["id"], "gpu1", [0, 1], "TRAIN")
         # run "q": the same trainer pool plus a rollout pool of one GPU, for tests that need a serving worker
-        pools = [
-            dict(POOL, name=name, kind=name, role=role, gpus_per_node=n, job_name=f"pearl.q.{name}")
-            for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))
-        ]
-        store.create_run(run_id="q", name="q", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
-        placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
-        for a, (node, idx, role) in zip(store.allocations("q"), placed, strict=True):
-            store.upsert_node_gpus("q", a["id"], node, idx, role)
+        create_serving_run(store, tmp_path)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller = Controller(store, "r", None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)

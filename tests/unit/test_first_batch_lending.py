@@ -28,37 +28,20 @@ from pearlctl.planner import budget, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.predict import predict
 from pearlctl.state.store import Store
-from tests.conftest import REPO
+from tests.conftest import REPO, FakeClock, create_serving_run
 
 T0 = 1_000_000.0
-POOL = {"partition": None, "nodes": 1}
 # a batch of long multi-turn trajectories: far longer than a cold borrow and a return on the H100 profile
 WORK = {"trajectories": 512, "turns_left": 8, "turns_left_max": 20, "decode_tokens_per_turn": 400,
         "decode_tokens_per_turn_max": 2000, "prefill_tokens_per_turn": 300, "context_tokens": 4000,
         "tool_latency_s": 5.0, "tool_latency_max_s": 30.0}  # fmt: skip
 
 
-class Clock:
-    def __init__(self, now: float):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def run(tmp_path: Path):
-    clock = Clock(T0)
+    clock = FakeClock(T0)
     with Store.open(tmp_path / "s.db", clock=clock) as store:
-        pools = [
-            dict(POOL, name=name, kind=name, role=role, gpus_per_node=n, job_name=f"pearl.q.{name}")
-            for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))
-        ]
-        store.create_run(run_id="q", name="q", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="never", pools=pools)  # fmt: skip
-        placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
-        for a, (node, idx, role) in zip(store.allocations("q"), placed, strict=True):
-            store.upsert_node_gpus("q", a["id"], node, idx, role)
+        create_serving_run(store, tmp_path)
         ex = Executor(store, DaemonEffects(store, "q", None), run_id="q", epoch=None, clock=clock)
         c = Controller(store, "q", None, clock=clock)
         c.borrowing = Borrowing(store, ex, "q", clock=clock)
