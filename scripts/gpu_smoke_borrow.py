@@ -125,9 +125,7 @@ class Smoke:
             "--out",
             "{run_dir}/trainer",
         ]
-        # a hint of the first (only) wait: no GPU serves rollout before the borrow here (the rollout pool has
-        # none), so the daemon has no batch to predict the wait from
-        train += ["--rollouts", "file:{run_dir}/rollouts", "--channel", "daemon", "--first-wait-s", "600"]
+        train += ["--rollouts", "file:{run_dir}/rollouts", "--channel", "daemon"]
         engine_args = {"max_model_len": 512}
         if self.device == "gpu":
             engine_args.update(gpu_memory_utilization=0.3, enforce_eager=True)
@@ -143,7 +141,9 @@ poll_interval_s = 2
 [pools.trainer]
 nodes = 1
 gpus_per_node = 1
-env = {{ OMP_NUM_THREADS = "2" }}
+# PEARL_FIRST_WAIT_S: a hint of the first (only) wait, read by the trainer hook: no GPU serves rollout before
+# the borrow here (the rollout pool has none), so the daemon has no batch to predict the wait from
+env = {{ OMP_NUM_THREADS = "2", PEARL_FIRST_WAIT_S = "600" }}
 train_command = {json.dumps(train)}
 engine_args = {{ {", ".join(f"{k} = {json.dumps(v)}" for k, v in engine_args.items())} }}
 [pools.rollout]  # no GPU of its own: the only vLLM runs on the lent trainer GPU

@@ -103,13 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.2,  # the hook's own default: each poll is a report to the daemon and a collective of the ranks
         help="seconds between channel polls while waiting (a release or reclaim waits at most this long)",
     )
-    p.add_argument(
-        "--first-wait-s",
-        type=float,
-        default=None,
-        help="a hint: the expected wait for the first rollout batch, before any wait was measured (default none: "
-        "the daemon predicts the batch in flight from the run's profile; without a profile nothing is lent on it)",
-    )
     p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
     return p.parse_args(argv)
 
@@ -394,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
 
     weights_dir = args.out / "weights"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    expected_wait = args.first_wait_s  # then a moving average of the measured waits
+    # none before a wait was measured (the daemon predicts the batch in flight from the run's profile; a user's
+    # hint, $PEARL_FIRST_WAIT_S, is the hook's), then a moving average of the measured waits
+    expected_wait: float | None = None
     while step < args.steps:
         step += 1
         t_wait = time.monotonic()

@@ -233,16 +233,16 @@ class RouterRollout:
         weights_timeout_s: float = WEIGHTS_TIMEOUT_S,
         join_wait_s: float = JOIN_WAIT_S,
         poll_interval_s: float = 0.2,
-        first_wait_s: float | None = None,
     ):
         self.client, self.callback = client, callback
         self.concurrency, self.on_policy = concurrency, on_policy
         self.weights_timeout_s, self.join_wait_s = weights_timeout_s, join_wait_s
         self.poll_interval_s = poll_interval_s
-        # told to the daemon at each waiting report; before the first batch ``first_wait_s``, a hint (None: none
-        # — the daemon predicts a batch from the work a rollout driver reports, and this rollout reports none,
-        # so nothing is lent for the first batch), then a moving average of the measured waits
-        self.expected_wait_s: float | None = first_wait_s
+        # told to the daemon at each waiting report: a moving average of the measured waits; none before the
+        # first (the daemon predicts a batch from the work a rollout driver reports, and this rollout reports
+        # none, so nothing is lent for the first batch unless the user hints it: $PEARL_FIRST_WAIT_S, read by
+        # pearlctl's trainer hook)
+        self.expected_wait_s: float | None = None
         self.last: dict = {}  # timings of the latest batch
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
@@ -429,13 +429,12 @@ def attach(
     sampled_logprobs: bool = True,
     concurrency: int = 16,
     on_policy: bool = True,
-    first_wait_s: float | None = None,
 ) -> PearlCallback:
     """pearlctl for this GRPOTrainer (module docstring). ``model_dir``: the base model directory (its tokenizer
     and config go into each weight export). ``client``: the rollout client (default: a
     `pearlctl.router.client.RolloutClient` of the run under pearlctl; none outside it, and then TRL generates
-    itself). ``first_wait_s``: a hint, the expected wait announced for the first batch (default none: this
-    rollout reports no work for the daemon to predict from, so nothing is lent before a wait was measured).
+    itself). Nothing is announced as the first batch's wait (this rollout reports no work for the daemon to
+    predict from, so nothing is lent before a wait was measured) unless ``$PEARL_FIRST_WAIT_S`` hints it.
     ``sampled_logprobs``: apply TRL's importance-sampling correction to the workers' logprobs
     (`use_sampled_logprobs`). Returns the callback (its ``hook`` once training began)."""
     if trainer.rollout_func is not None:
@@ -454,9 +453,7 @@ def attach(
     callback = PearlCallback(trainer, model_dir=model_dir, channel=channel, weights_dir=weights_dir)
     trainer.add_callback(callback)
     if client is not None:
-        trainer.rollout_func = RouterRollout(
-            client, callback, concurrency=concurrency, on_policy=on_policy, first_wait_s=first_wait_s
-        )
+        trainer.rollout_func = RouterRollout(client, callback, concurrency=concurrency, on_policy=on_policy)
         if sampled_logprobs:
             use_sampled_logprobs(trainer)
     return callback

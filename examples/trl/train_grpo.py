@@ -56,14 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--first-wait-s",
-        type=float,
-        default=None,
-        help="a hint: the expected wait for the first batch, told to the daemon (default none: the daemon predicts "
-        "a batch from the run's profile and the work reported to it; this example reports none, so nothing is "
-        "lent before the first measured wait)",
-    )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on signals)")
     return p.parse_args(argv)
 
@@ -161,7 +153,6 @@ def main(argv: list[str] | None = None, **attach_kwargs) -> int:
         train_dataset=prompts_dataset(args.prompts * args.steps * 4, args.seed),
         processing_class=tokenizer,
     )
-    attach_kwargs.setdefault("first_wait_s", args.first_wait_s)
     pearl = pearl_trl.attach(trainer, model_dir=args.model, **attach_kwargs)  # the pearlctl part: one line
     trainer.add_callback(JsonLog(trainer, pearl, args.out / "train.jsonl"))
     trainer.train(resume_from_checkpoint=pearl_trl.last_checkpoint(args.out))

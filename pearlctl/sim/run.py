@@ -226,7 +226,7 @@ class Sim:
         self.blocked_since: float | None = None
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
         self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
-        # its measured waits, averaged as examples/grpo/train.py does, from its --first-wait-s (None: unknown)
+        # its measured waits, averaged as examples/grpo/train.py does, from its first-wait hint (None: unknown)
         self.wait_ema: float | None = scenario.training.first_wait_s
         self.version = 0
         # Lease events, in time order.
@@ -667,7 +667,7 @@ class Sim:
         less the time waited so far, floored at 0 (the trainer hook's ``wait_until``). The same in an
         asynchronous loop, where a batch generated ahead makes the wait short or nothing. Before any wait was
         measured the trainer reports none, unless the scenario gives it a hint (``first_wait_s``, as
-        ``--first-wait-s``); ``_trainer_view`` then leaves the wait to the planner's prediction."""
+        ``PEARL_FIRST_WAIT_S``); ``_trainer_view`` then leaves the wait to the planner's prediction."""
         return max((self.wait_ema or 0.0) - (t - self.waiting_since), 0.0)
 
     # -- the predictor's correction (pearlctl.planner.correct), as the daemon keeps it ---------------------------

@@ -154,7 +154,7 @@ class Training:
     weight_sync_s: float  # rollout workers pause this long after each step while new weights load
     staleness: int = 0  # async: a batch may be generated at most this many steps ahead of the trainer
     join_wait_s: float = JOIN_WAIT_S  # the rollout driver's join wait (above)
-    # the trainer's expected wait for its first batch (examples/grpo/train.py --first-wait-s); None: unknown, so
+    # the trainer's expected wait for its first batch (PEARL_FIRST_WAIT_S for the trainer hook); None: unknown, so
     # it reports no wait, and nothing is lent, before its first measured wait
     first_wait_s: float | None = None
 

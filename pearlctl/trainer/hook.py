@@ -102,6 +102,26 @@ PHASES = ("training", "waiting")
 """What ``phase()`` accepts. Events also carry ``"stopped"`` once, from ``checkpoint_and_exit``."""
 COMMANDS = ("release", "reclaim")
 RELEASE_MODES = ("offload", "checkpoint")
+FIRST_WAIT_ENV = "PEARL_FIRST_WAIT_S"
+"""A user's hint of the first batch's wait, in seconds (unset: none). With no hint, the daemon predicts the batch
+in flight from the run's profile and the driver's work report; a hint is for a trainer whose rollout reports no
+work (e.g. a run with no rollout GPU before the first borrow). A run spec sets it in ``[pools.trainer] env``."""
+
+
+def _non_negative(value: Any, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds >= 0.0 and seconds != float("inf")):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
+    return seconds
+
+
+def first_wait_hint() -> float | None:
+    """``$PEARL_FIRST_WAIT_S`` as seconds, or None when unset or empty; a ValueError naming it when not a number."""
+    raw = os.environ.get(FIRST_WAIT_ENV, "").strip()
+    return _non_negative(raw, FIRST_WAIT_ENV) if raw else None
 
 
 class TrainerHook(RankAgreement, EngineOffload, WeightExport):
@@ -112,7 +132,8 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
     ``base_model_dir`` (config and tokenizer files copied into weight exports), ``release_mode``
     (used when a release command names none), ``poll_interval_s`` (how often a blocked or waiting
     trainer asks the channel), ``on_command`` (called on every rank with ``{"command", "command_id",
-    "result"}`` after a command was carried out: for the loop's log), and ``all_reduce_max`` — the one
+    "result"}`` after a command was carried out: for the loop's log), ``first_wait_s`` (a hint of the first
+    batch's wait, default ``$PEARL_FIRST_WAIT_S``: see ``FIRST_WAIT_ENV``), and ``all_reduce_max`` — the one
     seam unit tests replace: a function that takes this rank's list of floats and returns the
     element-wise maximum over all ranks.
     """
@@ -130,6 +151,7 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
         poll_interval_s: float = 0.2,
         all_reduce_max: Callable[[list[float]], list[float]] | None = None,
         on_command: Callable[[dict], None] | None = None,
+        first_wait_s: float | None = None,
     ) -> None:
         if release_mode not in RELEASE_MODES:
             raise ValueError(f"release_mode must be one of {RELEASE_MODES}, not {release_mode!r}")
@@ -152,6 +174,10 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
         self._stop_agreed = False
         self._deferred: OrderedDict[str, dict] = OrderedDict()  # rank 0: releases held while training, by id
         self._handled: OrderedDict[str, dict] = OrderedDict()  # rank 0: command_id -> result
+        # a user's hint of the first batch's wait (``first_wait_s``, else $PEARL_FIRST_WAIT_S; none by default):
+        # reported, counted down, by the waiting reports of the first step that waits which give no expected wait
+        self.first_wait_s = first_wait_hint() if first_wait_s is None else _non_negative(first_wait_s, "first_wait_s")
+        self._first_wait: tuple[int, float] | None = None  # (the first step that waited, when it began)
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,6 +207,8 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
             self.ensure_reclaimed()
         cmd, code = None, _NONE
         if self.rank == 0:
+            if name == "waiting":
+                expected_wait_s = self._or_first_wait(step, expected_wait_s)
             event = self._event(name, step=step, expected_wait_s=expected_wait_s, metrics=metrics)
             cmd, code = self._poll(event, can_release=name == "waiting")
         code, _ready = self._agree(_SITE_PHASE, code)
@@ -209,7 +237,9 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
             if self.rank == 0:
                 is_ready = 1 if ready() else 0
                 left = None if expected_wait_s is None else max(0.0, expected_wait_s - (time.monotonic() - t0))
-                event = self._event("waiting", step=step, expected_wait_s=left, metrics=metrics)
+                event = self._event(
+                    "waiting", step=step, expected_wait_s=self._or_first_wait(step, left), metrics=metrics
+                )
                 cmd, code = self._poll(event, can_release=True)
             code, agreed_ready = self._agree(_SITE_WAIT_UNTIL, code, ready=is_ready)
             self._carry_out(code, cmd)
@@ -395,6 +425,16 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
         return int((client_state or {}).get("step", self.engine.global_steps))
 
     # ------------------------------------------------------------------ internals: the channel
+    def _or_first_wait(self, step: int, expected_wait_s: float | None) -> float | None:
+        """The loop's expected wait; when it gives none in the first step that waits, the user's first-wait hint
+        (if any), counted down from that step's first waiting report."""
+        if self._first_wait is None:
+            self._first_wait = (step, time.monotonic())
+        first_step, since = self._first_wait
+        if expected_wait_s is not None or self.first_wait_s is None or step != first_step:
+            return expected_wait_s
+        return max(0.0, self.first_wait_s - (time.monotonic() - since))
+
     def _event(self, phase: str, *, step: int | None, expected_wait_s: float | None = None, **extra: Any) -> dict:
         event = {
             "phase": phase,

@@ -88,9 +88,6 @@ def spec(d: Path) -> str:
         str(d / "run" / "trainer"),
         "--rollouts",
         f"file:{d / 'rollouts'}",  # never written: the trainer waits for its first batch all along
-        # a hint of that wait: no GPU serves rollout before a borrow here, so the daemon has no batch to predict
-        "--first-wait-s",
-        "36000",
         "--channel",
         "daemon",
     ]
@@ -104,7 +101,9 @@ poll_interval_s = 2
 [pools.trainer]
 nodes = 1
 gpus_per_node = 2
-env = {{ OMP_NUM_THREADS = "1" }}
+# PEARL_FIRST_WAIT_S: a hint of the first wait (the trainer hook's): no GPU serves rollout before a borrow here,
+# so the daemon has no batch to predict the wait from
+env = {{ OMP_NUM_THREADS = "1", PEARL_FIRST_WAIT_S = "36000" }}
 train_command = {json.dumps(train)}
 engine_args = {{ max_model_len = 512 }}
 [pools.rollout]                # no GPU, so no worker: every vLLM here runs on a lent trainer GPU

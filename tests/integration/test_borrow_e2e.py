@@ -137,7 +137,7 @@ def test_borrow_end_to_end_with_real_engines(e2e):
     # GPU); a second daemon takes over and must finish that borrow without starting a second vLLM.
     faulty = Pearlctl(pc.env["PEARL_STATE_DIR"], dict(pc.env, PEARL_FAULT="after_intent:START"))
     first = json.loads(faulty("daemon", "e2e", "--heartbeat-s", "1", "--lease-ttl-s", "3", "--json").stdout)
-    profile(pc, "e2e")  # no --first-wait-s: the first batch's wait is the daemon's prediction
+    profile(pc, "e2e")  # no PEARL_FIRST_WAIT_S: the first batch's wait is the daemon's prediction
     pc("borrow", "e2e", "--policy", "greedy", "--gpus", "1")
     run_id = pc.json("status", "e2e")["run"]["id"]
     restarted = []

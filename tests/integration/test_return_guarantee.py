@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(1500)  # a tiny run of 3 steps with real engine
 
 
 def spec_text(run_dir: Path, name: str) -> str:
-    # no hint of the first wait (--first-wait-s): a profiled run lends into the first batch on its prediction
+    # no hint of the first wait (PEARL_FIRST_WAIT_S): a profiled run lends into the first batch on its prediction
     return e2e_spec(run_dir, name=name, steps=STEPS)
 
 

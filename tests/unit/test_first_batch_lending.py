@@ -110,7 +110,7 @@ def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
     run.clock.now = T0 + 3.0
     run.b.tick()
     assert run.store.transitions("q") == []
-    # the same batch with a hint from the user (--first-wait-s): lent on the hint
+    # the same batch with a hint from the user (PEARL_FIRST_WAIT_S): lent on the hint
     waiting(run, T0, wait_s=600.0)
     assert run.b.plan_borrow(T0 + 3.0)["return_deadline"] == pytest.approx(T0 + 600.0)
 

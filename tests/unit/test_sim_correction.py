@@ -89,7 +89,7 @@ def test_without_the_correction_nothing_is_learned():
 
 
 def test_before_its_first_measured_wait_the_lending_horizon_is_the_predicted_batch():
-    # examples/grpo/train.py reports no ETA before it measured a wait (no --first-wait-s): the snapshot's wait is
+    # examples/grpo/train.py reports no ETA before it measured a wait (no PEARL_FIRST_WAIT_S): the snapshot's wait is
     # then the planner's own prediction of the batch in flight on the GPUs serving now (plan.expect_wait), as the
     # daemon's; once a wait was measured, the trainer's moving average, never the predictor.
     for name in ("short-steps-8b", "agentic-coding-8b"):  # sync and async
@@ -108,7 +108,7 @@ def test_before_its_first_measured_wait_the_lending_horizon_is_the_predicted_bat
         assert measured.wait_known and not measured.wait_predicted
         assert measured.wait_left_s == pytest.approx(117.0)
         assert sim._trainer_view(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
-        # with --first-wait-s (a user's hint, the scenario's first_wait_s), that is its ETA before any measured wait
+        # with PEARL_FIRST_WAIT_S (a user's hint, the scenario's first_wait_s), that is its ETA before any measured wait
         sim = _sim(name, first_wait_s=300.0)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
@@ -138,7 +138,7 @@ def test_the_trainer_averages_its_waits_as_the_training_loop_does():
             waits.append(max(sim.completed_at[sim.trained] - sim.waiting_since, 0.0))
         before = sim.training_until
     assert len(waits) == 3
-    ema = 50.0  # from the first expected wait (--first-wait-s)
+    ema = 50.0  # from the first expected wait (PEARL_FIRST_WAIT_S)
     for w in waits:
         ema = 0.7 * ema + 0.3 * w
     assert sim.wait_ema == pytest.approx(ema)

@@ -140,6 +140,50 @@ def test_no_daemon_means_no_command():
     assert engine.calls == [] and not hook.released
 
 
+def _waits(ch: QueueChannel) -> list:
+    return [(e["step"], e["expected_wait_s"]) for e in ch.events if e["phase"] == "waiting"]
+
+
+def test_a_first_wait_hint_is_reported_counted_down_in_the_first_waiting_step_only(monkeypatch):
+    monkeypatch.setenv("PEARL_FIRST_WAIT_S", "600")
+    ch = QueueChannel()
+    hook = hook_for(channel=ch)
+    assert hook.first_wait_s == 600.0
+    hook.phase("training", step=1)  # a loop (TRL's) may report training before its first batch: no matter
+    hook.phase("waiting", step=1)
+    time.sleep(0.05)
+    hook.phase("waiting", step=1)
+    hook.phase("waiting", step=1, expected_wait_s=7.0)  # the loop's own figure wins
+    hook.phase("training", step=1)
+    hook.phase("waiting", step=2)  # a later step's unknown wait stays unknown: the hint is the first batch's
+    (s1, w1), (_, w2), (_, w3), (s2, w4) = _waits(ch)
+    assert s1 == 1 and 599.0 < w2 < w1 <= 600.0 and w3 == 7.0 and (s2, w4) == (2, None)
+
+
+def test_without_a_hint_an_unknown_wait_is_reported_as_unknown(monkeypatch):
+    monkeypatch.delenv("PEARL_FIRST_WAIT_S", raising=False)
+    ch = QueueChannel()
+    hook = hook_for(channel=ch)
+    hook.wait_until(lambda: True, step=1)
+    assert hook.first_wait_s is None and _waits(ch) == [(1, None)]
+
+
+def test_wait_until_counts_the_hint_down_and_an_argument_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("PEARL_FIRST_WAIT_S", "600")
+    ch = QueueChannel()
+    ready = iter([False, False, True])
+    hook_for(channel=ch, first_wait_s=30).wait_until(lambda: next(ready), step=3, poll_interval_s=0.02)
+    waits = [w for _, w in _waits(ch)]
+    assert len(waits) == 3 and waits == sorted(waits, reverse=True) and 29.0 < waits[-1] < waits[0] <= 30.0
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "inf", "nan"])
+def test_a_bad_first_wait_hint_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv("PEARL_FIRST_WAIT_S", raw)
+    with pytest.raises(ValueError, match=r"PEARL_FIRST_WAIT_S must be a finite number of seconds >= 0, not"):
+        hook_for()
+
+
 def test_release_while_waiting_offloads_and_acks():
     engine, ch = FakeEngine(stage=2), QueueChannel()
     hook = hook_for(engine, ch)

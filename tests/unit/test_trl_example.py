@@ -267,7 +267,8 @@ def test_the_waiting_reports_count_the_expected_wait_down_then_announce_the_meas
         time.sleep(0.05)
         return [5, 2], [-1.0, -1.0]
 
-    rollout = pearl_trl.RouterRollout(FakeClient(slow), cb, concurrency=1, poll_interval_s=0.01, first_wait_s=30.0)
+    rollout = pearl_trl.RouterRollout(FakeClient(slow), cb, concurrency=1, poll_interval_s=0.01)
+    rollout.expected_wait_s = 30.0  # as if an earlier batch had been measured
     rollout(["1 + 1 =", "1 + 1 ="], trainer)
     waiting = [w for name, w in hook.waits if name == "waiting"]
     assert len(waiting) >= 3 and waiting == sorted(waiting, reverse=True) and 29.0 < waiting[-1] < waiting[0] <= 30.0
