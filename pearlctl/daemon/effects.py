@@ -43,13 +43,21 @@ GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
 
 class DaemonEffects:
     """``router``: what the run's router routes to now (worker URLs), or None when the run has no router
-    (REGISTER and DEREGISTER are then proven by state alone)."""
+    (REGISTER and DEREGISTER are then proven by state alone); ``router_wake``: tells the router's keeper that
+    state's routable set changed (it syncs now, not at its next tick)."""
 
     def __init__(
-        self, store: Store, run_id: str, epoch: int | None, *, router: Callable[[], set[str] | None] | None = None
+        self,
+        store: Store,
+        run_id: str,
+        epoch: int | None,
+        *,
+        router: Callable[[], set[str] | None] | None = None,
+        router_wake: Callable[[], None] = lambda: None,
     ):
         self.store, self.run_id, self.epoch = store, run_id, epoch
         self.router = router or (lambda: None)
+        self.router_wake = router_wake
 
     # -- helpers ----------------------------------------------------------------------------------
     def _gpus(self, t: dict) -> list[dict]:
@@ -116,6 +124,7 @@ class DaemonEffects:
         for w in workers:
             if w["routable"] != routable:
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
+        self.router_wake()
 
     def _leave(self, t: dict, key: str) -> None:
         """DRAIN: the GPUs leave their serving role — trainer GPUs back to TRAIN, others IDLE; with a SLEEP

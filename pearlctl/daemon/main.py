@@ -340,6 +340,8 @@ class Daemon:
             # recorded before anything else, for the same reason: stopping the router can outlast KillWait
             self._record_stop(epoch, stopping_router=over and router is not None)
             self.stopping.set()
+            if router is not None:
+                router.wake()  # its loop sees the stop now
             if self._server is not None:
                 self._server.should_exit = True
             if over and router is not None:  # the run is over: its data plane goes too (a restart keeps it)
@@ -411,7 +413,13 @@ class Daemon:
         )
         self.url = self.start_server(controller, controller.secret)
         router = self._router(run, controller, epoch)
-        effects = DaemonEffects(self.store, self.run_id, epoch, router=router.routed if router else None)
+        effects = DaemonEffects(
+            self.store,
+            self.run_id,
+            epoch,
+            router=router.routed if router else None,
+            router_wake=router.wake if router else lambda: None,
+        )
         executor = Executor(self.store, effects, run_id=self.run_id, epoch=epoch)
         controller.borrowing = borrowing = Borrowing(self.store, executor, self.run_id)
         executor.fault = fault_from_env(os.environ.get("PEARL_FAULT"))
@@ -473,6 +481,7 @@ class Daemon:
             self.run_id,
             run["run_dir"],
             journal=journal,
+            on_change=controller.wake.set,  # a REGISTER or DEREGISTER probe may pass now
             host=self.settings.host,
             port=int(spec.get("port", 0)),
             policy=str(spec.get("policy", "consistent_hash")),

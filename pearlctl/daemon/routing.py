@@ -7,11 +7,14 @@ daemon's host is the one every agent already reaches; a Slurm job of its own wou
 move with every requeue. The gateway is detached from the daemon (pearlctl.router.service): a daemon crash
 or restart leaves the data plane serving, and the next daemon adopts it.
 
-Membership is a passive sync, every ``every_s``: desired = state's READY, routable workers (URL → weight
-version); when it differs from what the router last said it routes to, the gateway is told the whole set
-(``RouterMembership.sync``: adds, removes, re-versions), and its answer is what ``routed`` reports. The
-transition steps REGISTER and DEREGISTER only flip ``routable`` in state; their probes wait until
-``routed`` agrees (pearlctl.daemon.effects), so a worker drains only once the router sends it nothing new.
+Membership is a sync, every ``every_s`` and at once when ``wake`` is called (REGISTER and DEREGISTER call it
+as they flip ``routable``, so a step waits for one round trip to the router, not for the timer): desired =
+state's READY, routable workers (URL → weight version); when it differs from what the router last said it
+routes to, the gateway is told the whole set (``RouterMembership.sync``: adds, removes, re-versions), and its
+answer is what ``routed`` reports. The transition steps REGISTER and DEREGISTER only flip ``routable`` in
+state; their probes wait until ``routed`` agrees (pearlctl.daemon.effects), so a worker drains only once the
+router sends it nothing new; a change of ``routed`` calls ``on_change`` (the daemon's control loop looks at
+once, and the probe passes).
 A restarted router (empty) is given the whole set at once, so membership is rebuilt from state.
 
 ``routed`` is the last membership the router reported. Until the first sync it is empty — a REGISTER waits
@@ -70,10 +73,13 @@ class RouterKeeper:
         policy: str = "consistent_hash",
         advertise: str | None = None,
         every_s: float = 0.5,
+        on_change: Callable[[], None] = lambda: None,
     ):
         self.store, self.run_id, self.run_dir = store, run_id, run_dir
         self.journal = journal  # (event, data) -> a journal row, written under the daemon's lock
         self.host, self.port, self.policy, self.advertise, self.every_s = host, port, policy, advertise, every_s
+        self.on_change = on_change  # called when what the router routes to changed
+        self._wake = threading.Event()  # set by ``wake``: the loop syncs now
         self.record: service.RouterRecord | None = None
         self.members: dict[str, str | None] = {}  # what the router last said it routes to
         self._client: RouterMembership | None = None
@@ -89,6 +95,10 @@ class RouterKeeper:
     @property
     def base_url(self) -> str | None:
         return self.record.base_url if self.record else None
+
+    def wake(self) -> None:
+        """Sync now (state's routable set changed), not at the next tick of the timer."""
+        self._wake.set()
 
     # -- the process -------------------------------------------------------------------------------
     def ensure_running(self) -> service.RouterRecord:
@@ -157,16 +167,18 @@ class RouterKeeper:
         with self._lock:
             before, self.members = self.members, routed
         added, removed = sorted(routed.keys() - before.keys()), sorted(before.keys() - routed.keys())
+        self._refreshed_at = now
         if added or removed:  # when the router began or stopped sending a worker requests, for the journal
             self.journal("router membership", {"added": added, "removed": removed, "members": len(routed)})
-        self._refreshed_at = now
+            self.on_change()
 
     def loop(
         self, stopping: threading.Event, on_ok: Callable[[], None], on_error: Callable[[BaseException], None]
     ) -> None:
         """Sync until ``stopping``; a failed pass (the gateway unreachable, a start that failed, a bug) is
-        reported to ``on_error`` and tried again, never fatal to the daemon."""
+        reported to ``on_error`` and tried again, never fatal to the daemon. A stop is seen within ``every_s``."""
         while not stopping.is_set():
+            self._wake.clear()  # a wake from here on is for state this pass may not have read
             try:
                 self.sync_once()
                 on_ok()
@@ -175,4 +187,4 @@ class RouterKeeper:
                 on_error(exc)
             except Exception as exc:
                 on_error(exc)
-            stopping.wait(self.every_s)
+            self._wake.wait(self.every_s)

@@ -133,3 +133,31 @@ def test_cancel_stops_the_router_a_gone_daemon_left_behind(tmp_path: Path):
     assert f"stopped the run's router (pid {record.pid}" in proc.stderr
     assert not service.same_process(record.pid, record.start_ticks)
     assert service.read_record(run_dir) is None
+
+
+def test_a_deregister_wakes_the_keeper_and_the_routers_answer_wakes_the_control_loop(world):
+    store, keeper, ids, urls, _ = world
+    keeper.sync_once()
+    keeper.every_s = 60.0  # on its timer alone, the keeper would sync again in a minute
+    changed = threading.Event()
+    keeper.on_change = changed.set  # the daemon's: its control loop looks at once
+    stopping = threading.Event()
+    loop = threading.Thread(target=keeper.loop, args=(stopping, lambda: None, lambda e: None), daemon=True)
+    loop.start()
+    time.sleep(0.3)  # its first pass is done: it waits on the timer
+    effects = DaemonEffects(store, "r", None, router=keeper.routed, router_wake=keeper.wake)
+    ex = Executor(store, effects, run_id="r", epoch=None)
+    gpu = next(g for g in store.gpus("r") if g["idx"] == 0)
+    tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
+    ex.advance(tid)
+    intent = store.steps(tid)[0]
+    assert intent["kind"] == "DEREGISTER" and intent["state"] == "INTENT"
+    assert changed.wait(10), "the router's changed membership did not wake the control loop"
+    ex.advance(tid)
+    done = store.steps(tid)[0]
+    assert done["state"] == "DONE" and urls[0] not in keeper.routed()
+    assert done["updated_at"] - intent["updated_at"] < 5.0  # one round trip to the router, not the 60-s timer
+    stopping.set()
+    keeper.wake()
+    loop.join(5)
+    assert not loop.is_alive()
