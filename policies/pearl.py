@@ -40,7 +40,8 @@ from dataclasses import replace
 
 from pearlctl.planner import budget, diff, plan, view
 from pearlctl.planner.choose import Choice, choose_workers, worker_groups
-from pearlctl.planner.model import Deployment, Mode, MoveKind, Plan, Snapshot
+from pearlctl.planner.model import SERVING, Deployment, Mode, MoveKind, Plan, Snapshot, Target
+from pearlctl.vocabulary import PoolKind
 
 NAME = "pearl"
 NEEDS_PROFILE = True  # predicts with the run's engine profile: the daemon refuses it for a run without one
@@ -142,7 +143,39 @@ def decide(snapshot: Snapshot) -> Plan | None:
 
     if best is not None and best[0] >= threshold:
         return best[1]
+    grow = _bring_up_idle(s, current, keep)
+    if grow is not None:
+        return grow
     return None if keep.empty else keep
+
+
+def _bring_up_idle(s: Snapshot, current: Target, keep: Plan) -> Plan | None:
+    """A colocated deployment grows onto every idle rollout and elastic GPU that may serve, whatever this batch
+    gains from it: that capacity owes the trainer nothing, its start takes no batch time from the GPUs serving,
+    and a start put off until between batches makes the next batch's launch wait for it (the driver's join
+    wait). Only starts and wakes (besides ``keep``'s returns); a PD deployment grows by the priced path. Elastic
+    GPUs only while one is expected to serve at least as long as its start takes (its expected lifetime, from
+    ``preempt_per_hour``, at least twice a cold start); idle ones that are not wait for the priced path."""
+    if current.mode is not Mode.COLOCATED:
+        return None
+    gpw = s.profile.gpus_per_worker
+    lasting = s.preempt_per_hour <= 0 or 3600.0 / s.preempt_per_hour >= 2 * s.costs.start_s
+    may = [
+        g
+        for g in budget.may_serve(s, elastic=True, borrow=False)
+        if lasting or g.pool != PoolKind.ELASTIC or g.role in SERVING
+    ]
+    whole = {p: n * gpw for p, n in worker_groups(may, gpw).items()}
+    pool = sum(whole.values())
+    if pool <= current.rollout_gpus - current.lend:
+        return None
+    target = replace(current, rollout_gpus=current.lend + pool, elastic=whole.get("elastic", 0))
+    grown = plan.make(s, target, why="pearl: idle rollout and elastic GPUs brought up")
+    kept = set(keep.moves)
+    added = [m for m in grown.moves if m not in kept]
+    if not added or any(m.kind not in (MoveKind.START, MoveKind.WAKE) for m in added):
+        return None
+    return grown
 
 
 def _migration_s(s: Snapshot, leaving: int) -> float:

@@ -251,6 +251,7 @@ class Borrowing:
             mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1]["created_at"] if transitions else None,
+            last_batch=Work(**(run.get("rollout") or {}).get("batch_work") or {}),
         )
         # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
         # from a measured profile only (the placeholder's speeds predict nothing: nothing is lent then)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
@@ -823,7 +823,11 @@ class Controller:
                 report["work"] = dict(body.work)
             # when the work in flight last emptied (the batch's end): kept while it stays empty, None while work
             # is left and before any work was seen (the planner's Trainer.batch_ready compares it with the wait)
+            # the batch's work as it began (its first report with work after none): Snapshot.last_batch
+            report["batch_work"] = before.get("batch_work")
             if not work_from_progress(report).empty:
+                if not before or work_from_progress(before).empty:
+                    report["batch_work"] = asdict(work_from_progress(report))
                 report["emptied_at"] = None
             elif before and not work_from_progress(before).empty:
                 report["emptied_at"] = now

@@ -97,6 +97,9 @@ class Snapshot:
     preempt_per_hour: float = 0.0  # expected preemptions of one elastic GPU per hour
     last_change_at: float | None = None  # when the last plan was applied (hysteresis)
     horizon_s: float | None = None  # how far ahead gains count (default: the batch's predicted time)
+    # the latest batch's work as it began (its first report with work after none): what the next batch is
+    # expected to hold, for a decision made between batches, when ``work`` is empty; empty before any batch
+    last_batch: Work = Work()
     extra: dict = field(default_factory=dict)  # what a simulator's oracle may know (never set live)
 
     def by_pool(self, pool: str) -> list[GpuSlot]:

@@ -228,6 +228,7 @@ class Sim:
         self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
         # its measured waits, averaged as examples/grpo/train.py does, from its first-wait hint (None: unknown)
         self.wait_ema: float | None = scenario.training.first_wait_s
+        self.last_batch = Work()  # the latest batch's work as it began (Snapshot.last_batch)
         self.version = 0
         # Lease events, in time order.
         self._grants = sorted(self.trace.leases, key=lambda x: x.start)
@@ -473,10 +474,13 @@ class Sim:
         return True
 
     def _launch(self, t: float) -> None:
+        began = not self.engine.busy()  # the driver's first report with work after none (the daemon's batch_work)
         lo, hi = self._batch_range(self.launched)
         self.engine.launch(lo, hi, t)
         self.launched_at.append(t)
         self.launched += 1
+        if began:
+            self.last_batch = self.work_view()
 
     def trainer_needs_gpus(self, t: float) -> bool:
         """The trainer is computing, or its next batch is complete and it wants its GPUs now."""
@@ -643,6 +647,7 @@ class Sim:
             mode=Mode.DISAGGREGATED if disagg else Mode.COLOCATED,
             preempt_per_hour=self.trace.preempt_per_hour,
             last_change_at=self.last_change_at,
+            last_batch=self.last_batch,
         )
         if trainer.wait_known:
             return snapshot

@@ -159,3 +159,18 @@ def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keep
     assert returns(run) == []
     progress(run, WORK)  # batch 2 launched: in flight again
     assert run.store.get_run("q")["rollout"]["emptied_at"] is None
+
+
+def test_the_snapshot_keeps_the_latest_batchs_work_as_it_began_for_decisions_between_batches(run):
+    """``Snapshot.last_batch``: the driver's first report with work after none; kept while the batch runs down
+    and between batches (when ``work`` is empty), replaced when the next batch begins."""
+    assert run.b.snapshot(T0).last_batch.empty  # no batch seen yet
+    progress(run, WORK)
+    progress(run, dict(WORK, trajectories=100, turns_left=2))  # the batch runs down
+    s = run.b.snapshot(T0)
+    assert s.work.trajectories == 100 and s.last_batch.trajectories == 512 and s.last_batch.turns_left == 8
+    progress(run, None)  # between batches: nothing in flight, the batch as it began is kept
+    s = run.b.snapshot(T0)
+    assert s.work.empty and s.last_batch.trajectories == 512
+    progress(run, dict(WORK, trajectories=256))  # the next batch
+    assert run.b.snapshot(T0).last_batch.trajectories == 256

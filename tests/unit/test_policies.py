@@ -272,6 +272,17 @@ def test_pearl_uses_elastic_gpus_unless_preemption_risk_outweighs_the_gain(pearl
     assert stormy is None
 
 
+def test_pearl_brings_up_idle_elastic_capacity_even_when_this_batch_gains_nothing_from_it(pearl):
+    # a straggler-bound tail: more GPUs do not shorten this batch, but a start put off to between batches would
+    # hold the next launch (the driver's join wait), and elastic capacity owes the trainer nothing
+    s = snapshot(cluster(rollout=4, trainer=0, elastic_idle=4), TAIL)
+    plan = pearl.decide(s)
+    assert plan is not None and kinds(plan) == {MoveKind.START} and pools_moved_in(s, plan) == {"elastic"}
+    assert plan.target.elastic == 4
+    # elastic GPUs preempted faster than they start are not brought up for nothing
+    assert pearl.decide(snapshot(cluster(rollout=4, trainer=0, elastic_idle=4), TAIL, preempt_per_hour=600.0)) is None
+
+
 # -- pearl: hysteresis ----------------------------------------------------------------------------
 
 # Short turns with heavy prefill: disaggregated wins. Long contexts, many trajectories: colocated wins

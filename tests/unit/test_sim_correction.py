@@ -142,3 +142,16 @@ def test_the_trainer_averages_its_waits_as_the_training_loop_does():
     for w in waits:
         ema = 0.7 * ema + 0.3 * w
     assert sim.wait_ema == pytest.approx(ema)
+
+
+def test_between_batches_the_snapshot_carries_the_latest_batchs_work_as_it_began():
+    """``Snapshot.last_batch``, as the daemon keeps it from the driver's first report with work after none: the
+    work at the batch's launch, kept while it runs down and between batches."""
+    sim = _sim(steps=2)
+    assert sim.snapshot(0.0).last_batch.empty  # before any batch
+    t = _until(sim, lambda: sim.launched == 1)
+    began = sim.work_view()
+    assert not began.empty and sim.snapshot(t).last_batch == began
+    t = _until(sim, lambda: not sim.engine.busy(), t)  # the batch ran down: nothing in flight
+    s = sim.snapshot(t)
+    assert s.work.empty and s.last_batch == began
