@@ -508,11 +508,19 @@ def check_state(run: LiveRun) -> list[str]:
                 problems.append(f"trainer.expected_wait_s = {wait!r}")
         rollout = r.get("rollout")
         if rollout is not None:
-            # the daemon's own fields beside the driver's report: when it came, its rate, when the work emptied
-            doc = {k: v for k, v in rollout.items() if k not in ("reported_at", "tokens_per_s", "emptied_at")}
+            # the daemon's own fields beside the driver's report: when it came, its rate, when the work emptied,
+            # the batch's work as it began (a planner Work, or None)
+            own = ("reported_at", "tokens_per_s", "emptied_at", "batch_work")
+            doc = {k: v for k, v in rollout.items() if k not in own}
             emptied = rollout.get("emptied_at")
             if not (emptied is None or (isinstance(emptied, (int, float)) and math.isfinite(emptied))):
                 problems.append(f"rollout.emptied_at = {emptied!r}")
+            began = rollout.get("batch_work")
+            try:
+                if began is not None:
+                    Work(**began)
+            except TypeError as exc:
+                problems.append(f"rollout.batch_work = {began!r}: {exc}")
             try:
                 bodies.parse(bodies.Progress, doc)
             except bodies.ValidationError as exc:
