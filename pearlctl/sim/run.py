@@ -249,6 +249,9 @@ class Sim:
         # Roles and the GPU census change only on events; recomputed then (``_dirty``) or when a transition ends.
         self._dirty = True
         self._next_expiry = 0.0
+        self._gpu_state_kept: tuple[bool, tuple[int, ...]] | None = None  # (``_gpu_state``)
+        self._slots: list[GpuSlot | None] = [None] * total  # each GPU's last snapshot slot (``_slot``)
+        self._presence: tuple[bool, ...] | None = None  # (``presence``)
         self._counts: dict[str, int] = {}
         self._killed: set[int] = set()  # workers preempted without a drain since the last role sync
         # a plan's switches not started yet, one group per live transition (node, pool, roles), and the GPUs
@@ -364,6 +367,7 @@ class Sim:
                 gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = True, Role.IDLE, False, 0.0, None
                 gpu.abort_at = None
             self._dirty = True
+            self._presence = None
         while self._ni < len(self._notices) and self._notices[self._ni].notice_at <= t:
             lease = self._notices[self._ni]
             self._ni += 1
@@ -388,6 +392,14 @@ class Sim:
                     gpu.abort_at = None
                     self.preemptions += 1
                     self._dirty = True
+                    self._presence = None
+
+    def presence(self) -> tuple[bool, ...]:
+        """Which GPUs are present, GPU by GPU (the oracle's controllers key their decisions on it): made again
+        only after the elastic trace changed one (``_availability``), the only place presence changes."""
+        if self._presence is None:
+            self._presence = tuple(g.present for g in self.gpus)
+        return self._presence
 
     # -- the trainer ----------------------------------------------------------------------------------
 
@@ -614,20 +626,7 @@ class Sim:
         work = self.work_view()
         trainer = self._trainer_view(t)
         deadline = t + trainer.wait_left_s if trainer.phase == "waiting" else t
-        gpus = tuple(
-            GpuSlot(
-                id=g.id,
-                node=g.node,
-                pool=g.pool,
-                role=g.role,
-                parked=g.parked,
-                borrowed=g.borrowed,
-                return_deadline=deadline if g.borrowed else None,
-                ends_at=g.ends_at,
-            )
-            for g in self.gpus
-            if g.present
-        )
+        gpus = tuple(self._slot(g, deadline) for g in self.gpus if g.present)
         disagg = any(g.role in (Role.PREFILL, Role.DECODE) for g in gpus)
         profile = self.profile
         if corrected and self.correction:  # predictions corrected by what the run's past batches took
@@ -650,6 +649,32 @@ class Sim:
         snapshot = plan.expect_wait(snapshot)
         deadline = t + snapshot.trainer.wait_left_s
         return replace(snapshot, gpus=tuple(replace(g, return_deadline=deadline) if g.borrowed else g for g in gpus))
+
+    def _slot(self, g: SimGpu, deadline: float) -> GpuSlot:
+        """``g`` as a snapshot shows it. A frozen ``GpuSlot`` costs a field-by-field ``__init__`` and a snapshot of a
+        large cluster holds thousands, so the slot of a GPU not lent is kept while its fields are the same objects
+        (a lent GPU's return deadline moves with time: its slot is made anew)."""
+        kept = self._slots[g.id]
+        if (
+            kept is None
+            or g.borrowed
+            or kept.borrowed
+            or kept.role is not g.role
+            or kept.parked is not g.parked
+            or kept.ends_at is not g.ends_at
+        ):
+            kept = GpuSlot(
+                id=g.id,
+                node=g.node,
+                pool=g.pool,
+                role=g.role,
+                parked=g.parked,
+                borrowed=g.borrowed,
+                return_deadline=deadline if g.borrowed else None,
+                ends_at=g.ends_at,
+            )
+            self._slots[g.id] = kept
+        return kept
 
     def _trainer_view(self, t: float) -> Trainer:
         """What the trainer hook would report: its phase and its ETA for the batch it waits on."""
@@ -674,10 +699,24 @@ class Sim:
 
     def _moving(self, t: float) -> bool:
         """A transition is open: a GPU in one, or a plan's switches still to run."""
-        return bool(self._switch_queue) or any(g.present and g.busy_until > t for g in self.gpus)
+        return bool(self._switch_queue) or self._gpu_state(t)[0]
 
     def _serving_ids(self, t: float) -> tuple[int, ...]:
-        return tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+        return self._gpu_state(t)[1]
+
+    def _gpu_state(self, t: float) -> tuple[bool, tuple[int, ...]]:
+        """(some present GPU is in transition, the ids of the serving GPUs that are not stopped) at ``t``. Both
+        change only when a GPU's presence, role, ``busy_until`` or ``abort_at`` does (each sets ``_dirty``) or when
+        time passes one of those instants (``_next_expiry``: the first after the last ``_refresh``), so the answer
+        is kept from the first tick that asks until either happens (``_refresh`` drops it)."""
+        kept = self._gpu_state_kept
+        if kept is not None and not self._dirty and t < self._next_expiry:
+            return kept
+        busy = any(g.present and g.busy_until > t for g in self.gpus)
+        serving = tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+        if not self._dirty and t < self._next_expiry:
+            self._gpu_state_kept = busy, serving
+        return busy, serving
 
     def _check_prediction(self, t: float) -> None:
         """The daemon's ``Borrowing.check_prediction`` on the simulated rollout driver's progress: a watch starts
@@ -746,6 +785,7 @@ class Sim:
             (x for g in self.gpus for x in (g.busy_until, g.abort_at or 0.0) if x > t), default=math.inf
         )
         self._dirty = False
+        self._gpu_state_kept = None
 
     def _record(self, t: float) -> None:
         """Append the GPUs whose role (or presence) changed since the last record to the schedule."""
