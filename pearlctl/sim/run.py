@@ -266,6 +266,8 @@ class Sim:
         # true durations are journaled and the snapshot's costs are their running estimates, as the daemon's.
         self._move_rng = np.random.default_rng([scenario.seed, 0x7A11])
         self._journal: dict[str, list[float]] = {}
+        self._costs: TransitionCosts | None = None  # (``costs``)
+        self._scaled_profile = None  # (``_scaled``)
         # The predictor's running correction (pearlctl.planner.correct), kept and applied as the daemon does.
         self.correction = correction
         self.predictor: dict = {}
@@ -600,18 +602,31 @@ class Sim:
         for kind, seconds in steps:
             true_s = seconds * f
             self._journal.setdefault(kind, []).append(true_s)
+            self._costs = None  # (``costs``: estimated again)
             cost += true_s
         return cost
 
     def costs(self) -> TransitionCosts:
         """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
-        median of the last 5 journaled steps of each kind, else the profile's)."""
-        est = {
-            field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
-            for kind, field in STEP_FIELDS.items()
-            if kind in self._journal
-        }
-        return replace(self.profile.costs, **est) if est else self.profile.costs
+        median of the last 5 journaled steps of each kind, else the profile's). They change only when a step is
+        journaled (``_true_cost``), so they are kept until then."""
+        if self._costs is None:
+            est = {
+                field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
+                for kind, field in STEP_FIELDS.items()
+                if kind in self._journal
+            }
+            self._costs = replace(self.profile.costs, **est) if est else self.profile.costs
+        return self._costs
+
+    def _scaled(self, time_scale: float):
+        """The profile with the predictor's correction ``time_scale``: the same object while the correction is
+        the same number (a profile's ``replace`` checks every field again, at every decision)."""
+        kept = self._scaled_profile
+        same = kept is not None and kept.time_scale == time_scale
+        if not same or math.copysign(1.0, kept.time_scale) != math.copysign(1.0, time_scale):  # (0.0 and -0.0)
+            kept = self._scaled_profile = replace(self.profile, time_scale=time_scale)
+        return kept
 
     def _refuse(self, move: Move, why: str) -> bool:
         key = f"{move.kind.value}: {why}"
@@ -631,7 +646,7 @@ class Sim:
         profile = self.profile
         if corrected and self.correction:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, serving_workers(gpus, profile.gpus_per_worker))
-            profile = replace(profile, time_scale=correct.factor(self.predictor, key))
+            profile = self._scaled(correct.factor(self.predictor, key))
         snapshot = Snapshot(
             now=t,
             gpus=gpus,
