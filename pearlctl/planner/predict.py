@@ -63,7 +63,7 @@ from enum import StrEnum
 from statistics import NormalDist
 
 from pearlctl.planner.model import Deployment, Mode, Work
-from pearlctl.planner.profile import Profile
+from pearlctl.planner.profile import DecodeModel, Profile
 
 PHASES = 4  # drain phases: enough to see the tail, few enough to stay cheap
 _NORMAL = NormalDist()
@@ -310,14 +310,34 @@ def _steady(
         lo = 0.0
         waits = tool_s + own_prefill
         demand = per_worker * decode_tokens
-        for _ in range(_BISECTIONS):
-            mid = 0.5 * (lo + hi)
-            i = itl(mid) + mid * steal
-            c = max(waits + decode_tokens * i, floor)
-            if demand * i / c > mid:
-                lo = mid
-            else:
-                hi = mid
+        if type(decode) is DecodeModel:
+            # ``itl(mid)`` (``DecodeModel.itl_at``) and ``max(..., floor)`` written out, the same operations in the
+            # same order: the loop runs a thousand times a decision
+            fixed = decode.weights_s
+            per_seq = decode.seq_s + decode.kv_s_per_token * max(context, 0.0)
+            moe = bool(decode.moe_experts)
+            if moe:
+                experts, keep = decode.experts_s * decode.moe_experts, 1.0 - decode.moe_top_k / decode.moe_experts
+            for _ in range(_BISECTIONS):
+                mid = 0.5 * (lo + hi)
+                b = mid if mid > 1.0 else 1.0
+                i = (fixed + experts * (1.0 - keep**b) + per_seq * b if moe else fixed + per_seq * b) + mid * steal
+                c = waits + decode_tokens * i
+                if floor > c:
+                    c = floor
+                if demand * i / c > mid:
+                    lo = mid
+                else:
+                    hi = mid
+        else:
+            for _ in range(_BISECTIONS):
+                mid = 0.5 * (lo + hi)
+                i = itl(mid) + mid * steal
+                c = max(waits + decode_tokens * i, floor)
+                if demand * i / c > mid:
+                    lo = mid
+                else:
+                    hi = mid
         batch = 0.5 * (lo + hi)
     it_s = it(batch)
     c = cycle(batch)

@@ -87,7 +87,7 @@ class FixedController:
 
     def control(self, sim: Sim, t: float) -> None:
         lend = not sim.trainer_needs_gpus(t)
-        key = (lend, sim.version, self.share, *(g.present for g in sim.gpus))
+        key = (lend, sim.version, self.share, sim.presence())
         if key == self._applied:
             return
         self._applied = key
@@ -158,7 +158,7 @@ class ReplayController:
     def control(self, sim: Sim, t: float) -> None:
         self.plan.follow(sim, t)
         lend = not sim.trainer_needs_gpus(t)
-        key = (self.plan.applied, lend, sim.version, *(g.present for g in sim.gpus))
+        key = (self.plan.applied, lend, sim.version, sim.presence())
         if key == self._applied:
             return
         self._applied = key

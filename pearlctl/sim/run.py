@@ -250,6 +250,9 @@ class Sim:
         # Roles and the GPU census change only on events; recomputed then (``_dirty``) or when a transition ends.
         self._dirty = True
         self._next_expiry = 0.0
+        self._gpu_state_kept: tuple[bool, tuple[int, ...]] | None = None  # (``_gpu_state``)
+        self._slots: list[GpuSlot | None] = [None] * total  # each GPU's last snapshot slot (``_slot``)
+        self._presence: tuple[bool, ...] | None = None  # (``presence``)
         self._counts: dict[str, int] = {}
         self._killed: set[int] = set()  # workers preempted without a drain since the last role sync
         # a plan's switches not started yet, one group per live transition (node, pool, roles), and the GPUs
@@ -264,6 +267,8 @@ class Sim:
         # true durations are journaled and the snapshot's costs are their running estimates, as the daemon's.
         self._move_rng = np.random.default_rng([scenario.seed, 0x7A11])
         self._journal: dict[str, list[float]] = {}
+        self._costs: TransitionCosts | None = None  # (``costs``)
+        self._scaled_profile = None  # (``_scaled``)
         # The predictor's running correction (pearlctl.planner.correct), kept and applied as the daemon does.
         self.correction = correction
         self.predictor: dict = {}
@@ -365,6 +370,7 @@ class Sim:
                 gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = True, Role.IDLE, False, 0.0, None
                 gpu.abort_at = None
             self._dirty = True
+            self._presence = None
         while self._ni < len(self._notices) and self._notices[self._ni].notice_at <= t:
             lease = self._notices[self._ni]
             self._ni += 1
@@ -389,6 +395,14 @@ class Sim:
                     gpu.abort_at = None
                     self.preemptions += 1
                     self._dirty = True
+                    self._presence = None
+
+    def presence(self) -> tuple[bool, ...]:
+        """Which GPUs are present, GPU by GPU (the oracle's controllers key their decisions on it): made again
+        only after the elastic trace changed one (``_availability``), the only place presence changes."""
+        if self._presence is None:
+            self._presence = tuple(g.present for g in self.gpus)
+        return self._presence
 
     # -- the trainer ----------------------------------------------------------------------------------
 
@@ -592,18 +606,31 @@ class Sim:
         for kind, seconds in steps:
             true_s = seconds * f
             self._journal.setdefault(kind, []).append(true_s)
+            self._costs = None  # (``costs``: estimated again)
             cost += true_s
         return cost
 
     def costs(self) -> TransitionCosts:
         """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
-        median of the last 5 journaled steps of each kind, else the profile's)."""
-        est = {
-            field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
-            for kind, field in STEP_FIELDS.items()
-            if kind in self._journal
-        }
-        return replace(self.profile.costs, **est) if est else self.profile.costs
+        median of the last 5 journaled steps of each kind, else the profile's). They change only when a step is
+        journaled (``_true_cost``), so they are kept until then."""
+        if self._costs is None:
+            est = {
+                field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
+                for kind, field in STEP_FIELDS.items()
+                if kind in self._journal
+            }
+            self._costs = replace(self.profile.costs, **est) if est else self.profile.costs
+        return self._costs
+
+    def _scaled(self, time_scale: float):
+        """The profile with the predictor's correction ``time_scale``: the same object while the correction is
+        the same number (a profile's ``replace`` checks every field again, at every decision)."""
+        kept = self._scaled_profile
+        same = kept is not None and kept.time_scale == time_scale
+        if not same or math.copysign(1.0, kept.time_scale) != math.copysign(1.0, time_scale):  # (0.0 and -0.0)
+            kept = self._scaled_profile = replace(self.profile, time_scale=time_scale)
+        return kept
 
     def _refuse(self, move: Move, why: str) -> bool:
         key = f"{move.kind.value}: {why}"
@@ -618,25 +645,12 @@ class Sim:
         work = self.work_view()
         trainer = self._trainer_view(t)
         deadline = t + trainer.wait_left_s if trainer.phase == "waiting" else t
-        gpus = tuple(
-            GpuSlot(
-                id=g.id,
-                node=g.node,
-                pool=g.pool,
-                role=g.role,
-                parked=g.parked,
-                borrowed=g.borrowed,
-                return_deadline=deadline if g.borrowed else None,
-                ends_at=g.ends_at,
-            )
-            for g in self.gpus
-            if g.present
-        )
+        gpus = tuple(self._slot(g, deadline) for g in self.gpus if g.present)
         disagg = any(g.role in (Role.PREFILL, Role.DECODE) for g in gpus)
         profile = self.profile
         if corrected and self.correction:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, serving_workers(gpus, profile.gpus_per_worker))
-            profile = replace(profile, time_scale=correct.factor(self.predictor, key))
+            profile = self._scaled(correct.factor(self.predictor, key))
         snapshot = Snapshot(
             now=t,
             gpus=gpus,
@@ -655,6 +669,32 @@ class Sim:
         snapshot = plan.expect_wait(snapshot)
         deadline = t + snapshot.trainer.wait_left_s
         return replace(snapshot, gpus=tuple(replace(g, return_deadline=deadline) if g.borrowed else g for g in gpus))
+
+    def _slot(self, g: SimGpu, deadline: float) -> GpuSlot:
+        """``g`` as a snapshot shows it. A frozen ``GpuSlot`` costs a field-by-field ``__init__`` and a snapshot of a
+        large cluster holds thousands, so the slot of a GPU not lent is kept while its fields are the same objects
+        (a lent GPU's return deadline moves with time: its slot is made anew)."""
+        kept = self._slots[g.id]
+        if (
+            kept is None
+            or g.borrowed
+            or kept.borrowed
+            or kept.role is not g.role
+            or kept.parked is not g.parked
+            or kept.ends_at is not g.ends_at
+        ):
+            kept = GpuSlot(
+                id=g.id,
+                node=g.node,
+                pool=g.pool,
+                role=g.role,
+                parked=g.parked,
+                borrowed=g.borrowed,
+                return_deadline=deadline if g.borrowed else None,
+                ends_at=g.ends_at,
+            )
+            self._slots[g.id] = kept
+        return kept
 
     def _trainer_view(self, t: float) -> Trainer:
         """What the trainer hook would report: its phase and its ETA for the batch it waits on."""
@@ -679,10 +719,24 @@ class Sim:
 
     def _moving(self, t: float) -> bool:
         """A transition is open: a GPU in one, or a plan's switches still to run."""
-        return bool(self._switch_queue) or any(g.present and g.busy_until > t for g in self.gpus)
+        return bool(self._switch_queue) or self._gpu_state(t)[0]
 
     def _serving_ids(self, t: float) -> tuple[int, ...]:
-        return tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+        return self._gpu_state(t)[1]
+
+    def _gpu_state(self, t: float) -> tuple[bool, tuple[int, ...]]:
+        """(some present GPU is in transition, the ids of the serving GPUs that are not stopped) at ``t``. Both
+        change only when a GPU's presence, role, ``busy_until`` or ``abort_at`` does (each sets ``_dirty``) or when
+        time passes one of those instants (``_next_expiry``: the first after the last ``_refresh``), so the answer
+        is kept from the first tick that asks until either happens (``_refresh`` drops it)."""
+        kept = self._gpu_state_kept
+        if kept is not None and not self._dirty and t < self._next_expiry:
+            return kept
+        busy = any(g.present and g.busy_until > t for g in self.gpus)
+        serving = tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+        if not self._dirty and t < self._next_expiry:
+            self._gpu_state_kept = busy, serving
+        return busy, serving
 
     def _check_prediction(self, t: float) -> None:
         """The daemon's ``Borrowing.check_prediction`` on the simulated rollout driver's progress: a watch starts
@@ -751,6 +805,7 @@ class Sim:
             (x for g in self.gpus for x in (g.busy_until, g.abort_at or 0.0) if x > t), default=math.inf
         )
         self._dirty = False
+        self._gpu_state_kept = None
 
     def _record(self, t: float) -> None:
         """Append the GPUs whose role (or presence) changed since the last record to the schedule."""
