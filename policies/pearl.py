@@ -25,12 +25,18 @@ without them — plus re-prefilling their sequences' contexts on the workers tha
 return's time later than with them. In a batch's tail the prediction is bound by the stragglers, not by the
 GPUs, and a lent GPU still out when the batch ends makes the trainer wait for its return.
 
-Between batches (no work in flight), idle rollout and elastic GPUs are brought up for the next batch, and lent
-GPUs go back — unless the trainer already waits for the next batch (in a synchronous loop it reports its wait
-from the end of its step: the weight sync and the launch are inside it) and that wait is at least twice what
-a warm borrow (its parked worker reloads the new weights), a return and the slack take: then parked trainer
-GPUs are lent ahead of the batch, so that they serve from its first seconds rather than after its first turns
-have been admitted elsewhere. Loaded by name (pearlctl.policies.load_policy); pure.
+Idle rollout and elastic GPUs that may serve are brought up at once, whatever the batch gains from them (they
+owe the trainer nothing, and a start put off until between batches makes the next launch wait in the driver's
+join wait); elastic ones only while one is expected to outlive twice a cold start.
+
+Between batches (no work in flight), lent GPUs go back — unless the trainer already waits for the next batch
+(in a synchronous loop it reports its wait from the end of its step: the weight sync and the launch are inside
+it), that wait is at least twice what a warm borrow (its parked worker reloads the new weights), a return and
+the slack take, and a batch like the latest one (``Snapshot.last_batch``: its work as it began) is predicted to
+end sooner with them by more than a warm borrow, a return and the slack (the lent workers join a warm borrow
+after the others, and the driver's join wait holds the launch for them; a straggler-bound batch gains nothing):
+then parked trainer GPUs are lent ahead of the batch, so that they serve from its first seconds rather than
+after its first turns have been admitted elsewhere. Loaded by name (pearlctl.policies.load_policy); pure.
 """
 
 from __future__ import annotations
@@ -191,14 +197,31 @@ def _migration_s(s: Snapshot, leaving: int) -> float:
 
 def _lend_ahead(s: Snapshot) -> bool:
     """Whether to lend trainer GPUs before the next batch starts (the trainer waits through the weight sync
-    and the batch). Without work to price, only when the GPUs would serve at least as long as they spend
-    moving: the borrow (a parked worker's weights are a train step old, so a wake pays the weight sync too),
-    the return and the slack must take at most half of the trainer's wait."""
+    and the batch). Only when the GPUs would serve at least as long as they spend moving: the borrow (a parked
+    worker's weights are a train step old, so a wake pays the weight sync too), the return and the slack must
+    take at most half of the trainer's wait. And, once a batch was seen (``Snapshot.last_batch``), only when
+    lending shortens a batch like it — predicted on the GPUs that serve without the lent ones and with them —
+    by more than the lending costs the batch: the lent workers are ready a warm borrow after the others, so
+    the driver's join wait holds the launch that long, and the trainer may wait for their return at its end.
+    A batch bound by its stragglers gains nothing from more GPUs."""
     if s.trainer.phase != "waiting" or s.trainer.batch_ready:  # its batch is complete: it trains next
         return False
     c = s.costs
     moving = c.borrow_s(warm=True) + c.weight_sync_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S
-    return s.trainer.wait_left_s >= 2 * moving
+    if s.trainer.wait_left_s < 2 * moving:
+        return False
+    if s.last_batch.empty:
+        return True
+    like = replace(s, work=s.last_batch)
+    workers = view.of(like).workers
+    alone = choose_workers(like, workers(elastic=True, borrow=False), modes=(Mode.COLOCATED,))
+    lent = choose_workers(like, workers(elastic=True, borrow=True, warm_borrow_only=True), modes=(Mode.COLOCATED,))
+    if lent is None:
+        return False
+    if alone is None:
+        return True
+    cost = c.borrow_s(warm=True) + budget.return_cost_s(s) + budget.RETURN_SLACK_S
+    return alone.seconds - lent.seconds > cost
 
 
 def _gain(baseline: float, steady: float, horizon: float) -> float:

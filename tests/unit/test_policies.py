@@ -229,6 +229,18 @@ def test_pearl_lends_ahead_of_the_next_batch_while_the_trainer_waits_long(pearl)
     assert MoveKind.BORROW not in kinds(pearl.decide(training))
 
 
+def test_pearl_lends_ahead_only_when_a_batch_like_the_last_one_would_be_shortened_by_more_than_it_costs(pearl):
+    # Between batches ``work`` is empty; the latest batch as it began (``last_batch``) prices the lending: many
+    # trajectories that the GPUs' throughput bounds gain from 4 more GPUs; a few long ones bound by their own
+    # sequential time gain nothing, and the lent workers joining a warm borrow after the weight sync would only
+    # hold the launch
+    gpus = cluster(rollout=4, trainer=4)
+    throughput = pearl.decide(snapshot(gpus, Work(), wait_left_s=2_000.0, last_batch=BIG))
+    assert throughput is not None and kinds(throughput) == {MoveKind.BORROW} and throughput.target.lend == 4
+    stragglers = pearl.decide(snapshot(gpus, Work(), wait_left_s=2_000.0, last_batch=TAIL))
+    assert MoveKind.BORROW not in kinds(stragglers)
+
+
 # A batch's tail: three long trajectories, bound by their own sequential time, not by the GPUs serving them.
 TAIL = Work(
     trajectories=3,
