@@ -95,6 +95,7 @@ def main() -> int:
             drain_started = time.monotonic()
             workers.retire_all()
             _log("drain", reason="preemption notice", timeout_s=grace_s)
+        workers.catch_up()  # a worker READY since the last answer loads the weights it was asked for
         report = workers.report()
         settled = all(w["state"] in ("READY", "SLEEPING", "STOPPED") for w in report)
         returns = workers.take_self_returns()

@@ -410,6 +410,7 @@ class Reconciler:
         self.drain_timeout = drain_timeout
         self.workers: dict[str, WorkerHandle] = {}
         self.retiring: dict[str, WorkerHandle] = {}
+        self.wanted: dict[str, dict] = {}  # the desired workers the latest apply ran (catch_up reads them)
         self.failed_at: dict[str, float] = {}  # key -> when its current failure was seen (monotonic)
         self.failures: dict[str, int] = {}  # key -> failures in a row since it was last READY
         self.clock = time.monotonic
@@ -460,6 +461,7 @@ class Reconciler:
             self._apply(wanted)
 
     def _apply(self, wanted: dict[str, dict]) -> None:
+        self.wanted = wanted
         for key in list(self.workers):
             if key not in wanted:
                 self.retire(key)
@@ -501,6 +503,21 @@ class Reconciler:
                 try:
                     handle.sync_weights(want.get("weights"))
                 except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries
+                    log.warning("weight reload of %s failed: %s", key, exc)
+
+    def catch_up(self) -> None:
+        """Between the daemon's answers: a vLLM worker that has become READY since the latest apply loads the
+        weights that apply asked for now, so its first report as READY already names them (the daemon's VERIFY
+        passes on it) instead of waiting for the answer to the next long poll."""
+        with self._lock:
+            for key, want in self.wanted.items():
+                handle = self.workers.get(key)
+                weights = want.get("weights") or {}
+                if not isinstance(handle, VllmWorker) or weights.get("version") in (None, handle.weight_version):
+                    continue
+                try:
+                    handle.sync_weights(weights)  # (nothing until READY)
+                except Exception as exc:  # a failed reload keeps the old weights; the next apply retries
                     log.warning("weight reload of %s failed: %s", key, exc)
 
     def return_lent(self, now: float | None = None, *, early_s: float = 0.0) -> list[str]:

@@ -1,0 +1,65 @@
+"""The agent's weight catch-up (pearlctl.agent.workers.Reconciler.catch_up): a vLLM worker that becomes READY
+between two answers of the daemon loads the weights the latest answer asked for at once, so its first report
+as READY already names them, rather than one long poll later. The vLLM server is the seam."""
+
+from __future__ import annotations
+
+from pearlctl.agent.identity import Identity
+from pearlctl.agent.workers import Reconciler, VllmWorker
+
+
+class StartingServer:
+    """A vLLM server that is starting until ``ready`` is set; records reloads."""
+
+    port, pid = 8000, 4242
+
+    def __init__(self):
+        self.ready = False
+        self.reloads: list[str] = []
+        self.version: str | None = None
+
+    def start(self) -> None: ...
+
+    def alive(self) -> bool:
+        return True
+
+    def health(self) -> bool:
+        return self.ready
+
+    def reload_weights(self, path: str) -> float:
+        self.reloads.append(path)
+        return 0.01
+
+    def set_weight_version(self, version: str) -> None:
+        self.version = version
+
+
+def worker(key: str) -> VllmWorker:
+    w = VllmWorker.__new__(VllmWorker)  # no vLLM process: the server is the seam
+    w.key, w.role, w.gpus, w.server = key, "ROLLOUT", (1,), StartingServer()
+    w._stopping = w._stopped = False
+    w._sleep_state, w.weight_version, w.store, w.receives_broadcast = None, None, None, False
+    return w
+
+
+def test_a_worker_ready_since_the_last_answer_loads_the_weights_it_was_asked_for_before_its_next_report(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PEARL_NODE_DIR", str(tmp_path / "node"))
+    me = Identity(run_id="r", pool="trainer", role="TRAIN", job_id="7", task_id=0, node="n1", gpus=(0, 1), restarts=0)
+    r = Reconciler(me, str(tmp_path), env={"PEARL_MODEL": "m"}, drain_timeout=30.0)
+    w = worker("rollout-1")
+    r._make = lambda want: w
+    weights = {"version": "3", "path": str(tmp_path / "weights" / "3")}
+    r.apply([{"key": "rollout-1", "role": "ROLLOUT", "engine": "vllm", "gpus": [1], "state": "RUNNING",
+              "weights": weights}])  # fmt: skip
+    assert w.server.reloads == [] and w.weight_version is None  # still starting: nothing to load into
+    r.catch_up()
+    assert w.server.reloads == []
+    w.server.ready = True  # READY between two answers of the daemon
+    r.catch_up()
+    assert w.server.reloads == [weights["path"]] and w.server.version == "3"
+    [report] = r.report()
+    assert report["state"] == "READY" and report["weight_version"] == "3"
+    r.catch_up()  # on the asked-for version: nothing more
+    assert w.server.reloads == [weights["path"]]
