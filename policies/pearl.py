@@ -175,7 +175,7 @@ def _bring_up_idle(s: Snapshot, current: Target, keep: Plan) -> Plan | None:
     pool = sum(whole.values())
     if pool <= current.rollout_gpus - current.lend:
         return None
-    target = replace(current, rollout_gpus=current.lend + pool, elastic=whole.get("elastic", 0))
+    target = replace(current, rollout_gpus=current.lend + pool, elastic=whole.get(PoolKind.ELASTIC, 0))
     grown = plan.make(s, target, why="pearl: idle rollout and elastic GPUs brought up")
     kept = set(keep.moves)
     added = [m for m in grown.moves if m not in kept]
