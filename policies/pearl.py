@@ -62,15 +62,13 @@ def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(s)
     keep = plan.make(s, current, why="pearl: return lent GPUs before their deadline")
     if s.work.empty:
-        # Nothing to roll out now: idle rollout and elastic GPUs are brought up for the next batch — an idle
-        # GPU's start costs no batch time, while a start once the batch is under way does. Lent GPUs go back
-        # to the trainer, unless it waits long enough for them to serve the next batch (``_lend_ahead``).
+        # Nothing to roll out now: idle rollout and elastic GPUs are brought up for the next batch (when one
+        # was not already, during the last). Lent GPUs go back to the trainer, unless it waits long enough for
+        # them to serve the next batch (``_lend_ahead``).
         ahead = _lend_ahead(s)
         target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
         if current.mode is Mode.COLOCATED:
-            ready = budget.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True)
-            gpw = s.profile.gpus_per_worker
-            whole = {p: n * gpw for p, n in worker_groups(ready, gpw).items()}
+            whole = _whole_workers(s, budget.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
             target = replace(
                 target, rollout_gpus=sum(whole.values()), elastic=whole.get("elastic", 0), lend=whole.get("trainer", 0)
             )
@@ -155,6 +153,12 @@ def decide(snapshot: Snapshot) -> Plan | None:
     return None if keep.empty else keep
 
 
+def _whole_workers(s: Snapshot, gpus: list) -> dict[str, int]:
+    """GPUs per pool, counted in whole workers of the profile's size (``worker_groups``)."""
+    gpw = s.profile.gpus_per_worker
+    return {p: n * gpw for p, n in worker_groups(gpus, gpw).items()}
+
+
 def _bring_up_idle(s: Snapshot, current: Target, keep: Plan) -> Plan | None:
     """A colocated deployment grows onto every idle rollout and elastic GPU that may serve, whatever this batch
     gains from it: that capacity owes the trainer nothing, its start takes no batch time from the GPUs serving,
@@ -164,14 +168,13 @@ def _bring_up_idle(s: Snapshot, current: Target, keep: Plan) -> Plan | None:
     ``preempt_per_hour``, at least twice a cold start); idle ones that are not wait for the priced path."""
     if current.mode is not Mode.COLOCATED:
         return None
-    gpw = s.profile.gpus_per_worker
     lasting = s.preempt_per_hour <= 0 or 3600.0 / s.preempt_per_hour >= 2 * s.costs.start_s
     may = [
         g
         for g in budget.may_serve(s, elastic=True, borrow=False)
         if lasting or g.pool != PoolKind.ELASTIC or g.role in SERVING
     ]
-    whole = {p: n * gpw for p, n in worker_groups(may, gpw).items()}
+    whole = _whole_workers(s, may)
     pool = sum(whole.values())
     if pool <= current.rollout_gpus - current.lend:
         return None

@@ -392,6 +392,15 @@ def return_file(me: Identity) -> Path:
     return Path(base, me.run_id or "run", f"{me.job_id}_{me.task_id}", "returned.json")
 
 
+def _sync_weights(key: str, handle: VllmWorker, want: dict) -> None:
+    """``handle.sync_weights`` to the desired worker's weights; a failed reload keeps the old weights (logged),
+    and the next apply or catch-up tries again."""
+    try:
+        handle.sync_weights(want.get("weights"))
+    except Exception as exc:
+        log.warning("weight reload of %s failed: %s", key, exc)
+
+
 class Reconciler:
     """Makes the running workers match the daemon's desired state, and returns lent GPUs by itself when it
     must (``return_lent``). Thread-safe: the agent's main loop and its return watchdog both call it."""
@@ -500,10 +509,7 @@ class Reconciler:
                 self.workers[key] = handle
             if isinstance(handle, VllmWorker):
                 handle.unpark()
-                try:
-                    handle.sync_weights(want.get("weights"))
-                except Exception as exc:  # a failed reload keeps the old weights; the next heartbeat retries
-                    log.warning("weight reload of %s failed: %s", key, exc)
+                _sync_weights(key, handle, want)
 
     def catch_up(self) -> None:
         """Between the daemon's answers: a vLLM worker that has become READY since the latest apply loads the
@@ -512,13 +518,9 @@ class Reconciler:
         with self._lock:
             for key, want in self.wanted.items():
                 handle = self.workers.get(key)
-                weights = want.get("weights") or {}
-                if not isinstance(handle, VllmWorker) or weights.get("version") in (None, handle.weight_version):
-                    continue
-                try:
-                    handle.sync_weights(weights)  # (nothing until READY)
-                except Exception as exc:  # a failed reload keeps the old weights; the next apply retries
-                    log.warning("weight reload of %s failed: %s", key, exc)
+                version = (want.get("weights") or {}).get("version")
+                if isinstance(handle, VllmWorker) and version not in (None, handle.weight_version):
+                    _sync_weights(key, handle, want)  # (nothing until READY)
 
     def return_lent(self, now: float | None = None, *, early_s: float = 0.0) -> list[str]:
         """The daemon cannot be reached and a lent GPU's return must start: stop its worker here, then tell

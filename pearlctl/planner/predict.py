@@ -311,13 +311,10 @@ def _steady(
         waits = tool_s + own_prefill
         demand = per_worker * decode_tokens
         if type(decode) is DecodeModel:
-            # ``itl(mid)`` (``DecodeModel.itl_at``) and ``max(..., floor)`` written out, the same operations in the
-            # same order: the loop runs a thousand times a decision
-            fixed = decode.weights_s
-            per_seq = decode.seq_s + decode.kv_s_per_token * max(context, 0.0)
+            # ``itl(mid)`` (``DecodeModel.itl_at``, from the same ``itl_terms``) and ``max(..., floor)`` written out,
+            # the same operations in the same order: the loop runs a thousand times a decision
+            fixed, per_seq, experts, keep = decode.itl_terms(context)
             moe = bool(decode.moe_experts)
-            if moe:
-                experts, keep = decode.experts_s * decode.moe_experts, 1.0 - decode.moe_top_k / decode.moe_experts
             for _ in range(_BISECTIONS):
                 mid = 0.5 * (lo + hi)
                 b = mid if mid > 1.0 else 1.0

@@ -57,18 +57,26 @@ class DecodeModel:
             + self.kv_s_per_token * b * max(context, 0.0)
         )
 
+    def itl_terms(self, context: float) -> tuple[float, float, float, float]:
+        """``itl``'s terms at one context, ``(fixed, per_seq, experts, keep)``: with ``b = max(batch, 1)``,
+        ``itl = fixed + per_seq * b`` for a dense model and ``fixed + experts * (1 - keep**b) + per_seq * b`` for a
+        MoE one (``moe_experts`` set). ``itl_at`` and the completion model's bisection compute from these."""
+        fixed = self.weights_s
+        per_seq = self.seq_s + self.kv_s_per_token * max(context, 0.0)
+        if not self.moe_experts:
+            return fixed, per_seq, 0.0, 1.0
+        return fixed, per_seq, self.experts_s * self.moe_experts, 1.0 - self.moe_top_k / self.moe_experts
+
     def itl_at(self, context: float):
         """``itl(batch, context)`` as a function of the batch alone, with the context's terms folded in: the
         completion model calls it hundreds of times per prediction at one context."""
-        fixed = self.weights_s
-        per_seq = self.seq_s + self.kv_s_per_token * max(context, 0.0)
+        fixed, per_seq, experts, keep = self.itl_terms(context)
         if not self.moe_experts:
 
             def dense(batch: float) -> float:
                 return fixed + per_seq * (batch if batch > 1.0 else 1.0)
 
             return dense
-        experts, keep = self.experts_s * self.moe_experts, 1.0 - self.moe_top_k / self.moe_experts
 
         def moe(batch: float) -> float:
             b = batch if batch > 1.0 else 1.0
