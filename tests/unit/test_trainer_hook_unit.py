@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pearlctl.trainer import FileChannel, NullChannel, TrainerHook
+from pearlctl.trainer.hook import first_wait_hint
 from pearlctl.trainer.weights import stored_version
 
 
@@ -182,6 +185,25 @@ def test_a_bad_first_wait_hint_is_refused_by_name(monkeypatch, raw):
     monkeypatch.setenv("PEARL_FIRST_WAIT_S", raw)
     with pytest.raises(ValueError, match=r"PEARL_FIRST_WAIT_S must be a finite number of seconds >= 0, not"):
         hook_for()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(max_size=20), st.floats(allow_nan=True, allow_infinity=True).map(repr)))
+def test_any_first_wait_hint_is_a_finite_non_negative_number_or_refused_by_name(raw):
+    old = os.environ.get("PEARL_FIRST_WAIT_S")
+    os.environ["PEARL_FIRST_WAIT_S"] = raw.replace("\x00", "")
+    try:
+        got = first_wait_hint()
+    except ValueError as exc:
+        assert str(exc).startswith("PEARL_FIRST_WAIT_S must be a finite number of seconds >= 0, not ")
+    else:
+        assert got is None or (got >= 0.0 and got != float("inf"))
+        assert (got is None) == (not raw.replace("\x00", "").strip())
+    finally:
+        if old is None:
+            os.environ.pop("PEARL_FIRST_WAIT_S", None)
+        else:
+            os.environ["PEARL_FIRST_WAIT_S"] = old
 
 
 def test_release_while_waiting_offloads_and_acks():
