@@ -24,7 +24,8 @@ Guarantees:
   with ``return_token_ids``, which the gateway always asks for) plus the token ids generated so far become
   the new prompt, with the remaining ``max_tokens`` (``min_tokens`` less what was generated). A chat turn
   continues through ``/v1/completions`` on the chat prompt's token ids and is answered chat-shaped. The
-  caller gets ONE response (one stream that goes on, or one body): texts and token ids joined, logprobs
+  caller gets ONE response (one stream that goes on, or one body): texts (the continued parts' detokenized
+  by the gateway, pearlctl.router.text) and token ids joined, logprobs
   joined (text offsets shifted), usage summed, and a ``pearl`` field recording every part's token count
   and weight version, how many times it was continued and how many attempts it took. Greedy decoding
   continued from token ids gives exactly the tokens of an uninterrupted run (tests/engines/test_router_engine.py
@@ -72,6 +73,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import anyio
 import httpx
 from pydantic import BaseModel
 from starlette.applications import Starlette
@@ -87,6 +89,7 @@ from pearlctl.router.membership import (
     WorkerSet,
     describe,
 )
+from pearlctl.router.text import TextMirror, Tokenizers, mirrorable
 
 log = logging.getLogger("pearlctl.router.gateway")
 
@@ -424,6 +427,8 @@ class Turn:
         self.emitted = False  # anything streamed to the caller
         self.sent_prompt_ids = False
         self.no_wait = False  # the next attempt goes at once (an abort that made progress)
+        self.mirror: TextMirror | None = None  # the continued parts' text, detokenized here (router/text.py)
+        self.mirror_tried = False
         self._reset_output()
 
     def _reset_output(self) -> None:
@@ -543,6 +548,8 @@ class Turn:
         }
         if self.why_not is not None:
             out["not_continuable"] = self.why_not
+        if self.continued:  # who made the continued parts' text (pearlctl.router.text)
+            out["continued_text"] = "gateway" if self.mirror is not None else "vllm"
         return out
 
     def usage(self) -> dict:
@@ -571,7 +578,7 @@ class Turn:
             if isinstance(lp, dict):
                 self.lp_chat.extend(lp.get("content") or [])
         else:
-            text = choice.get("text") or ""
+            text = self._text(choice, choice.get("token_ids"), continuation)
             lp = choice.get("logprobs")
             if isinstance(lp, dict):
                 if self.kind == "chat":
@@ -590,6 +597,16 @@ class Turn:
         self.stop_reason = choice.get("stop_reason")
         self.progress(n)
         return n, choice.get("finish_reason")
+
+    def _text(self, choice: dict, ids: Any, continuation: bool) -> str:
+        """A /v1/completions part's text: vLLM's, or for a continued part the mirror's (router/text.py)."""
+        if not (continuation and self.mirror is not None and isinstance(ids, list)):
+            return choice.get("text") or ""
+        finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+        by_token = finish == "stop" and not isinstance(stop_reason, str)  # EOS or a stop token id ended it
+        if ids and by_token and not self.body.get("include_stop_str_in_output"):
+            ids = ids[:-1]  # vLLM does not detokenize that last token
+        return self.mirror.text(ids)
 
     def answer(self, finish: str | None) -> dict:
         """The caller's one body, from every part."""
@@ -647,7 +664,7 @@ class Turn:
             text = delta.get("content") or ""
         else:
             delta = None
-            text = ch.get("text") or ""
+            text = self._text(ch, ch.get("token_ids"), continuation)
         lp = ch.get("logprobs")
         n = len(ids) if ids or "token_ids" in ch else (1 if text else 0)
         self.ids.extend(ids)
@@ -777,6 +794,9 @@ class Gateway:
             )
         }
         self._key = config.key.encode()
+        self.tokenizers = Tokenizers()  # for the text of continued turns (pearlctl.router.text)
+        self._model_roots: dict[str, str] = {}  # served model name -> its directory (``root`` in /v1/models)
+        self._unmirrored: set[tuple[str, str]] = set()  # why a model's continued turns keep vLLM's text: said once each
 
     async def aclose(self) -> None:
         """Stop every PD router (the one serving and those still draining), then the upstream client."""
@@ -913,11 +933,54 @@ class Gateway:
             async with self.http.stream("POST", base + path, json=body, headers=headers) as resp:
                 yield resp
 
+    async def mirror_text(self, turn: Turn) -> None:
+        """Before a turn's first continuation: detokenize its continued parts here (pearlctl.router.text),
+        when the model's tokenizer can be read and the request allows it; else they keep vLLM's text."""
+        if turn.mirror_tried:
+            return
+        turn.mirror_tried = True
+        model = str(turn.body.get("model") or "")
+        why = mirrorable(turn.body)
+        root = None
+        if why is None and (turn.prompt_ids is None or len(turn.ids) != turn.tokens):
+            why = "the first part did not return every token id"
+        if why is None:
+            root = await self._model_root(model)
+            why = None if root is not None else "no member worker names the model's directory"
+        tokenizer = await anyio.to_thread.run_sync(self.tokenizers.get, root) if root is not None else None
+        if tokenizer is None:
+            if why is not None and (model, why) not in self._unmirrored:
+                self._unmirrored.add((model, why))
+                log.warning("continued turns of model %r keep vLLM's text: %s", model, why)
+            return
+        skip_special = turn.body.get("skip_special_tokens") is not False
+        turn.mirror = TextMirror(tokenizer, turn.prompt_ids or [], turn.ids, skip_special)
+
+    async def _model_root(self, model: str) -> str | None:
+        """The directory a served model was loaded from, as a member worker's /v1/models says (kept)."""
+        if model in self._model_roots:
+            return self._model_roots[model]
+        for url in sorted(self.members.by_url):
+            try:
+                doc = (await self.http.get(url + "/v1/models", timeout=5.0)).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            entries = doc.get("data") if isinstance(doc, dict) else None
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and (entry.get("id") == model or not model):
+                    root = entry.get("root") or entry.get("id")
+                    if isinstance(root, str) and root:
+                        self._model_roots[model] = root
+                        return root
+        return None
+
     async def complete(self, turn: Turn, headers: dict[str, str]) -> dict:
         """A whole non-streaming answer (or `_Refused` / `_GiveUp`)."""
         while True:
             await self.before_attempt(turn)
             path, body, continuation = turn.request()
+            if continuation:
+                await self.mirror_text(turn)
             turn.attempts += 1
             since = self.members.mark()
             try:
@@ -974,6 +1037,8 @@ class Gateway:
                 yield sse("[DONE]")
                 return
             path, body, continuation = turn.request()
+            if continuation:
+                await self.mirror_text(turn)
             body["stream"] = True
             turn.attempts += 1
             since = self.members.mark()

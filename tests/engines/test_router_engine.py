@@ -237,6 +237,7 @@ def test_b_a_drained_worker_aborts_and_the_turns_continue_exactly(
     assert got == expected and doc["choices"][0]["finish_reason"] == "length"
     assert pearl["continued"] >= 1 and sum(p["tokens"] for p in pearl["parts"]) == LONG
     assert doc["usage"]["completion_tokens"] == LONG
+    assert chat_pearl["continued_text"] == "gateway"  # the model's tokenizer, found from the worker's /v1/models
     assert chat_ids == expected_chat and chat_text == expected_text
     assert chat_pearl["continued"] >= 1
     assert all(p["weight_version"] == "1" for p in pearl["parts"] + chat_pearl["parts"])

@@ -20,12 +20,15 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from pearlctl.router.gateway import (
     Gateway,
@@ -114,6 +117,9 @@ class Upstream:
         self.router_down = False
         self.version_header: str | None = None
         self.omit_prompt_ids = False  # a worker that does not return the prompt's token ids
+        # text as vLLM makes it: a tokenizers DecodeStream primed with the request's prompt ids (None: detok)
+        self.tokenizer: Tokenizer | None = None
+        self.root: str | None = None  # the model directory the workers' /v1/models name
 
     def gen_requests(self) -> list[tuple[str, dict, dict]]:
         return self.requests
@@ -135,7 +141,8 @@ class Upstream:
             if origin in self.unhealthy:
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
             if path == "/v1/models":
-                return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "from": origin}]})
+                entry = {"id": "tiny", "from": origin, **({"root": self.root} if self.root else {})}
+                return httpx.Response(200, json={"object": "list", "data": [entry]})
             return httpx.Response(200, json={})
         elif self.router_down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -177,6 +184,7 @@ class Upstream:
         hold = step if step is not None and step[0] == "hold" else None
         k = budget if step is None or (hold and hold[3] == "finish") else min(step[1], budget)
         ids = greedy(prompt_ids, k)
+        pieces = self._pieces(prompt_ids, ids)
         finish = (
             "length"
             if step is None or (hold and hold[3] == "finish")
@@ -195,13 +203,23 @@ class Upstream:
                     body,
                     prompt_ids,
                     ids,
+                    pieces,
                     finish,
                     want_ids,
                     broken=step is not None and step[0] == "break",
                     hold=(hold[1], hold[2]) if hold else None,
                 ),
             )
-        return httpx.Response(200, headers=headers, json=self._answer(chat, body, prompt_ids, ids, finish, want_ids))
+        return httpx.Response(
+            200, headers=headers, json=self._answer(chat, body, prompt_ids, ids, pieces, finish, want_ids)
+        )
+
+    def _pieces(self, prompt_ids: list[int], ids: list[int]) -> list[str]:
+        """Each generated token's text: ``detok``, or with ``tokenizer`` vLLM's way (pearlctl/router/text.py)."""
+        if self.tokenizer is None:
+            return [detok(t) for t in ids]
+        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
+        return [stream.step(self.tokenizer, t) or "" for t in ids]
 
     @staticmethod
     def _logprobs(chat: bool, ids: list[int]) -> Any:
@@ -224,8 +242,8 @@ class Upstream:
             "text_offset": list(range(len(ids))),
         }
 
-    def _answer(self, chat, body, prompt_ids, ids, finish, want_ids) -> dict:
-        text = "".join(detok(t) for t in ids)
+    def _answer(self, chat, body, prompt_ids, ids, pieces, finish, want_ids) -> dict:
+        text = "".join(pieces)
         n_prompt = len(prompt_ids or [])
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)}
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None}
@@ -254,7 +272,7 @@ class Upstream:
         doc["usage"] = usage
         return doc
 
-    async def _events(self, chat, body, prompt_ids, ids, finish, want_ids, broken, hold=None):
+    async def _events(self, chat, body, prompt_ids, ids, pieces, finish, want_ids, broken, hold=None):
         head = {
             "id": "chatcmpl-1" if chat else f"cmpl-{len(self.requests)}",
             "created": 1,
@@ -275,9 +293,9 @@ class Upstream:
             await asyncio.sleep(0)
             c: dict[str, Any] = {"index": 0, "finish_reason": None}
             if chat:
-                c["delta"] = {"content": detok(t)}
+                c["delta"] = {"content": pieces[i]}
             else:
-                c["text"] = detok(t)
+                c["text"] = pieces[i]
                 if want_ids and i == 0 and prompt_ids is not None:
                     c["prompt_token_ids"] = prompt_ids
             if want_ids:
@@ -537,6 +555,54 @@ def test_a_chat_stream_continues_chat_shaped() -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["pearl"]["continued"] == 1
 
     run(scenario)
+
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"  # built by scripts/setup
+
+
+def vllm_text(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
+    stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
+    return "".join(stream.step(tok, t) or "" for t in ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_turn_interrupted_inside_a_character_is_continued_with_the_uninterrupted_text(stream: bool) -> None:
+    """The fake makes text as vLLM does (a DecodeStream primed with the request's prompt): a continuation whose
+    prompt ends inside a UTF-8 character would repeat the prompt's text. The gateway's own detokenization
+    (pearlctl/router/text.py) gives the caller the uninterrupted text at every boundary, and without a
+    tokenizer for the model the same boundaries show the fault (so this test can fail)."""
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    messages = [{"role": "user", "content": "la mer, 海 🌊"}]
+    n = 24
+    prompt = chat_ids(messages)
+    ids = greedy(prompt, n)
+    whole = vllm_text(tok, prompt, ids)
+    split = [
+        k for k in range(1, n) if vllm_text(tok, prompt, ids[:k]) + vllm_text(tok, prompt + ids[:k], ids[k:]) != whole
+    ]
+    assert split, "no boundary splits a character: nothing would be tested"
+
+    def caller_text(resp: httpx.Response) -> str:
+        if not stream:
+            return resp.json()["choices"][0]["message"]["content"]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in events(resp)[:-1])
+
+    for root, boundaries in ((str(TINY), range(1, n)), (None, split)):
+        texts: dict[int, str] = {}
+
+        async def scenario(gw, client, up, root=root, boundaries=boundaries, texts=texts):
+            up.tokenizer, up.root = tok, root
+            await add(client, W1)
+            for k in boundaries:
+                up.script = [("abort", k)]
+                body = {"messages": messages, "max_tokens": n, "stream": stream}
+                texts[k] = caller_text(await client.post("/v1/chat/completions", json=body, headers=AUTH))
+
+        run(scenario)
+        if root is not None:
+            assert all(t == whole for t in texts.values()), [k for k, t in texts.items() if t != whole]
+        else:  # vLLM's text kept: the fault shows at the boundaries inside a character
+            assert all(texts[k] != whole for k in split)
 
 
 def test_without_the_prompts_token_ids_a_turn_is_redone_whole_or_ends_with_an_error_never_repeats() -> None:
