@@ -166,6 +166,8 @@ class TrainerPhase(Body):
     world_size: Annotated[int, Field(ge=1, le=10**6)] | None = None
     zero_stage: Annotated[int, Field(ge=0, le=3)] | None = None
     ts: Timestamp | None = None
+    # long poll: with no command for it now, hold the report up to this long (at most a heartbeat) for one
+    wait_s: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 0.0
 
     @field_validator("metrics")
     @classmethod

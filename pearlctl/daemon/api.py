@@ -197,7 +197,7 @@ def build_app(
             fast=controller.remembered,  # a repeated report: from memory, no thread
         ),
         route("/v1/status", status, method="GET"),
-        route("/v1/trainer/phase", controller.trainer_phase, bodies.TrainerPhase),
+        route("/v1/trainer/phase", controller.trainer_report, bodies.TrainerPhase, then=controller.trainer_hold),
         route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),
         route("/v1/borrow", controller.borrow, bodies.Borrow),
         route("/v1/return", controller.give_back, bodies.ReturnNow),

@@ -15,6 +15,7 @@ return is journaled here.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import hashlib
@@ -30,7 +31,7 @@ from urllib.parse import urlsplit
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy, work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
-from pearlctl.daemon.longpoll import LongPolls
+from pearlctl.daemon.longpoll import LongPolls, Pulse
 from pearlctl.planner import profile as profiles
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
@@ -138,6 +139,7 @@ class Controller:
         self.api_errors = 0  # requests answered 500 (a bug): /metrics
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
         self.long_polls = LongPolls()  # held heartbeats, answered when their desired workers change (notify)
+        self.trainer_pulse = Pulse()  # held trainer reports look again when state changed (notify)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
         # allocation -> when its agent was last heard from: the loss check reads it here; it reaches state (for
         # status and a successor daemon) at most every SEEN_WRITE_S in one transaction, not once per heartbeat
@@ -376,6 +378,7 @@ class Controller:
             if generation == self._notified:
                 return
             self._notified = generation
+            self.trainer_pulse.fire()
             desired = {a: [w.as_dict() for w in ws] for a, ws in self.desired_all().items()}
             self.long_polls.publish({a: (d, desired_hash(d)) for a, d in desired.items()})
 
@@ -580,7 +583,12 @@ class Controller:
     # -- the trainer hook -------------------------------------------------------------------------
     def trainer_phase(self, body: bodies.TrainerPhase) -> dict:
         """The trainer reports where it is; the answer is the command the current step asks for."""
+        return self.trainer_report(body)[0]
+
+    def trainer_report(self, body: bodies.TrainerPhase) -> tuple[dict, int]:
+        """``trainer_phase``, and the trainer pulse's count read before the command was (for ``trainer_hold``)."""
         with self.lock:
+            seen = self.trainer_pulse.count
             run = self.store.get_run(self.run_id)
             before = run.get("trainer") or {}
             now = self.clock()
@@ -603,12 +611,33 @@ class Controller:
                 before.get("blocked_s") is None
             ):
                 self.wake.set()
-            command = pending_trainer_command(self.store, self.run_id)
-            if command["command"] is None and body.released and self._nothing_lent_or_moving():
-                # released, yet no transition holds the GPUs and none is lent: a release nobody wants any more
-                # (e.g. a held release carried out after its borrow was rolled back) — take them back
-                command = {"command": "reclaim", "command_id": f"{ORPHAN_RECLAIM_PREFIX}{report['phase_since']}"}
-            return {"epoch": self.epoch, **command}
+            return {"epoch": self.epoch, **self._trainer_command(body.released, report["phase_since"])}, seen
+
+    def _trainer_command(self, released: bool, phase_since: float) -> dict:
+        command = pending_trainer_command(self.store, self.run_id)
+        if command["command"] is None and released and self._nothing_lent_or_moving():
+            # released, yet no transition holds the GPUs and none is lent: a release nobody wants any more
+            # (e.g. a held release carried out after its borrow was rolled back) — take them back
+            command = {"command": "reclaim", "command_id": f"{ORPHAN_RECLAIM_PREFIX}{phase_since}"}
+        return command
+
+    async def trainer_hold(self, body: bodies.TrainerPhase, reported: tuple[dict, int]) -> dict:
+        """Long poll: a report with ``wait_s`` that got no command is held (in the event loop) until state
+        changes and a command is there, or ``wait_s``, at most one heartbeat interval, passes — so an offload or
+        a reload reaches a waiting trainer in milliseconds, not at its next poll."""
+        answer, seen = reported
+        deadline = time.monotonic() + min(body.wait_s, self.heartbeat_s)
+        while answer.get("command") is None and (left := deadline - time.monotonic()) > 0:
+            if not await self.trainer_pulse.wait(seen, left):
+                break
+            answer, seen = await asyncio.to_thread(self._trainer_again, body)
+        return answer
+
+    def _trainer_again(self, body: bodies.TrainerPhase) -> tuple[dict, int]:
+        with self.lock:
+            seen = self.trainer_pulse.count
+            since = (self.store.get_run(self.run_id).get("trainer") or {}).get("phase_since", self.clock())
+            return {"epoch": self.epoch, **self._trainer_command(body.released, since)}, seen
 
     def _nothing_lent_or_moving(self) -> bool:
         if any(g["borrowed"] for g in self.store.gpus(self.run_id)):

@@ -1,4 +1,5 @@
-"""Held heartbeats (long polls), waiting in the control API's event loop rather than in a thread each.
+"""Held requests (long polls), waiting in the control API's event loop rather than in a thread each: agents'
+heartbeats (``LongPolls``) and the trainer's reports (``Pulse``).
 
 An agent that already has its desired workers sends their hash and is held until they change or its wait
 ends. Held requests cost no thread here: each is a future in the event loop. After a decision may have
@@ -7,9 +8,13 @@ result over (``publish``, from any thread); only the requests whose allocation's
 from what they hold are answered early, with the new ones. Nothing else is woken, so a change to one
 allocation does not make 512 agents each look at state.
 
+The trainer, which waits with nothing to do, is held the same way until state changes (``Pulse``: a counter
+the control loop bumps after a pass that changed state), so that a command for it (offload, reload) reaches
+it in milliseconds rather than at its next poll.
+
 Guarantees:
 - a held request ends by its deadline, answered with what it holds if nothing changed;
-- no change is missed between a heartbeat's answer and its hold: each answer is stamped with the number of
+- no change is missed between an answer and its hold: each answer is stamped with the number of
   passes published before it (``passes``); a pass published after it that disagrees answers it at once.
 """
 
@@ -71,3 +76,45 @@ class LongPolls:
             waiting.remove(entry)
             if not waiting:
                 del self._held[alloc_id]
+
+
+class Pulse:
+    """A counter bumped from any thread (``fire``); a coroutine waits for it to move past a value it read."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.count = 0
+        self._lock = threading.Lock()
+        self._waiting: set[asyncio.Future] = set()
+
+    def fire(self) -> None:
+        with self._lock:
+            self.count += 1
+            loop = self.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the event loop is closed: the daemon is stopping
+                pass
+
+    def _wake(self) -> None:
+        for future in self._waiting:
+            if not future.done():
+                future.set_result(None)
+
+    async def wait(self, seen: int, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the count to differ from ``seen``; whether it did."""
+        self.loop = asyncio.get_running_loop()
+        if self.count != seen:
+            return True
+        future = self.loop.create_future()
+        self._waiting.add(future)
+        try:
+            if self.count != seen:  # fired between the check and the registration
+                return True
+            await asyncio.wait_for(future, wait_s)
+            return True
+        except TimeoutError:
+            return self.count != seen
+        finally:
+            self._waiting.discard(future)

@@ -77,14 +77,15 @@ class DaemonChannel:
         if return_file is _FROM_ENV:
             return_file = os.environ.get(RETURN_FILE_ENV)
         self.return_file: str | None = os.fspath(return_file) if return_file else None
+        self.timeout = timeout
         self._client = ControlClient(self.run_dir, self.run_id, timeout=timeout)
         self._release_id: str | None = None  # the latest release acked, and when it first was
         self._released_at: float | None = None
 
     # -- the daemon ---------------------------------------------------------------------------------
     def _post(self, path: str, body: dict) -> dict | None:
-        try:
-            return self._client.try_call("POST", path, body)
+        try:  # a long poll (``wait_s``) is held by the daemon up to that long on top of the answer's time
+            return self._client.try_call("POST", path, body, timeout=self.timeout + float(body.get("wait_s") or 0))
         except DaemonRefusal as exc:
             log.warning("daemon refused %s (%s): %s", path, exc.status, exc)
         except Exception as exc:  # whatever it is, the trainer goes on

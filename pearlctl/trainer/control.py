@@ -40,7 +40,10 @@ class ControlChannel(Protocol):
         {"phase": "training" | "waiting" | "stopped", "step": int, "expected_wait_s": float | None,
          "metrics": dict | None, "released": bool, "release_mode": "offload" | "checkpoint" | None,
          "blocked_s": float | None,  # set while ensure_reclaimed blocks
-         "weight_version": str | None, "world_size": int, "zero_stage": int | None, "ts": unix seconds}
+         "weight_version": str | None, "world_size": int, "zero_stage": int | None, "ts": unix seconds,
+         "wait_s": float}  # only while waiting: the channel may hold the report up to this long for a command
+
+    A channel that cannot hold a report answers at once and the hook sleeps the rest of its poll interval.
 
     A command is ``{"command": "release" | "reclaim" | None, "command_id": str, "mode": "offload" |
     "checkpoint"}`` (``mode`` only for release, optional: the hook's ``release_mode`` by default).

@@ -240,14 +240,19 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
                 event = self._event(
                     "waiting", step=step, expected_wait_s=self._or_first_wait(step, left), metrics=metrics
                 )
+                if not is_ready:
+                    event["wait_s"] = poll  # long poll: a command reaches us as soon as there is one
+                t = time.monotonic()
                 cmd, code = self._poll(event, can_release=True)
+                rest = poll - (time.monotonic() - t)  # what a daemon that held the report did not wait
             code, agreed_ready = self._agree(_SITE_WAIT_UNTIL, code, ready=is_ready)
             self._carry_out(code, cmd)
             if self._stop_agreed:
                 return False
             if agreed_ready:
                 return True
-            time.sleep(poll)
+            if self.rank == 0 and cmd is None and rest > 0:
+                time.sleep(rest)
 
     def ensure_reclaimed(self) -> dict | None:
         """Call at the top of every train step. Returns at once when not released (no collective);
@@ -264,15 +269,18 @@ class TrainerHook(RankAgreement, EngineOffload, WeightExport):
             cmd, code = None, _NONE
             if self.rank == 0:
                 event = self._event("waiting", step=self.step, blocked_s=round(time.monotonic() - t0, 3))
+                event["wait_s"] = self.poll_interval_s  # long poll: the reclaim reaches us as soon as it is asked
+                t = time.monotonic()
                 cmd, code = self._poll(event, can_release=True)
+                rest = self.poll_interval_s - (time.monotonic() - t)
             code, _ready = self._agree(_SITE_RECLAIM_WAIT, code)
             done = self._carry_out(code, cmd)
             if done is not None and done["command"] == "reclaim":
                 outcome = done
             if self._stop_agreed and self.released:
                 self.checkpoint_and_exit()
-            if self.released and done is None:
-                time.sleep(self.poll_interval_s)
+            if self.rank == 0 and self.released and done is None and rest > 0:
+                time.sleep(rest)
         return {"blocked_s": round(time.monotonic() - t0, 6), "reclaim": outcome}
 
     # ------------------------------------------------------------------ release / reclaim

@@ -530,3 +530,38 @@ def test_a_held_heartbeat_is_answered_as_soon_as_its_desired_workers_change_and_
         assert run.alive() and run.api_errors() == 0, run.log()
     finally:
         run.stop()
+
+
+def test_a_held_trainer_report_gets_its_release_as_soon_as_a_borrow_asks_for_it(tmp_path):
+    """Over real HTTP to the real daemon process: a waiting trainer's report with ``wait_s`` and no command for
+    it is held (up to the heartbeat interval, 5 s), and answered with the release within a tick of a borrow
+    that needs its GPUs — not at the end of its hold, nor at its next poll (pearlctl.daemon.longpoll.Pulse)."""
+    import concurrent.futures
+
+    run = LiveRun(tmp_path, heartbeat_s=5.0)
+    try:
+        waiting = {"phase": "waiting", "step": 1, "expected_wait_s": 600.0}
+        assert run.post("/v1/trainer/phase", waiting).json()["command"] is None
+
+        def held() -> tuple[float, dict]:
+            started = time.monotonic()
+            resp = run.post("/v1/trainer/phase", {**waiting, "wait_s": 5.0})
+            assert resp.status_code == 200, resp.text
+            return time.monotonic() - started, resp.json()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            took, answer = pool.submit(held).result(timeout=15)
+            assert answer["command"] is None and took >= 4.5  # nothing for it: held for its whole wait
+            report = pool.submit(held)
+            time.sleep(1.0)
+            assert not report.done()
+            asked_at = time.monotonic()
+            resp = run.post("/v1/borrow", {"policy": "greedy", "gpus": 1})
+            assert resp.status_code == 200, resp.text
+            took, answer = report.result(timeout=15)
+            answered_after = time.monotonic() - asked_at
+        assert answer["command"] == "release", answer
+        assert answered_after < 2.5, answered_after  # a tick (0.5 s) and a pass, not the 5-s hold
+        assert run.alive() and run.api_errors() == 0, run.log()
+    finally:
+        run.stop()

@@ -209,6 +209,7 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "world_size": st.integers(1, 8),
             "zero_stage": st.integers(0, 3),
             "ts": stamp,
+            "wait_s": st.floats(0, 0.2),
         },
         "trainer_ack": {
             "command_id": st.one_of(
@@ -632,7 +633,8 @@ def test_the_strategies_cover_every_route_of_the_api():
 
     from pearlctl.daemon.api import build_app
 
-    names = ["register", "report", "remembered", "hold", "trainer_phase", "trainer_ack", "borrow", "give_back"]
+    names = ["register", "report", "remembered", "hold", "trainer_report", "trainer_hold", "trainer_ack", "borrow"]
+    names += ["give_back"]
     names += ["routable_workers", "rollout_progress", "set_profile", "move"]
     controller = SimpleNamespace(run_id=RUN_ID, epoch=1, **{n: (lambda *a: {}) for n in names})
     app = build_app(controller, secret="s", status=lambda: {})

@@ -364,6 +364,45 @@ def test_wait_until_serves_commands_and_returns_when_ready():
     assert waits == sorted(waits, reverse=True) and all(w <= 10 for w in waits)
 
 
+class HoldingChannel(QueueChannel):
+    """Like the daemon's long poll: a report with ``wait_s`` and no command waits up to that long for one."""
+
+    def report(self, event: dict) -> dict | None:
+        with self._cond:
+            self.events.append(dict(event))
+            self._cond.notify_all()
+        try:
+            return self.commands.get(timeout=event.get("wait_s") or 0.0) if event.get("wait_s") else None
+        except queue.Empty:
+            return None
+
+
+def test_a_waiting_trainer_long_polls_so_a_command_is_carried_out_at_once_not_at_the_next_poll():
+    engine, ch = FakeEngine(), HoldingChannel()
+    hook = hook_for(engine, ch, poll_interval_s=2.0)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: hook.wait_until(done.is_set, step=3), daemon=True)
+    t.start()
+    ch.wait_event(lambda e: e.get("wait_s") == 2.0, timeout=5)
+    time.sleep(0.3)  # held, inside one report
+    sent = time.monotonic()
+    rid = ch.send("release")
+    ch.wait_ack(rid, timeout=5)
+    assert time.monotonic() - sent < 1.0 and hook.released  # within the held report, not 2 s later
+    done.set()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_channel_that_does_not_hold_reports_is_polled_at_the_poll_interval_not_in_a_spin():
+    ch = QueueChannel()  # answers at once
+    hook = hook_for(channel=ch, poll_interval_s=0.1)
+    deadline = time.monotonic() + 0.55
+    hook.wait_until(lambda: time.monotonic() > deadline, step=1)
+    assert 4 <= len(ch.events) <= 8, len(ch.events)
+    assert all(e["wait_s"] == 0.1 for e in ch.events[:-1]) and "wait_s" not in ch.events[-1]  # not once ready
+
+
 # ---------------------------------------------------------------------- held releases (issue 8, defect 6)
 def test_a_release_held_while_training_is_dropped_by_a_reclaim_and_ensure_reclaimed_does_not_block():
     """A borrow's release arrives during training and is held; the borrow is rolled back (its quick reclaim is
