@@ -26,6 +26,7 @@ docs/benchmarks.md ("Borrow and return").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -122,6 +123,15 @@ def analyze(store: Store, run_id: str) -> list[dict]:
                 "trainer_s": trainer_s,
                 "vllm_s": vllm_s,
                 "overhead_s": ended - begun - trainer_s - vllm_s,
+                # where the time went: each step from its intent to its end, and the gaps between steps
+                "steps": {
+                    k: round(s["detail"]["finished_at"] - s["detail"]["started_at"], 4)
+                    for k, s in sorted(steps.items(), key=lambda kv: kv[1]["seq"])
+                },
+                "gaps": [
+                    round(b["detail"]["started_at"] - a["detail"]["finished_at"], 4)
+                    for a, b in itertools.pairwise(sorted(steps.values(), key=lambda s: s["seq"]))
+                ],
             }
         )
     return rows
