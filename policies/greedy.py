@@ -21,5 +21,5 @@ def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(snapshot)
     lend = budget.lendable(snapshot)
     target = replace(current, rollout_gpus=current.rollout_gpus + len(lend), lend=current.lend + len(lend))
-    planned = plan.make(snapshot, target, why=f"greedy: lend {len(lend)} idle trainer GPU(s)" if lend else "greedy")
-    return None if planned.empty else planned
+    why = f"greedy: lend {len(lend)} idle trainer GPU(s)" if lend else "greedy"
+    return plan.make_if_moves(snapshot, target, why=why)

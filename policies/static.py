@@ -20,5 +20,4 @@ def decide(snapshot: Snapshot) -> Plan | None:
     choice = choose(snapshot, gpus, modes=(Mode.COLOCATED,))
     # no whole worker to serve on: still return lent GPUs and retire the rest
     target = choice.target if choice is not None else Target(Mode.COLOCATED, rollout_gpus=0)
-    planned = plan.make(snapshot, target, why="static: the rollout pool, colocated")
-    return None if planned.empty else planned
+    return plan.make_if_moves(snapshot, target, why="static: the rollout pool, colocated")

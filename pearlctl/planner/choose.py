@@ -11,9 +11,10 @@ a prediction. Ties go to the current mode, then to colocated (fewer moving parts
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from pearlctl.planner import view
 from pearlctl.planner.model import Deployment, GpuSlot, Mode, Snapshot, Target
@@ -25,9 +26,16 @@ PREFILL_SHARES = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3)
 
 @dataclass(frozen=True)
 class Choice:
+    """The chosen deployment, its target, and its prediction — made only when read if there was a single
+    candidate (a baseline's choice needs no price)."""
+
     deployment: Deployment
     target: Target
-    prediction: Prediction
+    predicted: Callable[[], Prediction] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def prediction(self) -> Prediction:
+        return self.predicted()
 
     @property
     def seconds(self) -> float:
@@ -76,13 +84,20 @@ def choose_workers(
     if Mode.DISAGGREGATED in modes:
         candidates += [Deployment(Mode.DISAGGREGATED, decode=d, prefill=p) for p, d in disaggregated_splits(workers)]
 
-    best: Choice | None = None
     predict = view.of(snapshot).predict  # predict(snapshot.work, dep, snapshot.profile), once per deployment
+    if len(candidates) == 1:
+        (only,) = candidates
+        return Choice(only, target_of(only), functools.partial(predict, only))
+    best: Choice | None = None
     for dep in candidates:
         pred = predict(dep)
         if best is None or _better(pred.seconds, dep.mode, best, snapshot.mode):
-            best = Choice(dep, target_of(dep), pred)
+            best = Choice(dep, target_of(dep), functools.partial(_given, pred))
     return best
+
+
+def _given(prediction: Prediction) -> Prediction:
+    return prediction
 
 
 def _better(seconds: float, mode: Mode, best: Choice, current: Mode) -> bool:

@@ -54,6 +54,13 @@ def make(
     )
 
 
+def make_if_moves(snapshot: Snapshot, target: Target, why: str = "") -> Plan | None:
+    """``make``, or None when nothing moves — without pricing a plan that would be dropped (the baselines'
+    decisions, most of which move nothing)."""
+    planned = moves(snapshot, target)
+    return make(snapshot, target, why, planned=planned) if planned else None
+
+
 def current_deployment(snapshot: Snapshot) -> Deployment:
     """The deployment the serving GPUs form now (whole tensor-parallel workers only)."""
     by_pool = view.of(snapshot).serving
