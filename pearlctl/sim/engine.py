@@ -221,11 +221,11 @@ class Engine:
         self._arrived: list[np.ndarray] = []  # requests that became ready since the last admission (arrivals)
         self._need = np.zeros(n)  # a queued request's KV reservation (context + the turn's response)
         self._itl = _vector_itl(profile.decode)
+        self._itl_by_batch: tuple[np.ndarray, np.ndarray] | None = None  # (_decode_itl's tables)
         # The mismatch factors of each trajectory's current turn (kept as its turn advances).
         ds, ps = draws.decode_scale, draws.prefill_scale
         self._dscale = None if ds is None else ds[:, 0].copy()
         self._pscale = None if ps is None else ps[:, 0].copy()
-        self._distinct: np.ndarray | None = None
         self._finished = False  # some trajectory finished this tick: the window's lo may move
         self.w_role = np.zeros(n_workers, np.int8)
         self.w_admit = np.ones(n_workers, bool)  # routable: takes new requests (false: draining)
@@ -900,17 +900,15 @@ class Engine:
             itl_of = self.profile.decode.itl
             bc = zip(batch.tolist(), ctx_sum.tolist(), strict=True)
             return np.array([itl_of(float(b), c / b) if b else np.inf for b, c in bc])
-        b = np.maximum(batch, 1)  # (a worker with no batch gets inf)
-        if self._distinct is None:  # the model's distinct experts by batch size (a batch is at most max_num_seqs)
-            top = max(self.profile.max_num_seqs, 1)
-            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
+        if self._itl_by_batch is None:  # (a batch is at most max_num_seqs)
+            self._itl_by_batch = self._itl(max(self.profile.max_num_seqs, 1))
+        fixed, per_ctx = self._itl_by_batch
         try:
-            e = self._distinct[b]
+            fixed, per_ctx = fixed[batch], per_ctx[batch]
         except IndexError:  # a batch above max_num_seqs
-            top = int(b.max())
-            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
-            e = self._distinct[b]
-        return np.where(batch > 0, self._itl(b, ctx_sum / b, e), np.inf)
+            self._itl_by_batch = fixed, per_ctx = self._itl(int(batch.max()))
+            fixed, per_ctx = fixed[batch], per_ctx[batch]
+        return fixed + per_ctx * np.maximum(ctx_sum / np.maximum(batch, 1), 0.0)
 
     def _prefill_scale(self, i: np.ndarray) -> np.ndarray | None:
         """How much longer than the profile says trajectories ``i`` take to prefill this turn (None: as it says)."""
@@ -989,23 +987,31 @@ def _group_starts(keys: np.ndarray, n_keys: int) -> np.ndarray:
 
 
 def _vector_itl(decode):
-    """``DecodeModel.itl`` over arrays of workers (batch sizes ``b`` >= 1, mean contexts ``c``, distinct experts
-    ``e`` of each batch size): the same operations in the same order, so bit for bit the same seconds; None when
-    the decode model is not one this matches (the engine then asks ``itl`` worker by worker)."""
+    """``DecodeModel.itl`` by batch size, for the engine's arrays of workers: a function of the largest batch
+    ``top`` giving two tables over batch sizes ``b`` = 0 .. top, ``fixed`` and ``per_ctx``, such that ``fixed[b] +
+    per_ctx[b] * max(c, 0)`` is ``itl(b, c)`` bit for bit (the same operations in the same order: ``fixed`` holds
+    the sum of the terms before the context's, ``per_ctx`` the factor of ``max(c, 0)``), and inf for b = 0 (no
+    batch). None when the decode model is not one this matches (the engine then asks ``itl`` worker by worker)."""
     if type(decode) is not DecodeModel:
         return None
     ws, es, ss, ks = decode.weights_s, decode.experts_s, decode.seq_s, decode.kv_s_per_token
 
-    def itl(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
-        return ws + es * e + ss * b + ks * b * np.maximum(c, 0.0)
-
-    def dense(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
-        return ws + ss * b + ks * b * np.maximum(c, 0.0)  # ws + es * 0.0 is ws
+    def tables(top: int) -> tuple[np.ndarray, np.ndarray]:
+        b = np.arange(top + 1)
+        if decode.moe_experts:
+            e = np.array([decode.distinct_experts(float(x)) for x in range(top + 1)])
+            fixed = ws + es * e + ss * b
+        else:
+            fixed = ws + ss * b  # ws + es * 0.0 is ws
+        fixed[0] = np.inf  # (inf + 0.0 * 0.0: a worker with no batch, mean context 0 / 1)
+        return fixed, ks * b
 
     # A check that DecodeModel.itl is still this formula.
-    b = np.array([1.0, 2.0, 7.0, 64.0, 255.0])
+    fixed, per_ctx = tables(255)
+    b = np.array([1, 2, 7, 64, 255])
     c = np.array([0.0, 1234.5, 40000.25, 3.0e3 / 7.0, 9.99e4 / 3.0])
-    e = np.array([decode.distinct_experts(x) for x in b])
-    if itl(b, c, e).tolist() != [decode.itl(x, y) for x, y in zip(b.tolist(), c.tolist(), strict=True)]:
+    if (fixed[b] + per_ctx[b] * np.maximum(c, 0.0)).tolist() != [
+        decode.itl(float(x), y) for x, y in zip(b.tolist(), c.tolist(), strict=True)
+    ]:
         return None
-    return itl if decode.moe_experts else dense
+    return tables
