@@ -552,7 +552,7 @@ class Engine:
             if moving.size:
                 moving = moving[np.lexsort((self.ready_at[q[moving]], kw[moving]))]
                 w = kw[moving]
-                rank = np.arange(w.size) - _group_starts(w, n_w)
+                rank = np.arange(w.size) - _group_starts(w)
                 moving = moving[rank < excess[w] - BALANCE_ABS]
                 self.kv_w[q[moving]] = -1
                 self.kv_hold[q[moving]] = 0.0
@@ -693,9 +693,8 @@ class Engine:
         is_over = over > 0
         if not np.count_nonzero(is_over):
             return
-        ph = self.phase[s]
-        idle = (ph == WAIT) | (ph == TOOL)  # idle KV: tool-waiting or queued
-        cand = (idle & np.concatenate(([False], is_over))[kv_w1]).nonzero()[0]
+        # idle KV (tool-waiting or queued): held by a sequence not running (run_w < 0; one DONE or PENDING holds none)
+        cand = ((self.run_w[s] < 0) & np.concatenate(([False], is_over))[kv_w1]).nonzero()[0]
         if not cand.size:
             return
         cand += self.lo
@@ -705,7 +704,7 @@ class Engine:
         hold = self.kv_hold[cand]
         cs = np.zeros(cand.size + 1)
         np.add.accumulate(hold, out=cs[1:])
-        before = cs[1:] - hold - cs[_group_starts(w, n_w)]
+        before = cs[1:] - hold - cs[_group_starts(w)]
         ev = cand[before < over[w]]
         self.kv_w[ev] = -1
         self.kv_hold[ev] = 0.0
@@ -743,7 +742,7 @@ class Engine:
             need = pf_left if scale is None else pf_left * scale
             cs = np.zeros(loc.size + 1)
             np.add.accumulate(need, out=cs[1:])
-            before = cs[1:] - need - cs[_group_starts(w, n_w)]
+            before = cs[1:] - need - cs[_group_starts(w)]
             work = np.minimum(np.maximum(rate * avail - before, 0.0), need)
             tokens = work if scale is None else work / scale
             pf_left = pf_left - tokens
@@ -971,19 +970,17 @@ _FEW = 16
 def _fits(w: np.ndarray, need: np.ndarray, slots: np.ndarray, free_kv: np.ndarray) -> np.ndarray:
     """For requests sorted by worker ``w`` (FIFO within each), which are admitted: first come first served
     per worker, as far as its free slots and KV go (a request that does not fit blocks those behind it)."""
-    counts = np.bincount(w, minlength=slots.size)
-    start = counts.cumsum() - counts  # where each worker's requests start
+    start = _group_starts(w)  # where each request's worker's requests start
     cs = np.zeros(w.size + 1)  # cs[g]: the running total before position g
     np.add.accumulate(need, out=cs[1:])
     # rank within the worker's queue < its free slots; the running total of its queue (as a difference of
     # the running totals of the whole queue) within its free KV
-    return (np.arange(w.size) < (start + slots)[w]) & (cs[1:] - cs[start[w]] <= free_kv[w])
+    return (np.arange(w.size) < start + slots[w]) & (cs[1:] - cs[start] <= free_kv[w])
 
 
-def _group_starts(keys: np.ndarray, n_keys: int) -> np.ndarray:
-    """For sorted ``keys`` (in 0 .. n_keys - 1), the index where each element's group (run of equal keys) starts."""
-    counts = np.bincount(keys, minlength=n_keys)
-    return (counts.cumsum() - counts)[keys]
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """For sorted ``keys``, the index where each element's group (run of equal keys) starts."""
+    return keys.searchsorted(keys)
 
 
 def _vector_itl(decode):
