@@ -828,13 +828,14 @@ class Sim:
         # A worker serves when all its GPUs are present, in its first GPU's serving role and not stopped: one pass
         # over the GPUs, one over the workers (a large cluster has thousands; a one-GPU worker is its GPU).
         up = [g.present and g.role in SERVING and not self._stopped(g, t) for g in gpus]
+        notice = [g.abort_at is not None for g in gpus]  # a preemption notice: its worker drains
         roles, routable = [W_OFF] * n, [True] * n
         for k in range(n):
             lo, hi = k * gpw, (k + 1) * gpw
             r = gpus[lo].role
             if up[lo] and (gpw == 1 or (all(up[lo:hi]) and all(g.role == r for g in gpus[lo:hi]))):
                 roles[k] = ENGINE_ROLE[r]
-                routable[k] = all(g.abort_at is None for g in gpus[lo:hi])  # a preemption notice: draining
+                routable[k] = not any(notice[lo:hi])
         killed = np.zeros(n, bool)
         killed[list(self._killed)] = True
         self._killed.clear()
