@@ -149,8 +149,8 @@ class Engine:
     - Skips: arrivals before the earliest pending tool return or KV transfer (``_next_tool``, ``_next_xfer``:
       lower bounds, exact after each scan); admission when nothing changed since a call that admitted nothing
       (``_admit_dirty``: the consistent-hash admission is a pure function of the waiting requests, the running
-      reservations and the roles) and no waiting request becomes ready (``_admit_wake``); prefill when no
-      sequence prefills (``_prefilling``).
+      reservations and the roles) and no waiting request becomes ready (``_admit_wake``), or when none is
+      queued and none arrived; prefill when no sequence prefills (``_prefilling``).
     - The consistent-hash queue persists (``_queue``, in the order a sort of all waiting requests would give):
       a request is routed and put in its place once, when it becomes ready; it is rebuilt when roles change.
     - Invariants the scans rely on: ``run_w >= 0`` exactly while a sequence runs (PREFILL, XFER, DECODE);
@@ -448,6 +448,8 @@ class Engine:
         s = slice(self.lo, self.hi)
         if ring and self._queue_ok and now + 1e-9 < self._admit_wake:
             ready = None  # the requests that became ready since the last admission are the arrivals'
+            if not self._arrived and not self._queue.size:
+                return 0  # nothing queued, nothing arrived: nothing to admit
         else:
             ph = self.phase[s]
             ready_at = self.ready_at[s]
