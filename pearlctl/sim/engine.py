@@ -149,8 +149,8 @@ class Engine:
     - Skips: arrivals before the earliest pending tool return or KV transfer (``_next_tool``, ``_next_xfer``:
       lower bounds, exact after each scan); admission when nothing changed since a call that admitted nothing
       (``_admit_dirty``: the consistent-hash admission is a pure function of the waiting requests, the running
-      reservations and the roles) and no waiting request becomes ready (``_admit_wake``); prefill when no
-      sequence prefills (``_prefilling``).
+      reservations and the roles) and no waiting request becomes ready (``_admit_wake``), or when none is
+      queued and none arrived; prefill when no sequence prefills (``_prefilling``).
     - The consistent-hash queue persists (``_queue``, in the order a sort of all waiting requests would give):
       a request is routed and put in its place once, when it becomes ready; it is rebuilt when roles change.
     - Invariants the scans rely on: ``run_w >= 0`` exactly while a sequence runs (PREFILL, XFER, DECODE);
@@ -221,11 +221,11 @@ class Engine:
         self._arrived: list[np.ndarray] = []  # requests that became ready since the last admission (arrivals)
         self._need = np.zeros(n)  # a queued request's KV reservation (context + the turn's response)
         self._itl = _vector_itl(profile.decode)
+        self._itl_by_batch: tuple[np.ndarray, np.ndarray] | None = None  # (_decode_itl's tables)
         # The mismatch factors of each trajectory's current turn (kept as its turn advances).
         ds, ps = draws.decode_scale, draws.prefill_scale
         self._dscale = None if ds is None else ds[:, 0].copy()
         self._pscale = None if ps is None else ps[:, 0].copy()
-        self._distinct: np.ndarray | None = None
         self._finished = False  # some trajectory finished this tick: the window's lo may move
         self.w_role = np.zeros(n_workers, np.int8)
         self.w_admit = np.ones(n_workers, bool)  # routable: takes new requests (false: draining)
@@ -448,6 +448,8 @@ class Engine:
         s = slice(self.lo, self.hi)
         if ring and self._queue_ok and now + 1e-9 < self._admit_wake:
             ready = None  # the requests that became ready since the last admission are the arrivals'
+            if not self._arrived and not self._queue.size:
+                return 0  # nothing queued, nothing arrived: nothing to admit
         else:
             ph = self.phase[s]
             ready_at = self.ready_at[s]
@@ -552,7 +554,7 @@ class Engine:
             if moving.size:
                 moving = moving[np.lexsort((self.ready_at[q[moving]], kw[moving]))]
                 w = kw[moving]
-                rank = np.arange(w.size) - _group_starts(w, n_w)
+                rank = np.arange(w.size) - _group_starts(w)
                 moving = moving[rank < excess[w] - BALANCE_ABS]
                 self.kv_w[q[moving]] = -1
                 self.kv_hold[q[moving]] = 0.0
@@ -693,9 +695,8 @@ class Engine:
         is_over = over > 0
         if not np.count_nonzero(is_over):
             return
-        ph = self.phase[s]
-        idle = (ph == WAIT) | (ph == TOOL)  # idle KV: tool-waiting or queued
-        cand = (idle & np.concatenate(([False], is_over))[kv_w1]).nonzero()[0]
+        # idle KV (tool-waiting or queued): held by a sequence not running (run_w < 0; one DONE or PENDING holds none)
+        cand = ((self.run_w[s] < 0) & np.concatenate(([False], is_over))[kv_w1]).nonzero()[0]
         if not cand.size:
             return
         cand += self.lo
@@ -705,7 +706,7 @@ class Engine:
         hold = self.kv_hold[cand]
         cs = np.zeros(cand.size + 1)
         np.add.accumulate(hold, out=cs[1:])
-        before = cs[1:] - hold - cs[_group_starts(w, n_w)]
+        before = cs[1:] - hold - cs[_group_starts(w)]
         ev = cand[before < over[w]]
         self.kv_w[ev] = -1
         self.kv_hold[ev] = 0.0
@@ -743,7 +744,7 @@ class Engine:
             need = pf_left if scale is None else pf_left * scale
             cs = np.zeros(loc.size + 1)
             np.add.accumulate(need, out=cs[1:])
-            before = cs[1:] - need - cs[_group_starts(w, n_w)]
+            before = cs[1:] - need - cs[_group_starts(w)]
             work = np.minimum(np.maximum(rate * avail - before, 0.0), need)
             tokens = work if scale is None else work / scale
             pf_left = pf_left - tokens
@@ -900,17 +901,15 @@ class Engine:
             itl_of = self.profile.decode.itl
             bc = zip(batch.tolist(), ctx_sum.tolist(), strict=True)
             return np.array([itl_of(float(b), c / b) if b else np.inf for b, c in bc])
-        b = np.maximum(batch, 1)  # (a worker with no batch gets inf)
-        if self._distinct is None:  # the model's distinct experts by batch size (a batch is at most max_num_seqs)
-            top = max(self.profile.max_num_seqs, 1)
-            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
+        if self._itl_by_batch is None:  # (a batch is at most max_num_seqs)
+            self._itl_by_batch = self._itl(max(self.profile.max_num_seqs, 1))
+        fixed, per_ctx = self._itl_by_batch
         try:
-            e = self._distinct[b]
+            fixed, per_ctx = fixed[batch], per_ctx[batch]
         except IndexError:  # a batch above max_num_seqs
-            top = int(b.max())
-            self._distinct = np.array([self.profile.decode.distinct_experts(float(x)) for x in range(top + 1)])
-            e = self._distinct[b]
-        return np.where(batch > 0, self._itl(b, ctx_sum / b, e), np.inf)
+            self._itl_by_batch = fixed, per_ctx = self._itl(int(batch.max()))
+            fixed, per_ctx = fixed[batch], per_ctx[batch]
+        return fixed + per_ctx * np.maximum(ctx_sum / np.maximum(batch, 1), 0.0)
 
     def _prefill_scale(self, i: np.ndarray) -> np.ndarray | None:
         """How much longer than the profile says trajectories ``i`` take to prefill this turn (None: as it says)."""
@@ -973,39 +972,45 @@ _FEW = 16
 def _fits(w: np.ndarray, need: np.ndarray, slots: np.ndarray, free_kv: np.ndarray) -> np.ndarray:
     """For requests sorted by worker ``w`` (FIFO within each), which are admitted: first come first served
     per worker, as far as its free slots and KV go (a request that does not fit blocks those behind it)."""
-    counts = np.bincount(w, minlength=slots.size)
-    start = counts.cumsum() - counts  # where each worker's requests start
+    start = _group_starts(w)  # where each request's worker's requests start
     cs = np.zeros(w.size + 1)  # cs[g]: the running total before position g
     np.add.accumulate(need, out=cs[1:])
     # rank within the worker's queue < its free slots; the running total of its queue (as a difference of
     # the running totals of the whole queue) within its free KV
-    return (np.arange(w.size) < (start + slots)[w]) & (cs[1:] - cs[start[w]] <= free_kv[w])
+    return (np.arange(w.size) < start + slots[w]) & (cs[1:] - cs[start] <= free_kv[w])
 
 
-def _group_starts(keys: np.ndarray, n_keys: int) -> np.ndarray:
-    """For sorted ``keys`` (in 0 .. n_keys - 1), the index where each element's group (run of equal keys) starts."""
-    counts = np.bincount(keys, minlength=n_keys)
-    return (counts.cumsum() - counts)[keys]
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """For sorted ``keys``, the index where each element's group (run of equal keys) starts."""
+    return keys.searchsorted(keys)
 
 
 def _vector_itl(decode):
-    """``DecodeModel.itl`` over arrays of workers (batch sizes ``b`` >= 1, mean contexts ``c``, distinct experts
-    ``e`` of each batch size): the same operations in the same order, so bit for bit the same seconds; None when
-    the decode model is not one this matches (the engine then asks ``itl`` worker by worker)."""
+    """``DecodeModel.itl`` by batch size, for the engine's arrays of workers: a function of the largest batch
+    ``top`` giving two tables over batch sizes ``b`` = 0 .. top, ``fixed`` and ``per_ctx``, such that ``fixed[b] +
+    per_ctx[b] * max(c, 0)`` is ``itl(b, c)`` bit for bit (the same operations in the same order: ``fixed`` holds
+    the sum of the terms before the context's, ``per_ctx`` the factor of ``max(c, 0)``), and inf for b = 0 (no
+    batch). None when the decode model is not one this matches (the engine then asks ``itl`` worker by worker)."""
     if type(decode) is not DecodeModel:
         return None
     ws, es, ss, ks = decode.weights_s, decode.experts_s, decode.seq_s, decode.kv_s_per_token
 
-    def itl(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
-        return ws + es * e + ss * b + ks * b * np.maximum(c, 0.0)
-
-    def dense(b: np.ndarray, c: np.ndarray, e: np.ndarray) -> np.ndarray:
-        return ws + ss * b + ks * b * np.maximum(c, 0.0)  # ws + es * 0.0 is ws
+    def tables(top: int) -> tuple[np.ndarray, np.ndarray]:
+        b = np.arange(top + 1)
+        if decode.moe_experts:
+            e = np.array([decode.distinct_experts(float(x)) for x in range(top + 1)])
+            fixed = ws + es * e + ss * b
+        else:
+            fixed = ws + ss * b  # ws + es * 0.0 is ws
+        fixed[0] = np.inf  # (inf + 0.0 * 0.0: a worker with no batch, mean context 0 / 1)
+        return fixed, ks * b
 
     # A check that DecodeModel.itl is still this formula.
-    b = np.array([1.0, 2.0, 7.0, 64.0, 255.0])
+    fixed, per_ctx = tables(255)
+    b = np.array([1, 2, 7, 64, 255])
     c = np.array([0.0, 1234.5, 40000.25, 3.0e3 / 7.0, 9.99e4 / 3.0])
-    e = np.array([decode.distinct_experts(x) for x in b])
-    if itl(b, c, e).tolist() != [decode.itl(x, y) for x, y in zip(b.tolist(), c.tolist(), strict=True)]:
+    if (fixed[b] + per_ctx[b] * np.maximum(c, 0.0)).tolist() != [
+        decode.itl(float(x), y) for x, y in zip(b.tolist(), c.tolist(), strict=True)
+    ]:
         return None
-    return itl if decode.moe_experts else dense
+    return tables

@@ -732,8 +732,14 @@ class Sim:
         kept = self._gpu_state_kept
         if kept is not None and not self._dirty and t < self._next_expiry:
             return kept
-        busy = any(g.present and g.busy_until > t for g in self.gpus)
-        serving = tuple(g.id for g in self.gpus if g.present and g.role in SERVING and not self._stopped(g, t))
+        busy, ids = False, []
+        for g in self.gpus:  # (one pass: a large cluster has thousands)
+            if g.present:
+                if g.busy_until > t:
+                    busy = True  # (in transition: stopped)
+                elif g.role in SERVING and not self._stopped(g, t):
+                    ids.append(g.id)
+        serving = tuple(ids)
         if not self._dirty and t < self._next_expiry:
             self._gpu_state_kept = busy, serving
         return busy, serving
@@ -817,19 +823,23 @@ class Sim:
                 changes.append((t, g.id, role))
 
     def _sync_roles(self, t: float) -> None:
-        n = len(self.gpus) // self.gpw
-        roles = np.full(n, W_OFF, np.int8)
-        routable = np.ones(n, bool)
+        gpus, gpw = self.gpus, self.gpw
+        n = len(gpus) // gpw
+        # A worker serves when all its GPUs are present, in its first GPU's serving role and not stopped: one pass
+        # over the GPUs, one over the workers (a large cluster has thousands; a one-GPU worker is its GPU).
+        up = [g.present and g.role in SERVING and not self._stopped(g, t) for g in gpus]
+        notice = [g.abort_at is not None for g in gpus]  # a preemption notice: its worker drains
+        roles, routable = [W_OFF] * n, [True] * n
         for k in range(n):
-            group = self.gpus[k * self.gpw : (k + 1) * self.gpw]
-            r = group[0].role
-            if r in SERVING and all(g.present and g.role == r and not self._stopped(g, t) for g in group):
+            lo, hi = k * gpw, (k + 1) * gpw
+            r = gpus[lo].role
+            if up[lo] and (gpw == 1 or (all(up[lo:hi]) and all(g.role == r for g in gpus[lo:hi]))):
                 roles[k] = ENGINE_ROLE[r]
-                routable[k] = all(g.abort_at is None for g in group)  # a preemption notice: draining
+                routable[k] = not any(notice[lo:hi])
         killed = np.zeros(n, bool)
         killed[list(self._killed)] = True
         self._killed.clear()
-        self.engine.set_roles(roles, t, routable=routable, killed=killed)
+        self.engine.set_roles(np.array(roles, np.int8), t, routable=np.array(routable, bool), killed=killed)
 
     @staticmethod
     def _stopped(g: SimGpu, t: float) -> bool:
@@ -841,7 +851,7 @@ class Sim:
             return "TRANSITION"
         if g.role == Role.TRAIN:
             return "TRAIN" if self.training_until is not None else "TRAIN_IDLE"
-        return g.role.value
+        return str(g.role)  # (its value: a StrEnum's str, without the enum's value property)
 
     def _census(self, t: float) -> dict[str, int]:
         counts = dict.fromkeys(CATEGORIES, 0)
