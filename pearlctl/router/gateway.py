@@ -962,7 +962,7 @@ class Gateway:
             return self._model_roots[model]
         for url in sorted(self.members.by_url):
             try:
-                doc = (await self.http.get(url + "/v1/models", timeout=5.0)).json()
+                doc = (await self.http.get(url + "/v1/models", timeout=2.0)).json()  # a dead node: the next
             except (httpx.HTTPError, ValueError):
                 continue
             entries = doc.get("data") if isinstance(doc, dict) else None
