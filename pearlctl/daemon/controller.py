@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy, work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
-from pearlctl.daemon.longpoll import LongPolls, Pulse
+from pearlctl.daemon.longpoll import LongPolls
 from pearlctl.planner import profile as profiles
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
@@ -138,8 +138,7 @@ class Controller:
         self.loop_at = clock()  # when the control loop last ticked (answers say how long ago)
         self.api_errors = 0  # requests answered 500 (a bug): /metrics
         self.borrowing = None  # set by the daemon: pearlctl.daemon.borrowing.Borrowing
-        self.long_polls = LongPolls()  # held heartbeats, answered when their desired workers change (notify)
-        self.trainer_pulse = Pulse()  # held trainer reports look again when state changed (notify)
+        self.long_polls = LongPolls()  # held heartbeats and trainer reports, answered after passes (notify)
         self.wake = threading.Event()  # set when a report may let the control loop make progress
         # allocation -> when its agent was last heard from: the loss check reads it here; it reaches state (for
         # status and a successor daemon) at most every SEEN_WRITE_S in one transaction, not once per heartbeat
@@ -378,7 +377,6 @@ class Controller:
             if generation == self._notified:
                 return
             self._notified = generation
-            self.trainer_pulse.fire()
             desired = {a: [w.as_dict() for w in ws] for a, ws in self.desired_all().items()}
             self.long_polls.publish({a: (d, desired_hash(d)) for a, d in desired.items()})
 
@@ -586,9 +584,9 @@ class Controller:
         return self.trainer_report(body)[0]
 
     def trainer_report(self, body: bodies.TrainerPhase) -> tuple[dict, int]:
-        """``trainer_phase``, and the trainer pulse's count read before the command was (for ``trainer_hold``)."""
+        """``trainer_phase``, and the long polls' passes published before the command was read (``trainer_hold``)."""
         with self.lock:
-            seen = self.trainer_pulse.count
+            passes = self.long_polls.passes
             run = self.store.get_run(self.run_id)
             before = run.get("trainer") or {}
             now = self.clock()
@@ -611,33 +609,34 @@ class Controller:
                 before.get("blocked_s") is None
             ):
                 self.wake.set()
-            return {"epoch": self.epoch, **self._trainer_command(body.released, report["phase_since"])}, seen
+            return self._trainer_answer(body.released, report["phase_since"]), passes
 
-    def _trainer_command(self, released: bool, phase_since: float) -> dict:
+    def _trainer_answer(self, released: bool, phase_since: float) -> dict:
+        """The answer to a trainer's report: the command the current step asks for (under the lock)."""
         command = pending_trainer_command(self.store, self.run_id)
         if command["command"] is None and released and self._nothing_lent_or_moving():
             # released, yet no transition holds the GPUs and none is lent: a release nobody wants any more
             # (e.g. a held release carried out after its borrow was rolled back) — take them back
             command = {"command": "reclaim", "command_id": f"{ORPHAN_RECLAIM_PREFIX}{phase_since}"}
-        return command
+        return {"epoch": self.epoch, **command}
 
     async def trainer_hold(self, body: bodies.TrainerPhase, reported: tuple[dict, int]) -> dict:
         """Long poll: a report with ``wait_s`` that got no command is held (in the event loop) until state
         changes and a command is there, or ``wait_s``, at most one heartbeat interval, passes — so an offload or
         a reload reaches a waiting trainer in milliseconds, not at its next poll."""
-        answer, seen = reported
+        answer, passes = reported
         deadline = time.monotonic() + min(body.wait_s, self.heartbeat_s)
         while answer.get("command") is None and (left := deadline - time.monotonic()) > 0:
-            if not await self.trainer_pulse.wait(seen, left):
+            if not await self.long_polls.next_pass(passes, left):
                 break
-            answer, seen = await asyncio.to_thread(self._trainer_again, body)
+            answer, passes = await asyncio.to_thread(self._trainer_again, body)
         return answer
 
     def _trainer_again(self, body: bodies.TrainerPhase) -> tuple[dict, int]:
         with self.lock:
-            seen = self.trainer_pulse.count
+            passes = self.long_polls.passes
             since = (self.store.get_run(self.run_id).get("trainer") or {}).get("phase_since", self.clock())
-            return {"epoch": self.epoch, **self._trainer_command(body.released, since)}, seen
+            return self._trainer_answer(body.released, since), passes
 
     def _nothing_lent_or_moving(self) -> bool:
         if any(g["borrowed"] for g in self.store.gpus(self.run_id)):

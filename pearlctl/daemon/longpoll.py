@@ -1,5 +1,5 @@
 """Held requests (long polls), waiting in the control API's event loop rather than in a thread each: agents'
-heartbeats (``LongPolls``) and the trainer's reports (``Pulse``).
+heartbeats and the trainer's reports.
 
 An agent that already has its desired workers sends their hash and is held until they change or its wait
 ends. Held requests cost no thread here: each is a future in the event loop. After a decision may have
@@ -8,9 +8,9 @@ result over (``publish``, from any thread); only the requests whose allocation's
 from what they hold are answered early, with the new ones. Nothing else is woken, so a change to one
 allocation does not make 512 agents each look at state.
 
-The trainer, which waits with nothing to do, is held the same way until state changes (``Pulse``: a counter
-the control loop bumps after a pass that changed state), so that a command for it (offload, reload) reaches
-it in milliseconds rather than at its next poll.
+The trainer, which waits with nothing to do, is held until the next pass (``next_pass``: every pass follows a
+change of state), then looks again, so that a command for it (offload, reload) reaches it in milliseconds
+rather than at its next poll.
 
 Guarantees:
 - a held request ends by its deadline, answered with what it holds if nothing changed;
@@ -32,6 +32,7 @@ class LongPolls:
         self._lock = threading.Lock()
         self._latest: tuple[int, dict[int, tuple[list[dict], str]]] = (0, {})  # the newest pass, by allocation
         self._held: dict[int, list[tuple[str, asyncio.Future]]] = collections.defaultdict(list)
+        self._any: set[asyncio.Future] = set()  # held until the next pass, whatever it says (``next_pass``)
 
     def publish(self, desired: dict[int, tuple[list[dict], str]]) -> None:
         """Every allocation's desired workers and their hash, computed in one pass (any thread, under the
@@ -47,6 +48,9 @@ class LongPolls:
                 pass
 
     def _answer_changed(self) -> None:
+        for future in self._any:
+            if not future.done():
+                future.set_result(None)
         _, desired = self._latest
         for alloc_id, waiting in list(self._held.items()):
             now = desired.get(alloc_id)
@@ -77,44 +81,19 @@ class LongPolls:
             if not waiting:
                 del self._held[alloc_id]
 
-
-class Pulse:
-    """A counter bumped from any thread (``fire``); a coroutine waits for it to move past a value it read."""
-
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.count = 0
-        self._lock = threading.Lock()
-        self._waiting: set[asyncio.Future] = set()
-
-    def fire(self) -> None:
-        with self._lock:
-            self.count += 1
-            loop = self.loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:  # the event loop is closed: the daemon is stopping
-                pass
-
-    def _wake(self) -> None:
-        for future in self._waiting:
-            if not future.done():
-                future.set_result(None)
-
-    async def wait(self, seen: int, wait_s: float) -> bool:
-        """Wait up to ``wait_s`` for the count to differ from ``seen``; whether it did."""
+    async def next_pass(self, after_pass: int, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for a pass published after the first ``after_pass``; whether one was."""
         self.loop = asyncio.get_running_loop()
-        if self.count != seen:
+        if self.passes > after_pass:
             return True
         future = self.loop.create_future()
-        self._waiting.add(future)
+        self._any.add(future)
         try:
-            if self.count != seen:  # fired between the check and the registration
+            if self.passes > after_pass:  # published between the check and the registration
                 return True
             await asyncio.wait_for(future, wait_s)
             return True
         except TimeoutError:
-            return self.count != seen
+            return self.passes > after_pass
         finally:
-            self._waiting.discard(future)
+            self._any.discard(future)

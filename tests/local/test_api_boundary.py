@@ -535,7 +535,8 @@ def test_a_held_heartbeat_is_answered_as_soon_as_its_desired_workers_change_and_
 def test_a_held_trainer_report_gets_its_release_as_soon_as_a_borrow_asks_for_it(tmp_path):
     """Over real HTTP to the real daemon process: a waiting trainer's report with ``wait_s`` and no command for
     it is held (up to the heartbeat interval, 5 s), and answered with the release within a tick of a borrow
-    that needs its GPUs — not at the end of its hold, nor at its next poll (pearlctl.daemon.longpoll.Pulse)."""
+    that needs its GPUs — not at the end of its hold, nor at its next poll (`LongPolls.next_pass`,
+    pearlctl/daemon/longpoll.py)."""
     import concurrent.futures
 
     run = LiveRun(tmp_path, heartbeat_s=5.0)
