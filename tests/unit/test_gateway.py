@@ -67,6 +67,12 @@ def chat_ids(messages: list[dict]) -> list[int]:
     return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode()) + [200]
 
 
+def vllm_pieces(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> list[str]:
+    """Each generated token's text as vLLM makes it: a DecodeStream primed with the request's prompt ids."""
+    stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
+    return [stream.step(tok, t) or "" for t in ids]
+
+
 class FakePd:
     """A PD router the fake launcher "started"."""
 
@@ -218,8 +224,7 @@ class Upstream:
         """Each generated token's text: ``detok``, or with ``tokenizer`` vLLM's way (pearlctl/router/text.py)."""
         if self.tokenizer is None:
             return [detok(t) for t in ids]
-        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
-        return [stream.step(self.tokenizer, t) or "" for t in ids]
+        return vllm_pieces(self.tokenizer, prompt_ids, ids)
 
     @staticmethod
     def _logprobs(chat: bool, ids: list[int]) -> Any:
@@ -561,8 +566,7 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"  # b
 
 
 def vllm_text(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
-    stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
-    return "".join(stream.step(tok, t) or "" for t in ids)
+    return "".join(vllm_pieces(tok, prompt_ids, ids))
 
 
 @pytest.mark.parametrize("stream", [True, False])
