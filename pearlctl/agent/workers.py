@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
+from pearlctl.agent.engines.vllm import VllmServer  # at the agent's start, not on a borrow's critical path
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
@@ -132,8 +133,6 @@ class VllmWorker:
     def __init__(
         self, key: str, role: str, gpus: tuple[int, ...], me: Identity, run_dir: str, model: str, engine_args: dict
     ):
-        from pearlctl.agent.engines.vllm import VllmServer
-
         self.key, self.role, self.gpus = key, role, gpus
         log_path = Path(run_dir, "logs", f"vllm-{me.job_id}_{me.task_id}-{key}.log")
         self.server = VllmServer(
