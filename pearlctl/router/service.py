@@ -161,7 +161,9 @@ def health(url: str, *, timeout: float = 2.0) -> dict | None:
     """The gateway's ``GET /health`` document, or None when no gateway answers at ``url``. The document's
     ``ok`` is false (HTTP 503) while the gateway restarts its vllm-router: the gateway itself answers."""
     try:
-        resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+        # the gateway serves plain HTTP (pearlctl.router.__main__): no CA bundle to load; httpx loads one per
+        # client unless told not to verify (30-70 ms), and the router keeper asks this every few seconds
+        resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout, verify=False)
         doc = resp.json()
     except (httpx.HTTPError, ValueError):
         return None
