@@ -40,7 +40,8 @@ generated and counting every attempt in the answer. ``--api-key`` is NOT used: i
 to workers for intra-node data-parallel routing and does not protect the router's own endpoints (measured:
 ``/v1/completions`` and ``/add_worker`` answered 200 without it), so vllm-router listens on 127.0.0.1 only
 and the gateway is the one door. Its Prometheus exporter gets a free loopback port (the default, 29000,
-would collide between runs on one host).
+would collide between runs on one host). It logs warnings only (``RouterChild.environment``): its own
+``--log-level`` leaves a line per routed request.
 """
 
 from __future__ import annotations
@@ -198,11 +199,22 @@ class RouterChild:
             "warning",
         ]
 
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """vllm-router's environment: ours, with ``RUST_LOG=warn`` unless it is set. vllm-router 0.1.17 logs three
+        INFO lines for every request it routes whatever ``--log-level`` says (measured: ``--log-level warning``
+        left them, ``RUST_LOG=warn`` stops them), and the run's router log must not grow with the requests."""
+        return {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG") or "warn"}
+
     def start(self) -> None:
         argv = self.command()
         log.info("starting vllm-router%s: %s", " (PD)" if self.pd else "", " ".join(argv))
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()), close_fds=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            env=self.environment(),
+            preexec_fn=_die_with_parent(os.getpid()),
+            close_fds=True,
         )
         self.starts += 1
 

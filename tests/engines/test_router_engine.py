@@ -135,7 +135,7 @@ def greedy_chat_stream(base_url: str, key: str, session: str) -> tuple[list[int]
 
 # -- (a) -------------------------------------------------------------------------------------------------
 def test_a_the_credential_and_the_openai_surface(
-    servers: dict[str, VllmServer], router: service.RouterRecord, key: str, members: RouterMembership
+    servers: dict[str, VllmServer], router: service.RouterRecord, key: str, members: RouterMembership, run_dir: Path
 ) -> None:
     result = members.sync({servers["A"].url: "1", servers["B"].url: "1"})
     assert sorted(result.added) == sorted(s.url for s in servers.values()) and not result.failed
@@ -200,6 +200,9 @@ def test_a_the_credential_and_the_openai_surface(
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base, api_key="wrong").models.list()
     print("\n(a) 401 without a key and with a wrong one; completions, chat, their streams and the openai client: 200")
+    # the router's log does not grow with the requests (vllm-router logs each one at INFO unless told not to)
+    logged = (run_dir / "logs" / "router.log").read_text(errors="replace")
+    assert "Consistent hash routing" not in logged and "CONSISTENT_HASH" not in logged, logged[-2000:]
 
 
 # -- (b) -------------------------------------------------------------------------------------------------

@@ -1081,6 +1081,15 @@ def test_the_pd_router_child_gets_static_lists_and_initial_members_carry_roles()
         parse_worker(f"{W1}=1@TRAIN")
 
 
+def test_vllm_router_logs_warnings_only_unless_rust_log_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pearlctl.router.__main__ import RouterChild
+
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    assert RouterChild.environment()["RUST_LOG"] == "warn"  # vllm-router logs every request at INFO otherwise
+    monkeypatch.setenv("RUST_LOG", "vllm_router_rs=debug")
+    assert RouterChild.environment()["RUST_LOG"] == "vllm_router_rs=debug"  # a user debugging the router
+
+
 # -- fuzz ---------------------------------------------------------------------------------------------------
 _scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=24)
