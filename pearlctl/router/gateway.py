@@ -960,9 +960,9 @@ class Gateway:
         """The directory a served model was loaded from, as a member worker's /v1/models says (kept)."""
         if model in self._model_roots:
             return self._model_roots[model]
-        for url in sorted(self.members.by_url):
+        for url in sorted(self.members.by_url):  # 2 s each: a member on a dead node must not hold a continuation
             try:
-                doc = (await self.http.get(url + "/v1/models", timeout=2.0)).json()  # a dead node: the next
+                doc = (await self.http.get(url + "/v1/models", timeout=2.0)).json()
             except (httpx.HTTPError, ValueError):
                 continue
             entries = doc.get("data") if isinstance(doc, dict) else None

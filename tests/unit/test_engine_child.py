@@ -4,6 +4,7 @@ preemption signal and dies when the agent that started it dies. Real processes: 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ def gone(pid: int) -> bool:
 def test_an_engine_ignores_the_preemption_signal_and_dies_with_its_agent():
     env = {**os.environ, "PEARL_PREEMPT_SIGNAL": "USR2"}
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True, env=env)
+    child = None
     try:
         child = int(agent.stdout.readline())
         os.kill(child, signal.SIGUSR2)  # sleep's default action for it is to exit: ignored, it runs on
@@ -51,7 +53,6 @@ def test_an_engine_ignores_the_preemption_signal_and_dies_with_its_agent():
     finally:
         agent.kill()
         agent.wait()
-        try:
-            os.kill(child, signal.SIGKILL)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):  # gone already
+                os.kill(child, signal.SIGKILL)
