@@ -37,9 +37,13 @@ quantiles ``q`` (``a = M / m - 1`` makes the mean ``m`` and the maximum ``M`` ex
 grow by ``P + T`` per turn. A trajectory calls a tool after every turn but its last: of the turns a phase
 runs, the last turns of the trajectories it finishes wait on no tool.
 
-Finally no trajectory beats its own sequential time: the straggler floor is ``(decode_tokens_per_turn_max +
-(M - 1) * T) * it(B_last) + tools + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1
-decode speed — one tail response and the others typical. Its ``tools`` are the *expected maximum*, over the
+Finally no trajectory beats its own sequential time: the straggler floor is ``M * T * it(B_last) + (T_max - T) *
+it(B_drain) + tools + M * (prefill latency + queue)``, with ``it(B) >= itl(1, L)`` — batch-1 decode speed — one
+tail response (``T_max``, the reported ``decode_tokens_per_turn_max``) and the others typical. The tail
+response's tokens beyond the typical ``T`` decode while the others finish theirs: the batch drains. With the
+lengths' tail exponential, the sequences still decoding ``x`` tokens past the typical length number ``B e^(-x /
+s)``, and the longest of ``B`` ends ``s ln B`` past it, so the mean batch over the excess is ``B_drain = (B - 1) /
+ln B`` (``B`` the last phase's batch; 1 at ``B <= 1``). Its ``tools`` are the *expected maximum*, over the
 trajectories that have (within one) ``M`` turns left, of the sum of their ``M - 1`` tool calls: the slowest
 of n trajectories is slow because of its draws. A call's latency is modelled as a shifted exponential with
 the reported mean and p99 (fixed latencies: no spread; an exponential law: no shift), so a sum of k calls is
@@ -170,14 +174,19 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     # The straggler: its own turns one after another, in the last phase's batch (never faster than batch 1)
     # and behind the last phase's queue for a batch slot or a prefill worker. One tail response (the ``*_max``),
     # the others typical: response lengths per turn are independent, so two tail turns in one trajectory are
-    # rare. Its tools: the expected maximum of the tool-time sums of the trajectories that could be it.
-    s_decode = max(work.decode_tokens_per_turn_max, decode_tokens) + (max_turns - 1) * decode_tokens
+    # rare. The tail response's excess decodes as the batch drains (the module doc). Its tools: the expected
+    # maximum of the tool-time sums of the trajectories that could be it.
+    s_excess = max(work.decode_tokens_per_turn_max - decode_tokens, 0.0)
+    s_decode = s_excess + max_turns * decode_tokens
     s_tool, s_sd = _slowest_tools(
         max(max_turns - 1.0, 0.0), n * _tail_share(mean_turns, max_turns), tool_s, work.tool_latency_max_s
     )
     s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
-    s_it = max(last.it_s, profile.decode.itl(1.0, s_context))
-    straggler = s_decode * s_it + s_tool + max_turns * (last.prefill_s + last.queue_s)
+    s_itl1 = profile.decode.itl(1.0, s_context)
+    s_it = max(last.it_s, s_itl1)
+    s_drain = (last.batch - 1.0) / math.log(last.batch) if last.batch > 1.0 + 1e-9 else 1.0
+    s_drain_it = max(profile.decode.itl(s_drain, s_context), s_itl1) if s_excess > 0 else 0.0
+    straggler = max_turns * (decode_tokens * s_it + last.prefill_s + last.queue_s) + s_excess * s_drain_it + s_tool
     if context0 <= 0:  # the batch's start: every trajectory sends its first request at once, and the last
         # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
         entry = min(dep.decode, dep.prefill) if disaggregated else dep.decode

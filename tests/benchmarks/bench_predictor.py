@@ -30,6 +30,10 @@ the correction the daemon would hold after the shape's first two batches (pearlc
 the daemon learns it — measured times, luck and all — every shape in turn; batches after the second do not
 teach it).
 
+Each shape runs ``--batches`` batches, then more until the plain mean of its batches 3 to N has a standard
+error of at most a third of the target (``MAX_MEAN_SE_PCT``; at most ``--max-batches``): a shape whose batches
+spread widely needs more of them before their mean is a reference at all. N is per shape, in the table.
+
 Beside them it prints the spread of batches 3 to N (their coefficient of variation, and the largest over the
 smallest): the per-batch error of even an exact predictor of the mean; and the spread the predictor expected
 (``Prediction.spread``), which sets how much each batch moves the correction. The targets (``MAX_ERROR_PCT``
@@ -37,8 +41,8 @@ below): every shape's error within 15%, raw and corrected, against either refere
 one is missed, ``--target NAME=VALUE`` moves one, ``--write-docs`` writes the table into docs/planner.md
 ("Error against real runs on this CPU").
 
-    python tests/benchmarks/bench_predictor.py [--batches 6] [--check] [--target NAME=VALUE] [--write-docs]
-        [--json]
+    python tests/benchmarks/bench_predictor.py [--batches 8] [--max-batches 40] [--check] [--target NAME=VALUE]
+        [--write-docs] [--json]
 
 ``--json`` also prints the measured profile, so predictions can be recomputed from a run's batches.
 
@@ -84,6 +88,11 @@ DOC = REPO / "docs" / "planner.md"
 # and against the plain mean alike. Its predictions price every plan pearl weighs (a plan must gain 2 s and 5%
 # of the batch, docs/planner.md "Policies") and set when lent GPUs go back.
 MAX_ERROR_PCT = 15.0
+# The plain mean of batches 3 to N is itself a random variable (the tools' and the lengths' luck): a shape runs
+# more batches than ``--batches`` until that mean's standard error (the batches' standard deviation / sqrt of
+# their number) is at most a third of the target, so that its noise takes at most a third of the error allowed
+# against it; at most ``--max-batches``.
+MAX_MEAN_SE_PCT = MAX_ERROR_PCT / 3
 TARGETS = [
     _targets.Target("raw_error_pct", MAX_ERROR_PCT, "%", "raw prediction against the expected completion"),
     _targets.Target("corrected_error_pct", MAX_ERROR_PCT, "%", "corrected after two, against the expected"),
@@ -207,10 +216,9 @@ def tokens_cell(w: Workload) -> str:
     return f"drawn: mean {mean_tokens:.0f}, p99 {p99_tokens:.0f} (lognormal σ {w.sigma:g}, ≤ {w.cap})"
 
 
-def table(rows: list[dict], batches: int) -> list[str]:
-    n = batches
+def table(rows: list[dict]) -> list[str]:
     lines = [
-        f"| trajectories | turns | tokens/turn | new tokens/turn | tool latency | batches 1-2 | batches 3-{n}: mean "
+        "| trajectories | turns | tokens/turn | new tokens/turn | tool latency | batches 1-2 | batches 3-N: N, mean "
         "| spread (CV, max/min) | predicted CV | expected | predicted | error | corrected after two | error |",
         "|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -219,7 +227,8 @@ def table(rows: list[dict], batches: int) -> list[str]:
         first_two = ", ".join(f"{x:.2f}" for x in r["measured_s"][:2])
         lines.append(
             f"| {w.trajectories} | {w.turns} | {tokens_cell(w)} | {w.new_tokens} | {w.tool_law} {w.tool_mean_s:g} s "
-            f"| {first_two} s | {r['mean_s']:.2f} s | {r['cv'] * 100:.0f}%, {r['max_over_min']:.2f}x "
+            f"| {first_two} s | {len(r['measured_s'])}, {r['mean_s']:.2f} s "
+            f"| {r['cv'] * 100:.0f}%, {r['max_over_min']:.2f}x "
             f"| {r['predicted_cv'] * 100:.0f}% | {r['expected_s']:.2f} s "
             f"| {r['predicted_s']:.2f} s | {r['error'] * 100:+.0f}% ({r['error_vs_mean'] * 100:+.0f}%) "
             f"| {r['corrected_s']:.2f} s | {r['corrected_error'] * 100:+.0f}% "
@@ -228,7 +237,7 @@ def table(rows: list[dict], batches: int) -> list[str]:
     return lines
 
 
-def overview(rows: list[dict], batches: int) -> str:
+def overview(rows: list[dict]) -> str:
     def spread(key: str) -> str:
         errors = [abs(r[key]) * 100 for r in rows]
         return f"median {statistics.median(errors):.0f}%, max {max(errors):.0f}%"
@@ -236,14 +245,20 @@ def overview(rows: list[dict], batches: int) -> str:
     return (
         f"Errors (|predicted − reference| / reference, over the {len(rows)} shapes). Against the expected "
         f"completion: raw {spread('error')}; corrected after two batches {spread('corrected_error')}. Against the "
-        f"plain mean of batches 3–{batches} (in parentheses in the table): raw {spread('error_vs_mean')}; "
+        f"plain mean of batches 3–N (in parentheses in the table): raw {spread('error_vs_mean')}; "
         f"corrected {spread('corrected_error_vs_mean')}."
     )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, default=6, help="batches per workload, one after another (>= 4)")
+    ap.add_argument("--batches", type=int, default=8, help="batches per workload, one after another (>= 4)")
+    ap.add_argument(
+        "--max-batches",
+        type=int,
+        default=40,
+        help="at most this many per workload, run while the plain mean's standard error exceeds MAX_MEAN_SE_PCT",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true", help="write the table into docs/planner.md")
     _targets.add_arguments(ap, TARGETS)
@@ -251,6 +266,8 @@ def main() -> int:
     targets = _targets.resolve(ap, args, TARGETS)
     if args.batches < 4:
         ap.error("--batches must be at least 4: two to learn from, at least two to estimate the expected completion")
+    if args.max_batches < args.batches:
+        ap.error(f"--max-batches must be at least --batches ({args.batches})")
 
     lock = open("/tmp/pearl-engine.lock", "a+")
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -292,7 +309,8 @@ def main() -> int:
             prediction = predict(work, Deployment(Mode.COLOCATED, decode=1), profile)
             raw = prediction.seconds
             measured, drawn = [], []
-            for b in range(args.batches):
+            b = 0
+            while b < args.batches or (b < args.max_batches and mean_se_pct(measured[2:]) > MAX_MEAN_SE_PCT):
                 latencies = tool_latencies(w.trajectories, w.turns, w.tool_mean_s, w.tool_law, rng)
                 lengths = response_lengths(w, length_rng)
                 offset += 10_000
@@ -302,15 +320,16 @@ def main() -> int:
                     state, _ = correct.learn(state, shape, raw, measured[-1], spread=prediction.spread)
                 print(f"  {tuple(w)} batch {b + 1}: measured {measured[-1]:.2f} s, predicted {raw:.2f} s",
                       file=sys.stderr)  # fmt: skip
+                b += 1
             rows.append(summarise(w, prediction, raw * correct.factor(state, shape), measured, drawn))
         probe.close()
     results = [(targets[name], max(abs(r[key]) for r in rows) * 100) for name, key in ERRORS.items()]
     if args.json:
         print(json.dumps({"rows": rows, "profile": to_dict(profile)}, indent=2))
     else:
-        print("\n".join(table(rows, args.batches)))
+        print("\n".join(table(rows)))
         print()
-        print(overview(rows, args.batches))
+        print(overview(rows))
     status = _targets.verdict(
         "bench_predictor",
         results,
@@ -324,12 +343,19 @@ def main() -> int:
         _targets.write_block(
             DOC,
             "bench_predictor",
-            f"`python tests/benchmarks/bench_predictor.py --batches {args.batches} --write-docs`, {_targets.stamp()}; "
-            f"{time.monotonic() - started:.0f} s; {profiled}:\n\n"
-            + "\n".join(table(rows, args.batches))
-            + f"\n\n{overview(rows, args.batches)}\n\nTargets: {held}.",
+            f"`python tests/benchmarks/bench_predictor.py --batches {args.batches} --max-batches {args.max_batches} "
+            f"--write-docs`, {_targets.stamp()}; {time.monotonic() - started:.0f} s; {profiled}:\n\n"
+            + "\n".join(table(rows))
+            + f"\n\n{overview(rows)}\n\nTargets: {held}.",
         )
     return status
+
+
+def mean_se_pct(later: list[float]) -> float:
+    """The standard error of the plain mean of ``later`` in % of it (inf below two batches)."""
+    if len(later) < 2:
+        return math.inf
+    return statistics.stdev(later) / math.sqrt(len(later)) / statistics.fmean(later) * 100
 
 
 def summarise(w: Workload, prediction: Prediction, corrected: float, measured: list[float], drawn: list[float]) -> dict:

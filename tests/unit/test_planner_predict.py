@@ -125,6 +125,25 @@ def test_the_straggler_floor_holds(work, dep):
     assert completion_s(work, dep, DENSE) >= floor * (1 - 1e-9)
 
 
+def test_the_tail_responses_excess_decodes_as_the_batch_drains():
+    """The straggler's one long response: its tokens beyond the typical length decode while the others finish,
+    at the drain's mean batch ``(B - 1) / ln B`` — not at the full batch (a 42% overestimate on a real 2-s batch,
+    docs/planner.md), and never faster than batch 1. A profile whose step time ignores context isolates it."""
+    flat = replace(DENSE, decode=DecodeModel(weights_s=0.005, seq_s=2e-4, kv_s_per_token=0.0))
+    typical = replace(WORK, turns_left=2, turns_left_max=2, tool_latency_s=0.0, tool_latency_max_s=0.0)
+    tail = replace(typical, decode_tokens_per_turn_max=typical.decode_tokens_per_turn + 500)
+    dep = colocated(4)
+    base, long = predict(typical, dep, flat), predict(tail, dep, flat)
+    drained = (base.batch - 1) / math.log(base.batch)
+    assert base.batch > 10  # a full batch, far from its drained mean
+    assert long.straggler_s - base.straggler_s == pytest.approx(500 * flat.decode.itl(drained, 0))
+    assert long.straggler_s - base.straggler_s < 500 * flat.decode.itl(base.batch, 0) * 0.9
+    # a lone trajectory drains nothing: its excess decodes at batch-1 speed
+    alone = replace(tail, trajectories=1)
+    one, one_typical = predict(alone, dep, flat), predict(replace(alone, decode_tokens_per_turn_max=0), dep, flat)
+    assert one.straggler_s - one_typical.straggler_s == pytest.approx(500 * flat.decode.itl(1, 0))
+
+
 def test_with_ample_gpus_the_straggler_bounds():
     long_tail = replace(WORK, turns_left_max=20, decode_tokens_per_turn_max=2_000, tool_latency_max_s=30)
     p = predict(long_tail, colocated(4_096), DENSE)
