@@ -23,7 +23,10 @@ simulator's gate has rules rather than values (bench_simulate.py) and takes none
 
 The engine benchmarks hold the engine lock (/tmp/pearl-engine.lock) while they run, as the engine tests do:
 the predictor takes it itself, run_all takes it for the others (the wall time in the table leaves out the wait
-for it, shown beside). About half an hour on a quiet 2-core machine (49 minutes loaded, in the first full run).
+for it, shown beside). Before each benchmark it also waits, at most ``SETTLE_S``, for the machine to settle: for
+the one-minute load average to fall to ``QUIET_LOAD_PER_CORE`` per core, so that a timing benchmark does not run in
+the tail of the one before (the predictor's vLLM worker leaves a load average near 2 for a minute after it
+stops); the load average each one started at is in the table. About 40 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,6 +45,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 LOCK = "/tmp/pearl-engine.lock"
+SETTLE_S = 180.0  # at most this long waiting for the machine to settle before a benchmark ...
+QUIET_LOAD_PER_CORE = 0.25  # ... for the one-minute load average to fall to this per core
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class Outcome:
     wall_s: float
     rows: list[Row] = field(default_factory=list)
     waited_s: float = 0.0  # for the engine lock, before it ran
+    settled_s: float = 0.0  # for the machine to settle, before it ran
+    load: float = 0.0  # the one-minute load average when it started
 
     @property
     def missed(self) -> list[str]:
@@ -87,6 +95,17 @@ def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "—"
     return f"{value:.4g}{'' if not unit else unit if unit == '%' else ' ' + unit}"
+
+
+def settle(max_s: float, quiet: float, *, loadavg=os.getloadavg, sleep=time.sleep, clock=time.monotonic):
+    """Wait, at most ``max_s``, for the one-minute load average to fall to ``quiet``: (seconds waited, the load
+    average at the end)."""
+    t0 = clock()
+    load = loadavg()[0]
+    while load > quiet and clock() - t0 < max_s:
+        sleep(5.0)
+        load = loadavg()[0]
+    return clock() - t0, load
 
 
 def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list[str], python: str) -> Outcome:
@@ -106,7 +125,9 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
         lock = open(LOCK, "a+") if bench.lock else None  # held until the benchmark ends
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # as the engine tests take it: no engine runs beside the benchmark
-        waited, t0 = time.monotonic() - t0, time.monotonic()
+        waited = time.monotonic() - t0
+        settled, load = settle(SETTLE_S, QUIET_LOAD_PER_CORE * (os.cpu_count() or 1))
+        t0 = time.monotonic()
         try:
             proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
             lines = []
@@ -120,7 +141,7 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
                 lock.close()
         wall = time.monotonic() - t0
         sys.stdout.flush()
-        outcome = Outcome(name, rc, wall, waited_s=waited)
+        outcome = Outcome(name, rc, wall, waited_s=waited, settled_s=settled, load=load)
         if bench.targets and summary.exists():
             for t in json.loads(summary.read_text())["targets"]:
                 limit = f"{'>=' if t['at_least'] else '<='} {fmt(t['limit'], t['unit'])}"
@@ -140,7 +161,12 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
 def wall_cell(o: Outcome, r: Row) -> str:
     if r.wall_s is None:
         return ""
-    return f"{r.wall_s:.0f} s" + (f" (+{o.waited_s:.0f} s waiting for the engine lock)" if o.waited_s >= 1 else "")
+    waits = [f"started at load {o.load:.2f}"]
+    if o.settled_s >= 1:
+        waits.append(f"+{o.settled_s:.0f} s settling")
+    if o.waited_s >= 1:
+        waits.append(f"+{o.waited_s:.0f} s waiting for the engine lock")
+    return f"{r.wall_s:.0f} s ({', '.join(waits)})"
 
 
 def summary_table(outcomes: list[Outcome]) -> str:

@@ -40,6 +40,7 @@ sys.exit(_targets.verdict("fake", [(targets["speed_ms"], 4.2), (targets["errors"
 def benches(tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setattr(run_all, "HERE", tmp_path)
     monkeypatch.setattr(run_all, "LOCK", str(tmp_path / "engine.lock"))
+    monkeypatch.setattr(run_all, "SETTLE_S", 0.0)  # no waiting for a quiet machine (test_settle checks it)
     (tmp_path / "fake.py").write_text(FAKE)
     (tmp_path / "gate.py").write_text("import sys\nprint('GATE: FAILED (1 s)')\nsys.exit(1)\n")
     (tmp_path / "crash.py").write_text("raise RuntimeError('boom')\n")
@@ -111,8 +112,26 @@ def test_a_locked_benchmark_waits_for_the_engine_lock_and_its_wall_time_leaves_t
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| locked | speed_ms"))
     assert row.endswith(" s waiting for the engine lock) |")
-    waited = row.split("|")[-2].split(" s (+")[1]
+    waited = row.split("|")[-2].split(", +")[-1]
     assert int(waited.split()[0]) >= 1
+
+
+def test_settle_waits_for_the_load_average_to_fall_and_no_longer_than_its_limit():
+    clock = [0.0]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    def falling():  # 2.0, 1.5, 1.0, 0.5, ... one step per 5-s sleep
+        return (max(2.0 - clock[0] / 10, 0.0), 0.0, 0.0)
+
+    waited, load = run_all.settle(60, 0.5, loadavg=falling, sleep=sleep, clock=lambda: clock[0])
+    assert (waited, load) == (15.0, 0.5)
+    clock[0] = 0.0
+    waited, load = run_all.settle(12, 0.5, loadavg=lambda: (3.0, 0, 0), sleep=sleep, clock=lambda: clock[0])
+    assert waited == 15.0 and load == 3.0  # gave up at the first check past its 12 s
+    clock[0] = 0.0
+    assert run_all.settle(60, 0.5, loadavg=lambda: (0.1, 0, 0), sleep=sleep, clock=lambda: clock[0]) == (0.0, 0.1)
 
 
 def test_a_benchmarks_help_lists_its_targets_percent_units_included():
