@@ -62,8 +62,9 @@ CPU_BUDGET_S = 360.0  # the gate's CI run, in CPU seconds of one core
 # "Open" list repeats them). The gate fails on any other miss, and on any of these that holds again, so the list
 # only shrinks; a run that beats the oracle, does not finish or uses a hint can never be open.
 _STORM = (
-    "the three batches launched at t = 0 queue at the 8 rollout workers (the router dispatches a request once), "
-    "and the oracle's GPUs all serve from t = 0 and lose nothing in the storm"
+    "the oracle loses nothing in the storm (a leaving worker hands its sequences and KV over at once) and its "
+    "transitions are free; re-dispatching the requests queued at t = 0 when workers join does not move it "
+    "(docs/simulator.md)"
 )
 OPEN = {
     ("preemption-storm-8b", "none", "pearl/oracle"): _STORM,
