@@ -26,7 +26,8 @@ the predictor takes it itself, run_all takes it for the others (the wall time in
 for it, shown beside). Before each benchmark it also waits, at most ``SETTLE_S``, for the machine to settle: for
 the one-minute load average to fall to ``QUIET_LOAD_PER_CORE`` per core, so that a timing benchmark does not run in
 the tail of the one before (the predictor's vLLM worker leaves a load average near 2 for a minute after it
-stops); the load average each one started at is in the table. About 40 minutes on a quiet 2-core machine.
+stops); the load average each one started at is in the table. About half an hour on a quiet 2-core machine
+(27 minutes at c6bf960, docs/benchmarks.md).
 """
 
 from __future__ import annotations
