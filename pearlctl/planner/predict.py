@@ -184,8 +184,10 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
     s_itl1 = profile.decode.itl(1.0, s_context)
     s_it = max(last.it_s, s_itl1)
-    s_drain = (last.batch - 1.0) / math.log(last.batch) if last.batch > 1.0 + 1e-9 else 1.0
-    s_drain_it = max(profile.decode.itl(s_drain, s_context), s_itl1) if s_excess > 0 else 0.0
+    s_drain_it = 0.0  # one decode step of the tail response's excess, at the drain's mean batch
+    if s_excess > 0:  # (most predictions have none: exact lengths, or a tail no longer than the mean)
+        drain = (last.batch - 1.0) / math.log(last.batch) if last.batch > 1.0 + 1e-9 else 1.0
+        s_drain_it = max(profile.decode.itl(drain, s_context), s_itl1)
     straggler = max_turns * (decode_tokens * s_it + last.prefill_s + last.queue_s) + s_excess * s_drain_it + s_tool
     if context0 <= 0:  # the batch's start: every trajectory sends its first request at once, and the last
         # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
