@@ -98,6 +98,20 @@ class SlurmCluster:
                 raise AssertionError(f"jobs still active {timeout:.0f}s after scancel:\n" + self.run("squeue").stdout)
             time.sleep(0.2)
 
+    def accounting(
+        self, job_id: str, fields: str, complete: Callable[[list[list[str]]], bool], timeout: float = 30
+    ) -> list[list[str]]:
+        """``sacct -X`` rows (``fields`` split) of job/array `job_id` once `complete(rows)` holds, or the last
+        rows read after `timeout` s. slurmctld sends job records to slurmdbd asynchronously, so right after a
+        job ends the database may not hold its tasks yet, or only a placeholder row (named "allocation")."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.run("sacct", "-X", "-n", "-P", f"--format={fields}", "-j", job_id).stdout
+            rows = [line.split("|") for line in out.split()]
+            if complete(rows) or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.5)
+
     def wait_job_states(self, job_id: str, done: set[str], timeout: float = 60) -> dict[str, str]:
         """Wait until every task of job/array `job_id` is in one of `done` (scontrol show job states)."""
         deadline = time.monotonic() + timeout

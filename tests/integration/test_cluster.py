@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the fixture's type; conftest is not importable as a module
@@ -78,10 +77,6 @@ def test_gpu_array_tasks_see_their_gpus(slurm_cluster: SlurmCluster) -> None:
     assert len(seen) == 2
 
     # slurmdbd accounting is on: sacct knows both tasks (it may lag the job end by a moment)
-    deadline = time.monotonic() + 20
-    while True:
-        rows = slurm_cluster.run("sacct", "-X", "-n", "-P", "-j", job, "--format=JobID,State").stdout.split()
-        if sorted(rows) == [f"{job}_0|COMPLETED", f"{job}_1|COMPLETED"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert sorted(rows) == [f"{job}_0|COMPLETED", f"{job}_1|COMPLETED"]
+    want = [[f"{job}_0", "COMPLETED"], [f"{job}_1", "COMPLETED"]]
+    rows = slurm_cluster.accounting(job, "JobID,State", lambda rows: sorted(rows) == want)
+    assert sorted(rows) == want

@@ -35,10 +35,9 @@ def test_sweep_runs_as_one_slurm_job_array(cluster, tmp_path):
     check_merged(doc)
 
     # one array of 8 tasks, every task COMPLETED (accounting), as submitit's own sbatch file asked
-    acct = cluster.run("sacct", "-X", "-n", "-P", "--format=JobID,JobName,State", "-j", job).stdout.split()
-    tasks = {line.split("|")[0]: line.split("|")[1:] for line in acct}
-    assert set(tasks) == {f"{job}_{i}" for i in range(8)}, acct
-    assert all(v == ["pearl.sweep", "COMPLETED"] for v in tasks.values()), acct
+    want = {f"{job}_{i}": ["pearl.sweep", "COMPLETED"] for i in range(8)}
+    rows = cluster.accounting(job, "JobID,JobName,State", lambda rows: {r[0]: r[1:] for r in rows} == want)
+    assert {r[0]: r[1:] for r in rows} == want, rows
     assert sorted(p.name for p in folder.glob("*_result.pkl")) == sorted(f"{job}_{i}_0_result.pkl" for i in range(8))
     sbatch = next(folder.glob("*submission.sh")).read_text()
     assert "#SBATCH --array=0-7%8" in sbatch and "#SBATCH --partition=debug" in sbatch
@@ -104,7 +103,10 @@ def test_profile_on_a_slurm_node_starts_vllm_measures_and_stores(run, cluster):
 
     # one job named pearl.p.profile ran with one GPU, and its submitit folder is gone
     job = re.search(r"Slurm job (\d+)", prof.hardware).group(1)
-    acct = cluster.run("sacct", "-X", "-n", "-P", "--format=JobID,JobName,State,AllocTRES", "-j", job)
-    rows = [line.split("|") for line in acct.stdout.split()]
-    assert rows[0][:3] == [job, "pearl.p.profile", "COMPLETED"] and "gres/gpu=1" in rows[0][3], acct.stdout
+    rows = cluster.accounting(
+        job,
+        "JobID,JobName,State,AllocTRES",
+        lambda rows: bool(rows) and rows[0][:3] == [job, "pearl.p.profile", "COMPLETED"],
+    )
+    assert rows[0][:3] == [job, "pearl.p.profile", "COMPLETED"] and "gres/gpu=1" in rows[0][3], rows
     assert list((run_dir / "submitit").iterdir()) == []
