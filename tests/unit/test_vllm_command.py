@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.agent.engines.vllm import ENTRY_POINT, ROLES, VllmServer, engine_flags, parse_metrics
+from pearlctl.agent.engines.vllm import (
+    ENTRY_POINT,
+    PACED_ENTRY_POINT,
+    ROLES,
+    PacedServer,
+    VllmServer,
+    engine_flags,
+    parse_metrics,
+)
 
 MODEL = "/models/tiny"
 
@@ -311,3 +319,31 @@ def test_a_worker_reloads_from_its_nodes_store_when_the_version_is_there_else_fr
     worker.sync_weights({"version": "5", "path": str(disk / "5")})
     assert worker.server.reloaded == [str(disk / "3"), str(weight_store(me) / "4"), str(disk / "5")]
     assert worker.server.versions == ["3", "4", "5"] and worker.weight_version == "5"
+
+
+# ---- the paced engine ------------------------------------------------------------------------------
+
+
+def paced(role: str = "ROLLOUT", **kw) -> PacedServer:
+    kw.setdefault("engine_args", {})
+    return PacedServer(
+        MODEL, profile="/p/h100.toml", port=8100, role=role, gpus=[0], log_path=Path("/run/logs/p.log"), **kw
+    )
+
+
+def test_the_paced_engine_runs_its_own_module_with_the_profile_and_the_flags_it_reads() -> None:
+    argv = paced(engine_args={"max_num_seqs": 32, "max_model_len": 1024}, served_model_name="m").command()
+    assert argv[:3] == [sys.executable, "-m", PACED_ENTRY_POINT]
+    assert flag(argv, "--model") == MODEL and flag(argv, "--profile") == "/p/h100.toml"
+    assert flag(argv, "--port") == "8100" and flag(argv, "--served-model-name") == "m"
+    assert flag(argv, "--max-num-seqs") == "32" and flag(argv, "--max-model-len") == "1024"
+    assert ENTRY_POINT not in argv and "--enforce-eager" not in argv
+    assert "VLLM_TARGET_DEVICE" not in paced().environment()
+
+
+def test_the_paced_engine_refuses_vllm_flags_and_kv_roles_by_name() -> None:
+    with pytest.raises(ValueError, match="dtype mean nothing to the paced engine; it reads max_num_seqs"):
+        paced(engine_args={"dtype": "bfloat16"})
+    for role in ("PREFILL", "DECODE"):
+        with pytest.raises(ValueError, match=f"not {role}"):
+            paced(role)

