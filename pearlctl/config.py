@@ -203,6 +203,10 @@ class RunSpec:
     pools: dict[str, PoolSpec]
     source: Path
     router: RouterSpec = RouterSpec()
+    # what the vLLM pools' workers run: "vllm", or "paced" with engine_profile (the profile TOML it keeps the
+    # timing of): pearlctl/agent/engines/paced.py, for control-plane runs at scale without GPUs
+    engine: str = "vllm"
+    engine_profile: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -215,6 +219,8 @@ class RunSpec:
             "source": str(self.source),
             "pools": {k: p.to_dict() for k, p in self.pools.items()},
             "router": self.router.to_dict(),
+            "engine": self.engine,
+            "engine_profile": str(self.engine_profile) if self.engine_profile else None,
         }
 
 
@@ -328,7 +334,8 @@ def _closest(word: str, options: tuple[str, ...]) -> str | None:
     return match[0] if match else None
 
 
-_RUN_KEYS = ("name", "model", "run_dir", "policy", "backend", "poll_interval_s")
+_RUN_KEYS = ("name", "model", "run_dir", "policy", "backend", "poll_interval_s", "engine", "engine_profile")
+ENGINES = tuple(vocabulary.ServingEngine)
 _POOL_KEYS = (
     "nodes",
     "gpus_per_node",
@@ -573,6 +580,8 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     policy = c.choice(run, "policy", "run.", known_policies, default="never")
     backend = c.choice(run, "backend", "run.", BACKENDS, default="auto")
     poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, maximum=MAX_POLL_INTERVAL_S, default=5.0)
+    engine = c.choice(run, "engine", "run.", ENGINES, default="vllm")
+    engine_profile = _engine_profile(c, run, engine, base)
 
     router_raw = c.table(data, "router", "") or {}
     c.unknown_keys(router_raw, ("enabled", "port", "policy"), "router.")
@@ -601,6 +610,8 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
             c.fail("pools.trainer", "is required: an RL run needs a trainer pool")
         if not any(k in pools_raw for k in GENERATION_POOLS):
             c.fail("pools", "needs a rollout or an elastic pool to generate with")
+    if engine == vocabulary.ServingEngine.PACED:
+        _check_paced_pools(c, pools)
     if c.problems:
         raise SpecError(str(source), c.problems)
     return RunSpec(
@@ -613,7 +624,45 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         pools=pools,
         source=source.resolve(),
         router=router,
+        engine=str(engine),
+        engine_profile=engine_profile,
     )
+
+
+def _engine_profile(c: _Checker, run: dict, engine: str | None, base: Path) -> Path | None:
+    """``[run] engine_profile``: required with ``engine = "paced"`` (a profile TOML that loads), refused without."""
+    paced = engine == vocabulary.ServingEngine.PACED
+    raw = c.string(run, "engine_profile", "run.", required=paced, what="a path to a profile TOML (examples/profiles)")
+    if raw is None:
+        return None
+    if not paced:
+        c.fail("run.engine_profile", 'is read only with engine = "paced"; remove it, or set engine = "paced"')
+        return None
+    path = _path(c, "run.engine_profile", raw, base)
+    if path is not None:
+        from pearlctl.planner.profile import ProfileError, load
+
+        try:
+            load(path)
+        except ProfileError as exc:
+            c.fail("run.engine_profile", str(exc))
+    return path
+
+
+def _check_paced_pools(c: _Checker, pools: dict[str, PoolSpec]) -> None:
+    """A paced run's vLLM pools use only what the paced engine does: its engine_args, weights from disk."""
+    for name, pool in pools.items():
+        if name == vocabulary.PoolKind.TRAINER:
+            continue
+        unknown = sorted(set(pool.engine_args) - set(vocabulary.PACED_ENGINE_ARGS))
+        if unknown:
+            c.fail(
+                f"pools.{name}.engine_args",
+                f'{", ".join(unknown)} mean nothing to the paced engine (run.engine = "paced"); it reads '
+                f"{', '.join(vocabulary.PACED_ENGINE_ARGS)}",
+            )
+        if pool.weights != "disk":
+            c.fail(f"pools.{name}.weights", 'the paced engine reloads weights from disk only: use weights = "disk"')
 
 
 def load_spec(path: str | Path, known_policies: tuple[str, ...], overrides: dict[str, Any] | None = None) -> RunSpec:

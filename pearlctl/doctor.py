@@ -227,6 +227,11 @@ def check_state(db: Path) -> list[Check]:
     try:
         with Store.open(db, readonly=True) as store:
             health = store.health()
+            paced = [
+                r
+                for r in store.list_runs()
+                if (r.get("spec") or {}).get("engine") == "paced" and r["state"] not in ("CANCELLED", "ENDED", "FAILED")
+            ]
         good = health["integrity"] == "ok" and health["journal_mode"] == "wal"
         checks.append(
             Check(
@@ -236,6 +241,15 @@ def check_state(db: Path) -> list[Check]:
                 f"{health['journal_mode']}, {health['runs']} run(s), {health['journal_rows']} journal rows",
             )
         )
+        if paced:
+            checks.append(
+                Check(
+                    "paced runs",
+                    WARN,
+                    "; ".join(f"{r['name']} ({r['id']}): timing from {r['spec'].get('engine_profile')}" for r in paced)
+                    + ' — engine = "paced": their workers run the paced engine, no model (docs/paced.md)',
+                )
+            )
     except IncompatibleSchema as exc:
         if exc.found < exc.known:  # older: the next command that writes migrates it, nothing is wrong
             checks.append(

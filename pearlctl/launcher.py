@@ -85,10 +85,20 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
     pools = [spec.pools[name] for name in POOL_ORDER if name in spec.pools]
     if any(p.weights == "broadcast" for p in pools):  # the trainer's rank 0 sends each version (docs/weights.md)
         pools = [dataclasses.replace(p, env={BROADCAST_ENV: "1", **p.env}) if p.name == "trainer" else p for p in pools]
-    return [_pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model)) for p in pools]
+    engine = {"engine": spec.engine, "engine_profile": str(spec.engine_profile) if spec.engine_profile else None}
+    return [_pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model), **engine) for p in pools]
 
 
-def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, first_task: int = 0) -> SubmitRequest:
+def _pool_request(
+    pool: PoolSpec,
+    *,
+    run_id: str,
+    run_dir: str,
+    model: str,
+    first_task: int = 0,
+    engine: str = "vllm",
+    engine_profile: str | None = None,
+) -> SubmitRequest:
     """The submission of ``pool``: all its launch tasks, or (``first_task``) one task added to it. A trainer
     of several nodes is one multi-node job (``gang``): one distributed trainer, started and requeued whole."""
     gang = one_job_of_nodes(pool.name, pool.nodes) and not first_task
@@ -121,6 +131,8 @@ def _pool_request(pool: PoolSpec, *, run_id: str, run_dir: str, model: str, firs
         engine_args={**pool.engine_args, **server_engine_args()} if pool.weights == "broadcast" else pool.engine_args,
         env=pool.env,
         first_task=first_task,
+        engine=engine,
+        engine_profile=engine_profile,
     )
 
 
@@ -153,6 +165,8 @@ def grow_request(run: dict, pool: str, task_index: int) -> SubmitRequest:
         run_dir=run["run_dir"],
         model=str(run["spec"].get("model", "")),
         first_task=task_index,
+        engine=run["spec"].get("engine") or "vllm",  # a run launched before the key existed ran vLLM
+        engine_profile=run["spec"].get("engine_profile"),
     )
 
 

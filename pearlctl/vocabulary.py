@@ -73,6 +73,19 @@ SERVING_ROLES: frozenset[Role] = frozenset({Role.ROLLOUT, Role.PREFILL, Role.DEC
 ENGINE_FOR_ROLE: dict[Role, Engine] = {Role.TRAIN: Engine.DEEPSPEED, **{r: Engine.VLLM for r in SERVING_ROLES}}
 
 
+class ServingEngine(StrEnum):
+    """What a run's `Engine.VLLM` workers run (``[run] engine``): real vLLM, or the paced engine standing in for it
+    (pearlctl/agent/engines/paced.py: vLLM's HTTP API, a profile's timing, no model) for control-plane runs at
+    scale without GPUs. Either way the worker speaks vLLM's API, so state and the daemon call it `Engine.VLLM`."""
+
+    VLLM = "vllm"
+    PACED = "paced"
+
+
+# engine_args the paced engine reads (as its flags); any other is refused, so a vLLM flag is never silently lost
+PACED_ENGINE_ARGS: tuple[str, ...] = ("max_num_seqs", "max_model_len")
+
+
 def one_job_of_nodes(pool: str, nodes: int) -> bool:
     """Whether a pool is launched as one multi-node job, its tasks the job's nodes (``sbatch --nodes``), rather
     than as an array of one-node tasks: a trainer of several nodes, which trains as one distributed job and is

@@ -19,10 +19,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
-from pearlctl.agent.engines.vllm import VllmServer  # at the agent's start, not on a borrow's critical path
+from pearlctl.agent.engines.vllm import PacedServer, VllmServer  # at the agent's start, not on a borrow's critical path
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
@@ -131,20 +131,33 @@ class VllmWorker:
     STOP_MIN_S = 1.0
 
     def __init__(
-        self, key: str, role: str, gpus: tuple[int, ...], me: Identity, run_dir: str, model: str, engine_args: dict
+        self,
+        key: str,
+        role: str,
+        gpus: tuple[int, ...],
+        me: Identity,
+        run_dir: str,
+        model: str,
+        engine_args: dict,
+        *,
+        paced_profile: str | None = None,
     ):
         self.key, self.role, self.gpus = key, role, gpus
         log_path = Path(run_dir, "logs", f"vllm-{me.job_id}_{me.task_id}-{key}.log")
-        self.server = VllmServer(
-            model,
-            port=free_port(),
-            role=role,
-            gpus=list(gpus),
-            engine_args=engine_args,
-            log_path=log_path,
-            host="0.0.0.0",
-            device=engine_device(),
-            kv_shared_dir=kv_shared_dir(run_dir),  # the run's, not this worker's: PREFILL and DECODE meet there
+        common: dict[str, Any] = {
+            "port": free_port(),
+            "role": role,
+            "gpus": list(gpus),
+            "engine_args": engine_args,
+            "log_path": log_path,
+            "host": "0.0.0.0",
+            "kv_shared_dir": kv_shared_dir(run_dir),  # the run's, not this worker's: PREFILL and DECODE meet there
+        }
+        # a run with engine = "paced" (pearlctl.config): the paced engine speaks vLLM's API in vLLM's place
+        self.server = (
+            PacedServer(model, profile=paced_profile, **common)
+            if paced_profile
+            else VllmServer(model, device=engine_device(), **common)
         )
         # the URL this worker is reported under, also stated in its answers' headers (vllm_headers)
         self.server.env["PEARL_WORKER_URL"] = self.url
@@ -432,7 +445,16 @@ class Reconciler:
         gpus = tuple(want["gpus"])
         if want["engine"] == "vllm":
             args = json.loads(self.env.get("PEARL_ENGINE_ARGS") or "{}")
-            return VllmWorker(want["key"], want["role"], gpus, self.me, self.run_dir, self.env["PEARL_MODEL"], args)
+            return VllmWorker(
+                want["key"],
+                want["role"],
+                gpus,
+                self.me,
+                self.run_dir,
+                self.env["PEARL_MODEL"],
+                args,
+                paced_profile=self.env.get("PEARL_ENGINE_PROFILE") if self.env.get("PEARL_ENGINE") == "paced" else None,
+            )
         argv = json.loads(self.env.get("PEARL_TRAIN_COMMAND") or "null")
         if not argv:
             return None  # this trainer pool runs no training command under the agent

@@ -74,6 +74,9 @@ def status_tables(doc: dict) -> Group:
         Text(f"policy {run['policy']}"),
         Text(f"polled {_ago(run.get('last_poll_at'))}"),
     )
+    spec = run.get("spec") or {}
+    if spec.get("engine") == "paced":  # never a real run: say so where the run is named
+        head.add_row(Text(f"engine paced (no model): timing from {spec.get('engine_profile')}", style="yellow"))
 
     pools = Table(title="pools", title_justify="left")
     for col in ("pool", "job", "partition", "nodes x GPUs", "role", "running"):

@@ -59,6 +59,8 @@ class SubmitRequest:
     first_task: int = 0  # the first array task index: an elastic pool's added task is --array=K
     nodelist: str | None = None
     gang: bool = False  # the array_size nodes as one multi-node job, an srun task per node (not an array)
+    engine: str = "vllm"  # what vLLM workers run: "vllm", or "paced" timed by engine_profile (a profile TOML)
+    engine_profile: str | None = None
 
     @property
     def job_name(self) -> str:
@@ -159,6 +161,9 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
     }
     if req.train_command:
         env["PEARL_TRAIN_COMMAND"] = json.dumps(list(req.train_command))
+    if req.engine != "vllm":
+        env["PEARL_ENGINE"] = req.engine
+        env["PEARL_ENGINE_PROFILE"] = req.engine_profile or ""
     env.update(req.env)
     return env
 

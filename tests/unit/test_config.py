@@ -347,3 +347,37 @@ def test_constraint_and_exclude_reach_every_task_of_the_pool_as_sbatch_directive
 def test_a_bad_constraint_or_exclude_is_refused_by_name(spec_dir, key, value):
     found = parse_problems(spec_dir, data(**{key: value}))
     assert f"pools.trainer.{key}" in found and "Slurm" in found[f"pools.trainer.{key}"], found
+
+
+# ---- engine = "paced" ----------------------------------------------------------------------------
+
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
+PACED = GOOD.replace('policy = "never"', f'policy = "never"\nengine = "paced"\nengine_profile = "{PROFILE}"').replace(
+    "engine_args = { max_model_len = 512, enforce_eager = true }", "engine_args = { max_model_len = 512 }"
+)
+
+
+def test_a_paced_run_names_its_profile_and_reaches_the_workers_environment(spec_dir):
+    from pearlctl.launcher import requests_for
+    from pearlctl.slurm.script import worker_env
+
+    spec = load_spec(write(spec_dir, PACED), POLICIES)
+    assert spec.engine == "paced" and spec.engine_profile == PROFILE
+    assert spec.to_dict()["engine"] == "paced"
+    envs = {r.pool: worker_env(r) for r in requests_for(spec, "r1")}
+    assert envs["rollout"]["PEARL_ENGINE"] == "paced" and envs["rollout"]["PEARL_ENGINE_PROFILE"] == str(PROFILE)
+    plain = {r.pool: worker_env(r) for r in requests_for(load_spec(write(spec_dir, GOOD), POLICIES), "r1")}
+    assert "PEARL_ENGINE" not in plain["rollout"] and load_spec(write(spec_dir, GOOD), POLICIES).engine == "vllm"
+
+
+def test_a_paced_run_refuses_what_the_paced_engine_would_not_do_by_name(spec_dir):
+    found = problems(spec_dir, PACED.replace("max_model_len = 512 }", "max_model_len = 512, enforce_eager = true }"))
+    assert "enforce_eager mean nothing to the paced engine" in found["pools.rollout.engine_args"]
+    found = problems(spec_dir, PACED.replace(f'engine_profile = "{PROFILE}"', ""))
+    assert "run.engine_profile" in found
+    found = problems(spec_dir, PACED.replace(str(PROFILE), str(spec_dir / "model")))
+    assert "cannot read profile" in found["run.engine_profile"]
+    found = problems(spec_dir, PACED.replace('engine = "paced"', 'engine = "vllm"'))
+    assert 'read only with engine = "paced"' in found["run.engine_profile"]
+    found = problems(spec_dir, PACED.replace('engine = "paced"', 'engine = "sglang"'))
+    assert "paced" in found["run.engine"] and "vllm" in found["run.engine"]

@@ -23,8 +23,12 @@ from pearlctl.planner.profile import load
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
 
 
-def client_for(max_num_seqs: int | None = None) -> TestClient:
-    argv = ["--model", "tiny", "--profile", str(PROFILE), "--port", "1", "--max-model-len", "512"]
+TINY = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
+
+
+def client_for(max_num_seqs: int | None = None, model: str = "tiny") -> TestClient:
+    argv = ["--model", model, "--served-model-name", "tiny", "--profile", str(PROFILE), "--port", "1"]
+    argv += ["--max-model-len", "512"]
     app, asgi = paced.build(paced.parse_args(argv + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])))
     app.ready_at = 0.0  # no start delay in process
     return TestClient(asgi)
@@ -52,6 +56,26 @@ def test_a_continuation_from_token_ids_generates_what_the_whole_request_does(cli
     assert (
         first["token_ids"] != complete(client, "another prompt", 15, return_token_ids=True)["choices"][0]["token_ids"]
     )
+
+
+def test_with_the_models_tokenizer_a_continued_turns_text_is_what_the_gateway_mirrors() -> None:
+    """With a tokenizer.json in the model directory the engine draws ids from that vocabulary and decodes them as
+    vLLM does; the gateway's text for a continued turn (pearlctl/router/text.py) then equals the whole turn's."""
+    from tokenizers import Tokenizer
+
+    from pearlctl.router.text import TextMirror
+
+    with client_for(model=str(TINY)) as c:
+        whole = complete(c, "the model calls a tool", 60, return_token_ids=True)["choices"][0]
+        first = complete(c, "the model calls a tool", 23, return_token_ids=True)["choices"][0]
+        rest = complete(c, first["prompt_token_ids"] + first["token_ids"], 37, return_token_ids=True)["choices"][0]
+        assert c.get("/v1/models").json()["data"][0]["root"] == str(TINY)
+    tokenizer = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    assert whole["prompt_token_ids"] == tokenizer.encode("the model calls a tool").ids
+    assert max(whole["token_ids"]) > 255  # drawn from the model's vocabulary, not bytes
+    assert first["token_ids"] + rest["token_ids"] == whole["token_ids"]
+    mirror = TextMirror(tokenizer, first["prompt_token_ids"], first["token_ids"], skip_special=True)
+    assert first["text"] + mirror.text(rest["token_ids"]) == whole["text"]
 
 
 def test_a_stream_carries_the_same_tokens_as_the_whole_answer(client: TestClient) -> None:

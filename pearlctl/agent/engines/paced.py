@@ -30,9 +30,10 @@ a time. The start, a sleep, a wake and a weight reload take the profile's ``cost
 finishes, a new one arrives, or ``QUANTUM_S`` passes, and then hands out the tokens that much time bought
 (by the clock, so a loaded machine delays its answers but does not slow its model).
 
-Tokens are deterministic: a byte-level vocabulary (a prompt's token ids are its UTF-8 bytes; generated ids
-are printable ASCII, one character each), and each next token is a function of every token before it and
-of the weights (the directory last loaded). A continuation — the prompt plus the tokens generated so far,
+Tokens are deterministic: a text prompt's token ids are its UTF-8 bytes, a prompt of token ids (a real
+tokenizer's, as a rollout driver sends) is taken as it is, generated ids are printable ASCII (one character
+each, also ids of a real byte-level vocabulary), and each next token is a function of every token before it and
+of the weights (the name of the directory last loaded). A continuation — the prompt plus the tokens generated so far,
 sent again — therefore generates exactly what the uninterrupted request would have, and a reload from
 another directory changes the output. A request always generates ``max_tokens`` (finish reason
 ``length``): the engine has no end-of-sequence token; drivers draw a response's length into ``max_tokens``.
@@ -53,7 +54,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ QUANTUM_S = 0.05  # the longest the loop sleeps between handing out tokens while
 PREFILL_CHUNK_TOKENS = 8192  # prompt tokens prefilled per iteration, over the requests waiting for it
 MASK = (1 << 64) - 1
 FIRST_PRINTABLE, PRINTABLE = 32, 95  # generated ids: printable ASCII, one character each
+VOCAB = 1 << 20  # token ids a prompt may hold (a real tokenizer's ids pass through: they are only hashed)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 UNSET_VERSION = "default"  # vLLM's weight label until one is set
 SLEEP_STATES = {1: "weights_offloaded", 2: "discard_all"}
@@ -86,29 +88,83 @@ def mix(state: int, token: int) -> int:
     return state ^ (state >> 31)
 
 
-def next_token(state: int) -> int:
-    return FIRST_PRINTABLE + (state >> 17) % PRINTABLE
-
-
 def logprob(state: int) -> float:
     """A made-up log-probability of the token `next_token(state)` picked: deterministic, in (-3, 0]."""
     return -((state >> 40) % 3000) / 1000.0
 
 
 def weights_seed(path: str) -> int:
-    """The rolling state's start for the weights loaded from `path` (its name: the engine reads no file)."""
+    """The rolling state's start for the weights loaded from `path`, named by its last component (the engine reads
+    no file): a version's directory has the version's name on the node-local store and on shared disk alike
+    (pearlctl/trainer/weights.py), so both give the same tokens."""
     state = 0xCBF29CE484222325
-    for b in path.encode():
+    for b in (Path(path).name or path).encode():
         state = mix(state, b)
     return state
 
 
-def tokenize(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+class Vocab:
+    """Text to ids and ids to text. With the model directory's ``tokenizer.json`` (read with the ``tokenizers``
+    library, as the gateway reads it: pearlctl/router/text.py): text is encoded by it, generated ids are drawn from
+    its vocabulary, and a request's text is decoded as vLLM decodes it, one ``DecodeStream`` primed with the
+    prompt's ids, so the gateway's text for a continued turn equals this engine's for an uninterrupted one.
+    Without one: a text's ids are its UTF-8 bytes and generated ids printable ASCII, one character each."""
+
+    def __init__(self, model: str):
+        self.tokenizer = None
+        path = Path(model) / "tokenizer.json"
+        if path.is_file():
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(path))
+        self.size = self.tokenizer.get_vocab_size() if self.tokenizer is not None else 0
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return self.tokenizer.encode(text).ids
+
+    def pick(self, state: int) -> int:
+        """The id generated after rolling state `state`."""
+        if self.tokenizer is None:
+            return FIRST_PRINTABLE + (state >> 17) % PRINTABLE
+        return (state >> 17) % self.size
+
+    def piece(self, token: int) -> str:
+        """One id's own text (a logprob entry's ``token``)."""
+        if self.tokenizer is None:
+            return chr(token)
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def decoder(self, prompt: list[int]) -> Decoder:
+        return Decoder(self, prompt)
 
 
-def detokenize(ids: list[int]) -> str:
-    return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")
+class Decoder:
+    """One request's text, stepped through its generated ids in order."""
+
+    def __init__(self, vocab: Vocab, prompt: list[int]):
+        self.vocab = vocab
+        self.stream = None
+        if vocab.tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """The text each of these next ids adds (empty for an id that completes no character yet)."""
+        if self.stream is None:
+            return [chr(t) for t in ids]
+        out = []
+        for t in ids:
+            try:
+                out.append(self.stream.step(self.vocab.tokenizer, t) or "")
+            except Exception:  # a prefix the stream cannot decode: vLLM starts a fresh stream, as here
+                from tokenizers.decoders import DecodeStream
+
+                self.stream = DecodeStream(skip_special_tokens=True)
+                out.append(self.stream.step(self.vocab.tokenizer, t) or "")
+        return out
 
 
 def chat_prompt(messages: list[dict]) -> str:
@@ -144,15 +200,25 @@ class Seq:
     reserved: int = 0
     finish: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    decoder: Decoder | None = None  # made when its text is first asked for
+    pieces: list[str] = field(default_factory=list)  # the text of each generated id decoded so far
+
+    def text(self, vocab: Vocab, lo: int, hi: int) -> list[str]:
+        """The text pieces of generated ids lo..hi (decoding up to hi first)."""
+        if len(self.pieces) < hi:
+            if self.decoder is None:
+                self.decoder = vocab.decoder(self.prompt)
+            self.pieces += self.decoder.pieces(self.out[len(self.pieces) : hi])
+        return self.pieces[lo:hi]
 
     @property
     def context(self) -> int:
         return len(self.prompt) + len(self.out)
 
-    def emit(self, n: int) -> None:
+    def emit(self, n: int, pick: Callable[[int], int]) -> None:
         state, out, lps = self.state, self.out, self.lps
         for _ in range(n):
-            tok = next_token(state)
+            tok = pick(state)
             out.append(tok)
             lps.append(logprob(state))
             state = mix(state, tok)
@@ -169,8 +235,9 @@ class Seq:
 class PacedEngine:
     """One worker's continuous batch, paced by a profile (the module doc)."""
 
-    def __init__(self, profile: Profile, *, max_num_seqs: int, max_model_len: int, weights: str):
+    def __init__(self, profile: Profile, *, max_num_seqs: int, max_model_len: int, weights: str, vocab: Vocab):
         self.profile = profile
+        self.vocab = vocab
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_capacity = int(profile.kv_capacity_tokens)
@@ -344,7 +411,7 @@ class PacedEngine:
             if steps <= 0 or self.paused and not self.draining:
                 continue
             for s in list(self.running):
-                s.emit(steps)
+                s.emit(steps, self.vocab.pick)
                 if len(s.out) >= s.max_tokens:
                     self._finish(s)
             self.generation_tokens += steps * batch
@@ -458,18 +525,18 @@ class PacedApp:
             messages = body.get("messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise BadRequest("messages must be a list of objects with role and content")
-            prompt = tokenize(chat_prompt(messages))
+            prompt = self.engine.vocab.encode(chat_prompt(messages))
             mt = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
             raw = body.get("prompt")
             if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
                 raw = raw[0]
             if isinstance(raw, str):
-                prompt = tokenize(raw)
-            elif isinstance(raw, list) and raw and all(type(t) is int and 0 <= t < 256 for t in raw):
+                prompt = self.engine.vocab.encode(raw)
+            elif isinstance(raw, list) and raw and all(type(t) is int and 0 <= t < VOCAB for t in raw):
                 prompt = list(raw)
             else:
-                raise BadRequest("prompt must be a string or one list of token ids in 0..255 (a byte vocabulary)")
+                raise BadRequest(f"prompt must be a string or one list of token ids in 0..{VOCAB - 1}")
             mt = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         if not prompt:
             raise BadRequest("the prompt is empty")
@@ -494,23 +561,27 @@ class PacedApp:
         return prompt, mt, opts
 
     # -- answers --------------------------------------------------------------------------------
-    @staticmethod
-    def _lp_completion(seq: Seq, lo: int, hi: int, offset: int) -> dict:
-        tokens = [chr(t) for t in seq.out[lo:hi]]
+    def _lp_completion(self, seq: Seq, lo: int, hi: int, offset: int) -> dict:
+        pieces = seq.text(self.engine.vocab, lo, hi)
+        offsets, at = [], offset
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        tokens = [self.engine.vocab.piece(t) for t in seq.out[lo:hi]]
         return {
-            "text_offset": [offset + i for i in range(len(tokens))],
+            "text_offset": offsets,
             "token_logprobs": seq.lps[lo:hi],
             "tokens": tokens,
             "top_logprobs": [{t: v} for t, v in zip(tokens, seq.lps[lo:hi], strict=True)],
         }
 
-    @staticmethod
-    def _lp_chat(seq: Seq, lo: int, hi: int) -> dict:
+    def _lp_chat(self, seq: Seq, lo: int, hi: int) -> dict:
         content = []
         for t, v in zip(seq.out[lo:hi], seq.lps[lo:hi], strict=True):
-            c = chr(t)
+            c = self.engine.vocab.piece(t)
+            b = list(c.encode("utf-8"))
             content.append(
-                {"token": c, "logprob": v, "bytes": [t], "top_logprobs": [{"token": c, "logprob": v, "bytes": [t]}]}
+                {"token": c, "logprob": v, "bytes": b, "top_logprobs": [{"token": c, "logprob": v, "bytes": b}]}
             )
         return {"content": content}
 
@@ -519,7 +590,7 @@ class PacedApp:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": None}
 
     def whole(self, kind: str, seq: Seq, opts: dict, created: int) -> dict:
-        text = "".join(chr(t) for t in seq.out)
+        text = "".join(seq.text(self.engine.vocab, 0, len(seq.out)))
         ids = opts["ids"]
         if kind == "chat":
             choice = {
@@ -580,13 +651,14 @@ class PacedApp:
                 hi, finish = len(seq.out), seq.finish
                 if hi > sent or finish is not None:
                     choice: dict[str, Any] = {"index": 0}
-                    text = "".join(chr(t) for t in seq.out[sent:hi])
+                    before = sum(len(p) for p in seq.text(self.engine.vocab, 0, sent))  # the text's offset
+                    text = "".join(seq.text(self.engine.vocab, sent, hi))
                     if chat:
                         choice["delta"] = {"content": text} if hi > sent else {}
                         choice["logprobs"] = self._lp_chat(seq, sent, hi) if opts["logprobs"] else None
                     else:
                         choice["text"] = text
-                        choice["logprobs"] = self._lp_completion(seq, sent, hi, sent) if opts["logprobs"] else None
+                        choice["logprobs"] = self._lp_completion(seq, sent, hi, before) if opts["logprobs"] else None
                     choice["finish_reason"] = finish
                     choice["stop_reason"] = None
                     if opts["ids"]:
@@ -655,7 +727,7 @@ class PacedApp:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "pearlctl-paced",
-            "root": f"paced:{self.model}",  # not a directory: the gateway keeps this engine's own text
+            "root": self.model,  # as vLLM's: a driver and the gateway read the model's tokenizer from it
             "max_model_len": self.engine.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [entry]})
@@ -814,7 +886,13 @@ def build(args: argparse.Namespace) -> tuple[PacedApp, Starlette]:
     max_num_seqs = args.max_num_seqs or profile.max_num_seqs
     if max_num_seqs < 1 or args.max_model_len < 2:
         raise SystemExit("paced: --max-num-seqs must be >= 1 and --max-model-len >= 2")
-    engine = PacedEngine(profile, max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, weights=args.model)
+    engine = PacedEngine(
+        profile,
+        max_num_seqs=max_num_seqs,
+        max_model_len=args.max_model_len,
+        weights=args.model,
+        vocab=Vocab(args.model),
+    )
     app = PacedApp(
         engine,
         model=args.model,

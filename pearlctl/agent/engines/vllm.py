@@ -41,6 +41,7 @@ from typing import Any, Literal
 import httpx
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
+from pearlctl.vocabulary import PACED_ENGINE_ARGS
 
 Role = Literal["ROLLOUT", "PREFILL", "DECODE", "REWARD"]
 Device = Literal["auto", "cpu", "gpu"]
@@ -568,8 +569,6 @@ class VllmServer:
 
 
 PACED_ENTRY_POINT = "pearlctl.agent.engines.paced"
-# engine_args the paced engine reads (as its flags); it refuses any other, so a vLLM flag is never silently lost
-PACED_ARGS = ("max_num_seqs", "max_model_len")
 
 
 class PacedServer(VllmServer):
@@ -581,10 +580,11 @@ class PacedServer(VllmServer):
         super().__init__(model, **kw)
         if self.role in KV_ROLES:
             raise ValueError(f"the paced engine serves ROLLOUT and REWARD workers, not {self.role}")
-        unknown = sorted(set(self.engine_args) - set(PACED_ARGS))
+        unknown = sorted(set(self.engine_args) - set(PACED_ENGINE_ARGS))
         if unknown:
             raise ValueError(
-                f"engine_args {', '.join(unknown)} mean nothing to the paced engine; it reads {', '.join(PACED_ARGS)}"
+                f"engine_args {', '.join(unknown)} mean nothing to the paced engine; "
+                f"it reads {', '.join(PACED_ENGINE_ARGS)}"
             )
         self.profile = Path(profile)
         self._device = "paced"
