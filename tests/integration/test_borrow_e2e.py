@@ -36,6 +36,10 @@ engine_args = { max_model_len = 512 }
 """
 
 
+# [run] keys of a run whose vLLM pools run the paced engine (docs/paced.md), timed by the fast test profile
+PACED = f'engine = "paced"\nengine_profile = "{REPO / "tests" / "data" / "paced-fast.toml"}"'
+
+
 def spec_text(
     run_dir: Path,
     *,
@@ -47,12 +51,14 @@ def spec_text(
     trainer: bool = True,
     nodes: int = 1,
     trainer_pool: str = 'partition = "debug"',
+    run_extra: str = "",
 ) -> str:
     """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
     RUN_DIR/rollouts, and one vLLM rollout worker (or ``generation_pools``: TOML of rollout/elastic pools);
     ``train_args`` go to examples/grpo/train.py. ``trainer=False``: the trainer task holds its 2 GPUs with a
     placeholder process instead, for tests of the rollout side that do not need training. ``nodes``: that
-    many such nodes as one trainer (one job; torchrun without --standalone); ``trainer_pool``: its other keys."""
+    many such nodes as one trainer (one job; torchrun without --standalone); ``trainer_pool``: its other keys;
+    ``run_extra``: more ``[run]`` keys (``PACED``: the paced engine in vLLM's place)."""
     py = sys.executable
     train = [
         py,
@@ -83,6 +89,7 @@ model = "{REPO / "examples/models/tiny"}"
 run_dir = "{run_dir}"
 poll_interval_s = 2
 policy = "{policy}"
+{run_extra}
 [pools.trainer]
 {trainer_pool}
 nodes = {nodes}

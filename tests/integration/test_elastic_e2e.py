@@ -6,7 +6,9 @@ workers on elastic (preemptible) tasks behind the run's router, the daemon, and 
   elastic GPU it can get) and shrinks it back when the batch ends: drain, then scancel.
 - A high-priority job preempts an elastic task while its worker serves: no episode is lost, the router stops
   routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
-- The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task.
+- The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task: these two
+  on the paced engine (docs/paced.md), since what they check is the control plane's (the engine dies or is
+  drained; vLLM's drain on a notice is the grace-10s case).
 
 The preemption and scancel tests are about the rollout side: their trainer task holds its GPUs with a
 placeholder process rather than training (the DeepSpeed ranks would only compete for the 2 cores).
@@ -32,7 +34,7 @@ from pearlctl.router import service
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
-from tests.integration.test_borrow_e2e import spec_text
+from tests.integration.test_borrow_e2e import PACED, spec_text
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -127,11 +129,19 @@ class Run:
 def make_run(slurm_cluster, tmp_path):
     made: list[Run] = []
 
-    def make(name: str, generation_pools: str, policy: str = "never", steps: int = 2, trainer: bool = True) -> Run:
+    def make(
+        name: str, generation_pools: str, policy: str = "never", steps: int = 2, trainer: bool = True, paced=False
+    ) -> Run:
         slurm_cluster.cancel_all()
         d = slurm_cluster.new_shared_dir(name)
         text = spec_text(
-            d / "run", name=name, steps=steps, generation_pools=generation_pools, policy=policy, trainer=trainer
+            d / "run",
+            name=name,
+            steps=steps,
+            generation_pools=generation_pools,
+            policy=policy,
+            trainer=trainer,
+            run_extra=PACED if paced else "",
         )
         (d / "run.toml").write_text(text)
         run = Run(Pearlctl(tmp_path / "state", slurm_cluster.env), d, name)
@@ -216,7 +226,9 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
 @pytest.mark.parametrize("partition", ["preempt", "preempt0"], ids=["grace-10s", "grace-0-hard-kill"])
 def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_run, slurm_cluster, partition):
     pool = elastic_pool(nodes=2, max_nodes=2, partition=partition)
-    run = make_run(f"pre{partition[-1]}", pool, steps=1, trainer=False)
+    # a hard kill leaves the engine nothing to do: that case runs the paced engine (docs/paced.md), the drain on notice
+    # runs vLLM
+    run = make_run(f"pre{partition[-1]}", pool, steps=1, trainer=False, paced=partition == "preempt0")
 
     def two_serving():
         doc = run.status()
@@ -285,7 +297,9 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
 
 
 def test_scancel_of_a_fixed_rollout_task_mid_step_loses_no_episode(make_run, slurm_cluster):
-    run = make_run("cut", ROLLOUT2, steps=1, trainer=False)
+    # the control plane's side of a lost task (the router drops it, the gateway continues its turns elsewhere) on the
+    # paced engine; the drain of a real vLLM worker on a notice is the grace-10s preemption case above
+    run = make_run("cut", ROLLOUT2, steps=1, trainer=False, paced=True)
 
     def two_serving():
         ready = [w for w in run.status()["workers"] if w["state"] == "READY" and w["routable"]]

@@ -18,19 +18,8 @@ pytestmark = pytest.mark.timeout(600)
 PROFILE = REPO / "tests" / "data" / "paced-fast.toml"
 
 
-def test_a_paced_run_serves_every_episode_and_says_it_is_paced(make_run, monkeypatch):
-    from tests.integration import test_elastic_e2e
-
-    real = test_elastic_e2e.spec_text
-
-    def paced(*args, **kw) -> str:
-        text = real(*args, **kw)
-        return text.replace(
-            "poll_interval_s = 2\n", f'poll_interval_s = 2\nengine = "paced"\nengine_profile = "{PROFILE}"\n', 1
-        )
-
-    monkeypatch.setattr(test_elastic_e2e, "spec_text", paced)
-    run = make_run("paced", ROLLOUT2, trainer=False, steps=1)  # one step: no trainer publishes weights
+def test_a_paced_run_serves_every_episode_and_says_it_is_paced(make_run):
+    run = make_run("paced", ROLLOUT2, trainer=False, steps=1, paced=True)  # one step: no trainer publishes weights
     run.start_driver(steps=1, prompts=16, group=4, tool_s=0.2, max_tokens=64)
     assert run.finish_driver(240) == 0, run.driver_log()
     assert run.completed() == run.expected == 64
