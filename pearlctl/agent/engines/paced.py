@@ -265,6 +265,8 @@ class PacedEngine:
         self.steps = 0
         self.itl_sum = 0.0
         self.itl_count = 0
+        self.e2e_sum = 0.0  # seconds from a request's arrival to its last token, over the requests that finished
+        self.e2e_count = 0
         self.task: asyncio.Task | None = None
 
     # -- requests ------------------------------------------------------------------------------
@@ -274,8 +276,9 @@ class PacedEngine:
             state = mix(state, t)
         return state
 
-    def submit(self, rid: str, prompt: list[int], max_tokens: int) -> Seq:
-        seq = Seq(rid, prompt, max_tokens, self.start_state(prompt), time.monotonic())
+    def submit(self, rid: str, prompt: list[int], max_tokens: int, arrived: float | None = None) -> Seq:
+        arrived = time.monotonic() if arrived is None else arrived
+        seq = Seq(rid, prompt, max_tokens, self.start_state(prompt), arrived)
         self.by_id[rid] = seq
         if self.draining:
             self.held.append(seq)
@@ -356,6 +359,8 @@ class PacedEngine:
         self._trim_cache()
 
     def _finish(self, seq: Seq) -> None:
+        self.e2e_sum += time.monotonic() - seq.arrived
+        self.e2e_count += 1
         self.running.remove(seq)
         self.reserved -= seq.reserved
         self.by_id.pop(seq.rid, None)
@@ -473,6 +478,8 @@ class PacedEngine:
             ("counter", "vllm:prefix_cache_hits_total", self.cache_hits),
             ("summary", "vllm:inter_token_latency_seconds_sum", self.itl_sum),
             ("summary", "vllm:inter_token_latency_seconds_count", self.itl_count),
+            ("summary", "vllm:e2e_request_latency_seconds_sum", self.e2e_sum),
+            ("summary", "vllm:e2e_request_latency_seconds_count", self.e2e_count),
             ("histogram", "vllm:iteration_tokens_total_count", self.steps),
         ]
         out = []
@@ -690,13 +697,14 @@ class PacedApp:
             return _error(exc.status, str(exc), "NotFoundError" if exc.status == 404 else "BadRequestError")
         self.load += 1
         handed = False
+        arrived = time.monotonic()
         try:
             profile = self.engine.profile
             async with self.serial:
                 await asyncio.sleep(profile.request_serial_s)
             await asyncio.sleep(max(profile.request_overhead_s - profile.request_serial_s, 0.0))
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            seq = self.engine.submit(rid, prompt, max_tokens)
+            seq = self.engine.submit(rid, prompt, max_tokens, arrived)
             created = int(time.time())
             if opts["stream"]:
                 handed = True  # the stream's generator ends the request and the load

@@ -614,6 +614,9 @@ SELECTED_METRICS = {
     "vllm:inter_token_latency_seconds_sum": "inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count": "inter_token_latency_seconds_count",
     "vllm:iteration_tokens_total_count": "engine_steps_total",
+    # requests' latency from arrival to their last token (what a benchmark compares with a profile's model)
+    "vllm:e2e_request_latency_seconds_sum": "e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_request_latency_seconds_count",
 }
 
 
