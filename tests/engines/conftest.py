@@ -114,6 +114,8 @@ def tiny_server(log_dir: Path, name: str) -> Iterator:
 
 
 PACED_PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
+# [run] keys of a run whose vLLM pools run the paced engine (docs/paced.md) on that profile
+PACED_RUN = f'engine = "paced"\nengine_profile = "{PACED_PROFILE}"'
 
 
 @contextlib.contextmanager

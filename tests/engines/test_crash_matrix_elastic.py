@@ -2,7 +2,9 @@
 grow and of a shrink where an effect is in doubt (pearlctl.daemon.elastic: ``after_intent``, the REQUESTED row or
 the drain request committed; ``after_effect``, the submit or the scancel returned), with real processes — the local
 backend runs every task as a process group on this machine, each elastic task runs the real agent and a real
-vLLM-cpu worker on the tiny model, and the run's router (gateway + vllm-router) routes to them. After each kill a
+vLLM-cpu worker on the tiny model (in two of the four cases; the other two run the paced engine in its place,
+docs/paced.md, since what they check is the daemon's), and the run's router (gateway + vllm-router) routes to
+them. After each kill a
 new daemon takes over the same state; the test checks that the pool converges to the size wanted, that no task was
 submitted twice and no vLLM process started twice, that no worker left READY while the router still routed to it,
 and that the journal tells what happened (the intent by the dead daemon, the re-issued submit, the adoption by
@@ -43,16 +45,18 @@ from pearlctl.router import service
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
-from tests.engines.conftest import local_run_spec
+from tests.engines.conftest import PACED_RUN, local_run_spec
 from tests.engines.load import Load, prompts
 from tests.engines.test_crash_matrix_daemon import LEASE_TTL_S
 
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
 CASES = [("grow", "after_intent"), ("shrink", "after_intent"), ("grow", "after_effect"), ("shrink", "after_effect")]
-# the cases the default run makes, each kind at one point and each point once, chained (a grow leaves the two
-# tasks the shrink starts from); the other two are marked ``long`` (./scripts/test -m long runs them)
-DEFAULT_CASES = (("grow", "after_intent"), ("shrink", "after_effect"))
+# the cases on real vLLM workers, each kind at one point and each point once, chained (a grow leaves the two tasks
+# the shrink starts from); the other two run on the paced engine (docs/paced.md): what they check is the daemon's
+VLLM_CASES = (("grow", "after_intent"), ("shrink", "after_effect"))
+PACED_CASES = (("grow", "after_effect"), ("shrink", "after_intent"))
+assert sorted(VLLM_CASES + PACED_CASES) == sorted(CASES)
 STEP = {"grow": "GROW", "shrink": "SHRINK"}
 SIZE = {"grow": 2, "shrink": 1}  # the size each kind converges to (and 3 - it: the size it starts from)
 CONVERGE_S = 240  # a grow after its intent waits SUBMIT_SETTLE_S (35 s), then starts an agent and a vLLM
@@ -64,7 +68,7 @@ THREADS = 2
 AFTER_TURNS = 2  # turns completed after the new daemon converged, before the load stops
 
 
-def spec(d: Path) -> str:
+def spec(d: Path, paced: bool = False) -> str:
     pools = """
 [pools.rollout]                # an agent with no GPU, so no worker
 nodes = 1
@@ -78,7 +82,8 @@ gpus_per_node = 1
 env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }
 engine_args = { max_model_len = 512 }
 """
-    return local_run_spec(d, RUN, pools, poll_interval_s=1, run_extra='policy = "elastic"')
+    extra = 'policy = "elastic"' + (f"\n{PACED_RUN}" if paced else "")
+    return local_run_spec(d, RUN, pools, poll_interval_s=1, run_extra=extra)
 
 
 class Harness:
@@ -215,9 +220,11 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(engine_lock, tmp_path_factory):
-    d = tmp_path_factory.mktemp("ecrash")
-    (d / "run.toml").write_text(spec(d))
+def harness(request, engine_lock, tmp_path_factory):
+    """The run, its daemon and its floor task serving: on vLLM, or (``request.param == "paced"``) the paced engine."""
+    paced = getattr(request, "param", "vllm") == "paced"
+    d = tmp_path_factory.mktemp("ecrash-paced" if paced else "ecrash")
+    (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
     h = Harness(pc, d / "run")
@@ -235,7 +242,10 @@ def harness(engine_lock, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT_CASES else pytest.mark.long) for c in CASES]
+    ("harness", "case"),
+    # each engine's cases together (one run each), each kind's grow before its shrink (a grow leaves two tasks)
+    [pytest.param(e, c, id="-".join(c)) for e, cs in (("vllm", VLLM_CASES), ("paced", PACED_CASES)) for c in cs],
+    indirect=["harness"],
 )
 def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     h = harness

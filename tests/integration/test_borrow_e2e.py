@@ -36,10 +36,6 @@ engine_args = { max_model_len = 512 }
 """
 
 
-# [run] keys of a run whose vLLM pools run the paced engine (docs/paced.md), timed by the fast test profile
-PACED = f'engine = "paced"\nengine_profile = "{REPO / "tests" / "data" / "paced-fast.toml"}"'
-
-
 def spec_text(
     run_dir: Path,
     *,

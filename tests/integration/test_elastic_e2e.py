@@ -34,7 +34,8 @@ from pearlctl.router import service
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
-from tests.integration.test_borrow_e2e import PACED, spec_text
+from tests.engines.conftest import PACED_RUN as PACED
+from tests.integration.test_borrow_e2e import spec_text
 
 pytestmark = pytest.mark.timeout(1500)
 
