@@ -650,10 +650,9 @@ def _engine_profile(c: _Checker, run: dict, engine: str | None, base: Path) -> P
 
 
 def _check_paced_pools(c: _Checker, pools: dict[str, PoolSpec]) -> None:
-    """A paced run's vLLM pools use only what the paced engine does: its engine_args, weights from disk."""
+    """A paced run's pools use only what the paced engine does: its engine_args (the trainer's too: they start the
+    workers on its lent GPUs), weights from disk."""
     for name, pool in pools.items():
-        if name == vocabulary.PoolKind.TRAINER:
-            continue
         unknown = sorted(set(pool.engine_args) - set(vocabulary.PACED_ENGINE_ARGS))
         if unknown:
             c.fail(

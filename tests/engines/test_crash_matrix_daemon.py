@@ -1,9 +1,10 @@
-"""Crash matrix on the real daemon process, with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the
-tiny model, started by a real agent (local backend: process groups on this machine): the daemon is SIGKILLed once
-the effect of a step of a cold borrow, a stopping return, a warm borrow or a parking return was issued, for every
-kind of step these transitions have (see CASES). After each kill a new daemon takes over the same state; the test
-checks that it converges (the transition DONE, each step journaled once), that no vLLM process was started twice,
-that the trainer got its GPUs back, and that the journal says the effect was re-issued.
+"""Crash matrix on the real daemon process, with real engines — a 2-rank DeepSpeed trainer and vLLM workers on the tiny
+model (the paced engine in vLLM's place for the kills DEFAULT_KILLS leaves out, docs/paced.md), started by a real
+agent (local backend: process groups on this machine): the daemon is SIGKILLed once the effect of a step of a cold
+borrow, a stopping return, a warm borrow or a parking return was issued, for every kind of step these transitions
+have (see CASES). After each kill a new daemon takes over the same state; the test checks that it converges (the
+transition DONE, each step journaled once), that no vLLM process was started twice, that the trainer got its GPUs
+back, and that the journal says the effect was re-issued.
 
 The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env). Cases run in an order that chains
 them: a borrow case leaves a GPU lent for the return case after it; a test that finds its precondition missing (a GPU
@@ -26,7 +27,7 @@ from pearlctl.daemon.transitions import PLANS
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
-from tests.engines.conftest import TINY_MODEL
+from tests.engines.conftest import PACED_RUN, TINY_MODEL
 
 # Where a restarted daemon cannot know whether a step's effect happened: its INTENT is durable and its effect was
 # issued, with no DONE. (After the intent and before the effect, the new daemon re-issues an effect that never
@@ -54,11 +55,11 @@ KILLS = (
     ("return_sleep", "DRAIN"),
     ("return_sleep", "SLEEP"),
 )
-# The kills the default run makes (the others are marked ``long``: ./scripts/test -m long runs them): the step
-# kinds whose effect only these plans have (OFFLOAD, RELOAD, REGISTER, DEREGISTER) and a warm borrow's WAKE. They
-# chain without a set-up move. The pool-transition matrix's default kills cover the other kinds (DRAIN, SLEEP,
-# STOP, START, WAKE) on real engines; tests/engines/test_crash_matrix_moves.py checks that together they cover
-# every step kind with an effect.
+# The kills made with vLLM on the lent GPUs (the others run the paced engine there, docs/paced.md, in a second run:
+# what they check is the daemon's and the agent's): the step kinds whose effect only these plans have (OFFLOAD,
+# RELOAD, REGISTER, DEREGISTER) and a warm borrow's WAKE. They chain without a set-up move. The pool-transition
+# matrix's default kills cover the other kinds (DRAIN, SLEEP, STOP, START, WAKE) on real engines;
+# tests/engines/test_crash_matrix_moves.py checks that together they cover every step kind with an effect.
 DEFAULT_KILLS = (("borrow", "OFFLOAD"), ("return", "RELOAD"), ("borrow", "REGISTER"), ("return_sleep", "DEREGISTER"),
                  ("borrow_warm", "WAKE"))  # fmt: skip
 
@@ -71,7 +72,7 @@ def cases() -> list[tuple[str, int, str, str]]:
 CASES = cases()
 
 
-def spec(d: Path) -> str:
+def spec(d: Path, paced: bool = False) -> str:
     train = [
         sys.executable,
         "-m",
@@ -98,6 +99,7 @@ model = "{TINY_MODEL}"
 run_dir = "{d / "run"}"
 backend = "local"
 poll_interval_s = 2
+{PACED_RUN if paced else ""}
 [pools.trainer]
 nodes = 1
 gpus_per_node = 2
@@ -190,9 +192,12 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(engine_lock, tmp_path_factory):
-    d = tmp_path_factory.mktemp("crash")
-    (d / "run.toml").write_text(spec(d))
+def harness(request, engine_lock, tmp_path_factory):
+    """The run, its daemon and its trainer waiting: lent GPUs serve with vLLM, or (``request.param == "paced"``) the
+    paced engine."""
+    paced = getattr(request, "param", "vllm") == "paced"
+    d = tmp_path_factory.mktemp("crash-paced" if paced else "crash")
+    (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
     h = Harness(pc, d / "run")
@@ -215,11 +220,15 @@ def test_the_default_kills_chain_in_kills_order():
 
 
 @pytest.mark.parametrize(
-    "case",
+    ("harness", "case"),
+    # each engine's cases together (one run each), in KILLS' order within each
     [
-        pytest.param((p, s, k, pt), id=f"{p}-{s}{k}-{pt}", marks=() if (p, k) in DEFAULT_KILLS else pytest.mark.long)
+        pytest.param(engine, (p, s, k, pt), id=f"{p}-{s}{k}-{pt}")
+        for engine in ("vllm", "paced")
         for p, s, k, pt in CASES
+        if ((p, k) in DEFAULT_KILLS) == (engine == "vllm")
     ],
+    indirect=["harness"],
 )
 def test_daemon_killed_at_step_boundary_converges(harness, case):
     h = harness
