@@ -415,14 +415,15 @@ class PacedEngine:
             self.carry = min(elapsed - max(steps, 0) * itl, itl)
             if steps <= 0 or self.paused and not self.draining:
                 continue
-            for s in list(self.running):
+            served = list(self.running)  # an abort during the wait took its request out: it got no tokens
+            for s in served:
                 s.emit(steps, self.vocab.pick)
                 if len(s.out) >= s.max_tokens:
                     self._finish(s)
-            self.generation_tokens += steps * batch
+            self.generation_tokens += steps * len(served)
             self.steps += steps
-            self.itl_sum += steps * itl * batch
-            self.itl_count += steps * batch
+            self.itl_sum += steps * itl * len(served)
+            self.itl_count += steps * len(served)
 
     # -- control --------------------------------------------------------------------------------
     async def pause(self, mode: str) -> None:
@@ -431,7 +432,7 @@ class PacedEngine:
             self.paused = True
         elif mode == "keep":
             self.paused = True
-        else:  # wait: what is in flight finishes, what arrives is held
+        elif not self.paused:  # wait: what is in flight finishes, what arrives is held (paused: nothing runs)
             self.draining = True
             self.wake.set()
             while self.running or self.waiting:
