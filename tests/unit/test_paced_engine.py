@@ -212,3 +212,17 @@ def test_any_request_body_gets_an_answer_or_a_clear_4xx(client: TestClient, body
     if r.status_code != 200:
         assert r.json()["error"]["message"]
     assert client.get("/health").status_code == 200  # the engine lives on
+
+
+def test_pause_wait_on_a_paused_engine_returns_at_once_and_keeps_what_it_holds(client: TestClient) -> None:
+    client.post("/pause", params={"mode": "keep"})
+    box: list[dict] = []
+    t = threading.Thread(target=lambda: box.append(complete(client, "held", 5)))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert client.post("/pause", params={"mode": "wait"}).status_code == 200
+    assert time.monotonic() - t0 < 2.0 and not box  # nothing runs while paused: nothing to wait for
+    client.post("/resume")
+    t.join(10)
+    assert box and box[0]["usage"]["completion_tokens"] == 5
