@@ -20,6 +20,7 @@ from pearlctl.slurm.client import SlurmClient, SlurmError, SlurmNotConfigured
 from pearlctl.slurm.parse import PartitionConfig
 from pearlctl.state.errors import IncompatibleSchema
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import ServingEngine
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "fuse.sshfs", "ceph"}
@@ -230,7 +231,8 @@ def check_state(db: Path) -> list[Check]:
             paced = [
                 r
                 for r in store.list_runs()
-                if (r.get("spec") or {}).get("engine") == "paced" and r["state"] not in ("CANCELLED", "ENDED", "FAILED")
+                if (r.get("spec") or {}).get("engine") == ServingEngine.PACED
+                and r["state"] not in ("CANCELLED", "ENDED", "FAILED")
             ]
         good = health["integrity"] == "ok" and health["journal_mode"] == "wal"
         checks.append(

@@ -28,6 +28,7 @@ from pearlctl.api.bodies import as_text
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
+from pearlctl.vocabulary import ServingEngine
 
 log = logging.getLogger("pearlctl.agent")
 
@@ -453,7 +454,9 @@ class Reconciler:
                 self.run_dir,
                 self.env["PEARL_MODEL"],
                 args,
-                paced_profile=self.env.get("PEARL_ENGINE_PROFILE") if self.env.get("PEARL_ENGINE") == "paced" else None,
+                paced_profile=self.env.get("PEARL_ENGINE_PROFILE")
+                if self.env.get("PEARL_ENGINE") == ServingEngine.PACED
+                else None,
             )
         argv = json.loads(self.env.get("PEARL_TRAIN_COMMAND") or "null")
         if not argv:

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pearlctl.vocabulary import one_job_of_nodes
+from pearlctl.vocabulary import ServingEngine, one_job_of_nodes
 
 STATE_STYLE = {
     "RUNNING": "green",
@@ -75,7 +75,7 @@ def status_tables(doc: dict) -> Group:
         Text(f"polled {_ago(run.get('last_poll_at'))}"),
     )
     spec = run.get("spec") or {}
-    if spec.get("engine") == "paced":  # never a real run: say so where the run is named
+    if spec.get("engine") == ServingEngine.PACED:  # never a real run: say so where the run is named
         head.add_row(Text(f"engine paced (no model): timing from {spec.get('engine_profile')}", style="yellow"))
 
     pools = Table(title="pools", title_justify="left")

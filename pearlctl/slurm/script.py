@@ -23,6 +23,8 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from pearlctl.vocabulary import ServingEngine
+
 # C0 control characters and DEL. A newline in a ``#SBATCH`` line ends sbatch's directives there and
 # starts a shell command; none is ever rendered (pearlctl.config refuses them in specs already).
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -59,7 +61,9 @@ class SubmitRequest:
     first_task: int = 0  # the first array task index: an elastic pool's added task is --array=K
     nodelist: str | None = None
     gang: bool = False  # the array_size nodes as one multi-node job, an srun task per node (not an array)
-    engine: str = "vllm"  # what vLLM workers run: "vllm", or "paced" timed by engine_profile (a profile TOML)
+    engine: str = (
+        ServingEngine.VLLM
+    )  # what vLLM workers run: "vllm", or "paced" timed by engine_profile (a profile TOML)
     engine_profile: str | None = None
 
     @property
@@ -161,7 +165,7 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
     }
     if req.train_command:
         env["PEARL_TRAIN_COMMAND"] = json.dumps(list(req.train_command))
-    if req.engine != "vllm":
+    if req.engine != ServingEngine.VLLM:
         env["PEARL_ENGINE"] = req.engine
         env["PEARL_ENGINE_PROFILE"] = req.engine_profile or ""
     env.update(req.env)
