@@ -8,6 +8,7 @@ heartbeat never waits for a drain), restart a failed worker after a back-off.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -65,10 +66,23 @@ def engine_device() -> str:
     return "gpu" if Path("/proc/driver/nvidia/version").exists() else "cpu"
 
 
+_HANDED: collections.deque[int] = collections.deque(maxlen=1024)  # ports free_port gave out lately, newest last
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A TCP port free now and not handed out by this process lately: the kernel can give one ephemeral port to two
+    binds in a row once the first is closed, and an agent starting several workers at once would start two servers on
+    it (one fails: "address already in use")."""
+    with _HANDED_LOCK:
+        for _ in range(64):
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED:
+                break
+        _HANDED.append(port)
+        return port
 
 
 def die_with_parent() -> None:

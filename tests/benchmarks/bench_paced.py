@@ -92,20 +92,17 @@ async def wave(urls: list[str], batch: int, tokens: int, prompt: int) -> list[fl
 
 
 def run(count: int, prof: profiles.Profile, path: Path, args: argparse.Namespace, logs: Path) -> dict:
-    ports: set[int] = set()
-    while len(ports) < count:  # free_port may hand out one port twice in a burst
-        ports.add(free_port())
     servers = [
         PacedServer(
             "m",
             profile=path,
-            port=port,
+            port=free_port(),
             role="ROLLOUT",
             gpus=[],
             engine_args={"max_model_len": args.prompt + args.tokens + 8},
             log_path=logs / f"paced-{count}-{i}.log",
         )
-        for i, port in enumerate(sorted(ports))
+        for i in range(count)
     ]
     t0 = time.monotonic()
     try:
