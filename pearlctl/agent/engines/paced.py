@@ -38,7 +38,8 @@ sent again — therefore generates exactly what the uninterrupted request would 
 another directory changes the output. A request always generates ``max_tokens`` (finish reason
 ``length``): the engine has no end-of-sequence token; drivers draw a response's length into ``max_tokens``.
 
-What it leaves out: prefill–decode disaggregation (KV roles are refused by the adapter), weight transfer
+What it leaves out: prefill–decode disaggregation (a PREFILL or DECODE worker serves as a colocated one: no KV
+crosses, and the PD router's two requests each run whole where they land), weight transfer
 over a process group (only ``reload_weights``), GPU memory, stop strings, ``n > 1``, and sampling.
 """
 

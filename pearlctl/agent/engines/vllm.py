@@ -574,12 +574,10 @@ PACED_ENTRY_POINT = "pearlctl.agent.engines.paced"
 class PacedServer(VllmServer):
     """The paced engine (pearlctl.agent.engines.paced) in place of vLLM: the same process handling and control
     endpoints, its timing from ``profile`` (a profile TOML). For control-plane runs at scale without GPUs; never a
-    run's default. Serves ROLLOUT and REWARD roles (no KV transfer, so no PREFILL or DECODE)."""
+    run's default. Every role starts; a PREFILL or DECODE worker serves as a colocated one (no KV crosses)."""
 
     def __init__(self, model: str, *, profile: str | Path, **kw: Any):
         super().__init__(model, **kw)
-        if self.role in KV_ROLES:
-            raise ValueError(f"the paced engine serves ROLLOUT and REWARD workers, not {self.role}")
         unknown = sorted(set(self.engine_args) - set(PACED_ENGINE_ARGS))
         if unknown:
             raise ValueError(
