@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -274,10 +275,8 @@ def _started_here(pid: int) -> bool:
     return env.get(b"PEARL_TEST_SESSION") == SESSION.encode() and (worker.decode() if worker else None) == WORKER
 
 
-def router_gateways() -> set[int]:
-    """Pids of this machine's run-router gateways (``python -m pearlctl.router``) that this pytest process's tests
-    may have started: never another pytest run's, nor (under xdist) another worker's."""
-    pids = set()
+def process_argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process on this machine whose command line can be read now."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -285,9 +284,13 @@ def router_gateways() -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"pearlctl.router" in argv and b"-m" in argv and _started_here(int(entry.name)):
-            pids.add(int(entry.name))
-    return pids
+        yield int(entry.name), argv
+
+
+def router_gateways() -> set[int]:
+    """Pids of this machine's run-router gateways (``python -m pearlctl.router``) that this pytest process's tests
+    may have started: never another pytest run's, nor (under xdist) another worker's."""
+    return {pid for pid, argv in process_argvs() if b"pearlctl.router" in argv and b"-m" in argv and _started_here(pid)}
 
 
 @pytest.fixture(autouse=True)

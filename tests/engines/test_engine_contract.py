@@ -20,6 +20,7 @@ import pytest
 
 from pearlctl.agent.engines import EngineError
 from pearlctl.agent.engines.vllm import VllmServer
+from tests.conftest import process_argvs
 from tests.engines.conftest import (
     TINY_MODEL,
     build_tiny_model,
@@ -76,17 +77,7 @@ def wait_for(pred, timeout: float, what: str) -> None:
 
 def server_processes(entry_point: str, port: int) -> list[int]:
     """PIDs whose command line runs ``python -m entry_point`` on this port."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if entry_point.encode() in argv and str(port).encode() in argv:
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, argv in process_argvs() if entry_point.encode() in argv and str(port).encode() in argv]
 
 
 def test_ready_within_90s(server: VllmServer) -> None:

@@ -65,6 +65,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pearlctl.agent.engines.vllm import PAUSE_MODES
 from pearlctl.planner.profile import Profile
 from pearlctl.planner.profile import load as load_profile
 
@@ -271,15 +272,9 @@ class PacedEngine:
         self.task: asyncio.Task | None = None
 
     # -- requests ------------------------------------------------------------------------------
-    def start_state(self, prompt: list[int]) -> int:
-        state = self.seed
-        for t in prompt:
-            state = mix(state, t)
-        return state
-
     def submit(self, rid: str, prompt: list[int], max_tokens: int, arrived: float | None = None) -> Seq:
         arrived = time.monotonic() if arrived is None else arrived
-        seq = Seq(rid, prompt, max_tokens, self.start_state(prompt), arrived)
+        seq = Seq(rid, prompt, max_tokens, 0, arrived)  # its state after the prompt: worked out at admission
         self.by_id[rid] = seq
         if self.draining:
             self.held.append(seq)
@@ -328,10 +323,9 @@ class PacedEngine:
             _, n = self.cache.popitem(last=False)
             self.cached -= n
 
-    def _cached_prefix(self, prompt: list[int]) -> int:
-        """The longest prefix of `prompt` the cache holds (its tokens; 0 if none)."""
-        if not self.cache:
-            return 0
+    def _read_prompt(self, prompt: list[int]) -> tuple[int, int]:
+        """One pass over `prompt`: the rolling state after it, and the longest prefix of it the cache holds (its
+        tokens; 0 if none)."""
         lengths = {n for n, _ in self.cache}
         state, best = self.seed, 0
         for k, t in enumerate(prompt, 1):
@@ -339,7 +333,7 @@ class PacedEngine:
             if k in lengths and (k, state) in self.cache:
                 best = k
                 self.cache.move_to_end((k, state))
-        return best
+        return state, best
 
     # -- the loop -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -349,7 +343,8 @@ class PacedEngine:
             if self.reserved + need > self.kv_capacity and self.running:
                 return  # head-of-line blocking, as vLLM's waiting queue
             self.waiting.popleft()
-            hit = min(self._cached_prefix(seq.prompt), len(seq.prompt) - 1)
+            seq.state, cached = self._read_prompt(seq.prompt)
+            hit = min(cached, len(seq.prompt) - 1)
             seq.prefill_left = len(seq.prompt) - hit
             self.cache_queries += len(seq.prompt)
             self.cache_hits += hit
@@ -718,10 +713,10 @@ class PacedApp:
             await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
             gone.cancel()
             done.cancel()
-            if seq.finish is None:  # the client went away
-                self.engine.forget(seq)
-                return Response(status_code=499)
+            gone_first = seq.finish is None  # the client went away: vLLM aborts the request
             self.engine.forget(seq)
+            if gone_first:
+                return Response(status_code=499)
             return JSONResponse(self.whole(kind, seq, opts, created), headers=self.headers())
         finally:
             if not handed:
@@ -744,8 +739,8 @@ class PacedApp:
 
     async def pause(self, request: Request) -> Response:
         mode = request.query_params.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
-            return _error(400, f"mode must be one of abort, wait, keep, not {mode!r}", "BadRequestError")
+        if mode not in PAUSE_MODES:
+            return _error(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}", "BadRequestError")
         await self.engine.pause(mode)
         return JSONResponse({})
 
@@ -762,8 +757,8 @@ class PacedApp:
             level = int(request.query_params.get("level", "1"))
         except ValueError:
             level = -1
-        if level not in (0, 1, 2) or mode not in ("abort", "wait", "keep"):
-            return _error(400, "level must be 0, 1 or 2 and mode abort, wait or keep", "BadRequestError")
+        if level not in (0, 1, 2) or mode not in PAUSE_MODES:
+            return _error(400, f"level must be 0, 1 or 2 and mode one of {', '.join(PAUSE_MODES)}", "BadRequestError")
         await self.engine.pause(mode)
         await self.engine.busy(self.engine.profile.costs.sleep_s)
         self.engine.sleep_level = max(level, 1)
