@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from pearlctl.config import _POOL_KEYS, _RUN_KEYS, ROUTER_POLICIES, SpecError, parse_spec
 from pearlctl.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
+from pearlctl.vocabulary import PACED_ENGINE_ARGS
 
 POLICIES = ("never", "greedy")
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]
@@ -72,7 +73,10 @@ GOOD_ROUTER = {
 }
 
 
-def good_pool(kind: str) -> dict:
+PACED_PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
+
+
+def good_pool(kind: str, paced: bool = False) -> dict:
     pool = {
         "nodes": st.integers(1, 4096),
         "gpus_per_node": st.integers(1 if kind == "trainer" else 0, 64),
@@ -88,7 +92,11 @@ def good_pool(kind: str) -> dict:
         "preempt_signal": st.sampled_from(["USR2", "TERM", "INT", "HUP", "URG"]),
         "preempt_notice_s": st.integers(1, 65535),
         "command": st.lists(printable, min_size=1, max_size=4),
-        "engine_args": st.dictionaries(ident, st.one_of(printable, st.integers(), st.booleans()), max_size=3),
+        "engine_args": (
+            st.dictionaries(st.sampled_from(PACED_ENGINE_ARGS), st.integers(1, 4096), max_size=2)
+            if paced
+            else st.dictionaries(ident, st.one_of(printable, st.integers(), st.booleans()), max_size=3)
+        ),
         "env": st.dictionaries(ident, printable, max_size=3),
     }
     if kind == "trainer":
@@ -106,9 +114,12 @@ def documents(draw) -> dict:
     kinds = ["trainer", draw(st.sampled_from(["rollout", "elastic"]))]
     kinds += draw(st.lists(st.sampled_from(["rollout", "elastic", "reward"]), max_size=2, unique=True))
     run = {k: draw(v) for k, v in GOOD_RUN.items() if k in ("name", "model", "run_dir") or draw(st.booleans())}
+    paced = draw(st.booleans())  # the paced engine: its profile, and only the engine_args it reads
+    if paced:
+        run |= {"engine": "paced", "engine_profile": str(PACED_PROFILE)}
     pools = {}
     for kind in dict.fromkeys(kinds):
-        strategies = good_pool(kind)
+        strategies = good_pool(kind, paced)
         pool = {k: draw(v) for k, v in strategies.items() if k in ("nodes", "gpus_per_node") or draw(st.booleans())}
         if kind == "elastic" and draw(st.booleans()):
             pool["max_nodes"] = draw(st.integers(pool["nodes"], 4096))
@@ -169,12 +180,17 @@ def test_random_specs_are_refused_with_a_spec_error_or_render_clean_scripts(tmp_
             assert exc.problems and all("\n" not in str(p) for p in exc.problems)
             return
         counts["accepted"] += 1
+        counts["accepted paced"] += spec.engine == "paced"
         for req in requests_for(spec, f"{spec.name}-abc123"):
-            assert_clean(render_script(req))
+            script = render_script(req)
+            assert_clean(script)
+            assert ("PEARL_ENGINE=paced" in script) == (spec.engine == "paced")
 
     check()
-    print(f"\nspec fuzz: {counts['accepted']} accepted, {counts['rejected']} rejected")
-    assert counts["accepted"] and counts["rejected"]
+    print(
+        f"\nspec fuzz: {counts['accepted']} accepted ({counts['accepted paced']} paced), {counts['rejected']} rejected"
+    )
+    assert counts["accepted"] and counts["rejected"] and counts["accepted paced"]
 
 
 REQUEST_FIELDS = {
