@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -161,9 +162,12 @@ def build_app(
                     args.append(allocation)
                 # an agent is alive from its request's arrival to its answer, however long it waits
                 with controller.arrived(allocation) if agent else contextlib.nullcontext():
+                    t0 = time.monotonic()
                     result = fast(*args) if fast is not None else None
                     if result is None:
                         result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
+                    if agent:
+                        controller.heartbeat_seconds.observe(time.monotonic() - t0)
                     if then is not None:
                         result = await then(*args, result)
                 return JSONResponse(result)

@@ -32,6 +32,7 @@ from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy, work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.longpoll import LongPolls
+from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.planner import profile as profiles
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
@@ -147,6 +148,10 @@ class Controller:
         self._seen_written_at: float | None = None
         # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
         self.heartbeats: collections.Counter[str] = collections.Counter()
+        # each heartbeat's handling, from its arrival to its answer (a long poll's hold left out): /metrics
+        self.heartbeat_seconds = latency_histogram(
+            "pearl_daemon_heartbeat_duration_seconds", "agent heartbeat handling, arrival to answer (hold left out)"
+        )
         self._refused: dict[int, str] = {}  # allocation -> the last error its refused report got (logged once)
         self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
         # allocation -> (its state's fingerprint, its report, desired workers, their hash) of its last fold

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import uvicorn
+from prometheus_client import Histogram
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.daemon.api import build_app
@@ -39,6 +40,7 @@ from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.elastic import ElasticPool, elastic_view
+from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.transitions import Executor
 from pearlctl.router.service import view as router_view
@@ -110,6 +112,9 @@ class DaemonStats:
     poll_errors: int = 0
     lease_renewals: int = 0
     tick_seconds: list[float] = field(default_factory=list)  # the last 256 ticks' durations
+    tick_duration: Histogram = field(  # every tick's, over the daemon's life
+        default_factory=lambda: latency_histogram("pearl_daemon_tick_duration_seconds", "control-loop tick durations")
+    )
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
 
@@ -277,7 +282,9 @@ class Daemon:
         finally:
             self.stats.ticks += 1
             self.stats.last_tick_at = controller.loop_at = time.time()
-            self.stats.tick_seconds = [*self.stats.tick_seconds[-255:], time.monotonic() - t0]
+            took = time.monotonic() - t0
+            self.stats.tick_seconds = [*self.stats.tick_seconds[-255:], took]
+            self.stats.tick_duration.observe(took)
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
 

@@ -375,6 +375,25 @@ def test_a_heartbeat_for_an_allocation_that_does_not_exist_is_404(live_run):
     assert run.alive() and run.api_errors() == 0
 
 
+def test_every_heartbeat_and_tick_is_in_the_daemons_latency_histograms(live_run):
+    """``pearl_daemon_heartbeat_duration_seconds`` counts each heartbeat's handling (the first folded, the
+    repeats answered from memory) and ``pearl_daemon_tick_duration_seconds`` each tick, over the daemon's life."""
+    run = live_run
+    agent = run.register("rollout")
+    count = re.compile(r"^pearl_daemon_heartbeat_duration_seconds_count (\S+)$", re.M)
+    before = float(count.search(run.metrics()).group(1))
+    body = {"allocation_id": agent["allocation_id"], "wait_s": 0}
+    for _ in range(5):
+        assert run.post("/v1/agents/heartbeat", body, headers=run.agent_headers(agent)).status_code == 200
+    text = run.metrics()
+    assert float(count.search(text).group(1)) == before + 5
+    ticks = float(TICKS.search(text).group(1))
+    timed = float(re.search(r"^pearl_daemon_tick_duration_seconds_count (\S+)$", text, re.M).group(1))
+    assert ticks > 0 and ticks - 1 <= timed <= ticks  # a tick may end between its count and its timing
+    slowest = re.search(r'^pearl_daemon_heartbeat_duration_seconds_bucket\{le="10.0"\} (\S+)$', text, re.M)
+    assert float(slowest.group(1)) == before + 5  # each lands in a bucket
+
+
 # -- found by the fuzz test (tests/local/test_api_fuzz.py): each a 500 or worse today ---------------------------
 def test_found_a_draining_report_from_an_agent_judged_lost_is_accepted(live_run):
     """An agent silent for longer than the loss window (a network blip, a daemon restart) has its GPUs
