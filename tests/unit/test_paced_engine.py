@@ -6,6 +6,8 @@ the real engine in tests/engines/test_engine_contract.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from starlette.testclient import TestClient
 from pearlctl.agent.engines import paced
 from pearlctl.agent.engines.vllm import parse_metrics
 from pearlctl.planner.profile import load
+from tests.conftest import REPO
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
 
@@ -226,3 +229,10 @@ def test_pause_wait_on_a_paused_engine_returns_at_once_and_keeps_what_it_holds(c
     client.post("/resume")
     t.join(10)
     assert box and box[0]["usage"]["completion_tokens"] == 5
+
+
+def test_the_start_is_counted_from_the_process_exec():
+    # an engine's own boot is part of its profile's start_s: process_age is the time since this process began
+    code = "import time; time.sleep(0.6); from pearlctl.agent.engines.paced import process_age; print(process_age())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert 0.6 <= float(out.stdout) < 30

@@ -26,9 +26,10 @@ does not hold, at ``prefill_tok_s``, while the batch's decode waits (prefill int
 every running request gets one token per iteration of ``profile.decode.itl(B, mean context)``. Each request
 also waits ``request_overhead_s`` before it reaches the scheduler, ``request_serial_s`` of it one request at
 a time. The start, a sleep, a wake and a weight reload take the profile's ``costs`` (``start_s``, ``sleep_s``,
-``wake_s``, ``weight_sync_s``). Tokens are computed in jumps: the loop sleeps until the next request
-finishes, a new one arrives, or ``QUANTUM_S`` passes, and then hands out the tokens that much time bought
-(by the clock, so a loaded machine delays its answers but does not slow its model).
+``wake_s``, ``weight_sync_s``); the start from the process's exec, its own boot included. Tokens are computed
+in jumps: the loop sleeps until the next request finishes, a new one arrives, or ``QUANTUM_S`` passes, and
+then hands out the tokens that much time bought (by the clock, so a loaded machine delays its answers but
+does not slow its model).
 
 Tokens are deterministic: a text prompt's token ids are its UTF-8 bytes, a prompt of token ids (a real
 tokenizer's, as a rollout driver sends) is taken as it is, generated ids are printable ASCII (one character
@@ -902,9 +903,20 @@ def build(args: argparse.Namespace) -> tuple[PacedApp, Starlette]:
         engine,
         model=args.model,
         served_name=args.served_model_name or args.model,
-        ready_at=time.monotonic() + profile.costs.start_s,
+        # the start costs start_s from the process's exec: its own boot (interpreter, imports) is part of it
+        ready_at=time.monotonic() + max(0.0, profile.costs.start_s - process_age()),
     )
     return app, app.app()
+
+
+def process_age() -> float:
+    """Seconds since this process was started (Linux's /proc; 0 where it cannot be read)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def main(argv: list[str] | None = None) -> int:
