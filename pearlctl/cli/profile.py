@@ -146,6 +146,7 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
         hardware=f"worker {w['worker_key']} of run {run['id']} ({w['url']})",
         costs=profiles.step_costs(steps),
         max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
+        gpus_per_worker=len(w.get("gpu_idx") or []),
         source=f"on {w['url']}",
     )
 

@@ -92,6 +92,19 @@ def desired_hash(desired: list[dict]) -> str:
     return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def tensor_parallel_groups(idx: list[int], gpus_per_worker: int | None) -> list[list[int]]:
+    """The vLLM workers one role's GPUs of an allocation form: groups of ``gpus_per_worker`` aligned on the
+    index (GPUs ``k*n .. k*n+n-1``, so a group keeps its key while GPUs of other groups come and go); a group
+    not whole serves nothing, as the planner counts (pearlctl.planner.choose.worker_groups). ``None``: one
+    worker of all of them."""
+    if gpus_per_worker is None:
+        return [sorted(idx)]
+    by_group: dict[int, list[int]] = {}
+    for i in sorted(idx):
+        by_group.setdefault(i // gpus_per_worker, []).append(i)
+    return [g for _, g in sorted(by_group.items()) if len(g) == gpus_per_worker]
+
+
 @dataclass(frozen=True)
 class DesiredWorker:
     key: str  # stable per allocation: "<role>-<first gpu>"
@@ -509,7 +522,8 @@ class Controller:
 
     # -- desired state ----------------------------------------------------------------------------
     def desired(self, alloc_id: int) -> list[DesiredWorker]:
-        """One worker per role among the allocation's live GPUs; none while the allocation is not RUNNING.
+        """The allocation's workers: per role among its live GPUs, a trainer of all of them, and vLLM workers of
+        the run's ``gpus_per_worker`` each (``tensor_parallel_groups``); none while the allocation is not RUNNING.
 
         A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
         (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
@@ -518,7 +532,9 @@ class Controller:
         """
         alloc = self.store.get("allocations", alloc_id)
         gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
-        return self._desired(alloc, gpus, self._weights(), lambda wid: self.store.get("workers", wid))
+        return self._desired(
+            alloc, gpus, self._weights(), self._gpus_per_worker(), lambda wid: self.store.get("workers", wid)
+        )
 
     def desired_all(self) -> dict[int, list[DesiredWorker]]:
         """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
@@ -526,9 +542,9 @@ class Controller:
         for g in self.store.gpus(self.run_id):
             by_alloc[g["allocation_id"]].append(g)
         workers = {w["id"]: w for w in self.store.workers(self.run_id)}
-        weights = self._weights()
+        weights, gpw = self._weights(), self._gpus_per_worker()
         return {
-            a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, workers.__getitem__)
+            a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, gpw, workers.__getitem__)
             for a in self.store.allocations(self.run_id)
         }
 
@@ -539,8 +555,20 @@ class Controller:
             return {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
         return None
 
+    def _gpus_per_worker(self) -> int | None:
+        """The tensor-parallel size of the run's vLLM workers: its engine profile's ``gpus_per_worker``, the
+        worker the planner plans with (pearlctl.planner.choose); None without a profile (one worker per role
+        per allocation, vLLM's tensor parallelism over all of them)."""
+        doc = self.store.get_run(self.run_id).get("profile")
+        return int(doc.get("gpus_per_worker") or 1) if doc else None
+
     def _desired(
-        self, alloc: dict, gpus: list[dict], weights: dict | None, worker: Callable[[int], dict]
+        self,
+        alloc: dict,
+        gpus: list[dict],
+        weights: dict | None,
+        gpus_per_worker: int | None,
+        worker: Callable[[int], dict],
     ) -> list[DesiredWorker]:
         if alloc["state"] not in (A.RUNNING,):
             return []
@@ -565,17 +593,19 @@ class Controller:
                 continue
             engine = ENGINE_FOR_ROLE[Role(role)]
             deadline = deadlines.get(role)
-            out.append(
+            groups = [sorted(idx)] if engine != Engine.VLLM else tensor_parallel_groups(idx, gpus_per_worker)
+            out.extend(
                 DesiredWorker(
-                    f"{role.lower()}-{min(idx)}",
+                    f"{role.lower()}-{group[0]}",
                     role,
                     engine,
-                    tuple(sorted(idx)),
+                    tuple(group),
                     "RUNNING",
                     weights if engine == Engine.VLLM else None,
                     return_deadline=deadline,
                     return_by=None if deadline is None else round(deadline - return_s, 3),
                 )
+                for group in groups
             )
         for wid, idx in sorted(parked.items()):
             w = worker(wid)
