@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import random
@@ -100,6 +101,8 @@ WORKER_HEADER = "x-pearl-worker"  # ... and which worker it is
 FORWARDED_HEADERS = ("x-request-id",)  # besides X-Session-ID: nothing else of the caller's reaches upstream
 MAX_BODY_BYTES = 32 * 1024 * 1024  # prompts as token ids of a long context: a few MiB
 MAX_SESSION_CHARS = 256
+UPSTREAM_POOLS = 16  # connection pools to vllm-router, used in turn (Gateway.http)
+UPSTREAM_KEEPALIVE = 64  # idle connections each pool keeps
 RETRYABLE_4XX = (408, 429)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's default, and vLLM 0.32's
 # Fields of a chat request that a /v1/completions continuation keeps (the rest is chat-only: messages,
@@ -760,10 +763,21 @@ class Gateway:
     ):
         self.config = config
         self.router = config.router_url.rstrip("/")  # vllm-router in regular mode, for the gateway's whole life
-        self.http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        # Several connection pools, one per attempt in turn: httpcore 1.0's pool scans every connection it holds
+        # for each request it assigns (O(connections x requests); encode/httpcore#1035), which at ~1,000 turns
+        # in flight through one pool took two thirds of the gateway's CPU; a 16th of them per pool takes little.
+        self._clients = (
+            [http]
+            if http is not None
+            else [
+                httpx.AsyncClient(
+                    timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=UPSTREAM_KEEPALIVE),
+                )
+                for _ in range(UPSTREAM_POOLS)
+            ]
         )
+        self._next_client = itertools.cycle(self._clients)
         self.members = Members()
         self._wanted: dict[str, int] = {}  # url -> the latest add's ticket (a remove withdraws it)
         self._ticket = 0
@@ -808,7 +822,13 @@ class Gateway:
         for router in routers:
             with contextlib.suppress(Exception):
                 await router.stop()
-        await self.http.aclose()
+        for client in self._clients:
+            await client.aclose()
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The upstream client of one call: the pools in turn."""
+        return next(self._next_client)
 
     # -- the edge ---------------------------------------------------------------------------------
     def check_key(self, request: Request) -> JSONResponse | None:

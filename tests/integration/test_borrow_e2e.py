@@ -44,7 +44,7 @@ def spec_text(
     train_args: tuple[str, ...] = (),
     generation_pools: str = ROLLOUT_POOL,
     policy: str = "never",
-    trainer: bool = True,
+    trainer: bool | str = True,
     nodes: int = 1,
     trainer_pool: str = 'partition = "debug"',
     run_extra: str = "",
@@ -52,7 +52,9 @@ def spec_text(
     """The tiny run on the bundled cluster: a 2-rank DeepSpeed trainer on 2 GPUs reading rollout batches from
     RUN_DIR/rollouts, and one vLLM rollout worker (or ``generation_pools``: TOML of rollout/elastic pools);
     ``train_args`` go to examples/grpo/train.py. ``trainer=False``: the trainer task holds its 2 GPUs with a
-    placeholder process instead, for tests of the rollout side that do not need training. ``nodes``: that
+    placeholder process instead, for tests of the rollout side that do not need training; ``trainer="paced"``:
+    the paced trainer (pearlctl.trainer.paced: the real hook, 1-s steps) on one rank, for tests of the control
+    plane that need a trainer's phases and weights but not its training. ``nodes``: that
     many such nodes as one trainer (one job; torchrun without --standalone); ``trainer_pool``: its other keys;
     ``run_extra``: more ``[run]`` keys (``PACED``: the paced engine in vLLM's place)."""
     py = sys.executable
@@ -76,7 +78,9 @@ def spec_text(
         "daemon",
         *train_args,
     ]
-    if not trainer:
+    if trainer == "paced":
+        train = [py, "-m", "pearlctl.trainer.paced", *train[train.index("--model") :], "--train-step-s", "1"]
+    elif not trainer:
         train = PLACEHOLDER
     return f"""
 [run]

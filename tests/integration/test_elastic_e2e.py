@@ -1,11 +1,12 @@
-"""Live elasticity end to end on the local Slurm cluster, with real engines: a 2-rank DeepSpeed trainer, vLLM
-workers on elastic (preemptible) tasks behind the run's router, the daemon, and the reference rollout driver
-(multi-turn episodes with a tool) sending every turn through the router's one OpenAI-compatible endpoint.
+"""Live elasticity end to end on the local Slurm cluster: a trainer, serving workers on elastic (preemptible)
+tasks behind the run's router, the daemon, and the reference rollout driver (multi-turn episodes with a tool)
+sending every turn through the router's one OpenAI-compatible endpoint.
 
 - The daemon grows the elastic pool from 1 task to 3 while a batch runs (policy ``elastic``: it wants every
-  elastic GPU it can get) and shrinks it back when the batch ends: drain, then scancel.
-- A high-priority job preempts an elastic task while its worker serves: no episode is lost, the router stops
-  routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
+  elastic GPU it can get) and shrinks it back when the batch ends: drain, then scancel. Sizing is the control
+  plane's logic: paced engines and the paced trainer (pearlctl.trainer.paced) run it.
+- A high-priority job preempts an elastic task while its real vLLM worker serves: no episode is lost, the router
+  stops routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
 - The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task: these two
   on the paced engine (docs/paced.md), since what they check is the control plane's (the engine dies or is
   drained; vLLM's drain on a notice is the grace-10s case).
@@ -131,7 +132,12 @@ def make_run(slurm_cluster, tmp_path):
     made: list[Run] = []
 
     def make(
-        name: str, generation_pools: str, policy: str = "never", steps: int = 2, trainer: bool = True, paced=False
+        name: str,
+        generation_pools: str,
+        policy: str = "never",
+        steps: int = 2,
+        trainer: bool | str = True,
+        paced: bool = False,
     ) -> Run:
         slurm_cluster.cancel_all()
         d = slurm_cluster.new_shared_dir(name)
@@ -179,7 +185,8 @@ def routed_out_before_gone(run: Run, worker: dict, journal: list[dict]) -> tuple
 
 
 def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
-    run = make_run("grow", elastic_pool(nodes=1, max_nodes=3), policy="elastic", steps=1)
+    # elastic sizing is the control plane's: paced engines and the paced trainer (docs/paced.md)
+    run = make_run("grow", elastic_pool(nodes=1, max_nodes=3), policy="elastic", steps=1, trainer="paced", paced=True)
     run.start_driver(steps=1, prompts=8, group=4, tool_s=20.0)
 
     def three_running():
