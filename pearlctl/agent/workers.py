@@ -428,6 +428,29 @@ def _sync_weights(key: str, handle: VllmWorker, want: dict) -> None:
         log.warning("weight reload of %s failed: %s", key, exc)
 
 
+def _sync_weights_all(jobs: list[tuple[str, VllmWorker, dict]]) -> None:
+    """``_sync_weights`` of each (key, worker, desired entry), the reloads at once: each worker reloads on its
+    own GPUs, so a node's workers take the time of one reload, not one after another (the planner's
+    ``weight_sync_s`` is one reload). Returns when every one has finished."""
+    reloads = [job for job in jobs if _wants_reload(job[1], job[2])]
+    for job in jobs:
+        if job not in reloads:
+            _sync_weights(*job)
+    if len(reloads) == 1:
+        _sync_weights(*reloads[0])
+    elif reloads:
+        threads = [threading.Thread(target=_sync_weights, args=job, name=f"reload-{job[0]}") for job in reloads]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _wants_reload(handle: VllmWorker, want: dict) -> bool:
+    version = (want.get("weights") or {}).get("version")
+    return version not in (None, handle.weight_version)
+
+
 class Reconciler:
     """Makes the running workers match the daemon's desired state, and returns lent GPUs by itself when it
     must (``return_lent``). Thread-safe: the agent's main loop and its return watchdog both call it."""
@@ -513,6 +536,7 @@ class Reconciler:
             if key not in wanted:
                 self.retire(key)
         now = self.clock()
+        syncs: list[tuple[str, VllmWorker, dict]] = []
         for key, want in wanted.items():
             handle = self.workers.get(key)
             if want.get("state") == "SLEEPING":
@@ -547,18 +571,18 @@ class Reconciler:
                 self.workers[key] = handle
             if isinstance(handle, VllmWorker):
                 handle.unpark()
-                _sync_weights(key, handle, want)
+                syncs.append((key, handle, want))
+        _sync_weights_all(syncs)
 
     def catch_up(self) -> None:
         """Between the daemon's answers: a vLLM worker that has become READY since the latest apply loads the
         weights that apply asked for now, so its first report as READY already names them (the daemon's VERIFY
         passes on it) instead of waiting for the answer to the next long poll."""
         with self._lock:
-            for key, want in self.wanted.items():
-                handle = self.workers.get(key)
-                version = (want.get("weights") or {}).get("version")
-                if isinstance(handle, VllmWorker) and version not in (None, handle.weight_version):
-                    _sync_weights(key, handle, want)  # (nothing until READY)
+            jobs = [(key, self.workers.get(key), want) for key, want in self.wanted.items()]
+            _sync_weights_all(  # (nothing until READY)
+                [(key, h, want) for key, h, want in jobs if isinstance(h, VllmWorker) and _wants_reload(h, want)]
+            )
 
     def return_lent(self, now: float | None = None, *, early_s: float = 0.0) -> list[str]:
         """The daemon cannot be reached and a lent GPU's return must start: stop its worker here, then tell

@@ -63,3 +63,46 @@ def test_a_worker_ready_since_the_last_answer_loads_the_weights_it_was_asked_for
     assert report["state"] == "READY" and report["weight_version"] == "3"
     r.catch_up()  # on the asked-for version: nothing more
     assert w.server.reloads == [weights["path"]]
+
+
+class SlowServer(StartingServer):
+    """READY; a reload takes ``seconds`` and records when it ran."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.ready, self.seconds, self.spans = True, seconds, []
+
+    def reload_weights(self, path: str) -> float:
+        import time
+
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        self.spans.append((start, time.monotonic()))
+        return super().reload_weights(path)
+
+
+def test_a_nodes_workers_reload_a_new_version_at_once_not_one_after_another(tmp_path, monkeypatch):
+    """Four workers behind on the weights: one apply reloads them all, their reloads overlapping (the planner's
+    weight_sync_s is one reload, not four), and returns when every one is done."""
+    monkeypatch.setenv("PEARL_NODE_DIR", str(tmp_path / "node"))
+    me = Identity(run_id="r", pool="rollout", role="ROLLOUT", job_id="7", task_id=0, node="n1", gpus=(0, 1, 2, 3),
+                  restarts=0)  # fmt: skip
+    r = Reconciler(me, str(tmp_path), env={"PEARL_MODEL": "m"}, drain_timeout=30.0)
+    made = {}
+
+    def make(want):
+        w = worker(want["key"])
+        w.server = SlowServer(0.3)
+        made[want["key"]] = w
+        return w
+
+    r._make = make
+    weights = {"version": "5", "path": str(tmp_path / "weights" / "5")}
+    desired = [{"key": f"rollout-{i}", "role": "ROLLOUT", "engine": "vllm", "gpus": [i], "state": "RUNNING",
+                "weights": weights} for i in range(4)]  # fmt: skip
+    r.apply(desired)
+    spans = [made[d["key"]].server.spans[0] for d in desired]
+    assert all(made[d["key"]].weight_version == "5" for d in desired)  # all done when apply returned
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # every reload overlapped every other
+    r.apply(desired)  # on the version: no reload
+    assert all(len(w.server.spans) == 1 for w in made.values())
