@@ -84,6 +84,7 @@ class RouterKeeper:
         self.members: dict[str, str | None] = {}  # what the router last said it routes to
         self._client: RouterMembership | None = None
         self._checked_at = 0.0
+        self._busy_logged = False  # "slow to answer /health" said once per gateway
         self._refreshed_at = 0.0
         self._lock = threading.Lock()
 
@@ -104,6 +105,8 @@ class RouterKeeper:
     def ensure_running(self) -> service.RouterRecord:
         """Adopt the run's gateway, or start one (with the members state wants). Raises RouterStartError."""
         record = service.adopt(self.run_dir)
+        if record is None and self.record is not None and self._busy(self.record):
+            record = self.record
         if record is not None and (self.record is None or record.pid != self.record.pid):
             self.journal("router adopted", {"pid": record.pid, "url": record.base_url})
         if record is None:
@@ -133,6 +136,18 @@ class RouterKeeper:
         self.record = record
         self._checked_at = time.monotonic()
         return record
+
+    def _busy(self, record: service.RouterRecord) -> bool:
+        """The gateway this keeper works with is still the same live process, only slow to answer ``/health``
+        (under a batch of thousands of turns it can take seconds): it stays the run's gateway, and the
+        membership calls, with their own timeout, go on. Starting another is refused while it lives
+        (service.start) and would cut every turn in flight; a process that is gone is replaced."""
+        if not service.same_process(record.pid, record.start_ticks):
+            return False
+        if not self._busy_logged:
+            log.warning("router: the gateway (pid %d) is slow to answer /health; still using it", record.pid)
+            self._busy_logged = True
+        return True
 
     def stop(self) -> None:
         """The run is over: its router goes too."""

@@ -161,3 +161,22 @@ def test_a_deregister_wakes_the_keeper_and_the_routers_answer_wakes_the_control_
     keeper.wake()
     loop.join(5)
     assert not loop.is_alive()
+
+
+def test_a_gateway_too_busy_to_answer_health_stays_the_runs_and_membership_goes_on(world):
+    """A gateway that lives but does not answer /health in time (here: stopped with SIGSTOP; under a batch of
+    thousands of turns, slow) is not a gateway to replace: the keeper keeps it (no start is tried, which the
+    live process would refuse), and once it answers again the membership change made meanwhile reaches it."""
+    store, keeper, ids, urls, events = world
+    keeper.sync_once()
+    record = keeper.record
+    os.kill(record.pid, signal.SIGSTOP)
+    try:
+        keeper._checked_at = 0.0
+        assert keeper.ensure_running() is record  # kept, not restarted and no RouterStartError
+        store.update_fields("workers", ids[0], routable=0)
+    finally:
+        os.kill(record.pid, signal.SIGCONT)
+    keeper.sync_once()
+    assert keeper.record.pid == record.pid and keeper.routed() == {urls[1]}
+    assert "router restarted" not in [e for e, _ in events]
