@@ -16,7 +16,7 @@ import os
 import re
 import string
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -621,12 +621,23 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         policy=policy,
         backend=backend,
         poll_interval_s=poll,
-        pools=pools,
+        pools=_borrowed_engine_args(pools),
         source=source.resolve(),
         router=router,
         engine=str(engine),
         engine_profile=engine_profile,
     )
+
+
+def _borrowed_engine_args(pools: dict[str, PoolSpec]) -> dict[str, PoolSpec]:
+    """A trainer pool that sets no ``engine_args`` gets its rollout pool's (else its elastic pool's): the vLLM
+    workers on its borrowed GPUs then serve what the rollout workers serve (the same ``max_model_len``, so a
+    turn that fits one fits the other)."""
+    trainer = pools.get("trainer")
+    source = pools.get("rollout") or pools.get("elastic")
+    if trainer is None or trainer.engine_args or source is None or not source.engine_args:
+        return pools
+    return {**pools, "trainer": replace(trainer, engine_args=dict(source.engine_args))}
 
 
 def _engine_profile(c: _Checker, run: dict, engine: str | None, base: Path) -> Path | None:

@@ -381,3 +381,17 @@ def test_a_paced_run_refuses_what_the_paced_engine_would_not_do_by_name(spec_dir
     assert 'read only with engine = "paced"' in found["run.engine_profile"]
     found = problems(spec_dir, PACED.replace('engine = "paced"', 'engine = "sglang"'))
     assert "paced" in found["run.engine"] and "vllm" in found["run.engine"]
+
+
+def test_a_trainer_without_engine_args_borrows_with_the_rollout_pools(spec_dir):
+    """The vLLM workers on a trainer's borrowed GPUs serve as the rollout workers do: a trainer pool that sets
+    no engine_args gets the rollout pool's (else the elastic pool's); one that sets its own keeps them."""
+    spec = load_spec(write(spec_dir, GOOD), POLICIES)
+    assert spec.pools["trainer"].engine_args == {"max_model_len": 512, "enforce_eager": True}
+    assert spec.pools["elastic"].engine_args == {}  # only the trainer's borrowed workers inherit
+    own = GOOD.replace('env = { OMP_NUM_THREADS = "1" }', 'engine_args = { max_model_len = 128 }')
+    assert load_spec(write(spec_dir, own), POLICIES).pools["trainer"].engine_args == {"max_model_len": 128}
+    no_rollout = GOOD.split("[pools.rollout]")[0] + GOOD.split("enforce_eager = true }")[1].replace(
+        'partition = "preempt"', 'partition = "preempt"\nengine_args = { max_num_seqs = 8 }'
+    )
+    assert load_spec(write(spec_dir, no_rollout), POLICIES).pools["trainer"].engine_args == {"max_num_seqs": 8}
