@@ -37,6 +37,12 @@ from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.daemon")
 
+# A membership call waits this long for the gateway (on this thread only): when a synchronous batch of thousands
+# of turns arrives at once, the gateway's event loop answers seconds late, and a call given up after 5 s was never
+# answered until the burst was over (elastic workers joined minutes late in tests/benchmarks/bench_live.py). A
+# gateway that is gone is noticed by its process check, not by this timeout.
+MEMBERSHIP_TIMEOUT_S = 30.0
+
 CHECK_PROCESS_S = 2.0  # how often the gateway's process and health are checked
 REFRESH_S = 5.0  # how often membership is re-read even when nothing changed (a router restarted by the gateway)
 ADD_WAIT_S = 5.0  # a READY worker answers /health at once; one that does not is retried next sync
@@ -132,7 +138,7 @@ class RouterKeeper:
         if self.record is None or record.pid != self.record.pid:
             if self._client is not None:
                 self._client.close()
-            self._client = RouterMembership(record.url, service.read_key(self.run_dir), timeout=5.0)
+            self._client = RouterMembership(record.url, service.read_key(self.run_dir), timeout=MEMBERSHIP_TIMEOUT_S)
         self.record = record
         self._checked_at = time.monotonic()
         return record

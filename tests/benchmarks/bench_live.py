@@ -19,8 +19,8 @@ policy after another (``--policies``), each on a fresh run:
   trainer's last step; samples per second = steps x batch / that time, as the simulator counts them.
 - **Counted:** trajectories expected and completed, turns continued on another worker and the tokens recomputed
   for them, return deadlines met and missed (the journal), elastic preemptions and requeues (state), the
-  daemon's tick and heartbeat p99 (its ``/metrics`` histograms: the upper bound of the bucket that holds the
-  99th percentile).
+  daemon's tick and heartbeat p99 (its ``/metrics`` histograms, interpolated inside the bucket that holds the
+  99th percentile, as Prometheus' ``histogram_quantile`` does).
 
 Printed side by side per policy: live and simulated samples per second and their ratio, and the counts. The
 simulation runs first, before the cluster is busy::
@@ -218,16 +218,21 @@ class Live:
         return httpx.get(address["url"] + "/metrics", headers=headers, timeout=30).text
 
 
-def p99_bound_ms(metrics: str, name: str) -> float:
-    """The upper bound (ms) of the histogram bucket that holds the 99th percentile (inf: beyond the last)."""
+def p99_ms(metrics: str, name: str) -> float:
+    """The 99th percentile (ms) of a histogram from its buckets, interpolated linearly inside the bucket that
+    holds it (Prometheus' ``histogram_quantile``); inf beyond the last bucket, nan with no observation."""
     rows = re.findall(rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$', metrics, re.M)
     bounds = [(float(le), float(n)) for le, n in rows]
     total = bounds[-1][1] if bounds else 0.0
     if not total:
         return float("nan")
-    counts = [n for _, n in bounds]
-    i = bisect.bisect_left(counts, 0.99 * total)
-    return bounds[i][0] * 1000.0
+    rank = 0.99 * total
+    i = bisect.bisect_left([n for _, n in bounds], rank)
+    upper, count = bounds[i]
+    lower, below = bounds[i - 1] if i else (0.0, 0.0)
+    if upper == float("inf"):
+        return float("inf")
+    return 1000.0 * (lower + (upper - lower) * (rank - below) / max(count - below, 1e-9))
 
 
 def wait(fn, timeout: float, what: str, every: float = 1.0):
@@ -309,8 +314,8 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "transitions": sum(1 for t in transitions if t["state"] == "DONE"),
         "preemptions": sum(1 for t, _, what in played if what == "hold" and t <= end - t0),
         "requeues": sum(int(a.get("restarts") or 0) for a in elastic),
-        "tick_p99_ms": p99_bound_ms(metrics, "pearl_daemon_tick_duration_seconds"),
-        "heartbeat_p99_ms": p99_bound_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),
+        "tick_p99_ms": p99_ms(metrics, "pearl_daemon_tick_duration_seconds"),
+        "heartbeat_p99_ms": p99_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),
         "driver_exit": driver.returncode,
         "batches": result.get("batches"),
     }
@@ -335,7 +340,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['policy']} | {r['samples_per_s']:.2f} | {r['sim_samples_per_s']:.2f} | {r['ratio']:.2f} | "
             f"{r['completed']} / {r['expected']} | {r['continued']} ({r['recomputed']}) | "
             f"{r['deadlines_met']} / {r['deadlines_missed']} | {r['preemptions']}, {r['requeues']} | "
-            f"≤ {r['tick_p99_ms']:g} ms | ≤ {r['heartbeat_p99_ms']:g} ms |"
+            f"{r['tick_p99_ms']:.0f} ms | {r['heartbeat_p99_ms']:.1f} ms |"
         )
     return "\n".join(lines)
 
