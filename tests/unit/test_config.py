@@ -389,7 +389,7 @@ def test_a_trainer_without_engine_args_borrows_with_the_rollout_pools(spec_dir):
     spec = load_spec(write(spec_dir, GOOD), POLICIES)
     assert spec.pools["trainer"].engine_args == {"max_model_len": 512, "enforce_eager": True}
     assert spec.pools["elastic"].engine_args == {}  # only the trainer's borrowed workers inherit
-    own = GOOD.replace('env = { OMP_NUM_THREADS = "1" }', 'engine_args = { max_model_len = 128 }')
+    own = GOOD.replace('env = { OMP_NUM_THREADS = "1" }', "engine_args = { max_model_len = 128 }")
     assert load_spec(write(spec_dir, own), POLICIES).pools["trainer"].engine_args == {"max_model_len": 128}
     no_rollout = GOOD.split("[pools.rollout]")[0] + GOOD.split("enforce_eager = true }")[1].replace(
         'partition = "preempt"', 'partition = "preempt"\nengine_args = { max_num_seqs = 8 }'
