@@ -93,16 +93,15 @@ def desired_hash(desired: list[dict]) -> str:
 
 
 def tensor_parallel_groups(idx: list[int], gpus_per_worker: int | None) -> list[list[int]]:
-    """The vLLM workers one role's GPUs of an allocation form: groups of ``gpus_per_worker`` aligned on the
-    index (GPUs ``k*n .. k*n+n-1``, so a group keeps its key while GPUs of other groups come and go); a group
-    not whole serves nothing, as the planner counts (pearlctl.planner.choose.worker_groups). ``None``: one
-    worker of all of them."""
+    """The vLLM workers one role's GPUs of an allocation form: consecutive groups of ``gpus_per_worker`` in
+    index order, as many whole ones as there are (the planner's count, pearlctl.planner.choose.worker_groups:
+    every GPU set it hands a role yields that many workers); GPUs left over serve nothing. ``None``: one worker
+    of all of them."""
+    ordered = sorted(idx)
     if gpus_per_worker is None:
-        return [sorted(idx)]
-    by_group: dict[int, list[int]] = {}
-    for i in sorted(idx):
-        by_group.setdefault(i // gpus_per_worker, []).append(i)
-    return [g for _, g in sorted(by_group.items()) if len(g) == gpus_per_worker]
+        return [ordered]
+    whole = len(ordered) - len(ordered) % gpus_per_worker
+    return [ordered[k : k + gpus_per_worker] for k in range(0, whole, gpus_per_worker)]
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,8 @@ def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):
 def test_lent_gpus_become_workers_of_the_profiles_tensor_parallel_size(trainer):
     """With an engine profile the run's vLLM workers have its ``gpus_per_worker`` GPUs each, as the planner
     counts them: a 4-GPU trainer lending three GPUs at TP 1 serves three workers (each with the deadline),
-    at TP 2 one worker of the whole aligned pair (a GPU of a pair not whole serves nothing); the TRAIN worker
-    keeps every GPU. Without a profile, one worker of all the lent GPUs."""
+    at TP 2 one worker of two of them (the GPU left over serves nothing); the TRAIN worker keeps every GPU.
+    Without a profile, one worker of all the lent GPUs."""
     store, controller, alloc = trainer
     store.upsert_node_gpus("r", alloc, "n0", [0, 1, 2, 3], "TRAIN")
     for g in store.gpus("r")[1:]:
@@ -86,4 +86,4 @@ def test_lent_gpus_become_workers_of_the_profiles_tensor_parallel_size(trainer):
                                     ("rollout-3", "ROLLOUT", (3,)), train[:3]]  # fmt: skip
     assert all(v[3] == NOW + 60 for v in got[:3])
     store.update_fields("runs", "r", profile={**doc, "gpus_per_worker": 2})
-    assert [v[:3] for v in view(controller, alloc)] == [("rollout-2", "ROLLOUT", (2, 3)), train[:3]]
+    assert [v[:3] for v in view(controller, alloc)] == [("rollout-1", "ROLLOUT", (1, 2)), train[:3]]
