@@ -44,10 +44,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: unset, 2 CPU rank
 
 import argparse
 import ctypes
-import json
 import random
 import re
-import shutil
 import signal
 import sys
 import time
@@ -105,19 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=300, help="collective timeout (s): a hung peer fails this fast")
     return p.parse_args(argv)
-
-
-class Logger:
-    def __init__(self, path: Path | None):
-        self.path = path
-
-    def __call__(self, event: str, **data) -> None:
-        if self.path is None:
-            return
-        line = json.dumps({"event": event, "ts": round(time.time(), 3), **data})
-        print(line, flush=True)
-        with self.path.open("a") as f:
-            f.write(line + "\n")
 
 
 # ---------------------------------------------------------------------- rewards and advantages
@@ -336,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pearlctl.trainer import FileChannel, NullChannel, TrainerHook
+    from pearlctl.trainer.events import EventLog
+    from pearlctl.trainer.weights import prune_weights
 
     skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=args.timeout), verbose=False)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     args.out.mkdir(parents=True, exist_ok=True)
-    say = Logger(args.out / "train.jsonl" if rank == 0 else None)
+    say = EventLog(args.out / "train.jsonl" if rank == 0 else None)
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -452,14 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     # exception", SIGABRT) after a clean run: the process group's threads outlived Python's teardown.
     dist.destroy_process_group()
     return 0
-
-
-def prune_weights(weights_dir: Path, *, keep: int, rank: int) -> None:
-    if rank != 0 or keep <= 0:
-        return
-    versions = sorted((p for p in weights_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -53,13 +53,13 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pearlctl.trainer.weights import _write_atomic
+from pearlctl.trainer.events import EventLog
+from pearlctl.trainer.weights import _write_atomic, prune_weights
 
 STATE_FILE = "paced_state.json"
 """A checkpoint's one file, in ``<ckpt_dir>/<tag>/``: ``{"global_steps", "client_state"}``."""
@@ -234,21 +234,6 @@ class PacedEngine:
 
 
 # ---------------------------------------------------------------------- the log and the batches
-class Logger:
-    """examples/grpo/train.py's: one JSON object per line, ``{"event", "ts", ...}``, on stdout and in a file."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-
-    def __call__(self, event: str, **data: Any) -> None:
-        if self.path is None:
-            return
-        line = json.dumps({"event": event, "ts": round(time.time(), 3), **data})
-        print(line, flush=True)
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-
-
 def batch_path(root: Path, step: int) -> Path:
     """The name examples/grpo/train.py's FileRollouts waits for."""
     return root / f"step-{step:06d}.jsonl"
@@ -282,15 +267,6 @@ def _is_reward(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def prune_weights(weights_dir: Path, *, keep: int) -> None:
-    """examples/grpo/train.py's: keep the ``keep`` highest numbered versions (0: keep all)."""
-    if keep <= 0:
-        return
-    versions = sorted((p for p in weights_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _make_channel(spec: str, out: Path):
     from pearlctl.trainer import FileChannel, NullChannel
 
@@ -311,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world_size = _init_world()
     args.out.mkdir(parents=True, exist_ok=True)
-    say = Logger(args.out / "train.jsonl" if rank == 0 else None)
+    say = EventLog(args.out / "train.jsonl" if rank == 0 else None)
     engine = PacedEngine(offload_s=args.offload_s, reload_s=args.reload_s)
     engine.module.state_dict()  # imports torch now, at start-up, not inside step 1's paced export
 
@@ -368,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         hook.export_weights(weights_dir, version=str(step))
         time.sleep(args.export_s)
         export_s = time.monotonic() - t_export
-        if rank == 0:
-            prune_weights(weights_dir, keep=args.keep_weights)
+        prune_weights(weights_dir, keep=args.keep_weights, rank=rank)
         say(
             "step",
             step=step,

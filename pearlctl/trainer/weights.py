@@ -256,3 +256,12 @@ def _swap_in(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
+
+
+def prune_weights(weights_dir: Path, *, keep: int, rank: int = 0) -> None:
+    """Keep the ``keep`` highest numbered versions in ``weights_dir`` (0: keep all); rank 0 alone prunes."""
+    if rank != 0 or keep <= 0:
+        return
+    versions = sorted((p for p in weights_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
