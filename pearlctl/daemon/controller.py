@@ -531,9 +531,7 @@ class Controller:
         """
         alloc = self.store.get("allocations", alloc_id)
         gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
-        return self._desired(
-            alloc, gpus, self._weights(), self._gpus_per_worker(), lambda wid: self.store.get("workers", wid)
-        )
+        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.get("workers", wid))
 
     def desired_all(self) -> dict[int, list[DesiredWorker]]:
         """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
@@ -541,25 +539,24 @@ class Controller:
         for g in self.store.gpus(self.run_id):
             by_alloc[g["allocation_id"]].append(g)
         workers = {w["id"]: w for w in self.store.workers(self.run_id)}
-        weights, gpw = self._weights(), self._gpus_per_worker()
+        weights, gpw = self._serving()
         return {
             a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, gpw, workers.__getitem__)
             for a in self.store.allocations(self.run_id)
         }
 
-    def _weights(self) -> dict | None:
-        """The trainer's latest weight export that vLLM workers should serve, {version, path}."""
-        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+    def _serving(self) -> tuple[dict | None, int | None]:
+        """From one read of the run: the trainer's latest weight export that vLLM workers should serve
+        ({version, path}), and their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
+        the planner plans with, pearlctl.planner.choose; None without a profile: one worker per role per
+        allocation, vLLM's tensor parallelism over all of them)."""
+        run = self.store.get_run(self.run_id)
+        trainer = run.get("trainer") or {}
+        weights = None
         if trainer.get("weight_version") is not None and trainer.get("weights_path"):
-            return {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
-        return None
-
-    def _gpus_per_worker(self) -> int | None:
-        """The tensor-parallel size of the run's vLLM workers: its engine profile's ``gpus_per_worker``, the
-        worker the planner plans with (pearlctl.planner.choose); None without a profile (one worker per role
-        per allocation, vLLM's tensor parallelism over all of them)."""
-        doc = self.store.get_run(self.run_id).get("profile")
-        return int(doc.get("gpus_per_worker") or 1) if doc else None
+            weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
+        profile = run.get("profile")
+        return weights, (int(profile.get("gpus_per_worker") or 1) if profile else None)
 
     def _desired(
         self,
