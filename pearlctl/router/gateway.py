@@ -76,6 +76,7 @@ from typing import Any, Protocol
 
 import anyio
 import httpx
+import orjson
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -613,7 +614,8 @@ class Turn:
 
     def answer(self, finish: str | None) -> dict:
         """The caller's one body, from every part."""
-        doc = json.loads(json.dumps(self.template)) if self.template is not None else {}
+        # a shallow copy: every field of the template that is changed below is replaced, never mutated
+        doc = dict(self.template) if self.template is not None else {}
         choice = dict((doc.get("choices") or [{}])[0])
         text = "".join(self.texts)
         if self.kind == "chat":
@@ -747,7 +749,22 @@ class Turn:
 
 
 def sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+    return b"data: " + (obj.encode() if isinstance(obj, str) else orjson.dumps(obj)) + b"\n\n"
+
+
+# The data plane's JSON goes through orjson: a turn's body carries its whole context as token ids (the caller's
+# request, the upstream request, the upstream answer with prompt_token_ids, the caller's answer), and the
+# standard library's encoder and decoder were a third of the gateway's CPU at 64 paced GPUs
+# (docs/benchmarks.md, "Live at 64 GPUs"). orjson refuses NaN and Infinity as the standard library's strict
+# parse does; it writes a NaN float as null.
+class OrjsonResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
+def _upstream_body(body: dict, headers: dict[str, str]) -> dict[str, Any]:
+    """``httpx`` keyword arguments that send ``body`` as JSON encoded by orjson."""
+    return {"content": orjson.dumps(body), "headers": {**headers, "content-type": "application/json"}}
 
 
 # -- the gateway ---------------------------------------------------------------------------------------
@@ -862,7 +879,7 @@ class Gateway:
                 raise _BadRequest(413, f"body larger than {limit} bytes")
             chunks.append(chunk)
         try:  # NaN and Infinity are not JSON: refused here, not when the request is sent on (a 500)
-            doc = json.loads(b"".join(chunks) or b"null", parse_constant=_not_json)
+            doc = orjson.loads(b"".join(chunks) or b"null")
         except ValueError:
             raise _BadRequest(400, "body must be a JSON object (an OpenAI request; no NaN or Infinity)") from None
         if not isinstance(doc, dict):
@@ -950,7 +967,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _open_stream(self, session: str | None, path: str, body: dict, headers: dict[str, str]):
         with self._through(session) as base:
-            async with self.http.stream("POST", base + path, json=body, headers=headers) as resp:
+            async with self.http.stream("POST", base + path, **_upstream_body(body, headers)) as resp:
                 yield resp
 
     async def mirror_text(self, turn: Turn) -> None:
@@ -1005,7 +1022,7 @@ class Gateway:
             since = self.members.mark()
             try:
                 with self._through(turn.session) as base:
-                    resp = await self.http.post(base + path, json=body, headers=headers)
+                    resp = await self.http.post(base + path, **_upstream_body(body, headers))
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
                 continue
@@ -1017,7 +1034,7 @@ class Gateway:
             who = self.members.attribute(since, resp.headers.get(VERSION_HEADER), resp.headers.get(WORKER_HEADER))
             if not turn.continuable:
                 try:
-                    doc = resp.json()
+                    doc = orjson.loads(resp.content)
                     reasons = [c.get("finish_reason") for c in doc["choices"]]
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     turn.failed(f"an unreadable answer ({type(exc).__name__}: {exc})")
@@ -1031,7 +1048,7 @@ class Gateway:
                 doc["pearl"] = turn.pearl()
                 return doc
             try:
-                tokens, finish = turn.take_answer(resp.json(), continuation)
+                tokens, finish = turn.take_answer(orjson.loads(resp.content), continuation)
             except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
                 turn.failed(f"an unreadable answer ({type(exc).__name__}: {exc})")
                 continue
@@ -1079,7 +1096,7 @@ class Gateway:
                         data = line[5:].strip()
                         if data == "[DONE]":
                             break
-                        obj = json.loads(data)
+                        obj = orjson.loads(data)
                         if not isinstance(obj, dict):
                             raise _StreamBroke("an event that is not a JSON object")
                         if "error" in obj and not obj.get("choices"):
@@ -1202,7 +1219,7 @@ class Gateway:
                 log.warning("gave up: %s", exc)
                 return exc.response()
             self._count(turn)
-            return JSONResponse(doc)
+            return OrjsonResponse(doc)
         gen = self.stream(turn, headers) if turn.continuable else self.stream_whole(turn, headers)
         try:
             first = await gen.__anext__()
@@ -1620,10 +1637,6 @@ class Gateway:
         if refused is not None:
             return refused
         return JSONResponse({**self.stats, "members": len(self.members.by_url), "pd": dict(self.pd_info)})
-
-
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
 
 
 def _parse(model: type[BaseModel], doc: dict) -> Any:

@@ -235,6 +235,74 @@ def p99_ms(metrics: str, name: str) -> float:
     return 1000.0 * (lower + (upper - lower) * (rank - below) / max(count - below, 1e-9))
 
 
+# what the host's cores did during a run, by process class (the first substring of a process's command line that
+# matches names its class; the rest is "other")
+CPU_CLASSES = (
+    ("engines", "pearlctl.agent.engines.paced"),
+    ("gateway", "pearlctl.router"),
+    ("vllm-router", "vllm-router"),
+    ("driver", "live_driver.py"),
+    ("trainer", "pearlctl.trainer.paced"),
+    ("agents", "pearlctl.agent"),
+    ("daemon", "pearlctl daemon"),
+    ("daemon", "pearlctl.daemon"),
+    ("slurm", "slurm"),
+)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_by_pid() -> dict[int, tuple[str, float]]:
+    """Every live process's (class, CPU seconds so far: user + system, its own only)."""
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        kind = next((k for k, needle in CPU_CLASSES if needle in cmd), "other")
+        out[int(entry.name)] = (kind, (int(fields[11]) + int(fields[12])) / TICKS)
+    return out
+
+
+class CpuMeter:
+    """The CPU seconds each process class used between `start` and `stop`, sampled every ``every`` seconds (a
+    process that ends between two samples loses at most its last interval)."""
+
+    def __init__(self, every: float = 1.0):
+        self.every, self._stop = every, threading.Event()
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.wall = 0.0
+
+    def start(self) -> None:
+        self.first = {pid: cpu for pid, (_, cpu) in _cpu_by_pid().items()}
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.last.update(_cpu_by_pid())
+
+    def stop(self) -> dict[str, float]:
+        """Cores busy on average per class over the window (CPU seconds / wall seconds), and their sum."""
+        self._stop.set()
+        self._thread.join()
+        self.last.update(_cpu_by_pid())
+        wall = max(time.time() - self._t0, 1e-9)
+        used: dict[str, float] = {}
+        for pid, (kind, cpu) in self.last.items():
+            used[kind] = used.get(kind, 0.0) + cpu - self.first.get(pid, 0.0)
+        cores = {k: round(v / wall, 2) for k, v in sorted(used.items(), key=lambda kv: -kv[1])}
+        cores["total"] = round(sum(used.values()) / wall, 2)
+        return cores
+
+
 def wait(fn, timeout: float, what: str, every: float = 1.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -277,6 +345,8 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "--steps", str(args.steps), "--run-dir", str(run_dir), "--run-id", run_id, "--out", str(run_dir / "rollouts"),
         "--weights", str(run_dir / "trainer" / "weights"), "--procs", str(args.procs),
     ]  # fmt: skip
+    meter = CpuMeter()
+    meter.start()
     t0 = time.time()
     player = threading.Thread(target=play, args=(cluster, events, t0, stop, played), daemon=True)
     player.start()
@@ -291,6 +361,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
     done = wait(
         lambda: next((e for e in live.train_events() if e["event"] == "done"), None), 300, "the trainer finishes"
     )
+    cores = meter.stop()
     steps = [e for e in live.train_events() if e["event"] == "step"]
     end = max(e["ts"] for e in steps)
     metrics = live.metrics()
@@ -318,6 +389,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "heartbeat_p99_ms": p99_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),
         "driver_exit": driver.returncode,
         "batches": result.get("batches"),
+        "cores_busy": cores,
     }
     live.pc("cancel", live.name, check=False)
     address = read_address(run_dir)
