@@ -138,7 +138,8 @@ class RouterKeeper:
         if self.record is None or record.pid != self.record.pid:
             if self._client is not None:
                 self._client.close()
-            self._client = RouterMembership(record.url, service.read_key(self.run_dir), timeout=MEMBERSHIP_TIMEOUT_S)
+            key = service.read_key(self.run_dir)
+            self._client = RouterMembership(record.admin_url, key, timeout=MEMBERSHIP_TIMEOUT_S)
         self.record = record
         self._checked_at = time.monotonic()
         return record

@@ -18,13 +18,19 @@ in the foreground. Guarantees:
   (back-off from 0.5 s to 10 s) and puts every member back into it (its membership lives in memory).
 - **Prefill-decode.** While the members include at least one PREFILL and one DECODE worker, a second
   vllm-router runs as the gateway's child in PD mode (``--vllm-pd-disaggregation`` with static
-  ``--prefill``/``--decode`` lists, the same death signal), started by `PdRouterChild.launch` on a fresh
+  ``--prefill``/``--decode`` lists, the same death signal, set from the control plane's thread, which also
+  lives as long as the gateway serves), started by `PdRouterChild.launch` on a fresh
   loopback port for each new set of lists: 0.1.17 refuses ``/add_worker`` in PD mode, so a change of the
   pairs starts a new one, which takes the new requests once ready while the one it replaces finishes what
   runs through it (pearlctl.router.gateway: make before break). One that exits is replaced within a second.
+- **A control plane of its own.** ``/health``, ``/pearl/workers`` and ``/pearl/stats`` are served a second
+  time on a socket of their own (same host, a free port), on the control plane's thread and event loop
+  (pearlctl.router.gateway.ControlPlane), where membership changes run: a batch of thousands of turns on
+  the public socket does not delay them. The daemon's router keeper uses it.
 - **The record.** Once both answer, the gateway writes ``RUN_DIR/.pearl/router.json``
-  (pearlctl.router.service.RouterRecord: pid, start ticks, base URL, router URL) atomically, and removes it
-  on the way out (SIGTERM/SIGINT: the gateway stops serving, then stops vllm-router).
+  (pearlctl.router.service.RouterRecord: pid, start ticks, base URL, router URL, control URL) atomically,
+  and removes it on the way out (SIGTERM/SIGINT: the gateway stops serving, then the control plane and its
+  PD routers, then vllm-router).
 
 vllm-router's flags, and why (facts in the shared router-facts notes, checked against 0.1.17):
 ``--policy consistent_hash`` keeps a session (``X-Session-ID``) on one worker; removing a worker moves only
@@ -125,7 +131,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _die_with_parent(parent_pid: int):
-    """preexec_fn: the kernel SIGKILLs the child when the gateway's main thread exits (Linux)."""
+    """preexec_fn: the kernel SIGKILLs the child when the gateway's thread that forked it exits (Linux): the
+    main thread for vllm-router, the control plane's for a PD router; both live as long as the gateway."""
     if not sys.platform.startswith("linux"):
         return None
 
@@ -260,7 +267,8 @@ class PdRouterChild:
     async def launch(cls, args: argparse.Namespace, lists: PdLists) -> PdRouterChild:
         """Start one and return it once it answers ``/liveness`` (in PD mode 0.1.17 answers only after every
         listed worker's ``/health``); RuntimeError, with nothing left running, otherwise. Runs on the
-        event loop's thread, the main one: the child's death signal follows the thread that forked it."""
+        control plane's thread (pearlctl.router.gateway.ControlPlane), which lives as long as the gateway
+        serves: the child's death signal follows the thread that forked it."""
         child = RouterChild(args, pd=lists)
         child.start()
         try:
@@ -317,10 +325,21 @@ async def _watch_router(
         backoff = RESTART_BACKOFF_S[0]
 
 
-async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advertise: str) -> int:
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:  # uvicorn's choice too when it runs the loop itself; optional
+        import uvloop
+
+        return uvloop.new_event_loop
+    except ImportError:
+        return None
+
+
+async def _serve(
+    args: argparse.Namespace, key: str, sock: socket.socket, control_sock: socket.socket, advertise: str
+) -> int:
     import uvicorn
 
-    from pearlctl.router.gateway import Gateway, GatewayConfig, build_app
+    from pearlctl.router.gateway import ControlPlane, Gateway, GatewayConfig, build_app
 
     router = RouterChild(args)
     router.start()
@@ -339,6 +358,16 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
         ),
         pd_launcher=lambda lists: PdRouterChild.launch(args, lists),
     )
+    # membership, health and the PD routers on their own thread and loop (pearlctl.router.gateway)
+    control = ControlPlane(
+        gateway, control_sock, tasks=[lambda stop: _watch_pd(gateway, stop)], loop_factory=_loop_factory()
+    )
+    try:
+        await asyncio.to_thread(control.start)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        router.stop()
+        return 3
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(gateway),
@@ -368,7 +397,6 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             service.write_record(args.run_dir, written[-1])
 
     watchdog = asyncio.create_task(_watch_router(router, gateway, stopping, restarted))
-    pd_watchdog = asyncio.create_task(_watch_pd(gateway, stopping))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     pid = os.getpid()
     try:
@@ -378,10 +406,11 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             await asyncio.sleep(0.02)
         if args.worker:
             initial = WorkerSet(workers=[parse_worker(spec) for spec in args.worker], wait_s=5.0)
-            for url, why in (await gateway.sync(initial))["failed"].items():
+            for url, why in (await gateway.on_control(gateway.sync, initial))["failed"].items():
                 log.error("initial worker %s: %s", url, why)
         port = sock.getsockname()[1]
         root = f"http://{advertise}:{port}"
+        control_url = f"http://{advertise}:{control_sock.getsockname()[1]}"
         record = service.RouterRecord(
             pid=pid,
             start_ticks=service.proc_start_ticks(pid) or 0,
@@ -394,18 +423,25 @@ async def _serve(args: argparse.Namespace, key: str, sock: socket.socket, advert
             router_pid=router.proc.pid if router.proc else None,
             launch_id=args.launch_id,
             log=args.log,
+            control_url=control_url,
         )
         service.write_record(args.run_dir, record)
         written.append(record)
-        log.info("gateway on %s (vllm-router %s); record %s", root, router.url, service.record_path(args.run_dir))
+        log.info(
+            "gateway on %s, control on %s (vllm-router %s); record %s",
+            root,
+            control_url,
+            router.url,
+            service.record_path(args.run_dir),
+        )
         await serving
         return 0
     finally:
         stopping.set()
-        for task in (watchdog, pd_watchdog):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+        await asyncio.to_thread(control.stop)  # the PD routers stop with it
         router.stop()
         service.remove_record(args.run_dir, pid)
         await gateway.aclose()
@@ -438,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"pearlctl.router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    try:
+        control_sock = _bind(args.host, 0)  # the control plane's: any free port, named in the record
+    except OSError as exc:
+        print(f"pearlctl.router: cannot listen on {args.host} for the control plane: {exc}", file=sys.stderr)
+        return 2
     if args.detach:
         if os.fork() > 0:
             os._exit(0)  # the launcher: its caller reaps it at once
@@ -451,14 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     if mode:
         log.warning("the router key %s is readable by others (mode %o): it should be 0600", key_file, mode)
     advertise = args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::", "") else socket.gethostname())
-    try:  # uvicorn's choice too when it runs the loop itself; optional
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(args, key, sock, advertise))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_serve(args, key, sock, control_sock, advertise))
 
 
 if __name__ == "__main__":

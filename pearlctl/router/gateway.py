@@ -56,6 +56,14 @@ Guarantees:
   PD router serves — half a pair, or a pair whose PD router could not start (retried with back-off) or
   exited (replaced) — serve whole requests through the regular router: a vLLM server with a KV connector
   prefills locally when no KV is handed to it.
+- **A control plane apart from the data plane.** Run as a process (pearlctl.router.__main__), the gateway
+  serves ``/health``, ``/pearl/workers`` and ``/pearl/stats`` a second time on a socket of their own, served
+  by `ControlPlane` on its own thread and event loop, and every membership change (the routers' lists, the PD
+  routers, the workers' ``/health`` checks) runs on that loop with its own HTTP client. A synchronous batch
+  of thousands of turns keeps the data plane's loop busy for tens of seconds; a membership change or a
+  return's DEREGISTER sent to the control socket does not wait behind it. The same routes on the public
+  socket hand their work to the control loop too (one owner of membership state). Members are shared
+  between the two threads behind a lock.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ import itertools
 import json
 import logging
 import random
+import socket
+import threading
 import time
 import zlib
 from collections import Counter, deque
@@ -195,6 +205,8 @@ class Members:
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self.clock = clock
+        # changed on the control plane's thread, read on the data plane's (Gateway.control_loop)
+        self._lock = threading.RLock()
         self.by_url: dict[str, _Member] = {}
         self.change = 0
         self._states: deque[tuple[int, frozenset, frozenset]] = deque([(0, frozenset(), frozenset())], self.HISTORY)
@@ -206,27 +218,40 @@ class Members:
 
     def set(self, url: str, version: str | None, role: str = "ROLLOUT") -> tuple[_Member, bool, bool]:
         """Add, re-version or re-role; returns (member, added, version or role changed)."""
-        old = self.by_url.get(url)
-        if old is not None and old.weight_version == version and old.role == role:
-            return old, False, False
-        member = _Member(url, version, self.clock(), role)
-        self.by_url[url] = member
-        self._changed()
-        return member, old is None, old is not None
+        with self._lock:
+            old = self.by_url.get(url)
+            if old is not None and old.weight_version == version and old.role == role:
+                return old, False, False
+            member = _Member(url, version, self.clock(), role)
+            self.by_url[url] = member
+            self._changed()
+            return member, old is None, old is not None
 
     def put(self, member: _Member) -> None:
         """Put a member back as it was (an update that could not be routed is undone)."""
-        self.by_url[member.url] = member
-        self._changed()
+        with self._lock:
+            self.by_url[member.url] = member
+            self._changed()
 
     def drop(self, url: str) -> bool:
-        if self.by_url.pop(url, None) is None:
-            return False
-        self._changed()
-        return True
+        with self._lock:
+            if self.by_url.pop(url, None) is None:
+                return False
+            self._changed()
+            return True
 
     def roles(self) -> dict[str, str]:
-        return {u: m.role for u, m in self.by_url.items()}
+        with self._lock:
+            return {u: m.role for u, m in self.by_url.items()}
+
+    def urls(self) -> list[str]:
+        """The members' URLs, sorted (a copy: safe to iterate while membership changes)."""
+        with self._lock:
+            return sorted(self.by_url)
+
+    def members(self) -> list[_Member]:
+        with self._lock:
+            return list(self.by_url.values())
 
     def mark(self) -> int:
         return self.change
@@ -238,15 +263,17 @@ class Members:
             if header_worker:
                 out["worker"] = header_worker
             return out
+        with self._lock:
+            states = list(self._states)
         versions: set = set()
         urls: set = set()
-        oldest = self._states[0][0]
-        for change, vs, us in self._states:
+        oldest = states[0][0]
+        for change, vs, us in states:
             if change >= since:
                 versions |= vs
                 urls |= us
         if since < oldest:  # history too short for this part: every state kept is a candidate
-            for _, vs, us in self._states:
+            for _, vs, us in states:
                 versions |= vs
                 urls |= us
         out: dict[str, Any] = {}
@@ -828,9 +855,21 @@ class Gateway:
         self.tokenizers = Tokenizers()  # for the text of continued turns (pearlctl.router.text)
         self._model_roots: dict[str, str] = {}  # served model name -> its directory (``root`` in /v1/models)
         self._unmirrored: set[tuple[str, str]] = set()  # why a model's continued turns keep vLLM's text: said once each
+        # The control plane's loop (ControlPlane): membership runs there, with its own client. None: on the
+        # caller's loop with the data plane's clients (the app served in one loop, as in the unit tests).
+        self.control_loop: asyncio.AbstractEventLoop | None = None
+        self._control_client: httpx.AsyncClient | None = None
 
     async def aclose(self) -> None:
-        """Stop every PD router (the one serving and those still draining), then the upstream client."""
+        """Stop every PD router (the one serving and those still draining) unless a control plane owns them
+        (`close_control`), then the upstream clients."""
+        if self.control_loop is None:
+            await self.close_control()
+        for client in self._clients:
+            await client.aclose()
+
+    async def close_control(self) -> None:
+        """On the control plane's loop: stop every PD router and the control client."""
         for task in list(self._retiring):
             task.cancel()
         routers = [self.pd] if self.pd is not None else []
@@ -839,13 +878,31 @@ class Gateway:
         for router in routers:
             with contextlib.suppress(Exception):
                 await router.stop()
-        for client in self._clients:
-            await client.aclose()
+        if self._control_client is not None:
+            await self._control_client.aclose()
+            self._control_client = None
 
     @property
     def http(self) -> httpx.AsyncClient:
         """The upstream client of one call: the pools in turn."""
         return next(self._next_client)
+
+    @property
+    def control_http(self) -> httpx.AsyncClient:
+        """The client of a membership call: the control plane's own on its loop, else the data plane's."""
+        if self.control_loop is None or asyncio.get_running_loop() is not self.control_loop:
+            return self.http
+        if self._control_client is None:
+            self._control_client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0))
+        return self._control_client
+
+    async def on_control(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """``await fn(*args, **kwargs)`` on the control plane's loop (from the data plane's: handed over and
+        awaited); on this loop when there is no control plane or this is it."""
+        loop = self.control_loop
+        if loop is None or asyncio.get_running_loop() is loop:
+            return await fn(*args, **kwargs)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop))
 
     # -- the edge ---------------------------------------------------------------------------------
     def check_key(self, request: Request) -> JSONResponse | None:
@@ -997,7 +1054,7 @@ class Gateway:
         """The directory a served model was loaded from, as a member worker's /v1/models says (kept)."""
         if model in self._model_roots:
             return self._model_roots[model]
-        for url in sorted(self.members.by_url):  # 2 s each: a member on a dead node must not hold a continuation
+        for url in self.members.urls():  # 2 s each: a member on a dead node must not hold a continuation
             try:
                 doc = (await self.http.get(url + "/v1/models", timeout=2.0)).json()
             except (httpx.HTTPError, ValueError):
@@ -1262,7 +1319,7 @@ class Gateway:
             resp, failure = None, (503, f"does not answer ({type(exc).__name__}: {exc})")
         if failure is None and resp is not None:
             return Response(resp.content, 200, media_type="application/json")
-        for url in sorted(self.members.by_url):
+        for url in self.members.urls():
             try:
                 direct = await self.http.get(url + "/v1/models", timeout=10.0)
             except httpx.HTTPError:
@@ -1278,7 +1335,7 @@ class Gateway:
         """A vllm-router's own list of its workers (``GET /workers``): the regular one's, or the one at
         ``base``; None when it does not answer."""
         try:
-            resp = await self.http.get((base or self.router) + "/workers", timeout=2.0)
+            resp = await self.control_http.get((base or self.router) + "/workers", timeout=2.0)
             doc = resp.json()
         except (httpx.HTTPError, ValueError):
             return None
@@ -1294,6 +1351,11 @@ class Gateway:
         return pd, ({str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None)
 
     async def health(self, request: Request) -> Response:
+        doc, status = await self.on_control(self.health_doc)
+        return JSONResponse(doc, status)
+
+    async def health_doc(self) -> tuple[dict, int]:
+        """``/health``'s document and status (503 while vllm-router does not answer)."""
         listed = await self.router_workers()
         pd, pd_seen = await self._pd_listing()
         pd_doc: dict[str, Any] = {**self.pd_info, "router": None}
@@ -1309,9 +1371,9 @@ class Gateway:
             }
             ready_pairs = bool(healthy_pd & set(pd.lists.prefill)) and bool(healthy_pd & set(pd.lists.decode))
         if listed is None:
-            return JSONResponse({"ok": False, "router": "down", "members": len(self.members.by_url), "pd": pd_doc}, 503)
+            return {"ok": False, "router": "down", "members": len(self.members.by_url), "pd": pd_doc}, 503
         healthy = sum(1 for w in listed if w.get("is_healthy"))
-        return JSONResponse(
+        return (
             {
                 "ok": True,
                 "router": "up",
@@ -1320,7 +1382,8 @@ class Gateway:
                 "healthy_workers": healthy,
                 "has_workers": healthy > 0 or ready_pairs,
                 "pd": pd_doc,
-            }
+            },
+            200,
         )
 
     # -- membership -------------------------------------------------------------------------------
@@ -1330,7 +1393,7 @@ class Gateway:
         last = "no answer"
         while True:
             try:
-                resp = await self.http.get(url + "/health", timeout=min(5.0, max(0.5, wait_s)))
+                resp = await self.control_http.get(url + "/health", timeout=min(5.0, max(0.5, wait_s)))
                 if resp.status_code == 200:
                     return None
                 last = f"HTTP {resp.status_code}"
@@ -1343,7 +1406,7 @@ class Gateway:
     async def _router_call(self, what: str, url: str, timeout: float) -> str | None:
         """POST the regular vllm-router's /add_worker or /remove_worker; None on success, else why not."""
         try:
-            resp = await self.http.post(f"{self.router}/{what}", params={"url": url}, timeout=timeout)
+            resp = await self.control_http.post(f"{self.router}/{what}", params={"url": url}, timeout=timeout)
         except httpx.HTTPError as exc:
             return f"the router did not answer {what} ({type(exc).__name__}: {exc})"
         if resp.status_code == 200 or (what == "add_worker" and "already exists" in resp.text):
@@ -1580,7 +1643,7 @@ class Gateway:
         pd, pd_seen = await self._pd_listing()
         in_pd = pd.lists.urls() if pd is not None else frozenset()
         out = []
-        for m in self.members.by_url.values():
+        for m in self.members.members():
             doc = m.doc()
             if m.url in in_pd:
                 doc["router"] = "pd"
@@ -1600,6 +1663,9 @@ class Gateway:
     async def reregister(self) -> list[str]:
         """Put the regular members back into a regular vllm-router that lost them (restarted); returns the URLs
         that failed."""
+        return await self.on_control(self._reregister)
+
+    async def _reregister(self) -> list[str]:
         async with self._plan_lock:
             return [url for url in sorted(self._regular) if await self._router_call("add_worker", url, timeout=30.0)]
 
@@ -1607,6 +1673,9 @@ class Gateway:
         """Called now and then (pearlctl.router.__main__): a PD router that exited is replaced (its workers
         serve through the regular router meanwhile), and lists whose PD router could not be started are tried
         again once their back-off has passed (`_launch_pd`)."""
+        await self.on_control(self._check_pd)
+
+    async def _check_pd(self) -> None:
         pd = self.pd
         if pd is not None and not pd.alive():
             log.error("PD router %s exited: starting another", pd.url)
@@ -1620,15 +1689,16 @@ class Gateway:
             return refused
         try:
             if request.method == "GET":
-                return JSONResponse({"workers": await self.member_docs(), "change": self.members.change})
+                docs = await self.on_control(self.member_docs)
+                return JSONResponse({"workers": docs, "change": self.members.change})
             if request.method == "DELETE":
                 ref = _parse(WorkerRef, {"url": request.query_params.get("url", "")})
-                return JSONResponse(await self.remove(ref.url))
+                return JSONResponse(await self.on_control(self.remove, ref.url))
             doc = await self.read_json(request)
             if request.method == "POST":
-                status, answer = await self.add(_parse(WorkerIn, doc))
+                status, answer = await self.on_control(self.add, _parse(WorkerIn, doc))
                 return JSONResponse(answer, status)
-            return JSONResponse(await self.sync(_parse(WorkerSet, doc)))
+            return JSONResponse(await self.on_control(self.sync, _parse(WorkerSet, doc)))
         except _BadRequest as exc:
             return error(exc.status, str(exc), "invalid_request_error")
 
@@ -1644,6 +1714,96 @@ def _parse(model: type[BaseModel], doc: dict) -> Any:
         return model.model_validate_json(json.dumps(doc))
     except ValidationError as exc:
         raise _BadRequest(422, describe(exc)) from None
+
+
+def build_control_app(gateway: Gateway) -> Starlette:
+    """The control plane's routes (`ControlPlane`): health, membership, counters; no completion."""
+    return Starlette(
+        routes=[
+            Route("/health", gateway.health, methods=["GET"]),
+            Route(WORKERS_PATH, gateway.workers_route, methods=["GET", "POST", "PUT", "DELETE"]),
+            Route("/pearl/stats", gateway.stats_route, methods=["GET"]),
+        ]
+    )
+
+
+class ControlPlane:
+    """The gateway's control plane on a thread of its own: an event loop that owns membership
+    (``gateway.control_loop``) and serves `build_control_app` on ``sock``; ``tasks`` (coroutine functions of a
+    stop event) run beside it on that loop. `start` returns once it serves; `stop` stops the server, lets
+    ``tasks`` end, closes what the control plane owns (`Gateway.close_control`: PD routers are stopped) and
+    joins the thread. A PD router started here is a child of this thread, which lives as long as the gateway
+    serves (pearlctl.router.__main__: its death signal follows the thread that forked it)."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        sock: socket.socket,
+        *,
+        tasks: Iterable[Callable[[asyncio.Event], Awaitable[None]]] = (),
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ):
+        self.gateway, self.sock, self.tasks = gateway, sock, list(tasks)
+        self.loop_factory = loop_factory or asyncio.new_event_loop
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._server: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gateway-control", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        if not self._started.wait(timeout) or self.error is not None or self.gateway.control_loop is None:
+            raise RuntimeError(f"the gateway's control plane did not start: {self.error or 'no answer'}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        loop, server, stopping = self._loop, self._server, self._stopping
+        if loop is not None and server is not None and stopping is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loop.call_soon_threadsafe(lambda: (setattr(server, "should_exit", True), stopping.set()))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        loop = self.loop_factory()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as exc:  # said by start(), or logged once the gateway serves
+            self.error = exc
+            log.error("the gateway's control plane stopped: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._started.set()
+            loop.close()
+
+    async def _main(self) -> None:
+        import uvicorn
+
+        self._stopping = asyncio.Event()
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                build_control_app(self.gateway), log_level="warning", access_log=False, lifespan="off",
+                timeout_graceful_shutdown=5,
+            )
+        )  # fmt: skip
+        serving = asyncio.create_task(self._server.serve(sockets=[self.sock]))
+        while not self._server.started:
+            if serving.done():
+                serving.result()
+                raise RuntimeError("the control server exited before it served")
+            await asyncio.sleep(0.01)
+        self.gateway.control_loop = asyncio.get_running_loop()
+        background = [asyncio.create_task(task(self._stopping)) for task in self.tasks]
+        self._started.set()
+        try:
+            await serving
+        finally:
+            self._stopping.set()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.gateway.close_control()
 
 
 def build_app(gateway: Gateway) -> Starlette:

@@ -174,7 +174,7 @@ class RouterMembership:
         record = service.read_record(run_dir)
         if record is None:
             raise MembershipError(f"no router record at {service.record_path(run_dir)}: start the router first", 0)
-        return cls(record.url, service.read_key(run_dir), **kw)
+        return cls(record.admin_url, service.read_key(run_dir), **kw)
 
     def close(self) -> None:
         self._http.close()

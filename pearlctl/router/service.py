@@ -64,6 +64,14 @@ class RouterRecord:
     router_pid: int | None = None
     launch_id: str | None = None  # names the `start` call that made it
     log: str | None = None
+    # the control plane's own socket (health, membership; pearlctl.router.gateway.ControlPlane), e.g.
+    # http://head:41234: answered while the data plane's loop is busy with a batch's turns
+    control_url: str | None = None
+
+    @property
+    def admin_url(self) -> str:
+        """Where health and membership calls go: the control socket, or the gateway's root (an older record)."""
+        return self.control_url or self.url
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -179,7 +187,7 @@ def adopt(run_dir: str | os.PathLike, *, timeout: float = 2.0) -> RouterRecord |
     record = read_record(run_dir)
     if record is None or not same_process(record.pid, record.start_ticks):
         return None
-    if health(record.url, timeout=timeout) is None:
+    if health(record.admin_url, timeout=timeout) is None:
         return None
     return record
 
@@ -221,7 +229,7 @@ def start(
     (one that is alive but does not answer is never doubled: ``stop`` it)."""
     running = read_record(run_dir)
     if running is not None and same_process(running.pid, running.start_ticks):
-        answering = health(running.url) is not None
+        answering = health(running.admin_url) is not None
         raise RouterStartError(
             f"a router gateway of {run_dir} is running (pid {running.pid}, {running.url}"
             + ("): adopt it" if answering else ", alive but not answering /health): stop it")
@@ -292,7 +300,7 @@ def start(
                 raise RouterStartError(
                     f"the router gateway (pid {record.pid}) exited; log {log} ends:\n{_log_tail(log)}"
                 )
-            doc = health(record.url, timeout=1.0)
+            doc = health(record.admin_url, timeout=1.0)
             if doc is not None and doc.get("ok"):
                 return record
         if time.monotonic() >= deadline:
