@@ -9,11 +9,11 @@ a driver (tests/benchmarks/live_driver.py) that replays the simulator's own traj
 policy after another (``--policies``), each on a fresh run:
 
 - **Elastic churn from the trace.** The simulator's availability trace for the scenario and seed
-  (pearlctl.sim.availability.build_trace) is played on the elastic nodes: a node is held by a high-priority job
-  (``-p high --exclusive``) except while a lease grants it; a lease's end submits that job again ``notice_s``
-  before (the partition's grace time), so Slurm preempts the elastic task on it for real — the task is
-  signalled, drains, is killed at the end of the grace time and requeued, and starts again when the node is
-  granted again.
+  (pearlctl.sim.run.make_trace, the very trace the simulation plays) is played on the elastic nodes: a node
+  is held by a high-priority job (``-p high --exclusive``) except while a lease grants it; a lease's end
+  submits that job again ``notice_s`` before (the partition's grace time), so Slurm preempts the elastic task
+  on it for real — the task is signalled, drains, is killed at the end of the grace time and requeued, and
+  starts again when the node is granted again.
 - **Clock.** Time zero is the driver's start, once the trainer waits and every rollout-pool worker serves — the
   simulator's zero (its rollout pool serves at t = 0). The trace is played from there. A run ends with the
   trainer's last step; samples per second = steps x batch / that time, as the simulator counts them.
@@ -57,7 +57,6 @@ from pearlctl.daemon.borrowing import REDECIDE_S  # noqa: E402
 from pearlctl.planner import profile as profiles  # noqa: E402
 from pearlctl.runfiles import read_address, read_secret  # noqa: E402
 from pearlctl.sim import run as simrun  # noqa: E402
-from pearlctl.sim.availability import build_trace  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
 from tests.benchmarks import live_driver  # noqa: E402
 
@@ -166,19 +165,20 @@ preempt_notice_s = {int(GRACE_S)}
 
 
 def node_events(scenario, horizon_s: float) -> list[tuple[float, str, str]]:
-    """The trace as (t, node, "free" | "hold") on the elastic nodes: a lease frees its node at its start and holds
-    it again at its notice (its end less the grace time)."""
+    """The trace as (t, node, "free" | "hold") on the elastic nodes, up to ``horizon_s``: a lease frees its node at
+    its start and holds it again at its notice (its end less the grace time). The simulator's own trace
+    (``make_trace``): one drawn for another horizon is another trace."""
     c = scenario.cluster
     first_slot = c.trainer_gpus + c.rollout_gpus
     first_node = first_slot // c.gpus_per_node + 1
     out = []
-    for lease in build_trace(scenario, horizon_s=horizon_s, seed=scenario.seed).leases:
+    for lease in simrun.make_trace(scenario).leases:
         for node in sorted({(g - first_slot) // c.gpus_per_node for g in lease.gpus}):
             name = f"gpu{first_node + node}"
             out.append((lease.start, name, "free"))
             if lease.end != float("inf"):
                 out.append((lease.notice_at, name, "hold"))
-    return sorted(out)
+    return sorted(e for e in out if e[0] <= horizon_s)
 
 
 def play(cluster: Cluster, events, t0: float, stop: threading.Event, log: list) -> None:
