@@ -16,6 +16,11 @@ fi
 task="${SLURM_ARRAY_JOB_ID:-${SLURM_JOB_ID:-${PEARL_LOCAL_JOB_ID:-none}}}_${SLURM_ARRAY_TASK_ID:-${PEARL_LOCAL_TASK_ID:-0}}"
 echo "pearl-worker $(date +%s.%N) start task=$task node=${SLURMD_NODENAME:-$(hostname)} gpus=${CUDA_VISIBLE_DEVICES:-none} restart=${SLURM_RESTART_COUNT:-0} cmd=$*" >&2
 
+# The payload starts with the notice ignored, until it installs its own handler (pearlctl.agent does so before
+# anything else): a notice in its first moments would otherwise kill it (status 128 + the signal's number), and
+# Slurm would end the task as failed instead of requeueing it when the grace time ends. A notice the payload
+# ignored is followed by TERM at the end of the grace time, which it handles.
+trap '' "$sig"
 "$@" &
 child=$!
 trapped=0

@@ -2,8 +2,10 @@
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,30 @@ def test_a_multi_node_trainer_sruns_the_worker_wrapper_once_per_node_under_slurm
 def test_a_multi_node_job_that_is_also_an_array_or_has_no_node_is_refused(kw):
     with pytest.raises(ValueError, match="multi-node job"):
         sbatch_directives(gang_request(**kw))
+
+
+def test_a_notice_before_the_payload_handles_it_does_not_kill_the_payload(tmp_path):
+    """The preemption notice (USR2) in the payload's first moments, before it installs a handler: the payload
+    lives on (it would have died with status 140, a failed task, not a requeued one); the notice it handles
+    once its handler is installed reaches it."""
+    payload = tmp_path / "payload.py"
+    payload.write_text(
+        "import signal, sys, time\n"
+        "time.sleep(1.5)  # starting: no handler yet\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR2, lambda *a: got.append(1))\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.time() + 20\n"
+        "while not got and time.time() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(0 if got else 3)\n"
+    )
+    proc = subprocess.Popen(
+        ["bash", str(JOBS / "worker.sh"), sys.executable, str(payload)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR2)  # to the wrapper, as Slurm's --signal=B:USR2 does; forwarded at once
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGUSR2)
+    assert proc.wait(30) == 0
