@@ -25,9 +25,8 @@ from tests.conftest import REPO, wait_for
 from tests.integration.conftest import spec_run
 from tests.integration.test_borrow_e2e import spec_text as borrow_spec
 
-# real engines on a 2-core machine: 8 minutes on a quiet machine, 17 in a loaded full run, so it is left out of
-# the default run (scripts/test -m long runs it)
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.long]
+# real engines on a 2-core machine: 6-8 minutes on a quiet machine
+pytestmark = pytest.mark.timeout(1500)
 
 STEPS = 5
 
