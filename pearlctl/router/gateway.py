@@ -789,11 +789,6 @@ class OrjsonResponse(JSONResponse):
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
 
 
-def _upstream_body(body: dict, headers: dict[str, str]) -> dict[str, Any]:
-    """``httpx`` keyword arguments that send ``body`` as JSON encoded by orjson."""
-    return {"content": orjson.dumps(body), "headers": {**headers, "content-type": "application/json"}}
-
-
 # -- the gateway ---------------------------------------------------------------------------------------
 class Gateway:
     """The app's state: configuration, the upstream client (vllm-router), the members, counters."""
@@ -1024,7 +1019,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _open_stream(self, session: str | None, path: str, body: dict, headers: dict[str, str]):
         with self._through(session) as base:
-            async with self.http.stream("POST", base + path, **_upstream_body(body, headers)) as resp:
+            async with self.http.stream("POST", base + path, content=orjson.dumps(body), headers=headers) as resp:
                 yield resp
 
     async def mirror_text(self, turn: Turn) -> None:
@@ -1079,7 +1074,7 @@ class Gateway:
             since = self.members.mark()
             try:
                 with self._through(turn.session) as base:
-                    resp = await self.http.post(base + path, **_upstream_body(body, headers))
+                    resp = await self.http.post(base + path, content=orjson.dumps(body), headers=headers)
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
                 continue
@@ -1760,8 +1755,13 @@ class ControlPlane:
     def stop(self, timeout: float = 30.0) -> None:
         loop, server, stopping = self._loop, self._server, self._stopping
         if loop is not None and server is not None and stopping is not None and not loop.is_closed():
+
+            def ask_to_stop() -> None:
+                server.should_exit = True
+                stopping.set()
+
             with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
-                loop.call_soon_threadsafe(lambda: (setattr(server, "should_exit", True), stopping.set()))
+                loop.call_soon_threadsafe(ask_to_stop)
         self._thread.join(timeout)
 
     def _run(self) -> None:
