@@ -89,6 +89,8 @@ class DaemonRefused(Exception):
 
 # A Slurm command may take this long; the lease outlives it.
 SLURM_COMMAND_TIMEOUT_S = DEFAULT_TIMEOUT_S
+# A control-loop tick this long is logged with its phases (the target for a tick's p99 is 100 ms).
+SLOW_TICK_S = 0.1
 
 
 @dataclass
@@ -114,6 +116,9 @@ class DaemonStats:
     tick_seconds: list[float] = field(default_factory=list)  # the last 256 ticks' durations
     tick_duration: Histogram = field(  # every tick's, over the daemon's life
         default_factory=lambda: latency_histogram("pearl_daemon_tick_duration_seconds", "control-loop tick durations")
+    )
+    tick_cpu: Histogram = field(  # the CPU time of the control loop's thread in each tick
+        default_factory=lambda: latency_histogram("pearl_daemon_tick_cpu_seconds", "control-loop tick thread CPU time")
     )
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
@@ -265,14 +270,18 @@ class Daemon:
 
     def _tick(self, controller: Controller, borrowing: Borrowing) -> bool:
         """One pass of the control loop; False when the run is over. Errors are isolated here."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        marks: list[tuple[str, float]] = []  # (phase, when it ended): a slow tick's log line says where it went
         try:
             if self.store.get_run(self.run_id)["state"] in RUN_OVER:
                 log.warning("run %s is over: the daemon stops", self.run_id)
                 return False
             controller.check_agents()
+            marks.append(("check_agents", time.monotonic()))
             with controller.lock:
+                marks.append(("lock wait", time.monotonic()))
                 borrowing.tick()
+                marks.append(("transitions and policy", time.monotonic()))
             self._recovered("tick")
         except StaleEpoch as exc:
             self.depose(str(exc))
@@ -285,8 +294,21 @@ class Daemon:
             took = time.monotonic() - t0
             self.stats.tick_seconds = [*self.stats.tick_seconds[-255:], took]
             self.stats.tick_duration.observe(took)
+            self.stats.tick_cpu.observe(time.thread_time() - cpu0)
+            if took >= SLOW_TICK_S:
+                self._log_slow_tick(took, time.thread_time() - cpu0, t0, marks)
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
+
+    @staticmethod
+    def _log_slow_tick(took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> None:
+        """One log line for a tick of SLOW_TICK_S or more: its phases' wall times and the thread's CPU time (a
+        tick slow with little CPU waited: for the decision lock, for SQLite's disk, for a core)."""
+        phases, last = [], t0
+        for name, at in marks:
+            phases.append(f"{name} {1000 * (at - last):.0f} ms")
+            last = at
+        log.info("slow tick: %.0f ms (%s; its thread's CPU %.0f ms)", 1000 * took, ", ".join(phases), 1000 * cpu)
 
     def _journal_error(self, source: str, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"[:2000]

@@ -386,6 +386,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "preemptions": sum(1 for t, _, what in played if what == "hold" and t <= end - t0),
         "requeues": sum(int(a.get("restarts") or 0) for a in elastic),
         "tick_p99_ms": p99_ms(metrics, "pearl_daemon_tick_duration_seconds"),
+        "tick_cpu_p99_ms": p99_ms(metrics, "pearl_daemon_tick_cpu_seconds"),  # far below the tick's: it waited
         "heartbeat_p99_ms": p99_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),
         "driver_exit": driver.returncode,
         "batches": result.get("batches"),
