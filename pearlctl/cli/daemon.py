@@ -26,8 +26,6 @@ from pearlctl.cli.common import (
     open_store,
     resolve_run,
 )
-from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings
-from pearlctl.daemon.main import process_alive as alive
 from pearlctl.runfiles import read_address
 
 
@@ -66,6 +64,8 @@ def daemon(
     serves, printing its address."""
     with exits():
         from pearlctl.config import slurm_option_problems
+        from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings  # the server: only this command
+        from pearlctl.daemon.main import process_alive as alive
 
         bad = slurm_option_problems(partition=partition, nodelist=nodelist, time_limit=time_limit)
         if bad:  # --partition/--nodelist/--time are checked like a spec's values, before anything is opened

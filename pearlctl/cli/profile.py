@@ -9,7 +9,6 @@ from pathlib import Path
 import httpx
 import typer
 
-from pearlctl import profiling
 from pearlctl.cli import app
 from pearlctl.cli.common import (
     EXIT_NOT_FOUND,
@@ -117,6 +116,8 @@ def profile(
 
 
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
+    from pearlctl import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
+
     serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != "TRAIN"]
     if worker:
         serving = [w for w in serving if worker in (w["url"], w["worker_key"])]
@@ -153,6 +154,8 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
 
 def _measure_on_slurm(run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus):
     """--slurm: the daemon must answer first (it stores the profile), then one Slurm job measures."""
+    from pearlctl import profiling
+
     b, c = _int_list(batches, "--batches"), _int_list(contexts, "--contexts")
     call(run, "GET", "/v1/health")  # exit 7 now rather than after the job ran
     err.print(f"submitting a profiling job for run {run['id']} (model {run['spec'].get('model')}); minutes")

@@ -14,10 +14,6 @@ from rich.table import Table
 
 from pearlctl.cli import app
 from pearlctl.cli.common import EXIT_SIMULATION, EXIT_USAGE, emit_json, err, exits, fail, out
-from pearlctl.policies import PolicyError, load_policy
-from pearlctl.sim import report
-from pearlctl.sim.run import SimulationError, compare
-from pearlctl.sim.scenario import ScenarioError, load
 
 
 @app.command()
@@ -55,6 +51,12 @@ def simulate(
     ),
 ) -> None:
     """Simulate RL steps of a scenario under one policy or several, and report throughput and costs."""
+    # the simulator (numpy) is imported by the command that runs it, not by every pearlctl command
+    from pearlctl.policies import PolicyError, load_policy
+    from pearlctl.sim import report
+    from pearlctl.sim.run import SimulationError, compare
+    from pearlctl.sim.scenario import ScenarioError, load
+
     with exits():
         if not sweep:
             sweep_only = {"--seeds": seeds, "--executor": executor, "--partition": partition, "--time": time_limit}
@@ -150,6 +152,7 @@ def _sweep(paths, names, steps, seed, seeds_text, executor, partition, time_limi
     """--sweep: checks every input before anything is submitted (exit 2), then runs the array (exit 3 when a
     task gives no result: its state and log are named, and submitit's folder is kept)."""
     from pearlctl.config import slurm_option_problems
+    from pearlctl.sim.scenario import ScenarioError, load
     from pearlctl.sweep import SweepError, run_sweep, tasks_of  # submitit is imported only for a sweep
 
     if timeline is not None:

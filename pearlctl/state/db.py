@@ -31,14 +31,46 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-from sqlite_utils import Database
+from typing import Any
 
 from pearlctl.state.errors import IncompatibleSchema, NotFound, StateError, StateUnavailable
 from pearlctl.state.schema import MIGRATIONS, SCHEMA_VERSION
 
 BUSY_TIMEOUT_MS = 10_000
+
+
+class Database:
+    """A connection and the little the Store asks of it: rows as dicts, the table names, a migration script run
+    inside the caller's transaction. (sqlite-utils did this before; importing it imports pandas where pandas is
+    installed, as it is beside vLLM: a third of a second on every command and agent start.)"""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> Iterator[dict[str, Any]]:
+        cursor = self.conn.execute(sql, params)
+        names = [d[0] for d in cursor.description or ()]
+        return (dict(zip(names, row, strict=True)) for row in cursor)
+
+    def table_names(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+
+    def executescript(self, script: str) -> None:
+        """Run ``script`` statement by statement: unlike ``sqlite3.executescript``, no implicit COMMIT first, so
+        inside a transaction the whole script stays atomic."""
+        statement = ""
+        for line in script.splitlines(keepends=True):
+            statement += line
+            if sqlite3.complete_statement(statement):
+                self.conn.execute(statement)
+                statement = ""
+        if statement.strip():
+            self.conn.execute(statement)
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def connect(path: str | os.PathLike[str], *, readonly: bool = False) -> Database:
@@ -68,7 +100,7 @@ def _connect_readwrite(path: Path) -> Database:
             )
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
-        db = Database(conn, execute_plugins=False)
+        db = Database(conn)
         migrate(db, str(path))
     except BaseException:
         conn.close()
@@ -115,7 +147,7 @@ def _open_readonly(path: Path, *, immutable: bool) -> Database:
                 else "Open it read-write once (start the daemon) so it gets migrated."
             )
             raise IncompatibleSchema(str(path), found, SCHEMA_VERSION, advice)
-        db = Database(conn, execute_plugins=False)
+        db = Database(conn)
     except BaseException:
         conn.close()
         raise
@@ -126,7 +158,7 @@ def empty() -> Database:
     """A read-only, in-memory database at ``SCHEMA_VERSION`` with nothing in it: what a reader sees where
     no state database exists yet, without creating one."""
     conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-    db = Database(conn, execute_plugins=False)
+    db = Database(conn)
     migrate(db, ":memory:")
     conn.execute("PRAGMA query_only = ON")
     return db
@@ -222,8 +254,7 @@ def migrate(db: Database, path: str) -> None:
             if found == SCHEMA_VERSION:
                 conn.execute("COMMIT")
                 return
-            # Inside an open transaction sqlite-utils runs the script statement by statement, without
-            # sqlite3.executescript's implicit COMMIT, so the migration stays atomic.
+            # statement by statement, inside this transaction: the migration stays atomic
             db.executescript(MIGRATIONS[found])
             conn.execute(f"PRAGMA user_version = {found + 1}")
             conn.execute("COMMIT")

@@ -34,9 +34,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any, Self
 
-from sqlite_utils import Database
-
-from pearlctl.state.db import BUSY_TIMEOUT_MS, connect, schema_version
+from pearlctl.state.db import BUSY_TIMEOUT_MS, Database, connect, schema_version
 from pearlctl.state.errors import (
     DuplicateRun,
     DuplicateStep,
