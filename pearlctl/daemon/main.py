@@ -89,8 +89,10 @@ class DaemonRefused(Exception):
 
 # A Slurm command may take this long; the lease outlives it.
 SLURM_COMMAND_TIMEOUT_S = DEFAULT_TIMEOUT_S
-# A control-loop tick this long is logged with its phases (the target for a tick's p99 is 100 ms).
+# A control-loop tick this long is logged with its phases (the target for a tick's p99 is 100 ms), in one line
+# at most every SLOW_TICK_LOG_S seconds.
 SLOW_TICK_S = 0.1
+SLOW_TICK_LOG_S = 10.0
 
 
 @dataclass
@@ -120,6 +122,7 @@ class DaemonStats:
     tick_cpu: Histogram = field(  # the CPU time of the control loop's thread in each tick
         default_factory=lambda: latency_histogram("pearl_daemon_tick_cpu_seconds", "control-loop tick thread CPU time")
     )
+    slow_ticks: int = 0  # ticks of SLOW_TICK_S or more
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
 
@@ -138,6 +141,7 @@ class Daemon:
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
         self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
         self._stop_lock = threading.Lock()
+        self._slow_logged_at, self._slow_said = float("-inf"), 0  # the last slow-tick line: when, and ticks it covered
         # the signal wakeup fd's two ends (install_signal_handlers); the stop thread reads the first
         self._signals: socket.socket | None = None
         self._signal_writer: socket.socket | None = None
@@ -296,19 +300,30 @@ class Daemon:
             self.stats.tick_duration.observe(took)
             self.stats.tick_cpu.observe(time.thread_time() - cpu0)
             if took >= SLOW_TICK_S:
-                self._log_slow_tick(took, time.thread_time() - cpu0, t0, marks)
+                self._slow_tick(took, time.thread_time() - cpu0, t0, marks)
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
 
-    @staticmethod
-    def _log_slow_tick(took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> None:
-        """One log line for a tick of SLOW_TICK_S or more: its phases' wall times and the thread's CPU time (a
-        tick slow with little CPU waited: for the decision lock, for SQLite's disk, for a core)."""
+    def _slow_tick(self, took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> None:
+        """A tick of SLOW_TICK_S or more: one warning with its phases' wall times and the thread's CPU time (a tick
+        slow with little CPU waited: for the decision lock, for SQLite's disk, for a core) — at most one every
+        SLOW_TICK_LOG_S, which counts the slow ticks it did not describe."""
+        self.stats.slow_ticks += 1
+        if t0 < self._slow_logged_at + SLOW_TICK_LOG_S:
+            return
         phases, last = [], t0
         for name, at in marks:
             phases.append(f"{name} {1000 * (at - last):.0f} ms")
             last = at
-        log.info("slow tick: %.0f ms (%s; its thread's CPU %.0f ms)", 1000 * took, ", ".join(phases), 1000 * cpu)
+        unsaid = self.stats.slow_ticks - self._slow_said - 1
+        log.warning(
+            "slow tick: %.0f ms (%s; its thread's CPU %.0f ms)%s",
+            1000 * took,
+            ", ".join(phases),
+            1000 * cpu,
+            f"; {unsaid} more slow ticks since the last such line" if unsaid else "",
+        )
+        self._slow_logged_at, self._slow_said = t0, self.stats.slow_ticks
 
     def _journal_error(self, source: str, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"[:2000]

@@ -310,17 +310,20 @@ def test_a_tick_that_raises_is_journaled_once_counted_and_the_loop_goes_on(db, m
 def test_a_slow_tick_is_logged_with_its_phases_and_its_threads_cpu(db, monkeypatch, caplog):
     """A tick of SLOW_TICK_S or more names where its time went: here it waited 0.3 s for the decision lock, held
     by another thread (as a heartbeat's fold would) — a wait, not CPU; every tick's CPU time is in its histogram."""
-    caplog.set_level("INFO", logger="pearlctl.daemon")
+    caplog.set_level("WARNING", logger="pearlctl.daemon")
     with running(db, FakeBackend(), monkeypatch) as (r, store):
         d = r.daemon
-        with r.controller.lock:
-            time.sleep(0.3)
-        wait(lambda: any("slow tick" in m for m in caplog.messages), 5, "the slow tick is logged")
+        for _ in range(3):  # three slow ticks in a row: one line says so
+            with r.controller.lock:
+                time.sleep(0.3)
+            time.sleep(0.15)
+        wait(lambda: d.stats.slow_ticks >= 3, 5, "the slow ticks are counted")
         ticks = d.stats.ticks
+    assert sum("slow tick" in m for m in caplog.messages) == 1, caplog.messages  # one line per SLOW_TICK_LOG_S
     line = next(m for m in caplog.messages if "slow tick" in m)
     took = int(line.split("slow tick: ")[1].split(" ms")[0])
     cpu = int(line.split("its thread's CPU ")[1].split(" ms")[0])
-    assert took >= 250 and cpu < took / 2, line
+    assert took >= 150 and cpu < took / 2, line  # the tick began within its 0.1-s interval of the hold
     assert all(phase in line for phase in ("check_agents", "lock wait", "transitions and policy")), line
     counted = next(s for s in d.stats.tick_cpu.collect()[0].samples if s.name.endswith("_count"))
     assert counted.value >= ticks
