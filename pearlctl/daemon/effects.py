@@ -43,8 +43,10 @@ GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
 
 class DaemonEffects:
     """``router``: what the run's router routes to now (worker URLs), or None when the run has no router
-    (REGISTER and DEREGISTER are then proven by state alone); ``router_wake``: tells the router's keeper that
-    state's routable set changed (it syncs now, not at its next tick)."""
+    (REGISTER and DEREGISTER are then proven by state alone); ``router_may_route``: that, and what a membership
+    change in flight (or one that failed) may have it route to — DEREGISTER's proof (default: ``router``);
+    ``router_wake``: tells the router's keeper that state's routable set changed (it syncs now, not at its next
+    tick)."""
 
     def __init__(
         self,
@@ -53,10 +55,12 @@ class DaemonEffects:
         epoch: int | None,
         *,
         router: Callable[[], set[str] | None] | None = None,
+        router_may_route: Callable[[], set[str] | None] | None = None,
         router_wake: Callable[[], None] = lambda: None,
     ):
         self.store, self.run_id, self.epoch = store, run_id, epoch
         self.router = router or (lambda: None)
+        self.router_may_route = router_may_route or self.router
         self.router_wake = router_wake
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -190,12 +194,13 @@ class DaemonEffects:
         """Recorded in state, and — where the run has a router — carried out by it: REGISTER is proven when
         the router routes to the worker, DEREGISTER when it no longer does (so a worker drains only once
         nothing new can reach it)."""
-        routed = self.router()
         if key.endswith(":" + StepKind.REGISTER):
+            routed = self.router()
             live = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
             if not all(w["routable"] for w in live):
                 return PENDING
             return DONE if routed is None or all(w["url"] in routed for w in live if w["url"]) else PENDING
+        routed = self.router_may_route()
         workers = self._workers_on(t)
         if any(w["routable"] for w in workers):
             return PENDING

@@ -462,6 +462,7 @@ class Daemon:
             self.run_id,
             epoch,
             router=router.routed if router else None,
+            router_may_route=router.may_route if router else None,
             router_wake=router.wake if router else lambda: None,
         )
         executor = Executor(self.store, effects, run_id=self.run_id, epoch=epoch)

@@ -88,6 +88,11 @@ class RouterKeeper:
         self._wake = threading.Event()  # set by ``wake``: the loop syncs now
         self.record: service.RouterRecord | None = None
         self.members: dict[str, str | None] = {}  # what the router last said it routes to
+        # the members a change in flight asks for: the router may route to them once it answers, so until it has,
+        # they count as routed (a DEREGISTER proven meanwhile would let a worker drain and sleep that a stale
+        # change then routes to)
+        self._asked: set[str] = set()
+        self._unsure: set[str] = set()  # what a failed change asked for: the router may have taken it
         self._client: RouterMembership | None = None
         self._checked_at = 0.0
         self._busy_logged = False  # "slow to answer /health" said once per gateway
@@ -96,8 +101,15 @@ class RouterKeeper:
 
     # -- what the executor's probes read -----------------------------------------------------------
     def routed(self) -> set[str]:
+        """What the router said it routes to (REGISTER's proof)."""
         with self._lock:
             return set(self.members)
+
+    def may_route(self) -> set[str]:
+        """What the router routes to, or may once the membership change in flight is answered, or may after one that
+        failed (DEREGISTER's proof: a worker leaves only once nothing can route to it)."""
+        with self._lock:
+            return set(self.members) | self._asked | self._unsure
 
     @property
     def base_url(self) -> str | None:
@@ -181,13 +193,24 @@ class RouterKeeper:
             # how each serves: PREFILL/DECODE members are routed in pairs through a PD router (pearlctl.router);
             # the rest default to ROLLOUT (colocated). A worker's role is fixed for its life (a SWITCH starts a
             # new worker), so comparing url -> version above still notices every change of membership.
-            result = self._client.sync(wanted, roles=desired_roles(self.store, self.run_id, wanted), wait_s=ADD_WAIT_S)
+            with self._lock:
+                self._asked = set(wanted)
+            try:
+                result = self._client.sync(
+                    wanted, roles=desired_roles(self.store, self.run_id, wanted), wait_s=ADD_WAIT_S
+                )
+            except BaseException:
+                with self._lock:  # what the router took of it is unknown until a change or a listing answers
+                    self._unsure |= self._asked
+                    self._asked = set()
+                raise
             members = result.members
             if result.failed:
                 log.warning("router: could not add %s", result.failed)
         routed = {m.url: m.weight_version for m in members if m.routed is not False}
         with self._lock:
             before, self.members = self.members, routed
+            self._asked, self._unsure = set(), set()
         added, removed = sorted(routed.keys() - before.keys()), sorted(before.keys() - routed.keys())
         self._refreshed_at = now
         if added or removed:  # when the router began or stopped sending a worker requests, for the journal

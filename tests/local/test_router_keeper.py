@@ -180,3 +180,40 @@ def test_a_gateway_too_busy_to_answer_health_stays_the_runs_and_membership_goes_
     keeper.sync_once()
     assert keeper.record.pid == record.pid and keeper.routed() == {urls[1]}
     assert "router restarted" not in [e for e, _ in events]
+
+
+def test_a_deregister_waits_for_a_membership_change_in_flight_that_routes_to_the_worker(world):
+    """A change the keeper sent before a DEREGISTER's effect (state then still wanted the worker) may put the worker
+    back into the router when it is answered: until it is, the worker is not proven out. (Seen live at 64 GPUs: a
+    change held 30 s by other workers' adds re-added a worker after its return had drained it and put it to sleep;
+    the router sent it 41 turns that then waited in a sleeping engine.)"""
+    store, keeper, ids, urls, _ = world
+    keeper.sync_once()
+    store.update_fields("workers", ids[0], routable=0)
+    keeper.sync_once()
+    assert keeper.routed() == {urls[1]}
+    store.update_fields("workers", ids[0], routable=1)  # wanted again (a worker reported back after a silence)
+    record = keeper.record
+    os.kill(record.pid, signal.SIGSTOP)  # the change below waits for the gateway, as one behind slow adds does
+    try:
+        syncing = threading.Thread(target=keeper.sync_once, daemon=True)
+        syncing.start()
+        deadline = time.monotonic() + 10
+        while urls[0] not in keeper.may_route() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        effects = DaemonEffects(store, "r", None, router=keeper.routed, router_may_route=keeper.may_route)
+        ex = Executor(store, effects, run_id="r", epoch=None)
+        gpu = next(g for g in store.gpus("r") if g["idx"] == 0)
+        tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
+        ex.advance(tid)  # DEREGISTER's effect: state says not routable; the router has not answered the change
+        assert urls[0] not in keeper.routed()  # what the router last said: the old probe proved DEREGISTER here
+        assert store.steps(tid)[0]["state"] == "INTENT"
+    finally:
+        os.kill(record.pid, signal.SIGCONT)
+    syncing.join(30)
+    assert urls[0] in keeper.routed()  # the change in flight did route to it again
+    ex.advance(tid)
+    assert store.steps(tid)[0]["state"] == "INTENT"
+    keeper.sync_once()  # the next change takes it out: now it is proven
+    ex.advance(tid)
+    assert store.steps(tid)[0]["state"] == "DONE" and urls[0] not in keeper.routed()
