@@ -208,7 +208,10 @@ class VllmWorker:
 
     def park(self, drain_timeout: float) -> None:
         """Drain, then sleep (level 1: on a GPU the weights go to host memory and the KV cache is freed),
-        in the background. Idempotent."""
+        in the background. Idempotent: called again once asleep (every heartbeat that wants it parked), it turns
+        away whatever reached the sleeping worker."""
+        if self._sleep_state == "SLEEPING" and not self._stopping:
+            self._turn_away()
         if self._sleep_state is not None or self._stopping:
             return
         self._sleep_state = "DRAINING"
@@ -223,6 +226,18 @@ class VllmWorker:
                 self.stop(drain_timeout)
 
         threading.Thread(target=run, name=f"park-{self.key}", daemon=True).start()
+
+    def _turn_away(self) -> None:
+        """A parked worker serves nothing. A request that reached it all the same (a router that had not yet
+        taken it out) would wait in the sleeping engine for good: it is aborted, and its client continues it
+        elsewhere from the answer's tokens (pearlctl.router)."""
+        try:
+            m = self.server.metrics(timeout=2.0)
+            if m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) > 0:
+                n = self.server.abort_requests(timeout=2.0)
+                log.warning("parked worker %s was sent %d request(s): aborted, to be continued elsewhere", self.key, n)
+        except Exception as exc:  # asked again at the next heartbeat
+            log.warning("could not check parked worker %s for requests: %s", self.key, exc)
 
     def unpark(self) -> None:
         """Wake a parked worker in the background (READY once awake and resumed). Idempotent."""

@@ -1,0 +1,46 @@
+"""A parked worker turns away what reaches it: a worker on the paced engine (pearlctl.agent.engines.paced, a real
+server speaking vLLM's API) is parked by its agent's `VllmWorker` — drained, then asleep — and a request sent to it
+afterwards (a router that had not yet taken it out) is aborted at the agent's next heartbeat, with the answer a
+client continues elsewhere, instead of waiting in the sleeping engine for good."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from pearlctl.agent.identity import Identity
+from pearlctl.agent.workers import VllmWorker
+from tests.conftest import wait_for
+from tests.engines.conftest import PACED_PROFILE, TINY_MODEL
+
+
+def test_a_request_that_reaches_a_parked_worker_is_aborted_at_the_next_heartbeat(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEARL_SHM_DIR", str(tmp_path / "shm"))
+    me = Identity(run_id="r", pool="trainer", role="TRAIN", job_id="7", task_id=0, node="n1", gpus=(0,), restarts=0)
+    w = VllmWorker(
+        "rollout-0", "ROLLOUT", (0,), me, str(tmp_path), str(TINY_MODEL), {}, paced_profile=str(PACED_PROFILE)
+    )
+    w.start()
+    try:
+        wait_for(lambda: w.state() == "READY", 60, every=0.2)
+        w.park(drain_timeout=10)
+        wait_for(lambda: w.state() == "SLEEPING", 30, every=0.1)
+        answer: list = []
+        body = {"model": str(TINY_MODEL), "prompt": [5, 6, 7, 8], "max_tokens": 8}
+        sender = threading.Thread(
+            target=lambda: answer.append(httpx.post(f"{w.server.url}/v1/completions", json=body, timeout=60)),
+            daemon=True,
+        )
+        sender.start()
+        wait_for(lambda: w.server.metrics()["num_requests_waiting"] > 0, 10, every=0.1)
+        time.sleep(1.0)
+        assert not answer  # it waits in the sleeping engine
+        w.park(drain_timeout=10)  # the next heartbeat still wants it parked
+        sender.join(10)
+        assert answer and answer[0].status_code == 200, answer
+        assert answer[0].json()["choices"][0]["finish_reason"] == "abort"
+        assert w.state() == "SLEEPING"  # still parked for the next borrow
+    finally:
+        w.stop(5.0)
