@@ -3,6 +3,7 @@
 - ``lease``: one daemon per run, fenced by an epoch that every write and every command carries;
 - ``controller``: what the daemon knows and decides — agent registrations, heartbeats, reported
   workers, desired workers per allocation, agent loss;
+- ``decision_lock``: the lock every decision and fold takes, timed (a long hold is logged with where it was taken);
 - ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
 - ``main``: the process — lease, HTTP server thread, and the observe → decide → act loop.
 """

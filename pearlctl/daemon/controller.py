@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy, work_from_progress
+from pearlctl.daemon.decision_lock import DecisionLock
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.longpoll import LongPolls
 from pearlctl.daemon.metrics import latency_histogram
@@ -173,7 +174,7 @@ class Controller:
         self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
         self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
-        self.lock = threading.RLock()
+        self.lock = DecisionLock()  # times its holds: a long one is logged with where it was taken
 
     # -- agents -----------------------------------------------------------------------------------
     def _allocation(self, job_id: str, task_id: int) -> dict:

@@ -1,0 +1,54 @@
+"""The daemon's decision lock (pearlctl.daemon.decision_lock): reentrant, and a long hold is logged once, naming
+where it was taken, at most one line per interval."""
+
+from __future__ import annotations
+
+import threading
+
+from pearlctl.daemon.decision_lock import DecisionLock
+from tests.conftest import FakeClock
+
+
+def fold(lock: DecisionLock, clock: FakeClock, held_s: float) -> None:
+    with lock:
+        with lock:  # reentrant: only the outermost hold is timed
+            clock.advance(held_s)
+
+
+def test_a_long_hold_is_logged_with_where_it_was_taken_once_per_interval(caplog):
+    caplog.set_level("WARNING", logger="pearlctl.daemon")
+    clock = FakeClock()
+    lock = DecisionLock(slow_s=0.1, log_every_s=10.0, clock=clock)
+    fold(lock, clock, 0.05)
+    assert lock.slow_holds == 0 and not caplog.messages
+    fold(lock, clock, 0.4)
+    assert lock.slow_holds == 1
+    assert caplog.messages == ["decision lock held 400 ms by fold"]
+    fold(lock, clock, 0.2)
+    fold(lock, clock, 0.9)  # within the interval: counted, kept for the next line
+    assert lock.slow_holds == 3 and len(caplog.messages) == 1
+    clock.advance(10)
+    fold(lock, clock, 0.15)
+    assert caplog.messages[-1] == (
+        "decision lock held 900 ms by fold (the longest of 3 holds of 100 ms or more since the last such line)"
+    )
+
+
+def test_it_excludes_other_threads_while_held():
+    lock = DecisionLock()
+    inside = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with lock:
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    inside.wait(5)
+    assert not lock.acquire(timeout=0.05)
+    release.set()
+    t.join(5)
+    assert lock.acquire(timeout=1)
+    lock.release()
