@@ -10,10 +10,10 @@ one chain of tests in order (`pytest_xdist_make_scheduler`, `chain_of`):
   and at most a DeepSpeed trainer of the tiny model, mostly waiting on Slurm's and the control plane's timers.
 
 Each chain's worker brings up a Slurm cluster of its own (tests/integration/conftest.py). The third worker takes
-the rest, at a lower CPU priority (``nice`` 10, its subprocesses too), so that the chains' timings are not what pays
-for the overlap. ``-n 0`` runs everything in one process. (Engines and Slurm split by folder, tests/engines against
-tests/integration, were tried as two chains: both then started real engines, and each ran about 1.6 times slower
-beside the other.)
+the rest. The engine chain is the wall time and runs at the normal CPU priority, the control chain at ``nice`` 5 and
+the rest at ``nice`` 10 (their subprocesses too): the overlap is paid by what waits most. ``-n 0`` runs everything
+in one process. (Engines and Slurm split by folder, tests/engines against tests/integration, were tried as two
+chains: both then started real engines, and each ran about 1.6 times slower beside the other.)
 
 Environment: whatever importing the test modules changed in ``os.environ`` is put back once collection ends
 (`pytest_collection_finish`). ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and
@@ -230,9 +230,12 @@ SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that 
 REAL_ENGINES = (
     "tests/integration/test_borrow_e2e.py",
     "tests/integration/test_elastic_e2e.py::test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router[grace-10s]",
+    "tests/integration/test_submitit_slurm.py::test_profile_on_a_slurm_node_starts_vllm_measures_and_stores",
     "tests/integration/test_weight_broadcast_slurm.py",
 )
-NICE = 10  # the CPU niceness of the other tests while the chains run beside them
+# CPU niceness: the engine chain's tests are the suite's wall time and get the cores first; the control chain's
+# mostly wait on timers; the rest (unit tests, the simulator's gate) take what is left
+NICE = {"engines": 0, "control": 5, None: 10}
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's xdist worker ("gw0", ...); None without xdist
 # this pytest run, inherited by every process its tests start (xdist's workers inherit the controller's): which
 # stray routers are this run's to stop (no_router_outlives_its_test), never another run's on the same machine
@@ -278,11 +281,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 @pytest.fixture(autouse=True)
 def _cpu_priority(request: pytest.FixtureRequest) -> None:
-    """Under xdist, a test outside the chains runs at niceness NICE; a chain's test at niceness 0 (raising it back
-    needs root, as in CI; without it, it stays lower)."""
+    """Under xdist, a test runs at its chain's niceness (NICE; raising it back needs root, as in CI; without it, it
+    stays lower)."""
     if WORKER is None:
         return
-    want = 0 if chain_of(request.node.nodeid) else NICE
+    want = NICE[chain_of(request.node.nodeid)]
     if os.getpriority(os.PRIO_PROCESS, 0) != want:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, want)
