@@ -210,7 +210,7 @@ class VllmWorker:
         """Drain, then sleep (level 1: on a GPU the weights go to host memory and the KV cache is freed),
         in the background. Idempotent: called again once asleep (every heartbeat that wants it parked), it turns
         away whatever reached the sleeping worker."""
-        if self._sleep_state == "SLEEPING" and not self._stopping:
+        if self._sleep_state == "SLEEPING" and not self._stopping and self.server.alive():
             self._turn_away()
         if self._sleep_state is not None or self._stopping:
             return
