@@ -179,6 +179,7 @@ class VllmWorker:
         self._stopping = False
         self._stopped = False
         self._sleep_state: str | None = None
+        self._turning_away = threading.Lock()  # held while a check of the parked worker for requests runs
         self.weight_version: str | None = None
         self.store: Path | None = weight_store(me)
         # started with the pearl_gloo receiver (pearlctl.trainer.broadcast.server_engine_args): the trainer may push
@@ -209,9 +210,11 @@ class VllmWorker:
     def park(self, drain_timeout: float) -> None:
         """Drain, then sleep (level 1: on a GPU the weights go to host memory and the KV cache is freed),
         in the background. Idempotent: called again once asleep (every heartbeat that wants it parked), it turns
-        away whatever reached the sleeping worker."""
+        away whatever reached the sleeping worker — in the background too, one check at a time, so that a server
+        slow to answer never holds up the heartbeat that called it."""
         if self._sleep_state == "SLEEPING" and not self._stopping and self.server.alive():
-            self._turn_away()
+            if self._turning_away.acquire(blocking=False):
+                threading.Thread(target=self._turn_away, name=f"turn-away-{self.key}", daemon=True).start()
         if self._sleep_state is not None or self._stopping:
             return
         self._sleep_state = "DRAINING"
@@ -230,7 +233,7 @@ class VllmWorker:
     def _turn_away(self) -> None:
         """A parked worker serves nothing. A request that reached it all the same (a router that had not yet
         taken it out) would wait in the sleeping engine for good: it is aborted, and its client continues it
-        elsewhere from the answer's tokens (pearlctl.router)."""
+        elsewhere from the answer's tokens (pearlctl.router). Runs holding ``_turning_away``, which it releases."""
         try:
             m = self.server.metrics(timeout=2.0)
             if m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0) > 0:
@@ -238,6 +241,8 @@ class VllmWorker:
                 log.warning("parked worker %s was sent %d request(s): aborted, to be continued elsewhere", self.key, n)
         except Exception as exc:  # asked again at the next heartbeat
             log.warning("could not check parked worker %s for requests: %s", self.key, exc)
+        finally:
+            self._turning_away.release()
 
     def unpark(self) -> None:
         """Wake a parked worker in the background (READY once awake and resumed). Idempotent."""
