@@ -42,6 +42,7 @@ from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.elastic import ElasticPool, elastic_view
 from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
+from pearlctl.daemon.slowlog import SlowLog
 from pearlctl.daemon.transitions import Executor
 from pearlctl.router.service import view as router_view
 from pearlctl.runfiles import ensure_secret, write_address
@@ -89,10 +90,6 @@ class DaemonRefused(Exception):
 
 # A Slurm command may take this long; the lease outlives it.
 SLURM_COMMAND_TIMEOUT_S = DEFAULT_TIMEOUT_S
-# A control-loop tick this long is logged with its phases (the target for a tick's p99 is 100 ms), in one line
-# at most every SLOW_TICK_LOG_S seconds.
-SLOW_TICK_S = 0.1
-SLOW_TICK_LOG_S = 10.0
 
 
 @dataclass
@@ -122,7 +119,7 @@ class DaemonStats:
     tick_cpu: Histogram = field(  # the CPU time of the control loop's thread in each tick
         default_factory=lambda: latency_histogram("pearl_daemon_tick_cpu_seconds", "control-loop tick thread CPU time")
     )
-    slow_ticks: int = 0  # ticks of SLOW_TICK_S or more
+    slow_ticks: int = 0  # ticks of 100 ms or more (pearlctl.daemon.slowlog), each logged with its phases
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
 
@@ -141,7 +138,7 @@ class Daemon:
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
         self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
         self._stop_lock = threading.Lock()
-        self._slow_logged_at, self._slow_said = float("-inf"), 0  # the last slow-tick line: when, and ticks it covered
+        self._slow_ticks = SlowLog("ticks")  # a slow tick's line: its phases and its thread's CPU time
         # the signal wakeup fd's two ends (install_signal_handlers); the stop thread reads the first
         self._signals: socket.socket | None = None
         self._signal_writer: socket.socket | None = None
@@ -298,32 +295,22 @@ class Daemon:
             took = time.monotonic() - t0
             self.stats.tick_seconds = [*self.stats.tick_seconds[-255:], took]
             self.stats.tick_duration.observe(took)
-            self.stats.tick_cpu.observe(time.thread_time() - cpu0)
-            if took >= SLOW_TICK_S:
-                self._slow_tick(took, time.thread_time() - cpu0, t0, marks)
+            cpu = time.thread_time() - cpu0
+            self.stats.tick_cpu.observe(cpu)
+            self._slow_ticks.note(took, lambda: self._tick_line(took, cpu, t0, marks))
+            self.stats.slow_ticks = self._slow_ticks.count
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
 
-    def _slow_tick(self, took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> None:
-        """A tick of SLOW_TICK_S or more: one warning with its phases' wall times and the thread's CPU time (a tick
-        slow with little CPU waited: for the decision lock, for SQLite's disk, for a core) — at most one every
-        SLOW_TICK_LOG_S, which counts the slow ticks it did not describe."""
-        self.stats.slow_ticks += 1
-        if t0 < self._slow_logged_at + SLOW_TICK_LOG_S:
-            return
+    @staticmethod
+    def _tick_line(took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> str:
+        """A slow tick's log line: its phases' wall times and its thread's CPU time (a tick slow with little CPU
+        waited: for the decision lock, for SQLite's disk, for a core)."""
         phases, last = [], t0
         for name, at in marks:
             phases.append(f"{name} {1000 * (at - last):.0f} ms")
             last = at
-        unsaid = self.stats.slow_ticks - self._slow_said - 1
-        log.warning(
-            "slow tick: %.0f ms (%s; its thread's CPU %.0f ms)%s",
-            1000 * took,
-            ", ".join(phases),
-            1000 * cpu,
-            f"; {unsaid} more slow ticks since the last such line" if unsaid else "",
-        )
-        self._slow_logged_at, self._slow_said = t0, self.stats.slow_ticks
+        return f"slow tick: {1000 * took:.0f} ms ({', '.join(phases)}; its thread's CPU {1000 * cpu:.0f} ms)"
 
     def _journal_error(self, source: str, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"[:2000]

@@ -308,8 +308,9 @@ def test_a_tick_that_raises_is_journaled_once_counted_and_the_loop_goes_on(db, m
 
 # -- a slow tick ----------------------------------------------------------------------------------------------
 def test_a_slow_tick_is_logged_with_its_phases_and_its_threads_cpu(db, monkeypatch, caplog):
-    """A tick of SLOW_TICK_S or more names where its time went: here it waited 0.3 s for the decision lock, held
-    by another thread (as a heartbeat's fold would) — a wait, not CPU; every tick's CPU time is in its histogram."""
+    """A tick of 100 ms or more (pearlctl.daemon.slowlog) names where its time went: here it waited 0.3 s for the
+    decision lock, held by another thread (as a heartbeat's fold would) — a wait, not CPU; every tick's CPU time is
+    in its histogram."""
     caplog.set_level("WARNING", logger="pearlctl.daemon")
     with running(db, FakeBackend(), monkeypatch) as (r, store):
         d = r.daemon
@@ -319,7 +320,7 @@ def test_a_slow_tick_is_logged_with_its_phases_and_its_threads_cpu(db, monkeypat
             time.sleep(0.15)
         wait(lambda: d.stats.slow_ticks >= 3, 5, "the slow ticks are counted")
         ticks = d.stats.ticks
-    assert sum("slow tick" in m for m in caplog.messages) == 1, caplog.messages  # one line per SLOW_TICK_LOG_S
+    assert sum("slow tick" in m for m in caplog.messages) == 1, caplog.messages  # one line per LOG_EVERY_S
     line = next(m for m in caplog.messages if "slow tick" in m)
     took = int(line.split("slow tick: ")[1].split(" ms")[0])
     cpu = int(line.split("its thread's CPU ")[1].split(" ms")[0])
