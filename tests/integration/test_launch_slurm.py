@@ -126,9 +126,16 @@ def test_a_real_preemption_shows_up_within_two_poll_intervals(pc, cluster, model
 
     (alloc, seen_at), *_ = wait_for(preempting, timeout=30, every=0.3)
     assert alloc["pool"] == "elastic"
-    lag = seen_at - alloc["preempted_at"]
-    print(f"preemption seen in status {lag:.2f}s after Slurm's PreemptTime (poll interval {POLL_S}s)")
-    assert lag <= 2 * POLL_S, f"preemption seen {lag:.1f}s after Slurm's PreemptTime"
+    # Measured from state, not from this test's CLI calls (each one several CPU-bound seconds on a busy
+    # machine): the journal row of the poll that saw it against Slurm's PreemptTime, which is whole seconds.
+    (seen,) = [
+        r
+        for r in pc.json("journal", "pre")
+        if r["entity"] == "allocations" and r["entity_id"] == str(alloc["id"]) and r["to_state"] == "PREEMPTING"
+    ]
+    lag = seen["ts"] - alloc["preempted_at"]
+    print(f"preemption journaled {lag:.2f}s after Slurm's PreemptTime (poll interval {POLL_S}s)")
+    assert lag <= 2 * POLL_S + 1, f"preemption journaled {lag:.1f}s after Slurm's PreemptTime"
 
     # after GraceTime the task is requeued (PENDING, restart 1); once the high job leaves it runs again
     def requeued():

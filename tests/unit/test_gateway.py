@@ -679,11 +679,13 @@ def test_no_worker_for_longer_than_retry_for_is_a_503_naming_time_attempts_and_l
             "/v1/completions", json={"prompt": "p", "stream": stream}, headers={**AUTH, "X-Pearl-Retry-For-S": "0.3"}
         )
         took = time.monotonic() - t0
-        assert resp.status_code == 503 and 0.3 <= took < 1.5
+        # gives up once retry_for has passed (10,000 scripted refusals at 50 ms would take over 8 minutes); the
+        # upper bound leaves room for a busy machine
+        assert resp.status_code == 503 and 0.3 <= took < 10
         err = resp.json()["error"]
         assert err["type"] == "pearl_retry_exhausted" and err["attempts"] > 3 and err["retry_for_s"] == 0.3
         assert "No available workers" in err["last_error"] and f"after {err['attempts']} attempt(s)" in err["message"]
-        assert 0.3 <= err["seconds"] < 1.5 and "retry_for_s 0.3" in err["message"]
+        assert 0.3 <= err["seconds"] <= took and "retry_for_s 0.3" in err["message"]
 
     run(scenario, backoff_max_s=0.05)
 

@@ -93,6 +93,7 @@ def test_membership_is_changed_and_answered_while_the_data_planes_loop_is_blocke
     control = ControlPlane(gateway, control_sock)
     control.start()
     answered: dict = {}
+    got_answer = threading.Event()
 
     def add_through_the_control_socket() -> None:
         t0 = time.monotonic()
@@ -100,6 +101,7 @@ def test_membership_is_changed_and_answered_while_the_data_planes_loop_is_blocke
             _url(control_sock) + "/pearl/workers", json={"url": worker, "weight_version": "7"}, headers=AUTH, timeout=30
         )
         answered.update(status=resp.status_code, doc=resp.json(), took=time.monotonic() - t0)
+        got_answer.set()
 
     async def data_plane() -> tuple[int, dict]:
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), log_level="warning", lifespan="off"))
@@ -108,7 +110,10 @@ def test_membership_is_changed_and_answered_while_the_data_planes_loop_is_blocke
             await asyncio.sleep(0.01)
         caller = threading.Thread(target=add_through_the_control_socket)
         caller.start()
-        time.sleep(3.0)  # the data plane's loop runs nothing for 3 s (a flood of turns, in the small)
+        # The data plane's loop runs nothing (a flood of turns, in the small) until the answer has come, or for
+        # 60 s: an answer that needed this loop could only come after it (no wall-clock bound to miss when the
+        # machine is busy).
+        got_answer.wait(60)
         blocked_for = dict(answered)
         caller.join(30)
         # the public socket's routes hand their work to the control plane and see the same members
@@ -126,7 +131,7 @@ def test_membership_is_changed_and_answered_while_the_data_planes_loop_is_blocke
         stand_in.stop()
     # answered while the data plane's loop was still blocked, and the router was told
     assert blocked_for.get("status") == 200, (blocked_for, answered)
-    assert blocked_for["took"] < 2.5 and blocked_for["doc"]["added"] is True, blocked_for
+    assert blocked_for["doc"]["added"] is True, blocked_for
     assert f"add {worker}" in stand_in.calls
     assert [w["url"] for w in listed["workers"]] == [worker] and listed["workers"][0]["weight_version"] == "7"
     assert removed == 200 and stand_in.routed == [] and f"remove {worker}" in stand_in.calls
