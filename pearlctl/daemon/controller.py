@@ -174,7 +174,8 @@ class Controller:
         self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
         self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
         # one decision at a time: HTTP threads and the control loop share state (reentrant: borrow() plans)
-        self.lock = DecisionLock()  # times its holds: a long one is logged with where it was taken
+        # times its holds: a long one is logged with where it was taken and how much of it was committing state
+        self.lock = DecisionLock(commits=store.commits_on_this_thread)
 
     # -- agents -----------------------------------------------------------------------------------
     def _allocation(self, job_id: str, task_id: int) -> dict:

@@ -119,6 +119,9 @@ class DaemonStats:
     tick_cpu: Histogram = field(  # the CPU time of the control loop's thread in each tick
         default_factory=lambda: latency_histogram("pearl_daemon_tick_cpu_seconds", "control-loop tick thread CPU time")
     )
+    commit_duration: Histogram = field(  # every commit of state by this daemon: the disk's latency under load
+        default_factory=lambda: latency_histogram("pearl_daemon_commit_duration_seconds", "state commit durations")
+    )
     slow_ticks: int = 0  # ticks of 100 ms or more (pearlctl.daemon.slowlog), each logged with its phases
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
@@ -134,6 +137,7 @@ class Daemon:
         self.url: str | None = None
         self.deposed: str | None = None  # why this daemon must stop: its lease is gone
         self.stats = DaemonStats()
+        store.on_commit = self.stats.commit_duration.observe
         self._server: uvicorn.Server | None = None
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
         self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
@@ -271,7 +275,7 @@ class Daemon:
 
     def _tick(self, controller: Controller, borrowing: Borrowing) -> bool:
         """One pass of the control loop; False when the run is over. Errors are isolated here."""
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, cpu0, commits0 = time.monotonic(), time.thread_time(), self.store.commits_on_this_thread()
         marks: list[tuple[str, float]] = []  # (phase, when it ended): a slow tick's log line says where it went
         try:
             if self.store.get_run(self.run_id)["state"] in RUN_OVER:
@@ -297,20 +301,27 @@ class Daemon:
             self.stats.tick_duration.observe(took)
             cpu = time.thread_time() - cpu0
             self.stats.tick_cpu.observe(cpu)
-            self._slow_ticks.note(took, lambda: self._tick_line(took, cpu, t0, marks))
+            commits = tuple(b - a for a, b in zip(commits0, self.store.commits_on_this_thread(), strict=True))
+            self._slow_ticks.note(took, lambda: self._tick_line(took, cpu, commits, t0, marks))
             self.stats.slow_ticks = self._slow_ticks.count
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
 
     @staticmethod
-    def _tick_line(took: float, cpu: float, t0: float, marks: list[tuple[str, float]]) -> str:
-        """A slow tick's log line: its phases' wall times and its thread's CPU time (a tick slow with little CPU
-        waited: for the decision lock, for SQLite's disk, for a core)."""
+    def _tick_line(
+        took: float, cpu: float, commits: tuple[int, float], t0: float, marks: list[tuple[str, float]]
+    ) -> str:
+        """A slow tick's log line: its phases' wall times, its thread's CPU time and its commits of state (a tick
+        slow with little CPU waited: for the decision lock, for SQLite's disk, for a core)."""
         phases, last = [], t0
         for name, at in marks:
             phases.append(f"{name} {1000 * (at - last):.0f} ms")
             last = at
-        return f"slow tick: {1000 * took:.0f} ms ({', '.join(phases)}; its thread's CPU {1000 * cpu:.0f} ms)"
+        n, in_commits = commits
+        return (
+            f"slow tick: {1000 * took:.0f} ms ({', '.join(phases)}; its thread's CPU {1000 * cpu:.0f} ms;"
+            f" {n:.0f} commits of state, {1000 * in_commits:.0f} ms in them)"
+        )
 
     def _journal_error(self, source: str, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"[:2000]

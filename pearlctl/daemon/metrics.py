@@ -16,7 +16,9 @@ Served by the daemon at ``GET /metrics`` (authenticated like every route: scrape
   daemon's life of its control-loop ticks and of the handling of each agent heartbeat (from its arrival to its
   answer, a long poll's hold left out): their p99 is the daemon's reaction time under load;
   ``pearl_daemon_tick_cpu_seconds``: the control loop's thread's CPU time in each tick (a tick much longer than
-  its CPU time waited: for the decision lock, the disk, a core — the daemon logs such a tick's phases)
+  its CPU time waited: for the decision lock, the disk, a core — the daemon logs such a tick's phases);
+  ``pearl_daemon_commit_duration_seconds``: each commit of state by the daemon (SQLite's COMMIT, which waits for
+  the disk with synchronous=FULL)
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class RunCollector:
             yield from self.controller.heartbeat_seconds.collect()
         yield from st.tick_duration.collect()
         yield from st.tick_cpu.collect()
+        yield from st.commit_duration.collect()
         durations = sorted(st.tick_seconds)
         quantiles = GaugeMetricFamily("pearl_daemon_tick_seconds", "recent tick durations", labels=["quantile"])
         for q in (0.5, 0.99):

@@ -83,6 +83,10 @@ class Store:
         self.readonly = readonly
         self._clock = clock
         self._lock = threading.RLock()
+        # each commit's wall time is given to this (the daemon's histogram of them), and counted per thread
+        # (``commits_on_this_thread``): a commit waits for the disk (synchronous=FULL)
+        self.on_commit: Callable[[float], None] | None = None
+        self._here = threading.local()
         # committed writes that changed a row, bookkeeping aside (``_write``): a reader compares it with the
         # value it last saw to learn cheaply whether anything may have changed since (the daemon's long polls)
         self.revision = 0
@@ -130,9 +134,20 @@ class Store:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            started = time.monotonic()
             conn.execute("COMMIT")
+            took = time.monotonic() - started
+            here = self._here
+            here.commits, here.commit_s = getattr(here, "commits", 0) + 1, getattr(here, "commit_s", 0.0) + took
+            if self.on_commit is not None:
+                self.on_commit(took)
             if not bookkeeping and conn.total_changes != before:
                 self.revision += 1
+
+    def commits_on_this_thread(self) -> tuple[int, float]:
+        """How many writes the calling thread committed, and the seconds their COMMITs took, over the store's
+        life: the difference across a slow tick or a long hold of the daemon's lock says how much was the disk."""
+        return getattr(self._here, "commits", 0), getattr(self._here, "commit_s", 0.0)
 
     def generation(self) -> tuple[int, int]:
         """Changes whenever anything a decision reads may have changed: a write of this store (``revision``;

@@ -388,6 +388,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "tick_p99_ms": p99_ms(metrics, "pearl_daemon_tick_duration_seconds"),
         "tick_cpu_p99_ms": p99_ms(metrics, "pearl_daemon_tick_cpu_seconds"),  # far below the tick's: it waited
         "heartbeat_p99_ms": p99_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),
+        "commit_p99_ms": p99_ms(metrics, "pearl_daemon_commit_duration_seconds"),  # the disk, under the engines' logs
         "driver_exit": driver.returncode,
         "batches": result.get("batches"),
         "cores_busy": cores,
@@ -405,15 +406,15 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
 def table(rows: list[dict]) -> str:
     head = (
         "| policy | live samples/s | simulated | live / sim | trajectories done / expected | continued turns "
-        "(tokens recomputed) | deadlines met / missed | preemptions, requeues | tick p99 | heartbeat p99 |"
+        "(tokens recomputed) | deadlines met / missed | preemptions, requeues | tick p99 | heartbeat p99 | commit p99 |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['policy']} | {r['samples_per_s']:.2f} | {r['sim_samples_per_s']:.2f} | {r['ratio']:.2f} | "
             f"{r['completed']} / {r['expected']} | {r['continued']} ({r['recomputed']}) | "
             f"{r['deadlines_met']} / {r['deadlines_missed']} | {r['preemptions']}, {r['requeues']} | "
-            f"{r['tick_p99_ms']:.0f} ms | {r['heartbeat_p99_ms']:.1f} ms |"
+            f"{r['tick_p99_ms']:.0f} ms | {r['heartbeat_p99_ms']:.1f} ms | {r['commit_p99_ms']:.1f} ms |"
         )
     return "\n".join(lines)
 
