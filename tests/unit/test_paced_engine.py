@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 from pearlctl.agent.engines import paced
 from pearlctl.agent.engines.vllm import parse_metrics
 from pearlctl.planner.profile import load
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
 
@@ -173,12 +173,14 @@ def test_pause_wait_finishes_what_runs_and_holds_what_arrives(client: TestClient
     box: list[dict] = []
     t = threading.Thread(target=lambda: box.append(complete(client, "running", 150)))
     t.start()
-    time.sleep(0.1)
+    # the server holds it (not a fixed sleep: on a busy machine the thread may not have sent it yet)
+    wait_for(lambda: client.get("/load").json()["server_load"] == 1, 30, every=0.02)
     assert client.post("/pause", params={"mode": "wait"}).status_code == 200  # returns once it finished
     assert box and box[0]["choices"][0]["finish_reason"] == "length"
     late: list[dict] = []
     t2 = threading.Thread(target=lambda: late.append(complete(client, "late", 5)))
     t2.start()
+    wait_for(lambda: client.get("/load").json()["server_load"] == 1, 30, every=0.02)  # arrived, and held
     time.sleep(0.2)
     assert not late and client.get("/is_paused").json() == {"is_paused": True}
     assert client.get("/load").json()["server_load"] == 1
