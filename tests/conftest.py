@@ -229,7 +229,6 @@ SERIAL = ("tests/engines/", "tests/integration/")  # node ids of the tests that 
 # control chain: their ranks mostly wait for batches.)
 REAL_ENGINES = (
     "tests/integration/test_borrow_e2e.py",
-    "tests/integration/test_elastic_e2e.py::test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router[grace-10s]",
     "tests/integration/test_submitit_slurm.py::test_profile_on_a_slurm_node_starts_vllm_measures_and_stores",
     "tests/integration/test_weight_broadcast_slurm.py",
 )

@@ -5,11 +5,13 @@ sending every turn through the router's one OpenAI-compatible endpoint.
 - The daemon grows the elastic pool from 1 task to 3 while a batch runs (policy ``elastic``: it wants every
   elastic GPU it can get) and shrinks it back when the batch ends: drain, then scancel. Sizing is the control
   plane's logic: paced engines and the paced trainer (pearlctl.trainer.paced) run it.
-- A high-priority job preempts an elastic task while its real vLLM worker serves: no episode is lost, the router
-  stops routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
-- The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task: these two
-  on the paced engine (docs/paced.md), since what they check is the control plane's (the engine dies or is
-  drained; vLLM's drain on a notice is the grace-10s case).
+- A high-priority job preempts an elastic task while its worker serves: no episode is lost, the router stops
+  routing to the worker before it dies, the pool shrinks in state, and the requeued task re-joins the router.
+- The same with a hard kill (a partition with GraceTime 0), and with ``scancel`` of a fixed rollout task. All three
+  on the paced engine (docs/paced.md), since what they check is the control plane's: the notice reaches the agent,
+  the worker leaves the router and is drained or dies, the episodes continue elsewhere. vLLM's own drain and abort
+  are tests/engines' (test_engine_contract.py, and the agent draining a leaving real worker under load in
+  test_pd_switch_daemon.py and test_crash_matrix_moves.py).
 
 The preemption and scancel tests are about the rollout side: their trainer task holds its GPUs with a
 placeholder process rather than training (the DeepSpeed ranks would only compete for the 2 cores).
@@ -234,9 +236,7 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
 @pytest.mark.parametrize("partition", ["preempt", "preempt0"], ids=["grace-10s", "grace-0-hard-kill"])
 def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_run, slurm_cluster, partition):
     pool = elastic_pool(nodes=2, max_nodes=2, partition=partition)
-    # a hard kill leaves the engine nothing to do: that case runs the paced engine (docs/paced.md), the drain on notice
-    # runs vLLM
-    run = make_run(f"pre{partition[-1]}", pool, steps=1, trainer=False, paced=partition == "preempt0")
+    run = make_run(f"pre{partition[-1]}", pool, steps=1, trainer=False, paced=True)
 
     def two_serving():
         doc = run.status()
@@ -306,7 +306,7 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
 
 def test_scancel_of_a_fixed_rollout_task_mid_step_loses_no_episode(make_run, slurm_cluster):
     # the control plane's side of a lost task (the router drops it, the gateway continues its turns elsewhere) on the
-    # paced engine; the drain of a real vLLM worker on a notice is the grace-10s preemption case above
+    # paced engine, as the preemption cases above
     run = make_run("cut", ROLLOUT2, steps=1, trainer=False, paced=True)
 
     def two_serving():

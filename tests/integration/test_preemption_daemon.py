@@ -1,7 +1,7 @@
 """A real Slurm preemption with the daemon running and every agent heartbeating at 10 Hz.
 
 The elastic task runs a worker on the paced engine (docs/paced.md: what is checked here is the daemon's and the
-agent's; a real vLLM worker draining on a notice is tests/integration/test_elastic_e2e.py's grace-10s case). A
+agent's; the agent draining a real vLLM worker is tests/engines/test_pd_switch_daemon.py's). A
 high-priority job preempts it: Slurm signals the batch shell, the agent drains the worker within the pool's notice
 while it keeps reporting, and the task is requeued and runs again. The daemon must stay up through it (the Slurm
 poller and the heartbeats both move the allocation's row), and the GPU and worker states must say what happened —

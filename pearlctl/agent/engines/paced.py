@@ -924,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        _, app = build(args)
+        paced, app = build(args)
     except Exception as exc:  # a profile that cannot be read: one line, not a traceback
         print(f"paced: {exc}", flush=True)
         return 2
@@ -943,6 +943,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.run()
+    e = paced.engine
+    # what it served, for a reader of its log (how evenly a router spread the load, for one)
+    log.info(
+        "paced engine stops: %d requests answered, %d prompt and %d generated tokens, %.1f s of requests in all",
+        e.e2e_count, e.prompt_tokens, e.generation_tokens, e.e2e_sum,
+    )  # fmt: skip
     return 0
 
 
