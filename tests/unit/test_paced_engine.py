@@ -147,8 +147,7 @@ def test_the_running_batch_is_capped_and_the_rest_wait() -> None:
         while parse_metrics(c.get("/metrics").text)["num_requests_waiting"] < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         c.post("/resume")
-        time.sleep(0.05)
-        m = parse_metrics(c.get("/metrics").text)
+        m = wait_for(lambda: (m := parse_metrics(c.get("/metrics").text))["num_requests_running"] and m, 10, every=0.01)
         assert m["num_requests_running"] == 2 and m["num_requests_waiting"] == 2, m
         for t in threads:
             t.join(30)
@@ -175,7 +174,9 @@ def test_pause_wait_finishes_what_runs_and_holds_what_arrives(client: TestClient
     t.start()
     # the server holds it (not a fixed sleep: on a busy machine the thread may not have sent it yet)
     wait_for(lambda: client.get("/load").json()["server_load"] == 1, 30, every=0.02)
-    assert client.post("/pause", params={"mode": "wait"}).status_code == 200  # returns once it finished
+    assert client.post("/pause", params={"mode": "wait"}).status_code == 200  # returns once it finished:
+    assert parse_metrics(client.get("/metrics").text)["generation_tokens_total"] == 150  # all its tokens
+    t.join(30)  # (its answer reaches the client's thread a moment later on a busy machine)
     assert box and box[0]["choices"][0]["finish_reason"] == "length"
     late: list[dict] = []
     t2 = threading.Thread(target=lambda: late.append(complete(client, "late", 5)))
