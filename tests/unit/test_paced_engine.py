@@ -41,6 +41,8 @@ def client_for(max_num_seqs: int | None = None, model: str = "tiny") -> TestClie
 def client() -> Iterator[TestClient]:
     with client_for() as c:
         yield c
+        # a test that failed while the engine was paused leaves requests held: the client's exit waits for them
+        c.post("/resume")
 
 
 def complete(c: TestClient, prompt, max_tokens: int, **extra) -> dict:
