@@ -232,6 +232,9 @@ REAL_ENGINES = (
     "tests/integration/test_submitit_slurm.py::test_profile_on_a_slurm_node_starts_vllm_measures_and_stores",
     "tests/integration/test_weight_broadcast_slurm.py",
 )
+# the last tests of their chain: the live PD switch keeps both cores decoding for minutes and is the test the other
+# chains slow down most (2.3 minutes alone, up to 5 beside them); they have mostly finished by the engine chain's end
+LAST_IN_CHAIN = ("tests/engines/test_pd_switch_daemon.py",)
 # CPU niceness: the engine chain's tests are the suite's wall time and get the cores first; the control chain's
 # mostly wait on timers; the rest (unit tests, the simulator's gate) take what is left
 NICE = {"engines": 0, "control": 5, None: 10}
@@ -247,6 +250,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for key in set(os.environ) - set(ENV_AT_START):
         del os.environ[key]
     os.environ.update(ENV_AT_START)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """LAST_IN_CHAIN's tests go last (a stable sort: every other order stays as collected)."""
+    items.sort(key=lambda item: item.nodeid.startswith(LAST_IN_CHAIN))
 
 
 def chain_of(nodeid: str) -> str | None:

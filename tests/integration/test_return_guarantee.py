@@ -53,8 +53,11 @@ class Run:
     def journal(self) -> list[dict]:
         return self.pc.json("journal", self.name)
 
-    def driver(self, run_id: str, tool_s: float = 8) -> subprocess.Popen:
-        """The reference driver, 16 episodes a step, 4 at a time, ``tool_s`` per tool call."""
+    def driver(self, run_id: str, tool_s: float = 12) -> subprocess.Popen:
+        """The reference driver, 16 episodes a step, 4 at a time, ``tool_s`` per tool call: a batch of about four
+        tool calls, 48 s, in which a cold borrow and its return as the daemon estimates them before it measured one
+        (27 and 5 s, 2 s of slack: pearlctl.daemon.borrowing, pearlctl.planner.budget) fit. (At 8 s a batch took
+        31-33 s: the greedy policy lent only when a busy machine made it longer, and a quiet run failed.)"""
         args = ["--run-dir", str(self.run_dir), "--run-id", run_id, "--out", str(self.run_dir / "rollouts"),
                 "--steps", str(STEPS), "--prompts", "4", "--group-size", "4", "--concurrency", "4",
                 "--tool-latency-s", str(tool_s), "--tool-latency-dist", "fixed"]  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import REAL_ENGINES, REPO, chain_of
+from tests.conftest import LAST_IN_CHAIN, REAL_ENGINES, REPO, chain_of
 
 
 def test_every_real_engine_entry_names_a_test_that_exists():
@@ -16,6 +16,11 @@ def test_every_real_engine_entry_names_a_test_that_exists():
             name = re.sub(r"\[.*\]$", "", test)
             assert re.search(rf"^def {name}\(", source, re.M), f"{entry}: no test {name} in {path}"
         assert chain_of(entry) == "engines"
+
+
+def test_every_last_in_chain_entry_is_a_file_of_a_chain():
+    for entry in LAST_IN_CHAIN:
+        assert (REPO / entry).is_file() and chain_of(entry) is not None, entry
 
 
 def test_the_chains():
