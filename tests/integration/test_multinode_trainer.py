@@ -8,8 +8,9 @@ weight reload included, is tests/integration/test_borrow_e2e.py's), the daemon a
   agreement spans both nodes), the rollout worker runs on the lent GPU's node only, and it comes back with
   every deadline met. It loads each new version from its node's weight store in shared memory, which the
   trainer's ranks on that node wrote, never from the shared disk (its agent's log says where from).
-- A preemption requeues the whole job (a high-priority job takes one of its nodes): both nodes stop, the
-  ranks checkpoint jointly on the notice, and the requeued job resumes at the step after the checkpoint.
+- A preemption requeues the whole job (a high-priority job takes one of its nodes, borrowing turned off and nothing
+  lent by then): both nodes stop, the ranks checkpoint jointly on the notice, and the requeued job resumes at the
+  step after the checkpoint.
 """
 
 from __future__ import annotations
@@ -85,7 +86,16 @@ def test_a_two_node_trainer_trains_as_one_job_lends_one_node_and_resumes_after_a
             return {"borrow", "return"} <= done and steps
 
         wait_for(lent_and_back, 900, every=2)
-        doc = pc.json("status", "mn")
+        # the preemption under test comes while nothing is lent: the greedy policy would lend again at once, and a
+        # GPU lent as the job is preempted is returned only to the requeued trainer (its deadline judged missed)
+        pc("borrow", "mn", "--policy", "never")
+
+        def nothing_lent():
+            d = pc.json("status", "mn")
+            moving = any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in d["transitions"])
+            return not moving and not any(g["borrowed"] for g in d["gpus"]) and d
+
+        doc = wait_for(nothing_lent, 120, every=1)
         rollout_nodes = {a["node"] for a in doc["allocations"] if a["pool"] == "rollout"}
         victim = next(
             a["node"] for a in doc["allocations"] if a["pool"] == "trainer" and a["node"] not in rollout_nodes
