@@ -301,7 +301,8 @@ class Daemon:
             self.stats.tick_duration.observe(took)
             cpu = time.thread_time() - cpu0
             self.stats.tick_cpu.observe(cpu)
-            commits = tuple(b - a for a, b in zip(commits0, self.store.commits_on_this_thread(), strict=True))
+            (n0, s0), (n1, s1) = commits0, self.store.commits_on_this_thread()
+            commits = (n1 - n0, s1 - s0)
             self._slow_ticks.note(took, lambda: self._tick_line(took, cpu, commits, t0, marks))
             self.stats.slow_ticks = self._slow_ticks.count
         controller.notify()  # desired state may have changed: long-polling agents look now
@@ -320,7 +321,7 @@ class Daemon:
         n, in_commits = commits
         return (
             f"slow tick: {1000 * took:.0f} ms ({', '.join(phases)}; its thread's CPU {1000 * cpu:.0f} ms;"
-            f" {n:.0f} commits of state, {1000 * in_commits:.0f} ms in them)"
+            f" {n} commits of state, {1000 * in_commits:.0f} ms in them)"
         )
 
     def _journal_error(self, source: str, exc: BaseException) -> None:

@@ -326,5 +326,6 @@ def test_a_slow_tick_is_logged_with_its_phases_and_its_threads_cpu(db, monkeypat
     cpu = int(line.split("its thread's CPU ")[1].split(" ms")[0])
     assert took >= 150 and cpu < took / 2, line  # the tick began within its 0.1-s interval of the hold
     assert all(phase in line for phase in ("check_agents", "lock wait", "transitions and policy")), line
+    assert " commits of state, " in line and line.endswith(" ms in them)"), line  # what of it was the disk
     counted = next(s for s in d.stats.tick_cpu.collect()[0].samples if s.name.endswith("_count"))
     assert counted.value >= ticks
