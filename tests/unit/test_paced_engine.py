@@ -172,12 +172,16 @@ def test_a_next_turn_finds_the_previous_turns_tokens_in_the_prefix_cache(client:
 
 def test_pause_wait_finishes_what_runs_and_holds_what_arrives(client: TestClient) -> None:
     box: list[dict] = []
-    t = threading.Thread(target=lambda: box.append(complete(client, "running", 150)))
+    t = threading.Thread(target=lambda: box.append(complete(client, "running", 400)))
     t.start()
-    # the server holds it (not a fixed sleep: on a busy machine the thread may not have sent it yet)
-    wait_for(lambda: client.get("/load").json()["server_load"] == 1, 30, every=0.02)
+
+    def running() -> bool:  # admitted and decoding (not a fixed sleep: on a busy machine it may not even be sent)
+        m = parse_metrics(client.get("/metrics").text)
+        return m["num_requests_running"] == 1 or m["generation_tokens_total"] > 0
+
+    wait_for(running, 30, every=0.02)
     assert client.post("/pause", params={"mode": "wait"}).status_code == 200  # returns once it finished:
-    assert parse_metrics(client.get("/metrics").text)["generation_tokens_total"] == 150  # all its tokens
+    assert parse_metrics(client.get("/metrics").text)["generation_tokens_total"] == 400  # all its tokens
     t.join(30)  # (its answer reaches the client's thread a moment later on a busy machine)
     assert box and box[0]["choices"][0]["finish_reason"] == "length"
     late: list[dict] = []
