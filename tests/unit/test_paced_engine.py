@@ -41,7 +41,9 @@ def client_for(max_num_seqs: int | None = None, model: str = "tiny") -> TestClie
 def client() -> Iterator[TestClient]:
     with client_for() as c:
         yield c
-        # a test that failed while the engine was paused leaves requests held: the client's exit waits for them
+        # a test that failed while the engine was paused leaves requests held, and the client's exit waits for every
+        # request in flight: end them (answered "abort") and resume
+        c.post("/abort_requests", json={})
         c.post("/resume")
 
 
