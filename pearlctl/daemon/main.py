@@ -122,9 +122,14 @@ class DaemonStats:
     commit_duration: Histogram = field(  # every commit of state by this daemon: the disk's latency under load
         default_factory=lambda: latency_histogram("pearl_daemon_commit_duration_seconds", "state commit durations")
     )
-    slow_ticks: int = 0  # ticks of 100 ms or more (pearlctl.daemon.slowlog), each logged with its phases
+    # ticks of 100 ms or more (pearlctl.daemon.slowlog): counted, and logged with their phases
+    slow_tick_log: SlowLog = field(default_factory=lambda: SlowLog("ticks"), repr=False)
     last_tick_at: float = 0.0
     last_poll_at: float = 0.0
+
+    @property
+    def slow_ticks(self) -> int:
+        return self.slow_tick_log.count
 
 
 class Daemon:
@@ -142,7 +147,6 @@ class Daemon:
         self._errors: dict[str, str] = {}  # last error journaled per source ("tick", "poll"), to journal changes only
         self._stop_recorded = False  # "daemon stopped" journaled and the lease released (once)
         self._stop_lock = threading.Lock()
-        self._slow_ticks = SlowLog("ticks")  # a slow tick's line: its phases and its thread's CPU time
         # the signal wakeup fd's two ends (install_signal_handlers); the stop thread reads the first
         self._signals: socket.socket | None = None
         self._signal_writer: socket.socket | None = None
@@ -303,8 +307,7 @@ class Daemon:
             self.stats.tick_cpu.observe(cpu)
             (n0, s0), (n1, s1) = commits0, self.store.commits_on_this_thread()
             commits = (n1 - n0, s1 - s0)
-            self._slow_ticks.note(took, lambda: self._tick_line(took, cpu, commits, t0, marks))
-            self.stats.slow_ticks = self._slow_ticks.count
+            self.stats.slow_tick_log.note(took, lambda: self._tick_line(took, cpu, commits, t0, marks))
         controller.notify()  # desired state may have changed: long-polling agents look now
         return True
 

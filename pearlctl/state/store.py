@@ -137,8 +137,8 @@ class Store:
             started = time.monotonic()
             conn.execute("COMMIT")
             took = time.monotonic() - started
-            here = self._here
-            here.commits, here.commit_s = getattr(here, "commits", 0) + 1, getattr(here, "commit_s", 0.0) + took
+            commits, commit_s = self.commits_on_this_thread()
+            self._here.commits, self._here.commit_s = commits + 1, commit_s + took
             if self.on_commit is not None:
                 self.on_commit(took)
             if not bookkeeping and conn.total_changes != before:

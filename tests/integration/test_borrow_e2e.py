@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.runfiles import read_address
+from pearlctl.state.machines import OPEN_TRANSITION_STATES
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PLACEHOLDER
 from tests.integration.conftest import spec_run
@@ -153,7 +154,7 @@ def e2e(slurm_cluster, tmp_path):
 def serving_lent(pc: Pearlctl, name: str) -> list[dict]:
     """Lent GPUs whose borrow is DONE (the vLLM worker on them serves), and no transition is moving."""
     doc = pc.json("status", name)
-    moving = any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in doc["transitions"])
+    moving = any(t["state"] in OPEN_TRANSITION_STATES for t in doc["transitions"])
     borrowed = any(t["kind"] == "borrow" and t["state"] == "DONE" for t in doc["transitions"])
     lent = [g for g in doc["gpus"] if g["borrowed"]]
     return lent if borrowed and not moving else []

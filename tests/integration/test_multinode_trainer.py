@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from pearlctl.state.machines import OPEN_TRANSITION_STATES
 from tests.conftest import REPO, wait_for
 from tests.engines.conftest import PACED_RUN
 from tests.integration.conftest import spec_run
@@ -92,7 +93,7 @@ def test_a_two_node_trainer_trains_as_one_job_lends_one_node_and_resumes_after_a
 
         def nothing_lent():
             d = pc.json("status", "mn")
-            moving = any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in d["transitions"])
+            moving = any(t["state"] in OPEN_TRANSITION_STATES for t in d["transitions"])
             return not moving and not any(g["borrowed"] for g in d["gpus"]) and d
 
         doc = wait_for(nothing_lent, 120, every=1)
