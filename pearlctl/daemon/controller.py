@@ -275,7 +275,8 @@ class Controller:
         with self.lock:
             passes = self.long_polls.passes
             self.heartbeats["folded"] += 1
-            desired, changed = self._fold(alloc_id, body)
+            with self.store.atomic():  # one commit for the whole report: one wait for the disk, not one a row
+                desired, changed = self._fold(alloc_id, body)
             if body.leaving:
                 self._answered.pop(alloc_id, None)
                 self.wake.set()  # its GPUs left: the control loop looks now

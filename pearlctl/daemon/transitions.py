@@ -118,11 +118,12 @@ class Executor:
         from_role, to_role = from_role or default_from, to_role or default_to
         if from_role is None or to_role is None:
             raise ValueError(f"a {kind} transition needs from_role and to_role")
-        tid = self.store.add_transition(
-            run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
-        )
-        if detail:
-            self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail)
+        with self.store.atomic():  # the transition and its detail land together: a plan is never half written
+            tid = self.store.add_transition(
+                run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
+            )
+            if detail:
+                self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail)
         return tid
 
     def open_transitions(self) -> list[dict]:

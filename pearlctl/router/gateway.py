@@ -846,6 +846,10 @@ class Gateway:
                 "attempts_pd",
             )
         }
+        # where a non-streamed turn's time went, summed over the completed ones: from its arrival to its answer,
+        # and the part of it its attempts waited for vllm-router (the rest is this process: backoff, queueing
+        # for the event loop, parsing)
+        self.seconds = {"turns": 0.0, "upstream": 0.0}
         self._key = config.key.encode()
         self.tokenizers = Tokenizers()  # for the text of continued turns (pearlctl.router.text)
         self._model_roots: dict[str, str] = {}  # served model name -> its directory (``root`` in /v1/models)
@@ -1073,11 +1077,14 @@ class Gateway:
             turn.attempts += 1
             since = self.members.mark()
             try:
+                sent = time.monotonic()
                 with self._through(turn.session) as base:
                     resp = await self.http.post(base + path, content=orjson.dumps(body), headers=headers)
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
                 continue
+            finally:
+                self.seconds["upstream"] += time.monotonic() - sent
             if resp.status_code != 200:
                 if self._refusal(resp.status_code):
                     raise _Refused(resp.status_code, resp.content, resp.headers.get("content-type"))
@@ -1261,6 +1268,7 @@ class Gateway:
             return error(exc.status, str(exc), "invalid_request_error")
         headers = self.upstream_headers(request, session)
         if not turn.stream:
+            arrived = time.monotonic()
             try:
                 doc = await self.complete(turn, headers)
             except _Refused as exc:
@@ -1271,6 +1279,7 @@ class Gateway:
                 log.warning("gave up: %s", exc)
                 return exc.response()
             self._count(turn)
+            self.seconds["turns"] += time.monotonic() - arrived
             return OrjsonResponse(doc)
         gen = self.stream(turn, headers) if turn.continuable else self.stream_whole(turn, headers)
         try:
@@ -1701,7 +1710,10 @@ class Gateway:
         refused = self.check_key(request)
         if refused is not None:
             return refused
-        return JSONResponse({**self.stats, "members": len(self.members.by_url), "pd": dict(self.pd_info)})
+        seconds = {k: round(v, 3) for k, v in self.seconds.items()}
+        return JSONResponse(
+            {**self.stats, "seconds": seconds, "members": len(self.members.by_url), "pd": dict(self.pd_info)}
+        )
 
 
 def _parse(model: type[BaseModel], doc: dict) -> Any:

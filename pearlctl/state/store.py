@@ -119,14 +119,26 @@ class Store:
 
     @contextmanager
     def _write(self, *, bookkeeping: bool = False) -> Iterator[sqlite3.Connection]:
-        """The one way to write: a ``BEGIN IMMEDIATE`` transaction, committed or rolled back whole. A commit
-        that changed rows counts in ``revision`` unless it is ``bookkeeping`` (heartbeat times, progress
-        counts: facts no desired state is derived from)."""
+        """The one way to write: a ``BEGIN IMMEDIATE`` transaction, committed or rolled back whole (inside
+        ``atomic``, a savepoint of its transaction). A write that changed rows counts in ``revision`` unless it
+        is ``bookkeeping`` (heartbeat times, progress counts: facts no desired state is derived from)."""
         if self.readonly:
             raise ReadOnlyStore("this store was opened read-only; only the daemon writes state")
         with self._lock:
             conn = self._conn
             before = conn.total_changes
+            if getattr(self._here, "atomic", False):  # inside ``atomic``: a savepoint of its transaction
+                conn.execute("SAVEPOINT write")
+                try:
+                    yield conn
+                except BaseException:
+                    conn.execute("ROLLBACK TO write")
+                    conn.execute("RELEASE write")
+                    raise
+                conn.execute("RELEASE write")
+                if not bookkeeping and conn.total_changes != before:
+                    self.revision += 1  # this thread's next read sees the write (the cache is keyed on it)
+                return
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -134,15 +146,47 @@ class Store:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            started = time.monotonic()
-            conn.execute("COMMIT")
-            took = time.monotonic() - started
-            commits, commit_s = self.commits_on_this_thread()
-            self._here.commits, self._here.commit_s = commits + 1, commit_s + took
-            if self.on_commit is not None:
-                self.on_commit(took)
+            self._commit(conn)
             if not bookkeeping and conn.total_changes != before:
                 self.revision += 1
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """The writes made inside, on this thread, as one transaction: each is still its own guarded write (a
+        failed one raises and undoes only itself), and they commit together at the end — one commit, one wait
+        for the disk, instead of one each — or, if the block raises, not at all. For writes that record facts
+        with no effect outside state between them (an agent's report folded in); a step's intent must commit
+        before its effect, so never around one. Other threads' writes and reads on this store wait until the
+        block ends; a nested ``atomic`` joins the outer one."""
+        if self.readonly:
+            raise ReadOnlyStore("this store was opened read-only; only the daemon writes state")
+        with self._lock:
+            if getattr(self._here, "atomic", False):
+                yield
+                return
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            self._here.atomic = True
+            try:
+                yield
+                self._here.atomic = False
+                self._commit(conn)  # its writes counted in ``revision`` as they were made
+            except BaseException:
+                self._here.atomic = False
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                self.revision += 1  # rows read inside the block may be cached: they were never committed
+                raise
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
+        """COMMIT, timed (``on_commit``, ``commits_on_this_thread``)."""
+        started = time.monotonic()
+        conn.execute("COMMIT")
+        took = time.monotonic() - started
+        commits, commit_s = self.commits_on_this_thread()
+        self._here.commits, self._here.commit_s = commits + 1, commit_s + took
+        if self.on_commit is not None:
+            self.on_commit(took)
 
     def commits_on_this_thread(self) -> tuple[int, float]:
         """How many writes the calling thread committed, and the seconds their COMMITs took, over the store's

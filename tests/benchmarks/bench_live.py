@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from pearlctl.daemon.borrowing import REDECIDE_S  # noqa: E402
 from pearlctl.planner import profile as profiles  # noqa: E402
+from pearlctl.router import service as router_service  # noqa: E402
 from pearlctl.runfiles import read_address, read_secret  # noqa: E402
 from pearlctl.sim import run as simrun  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
@@ -344,6 +345,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "--speedup", str(args.speedup), "--control-interval-s", str(REDECIDE_S), "--notice-s", str(GRACE_S),
         "--steps", str(args.steps), "--run-dir", str(run_dir), "--run-id", run_id, "--out", str(run_dir / "rollouts"),
         "--weights", str(run_dir / "trainer" / "weights"), "--procs", str(args.procs),
+        "--trace", str(run_dir / "logs" / "trajectories.jsonl"),
     ]  # fmt: skip
     meter = CpuMeter()
     meter.start()
@@ -393,6 +395,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "batches": result.get("batches"),
         "cores_busy": cores,
     }
+    out["turn_seconds"] = turn_seconds(run_dir)
     live.pc("cancel", live.name, check=False)
     address = read_address(run_dir)
     if address:
@@ -400,6 +403,27 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
             os.kill(address["pid"], signal.SIGTERM)
         except ProcessLookupError:
             pass
+    return out
+
+
+def turn_seconds(run_dir: Path) -> dict:
+    """Where the turns' time went, summed over every turn of the run: the driver's round trips (its trace), the
+    gateway's time from a turn's arrival to its answer and the part of it spent waiting for vllm-router
+    (``/pearl/stats``). Each engine's own (from a request's arrival to its last token) is in its log's last line
+    when it stops."""
+    out: dict = {}
+    trace = run_dir / "logs" / "trajectories.jsonl"
+    if trace.exists():
+        turns = [t for line in trace.read_text().splitlines() for t in json.loads(line)["turns"]]
+        out["driver"], out["turns"] = round(sum(t[1] for t in turns), 1), len(turns)
+    record = router_service.read_record(run_dir)
+    if record is not None:
+        headers = {"Authorization": f"Bearer {router_service.read_key(run_dir)}"}
+        try:
+            stats = httpx.get(record.url + "/pearl/stats", headers=headers, timeout=30).json()
+            out["gateway"], out["upstream"] = stats["seconds"]["turns"], stats["seconds"]["upstream"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            out["gateway_error"] = str(exc)
     return out
 
 

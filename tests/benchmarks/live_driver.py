@@ -25,7 +25,9 @@ paced trainer (pearlctl.trainer.paced) waits for.
 Prints one JSON line at the end: trajectories expected and done, turns, tokens decoded, tokens recomputed
 after continuations (the context re-prefilled on another worker), continued and retried turns, and per batch
 its launch and end (unix seconds). A trajectory that fails (its turn exhausted the client's bound) fails the
-driver: exit status 1 and a ``rollout failed`` line, never a short batch.
+driver: exit status 1 and a ``rollout failed`` line, never a short batch. With ``--trace FILE`` it also writes one
+JSON line per trajectory: its start and end (unix seconds) and per turn when it was sent (seconds after the
+start), its round trip, its tokens, the worker that finished it, and the tool latency asked for and slept.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 # -- the episodes, in a child process ------------------------------------------------------------------------
-def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int) -> None:
+def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced: bool) -> None:
     import httpx
 
     from pearlctl.router.client import RolloutClient, TurnFailed
@@ -87,6 +89,8 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int) -> None
         prompt = ids(spec["seed"], spec["prompt"])
         ctx = len(prompt)
         decoded = recomputed = continued = retried = turns = 0
+        t0 = time.time()
+        trace: list[list] = []  # per turn: sent (s after t0), its round trip (s), tokens, worker, tool asked, slept
         try:
             for k in range(spec["turns"]):
                 if k > 0:
@@ -97,7 +101,9 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int) -> None
                 if left < 1:
                     break
                 outbox.put(("turn", ep, ctx))
+                sent = time.time()
                 c = client.complete(f"t{ep}", prompt, max_tokens=left, temperature=1.0, extra={"ignore_eos": True})
+                trace.append([round(sent - t0, 4), round(time.time() - sent, 4), c.tokens, c.worker, 0.0, 0.0])
                 turns += 1
                 decoded += c.tokens
                 continued += 1 if c.continued else 0
@@ -111,7 +117,13 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int) -> None
                 if k + 1 >= spec["turns"] or ctx >= cap - 1:
                     break
                 outbox.put(("tool", ep, k + 1, ctx, c.tokens))
+                slept = time.time()
                 time.sleep(float(spec["tool_latency"][k]))
+                trace[-1][4:] = [round(float(spec["tool_latency"][k]), 4), round(time.time() - slept, 4)]
+            if traced:
+                outbox.put(
+                    ("trace", ep, {"ep": ep, "start": round(t0, 4), "end": round(time.time(), 4), "turns": trace})
+                )
             outbox.put(("done", ep, turns, decoded, recomputed, continued, retried))
         except TurnFailed as exc:
             outbox.put(("failed", ep, str(exc)))
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="where step-NNNNNN.jsonl batches go")
     ap.add_argument("--weights", required=True, type=Path, help="the trainer's weights directory (its LATEST)")
     ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--trace", type=Path, default=None, help="a JSON line per trajectory: its turns' timing")
     args = ap.parse_args(argv)
 
     from pearlctl.router.client import RolloutClient
@@ -233,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     outbox: mp.Queue = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(args.procs)]
     per_proc = -(-batch * (1 + (s.training.staleness if s.training.mode == "async" else 0)) // args.procs)
-    procs = [ctx.Process(target=child, args=(args.run_dir, q, outbox, per_proc + 8), daemon=True) for q in inboxes]
+    procs = [
+        ctx.Process(target=child, args=(args.run_dir, q, outbox, per_proc + 8, args.trace is not None), daemon=True)
+        for q in inboxes
+    ]
     for p in procs:
         p.start()
 
@@ -280,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, args.out / f"step-{j + 1:06d}.jsonl")
 
     threading.Thread(target=progress, daemon=True).start()
+    traces = args.trace.open("w") if args.trace else None
     launched = 0
     steps = s.steps
     try:
@@ -296,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             while event is not None:
                 if event[0] == "failed":
                     failed.append(f"trajectory {event[1]}: {event[2]}")
+                elif event[0] == "trace":
+                    traces.write(json.dumps(event[2]) + "\n")
                 elif (result := traj.event(event)) is not None:
                     finished(event[1], result)
                 try:
@@ -304,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                     event = None
     finally:
         stop.set()
+        if traces:
+            traces.close()
         for q in inboxes:
             q.put(None)
     client.report_progress(steps, work=None)

@@ -662,3 +662,63 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
 
     store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=new)
     assert store.journal()[-1]["epoch"] == new
+
+
+# -- atomic: several guarded writes, one commit ---------------------------------------------------------------
+def _gpu_states(store: Store, run_id: str) -> list[str]:
+    return [g["state"] for g in store.gpus(run_id)]
+
+
+def test_atomic_commits_its_writes_once_and_together(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    run_id = new_run(store)
+    alloc = store.allocations(run_id)[0]["id"]
+    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    gpus = store.gpus(run_id)
+    outside = Store.open(tmp_path / "state.db", readonly=True)
+    commits = store.commits_on_this_thread()[0]
+    with store.atomic():
+        for g in gpus:
+            store.set_state("gpus", g["id"], expect=g["state"], to="DRAINING", event="drain")
+            # this thread reads its own writes at once (the cached whole-run read is refreshed)...
+        assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]
+        # ...another connection sees none of them before the block ends
+        assert _gpu_states(outside, run_id) == [g["state"] for g in gpus]
+        assert store.commits_on_this_thread()[0] == commits
+    assert store.commits_on_this_thread()[0] == commits + 1
+    assert _gpu_states(outside, run_id) == ["DRAINING", "DRAINING"]
+    assert [j["event"] for j in store.journal(run_id)][-2:] == ["drain", "drain"]  # each write still journals
+    outside.close()
+    store.close()
+
+
+def test_a_refused_write_inside_atomic_undoes_only_itself(store: Store) -> None:
+    run_id = new_run(store)
+    alloc = store.allocations(run_id)[0]["id"]
+    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    first, second = store.gpus(run_id)
+    with store.atomic():
+        store.set_state("gpus", first["id"], expect=first["state"], to="DRAINING", event="drain")
+        with pytest.raises(StaleWrite):
+            store.set_state("gpus", second["id"], expect="DRAINING", to="GONE", event="gone")
+        with store.atomic():  # a nested block joins the outer one
+            store.set_state("gpus", second["id"], expect=second["state"], to="DRAINING", event="drain")
+    assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]
+    assert "gone" not in [j["event"] for j in store.journal(run_id)]
+
+
+def test_an_error_leaving_atomic_rolls_every_write_back(store: Store) -> None:
+    run_id = new_run(store)
+    alloc = store.allocations(run_id)[0]["id"]
+    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    before, journal = _gpu_states(store, run_id), len(store.journal(run_id))
+    with pytest.raises(RuntimeError, match="midway"), store.atomic():
+        for g in store.gpus(run_id):
+            store.set_state("gpus", g["id"], expect=g["state"], to="DRAINING", event="drain")
+        assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]  # read, and cached, inside the block
+        raise RuntimeError("midway")
+    assert _gpu_states(store, run_id) == before  # not the rows cached inside the rolled-back block
+    assert len(store.journal(run_id)) == journal
+    store.set_state(
+        "gpus", store.gpus(run_id)[0]["id"], expect=before[0], to="DRAINING", event="drain"
+    )  # writable again
