@@ -29,6 +29,7 @@ Time is injectable (``clock``: unix seconds, ``sleep``) so tests run the back-of
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -53,6 +54,8 @@ RETRIED_STATUSES = (502, 503, 504)  # the gateway unreachable behind a proxy, or
 # The simulator's drivers wait as long (pearlctl/sim/scenario.py JOIN_WAIT_S; tests/unit/test_sim_run.py
 # checks that the two agree).
 JOIN_WAIT_S = 15.0
+POOLS = 16  # connection pools to the gateway, used in turn (RolloutClient.__init__ says why)
+POOL_KEEPALIVE = 64  # idle connections each pool keeps
 JOIN_POLL_S = 0.2
 
 
@@ -148,7 +151,25 @@ class RolloutClient:
         if control is None and run_dir and run_id:
             control = ControlClient(run_dir, run_id)
         self._control = control
-        self._http = http if http is not None else httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+        if http is not None:
+            self._pools = [http]
+        else:
+            # Episodes run on many threads at once. One httpx pool would serialise them: httpcore 1.0's pool
+            # takes one lock and scans every connection it holds to assign or release each request
+            # (encode/httpcore#1035) — a rollout of ~600 turns in flight per process spent a third of its turns
+            # queued on that lock (docs/benchmarks.md). Several pools, one per request in turn, as the gateway's
+            # upstream (pearlctl/router/gateway.py); no cap on connections (httpx's default, 100, would queue
+            # turns beyond the 100th): the caller's threads bound them.
+            tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle again
+            self._pools = [
+                httpx.Client(
+                    verify=tls,
+                    timeout=httpx.Timeout(timeout, connect=10.0),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=POOL_KEEPALIVE),
+                )
+                for _ in range(POOLS)
+            ]
+        self._next_pool = itertools.cycle(self._pools)
         self._clock, self._sleep = clock, sleep
         self._endpoint: tuple[str, str] | None = None
         self._workers: list[dict] = []
@@ -157,8 +178,14 @@ class RolloutClient:
         self._lock = threading.Lock()
         self.counts = {"queued": 0, "generating": 0, "tool_wait": 0, "done": 0, "tokens": 0}
 
+    @property
+    def _http(self) -> httpx.Client:
+        """The connection pool of the next request (the pools in turn)."""
+        return next(self._next_pool)
+
     def close(self) -> None:
-        self._http.close()
+        for pool in self._pools:
+            pool.close()
         if self._control is not None:
             self._control.close()
 

@@ -74,15 +74,9 @@ def ids(seed: int, n: int) -> list[int]:
 
 # -- the episodes, in a child process ------------------------------------------------------------------------
 def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced: bool) -> None:
-    import httpx
-
     from pearlctl.router.client import RolloutClient, TurnFailed
 
-    http = httpx.Client(
-        timeout=httpx.Timeout(1800.0, connect=10.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=threads),
-    )
-    client = RolloutClient(run_dir, http=http, retry_for_s=600.0)
+    client = RolloutClient(run_dir, retry_for_s=600.0)
 
     def episode(spec: dict) -> None:
         ep, cap = spec["ep"], spec["cap"]

@@ -527,3 +527,49 @@ def test_stop_after_a_complete_drain_does_not_abort_and_honours_the_timeout(monk
     vllm_worker(server, monkeypatch).stop(8.0)
     assert [c for c, _ in server.calls] == ["drain", "stop"]
     assert server.now <= 8.0
+
+
+def test_more_turns_than_a_single_pool_would_take_are_in_flight_at_once() -> None:
+    """Episodes on many threads share one client: 150 turns sent at once all reach the gateway together (a
+    real HTTP server on loopback that answers none until all 150 are there), where one httpx pool with its
+    default limits would hold the 101st back until an answer came — and none would come."""
+    import http.server
+    import threading
+
+    n = 150
+    here = threading.Barrier(n + 1)
+    body = answer().content
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            try:
+                here.wait(timeout=20)  # every turn in flight at once, or a broken barrier
+            except threading.BrokenBarrierError:
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = RolloutClient(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key=KEY, model="m", retry_for_s=1)
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            turns = [pool.submit(client.complete, f"s{i}", [1, 2], max_tokens=2) for i in range(n)]
+            here.wait(timeout=30)  # raises if fewer than 150 arrived together
+            assert [t.result(timeout=30).token_ids for t in turns] == [[7, 8]] * n
+    finally:
+        client.close()
+        server.shutdown()
