@@ -969,7 +969,7 @@ class Controller:
         heartbeats may have waited on that same lock, so for one loss window from then an agent may be silent
         that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
         still found, a loss window plus the stall later."""
-        with self.lock:
+        with self.lock, self.store.atomic():  # facts only, no effect between them: one commit for all
             # heartbeats note their time without the lock: read a copy, never swap the dict under them
             now = self.clock()
             if self._seen_written_at is None or now - self._seen_written_at >= SEEN_WRITE_S:
