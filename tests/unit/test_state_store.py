@@ -722,3 +722,14 @@ def test_an_error_leaving_atomic_rolls_every_write_back(store: Store) -> None:
     store.set_state(
         "gpus", store.gpus(run_id)[0]["id"], expect=before[0], to="DRAINING", event="drain"
     )  # writable again
+
+
+def test_an_atomic_block_that_writes_nothing_is_not_counted_as_a_commit(store: Store) -> None:
+    seen: list[float] = []
+    store.on_commit = seen.append
+    commits = store.commits_on_this_thread()[0]
+    with store.atomic():
+        pass
+    assert store.commits_on_this_thread()[0] == commits and seen == []
+    run_id = new_run(store)  # the store is writable after it
+    assert store.get_run(run_id)["id"] == run_id
