@@ -97,10 +97,11 @@ def main() -> int:
             _log("drain", reason="preemption notice", timeout_s=grace_s)
         workers.catch_up()  # a worker READY since the last answer loads the weights it was asked for
         report = workers.report()
-        settled = all(w["state"] in ("READY", "SLEEPING", "STOPPED") for w in report)
+        # a weight reload in flight: watched closely too, so that its end (the new version) is told at once
+        settled = all(w["state"] in ("READY", "SLEEPING", "STOPPED") for w in report) and not workers.reloading()
         returns = workers.take_self_returns()
         if not returns and not settled and report == last_sent and time.monotonic() - last_sent_at < interval:
-            # a worker is starting or draining: watch it closely, but tell the daemon only what changed
+            # a worker is starting, draining or reloading: watch it closely, but tell the daemon only what changed
             wake.wait(POLL_UNSETTLED_S)
             wake.clear()
             continue

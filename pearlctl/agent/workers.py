@@ -180,6 +180,7 @@ class VllmWorker:
         self._stopped = False
         self._sleep_state: str | None = None
         self._turning_away = threading.Lock()  # held while a check of the parked worker for requests runs
+        self._reloading = threading.Lock()  # held while a weight sync runs (in the background: `sync_weights_soon`)
         self.weight_version: str | None = None
         self.store: Path | None = weight_store(me)
         # started with the pearl_gloo receiver (pearlctl.trainer.broadcast.server_engine_args): the trainer may push
@@ -260,6 +261,28 @@ class VllmWorker:
                 self.stop(5.0)
 
         threading.Thread(target=run, name=f"wake-{self.key}", daemon=True).start()
+
+    def sync_weights_soon(self, weights: dict | None) -> bool:
+        """`sync_weights` in the background, unless one runs already (the next call after it ends tries again):
+        a reload takes seconds (a whole model's weights), and the agent's heartbeat must not wait for it — an
+        agent silent for its loss window is LOST. Returns whether one was started."""
+        if not _behind(self, weights) or not self._reloading.acquire(blocking=False):
+            return False
+
+        def run() -> None:
+            try:
+                self.sync_weights(weights)
+            except Exception as exc:  # the old weights stay; the next apply or catch-up tries again
+                log.warning("weight reload of %s failed: %s", self.key, exc)
+            finally:
+                self._reloading.release()
+
+        threading.Thread(target=run, name=f"reload-{self.key}", daemon=True).start()
+        return True
+
+    @property
+    def reloading(self) -> bool:
+        return self._reloading.locked()
 
     def sync_weights(self, weights: dict | None) -> None:
         """Serve the desired version when it differs from the served one: adopt it with no reload when the
@@ -439,36 +462,9 @@ def return_file(me: Identity) -> Path:
     return Path(base, me.run_id or "run", f"{me.job_id}_{me.task_id}", "returned.json")
 
 
-def _sync_weights(key: str, handle: VllmWorker, want: dict) -> None:
-    """``handle.sync_weights`` to the desired worker's weights; a failed reload keeps the old weights (logged),
-    and the next apply or catch-up tries again."""
-    try:
-        handle.sync_weights(want.get("weights"))
-    except Exception as exc:
-        log.warning("weight reload of %s failed: %s", key, exc)
-
-
-def _sync_weights_all(jobs: list[tuple[str, VllmWorker, dict]]) -> None:
-    """``_sync_weights`` of each (key, worker, desired entry), the reloads at once: each worker reloads on its
-    own GPUs, so a node's workers take the time of one reload, not one after another (the planner's
-    ``weight_sync_s`` is one reload). Returns when every one has finished."""
-    reloads = [job for job in jobs if _wants_reload(job[1], job[2])]
-    for job in jobs:
-        if job not in reloads:
-            _sync_weights(*job)
-    if len(reloads) == 1:
-        _sync_weights(*reloads[0])
-    elif reloads:
-        threads = [threading.Thread(target=_sync_weights, args=job, name=f"reload-{job[0]}") for job in reloads]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-
-def _wants_reload(handle: VllmWorker, want: dict) -> bool:
-    version = (want.get("weights") or {}).get("version")
-    return version not in (None, handle.weight_version)
+def _behind(handle: VllmWorker, weights: dict | None) -> bool:
+    """Whether the worker is asked for a version it does not serve."""
+    return (weights or {}).get("version") not in (None, handle.weight_version)
 
 
 class Reconciler:
@@ -556,7 +552,6 @@ class Reconciler:
             if key not in wanted:
                 self.retire(key)
         now = self.clock()
-        syncs: list[tuple[str, VllmWorker, dict]] = []
         for key, want in wanted.items():
             handle = self.workers.get(key)
             if want.get("state") == "SLEEPING":
@@ -591,18 +586,25 @@ class Reconciler:
                 self.workers[key] = handle
             if isinstance(handle, VllmWorker):
                 handle.unpark()
-                syncs.append((key, handle, want))
-        _sync_weights_all(syncs)
+                if _behind(handle, want.get("weights")) and handle.state() == "READY":  # else once READY: `catch_up`
+                    handle.sync_weights_soon(want.get("weights"))
 
     def catch_up(self) -> None:
         """Between the daemon's answers: a vLLM worker that has become READY since the latest apply loads the
-        weights that apply asked for now, so its first report as READY already names them (the daemon's VERIFY
-        passes on it) instead of waiting for the answer to the next long poll."""
+        weights that apply asked for now, so its report as READY names them as soon as they load (the daemon's
+        VERIFY passes on it) instead of one long poll later. Each worker reloads on its own GPUs in the
+        background (`VllmWorker.sync_weights_soon`): a node's workers take the time of one reload, at once (the
+        planner's ``weight_sync_s`` is one reload), and the heartbeat goes on meanwhile."""
         with self._lock:
-            jobs = [(key, self.workers.get(key), want) for key, want in self.wanted.items()]
-            _sync_weights_all(  # (nothing until READY)
-                [(key, h, want) for key, h, want in jobs if isinstance(h, VllmWorker) and _wants_reload(h, want)]
-            )
+            for key, want in self.wanted.items():
+                handle, weights = self.workers.get(key), want.get("weights")
+                if isinstance(handle, VllmWorker) and _behind(handle, weights) and handle.state() == "READY":
+                    handle.sync_weights_soon(weights)
+
+    def reloading(self) -> bool:
+        """Whether a worker's weights are being reloaded (the agent reports as soon as one ends)."""
+        with self._lock:
+            return any(isinstance(h, VllmWorker) and h.reloading for h in self.workers.values())
 
     def return_lent(self, now: float | None = None, *, early_s: float = 0.0) -> list[str]:
         """The daemon cannot be reached and a lent GPU's return must start: stop its worker here, then tell
