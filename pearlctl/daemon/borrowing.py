@@ -313,8 +313,9 @@ class Borrowing:
             return None
         rows = {g["id"]: g for g in self.trainer_gpus()}
         chosen = [rows[i] for i in lend if i in rows]
+        # warm: a worker sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all woken
         parked = {g["worker_id"] for g in chosen}
-        warm = len(parked) == 1 and None not in parked and self._asleep(parked.pop())
+        warm = bool(parked) and None not in parked and all(self._asleep(w) for w in parked)
         keep_warm = settings.get("keep_warm", True)
         return {
             "gpu_ids": [g["id"] for g in chosen],

@@ -509,15 +509,21 @@ class Controller:
                     data={"reported": state, **({"error": report.error} if report.error and step == W.FAILED else {})},
                 )
                 current = step
-        if report.engine == Engine.VLLM and self._pool_of(alloc)["name"] != "trainer":
-            # a worker of a rollout/elastic/reward pool takes traffic while READY (and not draining for a
-            # preemption) — unless a transition moves its GPUs: then its REGISTER and DEREGISTER steps
-            # decide, as they always do for one on borrowed trainer GPUs (this may only take it out)
+        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != "trainer" or self._lent(alloc, report)):
+            # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
+            # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
+            # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
+            # again after a crash serves again, as on a rollout GPU.
             routable = int(current == W.READY and not draining)
             held = any((alloc["id"], i) in moving for i in report.gpus)
             if routable != self.store.get("workers", worker["id"])["routable"] and not (held and routable):
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
         return moved
+
+    def _lent(self, alloc: dict, report: bodies.WorkerReport) -> bool:
+        """Whether the reported worker's GPUs are trainer GPUs lent now."""
+        rows = self.store.gpus(self.run_id, allocation_id=alloc["id"])
+        return any(g["borrowed"] and g["idx"] in report.gpus for g in rows)
 
     def _pool_of(self, alloc: dict) -> dict:
         return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])

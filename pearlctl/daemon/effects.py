@@ -79,9 +79,15 @@ class DaemonEffects:
                 out.append(w)
         return out
 
-    def _live_worker(self, t: dict, role: str | None = None) -> dict | None:
-        live = [w for w in self._workers_on(t, role) if w["state"] not in GONE_WORKER]
-        return live[0] if live else None
+    def _serving(self, t: dict) -> tuple[list[dict], bool]:
+        """The live workers in the transition's serving role on its GPUs, and whether they cover every one of
+        them. A transition of many GPUs has a worker per GPU (or per tensor-parallel group), and its agents
+        start or wake them at different times: a step that brings GPUs up is proven for all of them, never
+        for the first one up — REGISTER routes the workers there are when it runs."""
+        workers = self._workers_on(t, self._serving_role(t))
+        live = [w for w in workers if w["state"] not in GONE_WORKER]
+        covered = {(w["allocation_id"], i) for w in live for i in (w.get("gpu_idx") or [])}
+        return live, all((g["allocation_id"], g["idx"]) in covered for g in self._gpus(t))
 
     @staticmethod
     def _serving_role(t: dict) -> str:
@@ -133,7 +139,11 @@ class DaemonEffects:
     def _leave(self, t: dict, key: str) -> None:
         """DRAIN: the GPUs leave their serving role — trainer GPUs back to TRAIN, others IDLE; with a SLEEP
         next, the worker stays parked on the GPUs (desired: asleep)."""
-        parked = self._live_worker(t) if StepKind.SLEEP in current_plan(t) else None
+        parked: dict[tuple[int, int], int] = {}  # (allocation, GPU index) -> the worker parked there
+        if StepKind.SLEEP in current_plan(t):
+            for w in self._workers_on(t):
+                if w["state"] not in GONE_WORKER:
+                    parked.update({(w["allocation_id"], i): w["id"] for i in w.get("gpu_idx") or []})
         for g in self._gpus(t):
             self.store.update_fields(
                 "gpus",
@@ -142,7 +152,7 @@ class DaemonEffects:
                 role=Role.TRAIN if g["pool"] == PoolKind.TRAINER else Role.IDLE,
                 borrowed=0,
                 return_deadline=None,
-                worker_id=parked["id"] if parked else None,
+                worker_id=parked.get((g["allocation_id"], g["idx"])),
             )
 
     @staticmethod
@@ -157,38 +167,44 @@ class DaemonEffects:
             return PENDING
         return DONE if ack.get("ok") else FAILED
 
+    def _none_up(self, t: dict) -> str:
+        """No live worker on the GPUs brought up: FAILED where one failed there, else still PENDING."""
+        return FAILED if any(w["state"] == W.FAILED for w in self._workers_on(t, self._serving_role(t))) else PENDING
+
     def _woken(self, t: dict, key: str) -> str:
-        w = self._live_worker(t, self._serving_role(t))
-        if w is None:
+        live, covered = self._serving(t)
+        if not live:
             return FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
-        return DONE if w["state"] == W.READY else PENDING
+        # GPUs with no parked worker get a new one (the agent starts what desired state lacks): READY too
+        return DONE if covered and all(w["state"] == W.READY for w in live) else PENDING
 
     def _asleep(self, t: dict, key: str) -> str:
         workers = self._workers_on(t)
         return DONE if all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers) else PENDING
 
     def _started(self, t: dict, key: str) -> str:
-        role = self._serving_role(t)
-        if self._live_worker(t, role) is not None:
+        live, covered = self._serving(t)
+        if covered:
             return DONE
-        return FAILED if any(w["state"] == W.FAILED for w in self._workers_on(t, role)) else PENDING
+        if live:
+            return PENDING  # some of its GPUs' workers are there: the others come (a failed one is restarted)
+        return self._none_up(t)
 
     def _verified(self, t: dict, key: str) -> str:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
             trainer = self.store.get_run(self.run_id).get("trainer") or {}
             return DONE if trainer and not trainer.get("released") else PENDING
-        role = self._serving_role(t)  # GPUs brought up: their worker serves
-        w = self._live_worker(t, role)
-        if w is None:
-            return FAILED if any(x["state"] == W.FAILED for x in self._workers_on(t, role)) else PENDING
-        if w["state"] != W.READY:
+        live, covered = self._serving(t)  # GPUs brought up: a worker serves on every one
+        if not live:
+            return self._none_up(t)
+        if not covered or any(w["state"] != W.READY for w in live):
             return PENDING
         # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
         # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
         # fails the step by its timeout, and the transition rolls back)
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
-        return DONE if latest is None or w.get("weight_version") == str(latest) else PENDING
+        return DONE if latest is None or all(w.get("weight_version") == str(latest) for w in live) else PENDING
 
     def _routed(self, t: dict, key: str) -> str:
         """Recorded in state, and — where the run has a router — carried out by it: REGISTER is proven when
