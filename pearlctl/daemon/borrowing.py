@@ -48,6 +48,7 @@ A tick that fails after deciding forgets the decision, so the next one decides a
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -432,6 +433,11 @@ class Borrowing:
         snapshot = self.snapshot(at)
         workers = self.serving_workers(profile.gpus_per_worker)
         prediction = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
+        if not (math.isfinite(prediction.seconds) and math.isfinite(prediction.spread)):
+            # nothing serves (every worker gone, the run ending): no prediction to check, nor one JSON can store
+            if watch is not None:
+                self._save_predictor({**state, "watch": None})
+            return
         key = correct.shape(work, workers)
         self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work.trajectories)})
 

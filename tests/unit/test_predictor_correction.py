@@ -272,3 +272,19 @@ def test_the_trainers_wait_counts_down_once_as_the_hook_reports_what_is_left(run
     phase(70.0)  # the hook's next poll: 70 s left
     clock.now += 10.0
     assert controller.borrowing.snapshot(clock.now).trainer.wait_left_s == pytest.approx(60.0)
+
+
+def test_with_nothing_serving_mid_batch_no_watch_is_kept_and_nothing_fails(run):
+    """Every serving GPU gone while work is in flight (the run ending, a pool lost): the prediction is infinite,
+    so there is nothing to watch — and an infinite number is no JSON the state could store."""
+    store, controller, clock = run
+    report(controller, 32)
+    tick(controller)
+    assert store.get_run("r")["predictor"]["watch"] is not None
+    for g in store.gpus("r"):
+        store.update_fields("gpus", g["id"], role="IDLE")
+    clock.now += 2.0
+    report(controller, 30)
+    with controller.lock:
+        controller.borrowing.check_prediction()  # raised sqlite3.IntegrityError (json_valid) before
+    assert store.get_run("r")["predictor"]["watch"] is None
