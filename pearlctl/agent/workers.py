@@ -144,6 +144,13 @@ class VllmWorker:
     STOP_RESERVE_MAX_S = 5.0
     ABORT_MAX_S = 2.0
     STOP_MIN_S = 1.0
+    # park(): a worker is parked once out of the router (a return's or a retire's DEREGISTER is proven by the
+    # router's membership), so what it runs then is all it will run. Answers about to end get this long; the
+    # rest is aborted and its clients continue it on another worker with the tokens made so far (the gateway,
+    # pearlctl.router.gateway). A return has a deadline, and the planner prices a leave as that abort and the
+    # continuation's re-prefill (pearlctl.sim.engine ABORT_S, policies/pearl.py `_migration_s`), never as
+    # waiting for long turns to end: a drain of the whole drain timeout made a return take 6-10 s, not 1.
+    PARK_DRAIN_S = 0.5
 
     def __init__(
         self,
@@ -209,10 +216,11 @@ class VllmWorker:
             return "STARTING"
 
     def park(self, drain_timeout: float) -> None:
-        """Drain, then sleep (level 1: on a GPU the weights go to host memory and the KV cache is freed),
-        in the background. Idempotent: called again once asleep (every heartbeat that wants it parked), it turns
-        away whatever reached the sleeping worker — in the background too, one check at a time, so that a server
-        slow to answer never holds up the heartbeat that called it."""
+        """Drain briefly (``PARK_DRAIN_S``, within ``drain_timeout``), abort what still runs, then sleep (level 1:
+        on a GPU the weights go to host memory and the KV cache is freed), in the background. Idempotent: called
+        again once asleep (every heartbeat that wants it parked), it turns away whatever reached the sleeping
+        worker — in the background too, one check at a time, so that a server slow to answer never holds up the
+        heartbeat that called it."""
         if self._sleep_state == "SLEEPING" and not self._stopping and self.server.alive():
             if self._turning_away.acquire(blocking=False):
                 threading.Thread(target=self._turn_away, name=f"turn-away-{self.key}", daemon=True).start()
@@ -222,7 +230,9 @@ class VllmWorker:
 
         def run() -> None:
             try:
-                self.server.drain(drain_timeout)
+                if not self.server.drain(min(drain_timeout, self.PARK_DRAIN_S)) and self.server.alive():
+                    aborted = self.server.abort_in_flight(timeout=self.ABORT_MAX_S)
+                    log.warning("parking %s: aborted %d request(s) in flight (continued elsewhere)", self.key, aborted)
                 self.server.sleep(level=1)
                 self._sleep_state = "SLEEPING"
             except Exception as exc:

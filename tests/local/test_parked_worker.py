@@ -44,3 +44,40 @@ def test_a_request_that_reaches_a_parked_worker_is_aborted_at_the_next_heartbeat
         assert w.state() == "SLEEPING"  # still parked for the next borrow
     finally:
         w.stop(5.0)
+
+
+def test_a_worker_parked_mid_turn_aborts_it_with_its_tokens_at_once_rather_than_waiting_for_its_end(
+    tmp_path, monkeypatch
+):
+    """A return parks the lent worker once the router no longer lists it: what it still runs is answered
+    ``abort`` with the tokens made so far (its client continues it elsewhere) within ``PARK_DRAIN_S`` and the
+    abort, not after the turn's end or the agent's whole drain timeout — a return has a deadline."""
+    monkeypatch.setenv("PEARL_SHM_DIR", str(tmp_path / "shm"))
+    me = Identity(run_id="r", pool="trainer", role="TRAIN", job_id="7", task_id=0, node="n1", gpus=(0,), restarts=0)
+    w = VllmWorker(
+        "rollout-0", "ROLLOUT", (0,), me, str(tmp_path), str(TINY_MODEL), {}, paced_profile=str(PACED_PROFILE)
+    )
+    w.start()
+    try:
+        wait_for(lambda: w.state() == "READY", 60, every=0.2)
+        answer: list = []
+        body = {"model": str(TINY_MODEL), "prompt": [5, 6, 7, 8], "max_tokens": 1500}  # ~6 s of decode
+        sender = threading.Thread(
+            target=lambda: answer.append(httpx.post(f"{w.server.url}/v1/completions", json=body, timeout=60)),
+            daemon=True,
+        )
+        sender.start()
+        wait_for(lambda: w.server.metrics()["num_requests_running"] > 0, 10, every=0.05)
+        time.sleep(0.5)
+        parked_at = time.monotonic()
+        w.park(drain_timeout=30)
+        wait_for(lambda: w.state() == "SLEEPING", 30, every=0.05)
+        took = time.monotonic() - parked_at
+        sender.join(10)
+        assert answer and answer[0].status_code == 200, answer
+        choice = answer[0].json()["choices"][0]
+        made = answer[0].json()["usage"]["completion_tokens"]
+        assert choice["finish_reason"] == "abort" and 0 < made < body["max_tokens"], (choice["finish_reason"], made)
+        assert took < VllmWorker.PARK_DRAIN_S + VllmWorker.ABORT_MAX_S + 1.0, took
+    finally:
+        w.stop(5.0)
