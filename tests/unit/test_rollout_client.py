@@ -561,10 +561,13 @@ def test_more_turns_than_a_single_pool_would_take_are_in_flight_at_once() -> Non
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 2 * n  # every connection accepted at once (socketserver's default backlog is 5)
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = RolloutClient(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key=KEY, model="m", retry_for_s=1)
+    client = RolloutClient(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key=KEY, model="m", retry_for_s=30)
     try:
         with ThreadPoolExecutor(n) as pool:
             turns = [pool.submit(client.complete, f"s{i}", [1, 2], max_tokens=2) for i in range(n)]
