@@ -112,7 +112,7 @@ WORKER_HEADER = "x-pearl-worker"  # ... and which worker it is
 FORWARDED_HEADERS = ("x-request-id",)  # besides X-Session-ID: nothing else of the caller's reaches upstream
 MAX_BODY_BYTES = 32 * 1024 * 1024  # prompts as token ids of a long context: a few MiB
 MAX_SESSION_CHARS = 256
-UPSTREAM_POOLS = 16  # connection pools to vllm-router, used in turn (Gateway.http)
+UPSTREAM_POOLS = 64  # connection pools to vllm-router, used in turn (Gateway.http): ~40 connections each at 2,500 turns
 UPSTREAM_KEEPALIVE = 64  # idle connections each pool keeps
 RETRYABLE_4XX = (408, 429)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's default, and vLLM 0.32's
@@ -803,8 +803,10 @@ class Gateway:
         self.config = config
         self.router = config.router_url.rstrip("/")  # vllm-router in regular mode, for the gateway's whole life
         # Several connection pools, one per attempt in turn: httpcore 1.0's pool scans every connection it holds
-        # for each request it assigns (O(connections x requests); encode/httpcore#1035), which at ~1,000 turns
-        # in flight through one pool took two thirds of the gateway's CPU; a 16th of them per pool takes little.
+        # for each request it adds or ends, with a readability syscall per idle one and a count of all of them per
+        # idle one (O(connections^2); encode/httpcore#1035). At ~1,000 turns in flight through one pool that took
+        # two thirds of the gateway's CPU; with 16 pools, a batch's 2,336 first turns at once (146 a pool) still
+        # spent 23% of the data plane's loop there (py-spy of the live bench's gateway); 64 keep it to ~40 a pool.
         self._clients = (
             [http]
             if http is not None
