@@ -350,11 +350,11 @@ class Controller:
         self._check_urls(alloc, body)
         # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
         # this allocation's workers out of routing
-        draining = alloc.get("drain_requested_at") is not None or any(
-            g["state"] == G.DRAINING for g in self.store.gpus(self.run_id, allocation_id=alloc_id)
-        )
-        moving = self._moving_places(alloc_id) if body.workers else set()
-        changed = [self._record_worker(alloc, report, draining, moving) for report in body.workers]
+        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
+        draining = alloc.get("drain_requested_at") is not None or any(g["state"] == G.DRAINING for g in gpus)
+        moving = self._moving_places(alloc_id, gpus) if body.workers else set()
+        lent = {g["idx"] for g in gpus if g["borrowed"]}
+        changed = [self._record_worker(alloc, report, draining, moving, lent) for report in body.workers]
         for r in body.self_returns:
             self.store.journal_event(
                 self.run_id,
@@ -423,21 +423,21 @@ class Controller:
                 hit = True
         return hit
 
-    def _moving_places(self, alloc_id: int) -> set[tuple[int, int]]:
-        """(allocation, GPU index) of the allocation's GPUs that an open transition is moving."""
+    def _moving_places(self, alloc_id: int, gpus: list[dict]) -> set[tuple[int, int]]:
+        """(allocation, GPU index) of the allocation's GPUs (``gpus``, its rows) that an open transition is moving."""
         ids: set[int] = set()
         for t in self.store.open_transitions(self.run_id):
             ids.update(t["gpu_ids"])
         if not ids:
             return set()
-        return {(alloc_id, g["idx"]) for g in self.store.gpus(self.run_id, allocation_id=alloc_id) if g["id"] in ids}
+        return {(alloc_id, g["idx"]) for g in gpus if g["id"] in ids}
 
     def _record_worker(
-        self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]]
+        self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]], lent: set[int]
     ) -> bool:
         """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
         Returns whether its state moved. ``moving``: GPUs an open transition moves (their workers are
-        routed by its REGISTER / DEREGISTER steps only)."""
+        routed by its REGISTER / DEREGISTER steps only); ``lent``: the allocation's GPU indices lent now."""
         key, state = report.key, report.state
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = next(
@@ -509,7 +509,8 @@ class Controller:
                     data={"reported": state, **({"error": report.error} if report.error and step == W.FAILED else {})},
                 )
                 current = step
-        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != "trainer" or self._lent(alloc, report)):
+        on_lent = not lent.isdisjoint(report.gpus)
+        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != "trainer" or on_lent):
             # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
             # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
@@ -519,11 +520,6 @@ class Controller:
             if routable != self.store.get("workers", worker["id"])["routable"] and not (held and routable):
                 self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
         return moved
-
-    def _lent(self, alloc: dict, report: bodies.WorkerReport) -> bool:
-        """Whether the reported worker's GPUs are trainer GPUs lent now."""
-        rows = self.store.gpus(self.run_id, allocation_id=alloc["id"])
-        return any(g["borrowed"] and g["idx"] in report.gpus for g in rows)
 
     def _pool_of(self, alloc: dict) -> dict:
         return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
