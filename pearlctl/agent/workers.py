@@ -273,10 +273,14 @@ class VllmWorker:
         threading.Thread(target=run, name=f"wake-{self.key}", daemon=True).start()
 
     def sync_weights_soon(self, weights: dict | None) -> bool:
-        """`sync_weights` in the background, unless one runs already (the next call after it ends tries again):
-        a reload takes seconds (a whole model's weights), and the agent's heartbeat must not wait for it — an
-        agent silent for its loss window is LOST. Returns whether one was started."""
-        if not _behind(self, weights) or not self._reloading.acquire(blocking=False):
+        """`sync_weights` in the background when the worker is READY and behind ``weights``, unless one runs
+        already (the next call after it ends tries again): a reload takes seconds (a whole model's weights), and
+        the agent's heartbeat must not wait for it — an agent silent for its loss window is LOST. Returns whether
+        one was started."""
+        if not self._behind(weights) or not self._reloading.acquire(blocking=False):
+            return False
+        if self.state() != "READY":  # starting or waking: `Reconciler.catch_up` calls again once it is READY
+            self._reloading.release()
             return False
 
         def run() -> None:
@@ -294,13 +298,17 @@ class VllmWorker:
     def reloading(self) -> bool:
         return self._reloading.locked()
 
+    def _behind(self, weights: dict | None) -> bool:
+        """Whether ``weights`` (a desired worker's) name a version this worker does not serve."""
+        return (weights or {}).get("version") not in (None, self.weight_version)
+
     def sync_weights(self, weights: dict | None) -> None:
         """Serve the desired version when it differs from the served one: adopt it with no reload when the
         trainer already broadcast it into this server (pearlctl.trainer.broadcast: the server's ``/weight_info``
         names it, which vLLM sets only at the end of a whole transfer), else reload from this node's weight store
         when the version is there (written by a trainer rank on this node), else from the export on shared disk
         (``weights["path"]``, the fallback). The log line names the source."""
-        if not weights or weights.get("version") in (None, self.weight_version) or self.state() != "READY":
+        if not self._behind(weights) or self.state() != "READY":
             return
         version = str(weights["version"])
         paused = False
@@ -472,11 +480,6 @@ def return_file(me: Identity) -> Path:
     return Path(base, me.run_id or "run", f"{me.job_id}_{me.task_id}", "returned.json")
 
 
-def _behind(handle: VllmWorker, weights: dict | None) -> bool:
-    """Whether the worker is asked for a version it does not serve."""
-    return (weights or {}).get("version") not in (None, handle.weight_version)
-
-
 class Reconciler:
     """Makes the running workers match the daemon's desired state, and returns lent GPUs by itself when it
     must (``return_lent``). Thread-safe: the agent's main loop and its return watchdog both call it."""
@@ -596,8 +599,7 @@ class Reconciler:
                 self.workers[key] = handle
             if isinstance(handle, VllmWorker):
                 handle.unpark()
-                if _behind(handle, want.get("weights")) and handle.state() == "READY":  # else once READY: `catch_up`
-                    handle.sync_weights_soon(want.get("weights"))
+                handle.sync_weights_soon(want.get("weights"))
 
     def catch_up(self) -> None:
         """Between the daemon's answers: a vLLM worker that has become READY since the latest apply loads the
@@ -607,9 +609,9 @@ class Reconciler:
         planner's ``weight_sync_s`` is one reload), and the heartbeat goes on meanwhile."""
         with self._lock:
             for key, want in self.wanted.items():
-                handle, weights = self.workers.get(key), want.get("weights")
-                if isinstance(handle, VllmWorker) and _behind(handle, weights) and handle.state() == "READY":
-                    handle.sync_weights_soon(weights)
+                handle = self.workers.get(key)
+                if isinstance(handle, VllmWorker):
+                    handle.sync_weights_soon(want.get("weights"))
 
     def reloading(self) -> bool:
         """Whether a worker's weights are being reloaded (the agent reports as soon as one ends)."""
