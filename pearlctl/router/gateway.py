@@ -71,7 +71,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import json
 import logging
 import random
@@ -84,9 +83,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import aiohttp
 import anyio
 import httpx
 import orjson
+from httpx_aiohttp import AiohttpTransport
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -112,8 +113,6 @@ WORKER_HEADER = "x-pearl-worker"  # ... and which worker it is
 FORWARDED_HEADERS = ("x-request-id",)  # besides X-Session-ID: nothing else of the caller's reaches upstream
 MAX_BODY_BYTES = 32 * 1024 * 1024  # prompts as token ids of a long context: a few MiB
 MAX_SESSION_CHARS = 256
-UPSTREAM_POOLS = 64  # connection pools to vllm-router, used in turn (Gateway.http): ~40 connections each at 2,500 turns
-UPSTREAM_KEEPALIVE = 64  # idle connections each pool keeps
 RETRYABLE_4XX = (408, 429)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's default, and vLLM 0.32's
 # Fields of a chat request that a /v1/completions continuation keeps (the rest is chat-only: messages,
@@ -133,6 +132,11 @@ STRUCTURED = tuple(
     "response_format structured_outputs guided_json guided_regex guided_choice guided_grammar "
     "guided_decoding_backend".split()
 )
+
+
+def _upstream_session() -> aiohttp.ClientSession:
+    """The data plane's aiohttp session, made on the loop of its first request: no cap on connections."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 
 @dataclass
@@ -802,23 +806,17 @@ class Gateway:
     ):
         self.config = config
         self.router = config.router_url.rstrip("/")  # vllm-router in regular mode, for the gateway's whole life
-        # Several connection pools, one per attempt in turn: httpcore 1.0's pool scans every connection it holds
-        # for each request it adds or ends, with a readability syscall per idle one and a count of all of them per
-        # idle one (O(connections^2); encode/httpcore#1035). At ~1,000 turns in flight through one pool that took
-        # two thirds of the gateway's CPU; with 16 pools, a batch's 2,336 first turns at once (146 a pool) still
-        # spent 23% of the data plane's loop there (py-spy of the live bench's gateway); 64 keep it to ~40 a pool.
-        self._clients = (
-            [http]
-            if http is not None
-            else [
-                httpx.AsyncClient(
-                    timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=UPSTREAM_KEEPALIVE),
-                )
-                for _ in range(UPSTREAM_POOLS)
-            ]
+        # The data plane's upstream client: httpx's API (its exceptions, its MockTransport in the unit tests) over
+        # aiohttp's connection pool and C HTTP parser (httpx-aiohttp's transport, as openai-python's aiohttp
+        # client). httpcore 1.0's pool scans every connection it holds for each request it adds or ends, with a
+        # readability syscall per idle one (O(connections^2); encode/httpcore#1035): a batch's 2,336 first turns at
+        # once spent a third of the gateway's loop in httpx and httpcore (py-spy of the live bench's gateway), and
+        # 64 pools used in turn did not make batches shorter. aiohttp takes an idle connection from a deque. No cap
+        # on connections (``limit=0``): a synchronous batch has thousands of turns in flight.
+        self.http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),
+            transport=AiohttpTransport(client=_upstream_session),
         )
-        self._next_client = itertools.cycle(self._clients)
         self.members = Members()
         self._wanted: dict[str, int] = {}  # url -> the latest add's ticket (a remove withdraws it)
         self._ticket = 0
@@ -866,8 +864,7 @@ class Gateway:
         (`close_control`), then the upstream clients."""
         if self.control_loop is None:
             await self.close_control()
-        for client in self._clients:
-            await client.aclose()
+        await self.http.aclose()
 
     async def close_control(self) -> None:
         """On the control plane's loop: stop every PD router and the control client."""
@@ -882,11 +879,6 @@ class Gateway:
         if self._control_client is not None:
             await self._control_client.aclose()
             self._control_client = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """The upstream client of one call: the pools in turn."""
-        return next(self._next_client)
 
     @property
     def control_http(self) -> httpx.AsyncClient:
