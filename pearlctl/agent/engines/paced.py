@@ -47,10 +47,11 @@ over a process group (only ``reload_weights``), GPU memory, stop strings, ``n > 
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import collections
 import contextlib
-import json
+import hashlib
 import logging
 import os
 import signal
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -74,7 +76,6 @@ log = logging.getLogger("pearlctl.paced")
 
 QUANTUM_S = 0.05  # the longest the loop sleeps between handing out tokens while requests run
 PREFILL_CHUNK_TOKENS = 8192  # prompt tokens prefilled per iteration, over the requests waiting for it
-MASK = (1 << 64) - 1
 FIRST_PRINTABLE, PRINTABLE = 32, 95  # generated ids: printable ASCII, one character each
 VOCAB = 1 << 20  # token ids a prompt may hold (a real tokenizer's ids pass through: they are only hashed)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
@@ -85,10 +86,23 @@ VERSION_HEADER = "x-pearl-weight-version"
 
 
 # -- tokens ------------------------------------------------------------------------------------------
-def mix(state: int, token: int) -> int:
-    """The rolling state after one more token (a 64-bit multiplicative hash)."""
-    state = ((state ^ (token + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & MASK
-    return state ^ (state >> 31)
+# A sequence's rolling state is a 64-bit BLAKE2b digest of its tokens so far (each a 4-byte unsigned integer),
+# started from the weights' name: hashlib updates incrementally and in C, so a prompt of thousands of token ids
+# costs microseconds where a hash stepped in Python cost milliseconds a request (the engine's main CPU cost when
+# 64 of them serve a long-context workload), and a digest does not end the hash, so the state after every
+# generated token is one update and one digest.
+def started(seed: bytes) -> Any:
+    """A rolling hash at the start of a sequence, for weights named ``seed``."""
+    return hashlib.blake2b(seed, digest_size=8)
+
+
+def state_of(rolling: Any) -> int:
+    """The rolling state of the tokens fed to ``rolling`` so far: what picks the next token."""
+    return int.from_bytes(rolling.digest(), "little")
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    return array.array("I", tokens).tobytes()
 
 
 def logprob(state: int) -> float:
@@ -96,14 +110,11 @@ def logprob(state: int) -> float:
     return -((state >> 40) % 3000) / 1000.0
 
 
-def weights_seed(path: str) -> int:
+def weights_seed(path: str) -> bytes:
     """The rolling state's start for the weights loaded from `path`, named by its last component (the engine reads
     no file): a version's directory has the version's name on the node-local store and on shared disk alike
     (pearlctl/trainer/weights.py), so both give the same tokens."""
-    state = 0xCBF29CE484222325
-    for b in (Path(path).name or path).encode():
-        state = mix(state, b)
-    return state
+    return (Path(path).name or path).encode()
 
 
 class Vocab:
@@ -197,6 +208,7 @@ class Seq:
     max_tokens: int
     state: int  # rolling state after the prompt and every token generated so far
     arrived: float
+    rolling: Any = None  # the hash behind ``state`` (hashlib), made at admission
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     prefill_left: int = 0
@@ -219,12 +231,13 @@ class Seq:
         return len(self.prompt) + len(self.out)
 
     def emit(self, n: int, pick: Callable[[int], int]) -> None:
-        state, out, lps = self.state, self.out, self.lps
+        state, out, lps, rolling = self.state, self.out, self.lps, self.rolling
         for _ in range(n):
             tok = pick(state)
             out.append(tok)
             lps.append(logprob(state))
-            state = mix(state, tok)
+            rolling.update(tok.to_bytes(4, "little"))
+            state = state_of(rolling)
         self.state = state
         if n:
             self.changed.set()
@@ -254,6 +267,7 @@ class PacedEngine:
         self.reserved = 0
         # prefix cache: (length, rolling state) of finished sequences -> tokens, least recently used first
         self.cache: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self.lengths: collections.Counter[int] = collections.Counter()  # the cache's lengths, with their entries
         self.cached = 0
         self.paused = False
         self.draining = False  # pause(wait): running and waiting requests finish, new ones are held
@@ -315,26 +329,41 @@ class PacedEngine:
         if seq.prefill_left:
             return  # never prefilled: nothing of it is in the cache
         key = (seq.context, seq.state)
-        self.cached += seq.context - self.cache.pop(key, 0)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return
         self.cache[key] = seq.context
+        self.lengths[seq.context] += 1
+        self.cached += seq.context
         self._trim_cache()
 
     def _trim_cache(self) -> None:
         while self.cache and self.cached > self.kv_capacity - self.reserved:
-            _, n = self.cache.popitem(last=False)
+            (n, _), _ = self.cache.popitem(last=False)
             self.cached -= n
+            self.lengths[n] -= 1
+            if not self.lengths[n]:
+                del self.lengths[n]
 
-    def _read_prompt(self, prompt: list[int]) -> tuple[int, int]:
-        """One pass over `prompt`: the rolling state after it, and the longest prefix of it the cache holds (its
-        tokens; 0 if none)."""
-        lengths = {n for n, _ in self.cache}
-        state, best = self.seed, 0
-        for k, t in enumerate(prompt, 1):
-            state = mix(state, t)
-            if k in lengths and (k, state) in self.cache:
+    def _clear_cache(self) -> None:
+        self.cache.clear()
+        self.lengths.clear()
+        self.cached = 0
+
+    def _read_prompt(self, prompt: list[int]) -> tuple[Any, int]:
+        """One pass over `prompt`: the rolling hash after it, and the longest prefix of it the cache holds (its
+        tokens; 0 if none). The hash is checked at the cache's lengths only."""
+        data = token_bytes(prompt)
+        rolling, best, at = started(self.seed), 0, 0
+        for k in sorted(n for n in self.lengths if n <= len(prompt)):
+            rolling.update(data[4 * at : 4 * k])
+            at = k
+            key = (k, state_of(rolling))
+            if key in self.cache:
                 best = k
-                self.cache.move_to_end((k, state))
-        return state, best
+                self.cache.move_to_end(key)
+        rolling.update(data[4 * at :])
+        return rolling, best
 
     # -- the loop -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -344,7 +373,8 @@ class PacedEngine:
             if self.reserved + need > self.kv_capacity and self.running:
                 return  # head-of-line blocking, as vLLM's waiting queue
             self.waiting.popleft()
-            seq.state, cached = self._read_prompt(seq.prompt)
+            seq.rolling, cached = self._read_prompt(seq.prompt)
+            seq.state = state_of(seq.rolling)
             hit = min(cached, len(seq.prompt) - 1)
             seq.prefill_left = len(seq.prompt) - hit
             self.cache_queries += len(seq.prompt)
@@ -454,8 +484,7 @@ class PacedEngine:
         self.paused = True
         await self.busy(self.profile.costs.weight_sync_s)
         self.weights, self.seed = path, weights_seed(path)
-        self.cache.clear()  # cached KV was computed with other weights
-        self.cached = 0
+        self._clear_cache()  # cached KV was computed with other weights
         self.paused = was_paused
         self.wake.set()
 
@@ -686,8 +715,8 @@ class PacedApp:
         if not self.ready():
             return _error(503, "the engine is starting", "ServiceUnavailable")
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
             return _error(400, "the request body is not JSON", "BadRequestError")
         try:
             prompt, max_tokens, opts = self.parse(kind, body)
@@ -718,7 +747,11 @@ class PacedApp:
             self.engine.forget(seq)
             if gone_first:
                 return Response(status_code=499)
-            return JSONResponse(self.whole(kind, seq, opts, created), headers=self.headers())
+            return Response(
+                orjson.dumps(self.whole(kind, seq, opts, created)),
+                media_type="application/json",
+                headers=self.headers(),
+            )
         finally:
             if not handed:
                 self.load -= 1
@@ -854,7 +887,7 @@ class PacedApp:
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
