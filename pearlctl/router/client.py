@@ -94,6 +94,8 @@ class Completion:
     # per token of ``token_ids``: the logprob vLLM returned for the sampled token (``logprobs.token_logprobs``);
     # None when the request did not ask for logprobs (``extra={"logprobs": 0}`` asks for the sampled token's)
     logprobs: list[float | None] | None = None
+    # when the gateway had the request and when it answered (unix seconds; pearl.timing), when it said so
+    gateway_span: tuple[float, float] | None = None
 
 
 # -- retryable outcomes of one attempt (internal) ---------------------------------------------------
@@ -332,6 +334,8 @@ class RolloutClient:
         pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
         parts = [p for p in pearl.get("parts") or [] if isinstance(p, dict)]
         last = parts[-1] if parts else {}
+        timing = pearl.get("timing") if isinstance(pearl.get("timing"), dict) else {}
+        span = (timing.get("received"), timing.get("answered"))
         self.count("tokens", tokens)
         return Completion(
             text,
@@ -346,6 +350,7 @@ class RolloutClient:
             prompt_token_ids=choice.get("prompt_token_ids"),
             weight_versions=list(pearl.get("weight_versions") or []),
             logprobs=logprobs,
+            gateway_span=span if all(isinstance(t, int | float) for t in span) else None,
         )
 
     def complete(

@@ -1250,6 +1250,7 @@ class Gateway:
 
     # -- routes -----------------------------------------------------------------------------------
     async def generate(self, request: Request, kind: str) -> Response:
+        received = time.time()
         refused = self.check_key(request)
         if refused is not None:
             return refused
@@ -1274,6 +1275,9 @@ class Gateway:
                 return exc.response()
             self._count(turn)
             self.seconds["turns"] += time.monotonic() - arrived
+            # when the gateway had the request and when it answered (unix seconds): a caller's round trip less
+            # this span is the time its request and answer spent outside the gateway's handler
+            doc["pearl"]["timing"] = {"received": round(received, 4), "answered": round(time.time(), 4)}
             return OrjsonResponse(doc)
         gen = self.stream(turn, headers) if turn.continuable else self.stream_whole(turn, headers)
         try:

@@ -84,7 +84,9 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced:
         ctx = len(prompt)
         decoded = recomputed = continued = retried = turns = 0
         t0 = time.time()
-        trace: list[list] = []  # per turn: sent (s after t0), its round trip (s), tokens, worker, tool asked, slept
+        # per turn: sent (s after t0), its round trip (s), tokens, worker, tool asked, slept, and the gateway's span
+        # (received and answered, s after the send) when it said
+        trace: list[list] = []
         try:
             for k in range(spec["turns"]):
                 if k > 0:
@@ -97,7 +99,9 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced:
                 outbox.put(("turn", ep, ctx))
                 sent = time.time()
                 c = client.complete(f"t{ep}", prompt, max_tokens=left, temperature=1.0, extra={"ignore_eos": True})
-                trace.append([round(sent - t0, 4), round(time.time() - sent, 4), c.tokens, c.worker, 0.0, 0.0])
+                took = time.time() - sent
+                span = [round(t - sent, 4) for t in c.gateway_span] if c.gateway_span else None
+                trace.append([round(sent - t0, 4), round(took, 4), c.tokens, c.worker, 0.0, 0.0, span])
                 turns += 1
                 decoded += c.tokens
                 continued += 1 if c.continued else 0
@@ -113,7 +117,7 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced:
                 outbox.put(("tool", ep, k + 1, ctx, c.tokens))
                 slept = time.time()
                 time.sleep(float(spec["tool_latency"][k]))
-                trace[-1][4:] = [round(float(spec["tool_latency"][k]), 4), round(time.time() - slept, 4)]
+                trace[-1][4:6] = [round(float(spec["tool_latency"][k]), 4), round(time.time() - slept, 4)]
             if traced:
                 outbox.put(
                     ("trace", ep, {"ep": ep, "start": round(t0, 4), "end": round(time.time(), 4), "turns": trace})
