@@ -464,6 +464,21 @@ def test_a_completion_without_max_tokens_is_continued_to_the_default_16_not_beyo
     assert "max_tokens" not in up.requests[0][1] and up.requests[1][1]["max_tokens"] == 11
 
 
+def test_an_answer_says_when_the_gateway_had_the_request_and_when_it_answered() -> None:
+    """``pearl.timing`` spans the whole turn, its continuation included, inside the caller's round trip."""
+
+    async def scenario(gw, client, up):
+        up.script = [("abort", 2)]
+        before = time.time()
+        doc = (await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 4}, headers=AUTH)).json()
+        after = time.time()
+        timing = doc["pearl"]["timing"]
+        assert doc["pearl"]["continued"] == 1
+        assert before - 0.001 <= timing["received"] <= timing["answered"] <= after + 0.001
+
+    run(scenario)
+
+
 def test_token_ids_are_asked_for_upstream_but_not_returned_unless_the_caller_asked() -> None:
     async def scenario(gw, client, up):
         up.script = [("abort", 2)]

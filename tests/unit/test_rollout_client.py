@@ -157,12 +157,17 @@ def test_the_completion_carries_the_gateways_parts_weight_versions_and_continuat
         "continued": 1,
         "attempts": 3,
         "weight_versions": ["7", "8"],
+        "timing": {"received": 1000.25, "answered": 1003.5},
     }
     gw = Gateway(lambda b, h: answer("The sum is 4.", tuple(range(8)), pearl=pearl))
     c = make_client(gw, t).complete("s", "p", max_tokens=8)
     assert isinstance(c, Completion)
     assert (c.worker, c.weight_version, c.continued, c.retries, c.tokens) == (B, "8", 1, 2, 8)
     assert c.parts == pearl["parts"] and c.weight_versions == ["7", "8"]
+    assert c.gateway_span == (1000.25, 1003.5)
+    broken = {**pearl, "timing": {"received": "soon"}}  # not two times: no span, and no failed turn
+    c = make_client(Gateway(lambda b, h: answer(pearl=broken)), t).complete("s", "p", max_tokens=2)
+    assert c.gateway_span is None
 
 
 def test_a_token_id_prompt_and_logprobs_go_through_and_the_sampled_logprobs_come_back() -> None:
