@@ -110,6 +110,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+# Connections waiting to be accepted: a synchronous batch opens thousands at once (each episode's first turn), and
+# a connection the full queue drops waits for the client's SYN to be sent again (1, 3, 7, 15 s...). The kernel
+# caps it at net.core.somaxconn (4096 on current Linux).
+LISTEN_BACKLOG = 65535
+# How long an idle caller's connection stays open: longer than `RolloutClient` keeps one (pearlctl.router.client
+# KEEPALIVE_S), so the client, not the gateway, ends it and never sends on a connection being closed.
+KEEP_ALIVE_S = 75
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,7 +134,7 @@ def _bind(host: str, port: int) -> socket.socket:
     # it binds itself)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -373,7 +382,8 @@ async def _serve(
             build_app(gateway),
             log_level="warning",
             access_log=False,
-            timeout_keep_alive=75,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            backlog=LISTEN_BACKLOG,  # uvicorn listens again on the socket it is given, with its own (2048)
             timeout_graceful_shutdown=5,
         )
     )

@@ -57,6 +57,10 @@ RETRIED_STATUSES = (502, 503, 504)  # the gateway unreachable behind a proxy, or
 JOIN_WAIT_S = 15.0
 POOLS = 16  # connection pools to the gateway, used in turn (RolloutClient.__init__ says why)
 POOL_KEEPALIVE = 64  # idle connections each pool keeps
+# How long an idle connection to the gateway is kept (httpx's default is 5 s): across a synchronous run's training
+# step, so that the next batch's thousands of first turns reuse their connections rather than all connect to the
+# gateway at once. Below the gateway's keep-alive (pearlctl.router.__main__ KEEP_ALIVE_S, 75 s).
+KEEPALIVE_S = 60.0
 JOIN_POLL_S = 0.2
 
 
@@ -168,7 +172,9 @@ class RolloutClient:
                 httpx.Client(
                     verify=tls,
                     timeout=httpx.Timeout(timeout, connect=10.0),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=POOL_KEEPALIVE),
+                    limits=httpx.Limits(
+                        max_connections=None, max_keepalive_connections=POOL_KEEPALIVE, keepalive_expiry=KEEPALIVE_S
+                    ),
                 )
                 for _ in range(POOLS)
             ]
