@@ -129,8 +129,15 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced:
             outbox.put(("failed", ep, f"{type(exc).__name__}: {exc}"))
 
     with ThreadPoolExecutor(threads) as pool:
-        while (spec := inbox.get()) is not None:
-            pool.submit(episode, spec)
+        # every thread made before the first batch (the pool makes one per task it cannot hand to an idle one: a
+        # batch's episodes would otherwise wait for hundreds of thread starts) ...
+        for _ in range(threads):
+            pool.submit(time.sleep, 0.2)
+        # ... and a batch's episodes come as one message: one read of the queue instead of one per episode, each
+        # of which waits for the interpreter lock behind the episodes already started
+        while (specs := inbox.get()) is not None:
+            for spec in specs:
+                pool.submit(episode, spec)
 
 
 # -- the coordinator -------------------------------------------------------------------------------------------
@@ -271,14 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         traj.launch(eps, draws.prompt)
         left_in_batch[j] = batch
         batches.append({"step": j + 1, "launched_at": time.time()})
+        specs: list[list[dict]] = [[] for _ in inboxes]
         for i in eps:
             t = int(draws.turns[i])
-            spec = {
+            specs[i % args.procs].append({
                 "ep": i, "seed": s.seed * 10_000_019 + i, "cap": cap, "prompt": int(draws.prompt[i]), "turns": t,
                 "response": draws.response[i, :t].tolist(), "tool_output": draws.tool_output[i, :t].tolist(),
                 "tool_latency": draws.tool_latency[i, :t].tolist(),
-            }  # fmt: skip
-            inboxes[i % args.procs].put(spec)
+            })  # fmt: skip
+        for inbox, mine in zip(inboxes, specs, strict=True):
+            inbox.put(mine)
 
     def finished(ep: int, result: tuple) -> None:
         for key, value in zip(totals, result, strict=True):
