@@ -27,6 +27,7 @@ PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
 
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
+VOCAB_TINY = paced.Vocab(str(TINY))
 
 
 def client_for(max_num_seqs: int | None = None, model: str = "tiny") -> TestClient:
@@ -83,6 +84,25 @@ def test_with_the_models_tokenizer_a_continued_turns_text_is_what_the_gateway_mi
     assert first["token_ids"] + rest["token_ids"] == whole["token_ids"]
     mirror = TextMirror(tokenizer, first["prompt_token_ids"], first["token_ids"], skip_special=True)
     assert first["text"] + mirror.text(rest["token_ids"]) == whole["text"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 2047), min_size=1, max_size=40), states=st.lists(st.integers(0, 2**64 - 1)))
+def test_the_text_of_generated_ids_is_what_a_decode_stream_primed_with_the_prompt_gives(prompt, states) -> None:
+    """The engine looks up the text of its generated ids after the first (`paced.Decoder`): each piece equals a
+    ``DecodeStream``'s, as vLLM and the gateway decode, whatever bytes the prompt ends in."""
+    from tokenizers.decoders import DecodeStream
+
+    vocab = VOCAB_TINY
+    ids = [vocab.pick(state) for state in states]
+    assert set(ids) <= set(vocab.table)  # generated ids are standalone
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+    assert vocab.decoder(prompt).pieces(ids) == [stream.step(vocab.tokenizer, t) or "" for t in ids]
+
+
+def test_the_tiny_models_vocabulary_has_enough_standalone_ids_to_generate_from() -> None:
+    assert len(VOCAB_TINY.table) > 1500 and len(VOCAB_TINY.ids) == len(VOCAB_TINY.table)
+    assert all(t.isprintable() and t for t in VOCAB_TINY.table.values())
 
 
 def test_a_stream_carries_the_same_tokens_as_the_whole_answer(client: TestClient) -> None:

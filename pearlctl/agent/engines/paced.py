@@ -77,6 +77,8 @@ log = logging.getLogger("pearlctl.paced")
 QUANTUM_S = 0.05  # the longest the loop sleeps between handing out tokens while requests run
 PREFILL_CHUNK_TOKENS = 8192  # prompt tokens prefilled per iteration, over the requests waiting for it
 FIRST_PRINTABLE, PRINTABLE = 32, 95  # generated ids: printable ASCII, one character each
+PRIME_IDS = 32  # the prompt's last ids a request's text stream starts from (Decoder): a character is 4 bytes at most
+MIN_STANDALONE = 64  # fewer standalone ids than this (Vocab): every id is generated, and stepped through the stream
 VOCAB = 1 << 20  # token ids a prompt may hold (a real tokenizer's ids pass through: they are only hashed)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 UNSET_VERSION = "default"  # vLLM's weight label until one is set
@@ -122,16 +124,28 @@ class Vocab:
     library, as the gateway reads it: pearlctl/router/text.py): text is encoded by it, generated ids are drawn from
     its vocabulary, and a request's text is decoded as vLLM decodes it, one ``DecodeStream`` primed with the
     prompt's ids, so the gateway's text for a continued turn equals this engine's for an uninterrupted one.
-    Without one: a text's ids are its UTF-8 bytes and generated ids printable ASCII, one character each."""
+    Without one: a text's ids are its UTF-8 bytes and generated ids printable ASCII, one character each.
+
+    Generated ids are drawn from the vocabulary's *standalone* ids (`standalone`): whole printable characters whose
+    text is the same after another such id as alone. Stepping a ``DecodeStream`` costs microseconds a token, most
+    of a paced engine's CPU when 64 of them decode millions of tokens; after a standalone id the stream is at a
+    character boundary, so each next one adds exactly its own text, looked up (`Decoder`). The first generated id
+    is still stepped through the stream primed with the prompt, whose last ids may end inside a character."""
 
     def __init__(self, model: str):
         self.tokenizer = None
+        self.table: dict[int, str] = {}  # standalone id -> its text
+        self.ids: list[int] = []  # the ids generated: the standalone ones (all of them when too few are)
         path = Path(model) / "tokenizer.json"
         if path.is_file():
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(path))
-        self.size = self.tokenizer.get_vocab_size() if self.tokenizer is not None else 0
+            self.table = standalone(self.tokenizer)
+            self.ids = sorted(self.table) if len(self.table) >= MIN_STANDALONE else []
+            if not self.ids:
+                self.table = {}
+                self.ids = list(range(self.tokenizer.get_vocab_size()))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -142,35 +156,60 @@ class Vocab:
         """The id generated after rolling state `state`."""
         if self.tokenizer is None:
             return FIRST_PRINTABLE + (state >> 17) % PRINTABLE
-        return (state >> 17) % self.size
+        return self.ids[(state >> 17) % len(self.ids)]
 
     def piece(self, token: int) -> str:
         """One id's own text (a logprob entry's ``token``)."""
         if self.tokenizer is None:
             return chr(token)
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        text = self.table.get(token)
+        return text if text is not None else self.tokenizer.decode([token], skip_special_tokens=False)
 
     def decoder(self, prompt: list[int]) -> Decoder:
         return Decoder(self, prompt)
 
 
+def standalone(tokenizer: Any) -> dict[int, str]:
+    """The ids whose text stands alone, with their text: not special, whole printable characters, and decoded after
+    another such id as that id's text followed by theirs (a byte-level BPE's whole-character tokens; not a
+    sentencepiece word start, whose space depends on what precedes it)."""
+    n = tokenizer.get_vocab_size()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    alone = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=True)
+    kept = [i for i, t in enumerate(alone) if i not in special and t and t.isprintable() and "\ufffd" not in t]
+    if not kept:
+        return {}
+    first = kept[0]
+    after = tokenizer.decode_batch([[first, i] for i in kept], skip_special_tokens=True)
+    return {i: alone[i] for i, t in zip(kept, after, strict=True) if t == alone[first] + alone[i]}
+
+
 class Decoder:
-    """One request's text, stepped through its generated ids in order."""
+    """One request's text, stepped through its generated ids in order: the first through a ``DecodeStream`` primed
+    with the prompt, as vLLM decodes; the next ones, standalone (`Vocab`), by their own text."""
 
     def __init__(self, vocab: Vocab, prompt: list[int]):
         self.vocab = vocab
+        self.stepped = False  # the stream has decoded a generated id: standalone ones after it are looked up
         self.stream = None
         if vocab.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 
-            self.stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+            # primed with the prompt's last ids, as vLLM's incremental detokenizer starts a few ids back: priming
+            # with all of them makes the first step decode the whole prompt
+            self.stream = DecodeStream(ids=list(prompt[-PRIME_IDS:]), skip_special_tokens=True)
 
     def pieces(self, ids: list[int]) -> list[str]:
         """The text each of these next ids adds (empty for an id that completes no character yet)."""
         if self.stream is None:
             return [chr(t) for t in ids]
         out = []
+        table = self.vocab.table
         for t in ids:
+            if self.stepped and t in table:
+                out.append(table[t])
+                continue
+            self.stepped = True
             try:
                 out.append(self.stream.step(self.vocab.tokenizer, t) or "")
             except Exception:  # a prefix the stream cannot decode: vLLM starts a fresh stream, as here
