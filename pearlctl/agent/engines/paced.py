@@ -90,9 +90,8 @@ VERSION_HEADER = "x-pearl-weight-version"
 # -- tokens ------------------------------------------------------------------------------------------
 # A sequence's rolling state is a 64-bit BLAKE2b digest of its tokens so far (each a 4-byte unsigned integer),
 # started from the weights' name: hashlib updates incrementally and in C, so a prompt of thousands of token ids
-# costs microseconds where a hash stepped in Python cost milliseconds a request (the engine's main CPU cost when
-# 64 of them serve a long-context workload), and a digest does not end the hash, so the state after every
-# generated token is one update and one digest.
+# costs microseconds where a hash stepped in Python cost milliseconds a request, and a digest does not end the
+# hash, so the state after every generated token is one update and one digest.
 def started(seed: bytes) -> Any:
     """A rolling hash at the start of a sequence, for weights named ``seed``."""
     return hashlib.blake2b(seed, digest_size=8)
