@@ -811,7 +811,7 @@ class Gateway:
         # client). httpcore 1.0's pool scans every connection it holds for each request it adds or ends, with a
         # readability syscall per idle one (O(connections^2); encode/httpcore#1035): a batch's 2,336 first turns at
         # once spent a third of the gateway's loop in httpx and httpcore (py-spy of the live bench's gateway), and
-        # 64 pools used in turn did not make batches shorter. aiohttp takes an idle connection from a deque. No cap
+        # 64 pools used in turn did not make batches shorter; aiohttp's pool does not scan its connections. No cap
         # on connections (``limit=0``): a synchronous batch has thousands of turns in flight.
         self.http = http or httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout_s, connect=10.0),

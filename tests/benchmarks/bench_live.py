@@ -407,8 +407,8 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
 
 
 def turn_seconds(run_dir: Path) -> dict:
-    """Where the turns' time went, summed over every turn of the run: the driver's round trips (its trace), the
-    gateway's time from a turn's arrival to its answer and the part of it spent waiting for vllm-router
+    """Where the turns' time went, summed over every turn of the run: the driver's round trips (its trace) and the
+    parts of them before and after the gateway's handler (``pearl.timing``), the gateway's time from a turn's arrival to its answer and the part of it spent waiting for vllm-router
     (``/pearl/stats``). Each engine's own (from a request's arrival to its last token) is in its log's last line
     when it stops."""
     out: dict = {}
@@ -416,6 +416,10 @@ def turn_seconds(run_dir: Path) -> dict:
     if trace.exists():
         turns = [t for line in trace.read_text().splitlines() for t in json.loads(line)["turns"]]
         out["driver"], out["turns"] = round(sum(t[1] for t in turns), 1), len(turns)
+        spans = [t for t in turns if len(t) > 6 and t[6]]  # the gateway's span, seconds after the send
+        if spans:  # the driver's round trips split: before the gateway's handler, in it, after it
+            out["before_gateway"] = round(sum(t[6][0] for t in spans), 1)
+            out["after_gateway"] = round(sum(t[1] - t[6][1] for t in spans), 1)
     record = router_service.read_record(run_dir)
     if record is not None:
         headers = {"Authorization": f"Bearer {router_service.read_key(run_dir)}"}
