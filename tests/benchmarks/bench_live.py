@@ -408,9 +408,9 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
 
 def turn_seconds(run_dir: Path) -> dict:
     """Where the turns' time went, summed over every turn of the run: the driver's round trips (its trace) and the
-    parts of them before and after the gateway's handler (``pearl.timing``), the gateway's time from a turn's arrival to its answer and the part of it spent waiting for vllm-router
-    (``/pearl/stats``). Each engine's own (from a request's arrival to its last token) is in its log's last line
-    when it stops."""
+    parts of them before and after the gateway's handler (``pearl.timing``), the gateway's time from a turn's
+    arrival to its answer and the part of it spent waiting for vllm-router (``/pearl/stats``). Each engine's own
+    (from a request's arrival to its last token) is in its log's last line when it stops."""
     out: dict = {}
     trace = run_dir / "logs" / "trajectories.jsonl"
     if trace.exists():
