@@ -20,8 +20,8 @@ the sender's own queueing, between the gateway's and the engine's vllm-router's 
     python tests/benchmarks/bench_turn_path.py [--turns 584] [--tokens 300] [--prompt 6000]
         [--profile PROFILE]
 
-The default profile is bench_live.py's: bursty-elastic-8b's, sped up 5 times. The machine is shared and noisy:
-read the differences within a row.
+The default profile is bursty-elastic-8b's sped up 5 times (bench_live.py's until it ran at 4x). The machine is
+shared and noisy: read the differences within a row.
 """
 
 from __future__ import annotations
