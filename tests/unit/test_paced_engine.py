@@ -5,6 +5,7 @@ the real engine in tests/engines/test_engine_contract.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -159,6 +160,29 @@ def test_a_batch_takes_at_least_what_the_profile_says(client: TestClient) -> Non
     model = tokens * profile.decode.itl(n, 10 + tokens / 2)
     assert elapsed >= floor, (elapsed, floor)
     assert elapsed < 4 * model + 2.0, (elapsed, model)
+
+
+def test_a_loop_that_wakes_late_past_a_sequences_end_loses_no_model_time() -> None:
+    """A loaded host wakes the engine's loop late; the time it slept past a sequence's end still decodes the rest at
+    the smaller batch's pace. A request of 200 tokens next to one of 5, the loop held 0.5 s after 10 ms, ends when
+    the profile says (5 iterations of two, 195 of one), not 0.5 s later."""
+    profile = load(PROFILE)
+
+    async def main() -> float:
+        engine = paced.PacedEngine(profile, max_num_seqs=8, max_model_len=4096, weights="w", vocab=paced.Vocab("-"))
+        task = asyncio.get_running_loop().create_task(engine.run())
+        engine.submit("short", [1, 2, 3], 5)
+        long = engine.submit("long", [4, 5, 6], 200)
+        asyncio.get_running_loop().call_later(0.01, time.sleep, 0.5)  # the host is busy elsewhere
+        while long.finish is None:
+            await asyncio.sleep(0.002)
+        took = time.monotonic() - long.arrived
+        task.cancel()
+        return took
+
+    took = asyncio.run(main())
+    model = 5 * profile.decode.itl(2, 104) + 195 * profile.decode.itl(1, 104)
+    assert model <= took < model + 0.25, (took, model)
 
 
 def test_the_running_batch_is_capped_and_the_rest_wait() -> None:

@@ -476,19 +476,36 @@ class PacedEngine:
             if not self.running:
                 continue
             elapsed = time.monotonic() - t0 + self.carry
-            steps = min(int(elapsed / itl), min(s.max_tokens - len(s.out) for s in self.running))
-            self.carry = min(elapsed - max(steps, 0) * itl, itl)
-            if steps <= 0 or self.paused and not self.draining:
+            if self.paused and not self.draining:
+                self.carry = min(elapsed, itl)
                 continue
-            served = list(self.running)  # an abort during the wait took its request out: it got no tokens
-            for s in served:
-                s.emit(steps, self.vocab.pick)
-                if len(s.out) >= s.max_tokens:
-                    self._finish(s)
-            self.generation_tokens += steps * len(served)
-            self.steps += steps
-            self.itl_sum += steps * itl * len(served)
-            self.itl_count += steps * len(served)
+            # What the time bought, end by end: a loop that woke late (a loaded host) past a sequence's end
+            # hands the rest of the time to the smaller batch after it, at that batch's pace, rather than lose it.
+            while self.running:
+                left = min(s.max_tokens - len(s.out) for s in self.running)
+                steps = min(int(elapsed / itl), left)
+                if steps <= 0:
+                    break
+                self._decode(steps, itl)
+                elapsed -= steps * itl
+                if steps < left or not self.running:
+                    break
+                itl = self.profile.decode.itl(
+                    len(self.running), sum(s.context for s in self.running) / len(self.running)
+                )
+            self.carry = min(max(elapsed, 0.0), itl)
+
+    def _decode(self, steps: int, itl: float) -> None:
+        """``steps`` iterations of the running batch at ``itl`` each: every sequence gets ``steps`` tokens."""
+        served = list(self.running)  # an abort during the wait took its request out: it got no tokens
+        for s in served:
+            s.emit(steps, self.vocab.pick)
+            if len(s.out) >= s.max_tokens:
+                self._finish(s)
+        self.generation_tokens += steps * len(served)
+        self.steps += steps
+        self.itl_sum += steps * itl * len(served)
+        self.itl_count += steps * len(served)
 
     # -- control --------------------------------------------------------------------------------
     async def pause(self, mode: str) -> None:
