@@ -187,6 +187,7 @@ class VllmWorker:
         self._stopped = False
         self._sleep_state: str | None = None
         self._turning_away = threading.Lock()  # held while a check of the parked worker for requests runs
+        self._park_again = False  # parked again while a wake runs: back to sleep once awake (`unpark`)
         self._reloading = threading.Lock()  # held while a weight sync runs (in the background: `sync_weights_soon`)
         self.weight_version: str | None = None
         self.store: Path | None = weight_store(me)
@@ -224,6 +225,9 @@ class VllmWorker:
         if self._sleep_state == "SLEEPING" and not self._stopping and self.server.alive():
             if self._turning_away.acquire(blocking=False):
                 threading.Thread(target=self._turn_away, name=f"turn-away-{self.key}", daemon=True).start()
+        if self._sleep_state == "WAKING":  # the wake in flight ends asleep again (`unpark`), never serving
+            self._park_again = True
+            return
         if self._sleep_state is not None or self._stopping:
             return
         self._sleep_state = "DRAINING"
@@ -260,10 +264,15 @@ class VllmWorker:
         if self._sleep_state != "SLEEPING":
             return
         self._sleep_state = "WAKING"
+        self._park_again = False
 
         def run() -> None:
             try:
                 self.server.wake_up()
+                if self._park_again:  # the desired state went back to parked while it woke
+                    self.server.sleep(level=1)
+                    self._sleep_state = "SLEEPING"
+                    return
                 self.server.resume()  # drain() left the scheduler paused
                 self._sleep_state = None
             except Exception as exc:

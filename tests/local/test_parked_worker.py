@@ -77,3 +77,20 @@ def test_a_worker_parked_mid_turn_aborts_it_with_its_tokens_at_once_rather_than_
     made = answer[0].json()["usage"]["completion_tokens"]
     assert choice["finish_reason"] == "abort" and 0 < made < 1500, (choice["finish_reason"], made)
     assert took < VllmWorker.PARK_DRAIN_S + VllmWorker.ABORT_MAX_S + 1.0, took
+
+
+def test_a_park_asked_for_while_the_worker_wakes_puts_it_back_to_sleep_without_serving(w):
+    """A warm borrow wakes a parked worker; its rollback (or the next return) parks it again while the wake is still
+    in flight. The park is not dropped: the worker goes back to sleep once awake, and is never READY in between
+    (before: the park was ignored and the worker stayed awake until some later heartbeat asked again)."""
+    w.park(drain_timeout=10)
+    wait_for(lambda: w.state() == "SLEEPING", 30, every=0.05)
+    w.unpark()
+    w.park(drain_timeout=10)  # the next heartbeat wants it parked again, while the wake runs
+    seen = set()
+    deadline = time.monotonic() + 3.0  # the paced profile wakes in 0.2 s and sleeps in 0.2 s
+    while time.monotonic() < deadline:
+        seen.add(w.state())
+        time.sleep(0.01)
+    assert "READY" not in seen, seen
+    assert w.state() == "SLEEPING" and w.server.is_sleeping()
