@@ -356,7 +356,7 @@ class RolloutClient:
             prompt_token_ids=choice.get("prompt_token_ids"),
             weight_versions=list(pearl.get("weight_versions") or []),
             logprobs=logprobs,
-            gateway_span=span if all(isinstance(t, int | float) for t in span) else None,
+            gateway_span=span if all(type(t) in (int, float) for t in span) else None,  # not bool, not text
         )
 
     def complete(

@@ -168,6 +168,9 @@ def test_the_completion_carries_the_gateways_parts_weight_versions_and_continuat
     broken = {**pearl, "timing": {"received": "soon"}}  # not two times: no span, and no failed turn
     c = make_client(Gateway(lambda b, h: answer(pearl=broken)), t).complete("s", "p", max_tokens=2)
     assert c.gateway_span is None
+    flags = {**pearl, "timing": {"received": True, "answered": 2.5}}  # a bool is no time
+    c = make_client(Gateway(lambda b, h: answer(pearl=flags)), t).complete("s", "p", max_tokens=2)
+    assert c.gateway_span is None
 
 
 def test_a_token_id_prompt_and_logprobs_go_through_and_the_sampled_logprobs_come_back() -> None:

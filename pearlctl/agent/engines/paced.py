@@ -140,10 +140,10 @@ class Vocab:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(path))
-            self.table = standalone(self.tokenizer)
-            self.ids = sorted(self.table) if len(self.table) >= MIN_STANDALONE else []
-            if not self.ids:
-                self.table = {}
+            table = standalone(self.tokenizer)
+            if len(table) >= MIN_STANDALONE:
+                self.table, self.ids = table, sorted(table)
+            else:
                 self.ids = list(range(self.tokenizer.get_vocab_size()))
 
     def encode(self, text: str) -> list[int]:
@@ -467,9 +467,7 @@ class PacedEngine:
                 for s, n in plan:
                     s.prefill_left -= n
                 continue
-            batch = len(self.running)
-            context = sum(s.context for s in self.running) / batch
-            itl = self.profile.decode.itl(batch, context)
+            itl = self._itl()
             to_next_end = min(s.max_tokens - len(s.out) for s in self.running)
             t0 = time.monotonic()
             await self._pace(min(to_next_end * itl, max(QUANTUM_S, itl)) - self.carry)
@@ -490,10 +488,13 @@ class PacedEngine:
                 elapsed -= steps * itl
                 if steps < left or not self.running:
                     break
-                itl = self.profile.decode.itl(
-                    len(self.running), sum(s.context for s in self.running) / len(self.running)
-                )
+                itl = self._itl()
             self.carry = min(max(elapsed, 0.0), itl)
+
+    def _itl(self) -> float:
+        """One iteration of the running batch: the profile's decode time at its size and mean context."""
+        batch = len(self.running)
+        return self.profile.decode.itl(batch, sum(s.context for s in self.running) / batch)
 
     def _decode(self, steps: int, itl: float) -> None:
         """``steps`` iterations of the running batch at ``itl`` each: every sequence gets ``steps`` tokens."""
