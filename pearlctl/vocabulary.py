@@ -37,13 +37,11 @@ class StepKind(StrEnum):
 
     OFFLOAD = "OFFLOAD"
     RELOAD = "RELOAD"
-    CHECKPOINT = "CHECKPOINT"
     DRAIN = "DRAIN"
     SLEEP = "SLEEP"
     WAKE = "WAKE"
     START = "START"
     STOP = "STOP"
-    SYNC_WEIGHTS = "SYNC_WEIGHTS"
     REGISTER = "REGISTER"
     DEREGISTER = "DEREGISTER"
     VERIFY = "VERIFY"
@@ -67,6 +65,9 @@ DEFAULT_ROLE: dict[PoolKind, Role] = {
     PoolKind.ELASTIC: Role.ROLLOUT,
     PoolKind.REWARD: Role.REWARD,
 }
+# Roles whose workers generate rollouts: colocated, or a disaggregated pair's halves (the roles the router routes
+# to; REWARD is served too, but scores rollouts), in the order reports and commands list them.
+GENERATION_ROLES: tuple[Role, ...] = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
 # Roles served by a vLLM server.
 SERVING_ROLES: frozenset[Role] = frozenset({Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD})
 # Which engine serves which role (IDLE runs nothing).

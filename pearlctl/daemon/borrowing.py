@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from pearlctl.daemon.transitions import Executor
+from pearlctl.daemon.transitions import Executor, PlanKind
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
@@ -94,12 +94,7 @@ REDECIDE_S = 5.0  # with unchanged inputs, the policy decides again at least thi
 # a transition per move kind; the variants: a warm borrow wakes a parked worker, a return or a rollout
 # GPU's retire parks its worker asleep when workers are kept warm (an elastic GPU's worker stops: its
 # allocation may be preempted)
-_KIND = {
-    MoveKind.START: "start",
-    MoveKind.WAKE: "wake",
-    MoveKind.RETIRE: "retire",
-    MoveKind.SWITCH: "switch",
-}
+_POOL_MOVES = frozenset({MoveKind.START, MoveKind.WAKE, MoveKind.RETIRE, MoveKind.SWITCH})  # not the trainer's
 
 
 def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) -> list[dict]:
@@ -108,23 +103,23 @@ def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) ->
     kind and roles, in the planner's order (capacity freed before it is used). ``gpus``: state rows by id."""
     groups: dict[tuple, list[int]] = {}
     for m in planned.moves:
-        if m.kind not in _KIND or m.gpu not in gpus:
+        if m.kind not in _POOL_MOVES or m.gpu not in gpus:
             continue
         g = gpus[m.gpu]
         groups.setdefault((g["allocation_id"], m.kind, str(m.from_role), str(m.to_role), g["pool"]), []).append(m.gpu)
     out = []
     for (alloc, kind, from_role, to_role, pool), ids in groups.items():
-        plan = _KIND[kind]
+        plan = PlanKind(kind)
         if kind is MoveKind.RETIRE and keep_warm and pool != PoolKind.ELASTIC:
-            plan = "retire_sleep"
+            plan = PlanKind.RETIRE_SLEEP
         out.append(
             {
-                "kind": _KIND[kind],
+                "kind": kind,
                 "plan": plan,
                 "gpu_ids": sorted(ids),
                 "allocation_id": alloc,
-                "from_role": from_role if from_role in SERVING_ROLES else "IDLE",
-                "to_role": to_role if to_role in SERVING_ROLES else "IDLE",
+                "from_role": from_role if from_role in SERVING_ROLES else Role.IDLE,
+                "to_role": to_role if to_role in SERVING_ROLES else Role.IDLE,
                 "why": planned.why,
             }
         )
@@ -201,7 +196,7 @@ class Borrowing:
         steps = self.store.recent_steps(self.run_id, state="DONE", per_kind=5)
         return TransitionCosts(**{**vars(base), **step_costs(steps, last=5)})
 
-    def cost(self, kind: str) -> float:
+    def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
         the sum of its steps' estimates. The deadline rules use it."""
         latest = self.store.transitions(self.run_id, states=(T.DONE,), kind=kind, last=5)
@@ -209,10 +204,10 @@ class Borrowing:
         if done:
             return statistics.median(done)
         costs = self.costs((self.profile() or UNMEASURED).costs)
-        return costs.borrow_s(warm=False) if kind == "borrow" else costs.return_s(park=True)
+        return costs.borrow_s(warm=False) if kind is MoveKind.BORROW else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
-        return [g for g in self.gpu_rows() if g["state"] == G.UP and g["pool"] == "trainer"]
+        return [g for g in self.gpu_rows() if g["state"] == G.UP and g["pool"] == PoolKind.TRAINER]
 
     def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
         """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
@@ -275,7 +270,7 @@ class Borrowing:
         for g in self.gpu_rows():
             if g["state"] != G.UP:
                 continue
-            if g["pool"] == "trainer":
+            if g["pool"] == PoolKind.TRAINER:
                 role = Role.ROLLOUT if g["borrowed"] else Role.TRAIN
             else:
                 role = Role(g["role"]) if g["role"] in SERVING_ROLES else Role.IDLE
@@ -323,8 +318,8 @@ class Borrowing:
             "gpus": [(g["node"], g["idx"]) for g in chosen],
             "return_deadline": now + snapshot.trainer.wait_left_s,
             "policy": settings["policy"],
-            "plan": "borrow_warm" if warm else "borrow",
-            "rollback": "return_sleep" if keep_warm else "return",
+            "plan": PlanKind.BORROW_WARM if warm else PlanKind.BORROW,
+            "rollback": PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN,
             "why": planned.why,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s],
             "view": summary(snapshot),
@@ -454,21 +449,22 @@ class Borrowing:
         except Exception:  # advice to the planner: never in the way of the plan or the return guarantee
             log.exception("checking the batch's prediction failed")
         moving = self.executor.open_transitions()
-        switching = {t["id"] for t in moving if t["kind"] == "switch" and t["state"] != T.PLANNED}
+        switching = {t["id"] for t in moving if t["kind"] == MoveKind.SWITCH and t["state"] != T.PLANNED}
         for t in moving:
-            if t["kind"] == "switch" and t["state"] == T.PLANNED:
+            if t["kind"] == MoveKind.SWITCH and t["state"] == T.PLANNED:
                 if self._plan_broke(t):
                     self.executor.abort(t["id"], "an earlier switch of its plan did not complete")
                     continue
                 if switching:
                     continue  # one switch at a time: the workers not switching keep serving meanwhile
             deadline = (t.get("detail") or {}).get("return_deadline")
-            if t["kind"] == "borrow" and t["state"] == T.RUNNING and deadline and now >= deadline - self.cost("return"):
+            borrowing = t["kind"] == MoveKind.BORROW and t["state"] == T.RUNNING
+            if borrowing and deadline and now >= deadline - self.cost(MoveKind.RETURN):
                 self.executor.abort(t["id"], "return deadline reached during the borrow")
             state = self.executor.advance(t["id"])
-            if t["kind"] == "return" and state == T.DONE:
+            if t["kind"] == MoveKind.RETURN and state == T.DONE:
                 self._judge_return(t)
-            if t["kind"] == "switch" and state in (T.RUNNING, T.ROLLING_BACK):
+            if t["kind"] == MoveKind.SWITCH and state in (T.RUNNING, T.ROLLING_BACK):
                 switching.add(t["id"])
             else:
                 switching.discard(t["id"])
@@ -490,7 +486,7 @@ class Borrowing:
                 why = "the trainer is waiting for its GPUs"
             elif batch_ready(trainer, run.get("rollout") or {}):
                 why = "the trainer's batch is complete"
-            elif now >= deadline - self.cost("return"):
+            elif now >= deadline - self.cost(MoveKind.RETURN):
                 why = "return deadline"
         inputs = None
         if why:
@@ -517,7 +513,7 @@ class Borrowing:
             return True
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
-            return now >= deadline - self.cost("return") - RETURN_SLACK_S - REDECIDE_S
+            return now >= deadline - self.cost(MoveKind.RETURN) - RETURN_SLACK_S - REDECIDE_S
         return False
 
     def _carry_out(
@@ -528,10 +524,9 @@ class Borrowing:
         if lent and planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
             why = f"policy: {planned.why}"
         if why:
+            plan = PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN
             self.executor.plan(
-                "return",
-                [g["id"] for g in lent],
-                detail={"return_deadline": deadline, "why": why, "plan": "return_sleep" if keep_warm else "return"},
+                MoveKind.RETURN, [g["id"] for g in lent], detail={"return_deadline": deadline, "why": why, "plan": plan}
             )
             if planned is None:
                 return
@@ -545,7 +540,7 @@ class Borrowing:
             borrow = self.plan_borrow(now, settings, planned=planned)
             if borrow is not None:
                 self.executor.plan(
-                    "borrow",
+                    MoveKind.BORROW,
                     borrow["gpu_ids"],
                     detail={
                         **{k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
@@ -561,7 +556,7 @@ class Borrowing:
             o["id"] != t["id"]
             and (o.get("detail") or {}).get("planned_at") == at
             and o["state"] in (T.FAILED, T.ROLLED_BACK)
-            for o in self.store.transitions(self.run_id, kind="switch")
+            for o in self.store.transitions(self.run_id, kind=MoveKind.SWITCH)
         )
 
     def _judge_return(self, t: dict) -> None:
@@ -593,7 +588,7 @@ def summary(s: Snapshot) -> dict:
         "phase": s.trainer.phase,
         "wait_left_s": s.trainer.wait_left_s,
         "wait_from": "prediction" if s.trainer.wait_predicted else "trainer",
-        "idle_gpus": sum(1 for g in s.gpus if g.pool == "trainer" and not g.borrowed),
+        "idle_gpus": sum(1 for g in s.gpus if g.pool == PoolKind.TRAINER and not g.borrowed),
         "max_gpus": s.max_lend,
         "borrow_cost_s": s.costs.borrow_s(warm=False),
         "warm_borrow_cost_s": s.costs.borrow_s(warm=True),

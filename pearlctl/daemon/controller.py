@@ -34,7 +34,9 @@ from pearlctl.daemon.decision_lock import DecisionLock
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.longpoll import LongPolls
 from pearlctl.daemon.metrics import latency_histogram
+from pearlctl.daemon.transitions import PlanKind
 from pearlctl.planner import profile as profiles
+from pearlctl.planner.model import MoveKind
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
@@ -510,7 +512,7 @@ class Controller:
                 )
                 current = step
         on_lent = not lent.isdisjoint(report.gpus)
-        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != "trainer" or on_lent):
+        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
             # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
             # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
@@ -588,7 +590,7 @@ class Controller:
                 if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
                     parked.setdefault(g["worker_id"], []).append(g["idx"])
         out = []
-        return_s = self.borrowing.cost("return") if deadlines and self.borrowing is not None else 0.0
+        return_s = self.borrowing.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
             if role == Role.IDLE:
                 continue
@@ -756,7 +758,7 @@ class Controller:
             aborted = []
             if body.now:
                 for t in self.borrowing.executor.open_transitions():
-                    if t["kind"] == "borrow":
+                    if t["kind"] == MoveKind.BORROW:
                         self.borrowing.executor.abort(t["id"], "pearlctl return --now")
                         aborted.append(t["id"])
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
@@ -797,25 +799,26 @@ class Controller:
             role, names = chosen[0]["role"], ", ".join(f"{g['node']}:{g['idx']}" for g in chosen)
             serving = role in SERVING_ROLES
             target = str(body.role or Role.ROLLOUT)
-            if body.kind in ("start", "wake"):
+            if body.kind in (MoveKind.START, MoveKind.WAKE):
                 if serving:
                     raise ControlError(
                         f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
                     )
                 parked = bool(workers) and all(self.store.get("workers", w)["state"] == W.SLEEPING for w in workers)
-                if body.kind == "wake" and not parked:
+                if body.kind == MoveKind.WAKE and not parked:
                     raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
-                if body.kind == "start" and workers:
+                if body.kind == MoveKind.START and workers:
                     raise ControlError(f"a worker is parked on GPUs {names}: wake it instead")
-                from_role, to_role, plan = Role.IDLE, target, body.kind
+                from_role, to_role, plan = Role.IDLE, target, PlanKind(body.kind)
             elif not serving:
                 raise ControlError(f"GPUs {names} are {role}: nothing serves there to {body.kind} (start or wake)")
-            elif body.kind == "retire":
-                from_role, to_role, plan = role, Role.IDLE, ("retire_sleep" if body.keep_warm else "retire")
+            elif body.kind == MoveKind.RETIRE:
+                plan = PlanKind.RETIRE_SLEEP if body.keep_warm else PlanKind.RETIRE
+                from_role, to_role = role, Role.IDLE
             elif target == role:
                 raise ControlError(f"GPUs {names} already serve {role}: a switch needs another role")
             else:
-                from_role, to_role, plan = role, target, "switch"
+                from_role, to_role, plan = role, target, PlanKind.SWITCH
             ids = sorted(g["id"] for g in chosen)
             tid = executor.plan(
                 body.kind,

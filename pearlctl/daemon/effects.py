@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearlctl.daemon.transitions import DONE, FAILED, PENDING, current_plan
+from pearlctl.daemon.transitions import Outcome, current_plan
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
@@ -124,13 +124,16 @@ class DaemonEffects:
                 worker_id=None,
             )
 
-    def _route(self, t: dict, key: str) -> None:
-        """REGISTER / DEREGISTER: the worker takes new requests, or stops taking them."""
-        if key.endswith(":" + StepKind.REGISTER):
-            workers, routable = self._workers_on(t, self._serving_role(t)), 1
-            workers = [w for w in workers if w["state"] not in GONE_WORKER]
-        else:
-            workers, routable = self._workers_on(t), 0
+    def _register(self, t: dict, key: str) -> None:
+        """REGISTER: the live workers in the transition's serving role take new requests."""
+        workers = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
+        self._set_routable(workers, 1)
+
+    def _deregister(self, t: dict, key: str) -> None:
+        """DEREGISTER: the workers on the transition's GPUs stop taking new requests."""
+        self._set_routable(self._workers_on(t), 0)
+
+    def _set_routable(self, workers: list[dict], routable: int) -> None:
         for w in workers:
             if w["routable"] != routable:
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
@@ -155,117 +158,127 @@ class DaemonEffects:
                 worker_id=parked.get((g["allocation_id"], g["idx"])),
             )
 
-    @staticmethod
-    def _nothing(t: dict, key: str) -> None:
+    def _nothing(self, t: dict, key: str) -> None:
         """OFFLOAD / RELOAD: the command is the step's INTENT itself (see pending_trainer_command); the
         probes of STOP, SLEEP and VERIFY wait for what an earlier step set in motion."""
 
     # -- probes ---------------------------------------------------------------------------------
-    def _trainer_acked(self, t: dict, key: str) -> str:
+    def _trainer_acked(self, t: dict, key: str) -> Outcome:
         ack = self._ack(key)
         if ack is None:
-            return PENDING
-        return DONE if ack.get("ok") else FAILED
+            return Outcome.PENDING
+        return Outcome.DONE if ack.get("ok") else Outcome.FAILED
 
-    def _none_up(self, t: dict) -> str:
+    def _none_up(self, t: dict) -> Outcome:
         """No live worker on the GPUs brought up: FAILED where one failed there, else still PENDING."""
-        return FAILED if any(w["state"] == W.FAILED for w in self._workers_on(t, self._serving_role(t))) else PENDING
+        failed = any(w["state"] == W.FAILED for w in self._workers_on(t, self._serving_role(t)))
+        return Outcome.FAILED if failed else Outcome.PENDING
 
-    def _woken(self, t: dict, key: str) -> str:
+    def _woken(self, t: dict, key: str) -> Outcome:
         live, covered = self._serving(t)
         if not live:
-            return FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
+            return Outcome.FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
         # GPUs with no parked worker get a new one (the agent starts what desired state lacks): READY too
-        return DONE if covered and all(w["state"] == W.READY for w in live) else PENDING
+        return _proven(covered and all(w["state"] == W.READY for w in live))
 
-    def _asleep(self, t: dict, key: str) -> str:
+    def _asleep(self, t: dict, key: str) -> Outcome:
         workers = self._workers_on(t)
-        return DONE if all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers) else PENDING
+        return _proven(all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers))
 
-    def _started(self, t: dict, key: str) -> str:
+    def _started(self, t: dict, key: str) -> Outcome:
         live, covered = self._serving(t)
         if covered:
-            return DONE
+            return Outcome.DONE
         if live:
-            return PENDING  # some of its GPUs' workers are there: the others come (a failed one is restarted)
+            return Outcome.PENDING  # some of its GPUs' workers are there: the others come (a failed one restarts)
         return self._none_up(t)
 
-    def _verified(self, t: dict, key: str) -> str:
+    def _verified(self, t: dict, key: str) -> Outcome:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
             trainer = self.store.get_run(self.run_id).get("trainer") or {}
-            return DONE if trainer and not trainer.get("released") else PENDING
+            return _proven(bool(trainer) and not trainer.get("released"))
         live, covered = self._serving(t)  # GPUs brought up: a worker serves on every one
         if not live:
             return self._none_up(t)
         if not covered or any(w["state"] != W.READY for w in live):
-            return PENDING
+            return Outcome.PENDING
         # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
         # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
         # fails the step by its timeout, and the transition rolls back)
         trainer = self.store.get_run(self.run_id).get("trainer") or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
-        return DONE if latest is None or all(w.get("weight_version") == str(latest) for w in live) else PENDING
+        return _proven(latest is None or all(w.get("weight_version") == str(latest) for w in live))
 
-    def _routed(self, t: dict, key: str) -> str:
-        """Recorded in state, and — where the run has a router — carried out by it: REGISTER is proven when
-        the router routes to the worker, DEREGISTER when it no longer does (so a worker drains only once
-        nothing new can reach it)."""
-        if key.endswith(":" + StepKind.REGISTER):
-            routed = self.router()
-            live = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
-            if not all(w["routable"] for w in live):
-                return PENDING
-            return DONE if routed is None or all(w["url"] in routed for w in live if w["url"]) else PENDING
+    def _registered(self, t: dict, key: str) -> Outcome:
+        """Recorded in state, and — where the run has a router — carried out by it: the router routes to every
+        live worker in the serving role."""
+        routed = self.router()
+        live = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
+        if not all(w["routable"] for w in live):
+            return Outcome.PENDING
+        return _proven(routed is None or all(w["url"] in routed for w in live if w["url"]))
+
+    def _deregistered(self, t: dict, key: str) -> Outcome:
+        """Recorded in state, and — where the run has a router — carried out by it: the router no longer routes
+        to the workers (so a worker drains only once nothing new can reach it)."""
         routed = self.router_may_route()
         workers = self._workers_on(t)
         if any(w["routable"] for w in workers):
-            return PENDING
-        return DONE if routed is None or not any(w["url"] in routed for w in workers if w["url"]) else PENDING
+            return Outcome.PENDING
+        return _proven(routed is None or not any(w["url"] in routed for w in workers if w["url"]))
 
-    def _drained(self, t: dict, key: str) -> str:
+    def _drained(self, t: dict, key: str) -> Outcome:
         busy = (W.READY, W.STARTING)
-        return DONE if all(w["state"] not in busy for w in self._workers_on(t)) else PENDING
+        return _proven(all(w["state"] not in busy for w in self._workers_on(t)))
 
-    def _stopped(self, t: dict, key: str) -> str:
-        return DONE if all(self._proven_gone(w) for w in self._workers_on(t)) else PENDING
+    def _stopped(self, t: dict, key: str) -> Outcome:
+        return _proven(all(self._proven_gone(w) for w in self._workers_on(t)))
 
     # -- the Effects protocol: one table --------------------------------------------------------
-    def do(self, kind: str, t: dict, key: str) -> None:
-        getattr(self, STEPS[StepKind(kind)].do)(t, key)
+    def do(self, kind: StepKind, t: dict, key: str) -> None:
+        STEPS[kind].do(self, t, key)
 
-    def probe(self, kind: str, t: dict, key: str) -> str:
-        return getattr(self, STEPS[StepKind(kind)].probe)(t, key)
+    def probe(self, kind: StepKind, t: dict, key: str) -> Outcome:
+        return STEPS[kind].probe(self, t, key)
+
+
+def _proven(held: bool) -> Outcome:
+    return Outcome.DONE if held else Outcome.PENDING
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step kind: its effect and its proof (methods of DaemonEffects), and both in words."""
+    """One step kind: its effect and its proof (functions of DaemonEffects, the transition and the step's key),
+    and both in words."""
 
-    do: str
-    probe: str
+    do: Callable[[DaemonEffects, dict, str], None]
+    probe: Callable[[DaemonEffects, dict, str], Outcome]
     effect: str
     proven: str
 
 
+_E = DaemonEffects
 STEPS: dict[StepKind, Step] = {
-    StepKind.OFFLOAD: Step("_nothing", "_trainer_acked", "the trainer is asked to release (id: the key)", "acked ok"),
+    StepKind.OFFLOAD: Step(_E._nothing, _E._trainer_acked, "the trainer is asked to release (id: the key)", "acked ok"),
     StepKind.START: Step(
-        "_serve", "_started", "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "a worker runs"
+        _E._serve, _E._started, "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "a worker runs"
     ),
-    StepKind.WAKE: Step("_serve", "_woken", "as START; the agent wakes the parked worker", "it is READY"),
+    StepKind.WAKE: Step(_E._serve, _E._woken, "as START; the agent wakes the parked worker", "it is READY"),
     StepKind.VERIFY: Step(
-        "_nothing", "_verified", "—", "GPUs brought up: the worker is READY; back to TRAIN: the trainer has them"
+        _E._nothing, _E._verified, "—", "GPUs brought up: the worker is READY; back to TRAIN: the trainer has them"
     ),
-    StepKind.REGISTER: Step("_route", "_routed", "the worker becomes routable", "recorded; the router lists it"),
+    StepKind.REGISTER: Step(
+        _E._register, _E._registered, "the worker becomes routable", "recorded; the router lists it"
+    ),
     StepKind.DEREGISTER: Step(
-        "_route", "_routed", "the worker stops being routable", "recorded; the router no longer lists it"
+        _E._deregister, _E._deregistered, "the worker stops being routable", "recorded; the router no longer lists it"
     ),
     StepKind.DRAIN: Step(
-        "_leave", "_drained", "the GPUs leave their role (trainer: TRAIN; others: IDLE)", "the worker drains or is gone"
+        _E._leave, _E._drained, "the GPUs leave their role (trainer: TRAIN; others: IDLE)", "drained or gone"
     ),
-    StepKind.STOP: Step("_nothing", "_stopped", "—", "the worker is STOPPED (or proven gone)"),
-    StepKind.SLEEP: Step("_nothing", "_asleep", "— (DRAIN parked the worker)", "it SLEEPS (or is gone)"),
-    StepKind.RELOAD: Step("_nothing", "_trainer_acked", "the trainer is asked to reclaim (id: the key)", "acked ok"),
+    StepKind.STOP: Step(_E._nothing, _E._stopped, "—", "the worker is STOPPED (or proven gone)"),
+    StepKind.SLEEP: Step(_E._nothing, _E._asleep, "— (DRAIN parked the worker)", "it SLEEPS (or is gone)"),
+    StepKind.RELOAD: Step(_E._nothing, _E._trainer_acked, "the trainer is asked to reclaim (id: the key)", "acked ok"),
 }
 
 

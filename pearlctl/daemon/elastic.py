@@ -67,8 +67,9 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import RunState
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
+from pearlctl.vocabulary import PoolKind
 
-POOL = "elastic"
+POOL = PoolKind.ELASTIC
 # Allocation states that hold a place in the pool (or wait for one).
 LIVE = (A.REQUESTED, A.PENDING, A.RUNNING, A.PREEMPTING, A.LOST)
 # Worker states that mean its engine may still run: a drained task is scancelled when none is left.

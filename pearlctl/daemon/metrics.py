@@ -28,6 +28,8 @@ from collections import Counter
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pearlctl.planner.model import MoveKind
+from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
 
 BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -103,9 +105,9 @@ class RunCollector:
         for (kind, state), n in Counter((t["kind"], t["state"]) for t in transitions).items():
             total.add_metric([kind, state], n)
         yield total
-        for kind in ("borrow", "return"):
+        for kind in (MoveKind.BORROW, MoveKind.RETURN):
             done = [
-                t["updated_at"] - t["created_at"] for t in transitions if t["kind"] == kind and t["state"] == "DONE"
+                t["updated_at"] - t["created_at"] for t in transitions if t["kind"] == kind and t["state"] == T.DONE
             ]
             buckets = [(str(b), sum(1 for d in done if d <= b)) for b in BUCKETS] + [("+Inf", len(done))]
             hist = HistogramMetricFamily(

@@ -33,50 +33,80 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Protocol
 
+from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import StepKind
+from pearlctl.vocabulary import Role, StepKind
 
 log = logging.getLogger("pearlctl.daemon")
 
-_K = StepKind
-PLANS: dict[str, tuple[StepKind, ...]] = {
-    "borrow": (_K.OFFLOAD, _K.START, _K.VERIFY, _K.REGISTER),  # cold: a new vLLM process
-    "borrow_warm": (_K.OFFLOAD, _K.WAKE, _K.VERIFY, _K.REGISTER),  # a vLLM parked asleep on these GPUs wakes
-    "return": (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.RELOAD, _K.VERIFY),  # the vLLM process exits
-    "return_sleep": (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.RELOAD, _K.VERIFY),  # parked asleep for next time
-    "start": (_K.START, _K.VERIFY, _K.REGISTER),  # an idle rollout/elastic GPU serves: a new vLLM process
-    "wake": (_K.WAKE, _K.VERIFY, _K.REGISTER),  # the vLLM parked asleep there serves again
-    "retire": (_K.DEREGISTER, _K.DRAIN, _K.STOP),  # the worker exits, the GPU is IDLE
-    "retire_sleep": (_K.DEREGISTER, _K.DRAIN, _K.SLEEP),  # the worker parks asleep on the IDLE GPU
-    "switch": (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.START, _K.VERIFY, _K.REGISTER),  # restart in a new role
+
+class PlanKind(StrEnum):
+    """A transition's sequence of steps (``PLANS``): its move kind's, or a variant that parks or wakes a worker
+    (stored as ``detail.plan`` and ``detail.rollback``)."""
+
+    BORROW = "borrow"  # cold: a new vLLM process
+    BORROW_WARM = "borrow_warm"  # a vLLM parked asleep on these GPUs wakes
+    RETURN = "return"  # the vLLM process exits
+    RETURN_SLEEP = "return_sleep"  # parked asleep for next time
+    START = "start"  # an idle rollout/elastic GPU serves: a new vLLM process
+    WAKE = "wake"  # the vLLM parked asleep there serves again
+    RETIRE = "retire"  # the worker exits, the GPU is IDLE
+    RETIRE_SLEEP = "retire_sleep"  # the worker parks asleep on the IDLE GPU
+    SWITCH = "switch"  # restart in a new role
+
+
+class Outcome(StrEnum):
+    """What a step's probe found, and what a walk through a transition's steps ended on."""
+
+    DONE = "done"  # proven
+    PENDING = "pending"  # not yet: probed again at the next tick
+    FAILED = "failed"  # it cannot happen: the transition rolls back (or fails, with nothing to fall back to)
+    HELD = "held"  # (a walk only) a step is HELD: its effect could not be proven, a person looks at it
+
+
+_K, _P = StepKind, PlanKind
+PLANS: dict[PlanKind, tuple[StepKind, ...]] = {
+    _P.BORROW: (_K.OFFLOAD, _K.START, _K.VERIFY, _K.REGISTER),
+    _P.BORROW_WARM: (_K.OFFLOAD, _K.WAKE, _K.VERIFY, _K.REGISTER),
+    _P.RETURN: (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.RELOAD, _K.VERIFY),
+    _P.RETURN_SLEEP: (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.RELOAD, _K.VERIFY),
+    _P.START: (_K.START, _K.VERIFY, _K.REGISTER),
+    _P.WAKE: (_K.WAKE, _K.VERIFY, _K.REGISTER),
+    _P.RETIRE: (_K.DEREGISTER, _K.DRAIN, _K.STOP),
+    _P.RETIRE_SLEEP: (_K.DEREGISTER, _K.DRAIN, _K.SLEEP),
+    _P.SWITCH: (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.START, _K.VERIFY, _K.REGISTER),
 }
 # What a failed transition of each kind runs to compensate (``detail.rollback`` overrides). Kinds not
 # listed (return, retire) have nothing to fall back to: a failure there needs a person.
-ROLLBACKS: dict[str, str] = {"borrow": "return", "start": "retire", "wake": "retire", "switch": "retire"}
+ROLLBACKS: dict[MoveKind, PlanKind] = {
+    MoveKind.BORROW: _P.RETURN,
+    MoveKind.START: _P.RETIRE,
+    MoveKind.WAKE: _P.RETIRE,
+    MoveKind.SWITCH: _P.RETIRE,
+}
 # The roles a transition kind moves GPUs between; None: the move's own (a switch's target role).
-KIND_ROLES: dict[str, tuple[str | None, str | None]] = {
-    "borrow": ("TRAIN", "ROLLOUT"),
-    "return": ("ROLLOUT", "TRAIN"),
-    "start": ("IDLE", None),
-    "wake": ("IDLE", None),
-    "retire": (None, "IDLE"),
-    "switch": (None, None),
+KIND_ROLES: dict[MoveKind, tuple[Role | None, Role | None]] = {
+    MoveKind.BORROW: (Role.TRAIN, Role.ROLLOUT),
+    MoveKind.RETURN: (Role.ROLLOUT, Role.TRAIN),
+    MoveKind.START: (Role.IDLE, None),
+    MoveKind.WAKE: (Role.IDLE, None),
+    MoveKind.RETIRE: (None, Role.IDLE),
+    MoveKind.SWITCH: (None, None),
 }
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
-
-DONE, PENDING, FAILED = "done", "pending", "failed"
 
 
 class Effects(Protocol):
     """The seam between the executor and the world. ``do`` must be idempotent for ``key``."""
 
-    def do(self, kind: str, transition: dict, key: str) -> None: ...
+    def do(self, kind: StepKind, transition: dict, key: str) -> None: ...
 
-    def probe(self, kind: str, transition: dict, key: str) -> str: ...  # DONE | PENDING | FAILED
+    def probe(self, kind: StepKind, transition: dict, key: str) -> Outcome: ...  # DONE | PENDING | FAILED
 
 
 def current_plan(t: dict) -> tuple[StepKind, ...]:
@@ -84,11 +114,11 @@ def current_plan(t: dict) -> tuple[StepKind, ...]:
     its compensation (``detail.rollback``, default ``ROLLBACKS[kind]``)."""
     detail = t.get("detail") or {}
     if t["state"] == T.ROLLING_BACK:
-        return PLANS[detail.get("rollback") or ROLLBACKS.get(t["kind"], "return")]
-    return PLANS[detail.get("plan") or t["kind"]]
+        return PLANS[PlanKind(detail.get("rollback") or ROLLBACKS.get(t["kind"], PlanKind.RETURN))]
+    return PLANS[PlanKind(detail.get("plan") or t["kind"])]
 
 
-def step_key(transition_id: int, seq: int, kind: str) -> str:
+def step_key(transition_id: int, seq: int, kind: StepKind) -> str:
     return f"{transition_id}:{seq}:{kind}"
 
 
@@ -105,15 +135,16 @@ class Executor:
     # -- planning ---------------------------------------------------------------------------------
     def plan(
         self,
-        kind: str,
+        kind: MoveKind,
         gpu_ids: list[int],
         *,
         detail: dict | None = None,
-        from_role: str | None = None,
-        to_role: str | None = None,
+        from_role: Role | None = None,
+        to_role: Role | None = None,
     ) -> int:
-        """Record a PLANNED transition of ``kind`` (a key of ``KIND_ROLES``) for ``gpu_ids``; the roles
-        default to the kind's (a switch names both, a retire its from-role, a start/wake its to-role)."""
+        """Record a PLANNED transition of ``kind`` for ``gpu_ids``; the roles default to the kind's
+        (``KIND_ROLES``: a switch names both, a retire its from-role, a start/wake its to-role)."""
+        kind = MoveKind(kind)
         default_from, default_to = KIND_ROLES[kind]
         from_role, to_role = from_role or default_from, to_role or default_to
         if from_role is None or to_role is None:
@@ -134,7 +165,7 @@ class Executor:
         self.store.set_state("transitions", t["id"], expect=t["state"], to=to, epoch=self.epoch, event=event, data=data)
         return self.store.get("transitions", t["id"])
 
-    def _steps_for(self, t: dict) -> list[tuple[int, str]]:
+    def _steps_for(self, t: dict) -> list[tuple[int, StepKind]]:
         """The transition's plan (``detail.plan``, default its kind); a rollback runs ``detail.rollback``."""
         if t["state"] == T.ROLLING_BACK:
             return [(ROLLBACK_SEQ + i, k) for i, k in enumerate(current_plan(t))]
@@ -159,11 +190,11 @@ class Executor:
             t = self._set(t, T.RUNNING, "started")
         while t["state"] in (T.RUNNING, T.ROLLING_BACK):
             outcome = self._walk(t)
-            if outcome == PENDING:
+            if outcome is Outcome.PENDING:
                 break
-            if outcome == DONE:
+            if outcome is Outcome.DONE:
                 t = self._set(t, T.DONE if t["state"] == T.RUNNING else T.ROLLED_BACK, "completed")
-            elif outcome == "held":
+            elif outcome is Outcome.HELD:
                 t = self._set(t, T.FAILED, "held: a step's effect could not be proven")
             elif t["state"] == T.RUNNING and t["kind"] in ROLLBACKS:
                 t = self._set(t, T.ROLLING_BACK, "rollback", {"why": "a step failed"})  # GPUs go back
@@ -171,7 +202,7 @@ class Executor:
                 t = self._set(t, T.FAILED, "failed")  # a failed return or rollback needs a person
         return t["state"]
 
-    def _walk(self, t: dict) -> str:
+    def _walk(self, t: dict) -> Outcome:
         """Go through the steps in order; stop at the first that is not DONE."""
         existing = {s["seq"]: s for s in self.store.steps(t["id"])}
         for seq, kind in self._steps_for(t):
@@ -179,25 +210,25 @@ class Executor:
             if step["state"] == S.DONE:
                 continue
             if step["state"] == S.HELD:
-                return "held"
+                return Outcome.HELD
             if step["state"] == S.FAILED:
-                return FAILED
+                return Outcome.FAILED
             key = step["idempotency_key"]
             if key not in self.issued:  # after a restart: effects are idempotent per key, so issue again
                 self._issue(kind, t, key, again=True)
-            result = self.effects.probe(kind, t, key)
-            if result == DONE:
+            result = Outcome(self.effects.probe(kind, t, key))
+            if result is Outcome.DONE:
                 self._finish(step, S.DONE, "done")
                 self.fault("after_done", key)
                 continue
             started = (step.get("detail") or {}).get("started_at", self.clock())
-            if result == FAILED or self.clock() - started > self.step_timeout_s:
-                self._finish(step, S.FAILED, "probe failed" if result == FAILED else "no effect in time")
-                return FAILED
-            return PENDING
-        return DONE
+            if result is Outcome.FAILED or self.clock() - started > self.step_timeout_s:
+                self._finish(step, S.FAILED, "probe failed" if result is Outcome.FAILED else "no effect in time")
+                return Outcome.FAILED
+            return Outcome.PENDING
+        return Outcome.DONE
 
-    def _intend(self, t: dict, seq: int, kind: str) -> dict:
+    def _intend(self, t: dict, seq: int, kind: StepKind) -> dict:
         """Write the step's INTENT durably, then issue its effect."""
         key = step_key(t["id"], seq, kind)
         self.fault("before_intent", key)
@@ -214,7 +245,7 @@ class Executor:
         self.fault("after_effect", key)
         return self.store.get("steps", sid)
 
-    def _issue(self, kind: str, t: dict, key: str, *, again: bool = False) -> None:
+    def _issue(self, kind: StepKind, t: dict, key: str, *, again: bool = False) -> None:
         self.effects.do(kind, t, key)
         self.issued.add(key)
         if again:

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from pearlctl.vocabulary import StepKind
+
 
 class ProfileError(ValueError):
     pass
@@ -109,15 +111,20 @@ class TransitionCosts:
         return (self.sleep_s if park else self.stop_s) + self.reload_s
 
 
-# journal step kind -> the TransitionCosts field its measured durations estimate
-STEP_COSTS = {
-    "START": "start_s",
-    "WAKE": "wake_s",
-    "SLEEP": "sleep_s",
-    "STOP": "stop_s",
-    "OFFLOAD": "offload_s",
-    "RELOAD": "reload_s",
-    "SYNC_WEIGHTS": "weight_sync_s",
+# The simulator's name for the weight load of a woken worker whose weights are a train step old: a timed part
+# of its move, journaled like a step. Live it is no step of its own (the agent reloads the weights before VERIFY
+# passes), so the daemon's estimate of weight_sync_s stays the profile's.
+WEIGHT_LOAD = "SYNC_WEIGHTS"
+# journaled step kind -> the TransitionCosts field its measured durations estimate: the one table behind the
+# daemon's running estimates (``step_costs``) and the simulator's (pearlctl.sim.run.Sim.costs)
+STEP_COSTS: dict[str, str] = {
+    StepKind.START: "start_s",
+    StepKind.WAKE: "wake_s",
+    StepKind.SLEEP: "sleep_s",
+    StepKind.STOP: "stop_s",
+    StepKind.OFFLOAD: "offload_s",
+    StepKind.RELOAD: "reload_s",
+    WEIGHT_LOAD: "weight_sync_s",
 }
 
 

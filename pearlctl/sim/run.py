@@ -70,7 +70,7 @@ from pearlctl.planner.model import (
     Work,
 )
 from pearlctl.planner.predict import predict
-from pearlctl.planner.profile import TransitionCosts
+from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, TransitionCosts
 from pearlctl.sim.availability import Trace, build_trace
 from pearlctl.sim.engine import (
     ABORT_S,
@@ -86,22 +86,14 @@ from pearlctl.sim.engine import (
     with_mismatch,
 )
 from pearlctl.sim.scenario import Scenario
+from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import StepKind as K
 
 ENGINE_ROLE = {Role.ROLLOUT: W_ROLLOUT, Role.PREFILL: W_PREFILL, Role.DECODE: W_DECODE}
 MAX_SIM_S = 7 * 24 * 3600.0  # a run that has not finished its steps by then is reported as unfinished
 STALL_S = 3600.0  # simulated seconds without decode progress or a train step: the run is stuck
 TIMELINE_EVERY_S = 10.0
 COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
-# journal step kind -> the TransitionCosts field its durations estimate (pearlctl.planner.profile.STEP_COSTS)
-STEP_FIELDS = {
-    "START": "start_s",
-    "WAKE": "wake_s",
-    "SLEEP": "sleep_s",
-    "STOP": "stop_s",
-    "OFFLOAD": "offload_s",
-    "RELOAD": "reload_s",
-    "SYNC_WEIGHTS": "weight_sync_s",
-}
 
 # GPU-second categories: the roles, with TRAIN split by whether the trainer is computing, and TRANSITION.
 CATEGORIES = ("TRAIN", "TRAIN_IDLE", "ROLLOUT", "PREFILL", "DECODE", "REWARD", "IDLE", "TRANSITION")
@@ -200,14 +192,14 @@ class Sim:
         self.gpus: list[SimGpu] = []
         for i in range(total):
             if i < c.trainer_gpus:
-                pool, role, node = "trainer", Role.TRAIN, f"t{i // c.gpus_per_node}"
+                pool, role, node = PoolKind.TRAINER, Role.TRAIN, f"t{i // c.gpus_per_node}"
             elif i < c.trainer_gpus + c.rollout_gpus:
                 j = i - c.trainer_gpus
-                pool, role, node = "rollout", Role.ROLLOUT, f"r{j // c.gpus_per_node}"
+                pool, role, node = PoolKind.ROLLOUT, Role.ROLLOUT, f"r{j // c.gpus_per_node}"
             else:
                 j = i - c.trainer_gpus - c.rollout_gpus
-                pool, role, node = "elastic", Role.IDLE, f"e{j // c.gpus_per_node}"
-            self.gpus.append(SimGpu(i, node, pool, role, present=pool != "elastic"))
+                pool, role, node = PoolKind.ELASTIC, Role.IDLE, f"e{j // c.gpus_per_node}"
+            self.gpus.append(SimGpu(i, node, pool, role, present=pool != PoolKind.ELASTIC))
         self.controller = None  # the oracle sets itself here
         # What history says about the workload (a live system learns it; the drawn future stays hidden).
         self.turns_mean, self.turns_p99 = wl.turns.summary()
@@ -465,7 +457,7 @@ class Sim:
         return (self.trained, self.launched, self.training_until is None, self._gi, self._ni, self._ei)
 
     def _away(self, t: float) -> list[SimGpu]:
-        return [g for g in self.gpus if g.pool == "trainer" and (g.role != Role.TRAIN or g.busy_until > t)]
+        return [g for g in self.gpus if g.pool == PoolKind.TRAINER and (g.role != Role.TRAIN or g.busy_until > t)]
 
     def joining(self, t: float) -> int:
         """Workers on their way to serving rollouts: those whose GPUs are in a transition toward a serving role
@@ -557,29 +549,30 @@ class Sim:
         kind, to = move.kind, move.to_role
         stale = g.version < self.version
         # the move's steps (journal kind, profile seconds); a stale wake also loads the newest weights
-        wake = [("WAKE", c.wake_s)] + ([("SYNC_WEIGHTS", self.scenario.training.weight_sync_s)] if stale else [])
+        wake = [(K.WAKE, c.wake_s)] + ([(WEIGHT_LOAD, self.scenario.training.weight_sync_s)] if stale else [])
         if kind == MoveKind.BORROW:
             # The trainer releases a GPU only while it waits for rollouts, never mid-step.
-            if g.pool != "trainer" or self.training_until is not None or to not in SERVING:
+            if g.pool != PoolKind.TRAINER or self.training_until is not None or to not in SERVING:
                 return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
-            steps = [("OFFLOAD", c.offload_s)] + (wake if g.parked else [("START", c.start_s)])
+            steps = [(K.OFFLOAD, c.offload_s)] + (wake if g.parked else [(K.START, c.start_s)])
             g.borrowed, g.parked = True, False
         elif kind == MoveKind.RETURN:
-            if g.pool != "trainer" or to != Role.TRAIN:
+            if g.pool != PoolKind.TRAINER or to != Role.TRAIN:
                 return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
             # the rollout worker is parked asleep: the next borrow is a wake
-            steps = [("SLEEP", c.sleep_s), ("RELOAD", c.reload_s)]
+            steps = [(K.SLEEP, c.sleep_s), (K.RELOAD, c.reload_s)]
             g.borrowed, g.parked = False, True
         elif kind in (MoveKind.START, MoveKind.WAKE):
-            if g.pool == "trainer" or g.role != Role.IDLE or to not in SERVING:
+            if g.pool == PoolKind.TRAINER or g.role != Role.IDLE or to not in SERVING:
                 return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
-            steps = wake if g.parked else [("START", c.start_s)]  # a WAKE of a GPU with nothing parked: cold start
+            steps = wake if g.parked else [(K.START, c.start_s)]  # a WAKE of a GPU with nothing parked: cold start
             g.parked = False
         elif kind == MoveKind.RETIRE:
-            if g.role not in SERVING or to != Role.IDLE or g.pool == "trainer":
+            if g.role not in SERVING or to != Role.IDLE or g.pool == PoolKind.TRAINER:
                 return self._refuse(move, "retire of a trainer GPU or of a GPU not serving")
             # Elastic GPUs may vanish: stop the worker; rollout GPUs park it for a quick wake.
-            steps, g.parked = ([("STOP", c.stop_s)], False) if g.pool == "elastic" else ([("SLEEP", c.sleep_s)], True)
+            elastic = g.pool == PoolKind.ELASTIC
+            steps, g.parked = ([(K.STOP, c.stop_s)], False) if elastic else ([(K.SLEEP, c.sleep_s)], True)
         elif kind == MoveKind.SWITCH:
             if g.role not in SERVING or to not in SERVING:
                 return self._refuse(move, "switch between non-serving roles")
@@ -617,7 +610,7 @@ class Sim:
         if self._costs is None:
             est = {
                 field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
-                for kind, field in STEP_FIELDS.items()
+                for kind, field in STEP_COSTS.items()
                 if kind in self._journal
             }
             self._costs = replace(self.profile.costs, **est) if est else self.profile.costs
@@ -850,7 +843,7 @@ class Sim:
         if self._stopped(g, t):
             return "TRANSITION"
         if g.role == Role.TRAIN:
-            return "TRAIN" if self.training_until is not None else "TRAIN_IDLE"
+            return Role.TRAIN.value if self.training_until is not None else "TRAIN_IDLE"
         return str(g.role)  # (its value: a StrEnum's str, without the enum's value property)
 
     def _census(self, t: float) -> dict[str, int]:

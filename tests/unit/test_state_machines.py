@@ -70,7 +70,11 @@ def test_state_values_are_their_upper_case_names(table: str) -> None:
 def test_vocabulary_enums() -> None:
     assert [k.value for k in PoolKind] == ["trainer", "rollout", "elastic", "reward"]
     assert [r.value for r in Role] == ["TRAIN", "ROLLOUT", "PREFILL", "DECODE", "REWARD", "IDLE"]
-    assert "SYNC_WEIGHTS" in {k.value for k in StepKind}
+    # every step kind is one a transition runs: a kind no plan uses would have no row in the effects' table
+    from pearlctl.daemon.effects import STEPS
+    from pearlctl.daemon.transitions import PLANS
+
+    assert set(StepKind) == set(STEPS) == {k for plan in PLANS.values() for k in plan}
 
 
 @pytest.mark.parametrize("table", TABLES)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.transitions import DONE, FAILED, PENDING, PLANS, ROLLBACK_SEQ, Executor
+from pearlctl.daemon.transitions import PLANS, ROLLBACK_SEQ, Executor, Outcome
 from pearlctl.state.store import Store
 from tests.conftest import create_trainer_run
 
@@ -20,7 +20,7 @@ class Script:
         self.issued.append(key)
 
     def probe(self, kind, transition, key):
-        return self.answers.get(kind, PENDING)
+        return self.answers.get(kind, Outcome.PENDING)
 
 
 @pytest.fixture
@@ -46,9 +46,9 @@ def test_borrow_runs_its_steps_in_order_each_issued_once(store):
     assert ex.advance(tid) == "RUNNING" and fx.issued == [f"{tid}:0:OFFLOAD"]
     ex.advance(tid)
     assert fx.issued == [f"{tid}:0:OFFLOAD"]  # pending: not issued again
-    fx.answers = {"OFFLOAD": DONE, "START": DONE}
+    fx.answers = {"OFFLOAD": Outcome.DONE, "START": Outcome.DONE}
     assert ex.advance(tid) == "RUNNING"  # VERIFY pending
-    fx.answers.update(VERIFY=DONE, REGISTER=DONE)
+    fx.answers.update(VERIFY=Outcome.DONE, REGISTER=Outcome.DONE)
     assert ex.advance(tid) == "DONE"
     assert fx.issued == [f"{tid}:{i}:{k}" for i, k in enumerate(PLANS["borrow"])]
     assert [k for _, k, st in kinds(store, tid) if st == "DONE"] == list(PLANS["borrow"])
@@ -58,10 +58,10 @@ def test_a_failed_borrow_step_rolls_back_through_the_return_steps(store):
     fx = Script()
     ex = Executor(store, fx, run_id="r", epoch=None)
     tid = ex.plan("borrow", gpu_ids(store))
-    fx.answers = {"OFFLOAD": DONE, "START": FAILED}
+    fx.answers = {"OFFLOAD": Outcome.DONE, "START": Outcome.FAILED}
     assert ex.advance(tid) == "ROLLING_BACK"
     assert kinds(store, tid)[:2] == [(0, "OFFLOAD", "DONE"), (1, "START", "FAILED")]
-    fx.answers = dict.fromkeys(PLANS["return"], DONE)
+    fx.answers = dict.fromkeys(PLANS["return"], Outcome.DONE)
     assert ex.advance(tid) == "ROLLED_BACK"
     assert [(s, k) for s, k, _ in kinds(store, tid)][2:] == [
         (ROLLBACK_SEQ + i, k) for i, k in enumerate(PLANS["return"])
@@ -78,7 +78,7 @@ def test_after_a_crash_intent_steps_are_probed_and_reissued_once_under_the_same_
     assert fx.issued == [f"{tid}:0:OFFLOAD", f"{tid}:0:OFFLOAD"]  # re-issued once by the new process
     events = [j["event"] for j in store.journal("r") if j["entity"] == "steps"]
     assert "effect re-issued after restart" in events
-    fx.answers = {"OFFLOAD": DONE}
+    fx.answers = {"OFFLOAD": Outcome.DONE}
     restarted.advance(tid)
     assert kinds(store, tid)[0] == (0, "OFFLOAD", "DONE")
 
@@ -101,5 +101,5 @@ def test_abort_rolls_a_running_borrow_back(store):
     ex.advance(tid)
     ex.abort(tid, "return deadline")
     assert kinds(store, tid) == [(0, "OFFLOAD", "FAILED")]  # the pending release is superseded
-    fx.answers = dict.fromkeys(PLANS["return"], DONE)
+    fx.answers = dict.fromkeys(PLANS["return"], Outcome.DONE)
     assert ex.advance(tid) == "ROLLED_BACK"
