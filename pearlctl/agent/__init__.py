@@ -1,7 +1,10 @@
 """What runs inside an allocation: one agent per array task (node).
 
-The agent is the only part of pearlctl that starts engine processes. Today it identifies its node
-and GPUs from Slurm's environment, holds the allocation, and turns the preemption notice into a drain
-(logged with timestamps). Engine adapters, heartbeats to the daemon and desired-state reconciliation
-plug in here (docs/architecture.md, "How the daemon plugs in").
+The agent is the only part of pearlctl that starts engine processes (docs/architecture.md). Its modules:
+
+- ``__main__``: ``python -m pearlctl.agent``, the per-node agent process started by jobs/worker.sh;
+- ``client``: its side of the control API — register, heartbeat, and finding the daemon again;
+- ``identity``: the node, GPUs and Slurm task it runs as, read from the environment (pure);
+- ``workers``: worker handles (one engine process group each) and reconciliation to desired state;
+- ``engines``: the engine adapters (vLLM, the paced engine).
 """

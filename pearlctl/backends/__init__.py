@@ -1,7 +1,10 @@
 """Where allocations come from: a Slurm cluster, or local process groups when there is none.
 
+- ``slurm``: the Slurm backend, a thin adapter from ``Backend`` to ``SlurmClient``;
+- ``local``: allocations as process groups on this machine.
+
 Both backends take the same rendered sbatch script and answer with the same :class:`JobRecord`s, so
-state, the watcher and (later) the agents do not care which one runs. ``auto`` picks Slurm whenever a
+state, the watcher and the agents do not care which one runs. ``auto`` picks Slurm whenever a
 slurmctld answers, and the local backend otherwise.
 
 A request's ``first_task`` sets the first array task index (an elastic pool's added task is a one-task

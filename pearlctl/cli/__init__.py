@@ -1,5 +1,20 @@
 """The `pearlctl` command line. Commands render; decisions live in the modules they call.
 
+- ``launch``: validate a run spec, submit one job per pool, record it in state;
+- ``status``: a run's pools, allocations, nodes, GPUs, workers and progress;
+- ``ls``: every run in the state;
+- ``cancel``: end a run's jobs;
+- ``logs``: the log files a run wrote;
+- ``journal``: what pearlctl intended, did and observed for a run;
+- ``borrow``: ``borrow`` and ``return`` — lend idle trainer GPUs to rollout under a policy, and stop;
+- ``move``: an operator's move of rollout or elastic GPUs;
+- ``daemon``: start a run's daemon;
+- ``profile``: measure a serving worker into an engine profile;
+- ``simulate``: policies against a scenario's simulated cluster;
+- ``doctor``: what works on this machine;
+- ``common``: the error-to-exit-code mapping, the stderr console, opening state;
+- ``render``: state rendered for people (tables) and machines (JSON), pure.
+
 Results go to stdout (``--json`` on every read), progress and logs to stderr. Exit codes
 (docs/cli.md keeps the same table, and tests check it):
 

@@ -1,10 +1,21 @@
 """The daemon: the single writer of a run's state while it runs (docs/architecture.md, "Who writes state").
+Its lease (one daemon per run, fenced by an epoch that every write and every command carries) is kept by
+``pearlctl.state.store``; the modules here:
 
-- ``lease``: one daemon per run, fenced by an epoch that every write and every command carries;
+- ``main``: the process — lease, HTTP server thread, and the observe → decide → act loop;
+- ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
 - ``controller``: what the daemon knows and decides — agent registrations, heartbeats, reported
   workers, desired workers per allocation, agent loss;
+- ``borrowing``: the run's policy, live — whole plans carried out as transitions, lent GPUs returned in time;
+- ``elastic``: growing and shrinking the elastic pool to the number of tasks the policy wants;
+- ``transitions``: the executor of checkpointed role transitions (plans of steps, rollbacks);
+- ``effects``: what each transition step does and how it is proven (``STEPS``);
+- ``routing``: the run's router (gateway + vllm-router), started or adopted, its membership kept;
+- ``weights``: which workers the trainer broadcasts a new weight version to;
 - ``decision_lock``: the lock every decision and fold takes, timed (a long hold is logged with where it was taken);
+- ``longpoll``: held requests (long polls) waiting in the API's event loop, not in a thread each;
 - ``slowlog``: slow ticks and lock holds, logged one line at most every 10 s (the longest, and how many);
-- ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
-- ``main``: the process — lease, HTTP server thread, and the observe → decide → act loop.
+- ``metrics``: Prometheus metrics of a run, read from state at scrape time;
+- ``client``: how the CLI reaches a run's daemon (one request, through the shared control-API client);
+- ``supervise``: ``python -m pearlctl.daemon.supervise``, which keeps a run's daemon up.
 """

@@ -8,4 +8,6 @@ daemon and the simulator (pearlctl.sim) call the same code with the snapshots th
 - ``budget``   which GPUs may serve now: lending limits, return deadlines, allocations about to end
 - ``diff``     the smallest set of moves from the current assignment to a target
 - ``plan``     a target turned into a priced Plan (completion with and without it, moving time included)
+- ``view``     what the planner derives from one snapshot more than once, computed once per snapshot
+- ``correct``  the predictor's running correction, learned from how far recent batches were from it
 """

@@ -1,4 +1,12 @@
 """The trace-driven simulator (docs/simulator.md): a scenario's cluster, elastic trace, engines and RL loop in
-simulated time, driving the daemon's own planner and policies. ``scenario`` (the file), ``availability`` (the
-elastic trace), ``engine`` (the truth model), ``run`` (the loop), ``oracle`` (the upper bound), ``report``
-and ``timeline`` (the output)."""
+simulated time, driving the daemon's own planner and policies.
+
+- ``scenario``: the scenario file, validated;
+- ``availability``: the elastic-capacity trace (grants, preemption notices, preemptions);
+- ``engine``: the truth model of the rollout engines, tick by tick;
+- ``run``: the RL loop in simulated time, driving a policy as the daemon does;
+- ``oracle``: the upper bound on the compared policies;
+- ``scale``: a scenario at another size and speed, the twin of a live run on paced engines;
+- ``report``: what a simulation reports (throughput, GPU-seconds by role, costs);
+- ``timeline``: a picture of GPU roles over simulated time.
+"""

