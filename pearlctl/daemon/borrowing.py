@@ -43,6 +43,10 @@ trainer's wait, the mode-flip dwell — so with the inputs unchanged a tick re-d
 Otherwise the tick skips the decision: the same inputs gave the last plan, and that plan was carried out
 (a plan whose transitions ran has changed the GPUs or opened transitions, both of which decide again).
 A tick that fails after deciding forgets the decision, so the next one decides again.
+
+The decision is made off the daemon's decision lock (``tick``): the snapshot is built under it, the policy
+decides with it released (heartbeats and reports fold meanwhile), and under it again the plan is carried out
+only if the inputs it was decided on still hold; if not, the policy decides again.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pearlctl.daemon.transitions import Executor, PlanKind
@@ -91,6 +96,31 @@ UNMEASURED = Profile(
 
 _PD = (Role.PREFILL, Role.DECODE)
 REDECIDE_S = 5.0  # with unchanged inputs, the policy decides again at least this often (see the module doc)
+# A decision made off the lock is carried out when, under the lock again, its inputs are unchanged and it is at
+# most this old (a plan's deadlines carry the slack RETURN_SLACK_S, far above this); else the policy decides
+# again, at most DECIDE_TRIES times off the lock, then under it.
+DECIDED_FRESH_S = 0.5
+DECIDE_TRIES = 2
+
+
+def _no_mark(phase: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What a tick carries out once decided: lent GPUs due back (``why``), or the policy's decision on
+    ``snapshot`` (whose ``inputs`` say whether it still holds)."""
+
+    at: float  # when it was read
+    settings: dict
+    lent: list[dict]
+    why: str | None
+    deadline: float | None  # the lent GPUs' earliest return deadline
+    snapshot: Snapshot | None = None
+    inputs: tuple | None = None
+
+
 # a transition per move kind; the variants: a warm borrow wakes a parked worker, a return or a rollout
 # GPU's retire parks its worker asleep when workers are kept warm (an elastic GPU's worker stops: its
 # allocation may be preempted)
@@ -156,6 +186,7 @@ class Borrowing:
         self._decided: tuple[tuple, float] | None = None
         self.decisions = 0  # the policy's decisions in ticks, and the ticks that skipped one (unchanged inputs)
         self.skipped = 0
+        self.redecided = 0  # decisions made off the lock whose inputs changed before they could be carried out
 
     def gpu_rows(self) -> list[dict]:
         """The run's GPU rows as of now (shared, read-only)."""
@@ -204,7 +235,7 @@ class Borrowing:
         if done:
             return statistics.median(done)
         costs = self.costs((self.profile() or UNMEASURED).costs)
-        return costs.borrow_s(warm=False) if kind is MoveKind.BORROW else costs.return_s(park=True)
+        return costs.borrow_s(warm=False) if kind == MoveKind.BORROW else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
         return [g for g in self.gpu_rows() if g["state"] == G.UP and g["pool"] == PoolKind.TRAINER]
@@ -442,8 +473,58 @@ class Borrowing:
             "runs", self.run_id, epoch=self.executor.epoch, event=event, data=data, predictor=state
         )
 
-    def tick(self) -> None:
-        now = self.clock()
+    def tick(self, lock: AbstractContextManager | None = None, mark: Callable[[str], None] = _no_mark) -> None:
+        """One control-loop pass: advance the open transitions, then — with none open — return lent GPUs that
+        are due back, or ask the policy and carry its plan out (see the module doc).
+
+        ``lock`` is the daemon's decision lock. Everything that reads or writes state runs under it; the
+        policy's decision does not: it is made on an immutable snapshot with no lock held, so heartbeats and
+        reports fold meanwhile. It is carried out only if, under the lock again, the snapshot's inputs are
+        unchanged and it is at most ``DECIDED_FRESH_S`` old; otherwise the policy decides again, at most
+        ``DECIDE_TRIES`` times off the lock and then once under it, so a tick always ends with a decision
+        carried out however busy the run. ``mark(phase)`` is called as each phase ends (a slow tick's log line
+        names them)."""
+        lock = lock if lock is not None else nullcontext()
+        with lock:
+            mark("lock wait")
+            now = self.clock()
+            self._advance(now)
+            pending = self._pending(now)
+            mark("transitions")
+            if pending is None or pending.snapshot is None:  # nothing to do, or lent GPUs due back: no decision
+                if pending is not None:
+                    self._carry_out(now, pending, None)
+                return
+        for _ in range(DECIDE_TRIES):
+            planned = self._decide(pending)  # no lock held
+            mark("decision, unlocked")
+            with lock:
+                now = self.clock()
+                again = self._pending(now)
+                if again is None or again.snapshot is None:
+                    if again is not None:
+                        self._carry_out(now, again, None)
+                    return
+                if again.inputs == pending.inputs and now - pending.at <= DECIDED_FRESH_S:
+                    self._carry_out(now, again, planned)
+                    mark("carried out")
+                    return
+                self.redecided += 1
+                pending = again
+        with lock:  # its inputs kept changing: decided and carried out under the lock
+            now = self.clock()
+            pending = self._pending(now)
+            if pending is not None:
+                self._carry_out(now, pending, self._decide(pending) if pending.snapshot is not None else None)
+            mark("decided and carried out under the lock")
+
+    def _decide(self, pending: _Pending) -> Plan | None:
+        self.decisions += 1
+        return load_policy(pending.settings["policy"]).decide(pending.snapshot)
+
+    def _advance(self, now: float) -> None:
+        """Move every open transition as far as it goes (a borrow whose return deadline came is aborted; one
+        switch at a time)."""
         try:
             self.check_prediction()
         except Exception:  # advice to the planner: never in the way of the plan or the return guarantee
@@ -468,14 +549,18 @@ class Borrowing:
                 switching.add(t["id"])
             else:
                 switching.discard(t["id"])
+
+    def _pending(self, now: float) -> _Pending | None:
+        """What the tick has to carry out now, or None: nothing while a transition is open (one plan at a time:
+        a new one is made from the state the last one left) or while the policy's answer could not differ from
+        the last one carried out (``_decision_due``)."""
         if self.executor.open_transitions():
-            return  # one plan at a time: a new one is made from the state the last one left
+            return None
         settings = self.settings()
-        keep_warm = settings.get("keep_warm", True)
-        if not keep_warm:
+        if not settings.get("keep_warm", True):
             self._unpark()
         lent = [g for g in self.trainer_gpus() if g["borrowed"]]
-        why = None
+        why, deadline = None, None
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
             run = self.store.get_run(self.run_id)
@@ -488,20 +573,13 @@ class Borrowing:
                 why = "the trainer's batch is complete"
             elif now >= deadline - self.cost(MoveKind.RETURN):
                 why = "return deadline"
-        inputs = None
         if why:
-            planned = None
-        else:
-            snapshot, inputs = self._snapshot(now, settings)
-            if not self._decision_due(inputs, now, lent):
-                self.skipped += 1
-                return
-            self._decided = None  # (until this decision is carried out)
-            planned = load_policy(settings["policy"]).decide(snapshot)
-            self.decisions += 1
-        self._carry_out(now, settings, planned, lent, why, deadline if lent else None)
-        if inputs is not None:
-            self._decided = (inputs, now)
+            return _Pending(now, settings, lent, why, deadline)
+        snapshot, inputs = self._snapshot(now, settings)
+        if not self._decision_due(inputs, now, lent):
+            self.skipped += 1
+            return None
+        return _Pending(now, settings, lent, why, deadline, snapshot, inputs)
 
     def _decision_due(self, inputs: tuple, now: float, lent: list[dict]) -> bool:
         """Whether the tick asks the policy (see the module doc): its inputs changed since the last decision
@@ -516,10 +594,18 @@ class Borrowing:
             return now >= deadline - self.cost(MoveKind.RETURN) - RETURN_SLACK_S - REDECIDE_S
         return False
 
-    def _carry_out(
+    def _carry_out(self, now: float, pending: _Pending, planned: Plan | None) -> None:
+        """The tick's return of lent GPUs (``pending.why``) and the policy's plan, as transitions; then the
+        decision's inputs are remembered (``_decision_due``). A tick that fails in between forgets the last
+        decision, so the next one decides again."""
+        self._decided = None
+        self._transitions_for(now, pending.settings, planned, pending.lent, pending.why, pending.deadline)
+        if pending.inputs is not None:
+            self._decided = (pending.inputs, now)
+
+    def _transitions_for(
         self, now: float, settings: dict, planned: Plan | None, lent: list[dict], why: str | None, deadline
     ) -> None:
-        """The tick's return of lent GPUs (``why``) and the policy's plan, as transitions."""
         keep_warm = settings.get("keep_warm", True)
         if lent and planned and any(m.kind is MoveKind.RETURN for m in planned.moves):
             why = f"policy: {planned.why}"

@@ -970,9 +970,9 @@ class Controller:
         reach this daemon (the router's start or adoption comes first).
 
         A stall of the daemon itself is forgiven the same way: when this check comes more than half a loss
-        window after the last one (a slow tick, the decision lock held, a starved host), the agents'
-        heartbeats may have waited on that same lock, so for one loss window from then an agent may be silent
-        that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
+        window after the last one (a starved host, a long collection, a slow disk under a commit; no longer a
+        policy decision, which is made with the decision lock released), the agents' heartbeats may have
+        stalled with it, so for one loss window from then an agent may be silent that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
         still found, a loss window plus the stall later."""
         with self.lock, self.store.atomic():  # facts only, no effect between them: one commit for all
             # heartbeats note their time without the lock: read a copy, never swap the dict under them

@@ -287,10 +287,7 @@ class Daemon:
                 return False
             controller.check_agents()
             marks.append(("check_agents", time.monotonic()))
-            with controller.lock:
-                marks.append(("lock wait", time.monotonic()))
-                borrowing.tick()
-                marks.append(("transitions and policy", time.monotonic()))
+            borrowing.tick(controller.lock, mark=lambda phase: marks.append((phase, time.monotonic())))
             self._recovered("tick")
         except StaleEpoch as exc:
             self.depose(str(exc))

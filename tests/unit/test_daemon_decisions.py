@@ -127,3 +127,64 @@ def test_a_tick_that_fails_after_deciding_decides_again(loop, monkeypatch):
         tick(loop, 0.5)  # the failed decision is not remembered: the same inputs are decided again
     assert len(loop.calls) == 2
     monkeypatch.undo()
+
+
+def held_elsewhere(lock) -> bool:
+    """Whether another thread finds ``lock`` held (it cannot take it within a second)."""
+    import threading
+
+    took = threading.Event()
+
+    def take():
+        with lock:
+            took.set()
+
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    return not took.wait(1.0)
+
+
+def test_the_policy_decides_with_the_decision_lock_released(loop, monkeypatch):
+    held: list[bool] = []
+
+    def decide(snapshot):
+        held.append(held_elsewhere(loop.c.lock))
+        return None
+
+    monkeypatch.setattr(borrowing_module, "load_policy", lambda name: SimpleNamespace(decide=decide))
+    loop.b.tick(loop.c.lock)
+    assert held == [False] and loop.b.decisions == 1 and loop.b.redecided == 0
+
+
+def test_a_decision_whose_inputs_changed_while_it_was_made_is_made_again(loop, monkeypatch):
+    """A report folded while the policy decides (off the lock) changes the snapshot's inputs: that decision is
+    dropped and the policy decides again on the new ones, which are the ones carried out (the next tick, with
+    nothing changed, skips)."""
+    waits: list[float] = []
+
+    def decide(snapshot):
+        waits.append(snapshot.trainer.wait_left_s)
+        if len(waits) == 1:
+            waiting(loop.store, T0, 60.0)  # the trainer's new report lands meanwhile
+        return None
+
+    monkeypatch.setattr(borrowing_module, "load_policy", lambda name: SimpleNamespace(decide=decide))
+    loop.b.tick(loop.c.lock)
+    assert waits == [30.0, 60.0] and loop.b.decisions == 2 and loop.b.redecided == 1
+    loop.clock.now = T0 + 0.5
+    loop.b.tick(loop.c.lock)
+    assert loop.b.decisions == 2 and loop.b.skipped == 1  # the second decision's inputs were remembered
+
+
+def test_inputs_that_keep_changing_end_in_a_decision_under_the_lock(loop, monkeypatch):
+    held: list[bool] = []
+
+    def decide(snapshot):
+        held.append(held_elsewhere(loop.c.lock))
+        waiting(loop.store, T0, 30.0 + len(held))  # every decision sees a new report come in
+        return None
+
+    monkeypatch.setattr(borrowing_module, "load_policy", lambda name: SimpleNamespace(decide=decide))
+    loop.b.tick(loop.c.lock)
+    assert held == [False] * borrowing_module.DECIDE_TRIES + [True]
+    assert loop.b.redecided == borrowing_module.DECIDE_TRIES
