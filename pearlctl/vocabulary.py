@@ -83,6 +83,10 @@ class ServingEngine(StrEnum):
     PACED = "paced"
 
 
+# Timing defaults every layer shares (the daemon, its agents, the CLI, the run spec), each set here alone.
+HEARTBEAT_S = 2.0  # agents' heartbeat interval (`pearlctl daemon --heartbeat-s`); the daemon tells its agents
+POLL_INTERVAL_S = 5.0  # the Slurm poll interval of a run (`[run] poll_interval_s`)
+
 # engine_args the paced engine reads (as its flags); any other is refused, so a vLLM flag is never silently lost
 PACED_ENGINE_ARGS: tuple[str, ...] = ("max_num_seqs", "max_model_len")
 

@@ -27,6 +27,7 @@ from pearlctl.slurm.records import JobPhase, JobRecord
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState, RunState
 from pearlctl.state.store import Store, run_lease_name
+from pearlctl.vocabulary import POLL_INTERVAL_S
 
 LIVE = (A.PENDING, A.RUNNING, A.PREEMPTING, A.LOST)
 
@@ -265,7 +266,7 @@ def maybe_sync(store: Store, backend: Backend, run: dict, *, holder: str | None 
     daemon = store.lease(run_lease_name(run["id"]))
     if daemon and daemon["expires_at"] > time.time():
         return SyncReport(polled=False)
-    interval = float(run["spec"].get("poll_interval_s", 5.0))
+    interval = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
     last = run.get("last_poll_at") or 0.0
     if time.time() - last < interval * 0.9:
         return SyncReport(polled=False)

@@ -30,6 +30,7 @@ from pearlctl.agent.client import DaemonClient
 from pearlctl.agent.identity import identity_from_env
 from pearlctl.agent.workers import Reconciler
 from pearlctl.api.bodies import MIN_LOSS_WINDOW_S
+from pearlctl.vocabulary import HEARTBEAT_S
 
 POLL_UNSETTLED_S = 0.05  # how often a starting or draining worker is probed (READY is noticed this fast)
 RETURN_WATCH_S = 0.5  # how often the return watchdog looks at lent GPUs' deadlines
@@ -69,7 +70,7 @@ def main() -> int:
 
     client = DaemonClient(me, run_dir)
     workers = Reconciler(me, run_dir, drain_timeout=grace_s)
-    interval, reachable = 2.0, None
+    interval, reachable = HEARTBEAT_S, None  # until the daemon says
     drain_started: float | None = None
     drained = False
     last_sent: list[dict] | None = None

@@ -27,6 +27,7 @@ from pearlctl.cli.common import (
     resolve_run,
 )
 from pearlctl.runfiles import read_address
+from pearlctl.vocabulary import HEARTBEAT_S
 
 
 @app.command()
@@ -42,7 +43,7 @@ def daemon(
     host: str = typer.Option("0.0.0.0", "--host", help="Address the control API binds to."),
     port: int = typer.Option(0, "--port", help="Port of the control API (0: any free port)."),
     advertise: str = typer.Option(None, "--advertise", help="Host name agents should use (default: this host)."),
-    heartbeat_s: float = typer.Option(2.0, "--heartbeat-s", help="Agent heartbeat interval."),
+    heartbeat_s: float = typer.Option(HEARTBEAT_S, "--heartbeat-s", help="Agent heartbeat interval."),
     lease_ttl_s: float = typer.Option(
         45.0, "--lease-ttl-s", help="How long the run's lease outlives a stalled daemon (> a Slurm command's 30 s)."
     ),

@@ -33,6 +33,7 @@ from pearlctl.state.errors import StateUnavailable
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
+from pearlctl.vocabulary import POLL_INTERVAL_S
 from pearlctl.watcher import maybe_sync
 
 
@@ -43,7 +44,7 @@ def _sync_due(store: Store, run: dict) -> bool:
     daemon = store.lease(run_lease_name(run["id"]))
     if daemon and daemon["expires_at"] > time.time():
         return False
-    interval = float(run["spec"].get("poll_interval_s", 5.0))
+    interval = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
     return time.time() - (run.get("last_poll_at") or 0.0) >= interval * 0.9
 
 
@@ -158,7 +159,7 @@ def status(
                 if timeline is not None:
                     out.print(f"timeline: {doc['timeline']}", markup=False)
                 return
-            interval = float(run["spec"].get("poll_interval_s", 5.0))
+            interval = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
             try:
                 _watch(store, run, doc, sync, interval, json_out, warned, timeline)
             except KeyboardInterrupt:

@@ -44,7 +44,7 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, SERVING_ROLES, Engine, PoolKind, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, HEARTBEAT_S, SERVING_ROLES, Engine, PoolKind, Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -142,7 +142,7 @@ class Controller:
         run_id: str,
         epoch: int,
         *,
-        heartbeat_s: float = 2.0,
+        heartbeat_s: float = HEARTBEAT_S,
         lost_after: float = 2.0,
         secret: str = "",
         on_deposed: Callable[[str], None] = lambda why: None,
@@ -972,8 +972,9 @@ class Controller:
         A stall of the daemon itself is forgiven the same way: when this check comes more than half a loss
         window after the last one (a starved host, a long collection, a slow disk under a commit; no longer a
         policy decision, which is made with the decision lock released), the agents' heartbeats may have
-        stalled with it, so for one loss window from then an agent may be silent that much longer. LOST means lost, not unheard by a daemon that was not listening; a dead agent is
-        still found, a loss window plus the stall later."""
+        stalled with it, so for one loss window from then an agent may be silent that much longer. LOST means
+        lost, not unheard by a daemon that was not listening; a dead agent is still found, a loss window plus
+        the stall later."""
         with self.lock, self.store.atomic():  # facts only, no effect between them: one commit for all
             # heartbeats note their time without the lock: read a copy, never swap the dict under them
             now = self.clock()

@@ -51,6 +51,7 @@ from pearlctl.state.errors import StaleEpoch, StaleWrite
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
+from pearlctl.vocabulary import HEARTBEAT_S, POLL_INTERVAL_S
 from pearlctl.watcher import apply_poll, poll_run
 
 log = logging.getLogger("pearlctl.daemon")
@@ -97,7 +98,7 @@ class DaemonSettings:
     host: str = "0.0.0.0"
     port: int = 0
     advertise: str | None = None  # host name agents use; default: this host's name
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = HEARTBEAT_S
     lost_after: float = 2.0  # heartbeat intervals without news before an agent's GPUs are LOST
     lease_ttl_s: float = 45.0  # > SLURM_COMMAND_TIMEOUT_S; renewed every lease_ttl_s / 6 on its own thread
     tick_s: float = 0.5
@@ -348,7 +349,7 @@ class Daemon:
         """Serve until SIGTERM/SIGINT (or ``stopping`` is set). Workers are never touched on the way out.
         Raises ``DaemonRefused`` when the lease is held elsewhere or was lost."""
         run = self.store.get_run(self.run_id)
-        poll_s = float(run["spec"].get("poll_interval_s", 5.0))
+        poll_s = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
         if self.settings.lease_ttl_s <= SLURM_COMMAND_TIMEOUT_S:
             log.warning(
                 "lease TTL %.0fs is not longer than a Slurm command may take (%.0fs): a stalled daemon is "
