@@ -362,7 +362,7 @@ _POOL_KEYS = (
 # disk: the default) or "broadcast" (its workers get the pearl_gloo receiver, and trainer rank 0 sends each
 # version to those on nodes without a trainer rank before it is published; docs/weights.md)
 WEIGHT_PATHS = ("disk", "broadcast")
-WEIGHTS_POOLS = ("rollout", "elastic")  # the pools whose vLLM workers serve the trainer's weights
+WEIGHTS_POOLS = GENERATION_POOLS  # the pools whose vLLM workers serve the trainer's weights
 # engine_args keys the broadcast sets itself (pearlctl.trainer.broadcast.server_engine_args)
 BROADCAST_ENGINE_KEYS = ("weight_transfer_config", "worker_extension_cls")
 # USR1 is left alone on purpose: NCCL may use it (submitit notes the same).
@@ -424,7 +424,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     c.unknown_keys(raw, _POOL_KEYS, p)
     before = len(c.problems)
     nodes = c.integer(raw, "nodes", p, minimum=1, maximum=MAX_NODES, required=True)
-    min_gpus = 1 if name == "trainer" else 0
+    min_gpus = 1 if name == vocabulary.PoolKind.TRAINER else 0
     gpus = c.integer(raw, "gpus_per_node", p, minimum=min_gpus, maximum=MAX_GPUS_PER_NODE, required=True)
     partition = c.string(raw, "partition", p, pattern=_SLURM_WORD_RE, what="a Slurm partition name")
     time_limit = c.string(raw, "time_limit", p, check=time_limit_ok, what=TIME_WHAT)
@@ -435,7 +435,7 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
     constraint = c.string(raw, "constraint", p, pattern=_CONSTRAINT_RE, what=CONSTRAINT_WHAT)
     exclude = c.string(raw, "exclude", p, pattern=_HOSTLIST_RE, what=HOSTLIST_WHAT)
     max_nodes = c.integer(raw, "max_nodes", p, minimum=1, maximum=MAX_NODES)
-    if max_nodes is not None and name != "elastic":
+    if max_nodes is not None and name != vocabulary.PoolKind.ELASTIC:
         c.fail(p + "max_nodes", "only an elastic pool can grow; remove it or move it to [pools.elastic]")
     if max_nodes is not None and nodes is not None and max_nodes < nodes:
         c.fail(p + "max_nodes", f"must be >= nodes ({nodes}), got {max_nodes}")
@@ -445,19 +445,19 @@ def _check_pool(c: _Checker, name: str, raw: dict[str, Any]) -> PoolSpec | None:
         p,
         minimum=MIN_PENDING_TIMEOUT_S,
         maximum=MAX_PENDING_TIMEOUT_S,
-        default=DEFAULT_PENDING_TIMEOUT_S if name == "elastic" else None,
+        default=DEFAULT_PENDING_TIMEOUT_S if name == vocabulary.PoolKind.ELASTIC else None,
     )
-    if "pending_timeout_s" in raw and name != "elastic":
+    if "pending_timeout_s" in raw and name != vocabulary.PoolKind.ELASTIC:
         c.fail(
             p + "pending_timeout_s",
             "only an elastic pool adds tasks that may wait in the queue; remove it or move it to [pools.elastic]",
         )
-    requeue = c.boolean(raw, "requeue", p, default=(name == "elastic"))
+    requeue = c.boolean(raw, "requeue", p, default=(name == vocabulary.PoolKind.ELASTIC))
     signal = c.choice(raw, "preempt_signal", p, PREEMPT_SIGNALS, default="USR2")
     notice = c.integer(raw, "preempt_notice_s", p, minimum=1, maximum=MAX_PREEMPT_NOTICE_S, default=60)
     command = _argv(c, raw, "command", p)
     train_command = _argv(c, raw, "train_command", p, placeholders=True)
-    if train_command is not None and name != "trainer":
+    if train_command is not None and name != vocabulary.PoolKind.TRAINER:
         c.fail(p + "train_command", "only the trainer pool runs a training command; move it to [pools.trainer]")
     if train_command is not None and nodes is not None and nodes > 1 and "--standalone" in train_command:
         c.fail(
@@ -606,7 +606,7 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         if pool is not None:
             pools[pname] = pool
     if isinstance(data.get("pools"), dict):
-        if "trainer" not in pools_raw:
+        if vocabulary.PoolKind.TRAINER not in pools_raw:
             c.fail("pools.trainer", "is required: an RL run needs a trainer pool")
         if not any(k in pools_raw for k in GENERATION_POOLS):
             c.fail("pools", "needs a rollout or an elastic pool to generate with")
@@ -633,11 +633,11 @@ def _borrowed_engine_args(pools: dict[str, PoolSpec]) -> dict[str, PoolSpec]:
     """A trainer pool that sets no ``engine_args`` gets its rollout pool's (else its elastic pool's): the vLLM
     workers on its borrowed GPUs then serve what the rollout workers serve (the same ``max_model_len``, so a
     turn that fits one fits the other)."""
-    trainer = pools.get("trainer")
-    source = pools.get("rollout") or pools.get("elastic")
+    trainer = pools.get(vocabulary.PoolKind.TRAINER)
+    source = pools.get(vocabulary.PoolKind.ROLLOUT) or pools.get(vocabulary.PoolKind.ELASTIC)
     if trainer is None or trainer.engine_args or source is None or not source.engine_args:
         return pools
-    return {**pools, "trainer": replace(trainer, engine_args=dict(source.engine_args))}
+    return {**pools, vocabulary.PoolKind.TRAINER: replace(trainer, engine_args=dict(source.engine_args))}
 
 
 def _engine_profile(c: _Checker, run: dict, engine: str | None, base: Path) -> Path | None:

@@ -31,7 +31,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
 from pearlctl.trainer.broadcast import BROADCAST_ENV, server_engine_args
-from pearlctl.vocabulary import POOL_KINDS, one_job_of_nodes
+from pearlctl.vocabulary import POOL_KINDS, PoolKind, one_job_of_nodes
 from pearlctl.watcher import sync_run
 
 POOL_ORDER = tuple(str(k) for k in POOL_KINDS)  # the trainer first
@@ -71,7 +71,7 @@ def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
                     f"{pool.gpus_per_node} GPUs, but nodes of partition {name!r} have at most {info.max_gpus_per_node}",
                 )
             )
-        if pool.name != "elastic" and pool.nodes > info.nodes:
+        if pool.name != PoolKind.ELASTIC and pool.nodes > info.nodes:
             problems.append(
                 SpecProblem(
                     f"{key}.nodes", f"{pool.nodes} nodes, but partition {name!r} has {info.nodes}: it could never start"
@@ -84,7 +84,10 @@ def check_against_cluster(spec: RunSpec, backend: Backend) -> None:
 def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
     pools = [spec.pools[name] for name in POOL_ORDER if name in spec.pools]
     if any(p.weights == "broadcast" for p in pools):  # the trainer's rank 0 sends each version (docs/weights.md)
-        pools = [dataclasses.replace(p, env={BROADCAST_ENV: "1", **p.env}) if p.name == "trainer" else p for p in pools]
+        pools = [
+            dataclasses.replace(p, env={BROADCAST_ENV: "1", **p.env}) if p.name == PoolKind.TRAINER else p
+            for p in pools
+        ]
     engine = {"engine": spec.engine, "engine_profile": str(spec.engine_profile) if spec.engine_profile else None}
     return [_pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model), **engine) for p in pools]
 
@@ -148,7 +151,7 @@ def pool_spec_of(run: dict, pool: str) -> PoolSpec:
     for key in ("command", "train_command"):
         if fields.get(key) is not None:
             fields[key] = tuple(fields[key])
-    if pool == "elastic" and fields.get("pending_timeout_s") is None:
+    if pool == PoolKind.ELASTIC and fields.get("pending_timeout_s") is None:
         fields["pending_timeout_s"] = DEFAULT_PENDING_TIMEOUT_S  # a run launched before the key existed
     return PoolSpec(**fields)
 
@@ -356,7 +359,7 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     )
     names = [job_name(run_id, DAEMON_POOL)]  # the daemon's job too: SIGTERM stops it cleanly
     # an added task whose job id a crash kept out of state is found by its pool's name
-    names += [p["job_name"] for p in store.pools(run_id) if p["kind"] == "elastic"]
+    names += [p["job_name"] for p in store.pools(run_id) if p["kind"] == PoolKind.ELASTIC]
     found = [r.job_id for name in names for r in backend.find_by_name(name) if r.phase != "ENDED"]
     backend.cancel(sorted(set(job_ids) | set(found)))
     for alloc in store.allocations(run_id):

@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+from pearlctl.vocabulary import GENERATION_POOLS, Role
 
 
 class ProfilingError(Exception):
@@ -344,7 +345,7 @@ def profile_engine(
     server = VllmServer(
         model,
         port=free_port(),
-        role="ROLLOUT",
+        role=Role.ROLLOUT,
         gpus=list(me.gpus),
         engine_args=engine_args,
         log_path=Path(log_dir) / f"vllm-profile-{me.job_id or os.getpid()}.log",
@@ -373,7 +374,7 @@ def serving_pool(spec: dict) -> tuple[str | None, dict]:
     """The pool whose engine settings a profile of the run measures: ``rollout``, else ``elastic``, else the
     first pool with engine_args (None: vLLM's defaults)."""
     pools = spec.get("pools") or {}
-    for name in ("rollout", "elastic"):
+    for name in GENERATION_POOLS:
         if name in pools:
             return name, pools[name]
     for name, pool in pools.items():

@@ -23,6 +23,7 @@ from pearlctl.sim import report
 from pearlctl.sim.run import RunResult, make_draws, make_trace, run_policy
 from pearlctl.sim.scenario import Scenario
 from pearlctl.slurm import functions
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
 DEFAULT_SEEDS = 3  # without --seeds: the scenario's own seed and the next two
 DEFAULT_TIME = "60"  # minutes, each task's Slurm time limit
@@ -32,11 +33,9 @@ METRICS: dict[str, Callable[[dict], float]] = {
     "steps_per_hour": lambda p: p["steps_per_hour"],
     "transitions": lambda p: p["transitions"],
     "trainer_delay_s": lambda p: p["trainer_delay_s"],
-    "rollout_gpu_h": lambda p: (
-        sum(p["gpu_seconds_by_role"].get(r, 0.0) for r in ("ROLLOUT", "PREFILL", "DECODE")) / 3600
-    ),
+    "rollout_gpu_h": lambda p: sum(p["gpu_seconds_by_role"].get(r, 0.0) for r in GENERATION_ROLES) / 3600,
     "idle_gpu_h": lambda p: (
-        (p["gpu_seconds_by_role"].get("IDLE", 0.0) + p["gpu_seconds_by_role"].get("TRAIN_IDLE", 0.0)) / 3600
+        (p["gpu_seconds_by_role"].get(Role.IDLE, 0.0) + p["gpu_seconds_by_role"].get("TRAIN_IDLE", 0.0)) / 3600
     ),
 }
 

@@ -70,7 +70,10 @@ def decide(snapshot: Snapshot) -> Plan | None:
         if current.mode is Mode.COLOCATED:
             whole = _whole_workers(s, budget.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
             target = replace(
-                target, rollout_gpus=sum(whole.values()), elastic=whole.get("elastic", 0), lend=whole.get("trainer", 0)
+                target,
+                rollout_gpus=sum(whole.values()),
+                elastic=whole.get(PoolKind.ELASTIC, 0),
+                lend=whole.get(PoolKind.TRAINER, 0),
             )
         lent = "lend ahead of the batch" if ahead else "lent GPUs back"
         why = f"pearl: between batches, {lent}, idle capacity warm"

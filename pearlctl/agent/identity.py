@@ -8,6 +8,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from pearlctl.vocabulary import Role
+
 # torchrun's rendezvous port for a multi-node trainer: 29500 .. 29500 + 2000, by job id (a port the same on
 # every node without anyone publishing it; two trainers on one node 0 collide with probability 1/2000, and
 # PEARL_RDZV_PORT in the pool's env then fixes it)
@@ -74,7 +76,7 @@ def identity_from_env(env: Mapping[str, str] | None = None) -> Identity:
     return Identity(
         run_id=env.get("PEARL_RUN_ID", ""),
         pool=env.get("PEARL_POOL", ""),
-        role=env.get("PEARL_ROLE", "IDLE"),
+        role=env.get("PEARL_ROLE", Role.IDLE),
         job_id=env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID") or env.get("PEARL_LOCAL_JOB_ID", ""),
         task_id=_int(env.get("SLURM_ARRAY_TASK_ID") or env.get("SLURM_NODEID") or env.get("PEARL_LOCAL_TASK_ID")),
         node=env.get("SLURMD_NODENAME") or socket.gethostname(),

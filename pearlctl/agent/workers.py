@@ -29,7 +29,7 @@ from pearlctl.api.bodies import as_text
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
-from pearlctl.vocabulary import ServingEngine
+from pearlctl.vocabulary import Role, ServingEngine
 
 log = logging.getLogger("pearlctl.agent")
 
@@ -726,7 +726,7 @@ class Reconciler:
     def clear_weight_store(self) -> None:
         """At the agent's exit: a trainer node's agent frees the run's weight store on its node (shared
         memory is RAM); its trainer ranks, the only writers, have stopped."""
-        if self.me.role == "TRAIN":
+        if self.me.role == Role.TRAIN:
             shutil.rmtree(weight_store(self.me), ignore_errors=True)
 
     def stop_all(self, drain_timeout: float) -> float:

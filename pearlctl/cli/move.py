@@ -23,9 +23,10 @@ from pearlctl.cli.common import (
 )
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.state.machines import TransitionState as T
+from pearlctl.vocabulary import GENERATION_ROLES
 
 KINDS = ("start", "wake", "retire", "switch")
-ROLES = ("ROLLOUT", "PREFILL", "DECODE")
+ROLES = GENERATION_ROLES
 
 
 def _gpu_ref(text: str) -> dict:

@@ -24,6 +24,7 @@ from pearlctl.cli.common import (
 )
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.planner import profile as profiles
+from pearlctl.vocabulary import Role
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -118,7 +119,7 @@ def profile(
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
     from pearlctl import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
 
-    serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != "TRAIN"]
+    serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != Role.TRAIN]
     if worker:
         serving = [w for w in serving if worker in (w["url"], w["worker_key"])]
     if not serving:

@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.vocabulary import ServingEngine, one_job_of_nodes
 
 STATE_STYLE = {
@@ -167,7 +168,7 @@ def status_tables(doc: dict) -> Group:
                 + (f", return by {_when(deadline)}" if deadline else "")
             )
         )
-    trainer = run.get("trainer") or {}
+    trainer = run.get(TRAINER_REPORT) or {}
     if trainer:
         parts.append(
             Text(
@@ -176,10 +177,10 @@ def status_tables(doc: dict) -> Group:
                 + (f", weights v{trainer['weight_version']}" if trainer.get("weight_version") else "")
             )
         )
-    rollout = run.get("rollout") or {}
+    rollout = run.get(ROLLOUT_PROGRESS) or {}
     if rollout:
-        # the rate between the driver's last two progress reports (pearlctl.daemon.controller.rollout_progress),
-        # a second or so apart: how fast it generates lately, not its tokens over the whole rollout's wall time
+        # the rate between the driver's last two progress reports (pearlctl.daemon.trainer_side), a second or so
+        # apart: how fast it generates lately, not its tokens over the whole rollout's wall time
         rate = rollout.get("tokens_per_s")
         parts.append(
             Text(

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from pearlctl.cli import app
 from pearlctl.cli.common import EXIT_SIMULATION, EXIT_USAGE, emit_json, err, exits, fail, out
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
 
 @app.command()
@@ -129,8 +130,8 @@ def _render(doc: dict) -> None:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for name, p in doc["policies"].items():
         by = p["gpu_seconds_by_role"]
-        serving = sum(by.get(r, 0.0) for r in ("ROLLOUT", "PREFILL", "DECODE")) / 3600
-        idle = (by.get("IDLE", 0.0) + by.get("TRAIN_IDLE", 0.0)) / 3600
+        serving = sum(by.get(r, 0.0) for r in GENERATION_ROLES) / 3600
+        idle = (by.get(Role.IDLE, 0.0) + by.get("TRAIN_IDLE", 0.0)) / 3600
         label = name if p["finished"] else f"{name} (unfinished)"
         table.add_row(
             label,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pearlctl.planner.model import SERVING, GpuSlot, Role, Snapshot
+from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
 
 # Slack on every deadline: one slow control-loop tick or one slow agent (the same as policy greedy's).
 RETURN_SLACK_S = 2.0
@@ -34,7 +35,7 @@ def return_cost_s(snapshot: Snapshot) -> float:
 def bring_up_s(snapshot: Snapshot, gpu: GpuSlot) -> float:
     """Seconds until a worker serves on ``gpu`` (not serving now)."""
     costs = snapshot.costs
-    if gpu.pool == "trainer":
+    if gpu.pool == PoolKind.TRAINER:
         return costs.borrow_s(warm=gpu.parked)
     return costs.wake_s if gpu.parked else costs.start_s
 
@@ -59,7 +60,7 @@ def must_return(snapshot: Snapshot, gpu: GpuSlot) -> bool:
 
 
 def is_lent(gpu: GpuSlot) -> bool:
-    return gpu.pool == "trainer" and gpu.borrowed and gpu.role in SERVING
+    return gpu.pool == PoolKind.TRAINER and gpu.borrowed and gpu.role in SERVING
 
 
 def lendable(snapshot: Snapshot) -> list[GpuSlot]:
@@ -71,7 +72,7 @@ def lendable(snapshot: Snapshot) -> list[GpuSlot]:
     out = [
         g
         for g in snapshot.gpus
-        if g.pool == "trainer"
+        if g.pool == PoolKind.TRAINER
         and g.role is Role.TRAIN
         and not g.borrowed
         and snapshot.now + bring_up_s(snapshot, g) <= limit
@@ -85,7 +86,7 @@ def lendable(snapshot: Snapshot) -> list[GpuSlot]:
 
 def may_start(snapshot: Snapshot, gpu: GpuSlot) -> bool:
     """An idle rollout/elastic GPU whose allocation lasts long enough for a worker to come up on it."""
-    if gpu.role is not Role.IDLE or gpu.pool not in ("rollout", "elastic"):
+    if gpu.role is not Role.IDLE or gpu.pool not in GENERATION_POOLS:
         return False
     if gpu.ends_at is None:
         return True
@@ -116,9 +117,9 @@ def servable(snapshot: Snapshot) -> Servable:
     elastic: list[GpuSlot] = []
     lent: list[GpuSlot] = []
     for g in snapshot.gpus:
-        if g.pool == "rollout" or g.pool == "elastic":
+        if g.pool in GENERATION_POOLS:
             if g.role in SERVING or may_start(snapshot, g):
-                (rollout if g.pool == "rollout" else elastic).append(g)
+                (rollout if g.pool == PoolKind.ROLLOUT else elastic).append(g)
         elif is_lent(g) and not must_return(snapshot, g):
             lent.append(g)
     if snapshot.max_lend is not None:

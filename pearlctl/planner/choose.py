@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pearlctl.planner import view
 from pearlctl.planner.model import Deployment, GpuSlot, Mode, Snapshot, Target
 from pearlctl.planner.predict import Prediction
+from pearlctl.vocabulary import PoolKind
 
 # Prefill workers' share of all workers in disaggregated mode.
 PREFILL_SHARES = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3)
@@ -114,8 +115,8 @@ def _better(seconds: float, mode: Mode, best: Choice, current: Mode) -> bool:
 
 
 def _targets(by_pool: dict[str, int], gpw: int):
-    lend = by_pool.get("trainer", 0) * gpw
-    elastic = by_pool.get("elastic", 0) * gpw
+    lend = by_pool.get(PoolKind.TRAINER, 0) * gpw
+    elastic = by_pool.get(PoolKind.ELASTIC, 0) * gpw
 
     def target_of(dep: Deployment) -> Target:
         return Target(

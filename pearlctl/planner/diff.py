@@ -26,6 +26,7 @@ from operator import attrgetter
 
 from pearlctl.planner import view
 from pearlctl.planner.model import GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
+from pearlctl.vocabulary import PoolKind
 
 # the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
 # planned here)
@@ -52,17 +53,18 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
     lend = max(target.lend, 0)
     if s.max_lend is not None:
         lend = min(lend, s.max_lend)
+    trainer, rollout, elastic = PoolKind.TRAINER, PoolKind.ROLLOUT, PoolKind.ELASTIC
     want = {
-        "trainer": lend,
-        "elastic": max(target.elastic, 0),
-        "rollout": max(target.rollout_gpus - max(target.lend, 0) - max(target.elastic, 0), 0),
+        trainer: lend,
+        elastic: max(target.elastic, 0),
+        rollout: max(target.rollout_gpus - max(target.lend, 0) - max(target.elastic, 0), 0),
     }
     keep_n = {p: min(want[p], len(serving[p])) for p in POOLS}
     # Only pools that grow need their candidates.
     candidates = {
-        "trainer": v.lendable if want["trainer"] > keep_n["trainer"] else [],
-        "rollout": v.startable("rollout") if want["rollout"] > keep_n["rollout"] else [],
-        "elastic": v.startable("elastic") if want["elastic"] > keep_n["elastic"] else [],
+        trainer: v.lendable if want[trainer] > keep_n[trainer] else [],
+        rollout: v.startable(rollout) if want[rollout] > keep_n[rollout] else [],
+        elastic: v.startable(elastic) if want[elastic] > keep_n[elastic] else [],
     }
     add_n = {p: min(want[p] - keep_n[p], len(candidates[p])) for p in POOLS}
     drop_n = {p: len(serving[p]) - keep_n[p] for p in POOLS}
@@ -94,8 +96,8 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
         kept_by_pool[p] = rest[extra:]
         for g in leaving:
             kept_roles[g.role] -= 1
-        kind = MoveKind.RETURN if p == "trainer" else MoveKind.RETIRE
-        to = Role.TRAIN if p == "trainer" else Role.IDLE
+        kind = MoveKind.RETURN if p == PoolKind.TRAINER else MoveKind.RETIRE
+        to = Role.TRAIN if p == PoolKind.TRAINER else Role.IDLE
         out += [move(g, kind, to) for g in leaving]
 
     # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short: the

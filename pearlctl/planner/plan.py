@@ -22,6 +22,7 @@ from dataclasses import replace
 from pearlctl.planner import view
 from pearlctl.planner.diff import POOLS, moves
 from pearlctl.planner.model import SERVING, Deployment, Mode, Move, Plan, Role, Snapshot, Target
+from pearlctl.vocabulary import PoolKind
 
 _PLANNED_POOLS = frozenset(POOLS)
 _SERVING = frozenset(SERVING)
@@ -98,8 +99,8 @@ def current_target(snapshot: Snapshot) -> Target:
         mode=mode,
         rollout_gpus=serving,
         prefill_gpus=roles[Role.PREFILL],
-        lend=len(by_pool["trainer"]),
-        elastic=len(by_pool["elastic"]),
+        lend=len(by_pool[PoolKind.TRAINER]),
+        elastic=len(by_pool[PoolKind.ELASTIC]),
     )
 
 

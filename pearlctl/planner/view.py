@@ -31,9 +31,12 @@ from pearlctl.planner.model import SERVING, Deployment, GpuSlot, Move, MoveKind,
 from pearlctl.planner.predict import Prediction, predict
 from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
 
+# the pools as plain str, as POOLS has them (compared and looked up per GPU)
+_TRAINER, _ROLLOUT, _ELASTIC = str(PoolKind.TRAINER), str(PoolKind.ROLLOUT), str(PoolKind.ELASTIC)
+_GENERATION = tuple(str(p) for p in GENERATION_POOLS)
 # the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
 # planned here)
-POOLS = tuple(str(p) for p in (PoolKind.TRAINER, *GENERATION_POOLS))
+POOLS = (_TRAINER, *_GENERATION)
 _POOLS = frozenset(POOLS)
 _SERVING = frozenset(SERVING)
 
@@ -102,7 +105,7 @@ class View:
         serving: dict[str, list[GpuSlot]] = {}
         startable: dict[str, list[GpuSlot]] = {}
         may_serve: dict[str, list[GpuSlot]] = {}  # budget.servable: serving or startable, in snapshot order
-        for p in ("rollout", "elastic"):
+        for p in _GENERATION:
             on, up, may = serving[p], startable[p], may_serve[p] = [], [], []
             for g in by_pool[p]:
                 role = g.role
@@ -112,12 +115,12 @@ class View:
                 elif role is idle and (g.ends_at is None or g.ends_at > start_by[g.parked]):  # budget.may_start
                     up.append(g)
                     may.append(g)
-        trainer = by_pool["trainer"]
-        serving["trainer"] = [g for g in trainer if g.role in _SERVING]
+        trainer = by_pool[_TRAINER]
+        serving[_TRAINER] = [g for g in trainer if g.role in _SERVING]
         serving = {p: serving[p] for p in POOLS}
         forced: list[GpuSlot] = []
         lent: list[GpuSlot] = []  # budget.is_lent and not budget.must_return
-        for g in serving["trainer"]:
+        for g in serving[_TRAINER]:
             if g.borrowed:
                 due = g.return_deadline if g.return_deadline is not None else trainer_due
                 (forced if training or due - now <= self.lent_due_s else lent).append(g)
@@ -147,7 +150,7 @@ class View:
         self._other_pools = len(planned) != len(s.gpus)  # GPUs of pools not planned here (reward)
         departures: Counter[tuple[float, float, Key]] = Counter()
         for g in serving_gpus:
-            if g.ends_at is not None or (g.pool == "trainer" and g.borrowed):
+            if g.ends_at is not None or (g.pool == _TRAINER and g.borrowed):
                 key, leave = self.contribution(g, g.role, 0.0, False) or (None, None)
                 if key is None:
                     base_serving[(g.node, g.pool, g.role)] -= 1  # gone before it serves
@@ -173,7 +176,7 @@ class View:
                 cost = self._borrow_by[g.parked]
             elif kind is MoveKind.RETIRE:
                 # an elastic allocation may end, so its worker stops; a rollout worker parks asleep
-                cost = self.s.costs.stop_s if g.pool == "elastic" else self.s.costs.sleep_s
+                cost = self.s.costs.stop_s if g.pool == _ELASTIC else self.s.costs.sleep_s
             else:
                 cost = self._cost_by_kind[kind]
             # Move(g.id, kind, g.role, to, cost) without the frozen dataclass's five object.__setattr__ calls
@@ -197,11 +200,11 @@ class View:
             now, lent_due, trainer_due = self.s.now, self.lent_due_s, self.trainer_due
             memo = None if self._twins is not None else self._move_changes  # (twins: ``_change`` adds them all)
             serves = role in _SERVING
-            if pool == "trainer":
+            if pool == _TRAINER:
                 gpus, cost_of = self.lendable[len(made) : stop], self._lend
             else:
                 gpus, cost_of = self._sorted_startable[pool][len(made) : stop], self._wake_or_start
-            borrow = pool == "trainer"
+            borrow = pool == _TRAINER
             for g in gpus:
                 # Move(g.id, kind, g.role, role, cost), as ``move`` makes it
                 kind, cost = cost_of[g.parked]
@@ -254,8 +257,8 @@ class View:
         to = m.to_role
         for g in self.planned(gid):
             pool, ends = g.pool, g.ends_at
-            lent = pool == "trainer" and g.borrowed
-            if lent or (pool == "trainer" and m.kind is MoveKind.BORROW):
+            lent = pool == _TRAINER and g.borrowed
+            if lent or (pool == _TRAINER and m.kind is MoveKind.BORROW):
                 due = (g.return_deadline if g.return_deadline is not None else trainer_due) - lent_due - now
             else:
                 due = None
@@ -303,7 +306,7 @@ class View:
 
     @cached_property
     def elastic_ids(self) -> frozenset[int]:
-        return frozenset(g.id for g in self.s.gpus if g.pool == "elastic")
+        return frozenset(g.id for g in self.s.gpus if g.pool == _ELASTIC)
 
     @cached_property
     def serving_count(self) -> int:
@@ -343,14 +346,14 @@ class View:
         if self.s.max_lend is not None:
             lent = lent[: self.s.max_lend]
         may = self._may_serve
-        return budget.Servable(tuple(may["rollout"]), tuple(may["elastic"]), tuple(lent), tuple(self.lendable))
+        return budget.Servable(tuple(may[_ROLLOUT]), tuple(may[_ELASTIC]), tuple(lent), tuple(self.lendable))
 
     def workers(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> dict[str, int]:
         """``choose.worker_groups(self.servable.budget(...))``: whole workers per pool of a budget."""
         parts = self._node_counts
-        per_node = parts["rollout"].copy()
+        per_node = parts[_ROLLOUT].copy()
         if elastic:
-            per_node.update(parts["elastic"])
+            per_node.update(parts[_ELASTIC])
         if borrow:
             per_node.update(parts["lent"])
             per_node.update(parts["warm"] if warm_borrow_only else parts["lendable"])
@@ -365,8 +368,8 @@ class View:
         """GPUs per (node, pool) of each part of the servable GPUs."""
         s = self.servable
         return {
-            "rollout": Counter(map(_node_pool, s.rollout)),  # (g.node, g.pool) per GPU
-            "elastic": Counter(map(_node_pool, s.elastic)),
+            _ROLLOUT: Counter(map(_node_pool, s.rollout)),  # (g.node, g.pool) per GPU
+            _ELASTIC: Counter(map(_node_pool, s.elastic)),
             "lent": Counter(map(_node_pool, s.lent)),
             "lendable": Counter(map(_node_pool, s.lendable)),
             "warm": Counter([(g.node, g.pool) for g in s.lendable if g.parked]),
@@ -380,7 +383,7 @@ class View:
         out = dict(self.serving)
         if self.forced:
             forced = {g.id for g in self.forced}
-            out["trainer"] = [g for g in out["trainer"] if g.id not in forced]
+            out[_TRAINER] = [g for g in out[_TRAINER] if g.id not in forced]
         return out
 
     @cached_property
@@ -389,7 +392,7 @@ class View:
         have = self.serving_roles
         if self.forced:  # (``staying``: by id)
             forced = {g.id for g in self.forced}
-            have = have - Counter([(g.pool, g.role) for g in self.serving["trainer"] if g.id in forced])
+            have = have - Counter([(g.pool, g.role) for g in self.serving[_TRAINER] if g.id in forced])
         return {(p, r): have[(p, r)] for p in POOLS for r in SERVING}
 
     def startable(self, pool: str) -> list[GpuSlot]:
@@ -411,7 +414,7 @@ class View:
             s = self.s
 
             def first(g: GpuSlot) -> tuple:
-                end = budget.deadline(s, g) if g.pool == "trainer" else g.ends_at
+                end = budget.deadline(s, g) if g.pool == _TRAINER else g.ends_at
                 return (end if end is not None else math.inf, g.node, g.id)
 
             order = self._leave_order[pool] = sorted(self.staying[pool], key=first)
@@ -426,7 +429,7 @@ class View:
             return None
         now = self.s.now
         leave = g.ends_at - now if g.ends_at is not None else None
-        if g.pool == "trainer" and (g.borrowed or borrowing):
+        if g.pool == _TRAINER and (g.borrowed or borrowing):
             due = (g.return_deadline if g.return_deadline is not None else self.trainer_due) - self.lent_due_s - now
             leave = due if leave is None else min(leave, due)
         if leave is not None and leave <= start:

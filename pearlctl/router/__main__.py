@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 
 from pearlctl.router import service
 from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerSet, describe
+from pearlctl.vocabulary import Role
 
 if TYPE_CHECKING:
     from pearlctl.router.gateway import PdLists
@@ -161,7 +162,7 @@ def parse_worker(spec: str) -> WorkerIn:
     the field, or ValueError for an unknown role."""
     rest, at, role = spec.rpartition("@")
     if not at:
-        rest, role = spec, "ROLLOUT"
+        rest, role = spec, Role.ROLLOUT
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     url, _, version = rest.partition("=")

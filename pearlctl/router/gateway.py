@@ -103,6 +103,7 @@ from pearlctl.router.membership import (
     describe,
 )
 from pearlctl.router.text import TextMirror, Tokenizers, mirrorable
+from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.router.gateway")
 
@@ -195,7 +196,7 @@ class _Member:
     url: str
     weight_version: str | None
     added_at: float
-    role: str = "ROLLOUT"
+    role: str = Role.ROLLOUT
 
     def doc(self) -> dict:
         return {"url": self.url, "role": self.role, "weight_version": self.weight_version, "added_at": self.added_at}
@@ -220,7 +221,7 @@ class Members:
         versions = frozenset(m.weight_version for m in self.by_url.values())
         self._states.append((self.change, versions, frozenset(self.by_url)))
 
-    def set(self, url: str, version: str | None, role: str = "ROLLOUT") -> tuple[_Member, bool, bool]:
+    def set(self, url: str, version: str | None, role: str = Role.ROLLOUT) -> tuple[_Member, bool, bool]:
         """Add, re-version or re-role; returns (member, added, version or role changed)."""
         with self._lock:
             old = self.by_url.get(url)
@@ -316,8 +317,8 @@ class PdLists:
 def pd_lists(roles: Mapping[str, str]) -> PdLists | None:
     """The PD router's lists for members with these roles; None unless there is at least one PREFILL and one
     DECODE member (half a pair cannot serve disaggregated)."""
-    prefill = tuple(sorted(u for u, r in roles.items() if r == "PREFILL"))
-    decode = tuple(sorted(u for u, r in roles.items() if r == "DECODE"))
+    prefill = tuple(sorted(u for u, r in roles.items() if r == Role.PREFILL))
+    decode = tuple(sorted(u for u, r in roles.items() if r == Role.DECODE))
     return PdLists(prefill, decode) if prefill and decode else None
 
 
@@ -326,7 +327,7 @@ def regular_members(roles: Mapping[str, str], serving: PdLists | None) -> set[st
     member that no PD router serves (a lone half of a pair, or both while the PD router is down): a vLLM
     server with a KV connector still serves whole requests, prefilling locally."""
     in_pd = serving.urls() if serving is not None else frozenset()
-    return {u for u, r in roles.items() if r == "ROLLOUT" or u not in in_pd}
+    return {u for u, r in roles.items() if r == Role.ROLLOUT or u not in in_pd}
 
 
 def pd_share(regular: int, serving: PdLists | None) -> float:

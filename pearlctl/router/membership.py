@@ -42,6 +42,7 @@ import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from pearlctl.router import service
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
 __all__ = [
     "MAX_WORKERS",
@@ -80,9 +81,10 @@ WorkerUrl = Annotated[str, Field(max_length=300), AfterValidator(_worker_url)]
 # the vocabulary of pearlctl.api.bodies.Name: what an agent reports as a worker's weight version
 Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")]
 WaitSeconds = Annotated[float, Field(ge=0, le=600, allow_inf_nan=False)]
-# how a member serves (pearlctl.vocabulary.Role's serving roles the router routes to)
-ROLES: tuple[str, ...] = ("ROLLOUT", "PREFILL", "DECODE")
-WorkerRole = Literal["ROLLOUT", "PREFILL", "DECODE"]
+# how a member serves (pearlctl.vocabulary.GENERATION_ROLES: the serving roles the router routes to), as plain
+# str: WorkerRole is Literal["ROLLOUT", "PREFILL", "DECODE"], its 422s naming the values as a body spells them
+ROLES: tuple[str, ...] = tuple(str(r) for r in GENERATION_ROLES)
+WorkerRole = Literal[ROLES]
 
 
 class _Body(BaseModel):
@@ -94,7 +96,7 @@ class WorkerIn(_Body):
 
     url: WorkerUrl
     weight_version: Version | None = None
-    role: WorkerRole = "ROLLOUT"
+    role: WorkerRole = Role.ROLLOUT
     wait_s: WaitSeconds = 30.0  # how long the gateway waits for a worker that is not healthy yet
 
 
@@ -125,7 +127,7 @@ class Member:
     added_at: float  # unix time the gateway added it (or last changed its version or role)
     routed: bool | None = None  # whether a vllm-router the gateway sends requests to lists it (None: it did not say)
     healthy: bool | None = None  # that vllm-router's health view of it
-    role: str = "ROLLOUT"
+    role: str = Role.ROLLOUT
     router: str | None = None  # which vllm-router routes to it: "regular" or "pd" (a PREFILL/DECODE pair's)
 
     @classmethod
@@ -136,7 +138,7 @@ class Member:
             added_at=float(doc.get("added_at") or 0.0),
             routed=doc.get("routed"),
             healthy=doc.get("healthy"),
-            role=str(doc.get("role") or "ROLLOUT"),
+            role=str(doc.get("role") or Role.ROLLOUT),
             router=doc.get("router"),
         )
 
@@ -216,7 +218,7 @@ class RouterMembership:
         return [Member.from_doc(m) for m in self._call("GET")["workers"]]
 
     def add(
-        self, url: str, weight_version: str | None = None, *, role: str = "ROLLOUT", wait_s: float = 30.0
+        self, url: str, weight_version: str | None = None, *, role: str = Role.ROLLOUT, wait_s: float = 30.0
     ) -> Member:
         """Route to ``url`` serving as ``role`` (idempotent; a member's weight version and role are updated).
         Raises `MembershipError` (504) when the worker is not healthy within ``wait_s``."""
@@ -242,7 +244,9 @@ class RouterMembership:
         items = workers.items() if isinstance(workers, Mapping) else workers
         roles = roles or {}
         body = WorkerSet(
-            workers=[WorkerIn(url=u, weight_version=v, role=roles.get(u, "ROLLOUT"), wait_s=wait_s) for u, v in items],
+            workers=[
+                WorkerIn(url=u, weight_version=v, role=roles.get(u, Role.ROLLOUT), wait_s=wait_s) for u, v in items
+            ],
             wait_s=wait_s,
         )
         doc = self._call("PUT", body, wait_s=wait_s)

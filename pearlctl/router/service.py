@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 
 from pearlctl.runfiles import control_dir, write_atomic
+from pearlctl.vocabulary import Role
 
 RECORD_NAME = "router.json"
 KEY_NAME = "router.key"
@@ -270,8 +271,8 @@ def start(
     if advertise_host:
         argv += ["--advertise-host", advertise_host]
     for url, version in (workers or {}).items():
-        role = (roles or {}).get(url, "ROLLOUT")
-        argv += ["--worker", (f"{url}={version}" if version else url) + (f"@{role}" if role != "ROLLOUT" else "")]
+        role = (roles or {}).get(url, Role.ROLLOUT)
+        argv += ["--worker", (f"{url}={version}" if version else url) + (f"@{role}" if role != Role.ROLLOUT else "")]
     deadline = time.monotonic() + ready_timeout_s
     with open(log, "ab") as out:
         out.write(f"# pearlctl: starting {' '.join(argv)}\n".encode())

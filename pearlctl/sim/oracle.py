@@ -45,6 +45,7 @@ import numpy as np
 from pearlctl.planner.model import SERVING, Role
 from pearlctl.sim.engine import DEFAULT_ROUTER, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
 from pearlctl.sim.run import RunResult, Schedule, Sim, make_draws, make_trace, run_policy
+from pearlctl.vocabulary import PoolKind
 
 REPLAYED = "pearl"  # the policy whose schedule the oracle always replays (and widens)
 WIDENED = "pearl's prefill-decode choices on every GPU"
@@ -67,11 +68,11 @@ def _set_roles(sim: Sim, roles: dict[int, Role]) -> None:
     for g in sim.gpus:
         if not g.present:
             continue
-        role = roles.get(g.id, Role.TRAIN if g.pool == "trainer" else Role.IDLE)
+        role = roles.get(g.id, Role.TRAIN if g.pool == PoolKind.TRAINER else Role.IDLE)
         if role != g.role:
             sim.transitions += 1
             sim._dirty = True
-        g.role, g.borrowed, g.busy_until, g.parked = role, g.pool == "trainer" and role != Role.TRAIN, 0.0, False
+        g.role, g.borrowed, g.busy_until, g.parked = role, g.pool == PoolKind.TRAINER and role != Role.TRAIN, 0.0, False
         g.version = sim.version
 
 
@@ -91,7 +92,7 @@ class FixedController:
         if key == self._applied:
             return
         self._applied = key
-        avail = {g.id for g in sim.gpus if g.present and (g.pool != "trainer" or lend)}
+        avail = {g.id for g in sim.gpus if g.present and (g.pool != PoolKind.TRAINER or lend)}
         n_slots = len(sim.gpus) // self.gpw
         slots = [k for k in range(n_slots) if all(i in avail for i in range(k * self.gpw, (k + 1) * self.gpw))]
         roles = self.roles(slots, _same_share(self.share, len(slots)), n_slots)
@@ -165,7 +166,7 @@ class ReplayController:
         roles = {}
         for g in sim.gpus:
             role = self.plan.roles.get(g.id)
-            if role in SERVING and (g.pool != "trainer" or lend):
+            if role in SERVING and (g.pool != PoolKind.TRAINER or lend):
                 roles[g.id] = role
         _set_roles(sim, roles)
 

@@ -96,7 +96,8 @@ TIMELINE_EVERY_S = 10.0
 COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
 
 # GPU-second categories: the roles, with TRAIN split by whether the trainer is computing, and TRANSITION.
-CATEGORIES = ("TRAIN", "TRAIN_IDLE", "ROLLOUT", "PREFILL", "DECODE", "REWARD", "IDLE", "TRANSITION")
+_R = Role
+CATEGORIES = (_R.TRAIN, "TRAIN_IDLE", _R.ROLLOUT, _R.PREFILL, _R.DECODE, _R.REWARD, _R.IDLE, "TRANSITION")
 
 
 @dataclass
@@ -462,7 +463,7 @@ class Sim:
     def joining(self, t: float) -> int:
         """Workers on their way to serving rollouts: those whose GPUs are in a transition toward a serving role
         (a borrow, start, wake or switch not finished yet) — the ``joining`` of the daemon's ``GET /v1/workers``
-        (pearlctl/daemon/controller.py, routable_workers)."""
+        (pearlctl/daemon/agents.py, routable_workers)."""
         return len({g.id // self.gpw for g in self.gpus if g.present and g.role in SERVING and g.busy_until > t})
 
     def _may_launch(self, t: float) -> bool:

@@ -10,15 +10,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pearlctl.sim.run import CATEGORIES, RunResult
+from pearlctl.vocabulary import Role
 
 COLORS = {
-    "TRAIN": "#1f77b4",
+    Role.TRAIN: "#1f77b4",
     "TRAIN_IDLE": "#aec7e8",
-    "ROLLOUT": "#2ca02c",
-    "PREFILL": "#ff7f0e",
-    "DECODE": "#d62728",
-    "REWARD": "#9467bd",
-    "IDLE": "#dddddd",
+    Role.ROLLOUT: "#2ca02c",
+    Role.PREFILL: "#ff7f0e",
+    Role.DECODE: "#d62728",
+    Role.REWARD: "#9467bd",
+    Role.IDLE: "#dddddd",
     "TRANSITION": "#7f7f7f",
 }
 

@@ -238,8 +238,13 @@ MIGRATIONS: tuple[str, ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Columns holding JSON text: encoded on write, decoded on read by the Store.
+# The runs table's two report columns, named by what writes them: the trainer hook's latest report (phase, wait,
+# weights) and the rollout driver's progress. Read as ``run[TRAINER_REPORT]``; written as ``update_fields(...,
+# trainer=...)``. (Their names happen to be pool kinds' names; they are columns, not pools.)
+TRAINER_REPORT = "trainer"
+ROLLOUT_PROGRESS = "rollout"
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec", "trainer", "borrow", "rollout", "profile", "predictor"}),
+    "runs": frozenset({"spec", TRAINER_REPORT, "borrow", ROLLOUT_PROGRESS, "profile", "predictor"}),
     "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),

@@ -41,13 +41,13 @@ from typing import Any, Literal
 import httpx
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
-from pearlctl.vocabulary import PACED_ENGINE_ARGS
+from pearlctl.vocabulary import PACED_ENGINE_ARGS, SERVING_ROLES, Role
 
-Role = Literal["ROLLOUT", "PREFILL", "DECODE", "REWARD"]
 Device = Literal["auto", "cpu", "gpu"]
 PauseMode = Literal["abort", "wait", "keep"]
 
-ROLES: tuple[str, ...] = ("ROLLOUT", "PREFILL", "DECODE", "REWARD")
+# the roles a vLLM server serves (SERVING_ROLES), in the order Role lists them
+ROLES: tuple[Role, ...] = tuple(r for r in Role if r in SERVING_ROLES)
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 
@@ -86,7 +86,7 @@ CPU_ARGS: dict[str, Any] = {
     "kv_cache_memory_bytes": 64 * 1024 * 1024,
 }
 GPU_ARGS: dict[str, Any] = {"enable_sleep_mode": True}
-KV_ROLES = {"PREFILL": "kv_producer", "DECODE": "kv_consumer"}
+KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 # NIXL's side channel needs one port per server on a host; derived from the HTTP port unless env sets it.
 NIXL_PORT_OFFSET = 20000
 
