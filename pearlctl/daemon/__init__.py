@@ -4,8 +4,11 @@ Its lease (one daemon per run, fenced by an epoch that every write and every com
 
 - ``main``: the process — lease, HTTP server thread, and the observe → decide → act loop;
 - ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
-- ``controller``: what the daemon knows and decides — agent registrations, heartbeats, reported
-  workers, desired workers per allocation, agent loss;
+- ``controller``: the controller — the shared state and the three sides below, one per caller;
+- ``shared``: the state the sides share (store, epoch, clock, decision lock, long polls) and their base class;
+- ``agents``: the agents' side — registrations, heartbeats, reported and desired workers, agent loss;
+- ``trainer_side``: the trainer's side — the hook's phase and acks, the rollout driver's progress;
+- ``operator``: the operator's side — borrow, return, move, profile;
 - ``borrowing``: the run's policy, live — whole plans carried out as transitions, lent GPUs returned in time;
 - ``elastic``: growing and shrinking the elastic pool to the number of tasks the policy wants;
 - ``transitions``: the executor of checkpointed role transitions (plans of steps, rollbacks);

@@ -52,7 +52,8 @@ from starlette.routing import Route
 
 from pearlctl.api import bodies
 from pearlctl.api.client import ALLOCATION_HEADER, RUN_HEADER
-from pearlctl.daemon.controller import ControlError, Controller, allocation_credential
+from pearlctl.daemon.agents import allocation_credential
+from pearlctl.daemon.controller import ControlError, Controller
 from pearlctl.daemon.metrics import render as render_metrics
 from pearlctl.daemon.weights import broadcast_targets
 from pearlctl.state.errors import NotFound, StaleEpoch
@@ -161,19 +162,19 @@ def build_app(
                 if agent:
                     args.append(allocation)
                 # an agent is alive from its request's arrival to its answer, however long it waits
-                with controller.arrived(allocation) if agent else contextlib.nullcontext():
+                with controller.agents.arrived(allocation) if agent else contextlib.nullcontext():
                     t0 = time.monotonic()
                     result = fast(*args) if fast is not None else None
                     if result is None:
                         result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
                     if agent:
-                        controller.heartbeat_seconds.observe(time.monotonic() - t0)
+                        controller.agents.heartbeat_seconds.observe(time.monotonic() - t0)
                     if then is not None:
                         result = await then(*args, result)
                 return JSONResponse(result)
             except _Refused as exc:
                 if allocation is not None and exc.status == 422:
-                    controller.refused_report(allocation, str(exc))
+                    controller.agents.refused_report(allocation, str(exc))
                 return JSONResponse({"error": str(exc)}, exc.status)
             except ControlError as exc:
                 return JSONResponse({"error": str(exc)}, exc.status)
@@ -191,29 +192,29 @@ def build_app(
 
     routes = [
         route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
-        route("/v1/agents/register", controller.register, bodies.Register),
+        route("/v1/agents/register", controller.agents.register, bodies.Register),
         route(
             "/v1/agents/heartbeat",
-            controller.report,
+            controller.agents.report,
             bodies.Heartbeat,
             agent=True,
-            then=controller.hold,
-            fast=controller.remembered,  # a repeated report: from memory, no thread
+            then=controller.agents.hold,
+            fast=controller.agents.remembered,  # a repeated report: from memory, no thread
         ),
         route("/v1/status", status, method="GET"),
-        route("/v1/trainer/phase", controller.trainer_report, bodies.TrainerPhase, then=controller.trainer_hold),
-        route("/v1/trainer/ack", controller.trainer_ack, bodies.Ack),
-        route("/v1/borrow", controller.borrow, bodies.Borrow),
-        route("/v1/return", controller.give_back, bodies.ReturnNow),
-        route("/v1/moves", controller.move, bodies.Move),
-        route("/v1/workers", controller.routable_workers, method="GET"),
+        route("/v1/trainer/phase", controller.trainer.report, bodies.TrainerPhase, then=controller.trainer.hold),
+        route("/v1/trainer/ack", controller.trainer.ack, bodies.Ack),
+        route("/v1/borrow", controller.operator.borrow, bodies.Borrow),
+        route("/v1/return", controller.operator.give_back, bodies.ReturnNow),
+        route("/v1/moves", controller.operator.move, bodies.Move),
+        route("/v1/workers", controller.agents.routable_workers, method="GET"),
         route(
             "/v1/weights/targets",
             lambda: {"epoch": controller.epoch, **broadcast_targets(controller.store, controller.run_id)},
             method="GET",
         ),
-        route("/v1/rollout/progress", controller.rollout_progress, bodies.Progress),
-        route("/v1/profile", controller.set_profile, bodies.ProfileBody),
+        route("/v1/rollout/progress", controller.trainer.rollout_progress, bodies.Progress),
+        route("/v1/profile", controller.operator.set_profile, bodies.ProfileBody),
     ]
 
     async def metrics(request: Request):

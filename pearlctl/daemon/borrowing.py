@@ -71,6 +71,7 @@ from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, PoolKind
 
@@ -249,15 +250,15 @@ class Borrowing:
         inputs and the same ``now`` build equal snapshots)."""
         run = self.store.get_run(self.run_id)
         settings = settings or self.settings()
-        trainer = run.get("trainer") or {}
+        trainer = run.get(TRAINER_REPORT) or {}
         wait = trainer.get("expected_wait_s")
         # each report's expected wait is what is left at that report (the hook's wait_until counts it down)
         since = trainer.get("reported_at") or trainer.get("phase_since")
         left = (since + wait - now) if wait is not None and since else 0.0
         gpus = self.slots()
         profile = self.profile() or UNMEASURED
-        work = work_from_progress(run.get("rollout") or {})
-        ready = batch_ready(trainer, run.get("rollout") or {})
+        work = work_from_progress(run.get(ROLLOUT_PROGRESS) or {})
+        ready = batch_ready(trainer, run.get(ROLLOUT_PROGRESS) or {})
         if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
@@ -278,7 +279,7 @@ class Borrowing:
             mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1]["created_at"] if transitions else None,
-            last_batch=Work(**(run.get("rollout") or {}).get("batch_work") or {}),
+            last_batch=Work(**(run.get(ROLLOUT_PROGRESS) or {}).get("batch_work") or {}),
         )
         # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
         # from a measured profile only (the placeholder's speeds predict nothing: nothing is lent then)
@@ -430,7 +431,7 @@ class Borrowing:
         ``prediction checked``."""
         run = self.store.get_run(self.run_id)
         doc = run.get("profile")
-        report = run.get("rollout") or {}
+        report = run.get(ROLLOUT_PROGRESS) or {}
         at = report.get("reported_at")
         if not doc or at is None:
             return
@@ -564,12 +565,12 @@ class Borrowing:
         if lent:
             deadline = min(g["return_deadline"] or now for g in lent)
             run = self.store.get_run(self.run_id)
-            trainer = run.get("trainer") or {}
+            trainer = run.get(TRAINER_REPORT) or {}
             if settings["policy"] == "never":
                 why = "borrowing turned off"
             elif trainer.get("blocked_s") is not None:
                 why = "the trainer is waiting for its GPUs"
-            elif batch_ready(trainer, run.get("rollout") or {}):
+            elif batch_ready(trainer, run.get(ROLLOUT_PROGRESS) or {}):
                 why = "the trainer's batch is complete"
             elif now >= deadline - self.cost(MoveKind.RETURN):
                 why = "return deadline"
@@ -673,7 +674,7 @@ def summary(s: Snapshot) -> dict:
     return {
         "phase": s.trainer.phase,
         "wait_left_s": s.trainer.wait_left_s,
-        "wait_from": "prediction" if s.trainer.wait_predicted else "trainer",
+        "wait_from": "prediction" if s.trainer.wait_predicted else "trainer report",
         "idle_gpus": sum(1 for g in s.gpus if g.pool == PoolKind.TRAINER and not g.borrowed),
         "max_gpus": s.max_lend,
         "borrow_cost_s": s.costs.borrow_s(warm=False),

@@ -1,5 +1,6 @@
-"""The daemon's decision lock (``Controller.lock``), timed: every decision and every fold of what agents, the
-trainer and Slurm report waits for it, so a long hold is a slow tick and a late heartbeat elsewhere.
+"""The daemon's decision lock (``Shared.lock`` in pearlctl.daemon.shared), timed: every fold of what agents, the
+trainer and Slurm report, and every write of a decision, waits for it, so a long hold is a slow tick and a late
+heartbeat elsewhere (the policy's decision itself is made with it released: pearlctl.daemon.borrowing).
 
 `DecisionLock` is a reentrant lock that measures each outermost hold and notes where it was taken (the function
 that entered it). A hold of ``slow_s`` or more is counted in ``slow_holds`` and logged through a `SlowLog` (one line

@@ -35,6 +35,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.schema import TRAINER_REPORT
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
 
@@ -195,7 +196,7 @@ class DaemonEffects:
 
     def _verified(self, t: dict, key: str) -> Outcome:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
-            trainer = self.store.get_run(self.run_id).get("trainer") or {}
+            trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
             return _proven(bool(trainer) and not trainer.get("released"))
         live, covered = self._serving(t)  # GPUs brought up: a worker serves on every one
         if not live:
@@ -205,7 +206,7 @@ class DaemonEffects:
         # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
         # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
         # fails the step by its timeout, and the transition rolls back)
-        trainer = self.store.get_run(self.run_id).get("trainer") or {}
+        trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
         return _proven(latest is None or all(w.get("weight_version") == str(latest) for w in live))
 

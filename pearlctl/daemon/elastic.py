@@ -492,7 +492,7 @@ class ElasticPool:
                     expect_version=a["version"],
                     to=A.PENDING,
                     event="submitted",
-                    data={"by": "elastic", "slurm_id": f"{job_id}_{a['array_index']}"},
+                    data={"by": POOL, "slurm_id": f"{job_id}_{a['array_index']}"},
                     epoch=self.epoch,
                     job_id=job_id,
                 )

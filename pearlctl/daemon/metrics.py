@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.schema import ROLLOUT_PROGRESS
 from pearlctl.state.store import Store
 
 BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -70,9 +71,9 @@ class RunCollector:
                 labels=["path"],
             )
             for path in ("remembered", "folded", "refused"):
-                heartbeats.add_metric([path], self.controller.heartbeats[path])
+                heartbeats.add_metric([path], self.controller.agents.heartbeats[path])
             yield heartbeats
-            yield from self.controller.heartbeat_seconds.collect()
+            yield from self.controller.agents.heartbeat_seconds.collect()
         yield from st.tick_duration.collect()
         yield from st.tick_cpu.collect()
         yield from st.commit_duration.collect()
@@ -124,7 +125,7 @@ class RunCollector:
         yield CounterMetricFamily(
             "pearl_return_deadlines_met", "returns that finished in time", value=events["deadline met"]
         )
-        rollout = run.get("rollout") or {}
+        rollout = run.get(ROLLOUT_PROGRESS) or {}
         yield GaugeMetricFamily(
             "pearl_rollout_tokens_total", "tokens generated (rollout driver's count)", value=rollout.get("tokens") or 0
         )

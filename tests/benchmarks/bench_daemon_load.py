@@ -151,7 +151,7 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
 
     class Timed(Daemon):
         def _tick(self, controller, borrowing):
-            heartbeats["counts"] = controller.heartbeats
+            heartbeats["counts"] = controller.agents.heartbeats
             heartbeats["passes"] = controller.long_polls
             heartbeats["borrowing"] = borrowing
             t0, c0 = time.perf_counter(), time.thread_time()

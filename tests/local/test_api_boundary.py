@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pearlctl.daemon.controller import allocation_credential
+from pearlctl.daemon.agents import allocation_credential
 from pearlctl.runfiles import ensure_secret, read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, alive, wait_for

@@ -50,7 +50,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pearlctl.api import bodies
-from pearlctl.daemon.controller import allocation_credential
+from pearlctl.daemon.agents import allocation_credential
 from pearlctl.home import known_policies
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import Work
@@ -633,10 +633,13 @@ def test_the_strategies_cover_every_route_of_the_api():
 
     from pearlctl.daemon.api import build_app
 
-    names = ["register", "report", "remembered", "hold", "trainer_report", "trainer_hold", "trainer_ack", "borrow"]
-    names += ["give_back"]
-    names += ["routable_workers", "rollout_progress", "set_profile", "move"]
-    controller = SimpleNamespace(run_id=RUN_ID, epoch=1, **{n: (lambda *a: {}) for n in names})
+    sides = {
+        "agents": ["register", "report", "remembered", "hold", "routable_workers"],
+        "trainer": ["report", "hold", "ack", "rollout_progress"],
+        "operator": ["borrow", "give_back", "set_profile", "move"],
+    }
+    answer = {side: SimpleNamespace(**{n: (lambda *a: {}) for n in names}) for side, names in sides.items()}
+    controller = SimpleNamespace(run_id=RUN_ID, epoch=1, **answer)
     app = build_app(controller, secret="s", status=lambda: {})
     served = {(m, r.path) for r in app.routes for m in r.methods if m != "HEAD"}
     assert served == {(m, p) for m, p, _, _ in ROUTES.values()}

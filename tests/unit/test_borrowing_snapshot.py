@@ -78,7 +78,7 @@ def test_a_malformed_work_report_is_refused_and_changes_nothing(daemon):
 def test_pearl_needs_a_profile(daemon):
     store, c = daemon
     with pytest.raises(ControlError, match="pearlctl profile RUN"):
-        c.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
+        c.operator.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
     assert store.get_run("r")["policy"] == "greedy"  # unchanged
 
 
@@ -94,21 +94,21 @@ def test_pearl_runs_live_from_the_stored_profile_and_the_reported_work(daemon):
     c = Controller(store, "q", None, clock=lambda: NOW)
     c.borrowing = Borrowing(store, ex, "q", clock=lambda: NOW)
     prof = profiles.load(REPO / "examples/profiles/qwen3-8b-h100.toml")
-    c.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(prof)}))
-    c.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
+    c.operator.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(prof)}))
+    c.operator.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
     store.update_fields("runs", "q", epoch=None, trainer={"phase": "waiting", "expected_wait_s": 3600.0,
                                                            "phase_since": NOW, "reported_at": NOW})  # fmt: skip
     big = {"trajectories": 512, "turns_left": 8, "turns_left_max": 20, "decode_tokens_per_turn": 400,
            "decode_tokens_per_turn_max": 2000, "prefill_tokens_per_turn": 300, "context_tokens": 4000,
            "tool_latency_s": 5.0, "tool_latency_max_s": 30.0}  # fmt: skip
-    c.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 512, "tool_wait": 0, "work": big}))
+    c.trainer.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 512, "tool_wait": 0, "work": big}))
     plan = c.borrowing.plan_borrow(NOW)
     assert plan is not None and plan["policy"] == "pearl" and len(plan["gpu_ids"]) == 2
     assert plan["predicted_s"][1] < plan["predicted_s"][0]
 
     tail = dict(big, trajectories=1, turns_left=1, turns_left_max=1, decode_tokens_per_turn=10,
                 decode_tokens_per_turn_max=10, tool_latency_s=0.0, tool_latency_max_s=0.0)  # fmt: skip
-    c.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 1, "tool_wait": 0, "work": tail}))
+    c.trainer.rollout_progress(parse(bodies.Progress, {"queued": 0, "generating": 1, "tool_wait": 0, "work": tail}))
     assert c.borrowing.plan_borrow(NOW) is None
 
 
@@ -117,15 +117,15 @@ def test_a_trainer_released_with_nothing_lent_and_nothing_moving_is_asked_to_rec
     leave the trainer blocked: the daemon answers it with a reclaim, and journals the ack."""
     store, c = daemon
     phase = {"phase": "waiting", "step": 3, "released": True}
-    answer = c.trainer_phase(parse(bodies.TrainerPhase, phase))
+    answer = c.trainer.phase(parse(bodies.TrainerPhase, phase))
     assert answer["command"] == "reclaim" and answer["command_id"].startswith("orphan-reclaim:")
-    c.trainer_ack(parse(bodies.Ack, {"command_id": answer["command_id"], "result": {"ok": True, "command": "reclaim"}}))
+    c.trainer.ack(parse(bodies.Ack, {"command_id": answer["command_id"], "result": {"ok": True, "command": "reclaim"}}))
     assert [j["event"] for j in store.journal("r")][-1] == "trainer reclaimed (orphan)"
     # not released, or released while a GPU is lent: no such command
-    assert c.trainer_phase(parse(bodies.TrainerPhase, dict(phase, released=False)))["command"] is None
+    assert c.trainer.phase(parse(bodies.TrainerPhase, dict(phase, released=False)))["command"] is None
     gpu = next(g for g in store.gpus("r"))
     store.update_fields("gpus", gpu["id"], borrowed=1, return_deadline=NOW + 60)
-    assert c.trainer_phase(parse(bodies.TrainerPhase, phase))["command"] is None
+    assert c.trainer.phase(parse(bodies.TrainerPhase, phase))["command"] is None
     # an ack for a command nobody issued is still a 404
     with pytest.raises(ControlError, match="no step"):
-        c.trainer_ack(parse(bodies.Ack, {"command_id": "9:9:OFFLOAD", "result": {"ok": True}}))
+        c.trainer.ack(parse(bodies.Ack, {"command_id": "9:9:OFFLOAD", "result": {"ok": True}}))

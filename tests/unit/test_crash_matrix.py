@@ -51,7 +51,7 @@ class SimAgent:
 
     def tick(self, daemon: Daemon) -> None:
         report = [dict(w) for w in self.running.values()]
-        answer = daemon.controller.heartbeat(
+        answer = daemon.controller.agents.heartbeat(
             parse(bodies.Heartbeat, {"allocation_id": daemon.alloc_id, "workers": report}), daemon.alloc_id
         )
         for w in self.running.values():  # what was starting becomes READY; STOPPED ones are gone
@@ -90,7 +90,7 @@ class SimTrainer:
         self.carried_out: list[str] = []
 
     def tick(self, daemon: Daemon) -> None:
-        answer = daemon.controller.trainer_phase(
+        answer = daemon.controller.trainer.phase(
             parse(
                 bodies.TrainerPhase,
                 {"phase": "waiting", "step": 1, "expected_wait_s": 600.0, "released": self.released},
@@ -103,7 +103,7 @@ class SimTrainer:
             self.carried_out.append(cid)
             self.released = answer["command"] == "release"
             self.done[cid] = {"ok": True, "command": answer["command"]}
-        daemon.controller.trainer_ack(parse(bodies.Ack, {"command_id": cid, "result": self.done[cid]}))
+        daemon.controller.trainer.ack(parse(bodies.Ack, {"command_id": cid, "result": self.done[cid]}))
 
 
 class Daemon:
@@ -129,7 +129,7 @@ def world(tmp_path: Path):
 def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=200):
     epochs = itertools.count(1)
     daemon = Daemon(store, alloc_id, next(epochs), clock, crash_at)
-    daemon.controller.register(
+    daemon.controller.agents.register(
         parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1})
     )
     crashes = 0

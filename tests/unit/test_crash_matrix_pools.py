@@ -63,7 +63,7 @@ class SimAgent:
 
     def tick(self, daemon: Daemon) -> None:
         report = [dict(w) for w in self.running.values()]
-        answer = daemon.controller.heartbeat(
+        answer = daemon.controller.agents.heartbeat(
             parse(bodies.Heartbeat, {"allocation_id": daemon.alloc_id, "workers": report}), daemon.alloc_id
         )
         for w in self.running.values():
@@ -162,7 +162,7 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
 
     epochs = itertools.count(1)
     daemon = Daemon(store, alloc_id, next(epochs), clock, router, crash_at)
-    daemon.controller.register(
+    daemon.controller.agents.register(
         parse(bodies.Register, {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1})
     )
     gpu = store.gpus("r")[0]["id"]

@@ -81,10 +81,10 @@ def test_a_changed_input_decides(loop):
     assert tick(loop, 0.5) == 2
     assert tick(loop, 1.0) == 2
     work = {"trajectories": 8, "turns_left": 2, "decode_tokens_per_turn": 100}
-    loop.c.rollout_progress(parse(bodies.Progress, {"queued": 8, "work": work}))
+    loop.c.trainer.rollout_progress(parse(bodies.Progress, {"queued": 8, "work": work}))
     assert tick(loop, 1.5) == 3
     # a report whose work is the same (the counts the planner does not read moved on) decides nothing
-    loop.c.rollout_progress(parse(bodies.Progress, {"queued": 8, "done": 5, "tokens": 900, "work": work}))
+    loop.c.trainer.rollout_progress(parse(bodies.Progress, {"queued": 8, "done": 5, "tokens": 900, "work": work}))
     assert tick(loop, 2.0) == 3
     loop.store.update_fields("runs", "r", epoch=None, borrow={"policy": "greedy", "max_gpus": 1})
     assert tick(loop, 2.5) == 4

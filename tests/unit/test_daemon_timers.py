@@ -9,7 +9,7 @@ tmp_path); the one fake is the backend, at the seam the watcher polls through (`
 - defect 3b: a deposed daemon cannot write (the poller's fold and the journal raise StaleEpoch at the old
   epoch), and the running daemon notices and stops (``run()`` raises DaemonRefused);
 - defect 1: a poll that moves an allocation (RUNNING -> PREEMPTING) while its agent heartbeats at 10 Hz
-  through ``Controller.heartbeat`` neither fails nor stops the daemon;
+  through ``Agents.heartbeat`` neither fails nor stops the daemon;
 - a tick that raises is journaled once ("tick error"), counted, and the loop goes on ("tick recovered").
 """
 
@@ -249,7 +249,7 @@ def test_a_preemption_seen_while_the_agent_heartbeats_at_10hz_does_not_stop_the_
         def agent():
             while not stop.is_set():
                 try:
-                    beats.append(r.controller.heartbeat(body, alloc_id))
+                    beats.append(r.controller.agents.heartbeat(body, alloc_id))
                 except Exception as exc:  # the test asserts there is none
                     errors.append(exc)
                 stop.wait(0.1)

@@ -342,7 +342,7 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     a0, a1, a2 = elastic(store, run_id)
     worker = _serve(store, run_id, a2["id"])
     controller = Controller(store, run_id, 0)
-    assert [w.role for w in controller.desired(a2["id"])] == ["ROLLOUT"]
+    assert [w.role for w in controller.agents.desired(a2["id"])] == ["ROLLOUT"]
 
     pool.resize(0, "the batch ended")  # clamped to nodes: two tasks go, the newest first
     assert store.pools(run_id)[1]["wanted"] == NODES
@@ -350,7 +350,7 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
     assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a2["id"]} == {"DRAINING"}
     assert store.get("workers", worker)["routable"] == 0
-    assert controller.desired(a2["id"]) == []
+    assert controller.agents.desired(a2["id"]) == []
     clock.t += 5
     pool.reconcile()
     assert (a2["job_id"], 2) not in cluster.cancelled_tasks  # its worker still serves
@@ -570,10 +570,10 @@ def test_heartbeat_of_a_drained_agent_keeps_its_gpus_draining(env, clock):
             store.set_state("gpus", g["id"], expect="LOST", to="UP", event="agent reporting again")
     controller = Controller(store, run_id, 0)
     body = bodies.Heartbeat(allocation_id=a1["id"], workers=[])
-    controller.heartbeat(body, a1["id"])
+    controller.agents.heartbeat(body, a1["id"])
     pool.reconcile()
     assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
-    assert controller.desired(a1["id"]) == []
+    assert controller.agents.desired(a1["id"]) == []
 
 
 def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env, clock):
@@ -611,9 +611,9 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     # may still send it requests
     assert store.get("workers", worker)["routable"] == 0
     assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
-    assert [w.role for w in controller.desired(a1["id"])] == ["ROLLOUT"]
+    assert [w.role for w in controller.agents.desired(a1["id"])] == ["ROLLOUT"]
     # a heartbeat of the still-READY worker does not make it routable again
-    controller.heartbeat(
+    controller.agents.heartbeat(
         parse(bodies.Heartbeat, {"allocation_id": a1["id"], "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": "READY",
              "url": "http://gpu3_1:9000"}]}),
@@ -625,7 +625,7 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     routed.clear()  # the router removed it
     pool.reconcile()
     assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
-    assert controller.desired(a1["id"]) == []
+    assert controller.agents.desired(a1["id"]) == []
 
 
 # -- the fault hook: a daemon that dies where a grow's or a shrink's effect is in doubt --------------------

@@ -50,7 +50,7 @@ def run(tmp_path: Path):
 
 def measured(run) -> None:
     prof = profiles.load(REPO / "examples/profiles/qwen3-8b-h100.toml")
-    run.c.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(prof)}))
+    run.c.operator.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(prof)}))
 
 
 def waiting(run, since: float, wait_s: float | None = None) -> None:
@@ -64,7 +64,7 @@ def waiting(run, since: float, wait_s: float | None = None) -> None:
 def progress(run, work: dict | None) -> None:
     """The rollout driver's report: ``work`` in flight, or none left."""
     body = {"queued": 0, "generating": work["trajectories"], "work": work} if work else {"queued": 0, "work": {}}
-    run.c.rollout_progress(parse(bodies.Progress, body))
+    run.c.trainer.rollout_progress(parse(bodies.Progress, body))
 
 
 def lend(run, deadline: float) -> dict:
@@ -81,7 +81,7 @@ def returns(run) -> list[dict]:
 @pytest.mark.parametrize("policy", ["pearl", "greedy"])
 def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when_it_ends(run, policy):
     measured(run)
-    run.c.borrow(parse(bodies.Borrow, {"policy": policy}))
+    run.c.operator.borrow(parse(bodies.Borrow, {"policy": policy}))
     waiting(run, T0)
     progress(run, WORK)
     run.clock.now = T0 + 3.0
@@ -100,7 +100,7 @@ def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when
 
 
 def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
-    run.c.borrow(parse(bodies.Borrow, {"policy": "greedy"}))
+    run.c.operator.borrow(parse(bodies.Borrow, {"policy": "greedy"}))
     waiting(run, T0)
     progress(run, WORK)
     s = run.b.snapshot(T0 + 3.0)
@@ -119,7 +119,7 @@ def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
 @pytest.mark.parametrize("wait_s", [None, 900.0])  # predicted (the first batch), or reported: longer than it took
 def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_deadline(run, policy, wait_s):
     measured(run)
-    run.c.borrow(parse(bodies.Borrow, {"policy": policy}))
+    run.c.operator.borrow(parse(bodies.Borrow, {"policy": policy}))
     waiting(run, T0, wait_s)
     progress(run, WORK)
     deadline = T0 + 900.0
@@ -143,7 +143,7 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
 def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keeps_lent_gpus(run):
     """Between batches of a synchronous loop the trainer reports its next wait at the end of its step, before
     the driver launches the batch: that is not a complete batch (a policy may lend ahead into it)."""
-    run.c.borrow(parse(bodies.Borrow, {"policy": "greedy"}))
+    run.c.operator.borrow(parse(bodies.Borrow, {"policy": "greedy"}))
     waiting(run, T0, wait_s=300.0)
     progress(run, WORK)
     run.clock.now = T0 + 50.0

@@ -1,4 +1,4 @@
-"""What lets one daemon hear 512 agents a second (pearlctl/daemon/controller.py, pearlctl/daemon/longpoll.py,
+"""What lets one daemon hear 512 agents a second (pearlctl/daemon/agents.py, pearlctl/daemon/longpoll.py,
 pearlctl/state/store.py): a heartbeat that repeats its last report to unchanged state is answered from memory,
 and any change to what its answer derives from is folded in again; heartbeat times are written once per check,
 in one transaction; a held long poll is answered early only when its own allocation's desired workers change,
@@ -34,7 +34,7 @@ def run(tmp_path: Path):
 
 def beat(controller: Controller, alloc: int, workers: list[dict]) -> dict:
     body = bodies.Heartbeat.model_validate_json(json.dumps({"allocation_id": alloc, "workers": workers}))
-    return controller.heartbeat(body, alloc)
+    return controller.agents.heartbeat(body, alloc)
 
 
 def ready(store: Store, alloc: int, answer: dict) -> list[dict]:
@@ -49,26 +49,26 @@ def test_a_repeated_report_is_answered_from_memory_and_a_change_to_its_allocatio
     store, controller, clock, (a, b, _) = run
     report = ready(store, a, beat(controller, a, []))
     beat(controller, a, report)  # the worker is created READY
-    folded = controller.heartbeats["folded"]
+    folded = controller.agents.heartbeats["folded"]
     revision = store.revision
     first = beat(controller, a, report)
     for _ in range(5):
         assert beat(controller, a, report) == first
-    assert controller.heartbeats["folded"] == folded  # none of the six looked at state again
-    assert controller.heartbeats["remembered"] == 6
+    assert controller.agents.heartbeats["folded"] == folded  # none of the six looked at state again
+    assert controller.agents.heartbeats["remembered"] == 6
     assert store.revision == revision  # and none wrote anything
 
     # another allocation changing does not make it fold
     beat(controller, b, ready(store, b, beat(controller, b, [])))
-    folded = controller.heartbeats["folded"]
+    folded = controller.agents.heartbeats["folded"]
     beat(controller, a, report)
-    assert controller.heartbeats["folded"] == folded
+    assert controller.agents.heartbeats["folded"] == folded
 
     # its own GPU changing does: the answer follows the state at once
     (gpu,) = store.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu["id"], role="IDLE")
     assert beat(controller, a, report)["desired"] == []
-    assert controller.heartbeats["folded"] == folded + 1
+    assert controller.agents.heartbeats["folded"] == folded + 1
 
     # and so does a new weight export (the desired vLLM worker's weights)
     store.update_fields("gpus", gpu["id"], role="ROLLOUT")
@@ -84,10 +84,10 @@ def test_an_allocation_with_lent_gpus_is_always_folded(run):
     store.update_fields("gpus", gpu["id"], borrowed=1, return_deadline=T0 + 60)
     report = ready(store, a, beat(controller, a, []))
     beat(controller, a, report)
-    folded = controller.heartbeats["folded"]
+    folded = controller.agents.heartbeats["folded"]
     for _ in range(3):
         assert beat(controller, a, report)["desired"][0]["return_deadline"] == T0 + 60
-    assert controller.heartbeats["folded"] == folded + 3
+    assert controller.agents.heartbeats["folded"] == folded + 3
 
 
 def test_heartbeat_times_are_written_once_per_check_in_one_transaction(run):
@@ -99,7 +99,7 @@ def test_heartbeat_times_are_written_once_per_check_in_one_transaction(run):
         beat(controller, a, [])
     assert all(x["agent_seen_at"] is None for x in store.allocations("r"))  # nothing written per heartbeat
     revision = store.revision
-    controller.check_agents()
+    controller.agents.check_agents()
     assert [x["agent_seen_at"] for x in store.allocations("r")] == [T0 + 0.4] * 3
     assert store.revision == revision  # bookkeeping: held long polls are not woken for it
     # an older time never overwrites a newer one, and a requeued (PENDING) task's time is not brought back
@@ -114,12 +114,12 @@ def test_an_agent_whose_request_waits_is_not_lost(run):
     store, controller, clock, (a, b, c) = run
     for x in (a, b, c):
         beat(controller, x, [])
-    controller.published()
-    clock.advance(controller.takeover_grace_s + 1)
-    with controller.arrived(a):  # a's heartbeat waits for a thread, the lock or a change, for a long time
-        clock.advance(controller.loss_window_s * 3)
-        controller.check_agents()
-        controller.check_agents()
+    controller.agents.published()
+    clock.advance(controller.agents.takeover_grace_s + 1)
+    with controller.agents.arrived(a):  # a's heartbeat waits for a thread, the lock or a change, for a long time
+        clock.advance(controller.agents.loss_window_s * 3)
+        controller.agents.check_agents()
+        controller.agents.check_agents()
     lost = {g["allocation_id"] for g in store.gpus("r") if g["state"] == "LOST"}
     assert lost == {b, c}
 
@@ -181,15 +181,15 @@ def test_a_change_published_between_an_answer_and_its_hold_is_not_missed():
 
 def test_notify_publishes_only_when_state_changed(run):
     store, controller, clock, (a, _, _) = run
-    controller.notify()
+    controller.agents.notify()
     passes = controller.long_polls.passes
-    controller.notify()
-    controller.rollout_progress(bodies.Progress(queued=3))  # bookkeeping
-    controller.notify()
+    controller.agents.notify()
+    controller.trainer.rollout_progress(bodies.Progress(queued=3))  # bookkeeping
+    controller.agents.notify()
     assert controller.long_polls.passes == passes
     (gpu,) = store.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu["id"], role="IDLE")
-    controller.notify()
+    controller.agents.notify()
     assert controller.long_polls.passes == passes + 1
     _, latest = controller.long_polls._latest
     assert latest[a][0] == [] and set(latest) == {x["id"] for x in store.allocations("r")}

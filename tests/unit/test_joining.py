@@ -40,7 +40,7 @@ def plan(store: Store, kind: str, from_role: str, to_role: str, gpu_ids: list[in
 
 
 def joining(controller: Controller) -> int:
-    answer = controller.routable_workers()
+    answer = controller.agents.routable_workers()
     assert isinstance(answer["workers"], list)
     return answer["joining"]
 

@@ -52,7 +52,7 @@ def world(tmp_path: Path):
     rollout = next(a for a in store.allocations("r") if a["pool"] == "rollout")
     daemon = Daemon(store, rollout["id"], 1, clock, router)
     for job, node in (("7", "gpu1"), ("8", "gpu2")):
-        daemon.controller.register(
+        daemon.controller.agents.register(
             parse(bodies.Register, {"job_id": job, "task_id": 0, "node": node, "gpus": [0], "pid": 1})
         )
     agent = SimAgent(router)
@@ -76,7 +76,7 @@ def world(tmp_path: Path):
 def move(daemon: Daemon, kind: str, *gpus: str | int, role: str | None = None, keep_warm: bool = False) -> dict:
     refs = [{"id": g} if isinstance(g, int) else {"node": g.split(":")[0], "index": int(g.split(":")[1])} for g in gpus]
     body = parse(bodies.Move, {"kind": kind, "gpus": refs, "role": role, "keep_warm": keep_warm})
-    return daemon.controller.move(body)
+    return daemon.controller.operator.move(body)
 
 
 def test_a_rollout_gpu_goes_through_every_move_and_back(world):
@@ -166,7 +166,7 @@ def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_fo
     extra = store.add_allocation("r", pool_id, event="t")
     store.set_state("allocations", extra["id"], expect="REQUESTED", to="PENDING", event="t", job_id="9")
     store.set_state("allocations", extra["id"], expect="PENDING", to="RUNNING", event="t", node="gpu2")
-    daemon.controller.register(
+    daemon.controller.agents.register(
         parse(bodies.Register, {"job_id": "9", "task_id": extra["array_index"], "node": "gpu2", "gpus": [0], "pid": 2})
     )
     with pytest.raises(ControlError, match="fits several GPUs: id .* name one by its id"):

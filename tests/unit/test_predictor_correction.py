@@ -124,13 +124,13 @@ def run(tmp_path: Path):
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=clock)
         controller = Controller(store, "r", None, clock=clock)
         controller.borrowing = Borrowing(store, ex, "r", clock=clock)
-        controller.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(PROFILE)}))
+        controller.operator.set_profile(parse(bodies.ProfileBody, {"profile": profiles.to_dict(PROFILE)}))
         yield store, controller, clock
 
 
 def report(controller: Controller, trajectories: int, **changes: float) -> None:
     work = {**WORK, **changes, "trajectories": trajectories} if trajectories else None
-    controller.rollout_progress(parse(bodies.Progress, {"generating": trajectories, "work": work}))
+    controller.trainer.rollout_progress(parse(bodies.Progress, {"generating": trajectories, "work": work}))
 
 
 def tick(controller: Controller) -> None:
@@ -265,7 +265,7 @@ def test_the_trainers_wait_counts_down_once_as_the_hook_reports_what_is_left(run
     store, controller, clock = run
 
     def phase(left: float) -> None:
-        controller.trainer_phase(parse(bodies.TrainerPhase, {"phase": "waiting", "step": 3, "expected_wait_s": left}))
+        controller.trainer.phase(parse(bodies.TrainerPhase, {"phase": "waiting", "step": 3, "expected_wait_s": left}))
 
     phase(100.0)  # the wait begins: 100 s expected
     clock.now += 30.0

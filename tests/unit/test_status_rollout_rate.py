@@ -22,11 +22,11 @@ def test_status_shows_the_rate_between_the_last_two_reports_and_says_so(tmp_path
     with Store.open(tmp_path / "s.db", clock=clock) as store:
         running_run(store, tmp_path, pool="rollout", role="ROLLOUT", nodes=1)
         controller = Controller(store, "r", None, clock=clock)
-        controller.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_000}))
+        controller.trainer.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_000}))
         clock.now += 100.0  # a long tool wait: no tokens
-        controller.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_000}))
+        controller.trainer.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_000}))
         clock.now += 2.0
-        controller.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_096}))
+        controller.trainer.rollout_progress(parse(bodies.Progress, {"generating": 4, "tokens": 1_096}))
         doc = run_document(store, "r")
     assert doc["run"]["rollout"]["tokens_per_s"] == 48.0  # (1,096 - 1,000) / 2 s: the last two reports only
     console = Console(width=300, record=True)

@@ -123,7 +123,7 @@ def test_when_a_switch_of_a_plan_fails_its_waiting_switches_are_dropped(run):
 
 def test_dry_run_prints_the_whole_plan_and_changes_nothing(run):
     store, controller = run
-    answer = controller.borrow(parse(bodies.Borrow, {"policy": "scripted", "dry_run": True}))
+    answer = controller.operator.borrow(parse(bodies.Borrow, {"policy": "scripted", "dry_run": True}))
     whole = answer["whole_plan"]
     assert sorted(m["kind"] for m in whole["moves"]) == ["retire", "switch", "switch"]
     assert sorted(t["plan"] for t in whole["transitions"]) == ["retire_sleep", "switch", "switch"]
@@ -143,7 +143,7 @@ def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(ru
     ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
     assert store.get("gpus", gpu["id"])["role"] == "IDLE"
     assert store.get("gpus", gpu["id"])["worker_id"] == worker
-    desired = controller.desired(alloc["id"])
+    desired = controller.agents.desired(alloc["id"])
     assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
     for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
         store.set_state("workers", worker, expect=store.get("workers", worker)["state"], to=to, event="t")
@@ -181,7 +181,7 @@ def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
         body = {"allocation_id": alloc["id"], "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
              "url": f"http://n0:{pid}", "pid": pid}]}  # fmt: skip
-        controller.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
 
     report(100, "READY")
     old = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")
@@ -209,7 +209,7 @@ def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_re
         body = {"allocation_id": alloc["id"], "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
              "url": "http://n0:9000", "pid": 100}]}  # fmt: skip
-        controller.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
 
     report("STARTING")
     worker = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")

@@ -1,0 +1,706 @@
+"""The agents' side of the controller: what the daemon knows about agents and workers, and the desired state
+it hands back.
+
+Agents register once per process (``register``) and then heartbeat (``heartbeat``) with the workers
+they actually run. The controller records that truth in state, answers with the workers the
+allocation should run (derived from its GPUs' roles), and marks an agent's GPUs and workers LOST when
+its heartbeats stop for ``lost_after`` heartbeat intervals. Every write carries the daemon's lease
+epoch, so a deposed daemon cannot write; every answer carries it, so agents can ignore an older one.
+
+Every method takes a typed, validated body (pearlctl.api.bodies); what an agent may do is bounded by
+its allocation credential: it reports for its own allocation only, and its workers' URLs must name its
+own node. A lent GPU's desired worker carries the return deadline down to the agent, which returns the
+GPU by itself if this daemon cannot be reached by then (pearlctl.agent.__main__); its report of such a
+return is journaled here.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pearlctl.api import bodies
+from pearlctl.daemon.metrics import latency_histogram
+from pearlctl.daemon.shared import ControlError, Side
+from pearlctl.planner.model import MoveKind
+from pearlctl.state.errors import NotFound
+from pearlctl.state.machines import MACHINES
+from pearlctl.state.machines import AllocationState as A
+from pearlctl.state.machines import GpuState as G
+from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.schema import TRAINER_REPORT
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, PoolKind, Role
+
+log = logging.getLogger("pearlctl.daemon")
+
+# Agents' heartbeat times reach state (``agent_seen_at``: status, a successor daemon, which gives agents a
+# takeover grace anyway) at most this often; the loss check reads them from memory. At 512 agents a write
+# every tick was a quarter of a tick that decided nothing (docs/benchmarks.md).
+SEEN_WRITE_S = 5.0
+
+
+def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
+    """The credential of one allocation's agent: derived from the run's token, so a restarted daemon
+    knows it without storing it, and useless for any other allocation or run."""
+    msg = f"pearl-allocation:{run_id}:{allocation_id}".encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def edge_path(table: str, old: str, new: str) -> list[str]:
+    """The shortest chain of legal states from ``old`` to ``new`` (excluding ``old``); [] if none."""
+    edges = MACHINES[table].edges
+    queue = collections.deque([(old, [])])
+    seen = {old}
+    while queue:
+        state, path = queue.popleft()
+        for a, b in edges:
+            if a == state and b not in seen:
+                if b == new:
+                    return [*path, b]
+                seen.add(b)
+                queue.append((b, [*path, b]))
+    return []
+
+
+def _report_key(body: bodies.Heartbeat) -> str | None:
+    """What a heartbeat reports, as a key to tell a repeated report by; None for one that must always be
+    folded (self-returns to journal)."""
+    return None if body.self_returns else body.model_dump_json(include={"workers", "draining"})
+
+
+def desired_hash(desired: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tensor_parallel_groups(idx: list[int], gpus_per_worker: int | None) -> list[list[int]]:
+    """The vLLM workers one role's GPUs of an allocation form: consecutive groups of ``gpus_per_worker`` in
+    index order, as many whole ones as there are (the planner's count, pearlctl.planner.choose.worker_groups:
+    every GPU set it hands a role yields that many workers); GPUs left over serve nothing. ``None``: one worker
+    of all of them."""
+    ordered = sorted(idx)
+    if gpus_per_worker is None:
+        return [ordered]
+    whole = len(ordered) - len(ordered) % gpus_per_worker
+    return [ordered[k : k + gpus_per_worker] for k in range(0, whole, gpus_per_worker)]
+
+
+@dataclass(frozen=True)
+class DesiredWorker:
+    key: str  # stable per allocation: "<role>-<first gpu>"
+    role: str
+    engine: str
+    gpus: tuple[int, ...]
+    state: str  # "RUNNING" | "SLEEPING" | "STOPPED"
+
+    weights: dict | None = None  # vLLM workers: the trainer's latest export to serve {version, path}
+    # a worker on lent trainer GPUs: when the trainer needs them back, and when the return must start so
+    # that it is back in time; the agent returns them itself if the daemon is unreachable by return_by
+    return_deadline: float | None = None
+    return_by: float | None = None
+
+    def as_dict(self) -> dict:
+        doc = {
+            "weights": self.weights,
+            "key": self.key,
+            "role": self.role,
+            "engine": self.engine,
+            "gpus": list(self.gpus),
+            "state": self.state,
+        }
+        if self.return_deadline is not None:
+            doc.update(return_deadline=self.return_deadline, return_by=self.return_by)
+        return doc
+
+
+class Agents(Side):
+    """The agents' side: registrations, heartbeats (folded into state, answered with desired workers, held as
+    long polls), the routable workers the rollout driver asks for, and agent loss."""
+
+    def __init__(self, shared) -> None:
+        super().__init__(shared)
+        # allocation -> when its agent was last heard from: the loss check reads it here; it reaches state (for
+        # status and a successor daemon) at most every SEEN_WRITE_S in one transaction, not once per heartbeat
+        self._seen: dict[int, float] = {}
+        self._seen_written: dict[int, float] = {}
+        self._seen_written_at: float | None = None
+        # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
+        self.heartbeats: collections.Counter[str] = collections.Counter()
+        # each heartbeat's handling, from its arrival to its answer (a long poll's hold left out): /metrics
+        self.heartbeat_seconds = latency_histogram(
+            "pearl_daemon_heartbeat_duration_seconds", "agent heartbeat handling, arrival to answer (hold left out)"
+        )
+        self._refused: dict[int, str] = {}  # allocation -> the last error its refused report got (logged once)
+        self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
+        # allocation -> (its state's fingerprint, its report, desired workers, their hash) of its last fold
+        self._answered: dict[int, tuple[tuple | None, str | None, list[dict], str]] = {}
+        self.in_flight: collections.Counter[int] = collections.Counter()  # allocation -> requests not answered
+        self._grace_from = self.clock()  # agents are judged only ``takeover_grace_s`` after this (``published``)
+        self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
+        self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
+
+    @property
+    def secret(self) -> str:
+        return self.shared.secret
+
+    @property
+    def lost_after(self) -> float:
+        return self.shared.lost_after
+
+    @property
+    def loop_at(self) -> float:
+        return self.shared.loop_at
+
+    def _allocation(self, job_id: str, task_id: int) -> dict:
+        for a in self.store.allocations(self.run_id):
+            if a["job_id"] == job_id and a["array_index"] == task_id:
+                return a
+        raise ControlError(f"run {self.run_id} has no allocation for job {job_id} task {task_id}", 404)
+
+    def register(self, body: bodies.Register) -> dict:
+        """An agent starts (or restarts): bind it to its allocation and its GPUs; hand it the allocation's
+        credential, the only one its heartbeats are accepted with."""
+        with self.lock:
+            alloc = self._allocation(body.job_id, body.task_id)
+            if alloc["state"] in (A.ENDED, A.REQUESTED):
+                raise ControlError(f"allocation {alloc['id']} is {alloc['state']}: not accepting agents", 409)
+            if alloc.get("node") and body.node != alloc["node"]:
+                raise ControlError(
+                    f"allocation {alloc['id']} runs on node {alloc['node']} (Slurm says), not {body.node}", 403
+                )
+            pool = self._pool_of(alloc)
+            gpus = list(body.gpus)
+            if not gpus and pool["gpus_per_node"]:
+                gpus = list(range(pool["gpus_per_node"]))  # no device list in the environment (local backend)
+            self.store.update_fields(
+                "allocations",
+                alloc["id"],
+                epoch=self.epoch,
+                event="agent registered",
+                data={"pid": body.pid, "node": body.node, "host": body.host, "gpus": gpus},
+                agent_pid=body.pid,
+                agent_host=body.host or body.node,
+                agent_seen_at=self.clock(),
+            )
+            self.store.upsert_node_gpus(self.run_id, alloc["id"], body.node, gpus, pool["role"], epoch=self.epoch)
+            return {
+                "allocation_id": alloc["id"],
+                "credential": allocation_credential(self.secret, self.run_id, alloc["id"]),
+                "epoch": self.epoch,
+                "heartbeat_s": self.heartbeat_s,
+            }
+
+    def _own_allocation(self, alloc_id: int) -> dict:
+        try:
+            alloc = self.store.get("allocations", alloc_id)
+        except NotFound:
+            alloc = None
+        if alloc is None or alloc["run_id"] != self.run_id:
+            raise ControlError(f"run {self.run_id} has no allocation {alloc_id}: register again", 404)
+        return alloc
+
+    def _check_urls(self, alloc: dict, body: bodies.Heartbeat) -> None:
+        """Workers' URLs must name the allocation's own node (or its agent's host): nobody routes rollout
+        traffic elsewhere by reporting a worker."""
+        if all(w.url is None for w in body.workers):
+            return
+        hosts = {h.lower() for h in (alloc.get("node"), alloc.get("agent_host")) if h}
+        hosts |= {n["name"].lower() for n in self._nodes_of(alloc["id"])}
+        for w in body.workers:
+            if w.url is not None and (urlsplit(w.url).hostname or "").lower() not in hosts:
+                raise ControlError(
+                    f"worker {w.key}: url {w.url} is not on allocation {alloc['id']}'s node "
+                    f"({', '.join(sorted(hosts)) or 'unknown'})",
+                    403,
+                )
+
+    def _nodes_of(self, alloc_id: int) -> list[dict]:
+        ids = {g["node_id"] for g in self.store.gpus(self.run_id, allocation_id=alloc_id)}
+        return [self.store.get("nodes", i) for i in sorted(ids)]
+
+    def heartbeat(self, body: bodies.Heartbeat, allocation_id: int) -> dict:
+        """Record what the agent runs; answer with what it should run (never held: see ``report``)."""
+        return self.report(body, allocation_id)[0]
+
+    def report(self, body: bodies.Heartbeat, allocation_id: int) -> tuple[dict, int]:
+        """Record what the agent runs; answer with what it should run, and the number of long-poll passes
+        published before the answer was made (``hold`` waits from there).
+
+        Most heartbeats repeat the allocation's last report to a state that has not changed for it since
+        (``Store.allocation_fingerprint``: its row, GPUs and workers, the open transitions, the weights):
+        folding it in again would write nothing and answer the same, so such a heartbeat only notes the time and
+        answers from memory — one indexed query, no write. That is what lets one daemon hear 512 agents a
+        second while other allocations change. An allocation with lent GPUs is always folded: its answer
+        carries the return deadline, which depends on measured return times too.
+        """
+        if body.allocation_id != allocation_id:
+            raise ControlError(
+                f"this credential is allocation {allocation_id}'s; it cannot report for allocation "
+                f"{body.allocation_id}",
+                403,
+            )
+        alloc_id = allocation_id
+        self.heard(alloc_id)
+        remembered = self.remembered(body, alloc_id)
+        if remembered is not None:
+            return remembered
+        report = _report_key(body)
+        with self.lock:
+            passes = self.long_polls.passes
+            self.heartbeats["folded"] += 1
+            with self.store.atomic():  # one commit for the whole report: one wait for the disk, not one a row
+                desired, changed = self._fold(alloc_id, body)
+            if body.leaving:
+                self._answered.pop(alloc_id, None)
+                self.wake.set()  # its GPUs left: the control loop looks now
+                return self._answer([], None), passes
+            digest = desired_hash(desired)
+            if any("return_deadline" in w for w in desired):
+                self._answered.pop(alloc_id, None)
+            else:
+                self._answered[alloc_id] = (self.store.allocation_fingerprint(alloc_id), report, desired, digest)
+        if changed:
+            self.wake.set()  # a worker moved: a transition step may complete now
+        return self._answer(desired, digest), passes
+
+    def remembered(self, body: bodies.Heartbeat, allocation_id: int) -> tuple[dict, int] | None:
+        """``report``'s answer to a heartbeat that repeats its allocation's last report to unchanged state, from
+        memory: no decision lock (a tick in progress holds it for its whole decision), no write, one indexed
+        read on a connection of its own — cheap enough for the control API to call in its event loop. None
+        when the heartbeat must be folded into state (``report``)."""
+        last = self._answered.get(allocation_id)
+        if last is None or body.allocation_id != allocation_id or body.leaving:
+            return None
+        passes = self.long_polls.passes
+        key = _report_key(body)
+        if key is None or last[:2] != (self.store.allocation_fingerprint(allocation_id), key):
+            return None
+        self.heartbeats["remembered"] += 1  # heard already: on arrival (the API) or by ``report``
+        return self._answer(last[2], last[3]), passes
+
+    def heard(self, allocation_id: int) -> None:
+        """The allocation's agent was heard from just now (no lock: one dict assignment)."""
+        self._seen[allocation_id] = self.clock()
+
+    def refused_report(self, allocation_id: int, error: str) -> None:
+        """An agent's report was refused as invalid (422, naming the field): a bug in that agent or in what
+        this daemon told it, and the agent will send the same again. Counted (``/metrics``: heartbeats,
+        path "refused") and logged once per allocation and error, not once per heartbeat (no lock, no I/O
+        but the log: called in the event loop)."""
+        self.heartbeats["refused"] += 1
+        if self._refused.get(allocation_id) != error:
+            self._refused[allocation_id] = error
+            log.error("refused a report of allocation %s's agent (it will repeat it): %s", allocation_id, error)
+
+    @contextlib.contextmanager
+    def arrived(self, allocation_id: int):
+        """An agent's request arrived (its credential proved who sent it) and is answered within: the agent is
+        alive all the while, however long the request waits for a handler thread, the lock or a long poll's
+        change — the control API wraps every agent request in it."""
+        self.heard(allocation_id)
+        self.in_flight[allocation_id] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[allocation_id] -= 1
+            self.heard(allocation_id)
+
+    async def hold(self, body: bodies.Heartbeat, allocation_id: int, reported: tuple[dict, int]) -> dict:
+        """Long poll: an agent that sent the ``desired_hash`` of its last answer and ``wait_s`` is held (in the
+        event loop) until its desired workers change or ``wait_s``, at most one heartbeat interval, passes, so
+        a transition's effect reaches the agent in milliseconds, not a heartbeat later."""
+        answer, passes = reported
+        wait = min(body.wait_s, self.heartbeat_s)
+        if wait <= 0 or body.desired_hash is None or body.desired_hash != answer["desired_hash"]:
+            return answer
+        changed = await self.long_polls.hold(allocation_id, answer["desired_hash"], passes, wait)
+        return self._answer(*(changed or (answer["desired"], answer["desired_hash"])))  # loop_age_s as of now
+
+    def _fold(self, alloc_id: int, body: bodies.Heartbeat) -> tuple[list[dict], bool]:
+        """Fold an agent's report into state (under the lock): its workers, its self-returns, its draining
+        or leaving. Returns the allocation's desired workers and whether anything moved."""
+        alloc = self._own_allocation(alloc_id)
+        self._check_urls(alloc, body)
+        # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
+        # this allocation's workers out of routing
+        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
+        draining = alloc.get("drain_requested_at") is not None or any(g["state"] == G.DRAINING for g in gpus)
+        moving = self._moving_places(alloc_id, gpus) if body.workers else set()
+        lent = {g["idx"] for g in gpus if g["borrowed"]}
+        changed = [self._record_worker(alloc, report, draining, moving, lent) for report in body.workers]
+        for r in body.self_returns:
+            self.store.journal_event(
+                self.run_id,
+                "allocations",
+                alloc_id,
+                "agent returned lent GPUs itself",
+                data={**r.model_dump(mode="json"), "late_s": round(r.at - r.deadline, 3)},
+                epoch=self.epoch,
+            )
+            changed.append(True)
+        if body.leaving:
+            # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
+            # leave with it from this moment, whatever Slurm says a poll later.
+            # GONE, not LOST: nothing about them is unknown
+            self._move_gpus(alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
+            return [], True
+        if body.draining:
+            changed.append(self._drain(alloc_id))
+        else:
+            self._move_gpus(alloc_id, (G.LOST,), G.UP, "agent reporting again")
+        return [w.as_dict() for w in self.desired(alloc_id)], any(changed)
+
+    def _answer(self, desired: list[dict], digest: str | None) -> dict:
+        return {
+            "epoch": self.epoch,
+            "desired": desired,
+            "desired_hash": digest,
+            "heartbeat_s": self.heartbeat_s,
+            # how long ago the control loop last ran: an agent treats a daemon whose loop is stuck like one
+            # it cannot reach (its lent GPUs' return must not wait on it)
+            "loop_age_s": round(max(0.0, self.clock() - self.loop_at), 3),
+        }
+
+    def _move_gpus(
+        self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str, data: dict | None = None
+    ) -> bool:
+        """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
+        hit = False
+        for g in self.store.gpus(self.run_id, allocation_id=alloc_id):
+            if g["state"] in from_states:
+                self.store.set_state(
+                    "gpus", g["id"], expect=g["state"], to=to, epoch=self.epoch, event=event, data=data
+                )
+                hit = True
+        return hit
+
+    def _drain(self, alloc_id: int) -> bool:
+        """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
+        requests from now on, before the drain ends and before Slurm's next poll says so."""
+        hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
+        for w in self.store.workers(self.run_id, allocation_id=alloc_id):
+            if w["routable"]:
+                self.store.update_fields("workers", w["id"], epoch=self.epoch, event="agent draining", routable=0)
+                hit = True
+        return hit
+
+    def _moving_places(self, alloc_id: int, gpus: list[dict]) -> set[tuple[int, int]]:
+        """(allocation, GPU index) of the allocation's GPUs (``gpus``, its rows) that an open transition is moving."""
+        ids: set[int] = set()
+        for t in self.store.open_transitions(self.run_id):
+            ids.update(t["gpu_ids"])
+        if not ids:
+            return set()
+        return {(alloc_id, g["idx"]) for g in gpus if g["id"] in ids}
+
+    def _record_worker(
+        self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]], lent: set[int]
+    ) -> bool:
+        """Fold one reported worker into state: create it, move it along legal edges, keep its facts.
+        Returns whether its state moved. ``moving``: GPUs an open transition moves (their workers are
+        routed by its REGISTER / DEREGISTER steps only); ``lent``: the allocation's GPU indices lent now."""
+        key, state = report.key, report.state
+        fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
+        worker = next(
+            (w for w in self.store.workers(self.run_id, allocation_id=alloc["id"]) if w.get("worker_key") == key),
+            None,
+        )
+        replaced = (
+            worker is not None
+            and worker["state"] not in (W.STOPPED, W.FAILED)
+            and report.pid is not None
+            and worker.get("pid") not in (None, report.pid)
+        )
+        if replaced:
+            # another process under the key (the allocation ran again after a requeue, or its agent restarted
+            # the engine): the row's process is gone — it ends here, and the new process gets a row of its own
+            ended = W.STOPPED if edge_path("workers", worker["state"], W.STOPPED) else W.FAILED
+            for step in edge_path("workers", worker["state"], ended):
+                self.store.set_state(
+                    "workers",
+                    worker["id"],
+                    expect=self.store.get("workers", worker["id"])["state"],
+                    to=step,
+                    epoch=self.epoch,
+                    event="replaced by a new process",
+                    data={"pid": worker.get("pid"), "new_pid": report.pid},
+                )
+            worker = self.store.get("workers", worker["id"])
+        if worker is not None and worker["state"] in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
+            # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
+            self.store.update_fields("workers", worker["id"], epoch=self.epoch, worker_key=f"{key}#{worker['id']}")
+            worker = None
+        created = worker is None
+        if worker is None:
+            if state in (W.STOPPED, W.FAILED):
+                return False
+            wid = self.store.add_worker(
+                run_id=self.run_id,
+                allocation_id=alloc["id"],
+                role=report.role,
+                engine=report.engine,
+                epoch=self.epoch,
+                **fields,
+            )
+            self.store.update_fields("workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.gpus))
+            worker = self.store.get("workers", wid)
+        elif fields:
+            self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
+        current = worker["state"]
+        moved = created or current != state
+        if current != state:
+            path = edge_path("workers", current, state)
+            if not path:
+                self.store.journal_event(
+                    self.run_id,
+                    "workers",
+                    str(worker["id"]),
+                    "unexpected report",
+                    data={"state": current, "reported": state},
+                    epoch=self.epoch,
+                )
+            for step in path:
+                self.store.set_state(
+                    "workers",
+                    worker["id"],
+                    expect=current,
+                    to=step,
+                    epoch=self.epoch,
+                    event="agent reported",
+                    data={"reported": state, **({"error": report.error} if report.error and step == W.FAILED else {})},
+                )
+                current = step
+        on_lent = not lent.isdisjoint(report.gpus)
+        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
+            # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
+            # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
+            # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
+            # again after a crash serves again, as on a rollout GPU.
+            routable = int(current == W.READY and not draining)
+            held = any((alloc["id"], i) in moving for i in report.gpus)
+            if routable != self.store.get("workers", worker["id"])["routable"] and not (held and routable):
+                self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
+        return moved
+
+    def _pool_of(self, alloc: dict) -> dict:
+        return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
+
+    def desired(self, alloc_id: int) -> list[DesiredWorker]:
+        """The allocation's workers: per role among its live GPUs, a trainer of all of them, and vLLM workers of
+        the run's ``gpus_per_worker`` each (``tensor_parallel_groups``); none while the allocation is not RUNNING.
+
+        A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
+        (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
+        worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
+        asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
+        """
+        alloc = self.store.get("allocations", alloc_id)
+        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
+        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.get("workers", wid))
+
+    def desired_all(self) -> dict[int, list[DesiredWorker]]:
+        """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
+        by_alloc: dict[int, list[dict]] = collections.defaultdict(list)
+        for g in self.store.gpus(self.run_id):
+            by_alloc[g["allocation_id"]].append(g)
+        workers = {w["id"]: w for w in self.store.workers(self.run_id)}
+        weights, gpw = self._serving()
+        return {
+            a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, gpw, workers.__getitem__)
+            for a in self.store.allocations(self.run_id)
+        }
+
+    def _serving(self) -> tuple[dict | None, int | None]:
+        """From one read of the run: the trainer's latest weight export that vLLM workers should serve
+        ({version, path}), and their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
+        the planner plans with, pearlctl.planner.choose; None without a profile: one worker per role per
+        allocation, vLLM's tensor parallelism over all of them)."""
+        run = self.store.get_run(self.run_id)
+        trainer = run.get(TRAINER_REPORT) or {}
+        weights = None
+        if trainer.get("weight_version") is not None and trainer.get("weights_path"):
+            weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
+        profile = run.get("profile")
+        return weights, (int(profile.get("gpus_per_worker") or 1) if profile else None)
+
+    def _desired(
+        self,
+        alloc: dict,
+        gpus: list[dict],
+        weights: dict | None,
+        gpus_per_worker: int | None,
+        worker: Callable[[int], dict],
+    ) -> list[DesiredWorker]:
+        if alloc["state"] not in (A.RUNNING,):
+            return []
+        by_role: dict[str, list[int]] = {}
+        parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
+        deadlines: dict[str, float] = {}  # role -> the earliest return deadline of its lent GPUs
+        for g in gpus:
+            if g["state"] == G.UP:
+                by_role.setdefault(g["role"], []).append(g["idx"])
+                # lent: serving another role (a TRAIN GPU is its trainer's whatever its flag says: its agent
+                # must never be handed a trainer's GPUs twice, nor a deadline to stop the trainer by)
+                if g["borrowed"] and g["role"] != Role.TRAIN:
+                    by_role.setdefault(Role.TRAIN, []).append(g["idx"])
+                    if g["return_deadline"] is not None:
+                        deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
+                if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
+                    parked.setdefault(g["worker_id"], []).append(g["idx"])
+        out = []
+        return_s = self.borrowing.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
+        for role, idx in sorted(by_role.items()):
+            if role == Role.IDLE:
+                continue
+            engine = ENGINE_FOR_ROLE[Role(role)]
+            deadline = deadlines.get(role)
+            groups = [sorted(idx)] if engine != Engine.VLLM else tensor_parallel_groups(idx, gpus_per_worker)
+            out.extend(
+                DesiredWorker(
+                    f"{role.lower()}-{group[0]}",
+                    role,
+                    engine,
+                    tuple(group),
+                    "RUNNING",
+                    weights if engine == Engine.VLLM else None,
+                    return_deadline=deadline,
+                    return_by=None if deadline is None else round(deadline - return_s, 3),
+                )
+                for group in groups
+            )
+        for wid, idx in sorted(parked.items()):
+            w = worker(wid)
+            if w["state"] not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
+                out.append(DesiredWorker(w["worker_key"], w["role"], w["engine"], tuple(sorted(idx)), "SLEEPING"))
+        return out
+
+    def routable_workers(self) -> dict:
+        """READY, registered rollout workers: where rollout clients may send requests now. ``seen_at``: when
+        the worker's agent last reported (a client that saw a worker fail trusts it again after that).
+
+        ``joining``: how many workers are on their way to serving rollouts — the GPUs of open (PLANNED or
+        RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
+        allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
+        (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
+        allocations = self.store.allocations(self.run_id, cached=True)  # the times: ours are newer than its
+        seen = {a["id"]: self._seen.get(a["id"], a.get("agent_seen_at")) for a in allocations}
+        workers = [
+            {
+                "id": w["id"],
+                "url": w["url"],
+                "role": w["role"],
+                "weight_version": w.get("weight_version"),
+                "seen_at": seen.get(w["allocation_id"]),
+            }
+            for w in self.store.workers(self.run_id)
+            if w["routable"] and w["state"] == W.READY and w["url"]
+        ]
+        rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+        moving = [
+            t
+            for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING))
+            if t["to_role"] in rollout_roles
+        ]
+        joining = 0
+        if moving:  # the GPU rows only then: most answers have nothing joining
+            alloc_of = {g["id"]: g["allocation_id"] for g in self.store.gpus(self.run_id)}
+            joining = len({(alloc_of.get(i), t["to_role"]) for t in moving for i in t["gpu_ids"]})
+        return {"epoch": self.epoch, "workers": workers, "joining": joining}
+
+    @property
+    def loss_window_s(self) -> float:
+        """How long an agent may be silent before its GPUs and workers are LOST: ``lost_after`` heartbeat
+        intervals, but never under ``MIN_LOSS_WINDOW_S`` — at 10 Hz, two intervals are 0.2 s, less than a busy
+        host's scheduling hiccup, and LOST must mean lost, not late."""
+        return max(self.lost_after * self.heartbeat_s, bodies.MIN_LOSS_WINDOW_S)
+
+    def published(self) -> None:
+        """The daemon's address is in the run directory now: agents can find it from here on."""
+        self._grace_from = self.clock()
+
+    @property
+    def takeover_grace_s(self) -> float:
+        """How long a daemon that just started waits before it judges agents: one loss window from when its
+        address was published, plus the heartbeat interval an agent waits between failed attempts."""
+        return self.loss_window_s + self.heartbeat_s
+
+    def check_agents(self) -> list[int]:
+        """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked.
+
+        A daemon that just started gives agents ``takeover_grace_s`` to find it: their last heartbeat went
+        to the daemon before, so its age says nothing yet (judging them at once would, after every restart,
+        mark live workers LOST and plan around them — a parked worker passed over for a cold start). The
+        time counts from the address's publication, not the controller's creation: before it, no agent can
+        reach this daemon (the router's start or adoption comes first).
+
+        A stall of the daemon itself is forgiven the same way: when this check comes more than half a loss
+        window after the last one (a starved host, a long collection, a slow disk under a commit; no longer a
+        policy decision, which is made with the decision lock released), the agents' heartbeats may have
+        stalled with it, so for one loss window from then an agent may be silent that much longer. LOST means
+        lost, not unheard by a daemon that was not listening; a dead agent is still found, a loss window plus
+        the stall later."""
+        with self.lock, self.store.atomic():  # facts only, no effect between them: one commit for all
+            # heartbeats note their time without the lock: read a copy, never swap the dict under them
+            now = self.clock()
+            if self._seen_written_at is None or now - self._seen_written_at >= SEEN_WRITE_S:
+                seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
+                self.store.record_agents_seen(self.run_id, seen, epoch=self.epoch)
+                self._seen_written.update(seen)
+                self._seen_written_at = now
+            gap = 0.0 if self._checked_at is None else now - self._checked_at
+            self._checked_at = now
+            if gap > self.loss_window_s / 2:
+                log.warning("agent loss checked %.1fs after the last check: their silence is forgiven that long", gap)
+                self._held_up = (now + self.loss_window_s, gap)
+            if now - self._grace_from < self.takeover_grace_s:
+                return []
+            until, held = self._held_up
+            deadline = now - self.loss_window_s - (held if now < until else 0.0)
+            marked = []
+            workers: list[dict] | None = None  # read when an agent is found silent, not every tick
+            # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
+            # what was written since, or heard since, so the newer time in memory counts; None stays None (never
+            # heard from, or reset by a requeue, which changes the rows and so the cache)
+            for alloc in self.store.allocations(self.run_id, cached=True):
+                seen = alloc.get("agent_seen_at")
+                if seen is not None:
+                    seen = max(seen, self._seen.get(alloc["id"], seen))
+                gone = alloc["state"] in (A.ENDED, A.LOST)
+                if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
+                    continue
+                hit = self._move_gpus(alloc["id"], (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
+                workers = self.store.workers(self.run_id) if workers is None else workers
+                for w in workers:
+                    if w["allocation_id"] == alloc["id"] and w["state"] not in (W.STOPPED, W.FAILED, W.LOST):
+                        self.store.set_state(
+                            "workers",
+                            w["id"],
+                            expect=w["state"],
+                            to=W.LOST,
+                            epoch=self.epoch,
+                            event="agent silent",
+                            data={"last_seen": seen},
+                        )
+                        hit = True
+                if hit:
+                    marked.append(alloc["id"])
+            return marked
+
+    def notify(self) -> None:
+        """Desired state may have changed: if state changed since the last call (``Store.generation``), every
+        allocation's desired workers are computed in one pass and published to the held long polls, which
+        answer those whose allocation's desired workers changed (pearlctl.daemon.longpoll)."""
+        with self.lock:
+            generation = self.store.generation()
+            if generation == self._notified:
+                return
+            self._notified = generation
+            desired = {a: [w.as_dict() for w in ws] for a, ws in self.desired_all().items()}
+            self.long_polls.publish({a: (d, desired_hash(d)) for a, d in desired.items()})

@@ -1,0 +1,199 @@
+"""The operator's side of the controller: what a person (the CLI) asks of a running daemon — borrowing under a
+policy, an immediate return, a move of rollout or elastic GPUs, a measured profile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pearlctl.api import bodies
+from pearlctl.daemon.borrowing import PolicyError, load_policy
+from pearlctl.daemon.shared import ControlError, Side
+from pearlctl.daemon.transitions import PlanKind
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.model import MoveKind
+from pearlctl.state.machines import GpuState as G
+from pearlctl.state.machines import WorkerState as W
+from pearlctl.vocabulary import SERVING_ROLES, PoolKind, Role
+
+log = logging.getLogger("pearlctl.daemon")
+
+
+class Operator(Side):
+    """`pearlctl borrow`, `return`, `move` and `profile --import`, through the control API."""
+
+    def borrow(self, body: bodies.Borrow) -> dict:
+        """Turn borrowing on under a policy (``dry_run``: only say what it would do now)."""
+        policy = body.policy
+        try:
+            module = load_policy(policy)
+        except PolicyError as exc:
+            raise ControlError(str(exc)) from None
+        if getattr(module, "NEEDS_PROFILE", False) and not self.store.get_run(self.run_id).get("profile"):
+            raise ControlError(
+                f"policy {policy} predicts rollout time with the run's engine profile, and run {self.run_id} has "
+                "none: measure one with `pearlctl profile RUN` (a serving worker) or import a file with "
+                "`pearlctl profile RUN --import FILE`"
+            )
+        with self.lock:
+            settings = {"policy": policy, "max_gpus": body.gpus, "keep_warm": body.keep_warm}
+            if body.dry_run:
+                now = self.clock()
+                plan = self.borrowing.plan_borrow(now, settings)
+                view = self.borrowing.view(now, settings)
+                whole = self.borrowing.whole_plan(now, settings)
+                return {
+                    "epoch": self.epoch,
+                    "dry_run": True,
+                    "settings": settings,
+                    "plan": plan,
+                    "whole_plan": whole,
+                    "view": view,
+                }
+            self.store.update_fields(
+                "runs",
+                self.run_id,
+                epoch=self.epoch,
+                event="borrowing set",
+                data=settings,
+                borrow=settings,
+                policy=policy,
+            )
+            return {"epoch": self.epoch, "settings": settings}
+
+    def give_back(self, body: bodies.ReturnNow) -> dict:
+        """Stop borrowing; lent GPUs go back (``now``: abort a borrow that is still starting).
+
+        Their vLLM workers stop, unless ``keep_warm``: then they are parked asleep for a later borrow."""
+        with self.lock:
+            settings = {"policy": "never", "max_gpus": None, "keep_warm": body.keep_warm}
+            self.store.update_fields(
+                "runs",
+                self.run_id,
+                epoch=self.epoch,
+                event="return requested",
+                data={"now": body.now, "keep_warm": body.keep_warm},
+                borrow=settings,
+                policy="never",
+            )
+            aborted = []
+            if body.now:
+                for t in self.borrowing.executor.open_transitions():
+                    if t["kind"] == MoveKind.BORROW:
+                        self.borrowing.executor.abort(t["id"], "pearlctl return --now")
+                        aborted.append(t["id"])
+            lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
+            return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
+
+    def move(self, body: bodies.Move) -> dict:
+        """An operator's move (``pearlctl move``): start, wake, retire or switch named rollout or elastic GPUs,
+        carried out as a journaled transition exactly like a policy's move. The GPUs of a worker move
+        together (naming one names its worker's others). Refused, naming what is wrong, while another
+        transition is open, for trainer GPUs (those move with borrow and return), for GPUs that are not UP,
+        that span allocations or roles, or whose role does not fit the move. A policy that is on plans again
+        once this transition ends and may undo it; with borrowing off (policy never) the move stays."""
+        with self.lock:
+            executor = self.borrowing.executor
+            busy = executor.open_transitions()
+            if busy:
+                t = busy[0]
+                raise ControlError(
+                    f"transition {t['id']} ({t['kind']}, {t['state']}) is still moving GPUs {t['gpu_ids']}: "
+                    "one plan at a time; move again once it ends (`pearlctl status`)",
+                    409,
+                )
+            rows = self.store.gpus(self.run_id)
+            chosen: list[dict] = []
+            for ref in body.gpus:
+                g = self._named_gpu(rows, ref)
+                if g["state"] != G.UP:
+                    raise ControlError(f"GPU {g['node']}:{g['idx']} (id {g['id']}) is {g['state']}: only UP GPUs move")
+                if g not in chosen:
+                    chosen.append(g)
+            workers = {g["worker_id"] for g in chosen if g["worker_id"] is not None}
+            chosen += [g for g in rows if g["worker_id"] in workers and g not in chosen]  # a worker moves whole
+            if len({g["allocation_id"] for g in chosen}) > 1 or len({g["role"] for g in chosen}) > 1:
+                named = ", ".join(
+                    f"{g['node']}:{g['idx']} ({g['role']}, allocation {g['allocation_id']})" for g in chosen
+                )
+                raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
+            role, names = chosen[0]["role"], ", ".join(f"{g['node']}:{g['idx']}" for g in chosen)
+            serving = role in SERVING_ROLES
+            target = str(body.role or Role.ROLLOUT)
+            if body.kind in (MoveKind.START, MoveKind.WAKE):
+                if serving:
+                    raise ControlError(
+                        f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
+                    )
+                parked = bool(workers) and all(self.store.get("workers", w)["state"] == W.SLEEPING for w in workers)
+                if body.kind == MoveKind.WAKE and not parked:
+                    raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
+                if body.kind == MoveKind.START and workers:
+                    raise ControlError(f"a worker is parked on GPUs {names}: wake it instead")
+                from_role, to_role, plan = Role.IDLE, target, PlanKind(body.kind)
+            elif not serving:
+                raise ControlError(f"GPUs {names} are {role}: nothing serves there to {body.kind} (start or wake)")
+            elif body.kind == MoveKind.RETIRE:
+                plan = PlanKind.RETIRE_SLEEP if body.keep_warm else PlanKind.RETIRE
+                from_role, to_role = role, Role.IDLE
+            elif target == role:
+                raise ControlError(f"GPUs {names} already serve {role}: a switch needs another role")
+            else:
+                from_role, to_role, plan = role, target, PlanKind.SWITCH
+            ids = sorted(g["id"] for g in chosen)
+            tid = executor.plan(
+                body.kind,
+                ids,
+                detail={"plan": plan, "why": "operator move (pearlctl move)", "by": "operator"},
+                from_role=str(from_role),
+                to_role=str(to_role),
+            )
+            self.wake.set()
+            policy = (self.store.get_run(self.run_id).get("borrow") or {}).get("policy") or "never"
+            return {
+                "epoch": self.epoch,
+                "transition_id": tid,
+                "plan": plan,
+                "gpu_ids": ids,
+                "gpus": [f"{g['node']}:{g['idx']}" for g in chosen],
+                "from_role": str(from_role),
+                "to_role": str(to_role),
+                "policy": policy,
+            }
+
+    def _named_gpu(self, rows: list[dict], ref: bodies.GpuRef | bodies.GpuId) -> dict:
+        """The rollout or elastic GPU ``ref`` names: by id, or by ``node:index`` (a trainer GPU only if that is
+        all the name fits: the local backend gives every task the first GPUs of its one node, so a name may
+        fit several GPUs, and then only ids tell them apart)."""
+        if isinstance(ref, bodies.GpuId):
+            found, name = [g for g in rows if g["id"] == ref.id], f"id {ref.id}"
+        else:
+            found, name = [g for g in rows if (g["node"], g["idx"]) == (ref.node, ref.index)], f"{ref.node}:{ref.index}"
+        if not found:
+            known = ", ".join(f"{g['node']}:{g['idx']} (id {g['id']})" for g in rows) or "none yet"
+            raise ControlError(f"run {self.run_id} has no GPU {name} (its GPUs: {known})", 404)
+        movable = [g for g in found if g["pool"] != PoolKind.TRAINER]
+        if not movable:
+            raise ControlError(
+                f"GPU {name} is a trainer GPU: those are lent and taken back with `pearlctl borrow` and "
+                "`pearlctl return`"
+            )
+        if len(movable) > 1:
+            which = ", ".join(f"id {g['id']} ({g['pool']}, allocation {g['allocation_id']})" for g in movable)
+            raise ControlError(f"GPU {name} fits several GPUs: {which}; name one by its id (`pearlctl status`)")
+        return movable[0]
+
+    def set_profile(self, body: bodies.ProfileBody) -> dict:
+        """Store the run's engine profile (``pearlctl profile``): the planner predicts with it."""
+        try:
+            profile = profiles.from_dict(body.profile, where="the profile sent")
+        except profiles.ProfileError as exc:
+            raise ControlError(str(exc), 422) from None
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong shape
+            raise ControlError(f"the profile sent is malformed: {type(exc).__name__}: {exc}", 422) from None
+        with self.lock:
+            doc = profiles.to_dict(profile)
+            self.store.update_fields(
+                "runs", self.run_id, epoch=self.epoch, event="profile stored", data={"name": profile.name}, profile=doc
+            )
+            return {"epoch": self.epoch, "profile": doc}
