@@ -32,6 +32,7 @@ Modules:
 - ``sweep``: ``pearlctl simulate --sweep`` as a submitit job array;
 - ``runfiles``: the files of a run directory pearlctl reads and writes;
 - ``logfiles``: where a run's processes write their logs;
+- ``processes``: child processes that die with their parent (the one death-signal setup);
 - ``timeline``: a real run's GPU roles over time, from its journal.
 """
 

@@ -579,7 +579,9 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         c.fail("run.run_dir", f"cannot use path {run_dir}: {exc.strerror or exc}")
     policy = c.choice(run, "policy", "run.", known_policies, default="never")
     backend = c.choice(run, "backend", "run.", BACKENDS, default="auto")
-    poll = c.number(run, "poll_interval_s", "run.", minimum=1.0, maximum=MAX_POLL_INTERVAL_S, default=5.0)
+    poll = c.number(
+        run, "poll_interval_s", "run.", minimum=1.0, maximum=MAX_POLL_INTERVAL_S, default=vocabulary.POLL_INTERVAL_S
+    )
     engine = c.choice(run, "engine", "run.", ENGINES, default="vllm")
     engine_profile = _engine_profile(c, run, engine, base)
 

@@ -26,6 +26,8 @@ from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.engines.vllm import PacedServer, VllmServer  # at the agent's start, not on a borrow's critical path
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
+from pearlctl.processes import die_with_parent
+from pearlctl.runfiles import write_atomic
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
@@ -83,18 +85,6 @@ def free_port() -> int:
                 break
         _HANDED.append(port)
         return port
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the agent dies (PR_SET_PDEATHSIG), so an engine never
-    outlives a SIGKILLed agent even though it runs in its own session (torchrun ranks do too); and ignore
-    the preemption signal (``ignore_preempt_signal``). The death signal follows the parent *thread* that
-    forked: the agent forks from its main thread."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    ignore_preempt_signal()
 
 
 def kv_shared_dir(run_dir: str) -> Path:
@@ -441,7 +431,9 @@ class CommandWorker:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                # SIGKILL: a command (torchrun and its ranks) never outlives a SIGKILLed agent, though it runs in
+                # its own session; the agent forks from its main thread
+                preexec_fn=die_with_parent(signal.SIGKILL, then=ignore_preempt_signal),
             )
 
     def state(self) -> str:
@@ -670,10 +662,7 @@ class Reconciler:
             "worker_key": key,
             "how": "stopped",
         }
-        self.return_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.return_file.with_name(f".{self.return_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(returned))
-        os.replace(tmp, self.return_file)  # the trainer sees the whole file or none
+        write_atomic(self.return_file, json.dumps(returned), mode=0o644)  # the trainer sees the whole file or none
         with self._lock:
             self.self_returns.append(
                 {k: returned[k] for k in ("gpus", "worker_key", "deadline", "how")} | {"at": returned["returned_at"]}

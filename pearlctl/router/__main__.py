@@ -67,6 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pearlctl.processes import die_with_parent
 from pearlctl.router import service
 from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerSet, describe
 from pearlctl.vocabulary import Role
@@ -138,23 +139,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
-
-
-def _die_with_parent(parent_pid: int):
-    """preexec_fn: the kernel SIGKILLs the child when the gateway's thread that forked it exits (Linux): the
-    main thread for vllm-router, the control plane's for a PD router; both live as long as the gateway."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def preexec() -> None:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the gateway died between fork and prctl
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 def parse_worker(spec: str) -> WorkerIn:
@@ -230,7 +214,7 @@ class RouterChild:
             argv,
             stdin=subprocess.DEVNULL,
             env=self.environment(),
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=die_with_parent(signal.SIGKILL),
             close_fds=True,
         )
         self.starts += 1

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pearlctl.trainer.weights import _write_atomic
+from pearlctl.runfiles import write_atomic
 
 
 @runtime_checkable
@@ -106,13 +106,13 @@ class FileChannel:
         return None
 
     def ack(self, command_id: str, result: dict) -> None:
-        _write_atomic(self.acks_dir / f"{_safe_name(command_id)}.json", json.dumps(result))
+        write_atomic(self.acks_dir / f"{_safe_name(command_id)}.json", json.dumps(result), mode=0o644)
 
     # controller side
     def send(self, command: str | None, *, command_id: str | None = None, **fields: Any) -> str:
         command_id = command_id or uuid.uuid4().hex[:12]
         body = json.dumps({"command": command, "command_id": command_id, **fields})
-        _write_atomic(self.commands_dir / f"{time.time_ns():020d}-{_safe_name(command_id)}.json", body)
+        write_atomic(self.commands_dir / f"{time.time_ns():020d}-{_safe_name(command_id)}.json", body, mode=0o644)
         return command_id
 
     def read_events(self) -> list[dict]:

@@ -58,8 +58,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearlctl.runfiles import write_atomic
 from pearlctl.trainer.events import EventLog
-from pearlctl.trainer.weights import _write_atomic, prune_weights
+from pearlctl.trainer.weights import prune_weights
 
 STATE_FILE = "paced_state.json"
 """A checkpoint's one file, in ``<ckpt_dir>/<tag>/``: ``{"global_steps", "client_state"}``."""
@@ -218,8 +219,8 @@ class PacedEngine:
         root = Path(save_dir)
         (root / tag).mkdir(parents=True, exist_ok=True)
         state = {"global_steps": self.global_steps, "client_state": dict(client_state or {})}
-        _write_atomic(root / tag / STATE_FILE, json.dumps(state) + "\n")
-        _write_atomic(root / "latest", tag)  # after the state: a reader of latest finds the whole checkpoint
+        write_atomic(root / tag / STATE_FILE, json.dumps(state) + "\n", mode=0o644)
+        write_atomic(root / "latest", tag, mode=0o644)  # after the state: a reader of latest finds the whole checkpoint
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **_: Any) -> tuple[str | None, dict | None]:

@@ -25,7 +25,7 @@ Guarantees:
 - **Never half a directory.** Rank 0 writes into a temporary directory in ``out_dir`` and renames it into
   place; a re-export of the same version renames the old one aside first (``_swap_in``), so a reader sees
   the old directory, the new one, or for an instant none. ``LATEST`` is written to a temporary name and
-  renamed (``_write_atomic``), after the directory is in place.
+  renamed (``runfiles.write_atomic``), after the directory is in place.
 - **Done on every rank when it returns.** The export ends with a barrier over the ranks; ZeRO-3 gathers
   the parameters on every rank (``_zero3_consolidated_16bit_state_dict``).
 - A version is one path component of ``[A-Za-z0-9._+-]`` (``_SAFE_VERSION``); anything else is refused.
@@ -47,6 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pearlctl.runfiles import write_atomic
 from pearlctl.trainer.broadcast import WeightBroadcaster, broadcast_enabled
 
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"
@@ -207,7 +208,7 @@ def _write_version(out: Path, version: str, tensors: dict, config: dict, base: P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n")
+    write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n", mode=0o644)
     return final
 
 
@@ -238,12 +239,6 @@ def _torch_dtype(dtype: Any) -> Any:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     return value
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _swap_in(tmp: Path, final: Path) -> None:

@@ -1,5 +1,6 @@
-"""An engine process started by the agent (``pearlctl.agent.engines.vllm._pdeathsig_preexec``) ignores the pool's
-preemption signal and dies when the agent that started it dies. Real processes: a stand-in agent starts
+"""An engine process started by the agent (``pearlctl.processes.die_with_parent``, as
+pearlctl.agent.engines.vllm starts vLLM) ignores the pool's preemption signal and dies when the agent that started it
+dies. Real processes: a stand-in agent starts
 ``sleep`` the way the agent starts vLLM, and is SIGKILLed."""
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import pytest
 
 AGENT = textwrap.dedent(
     """
-    import os, subprocess, sys, time
-    from pearlctl.agent.engines.vllm import _pdeathsig_preexec
-    child = subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=_pdeathsig_preexec(os.getpid()))
+    import signal, subprocess, time
+    from pearlctl.agent.engines import ignore_preempt_signal
+    from pearlctl.processes import die_with_parent
+    preexec = die_with_parent(signal.SIGTERM, then=ignore_preempt_signal)
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=preexec)
     print(child.pid, flush=True)
     time.sleep(60)
     """

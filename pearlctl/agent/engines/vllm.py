@@ -34,13 +34,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
+from pearlctl.processes import die_with_parent
 from pearlctl.vocabulary import PACED_ENGINE_ARGS, SERVING_ROLES, Role
 
 Device = Literal["auto", "cpu", "gpu"]
@@ -124,26 +125,6 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
-    """A preexec_fn that asks the kernel for SIGTERM when the forking thread of the agent dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    # resolved here, in the agent: between fork and exec the child only calls it (a start is on the critical
-    # path of a borrow, and the child of a busy agent gets little CPU)
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the agent died between fork and prctl
-            os.kill(os.getpid(), signal.SIGTERM)
-        ignore_preempt_signal()
-
-    return preexec
 
 
 class VllmServer:
@@ -297,7 +278,7 @@ class VllmServer:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_pdeathsig_preexec(os.getpid()),
+                    preexec_fn=die_with_parent(signal.SIGTERM, then=ignore_preempt_signal),
                     close_fds=True,
                 )
             except OSError as e:
