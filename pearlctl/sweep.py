@@ -20,7 +20,8 @@ from pathlib import Path
 
 from pearlctl import home
 from pearlctl.sim import report
-from pearlctl.sim.run import RunResult, make_draws, make_trace, run_policy
+from pearlctl.sim.compare import simulate
+from pearlctl.sim.run import RunResult, make_draws, make_trace
 from pearlctl.sim.scenario import Scenario
 from pearlctl.slurm import functions
 from pearlctl.vocabulary import GENERATION_ROLES, Role
@@ -58,7 +59,7 @@ class Task:
 def simulate_one(task: Task) -> RunResult:
     """One simulator run; what a task of the array runs on its node."""
     s = task.scenario
-    return run_policy(s, task.policy, draws=make_draws(s), trace=make_trace(s))
+    return simulate(s, task.policy, draws=make_draws(s), trace=make_trace(s))
 
 
 def tasks_of(scenarios: list[Scenario], seeds: list[int] | None, policies: list[str]) -> list[Task]:

@@ -55,7 +55,7 @@ def simulate(
     # the simulator (numpy) is imported by the command that runs it, not by every pearlctl command
     from pearlctl.policies import PolicyError, load_policy
     from pearlctl.sim import report
-    from pearlctl.sim.run import SimulationError, compare
+    from pearlctl.sim.compare import SimulationError, compare
     from pearlctl.sim.scenario import ScenarioError, load
 
     with exits():

@@ -6,6 +6,7 @@ simulated time, driving the daemon's own planner and policies.
 - ``engine``: the truth model of the rollout engines, tick by tick;
 - ``run``: the RL loop in simulated time, driving a policy as the daemon does;
 - ``oracle``: the upper bound on the compared policies;
+- ``compare``: policies side by side, or any one by name (the oracle too), each in a process under a memory limit;
 - ``scale``: a scenario at another size and speed, the twin of a live run on paced engines;
 - ``report``: what a simulation reports (throughput, GPU-seconds by role, costs);
 - ``timeline``: a picture of GPU roles over simulated time.

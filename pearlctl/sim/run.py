@@ -46,11 +46,8 @@ while it is in transition; moves that do not match the simulated state are refus
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import statistics
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -902,19 +899,11 @@ def run_policy(
     router: str = DEFAULT_ROUTER,
     correction: bool = True,
     record_schedule: bool = False,
-    schedules: dict[str, Schedule] | None = None,
 ) -> RunResult:
-    """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds, or ``oracle``) on ``scenario``;
-    ``router``: the engine's router model (``pearlctl.sim.engine.ROUTERS``); ``correction``: keep and apply
-    the predictor's running correction, as the daemon does (the oracle predicts nothing); ``record_schedule``:
-    keep the run's roles over time (``RunResult.schedule``) for the oracle; ``schedules``: for the oracle, the
-    compared policies' schedules it replays (pearl's is run when missing)."""
-    if policy == "oracle":
-        from pearlctl.sim.oracle import run_oracle
-
-        return run_oracle(
-            scenario, record_timeline=record_timeline, draws=draws, trace=trace, router=router, schedules=schedules
-        )
+    """Simulate ``policy`` (a name ``pearlctl.policies.load_policy`` finds; the oracle is
+    ``pearlctl.sim.compare.simulate``'s) on ``scenario``; ``router``: the engine's router model
+    (``pearlctl.sim.engine.ROUTERS``); ``correction``: keep and apply the predictor's running correction, as the
+    daemon does; ``record_schedule``: keep the run's roles over time (``RunResult.schedule``) for the oracle."""
     from pearlctl.policies import load_policy
 
     module = load_policy(policy)
@@ -930,87 +919,3 @@ def run_policy(
         record_schedule=record_schedule,
     )
     return sim.run()
-
-
-class SimulationError(Exception):
-    """A simulation that could not finish: out of its memory limit, or its process died. One line, naming the
-    policy and the scenario (the CLI prints it as it is)."""
-
-
-def _limit_memory(max_bytes: int | None) -> None:
-    """Cap this process's address space at ``max_bytes`` (``simulate --max-memory``): an allocation past it
-    raises MemoryError here rather than the machine running out of memory."""
-    if max_bytes is None:
-        return
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
-def _guarded(scenario: Scenario, policy: str, max_memory: int | None, kw: dict) -> RunResult:
-    """``run_policy`` under the memory limit, its failure one ``SimulationError`` line."""
-    _limit_memory(max_memory)
-    try:
-        return run_policy(scenario, policy, **kw)
-    except MemoryError:
-        gib = (max_memory or 0) / 2**30
-        raise SimulationError(
-            f"simulating {policy} on {scenario.name} ran out of memory (limit {gib:.1f} GiB, --max-memory)"
-        ) from None
-
-
-def compare(
-    scenario: Scenario,
-    policies: list[str],
-    *,
-    record_timeline: bool = False,
-    workers: int | None = None,
-    router: str = DEFAULT_ROUTER,
-    correction: bool = True,
-    max_memory: int | None = None,
-) -> dict[str, RunResult]:
-    """Every policy on the same drawn work and the same elastic trace; runs are independent, so they go to
-    ``workers`` processes (default: one per policy, at most one per CPU), each capped at ``max_memory`` bytes.
-    The oracle runs last and replays every other policy's schedule (pearlctl.sim.oracle). Results keep the
-    given order. A run that fails raises ``SimulationError`` (one line, naming the policy and the scenario)."""
-    draws, trace = make_draws(scenario), make_trace(scenario)
-    kw = {"record_timeline": record_timeline, "draws": draws, "trace": trace, "router": router}
-    kw["correction"] = correction
-    oracle = "oracle" in policies
-    others = [p for p in policies if p != "oracle"]
-    n = min(len(others), workers if workers is not None else (os.cpu_count() or 1))
-    results: dict[str, RunResult] = {}
-    if others:
-        kw_others = {**kw, "record_schedule": oracle}
-        if n <= 1:
-            results = {p: _run_in_process(scenario, p, max_memory, kw_others) for p in others}
-        else:
-            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = {p: pool.submit(_guarded, scenario, p, max_memory, kw_others) for p in others}
-                results = {p: _result(f, p, scenario) for p, f in futures.items()}
-    if oracle:
-        schedules = {p: r.schedule for p, r in results.items() if r.schedule is not None}
-        results["oracle"] = _run_in_process(scenario, "oracle", max_memory, {**kw, "schedules": schedules})
-    for r in results.values():
-        r.schedule = None  # replayed: not part of the result any more
-    return {p: results[p] for p in policies}
-
-
-def _run_in_process(scenario: Scenario, policy: str, max_memory: int | None, kw: dict) -> RunResult:
-    """One run in a process of its own (so that its memory limit and its memory go with it)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        return _result(pool.submit(_guarded, scenario, policy, max_memory, kw), policy, scenario)
-
-
-def _result(future, policy: str, scenario: Scenario) -> RunResult:
-    from concurrent.futures.process import BrokenProcessPool
-
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise SimulationError(
-            f"simulating {policy} on {scenario.name}: its process died (killed, most likely out of memory: "
-            "lower --max-memory or the scenario's size)"
-        ) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pearlctl.sim import report
-from pearlctl.sim.run import compare
+from pearlctl.sim.compare import compare
 from pearlctl.sim.scenario import load
 from tests.conftest import REPO, Pearlctl
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pearlctl.planner.model import SERVING, Role
 from pearlctl.sim import oracle
 from pearlctl.sim import scenario as sc
+from pearlctl.sim.compare import simulate
 from pearlctl.sim.run import RunResult, Sim, make_draws, make_trace, run_policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +79,7 @@ def test_the_replay_plays_the_policys_roles_at_the_same_offset_into_each_train_s
 
 def test_the_oracle_replays_pearl_even_when_pearl_is_not_compared_and_names_its_winner():
     s = _bursty(steps=1)
-    result = run_policy(s, "oracle")
+    result = simulate(s, "oracle")
     assert result.policy == "oracle" and result.finished
     assert result.oracle_choice in {oracle.EVERY_GPU, oracle.WIDENED, "replay of pearl"}
     assert result.schedule is None

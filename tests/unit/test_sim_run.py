@@ -17,8 +17,9 @@ from pearlctl.home import known_policies
 from pearlctl.planner.model import Move, MoveKind, Plan, Role
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
+from pearlctl.sim.compare import compare
 from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT
-from pearlctl.sim.run import Sim, compare, drain_s, run_policy
+from pearlctl.sim.run import Sim, drain_s, run_policy
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((REPO / "examples/scenarios").glob("*.toml"))
