@@ -8,7 +8,7 @@ Loaded by name (pearlctl.policies.load_policy); pure: ``decide(snapshot) -> Plan
 
 from __future__ import annotations
 
-from pearlctl.planner import budget, plan
+from pearlctl.planner import plan, view
 from pearlctl.planner.choose import choose
 from pearlctl.planner.model import Mode, Plan, Snapshot, Target
 
@@ -16,7 +16,7 @@ NAME = "elastic"
 
 
 def decide(snapshot: Snapshot) -> Plan | None:
-    gpus = budget.may_serve(snapshot, elastic=True, borrow=False)
+    gpus = view.may_serve(snapshot, elastic=True, borrow=False)
     choice = choose(snapshot, gpus, modes=(Mode.COLOCATED,))
     # no whole worker to serve on: still return lent GPUs and retire the rest
     target = choice.target if choice is not None else Target(Mode.COLOCATED, rollout_gpus=0)

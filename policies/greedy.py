@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pearlctl.planner import budget, plan
+from pearlctl.planner import plan, view
 from pearlctl.planner.model import Plan, Snapshot
 
 NAME = "greedy"
@@ -19,7 +19,7 @@ NAME = "greedy"
 
 def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(snapshot)
-    lend = budget.lendable(snapshot)
+    lend = view.lendable(snapshot)
     target = replace(current, rollout_gpus=current.rollout_gpus + len(lend), lend=current.lend + len(lend))
     why = f"greedy: lend {len(lend)} idle trainer GPU(s)" if lend else "greedy"
     return plan.make_if_moves(snapshot, target, why=why)

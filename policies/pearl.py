@@ -68,7 +68,7 @@ def decide(snapshot: Snapshot) -> Plan | None:
         ahead = _lend_ahead(s)
         target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
         if current.mode is Mode.COLOCATED:
-            whole = _whole_workers(s, budget.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
+            whole = _whole_workers(s, view.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
             target = replace(
                 target,
                 rollout_gpus=sum(whole.values()),
@@ -96,7 +96,7 @@ def decide(snapshot: Snapshot) -> Plan | None:
     dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
     modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)
 
-    # The budgets, counted in whole workers per pool: worker_groups(budget.servable(s).budget(...)), from
+    # The budgets, counted in whole workers per pool: worker_groups(view.servable(s).budget(...)), from
     # counts made once per snapshot.
     workers = view.of(s).workers
     budgets = (
@@ -174,7 +174,7 @@ def _bring_up_idle(s: Snapshot, current: Target, keep: Plan) -> Plan | None:
     lasting = s.preempt_per_hour <= 0 or 3600.0 / s.preempt_per_hour >= 2 * s.costs.start_s
     may = [
         g
-        for g in budget.may_serve(s, elastic=True, borrow=False)
+        for g in view.may_serve(s, elastic=True, borrow=False)
         if lasting or g.pool != PoolKind.ELASTIC or g.role in SERVING
     ]
     whole = _whole_workers(s, may)

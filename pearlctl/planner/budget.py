@@ -15,11 +15,13 @@ Guarantees (what ``diff`` enforces and the property tests check):
 
 Return costs assume the worker parks asleep (``TransitionCosts.return_s(park=True)``), as the executor does
 for a GPU that may be lent again.
+
+These are the rules for one GPU. Their aggregates over a snapshot — the trainer GPUs that may be lent now, the
+GPUs each budget may serve — are computed once per snapshot by ``pearlctl.planner.view`` (``view.lendable``,
+``view.servable``, ``view.may_serve``), the one place they are written.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pearlctl.planner.model import SERVING, GpuSlot, Role, Snapshot
 from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
@@ -63,27 +65,6 @@ def is_lent(gpu: GpuSlot) -> bool:
     return gpu.pool == PoolKind.TRAINER and gpu.borrowed and gpu.role in SERVING
 
 
-def lendable(snapshot: Snapshot) -> list[GpuSlot]:
-    """Trainer GPUs that may be lent now (not yet lent), best first (parked: a warm borrow), capped so that
-    kept lent GPUs plus these never exceed ``max_lend``."""
-    if snapshot.trainer.phase != "waiting" or snapshot.trainer.batch_ready:
-        return []
-    limit = trainer_deadline(snapshot) - RETURN_SLACK_S - return_cost_s(snapshot)
-    out = [
-        g
-        for g in snapshot.gpus
-        if g.pool == PoolKind.TRAINER
-        and g.role is Role.TRAIN
-        and not g.borrowed
-        and snapshot.now + bring_up_s(snapshot, g) <= limit
-    ]
-    out.sort(key=lambda g: (not g.parked, g.node, g.id))
-    if snapshot.max_lend is not None:
-        kept = sum(1 for g in snapshot.gpus if is_lent(g) and not must_return(snapshot, g))
-        out = out[: max(0, snapshot.max_lend - kept)]
-    return out
-
-
 def may_start(snapshot: Snapshot, gpu: GpuSlot) -> bool:
     """An idle rollout/elastic GPU whose allocation lasts long enough for a worker to come up on it."""
     if gpu.role is not Role.IDLE or gpu.pool not in GENERATION_POOLS:
@@ -91,46 +72,3 @@ def may_start(snapshot: Snapshot, gpu: GpuSlot) -> bool:
     if gpu.ends_at is None:
         return True
     return gpu.ends_at > snapshot.now + bring_up_s(snapshot, gpu) + RETURN_SLACK_S
-
-
-@dataclass(frozen=True)
-class Servable:
-    """The GPUs that may serve, by where they come from (one pass over the snapshot; budgets are unions)."""
-
-    rollout: tuple[GpuSlot, ...]  # rollout pool: serving, or idle and startable
-    elastic: tuple[GpuSlot, ...]  # elastic pool: serving, or idle and startable
-    lent: tuple[GpuSlot, ...]  # lent trainer GPUs that need not return yet (within max_lend)
-    lendable: tuple[GpuSlot, ...]  # trainer GPUs that may be lent now, parked first
-
-    def budget(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
-        out = list(self.rollout)
-        if elastic:
-            out += self.elastic
-        if borrow:
-            out += self.lent
-            out += [g for g in self.lendable if g.parked] if warm_borrow_only else self.lendable
-        return out
-
-
-def servable(snapshot: Snapshot) -> Servable:
-    rollout: list[GpuSlot] = []
-    elastic: list[GpuSlot] = []
-    lent: list[GpuSlot] = []
-    for g in snapshot.gpus:
-        if g.pool in GENERATION_POOLS:
-            if g.role in SERVING or may_start(snapshot, g):
-                (rollout if g.pool == PoolKind.ROLLOUT else elastic).append(g)
-        elif is_lent(g) and not must_return(snapshot, g):
-            lent.append(g)
-    if snapshot.max_lend is not None:
-        lent = lent[: snapshot.max_lend]
-    return Servable(tuple(rollout), tuple(elastic), tuple(lent), tuple(lendable(snapshot)))
-
-
-def may_serve(snapshot: Snapshot, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
-    """The GPUs a deployment may use: the rollout pool's serving or startable GPUs; with ``elastic`` the
-    elastic pool's; with ``borrow`` the lent trainer GPUs that need not return yet and the lendable ones
-    (``warm_borrow_only``: only those with a parked worker, whose borrow is a wake)."""
-    from pearlctl.planner import view  # (view builds on this module: ``servable`` once per snapshot)
-
-    return view.of(snapshot).servable.budget(elastic=elastic, borrow=borrow, warm_borrow_only=warm_borrow_only)

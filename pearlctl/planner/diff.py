@@ -10,7 +10,7 @@ those counts that the pool rules (``budget``) allow, and guarantees:
 - one move per GPU at most, each carrying its cost from ``snapshot.costs``;
 - adds prefer a parked worker (WAKE, or a warm BORROW) over a cold START, then the allocation that lasts
   longest, then whole nodes (tensor-parallel workers sit on one node);
-- lending: only what ``budget.lendable`` allows (trainer "waiting", ``max_lend``, back before the deadline);
+- lending: only what ``view.lendable`` allows (trainer "waiting", ``max_lend``, back before the deadline);
   lent GPUs that ``budget.must_return`` go back whatever the target says;
 - shrinking a pool retires first the GPUs whose allocation ends soonest (elastic: the preemption notice;
   lent: the return deadline), after the minimality rule.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, repeat
 from operator import attrgetter, is_, itemgetter
@@ -49,6 +50,42 @@ _worker_key = attrgetter("node", "pool", "role")  # a GPU's (node, pool, role)
 _node_pool = attrgetter("node", "pool")
 _PARTS = (itemgetter(1), itemgetter(2), itemgetter(3))  # a move's (taken, cancelled, added)
 _new = object.__new__
+
+
+@dataclass(frozen=True)
+class Servable:
+    """The GPUs that may serve, by where they come from (budgets are unions of these)."""
+
+    rollout: tuple[GpuSlot, ...]  # rollout pool: serving, or idle and startable (``budget.may_start``)
+    elastic: tuple[GpuSlot, ...]  # elastic pool: serving, or idle and startable
+    lent: tuple[GpuSlot, ...]  # lent trainer GPUs that need not return yet (``budget.must_return``), within max_lend
+    lendable: tuple[GpuSlot, ...]  # trainer GPUs that may be lent now, parked first (``View.lendable``)
+
+    def budget(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
+        out = list(self.rollout)
+        if elastic:
+            out += self.elastic
+        if borrow:
+            out += self.lent
+            out += [g for g in self.lendable if g.parked] if warm_borrow_only else self.lendable
+        return out
+
+
+def lendable(snapshot: Snapshot) -> list[GpuSlot]:
+    """``View.lendable`` of the snapshot (a new list)."""
+    return list(of(snapshot).lendable)
+
+
+def servable(snapshot: Snapshot) -> Servable:
+    """``View.servable`` of the snapshot."""
+    return of(snapshot).servable
+
+
+def may_serve(snapshot: Snapshot, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> list[GpuSlot]:
+    """The GPUs a deployment may use: the rollout pool's serving or startable GPUs; with ``elastic`` the
+    elastic pool's; with ``borrow`` the lent trainer GPUs that need not return yet and the lendable ones
+    (``warm_borrow_only``: only those with a parked worker, whose borrow is a wake)."""
+    return of(snapshot).servable.budget(elastic=elastic, borrow=borrow, warm_borrow_only=warm_borrow_only)
 
 
 def of(snapshot: Snapshot) -> View:
@@ -80,8 +117,8 @@ class View:
         self.lent_due_s = return_s + slack  # a lent GPU leaves this long before its deadline
         self.trainer_due = trainer_due = budget.trainer_deadline(s)
         training = s.trainer.phase == "training" or s.trainer.batch_ready  # budget.must_return
-        waiting = s.trainer.phase == "waiting" and not s.trainer.batch_ready  # budget.lendable
-        lend_limit = trainer_due - slack - return_s  # budget.lendable: borrowed and back with the slack
+        waiting = s.trainer.phase == "waiting" and not s.trainer.batch_ready  # lendable
+        lend_limit = trainer_due - slack - return_s  # lendable: borrowed and back with the slack
         start_by = {True: now + costs.wake_s + slack, False: now + costs.start_s + slack}  # budget.may_start
         borrow_by = self._borrow_by = {True: costs.borrow_s(warm=True), False: costs.borrow_s(warm=False)}
         # (kind, cost) of bringing up an idle GPU (``adds``), by whether a worker is parked on it
@@ -104,7 +141,7 @@ class View:
         planned = [g for g in s.gpus if g.pool in _POOLS]
         serving: dict[str, list[GpuSlot]] = {}
         startable: dict[str, list[GpuSlot]] = {}
-        may_serve: dict[str, list[GpuSlot]] = {}  # budget.servable: serving or startable, in snapshot order
+        may_serve: dict[str, list[GpuSlot]] = {}  # servable: serving or startable, in snapshot order
         for p in _GENERATION:
             on, up, may = serving[p], startable[p], may_serve[p] = [], [], []
             for g in by_pool[p]:
@@ -331,7 +368,9 @@ class View:
 
     @cached_property
     def lendable(self) -> list[GpuSlot]:
-        """``budget.lendable``."""
+        """Trainer GPUs that may be lent now (not yet lent), best first (parked: a warm borrow): only while the
+        trainer waits and its batch is not complete, each only if its borrow, its return and the slack fit before
+        the trainer's deadline (``budget``), capped so that kept lent GPUs plus these never exceed ``max_lend``."""
         # (a new list, never sorted in place: two threads may ask one view at once)
         out = sorted(self._lendable, key=lambda g: (not g.parked, g.node, g.id))
         max_lend = self.s.max_lend
@@ -340,13 +379,14 @@ class View:
         return out
 
     @cached_property
-    def servable(self) -> budget.Servable:
-        """``budget.servable``."""
+    def servable(self) -> Servable:
+        """The GPUs that may serve by where they come from: rollout and elastic GPUs serving or startable, lent
+        trainer GPUs that need not return yet (at most ``max_lend``), and the lendable ones."""
         lent = self._lent
         if self.s.max_lend is not None:
             lent = lent[: self.s.max_lend]
         may = self._may_serve
-        return budget.Servable(tuple(may[_ROLLOUT]), tuple(may[_ELASTIC]), tuple(lent), tuple(self.lendable))
+        return Servable(tuple(may[_ROLLOUT]), tuple(may[_ELASTIC]), tuple(lent), tuple(self.lendable))
 
     def workers(self, *, elastic: bool, borrow: bool, warm_borrow_only: bool = False) -> dict[str, int]:
         """``choose.worker_groups(self.servable.budget(...))``: whole workers per pool of a budget."""

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl.planner import budget, plan  # noqa: E402
+from pearlctl.planner import plan, view  # noqa: E402
 from pearlctl.planner.choose import choose  # noqa: E402
 from pearlctl.planner.diff import moves  # noqa: E402
 from pearlctl.planner.model import GpuSlot, Role, Snapshot, Trainer, Work  # noqa: E402
@@ -130,7 +130,7 @@ def big_snapshot(seed: int = 0, *, long_tail: bool = True) -> Snapshot:
 
 
 def choose_diff_make(s: Snapshot):
-    choice = choose(s, budget.may_serve(s, elastic=True, borrow=True))
+    choice = choose(s, view.may_serve(s, elastic=True, borrow=True))
     planned = moves(s, choice.target)
     return choice, planned, plan.make(s, choice.target)
 

@@ -24,7 +24,7 @@ from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
-from pearlctl.planner import budget, plan
+from pearlctl.planner import budget, plan, view
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.predict import predict
 from pearlctl.state.store import Store
@@ -132,7 +132,7 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
     s = run.b.snapshot(run.clock.now)
     assert s.trainer.batch_ready and s.trainer.phase == "waiting"
     lent = next(g for g in s.gpus if g.id == gpu["id"])
-    assert budget.must_return(s, lent) and budget.lendable(s) == []
+    assert budget.must_return(s, lent) and view.lendable(s) == []
     run.clock.now = T0 + 60.5  # the next tick: back although its deadline is 840 s ahead
     run.b.tick()
     [back] = returns(run)

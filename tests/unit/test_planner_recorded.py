@@ -268,7 +268,7 @@ def policy(name: str):
 def decisions(s: Snapshot) -> dict:
     """What the planner and every shipped policy decide for ``s``, as JSON-able data."""
     out: dict = {}
-    choice = choose(s, budget.may_serve(s, elastic=True, borrow=True))
+    choice = choose(s, view.may_serve(s, elastic=True, borrow=True))
     if choice is None:
         out["choose"] = None
     else:
@@ -297,17 +297,48 @@ def test_decisions_equal_the_recorded_ones(name, recorded):
     assert got.keys() == want.keys()
 
 
+def rules_lendable(s: Snapshot) -> list[GpuSlot]:
+    """The trainer GPUs lendable now, GPU by GPU from ``budget``'s rules (the view computes them in one pass)."""
+    if s.trainer.phase != "waiting" or s.trainer.batch_ready:
+        return []
+    limit = budget.trainer_deadline(s) - budget.RETURN_SLACK_S - budget.return_cost_s(s)
+    out = [
+        g
+        for g in s.gpus
+        if g.pool == "trainer" and g.role is Role.TRAIN and not g.borrowed and s.now + budget.bring_up_s(s, g) <= limit
+    ]
+    out.sort(key=lambda g: (not g.parked, g.node, g.id))
+    if s.max_lend is not None:
+        kept = sum(1 for g in s.gpus if budget.is_lent(g) and not budget.must_return(s, g))
+        out = out[: max(0, s.max_lend - kept)]
+    return out
+
+
+def rules_servable(s: Snapshot) -> view.Servable:
+    """The GPUs that may serve by pool, GPU by GPU from ``budget``'s rules."""
+    rollout, elastic, lent = [], [], []
+    for g in s.gpus:
+        if g.pool in ("rollout", "elastic"):
+            if g.role in SERVING or budget.may_start(s, g):
+                (rollout if g.pool == "rollout" else elastic).append(g)
+        elif budget.is_lent(g) and not budget.must_return(s, g):
+            lent.append(g)
+    if s.max_lend is not None:
+        lent = lent[: s.max_lend]
+    return view.Servable(tuple(rollout), tuple(elastic), tuple(lent), tuple(rules_lendable(s)))
+
+
 @pytest.mark.parametrize("name", sorted(snapshots()))
-def test_the_view_applies_the_pool_rules_as_budget_does(name):
+def test_the_view_applies_the_pool_rules_gpu_by_gpu(name):
     s = snapshots()[name]
     v = view.View(s)
-    assert v.servable == budget.servable(s)
-    assert v.lendable == budget.lendable(s)
+    assert v.servable == rules_servable(s)
+    assert v.lendable == rules_lendable(s)
     assert v.forced == [g for g in s.gpus if g.pool in diff.POOLS and g.role in SERVING and budget.must_return(s, g)]
     for pool in ("rollout", "elastic"):
         assert v.startable(pool) == diff_startable(s, pool)
     for kw in ({"elastic": False, "borrow": False}, {"elastic": True, "borrow": True, "warm_borrow_only": True}):
-        assert v.workers(**kw) == worker_groups(budget.servable(s).budget(**kw), s.profile.gpus_per_worker)
+        assert v.workers(**kw) == worker_groups(rules_servable(s).budget(**kw), s.profile.gpus_per_worker)
 
 
 def diff_startable(s: Snapshot, pool: str) -> list[GpuSlot]:
