@@ -1,7 +1,8 @@
 """Where allocations come from: a Slurm cluster, or local process groups when there is none.
 
 - ``slurm``: the Slurm backend, a thin adapter from ``Backend`` to ``SlurmClient``;
-- ``local``: allocations as process groups on this machine.
+- ``local``: allocations as process groups on this machine;
+- ``base``: the ``Backend`` protocol and ``BackendError``.
 
 Both backends take the same rendered sbatch script and answer with the same :class:`JobRecord`s, so
 state, the watcher and the agents do not care which one runs. ``auto`` picks Slurm whenever a
@@ -14,33 +15,9 @@ array ``--array=K``), and ``cancel_tasks`` ends single tasks, so a pool can grow
 
 from __future__ import annotations
 
-from typing import Protocol
+from pearlctl.backends.base import Backend, BackendError
 
-from pearlctl.slurm.parse import PartitionInfo
-from pearlctl.slurm.records import JobRecord
-from pearlctl.slurm.script import SubmitRequest
-
-
-class BackendError(Exception):
-    """The scheduler could not do what was asked; the message says what it answered."""
-
-
-class Backend(Protocol):
-    name: str
-
-    def partitions(self) -> dict[str, PartitionInfo]: ...
-
-    def submit(self, req: SubmitRequest, script: str) -> str: ...
-
-    def find_by_name(self, job_name: str) -> list[JobRecord]: ...
-
-    def poll(self, job_ids: list[str]) -> list[JobRecord]: ...
-
-    def cancel(self, job_ids: list[str]) -> None: ...
-
-    def cancel_tasks(self, tasks: list[tuple[str, int]]) -> None:
-        """Cancel single array tasks, each ``(job_id, task index)``; the rest of each array keeps running."""
-        ...
+__all__ = ["Backend", "BackendError", "open_backend"]
 
 
 def open_backend(name: str, *, state_dir: str) -> Backend:

@@ -28,7 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pearlctl.backends import BackendError
+from pearlctl.backends.base import BackendError
 from pearlctl.slurm.parse import PartitionInfo
 from pearlctl.slurm.records import JobRecord
 from pearlctl.slurm.script import SubmitRequest

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pearlctl.backends import BackendError
+from pearlctl.backends.base import BackendError
 from pearlctl.slurm.client import SlurmClient, SlurmError
 from pearlctl.slurm.parse import ParseError, PartitionInfo
 from pearlctl.slurm.records import JobRecord

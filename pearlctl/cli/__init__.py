@@ -13,7 +13,8 @@
 - ``simulate``: policies against a scenario's simulated cluster;
 - ``doctor``: what works on this machine;
 - ``common``: the error-to-exit-code mapping, the stderr console, opening state;
-- ``render``: state rendered for people (tables) and machines (JSON), pure.
+- ``render``: state rendered for people (tables) and machines (JSON), pure;
+- ``app``: the Typer app and its root options, which every command module registers on.
 
 Results go to stdout (``--json`` on every read), progress and logs to stderr. Exit codes
 (docs/cli.md keeps the same table, and tests check it):
@@ -36,33 +37,7 @@ from __future__ import annotations
 
 import sys
 
-import typer
-
-from pearlctl import __version__
-
-app = typer.Typer(
-    name="pearlctl",
-    help="Control plane for agentic RL post-training on Slurm.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"pearlctl {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-) -> None:
-    """pearlctl: launch, watch and cancel RL runs on Slurm (or local process groups)."""
-
-
-from pearlctl.cli import (  # noqa: E402  (they register)
+from pearlctl.cli import (  # (they register their commands on app)
     borrow,
     cancel,
     daemon,
@@ -76,6 +51,7 @@ from pearlctl.cli import (  # noqa: E402  (they register)
     simulate,
     status,
 )
+from pearlctl.cli.app import app
 
 __all__ = [
     "app",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_USAGE, emit_json, err, exits, fail, open_store, out, resolve_run
 from pearlctl.daemon.client import DaemonRefusal, call
 

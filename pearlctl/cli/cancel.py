@@ -7,7 +7,7 @@ import typer
 
 from pearlctl import home, launcher
 from pearlctl.backends import open_backend
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out, resolve_run
 from pearlctl.router import service as router_service
 

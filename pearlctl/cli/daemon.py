@@ -14,7 +14,7 @@ import typer
 
 from pearlctl import home, launcher
 from pearlctl.backends import open_backend
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import (
     EXIT_CONFLICT,
     EXIT_TIMEOUT,

@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_DOCTOR, emit_json, exits, out
 from pearlctl.doctor import FAIL, run_checks
 

@@ -7,7 +7,7 @@ import json
 
 import typer
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import emit_json, exits, open_store, out, resolve_run
 
 

@@ -8,7 +8,7 @@ import typer
 
 from pearlctl import home, launcher
 from pearlctl.backends import open_backend
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out
 from pearlctl.config import load_spec
 

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from pearlctl import logfiles
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import (
     EXIT_BROKEN_PIPE,
     EXIT_USAGE,

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import emit_json, exits, open_store, out
 from pearlctl.cli.render import STATE_STYLE
 

@@ -8,7 +8,7 @@ import time
 
 import typer
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import (
     EXIT_CONFLICT,
     EXIT_MOVE_FAILED,

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import typer
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import (
     EXIT_NOT_FOUND,
     EXIT_SCHEDULER,

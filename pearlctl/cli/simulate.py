@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_SIMULATION, EXIT_USAGE, emit_json, err, exits, fail, out
 from pearlctl.vocabulary import GENERATION_ROLES, Role
 

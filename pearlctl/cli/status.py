@@ -23,7 +23,7 @@ from rich.live import Live
 
 from pearlctl import home
 from pearlctl.backends import open_backend
-from pearlctl.cli import app
+from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_USAGE, emit_json, emit_json_line, err, exits, fail, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
 from pearlctl.daemon.elastic import elastic_view
