@@ -7,16 +7,17 @@ What the journal says, and what is made of it:
 
 - ``gpus`` rows: ``gpu.registered`` (``to_state`` UP, ``data.role``) brings a GPU in with its role; any
   other ``to_state`` moves it (GONE: it leaves the picture; UP, DRAINING, LOST: it stays, in its role);
-  a field update journaled with ``data.fields.role`` sets its role.
+  a field update journaled with ``data.fields.role`` sets its role: every role a transition's steps give a
+  GPU is such a row (``role set``, pearlctl.daemon.effects), so a GPU's role is read, never guessed.
 - ``transitions`` rows: ``transition.planned`` names the GPUs (``data.gpu_ids``) and the roles
   (``from_role``, ``to_role``). While the transition runs (``to_state`` RUNNING, ROLLING_BACK) its GPUs are
-  in TRANSITION; DONE puts them in ``to_role``; ROLLED_BACK after running puts a trainer GPU back in
-  TRAIN and any other IDLE (what the compensating return or retire leaves), while a PLANNED transition
-  dropped before it ran leaves them as they were; FAILED (a person has to look) leaves them in the role
-  their row has now, the only role known for them.
+  in TRANSITION, whatever role rows come meanwhile; when it ends they are in the role their last role row
+  gave them. A journal written before steps journaled roles has none: there DONE puts them in ``to_role``,
+  ROLLED_BACK after running puts a trainer GPU back in TRAIN and any other IDLE (what the compensating return
+  or retire leaves), and FAILED leaves them in the role their row has now; a PLANNED transition dropped before
+  it ran leaves them as they were either way.
 
-The role columns the daemon writes during a transition's steps are not journaled: the transition's own
-rows are what marks when GPUs moved. TRAIN is not split into computing and waiting (the simulator's
+TRAIN is not split into computing and waiting (the simulator's
 TRAIN_IDLE): the journal does not record the trainer's phases.
 """
 
@@ -76,6 +77,7 @@ class _Gpu:
     moving: set[int] = field(default_factory=set)  # ids of the running transitions that move it
     since: float = 0.0
     open: str | None = None  # the category of the open span (None: not present)
+    journaled: bool = False  # a role row was read for it: its role is the journal's, not inferred
 
 
 def reconstruct(
@@ -130,7 +132,7 @@ def reconstruct(
             if j.get("event") == "gpu.registered" and data.get("role"):
                 g.role = data["role"]
             if role := (data.get("fields") or {}).get("role"):
-                g.role = role
+                g.role, g.journaled = role, True
             if j.get("to_state"):
                 g.present = j["to_state"] != GpuState.GONE
             settle(gid, at)
@@ -153,7 +155,9 @@ def reconstruct(
                 for gid in ids:
                     g = gpu(gid)
                     g.moving.discard(tid)
-                    if to == TransitionState.DONE:
+                    if g.journaled:
+                        pass  # its steps journaled its roles
+                    elif to == TransitionState.DONE:
                         g.role = t.get("to_role") or g.role
                     elif to == TransitionState.ROLLED_BACK and t["ran"]:
                         g.role = Role.TRAIN if trainer(gid) else Role.IDLE

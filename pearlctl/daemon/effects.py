@@ -40,6 +40,9 @@ from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
 
 GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
+# the journal row of a step's write of a GPU's role (with the fields written): a GPU's roles over time are read
+# from these rows (pearlctl.timeline)
+ROLE_SET = "role set"
 
 
 class DaemonEffects:
@@ -119,6 +122,8 @@ class DaemonEffects:
                 "gpus",
                 g["id"],
                 epoch=self.epoch,
+                event=ROLE_SET,
+                data={"step": key},
                 role=role,
                 borrowed=int(lent),
                 return_deadline=deadline if lent else None,
@@ -153,6 +158,8 @@ class DaemonEffects:
                 "gpus",
                 g["id"],
                 epoch=self.epoch,
+                event=ROLE_SET,
+                data={"step": key},
                 role=Role.TRAIN if g["pool"] == PoolKind.TRAINER else Role.IDLE,
                 borrowed=0,
                 return_deadline=None,

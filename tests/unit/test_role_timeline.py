@@ -127,3 +127,48 @@ def test_a_real_store_journal_reads_the_same(tmp_path):
     assert [s.category for s in tl.gpus[lent]] == ["TRAIN", "TRANSITION", "ROLLOUT"]
     assert [s.category for s in tl.gpus[other]] == ["TRAIN"] and tl.gpus[other][0].end < 100
     assert tl.transitions == 1
+
+
+def test_a_journaled_role_is_read_not_inferred():
+    """Role rows (what a transition's steps journal) decide: a failed switch whose GPU the steps had put in
+    PREFILL is PREFILL from its end until a later role row, whatever the row says now."""
+    rows = [
+        registered(0, 2, "ROLLOUT"),
+        planned(10, 3, [2], "ROLLOUT", "PREFILL", kind="switch"),
+        moved(10, 3, "RUNNING"),
+        j(12, "gpus", 2, "role set", data={"fields": {"role": "PREFILL"}}),  # mid-transition: still TRANSITION
+        moved(15, 3, "FAILED"),
+        j(30, "gpus", 2, "role set", data={"fields": {"role": "IDLE"}}),
+    ]
+    tl = reconstruct(rows, [dict(ROLLOUT, role="DECODE")], start=0, end=40)
+    assert tl.gpus[2] == [
+        Span(0, 10, "ROLLOUT"),
+        Span(10, 15, "TRANSITION"),
+        Span(15, 30, "PREFILL"),
+        Span(30, 40, "IDLE"),
+    ]
+
+
+def test_a_transitions_steps_journal_every_role_they_give(tmp_path):
+    """The daemon's effects journal each GPU's role write (``role set``, with the fields written): a borrow's
+    START lends the GPU to ROLLOUT, its return's DRAIN gives it back to TRAIN, and the timeline reads both."""
+    from pearlctl.daemon.effects import ROLE_SET, DaemonEffects
+    from pearlctl.vocabulary import StepKind
+
+    clock = iter(float(t) for t in range(1000, 2000))
+    with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
+        alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
+        store.upsert_node_gpus("r", alloc["id"], "n1", [0], "TRAIN")
+        gid = store.gpus("r")[0]["id"]
+        effects = DaemonEffects(store, "r", None)
+        borrow = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gid])
+        back = store.add_transition(run_id="r", kind="return", from_role="ROLLOUT", to_role="TRAIN", gpu_ids=[gid])
+        effects.do(StepKind.START, store.get("transitions", borrow), f"{borrow}:1:START")
+        effects.do(StepKind.START, store.get("transitions", borrow), f"{borrow}:1:START")  # again: no new row
+        effects.do(StepKind.DRAIN, store.get("transitions", back), f"{back}:1:DRAIN")
+        journal = store.journal("r")
+        run = store.get_run("r")
+    roles = [(r["data"]["fields"]["role"], r["data"]["step"]) for r in journal if r["event"] == ROLE_SET]
+    assert roles == [("ROLLOUT", f"{borrow}:1:START"), ("TRAIN", f"{back}:1:DRAIN")]
+    tl = reconstruct(journal, [], start=run["created_at"], end=run["created_at"] + 100)
+    assert [s.category for s in tl.gpus[gid]] == ["TRAIN", "ROLLOUT", "TRAIN"]
