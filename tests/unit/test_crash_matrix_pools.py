@@ -206,3 +206,12 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     assert store.get("gpus", gpu)["worker_id"] is None
     events = [j["event"] for j in store.journal("r")]
     assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
+
+
+def test_every_plan_kind_is_crashed_at_every_step_boundary_by_one_of_the_matrices():
+    """A new plan kind (docs/architecture.md, "Adding a transition kind") needs a crash case: this matrix's
+    cycle or the trainer's (tests/unit/test_crash_matrix.py) must run it."""
+    from pearlctl.daemon.transitions import PlanKind
+    from tests.unit.test_crash_matrix import CYCLES
+
+    assert {*CYCLES, *(plan for _, plan, _, _ in CYCLE)} == set(PlanKind)
