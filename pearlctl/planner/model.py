@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pearlctl.planner.profile import Profile, TransitionCosts
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
-SERVING = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+SERVING = GENERATION_ROLES  # the roles the planner serves rollouts with
 
 
 class Mode(StrEnum):
