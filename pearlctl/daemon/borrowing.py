@@ -60,7 +60,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pearlctl.daemon.transitions import Executor, PlanKind
+from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
@@ -539,7 +539,7 @@ class Borrowing:
                     continue
                 if switching:
                     continue  # one switch at a time: the workers not switching keep serving meanwhile
-            deadline = (t.get("detail") or {}).get("return_deadline")
+            deadline = TransitionDetail.of(t).return_deadline
             borrowing = t["kind"] == MoveKind.BORROW and t["state"] == T.RUNNING
             if borrowing and deadline and now >= deadline - self.cost(MoveKind.RETURN):
                 self.executor.abort(t["id"], "return deadline reached during the borrow")
@@ -612,16 +612,15 @@ class Borrowing:
             why = f"policy: {planned.why}"
         if why:
             plan = PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN
-            self.executor.plan(
-                MoveKind.RETURN, [g["id"] for g in lent], detail={"return_deadline": deadline, "why": why, "plan": plan}
-            )
+            detail = TransitionDetail(plan=plan, why=why, return_deadline=deadline)
+            self.executor.plan(MoveKind.RETURN, [g["id"] for g in lent], detail=detail)
             if planned is None:
                 return
         if planned is None or planned.empty:
             return
         rows = {g["id"]: g for g in self.gpu_rows()}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
-            detail = {"plan": t["plan"], "why": t["why"], "policy": settings["policy"], "planned_at": now}
+            detail = TransitionDetail(plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
         if not lent:
             borrow = self.plan_borrow(now, settings, planned=planned)
@@ -629,25 +628,26 @@ class Borrowing:
                 self.executor.plan(
                     MoveKind.BORROW,
                     borrow["gpu_ids"],
-                    detail={
-                        **{k: borrow[k] for k in ("return_deadline", "policy", "plan", "rollback")},
-                        "wait_from": borrow["view"]["wait_from"],  # the deadline's wait: the trainer's, or predicted
-                    },
+                    detail=TransitionDetail(
+                        plan=borrow["plan"],
+                        rollback=borrow["rollback"],
+                        policy=borrow["policy"],
+                        return_deadline=borrow["return_deadline"],
+                        wait_from=borrow["view"]["wait_from"],  # the deadline's wait: the trainer's, or predicted
+                    ),
                 )
 
     def _plan_broke(self, t: dict) -> bool:
         """Whether another switch of ``t``'s plan (planned at the same moment) failed or was rolled back: the
         deployment the plan aimed at will not be reached, and the next plan is made from what is."""
-        at = (t.get("detail") or {}).get("planned_at")
+        at = TransitionDetail.of(t).planned_at
         return at is not None and any(
-            o["id"] != t["id"]
-            and (o.get("detail") or {}).get("planned_at") == at
-            and o["state"] in (T.FAILED, T.ROLLED_BACK)
+            o["id"] != t["id"] and TransitionDetail.of(o).planned_at == at and o["state"] in (T.FAILED, T.ROLLED_BACK)
             for o in self.store.transitions(self.run_id, kind=MoveKind.SWITCH)
         )
 
     def _judge_return(self, t: dict) -> None:
-        deadline = (t.get("detail") or {}).get("return_deadline")
+        deadline = TransitionDetail.of(t).return_deadline
         if deadline is None:
             return
         finished = self.store.get("transitions", t["id"])["updated_at"]

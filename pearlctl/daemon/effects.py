@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearlctl.daemon.transitions import Outcome, current_plan
+from pearlctl.daemon.transitions import Outcome, TransitionDetail, current_plan
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
@@ -114,7 +114,7 @@ class DaemonEffects:
     def _serve(self, t: dict, key: str) -> None:
         """START / WAKE: the GPUs serve in the transition's role now: their agent starts a vLLM worker, or
         wakes the one parked there. Lent trainer GPUs carry their return deadline down to the agent."""
-        deadline = (t.get("detail") or {}).get("return_deadline")
+        deadline = TransitionDetail.of(t).return_deadline
         role = self._serving_role(t)
         for g in self._gpus(t):
             lent = g["pool"] == PoolKind.TRAINER

@@ -9,7 +9,7 @@ import logging
 from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.shared import ControlError, Side
-from pearlctl.daemon.transitions import PlanKind
+from pearlctl.daemon.transitions import PlanKind, TransitionDetail
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import GpuState as G
@@ -144,7 +144,7 @@ class Operator(Side):
             tid = executor.plan(
                 body.kind,
                 ids,
-                detail={"plan": plan, "why": "operator move (pearlctl move)", "by": "operator"},
+                detail=TransitionDetail(plan=plan, why="operator move (pearlctl move)", by="operator"),
                 from_role=str(from_role),
                 to_role=str(to_role),
             )

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import StepState as S
@@ -101,6 +102,34 @@ KIND_ROLES: dict[MoveKind, tuple[Role | None, Role | None]] = {
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 
 
+@dataclass(frozen=True)
+class TransitionDetail:
+    """A transition's ``detail`` column, typed: what it carries besides its kind, GPUs and roles. Stored as a JSON
+    object of the fields set (``to_json``); read back with ``of``, which ignores keys it does not know."""
+
+    plan: PlanKind | None = None  # the steps it runs (default: its kind's)
+    rollback: PlanKind | None = None  # what a failure runs to compensate (default: ROLLBACKS[kind])
+    why: str | None = None  # the reason it was planned
+    policy: str | None = None  # the policy whose plan it carries out
+    planned_at: float | None = None  # a plan's transitions share it (its switches run one at a time)
+    return_deadline: float | None = None  # a borrow, or a return of lent GPUs: when the trainer needs them
+    wait_from: str | None = None  # a borrow: where its deadline's wait came from ("trainer report" | "prediction")
+    by: str | None = None  # "operator": asked for through `pearlctl move`
+
+    @classmethod
+    def of(cls, transition: Mapping[str, Any]) -> TransitionDetail:
+        doc = transition.get("detail") or {}
+        known = {f.name for f in fields(cls)}
+        kept = {k: v for k, v in doc.items() if k in known and v is not None}
+        for k in ("plan", "rollback"):
+            if k in kept:
+                kept[k] = PlanKind(kept[k])
+        return cls(**kept)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 class Effects(Protocol):
     """The seam between the executor and the world. ``do`` must be idempotent for ``key``."""
 
@@ -112,10 +141,10 @@ class Effects(Protocol):
 def current_plan(t: dict) -> tuple[StepKind, ...]:
     """The steps a transition runs now: its plan (``detail.plan``, default its kind), or while it rolls back
     its compensation (``detail.rollback``, default ``ROLLBACKS[kind]``)."""
-    detail = t.get("detail") or {}
+    detail = TransitionDetail.of(t)
     if t["state"] == T.ROLLING_BACK:
-        return PLANS[PlanKind(detail.get("rollback") or ROLLBACKS.get(t["kind"], PlanKind.RETURN))]
-    return PLANS[PlanKind(detail.get("plan") or t["kind"])]
+        return PLANS[detail.rollback or ROLLBACKS.get(t["kind"], PlanKind.RETURN)]
+    return PLANS[detail.plan or PlanKind(t["kind"])]
 
 
 def step_key(transition_id: int, seq: int, kind: StepKind) -> str:
@@ -138,7 +167,7 @@ class Executor:
         kind: MoveKind,
         gpu_ids: list[int],
         *,
-        detail: dict | None = None,
+        detail: TransitionDetail | None = None,
         from_role: Role | None = None,
         to_role: Role | None = None,
     ) -> int:
@@ -153,8 +182,8 @@ class Executor:
             tid = self.store.add_transition(
                 run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
             )
-            if detail:
-                self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail)
+            if detail is not None and detail.to_json():
+                self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail.to_json())
         return tid
 
     def open_transitions(self) -> list[dict]:

@@ -20,7 +20,7 @@ from pearlctl.api.bodies import parse
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
-from pearlctl.daemon.transitions import PLANS, Executor
+from pearlctl.daemon.transitions import PLANS, Executor, PlanKind, TransitionDetail
 from pearlctl.state.store import Store
 from tests.unit.test_crash_matrix import Clock, Crash
 
@@ -188,7 +188,8 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     loop(lambda: any(w["routable"] for w in store.workers("r")))
     for kind, cycle_plan, from_role, to_role in CYCLE:
         with daemon.controller.lock:
-            tid = daemon.executor.plan(kind, [gpu], detail={"plan": cycle_plan}, from_role=from_role, to_role=to_role)
+            detail = TransitionDetail(plan=PlanKind(cycle_plan))
+            tid = daemon.executor.plan(kind, [gpu], detail=detail, from_role=from_role, to_role=to_role)
         loop(lambda tid=tid: store.get("transitions", tid)["state"] in ("DONE", "FAILED", "ROLLED_BACK"))
         assert store.get("transitions", tid)["state"] == "DONE", cycle_plan
         assert store.get("gpus", gpu)["role"] == to_role
@@ -211,7 +212,6 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
 def test_every_plan_kind_is_crashed_at_every_step_boundary_by_one_of_the_matrices():
     """A new plan kind (docs/architecture.md, "Adding a transition kind") needs a crash case: this matrix's
     cycle or the trainer's (tests/unit/test_crash_matrix.py) must run it."""
-    from pearlctl.daemon.transitions import PlanKind
     from tests.unit.test_crash_matrix import CYCLES
 
     assert {*CYCLES, *(plan for _, plan, _, _ in CYCLE)} == set(PlanKind)

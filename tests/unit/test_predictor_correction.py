@@ -18,7 +18,7 @@ from pearlctl.cli.render import status_tables
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
-from pearlctl.daemon.transitions import Executor
+from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
 from pearlctl.planner import correct
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import Deployment, Mode, Work
@@ -198,7 +198,8 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
     tick(controller)
     first = store.get_run("r")["predictor"]["watch"]
     gpu = store.gpus("r")[0]["id"]
-    tid = controller.borrowing.executor.plan("retire", [gpu], detail={"plan": "retire"}, from_role="ROLLOUT")
+    retire = TransitionDetail(plan=PlanKind.RETIRE)
+    tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     clock.now += 3.0
     report(controller, 30)
     with controller.lock:
@@ -226,7 +227,8 @@ def test_a_watch_that_saw_only_the_batchs_tail_teaches_nothing(run):
     store, controller, clock = run
     report(controller, 32)
     gpu = store.gpus("r")[0]["id"]
-    tid = controller.borrowing.executor.plan("retire", [gpu], detail={"plan": "retire"}, from_role="ROLLOUT")
+    retire = TransitionDetail(plan=PlanKind.RETIRE)
+    tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     with controller.lock:  # a transition is open from the batch's start: no watch
         controller.borrowing.check_prediction()
     assert store.get_run("r")["predictor"].get("watch") is None

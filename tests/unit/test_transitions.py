@@ -103,3 +103,19 @@ def test_abort_rolls_a_running_borrow_back(store):
     assert kinds(store, tid) == [(0, "OFFLOAD", "FAILED")]  # the pending release is superseded
     fx.answers = dict.fromkeys(PLANS["return"], Outcome.DONE)
     assert ex.advance(tid) == "ROLLED_BACK"
+
+
+def test_a_transitions_detail_is_typed_and_stored_as_the_fields_set(store):
+    """``TransitionDetail``: written as a JSON object of the fields set, read back typed (plan kinds as
+    ``PlanKind``), unknown keys of an older row ignored; the steps it runs follow its ``plan``."""
+    from pearlctl.daemon.transitions import PlanKind, TransitionDetail, current_plan
+
+    ex = Executor(store, Script(), run_id="r", epoch=None)
+    detail = TransitionDetail(plan=PlanKind.BORROW_WARM, rollback=PlanKind.RETURN_SLEEP, return_deadline=5.0)
+    tid = ex.plan("borrow", gpu_ids(store), detail=detail)
+    row = store.get("transitions", tid)
+    assert row["detail"] == {"plan": "borrow_warm", "rollback": "return_sleep", "return_deadline": 5.0}
+    assert TransitionDetail.of(row) == detail and TransitionDetail.of(row).plan is PlanKind.BORROW_WARM
+    assert current_plan(row) == PLANS["borrow_warm"]
+    assert TransitionDetail.of({"detail": {"why": "x", "from_an_older_daemon": 1}}) == TransitionDetail(why="x")
+    assert TransitionDetail.of({"detail": None}) == TransitionDetail()

@@ -15,7 +15,7 @@ from pearlctl.api.bodies import parse
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
-from pearlctl.daemon.transitions import Executor
+from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
 from pearlctl.state.store import Store
 
 NOW = 1_000_000.0
@@ -139,7 +139,8 @@ def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(ru
     store.update_fields("workers", worker, worker_key="rollout-0", gpu_idx=[0], url="http://n0:9000")
     store.set_state("workers", worker, expect="STARTING", to="READY", event="t")
     ex = controller.borrowing.executor
-    tid = ex.plan("retire", [gpu["id"]], detail={"plan": "retire_sleep"}, from_role="ROLLOUT", to_role="IDLE")
+    detail = TransitionDetail(plan=PlanKind.RETIRE_SLEEP)
+    tid = ex.plan("retire", [gpu["id"]], detail=detail, from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
     assert store.get("gpus", gpu["id"])["role"] == "IDLE"
     assert store.get("gpus", gpu["id"])["worker_id"] == worker
