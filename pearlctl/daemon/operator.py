@@ -4,8 +4,6 @@ policy, an immediate return, a move of rollout or elastic GPUs, a measured profi
 
 from __future__ import annotations
 
-import logging
-
 from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.shared import ControlError, Side
@@ -15,8 +13,6 @@ from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.vocabulary import SERVING_ROLES, PoolKind, Role
-
-log = logging.getLogger("pearlctl.daemon")
 
 
 class Operator(Side):

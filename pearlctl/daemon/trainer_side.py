@@ -5,7 +5,6 @@ reclaim commands) and the rollout driver's progress, folded into state; the answ
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import asdict
 
@@ -14,8 +13,6 @@ from pearlctl.daemon.borrowing import work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.shared import ControlError, Side
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
-
-log = logging.getLogger("pearlctl.daemon")
 
 
 class TrainerSide(Side):
