@@ -207,6 +207,9 @@ class RunSpec:
     # timing of): pearlctl/agent/engines/paced.py, for control-plane runs at scale without GPUs
     engine: str = "vllm"
     engine_profile: Path | None = None
+    # what was let through with ``model_on_this_host=False`` and would refuse a real launch (printed by
+    # `launch --dry-run`); never part of the stored spec
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -542,9 +545,14 @@ def _path(c: _Checker, key: str, raw: str | None, base: Path) -> Path | None:
     return path
 
 
-def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ...]) -> RunSpec:
-    """Validate a decoded TOML document. Raises SpecError listing every problem."""
+def parse_spec(
+    data: dict[str, Any], source: Path, known_policies: tuple[str, ...], *, model_on_this_host: bool = True
+) -> RunSpec:
+    """Validate a decoded TOML document. Raises SpecError listing every problem. ``model_on_this_host=False``
+    (`launch --dry-run`): a model path missing here is a warning in ``RunSpec.warnings``, not a problem — it may
+    exist only on the compute nodes; a real launch refuses it."""
     c = _Checker()
+    warnings: list[str] = []
     base = source.parent
     c.unknown_keys(data, ("run", "pools", "router"), "")
     run = c.table(data, "run", "", required=True) or {}
@@ -561,7 +569,10 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
     model = _path(c, "run.model", model_raw, base)
     if model is not None:
         try:
-            if not model.exists():
+            if not model.exists() and not model_on_this_host:
+                warnings.append(f"run.model: path {model} does not exist on this host (it may exist only on the "
+                                "compute nodes); a real launch refuses it")  # fmt: skip
+            elif not model.exists():
                 c.fail("run.model", f"path {model} does not exist; give the model directory (HF format)")
             elif not os.access(model, os.R_OK):
                 c.fail("run.model", f"path {model} is not readable")
@@ -628,6 +639,7 @@ def parse_spec(data: dict[str, Any], source: Path, known_policies: tuple[str, ..
         router=router,
         engine=str(engine),
         engine_profile=engine_profile,
+        warnings=tuple(warnings),
     )
 
 
@@ -677,8 +689,15 @@ def _check_paced_pools(c: _Checker, pools: dict[str, PoolSpec]) -> None:
             c.fail(f"pools.{name}.weights", 'the paced engine reloads weights from disk only: use weights = "disk"')
 
 
-def load_spec(path: str | Path, known_policies: tuple[str, ...], overrides: dict[str, Any] | None = None) -> RunSpec:
-    """Read and validate a spec file. Unreadable or malformed files raise SpecError too.
+def load_spec(
+    path: str | Path,
+    known_policies: tuple[str, ...],
+    overrides: dict[str, Any] | None = None,
+    *,
+    model_on_this_host: bool = True,
+) -> RunSpec:
+    """Read and validate a spec file (``model_on_this_host``: ``parse_spec``'s). Unreadable or malformed files
+    raise SpecError too.
 
     ``overrides`` replace keys of ``[run]`` (command-line ``--name``, ``--run-dir``, ``--backend``) before
     validation, so they are checked like the file; give paths in them absolute.
@@ -696,4 +715,4 @@ def load_spec(path: str | Path, known_policies: tuple[str, ...], overrides: dict
         run = data.get("run")
         if isinstance(run, dict):
             run.update(overrides)
-    return parse_spec(data, source, known_policies)
+    return parse_spec(data, source, known_policies, model_on_this_host=model_on_this_host)

@@ -31,9 +31,12 @@ def launch(
             "backend": backend,
             "run_dir": str(run_dir.resolve()) if run_dir is not None else None,
         }
-        spec = load_spec(spec_file, home.known_policies(), {k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        spec = load_spec(spec_file, home.known_policies(), given, model_on_this_host=not dry_run)
         sched = open_backend(spec.backend, state_dir=str(home.state_dir()))
         err.print(f"backend: {sched.name}")
+        for warning in spec.warnings:
+            err.print(f"warning: {warning}", markup=False)
         if dry_run:
             scripts = launcher.dry_run(spec, sched)
             if json_out:

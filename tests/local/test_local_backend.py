@@ -72,6 +72,20 @@ def test_dry_run_prints_scripts_and_writes_nothing(pearlctl, tmp_path, model_dir
     assert not (tmp_path / "run").exists()
 
 
+def test_dry_run_with_a_model_missing_here_warns_and_prints_while_a_launch_refuses(pearlctl, tmp_path, model_dir):
+    """The model may exist only on the compute nodes: --dry-run prints the scripts with a warning naming the path;
+    a real launch refuses it (exit 2, naming run.model) and writes nothing."""
+    path = spec(tmp_path, model_dir)
+    missing = tmp_path / "only-on-the-nodes"
+    path.write_text(path.read_text().replace(str(model_dir), str(missing)))
+    out = pearlctl("launch", str(path), "--dry-run")
+    assert out.stdout.count("#SBATCH --array=") == 2
+    assert "warning: run.model" in out.stderr and str(missing) in out.stderr
+    out = pearlctl("launch", str(path), check=2)
+    assert "run.model" in out.stderr and "does not exist" in out.stderr and out.stdout == ""
+    assert not (tmp_path / "state").exists() and not (tmp_path / "run").exists()
+
+
 def test_bad_spec_exits_2_naming_the_key_and_writes_nothing(pearlctl, tmp_path, model_dir):
     path = spec(tmp_path, model_dir)
     path.write_text(path.read_text().replace("gpus_per_node = 1", "gpus_per_nod = 1"))
