@@ -94,6 +94,8 @@ class Store:
         # (what, run_id) -> (generation, rows)
         self._cache: dict[tuple[str, str], tuple[tuple[int, int], list[Row]]] = {}
         self._reader: tuple[sqlite3.Connection, threading.Lock | threading.RLock] | None = None  # fingerprints
+        # allocation -> ((revision, the reader's data_version) it was read at, its fingerprint)
+        self._fingerprints: dict[int, tuple[tuple[int, int], tuple | None]] = {}
         self._columns: dict[str, frozenset[str]] = {
             table: frozenset(row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")'))
             for table in db.table_names()
@@ -206,11 +208,17 @@ class Store:
     def allocation_fingerprint(self, alloc_id: int) -> tuple | None:
         """A value that changes whenever anything an agent's report is folded against changes: the
         allocation's row, its GPUs, its workers, the run's open transitions, the trainer's weight export (every
-        row is versioned). One indexed query, for a heartbeat that repeats its last report; None if there is no
-        such allocation."""
+        row is versioned). One indexed query, for a heartbeat that repeats its last report, and none while the
+        database is unchanged since the allocation's last one (this store's ``revision`` and the reader's ``PRAGMA
+        data_version``, which moves with every commit of another connection); None if there is no such
+        allocation."""
         open_states = sorted(OPEN_TRANSITION_STATES)
         conn, lock = self._fingerprint_reader()
         with lock:
+            unchanged = (self.revision, conn.execute("PRAGMA data_version").fetchone()[0])
+            hit = self._fingerprints.get(alloc_id)
+            if hit is not None and hit[0] == unchanged:
+                return hit[1]
             row = conn.execute(
                 "SELECT a.version,"
                 " (SELECT group_concat(id || '.' || version) FROM gpus WHERE allocation_id = a.id),"
@@ -222,7 +230,9 @@ class Store:
                 " FROM allocations a WHERE a.id = ?",
                 [*open_states, alloc_id],
             ).fetchone()
-        return None if row is None else tuple(row)
+            fingerprint = None if row is None else tuple(row)
+            self._fingerprints[alloc_id] = (unchanged, fingerprint)
+        return fingerprint
 
     def _fingerprint_reader(self) -> tuple[sqlite3.Connection, threading.Lock | threading.RLock]:
         """A read-only connection of its own for fingerprints (WAL: it sees every committed write), so that a

@@ -139,6 +139,26 @@ def test_the_gpu_and_worker_reads_of_a_whole_run_follow_every_write(run, tmp_pat
     assert store.gpus("r")[0]["role"] != "scribbled"
 
 
+def test_an_allocations_fingerprint_is_read_once_while_nothing_changes_and_follows_every_write(run, tmp_path: Path):
+    """``Store.allocation_fingerprint`` (a repeated heartbeat's check, in the event loop): one query for the first
+    ask, none while the database is unchanged (its reader's statements counted), a new value after this store's
+    write and after another connection's."""
+    store, controller, clock, (a, b, _) = run
+    first = store.allocation_fingerprint(a)
+    conn, _lock = store._fingerprint_reader()
+    selects: list[str] = []
+    conn.set_trace_callback(lambda sql: selects.append(sql) if sql.lstrip().startswith("SELECT") else None)
+    assert [store.allocation_fingerprint(a) for _ in range(5)] == [first] * 5 and selects == []
+    (gpu,) = store.gpus("r", allocation_id=a)
+    store.update_fields("gpus", gpu["id"], role="IDLE")  # this connection's write
+    second = store.allocation_fingerprint(a)
+    assert second != first and len(selects) == 1
+    with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
+        other.update_fields("gpus", gpu["id"], role="DECODE")
+    assert store.allocation_fingerprint(a) not in (first, second) and len(selects) == 2
+    assert store.allocation_fingerprint(b) is not None and store.allocation_fingerprint(10**6) is None
+
+
 # -- long polls in the event loop ---------------------------------------------------------------------------
 def test_a_held_poll_ends_at_its_deadline_when_nothing_changes():
     async def main():
