@@ -146,18 +146,6 @@ class Agents(Side):
         self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
         self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
 
-    @property
-    def secret(self) -> str:
-        return self.shared.secret
-
-    @property
-    def lost_after(self) -> float:
-        return self.shared.lost_after
-
-    @property
-    def loop_at(self) -> float:
-        return self.shared.loop_at
-
     def _allocation(self, job_id: str, task_id: int) -> dict:
         for a in self.store.allocations(self.run_id):
             if a["job_id"] == job_id and a["array_index"] == task_id:

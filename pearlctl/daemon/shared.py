@@ -79,3 +79,6 @@ class Side:
     long_polls = _shared("long_polls")
     borrowing = _shared("borrowing")
     heartbeat_s = _shared("heartbeat_s")
+    lost_after = _shared("lost_after")
+    secret = _shared("secret")
+    loop_at = _shared("loop_at")
