@@ -16,24 +16,16 @@ Packages:
 - ``router``: the run's rollout data plane (gateway + vllm-router);
 - ``trainer``: the trainer hook a training loop calls;
 - ``planner``: pure planning (prediction, PD choice, moves);
-- ``sim``: the trace-driven simulator.
+- ``policies``: finding and loading a policy by name, and the shipped policies;
+- ``sim``: the trace-driven simulator;
+- ``ops``: the operations the CLI and the daemon call (launch, watch, doctor, profile, sweep, timeline);
+- ``host``: the head node's and the run directory's files and processes.
 
 Modules:
 
 - ``__main__``: ``python -m pearlctl``;
 - ``vocabulary``: roles, pool kinds, step kinds and engines, defined once;
-- ``config``: the run spec and its validation;
-- ``home``: where pearlctl keeps files on the head node, and the shipped policies;
-- ``policies``: loading a policy by name (the daemon and the simulator alike);
-- ``launcher``: launch and cancel a run (validate, record intent, submit);
-- ``watcher``: the allocation watcher (one batched poll of the scheduler, folded into state);
-- ``doctor``: the checks of ``pearlctl doctor``;
-- ``profiling``: a running vLLM worker measured into a planner profile;
-- ``sweep``: ``pearlctl simulate --sweep`` as a submitit job array;
-- ``runfiles``: the files of a run directory pearlctl reads and writes;
-- ``logfiles``: where a run's processes write their logs;
-- ``processes``: child processes that die with their parent (the one death-signal setup);
-- ``timeline``: a real run's GPU roles over time, from its journal.
+- ``config``: the run spec and its validation.
 """
 
 from importlib.metadata import PackageNotFoundError, version

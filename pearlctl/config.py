@@ -394,7 +394,7 @@ def _argv(c: _Checker, raw: dict[str, Any], key: str, prefix: str, *, placeholde
 
 
 def _placeholders_ok(arg: str) -> bool:
-    """Whether the launcher can expand ``arg``'s ``{name}`` placeholders (pearlctl.launcher.expand_command):
+    """Whether the launcher can expand ``arg``'s ``{name}`` placeholders (pearlctl.ops.launcher.expand_command):
     only plain names, no attributes, indexes, conversions or format specs; braces balanced."""
     try:
         fields = list(string.Formatter().parse(arg))

@@ -26,8 +26,8 @@ from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.engines.vllm import PacedServer, VllmServer  # at the agent's start, not on a borrow's critical path
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
-from pearlctl.processes import die_with_parent
-from pearlctl.runfiles import write_atomic
+from pearlctl.host.processes import die_with_parent
+from pearlctl.host.runfiles import write_atomic
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
 from pearlctl.trainer.weights import stored_version
@@ -91,7 +91,7 @@ def kv_shared_dir(run_dir: str) -> Path:
     """Where a run's PREFILL and DECODE vLLM workers pass KV to each other on CPU: vLLM's ExampleConnector
     writes a prefill's KV as files and the decode reads them (on a GPU, NIXL moves KV and no directory is
     used). One directory for the whole run, so both halves of a pair use the same one whichever allocation
-    started them; it is in the run directory, which every node mounts (pearlctl.runfiles), so a pair also
+    started them; it is in the run directory, which every node mounts (pearlctl.host.runfiles), so a pair also
     works across nodes — slowly, through the shared filesystem. Limits (docs/router.md, "Prefill-decode"):
     the files are keyed by prompt tokens only and never removed."""
     return Path(run_dir, "kv-shared")
@@ -138,8 +138,8 @@ class VllmWorker:
     # router's membership), so what it runs then is all it will run. Answers about to end get this long; the
     # rest is aborted and its clients continue it on another worker with the tokens made so far (the gateway,
     # pearlctl.router.gateway). A return has a deadline, and the planner prices a leave as that abort and the
-    # continuation's re-prefill (pearlctl.sim.engine ABORT_S, policies/pearl.py `_migration_s`), never as
-    # waiting for long turns to end: a drain of the whole drain timeout made a return take 6-10 s, not 1.
+    # continuation's re-prefill (pearlctl.sim.engine ABORT_S, pearlctl/policies/shipped/pearl.py `_migration_s`),
+    # never as waiting for long turns to end: a drain of the whole drain timeout made a return take 6-10 s, not 1.
     PARK_DRAIN_S = 0.5
 
     def __init__(

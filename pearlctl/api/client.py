@@ -1,6 +1,6 @@
 """The one client of a run's control API: used by the CLI, the agents, the trainer hook and rollout clients.
 
-- **Finding the daemon.** Its address is ``.pearl/daemon.json`` in the run directory (pearlctl.runfiles);
+- **Finding the daemon.** Its address is ``.pearl/daemon.json`` in the run directory (pearlctl.host.runfiles);
   a failed connection re-reads it once, so a daemon restarted on another port is found again.
 - **Credentials.** Requests carry the run's token, or, once an agent is bound to its allocation
   (``bind``), that allocation's own credential, which the daemon accepts for that allocation only.
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from pearlctl.runfiles import read_address, read_secret
+from pearlctl.host.runfiles import read_address, read_secret
 
 log = logging.getLogger("pearlctl.api")
 

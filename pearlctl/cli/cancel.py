@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import typer
 
-from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out, resolve_run
+from pearlctl.host import home
+from pearlctl.ops import launcher
 from pearlctl.router import service as router_service
 
 

@@ -14,11 +14,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from pearlctl import home
 from pearlctl.backends import BackendError
 from pearlctl.config import SpecError
 from pearlctl.daemon.client import DaemonUnavailable
-from pearlctl.launcher import LaunchError
+from pearlctl.host import home
+from pearlctl.ops.launcher import LaunchError
 from pearlctl.state.db import empty as empty_database
 from pearlctl.state.db import sqlite_fault
 from pearlctl.state.errors import IncompatibleSchema, StateError, StateUnavailable

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import typer
 
-from pearlctl import home, launcher
 from pearlctl.backends import open_backend
 from pearlctl.cli.app import app
 from pearlctl.cli.common import (
@@ -26,7 +25,9 @@ from pearlctl.cli.common import (
     open_store,
     resolve_run,
 )
-from pearlctl.runfiles import read_address
+from pearlctl.host import home
+from pearlctl.host.runfiles import read_address
+from pearlctl.ops import launcher
 from pearlctl.vocabulary import HEARTBEAT_S
 
 

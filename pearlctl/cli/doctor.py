@@ -8,7 +8,7 @@ from rich.text import Text
 
 from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_DOCTOR, emit_json, exits, out
-from pearlctl.doctor import FAIL, run_checks
+from pearlctl.ops.doctor import FAIL, run_checks
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import typer
 
-from pearlctl import home, launcher
+from pearlctl import policies
 from pearlctl.backends import open_backend
 from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_TIMEOUT, emit_json, err, exits, open_store, out
 from pearlctl.config import load_spec
+from pearlctl.host import home
+from pearlctl.ops import launcher
 
 
 @app.command()
@@ -32,7 +34,7 @@ def launch(
             "run_dir": str(run_dir.resolve()) if run_dir is not None else None,
         }
         given = {k: v for k, v in overrides.items() if v is not None}
-        spec = load_spec(spec_file, home.known_policies(), given, model_on_this_host=not dry_run)
+        spec = load_spec(spec_file, policies.known_policies(), given, model_on_this_host=not dry_run)
         sched = open_backend(spec.backend, state_dir=str(home.state_dir()))
         err.print(f"backend: {sched.name}")
         for warning in spec.warnings:

@@ -2,7 +2,7 @@
 
 No TARGET lists them (target, path, size, modified). A TARGET prints one: ``trainer[0]`` (a pool's array
 task), ``rollout`` (every task of the pool, each line prefixed with its target), ``daemon``, ``router`` or a
-worker id (or key). ``-f`` follows like ``tail -f``, across requeues (pearlctl.logfiles says how). It reads
+worker id (or key). ``-f`` follows like ``tail -f``, across requeues (pearlctl.host.logfiles says how). It reads
 the state through a read-only store and never touches the scheduler."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pearlctl import logfiles
 from pearlctl.cli.app import app
 from pearlctl.cli.common import (
     EXIT_BROKEN_PIPE,
@@ -31,6 +30,7 @@ from pearlctl.cli.common import (
     resolve_run,
     stdout_broken,
 )
+from pearlctl.host import logfiles
 
 FOLLOW_TAIL = 100
 POLL_S = 0.25

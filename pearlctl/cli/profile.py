@@ -117,7 +117,7 @@ def profile(
 
 
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
-    from pearlctl import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
+    from pearlctl.ops import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
 
     serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != Role.TRAIN]
     if worker:
@@ -155,7 +155,7 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
 
 def _measure_on_slurm(run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus):
     """--slurm: the daemon must answer first (it stores the profile), then one Slurm job measures."""
-    from pearlctl import profiling
+    from pearlctl.ops import profiling
 
     b, c = _int_list(batches, "--batches"), _int_list(contexts, "--contexts")
     call(run, "GET", "/v1/health")  # exit 7 now rather than after the job ran

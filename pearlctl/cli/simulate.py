@@ -153,8 +153,8 @@ def _sweep(paths, names, steps, seed, seeds_text, executor, partition, time_limi
     """--sweep: checks every input before anything is submitted (exit 2), then runs the array (exit 3 when a
     task gives no result: its state and log are named, and submitit's folder is kept)."""
     from pearlctl.config import slurm_option_problems
+    from pearlctl.ops.sweep import SweepError, run_sweep, tasks_of  # submitit is imported only for a sweep
     from pearlctl.sim.scenario import ScenarioError, load
-    from pearlctl.sweep import SweepError, run_sweep, tasks_of  # submitit is imported only for a sweep
 
     if timeline is not None:
         raise fail("--timeline draws one run: not with --sweep", EXIT_USAGE)

@@ -2,13 +2,13 @@
 elastic pool (size now and wanted, pending / running / draining tasks, size history; ``elastic`` in --json).
 
 While no daemon owns the run, status refreshes state itself with one batched poll, at most once per
-poll interval across all shells (pearlctl.watcher.maybe_sync); ``--no-sync`` only reads.
+poll interval across all shells (pearlctl.ops.watcher.maybe_sync); ``--no-sync`` only reads.
 
 It reads through a read-only store, and opens the state read-write only for a refresh that is due. Where
 that cannot be done (a read-only state directory, a full disk) it says so in one line on stderr and
 shows the state as it is.
 
-``--timeline FILE.png`` draws the run's GPU roles over time, rebuilt from its journal (pearlctl.timeline),
+``--timeline FILE.png`` draws the run's GPU roles over time, rebuilt from its journal (pearlctl.ops.timeline),
 with the drawing ``pearlctl simulate --timeline`` uses, from the run's creation to now (or to its end);
 with ``--watch`` it is drawn again at every refresh.
 """
@@ -21,12 +21,13 @@ from pathlib import Path
 import typer
 from rich.live import Live
 
-from pearlctl import home
 from pearlctl.backends import open_backend
 from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_USAGE, emit_json, emit_json_line, err, exits, fail, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
 from pearlctl.daemon.elastic import elastic_view
+from pearlctl.host import home
+from pearlctl.ops.watcher import maybe_sync
 from pearlctl.router.service import view as router_view
 from pearlctl.state.db import sqlite_fault
 from pearlctl.state.errors import StateUnavailable
@@ -34,7 +35,6 @@ from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
 from pearlctl.vocabulary import POLL_INTERVAL_S
-from pearlctl.watcher import maybe_sync
 
 
 def _sync_due(store: Store, run: dict) -> bool:
@@ -53,8 +53,8 @@ _ENDED = (RunState.CANCELLED, RunState.ENDED, RunState.FAILED)
 
 def _timeline(store: Store, run: dict, path: Path) -> str:
     """Draw the run's GPU roles over time (its journal, read through the store) to ``path``."""
+    from pearlctl.ops.timeline import reconstruct
     from pearlctl.sim.timeline import draw
-    from pearlctl.timeline import reconstruct
 
     kinds = {p["name"]: p["kind"] for p in store.pools(run["id"])}
     gpus = [dict(g, pool_kind=kinds.get(g["pool"])) for g in store.gpus(run["id"])]

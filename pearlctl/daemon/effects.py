@@ -41,7 +41,7 @@ from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
 
 GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
 # the journal row of a step's write of a GPU's role (with the fields written): a GPU's roles over time are read
-# from these rows (pearlctl.timeline)
+# from these rows (pearlctl.ops.timeline)
 ROLE_SET = "role set"
 
 

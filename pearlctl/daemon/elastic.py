@@ -6,7 +6,7 @@ makes Slurm (or the local backend) hold that many, within ``[pools.elastic] node
 
 - **Growth** submits one more task per missing one: a one-task array (``--array=K``, K the pool's next
   free task index) rendered from the pool's own launch request, so it runs the same wrapper, on the same
-  (preemptible) partition, under the same job name ``pearl.<run_id>.<pool>`` (pearlctl.launcher.grow_request).
+  (preemptible) partition, under the same job name ``pearl.<run_id>.<pool>`` (pearlctl.ops.launcher.grow_request).
   State keys it ``(its job id, K)`` like every launched task, the watcher polls it with the run's other
   jobs, and a preempted task that Slurm requeues re-joins as any launched task does.
 - **Intent first.** A task's allocation row is written REQUESTED (journaled ``elastic grow`` with the
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.config import PoolSpec
-from pearlctl.launcher import grow_request, pool_spec_of
+from pearlctl.ops.launcher import grow_request, pool_spec_of
 from pearlctl.slurm.client import DEFAULT_TIMEOUT_S
 from pearlctl.slurm.records import JobPhase
 from pearlctl.slurm.script import job_name, render_script

@@ -44,15 +44,15 @@ from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.slowlog import SlowLog
 from pearlctl.daemon.transitions import Executor
+from pearlctl.host.runfiles import ensure_secret, write_address
+from pearlctl.ops.watcher import apply_poll, poll_run
 from pearlctl.router.service import view as router_view
-from pearlctl.runfiles import ensure_secret, write_address
 from pearlctl.slurm.client import DEFAULT_TIMEOUT_S
 from pearlctl.state.errors import StaleEpoch, StaleWrite
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.state.views import run_document
 from pearlctl.vocabulary import HEARTBEAT_S, POLL_INTERVAL_S
-from pearlctl.watcher import apply_poll, poll_run
 
 log = logging.getLogger("pearlctl.daemon")
 

@@ -67,7 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pearlctl.processes import die_with_parent
+from pearlctl.host.processes import die_with_parent
 from pearlctl.router import service
 from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerSet, describe
 from pearlctl.vocabulary import Role

@@ -1,7 +1,7 @@
 """Starting, finding again and stopping a run's router process (gateway + vllm-router), and the files in
 the run directory that describe it. The daemon calls this; nothing here decides membership.
 
-Files, in the run's control directory ``RUN_DIR/.pearl/`` (pearlctl.runfiles: mode 0700, on the shared
+Files, in the run's control directory ``RUN_DIR/.pearl/`` (pearlctl.host.runfiles: mode 0700, on the shared
 filesystem, so rollout clients on compute nodes read them too):
 
 - ``router.key`` — the router's credential: a random token, mode 0600, created once by `ensure_key`.
@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from pearlctl.runfiles import control_dir, write_atomic
+from pearlctl.host.runfiles import control_dir, write_atomic
 from pearlctl.vocabulary import Role
 
 RECORD_NAME = "router.json"

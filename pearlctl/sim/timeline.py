@@ -40,7 +40,7 @@ def draw(
     xlabel: str = "simulated minutes",
 ) -> Path:
     """One stacked-area panel per (heading, samples): samples are (seconds, GPUs per category), drawn as
-    steps. The simulator's timelines and a real run's (``pearlctl status --timeline``, pearlctl.timeline)
+    steps. The simulator's timelines and a real run's (``pearlctl status --timeline``, pearlctl.ops.timeline)
     both come here, so the two pictures compare."""
     import matplotlib
 

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pearlctl.runfiles import write_atomic
+from pearlctl.host.runfiles import write_atomic
 
 
 @runtime_checkable

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearlctl.runfiles import write_atomic
+from pearlctl.host.runfiles import write_atomic
 from pearlctl.trainer.events import EventLog
 from pearlctl.trainer.weights import prune_weights
 

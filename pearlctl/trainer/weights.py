@@ -47,7 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pearlctl.runfiles import write_atomic
+from pearlctl.host.runfiles import write_atomic
 from pearlctl.trainer.broadcast import WeightBroadcaster, broadcast_enabled
 
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"

@@ -302,7 +302,7 @@ def main() -> int:
         daemon_main(*args.daemon, profile=args.profile, profile_after_s=args.warmup)
         return 0
 
-    from pearlctl.runfiles import read_address, read_secret
+    from pearlctl.host.runfiles import read_address, read_secret
     from pearlctl.state.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="pearl-load-"))

@@ -56,9 +56,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pearlctl.daemon.borrowing import REDECIDE_S  # noqa: E402
+from pearlctl.host.runfiles import read_address, read_secret  # noqa: E402
 from pearlctl.planner import profile as profiles  # noqa: E402
 from pearlctl.router import service as router_service  # noqa: E402
-from pearlctl.runfiles import read_address, read_secret  # noqa: E402
 from pearlctl.sim import run as simrun  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
 from tests.benchmarks import live_driver  # noqa: E402

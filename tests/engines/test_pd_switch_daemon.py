@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from pearlctl.api.client import ControlClient
+from pearlctl.host.runfiles import read_address
 from pearlctl.planner import profile as profiles
-from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
+from pearlctl.host.runfiles import read_address
 from pearlctl.planner import profile as profiles
-from pearlctl.runfiles import read_address
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import TINY_MODEL
 

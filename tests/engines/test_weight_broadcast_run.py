@@ -81,8 +81,8 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
     from pearlctl.config import load_spec
     from pearlctl.daemon.api import build_app
     from pearlctl.daemon.controller import Controller
-    from pearlctl.launcher import requests_for
-    from pearlctl.runfiles import ensure_secret, write_address
+    from pearlctl.host.runfiles import ensure_secret, write_address
+    from pearlctl.ops.launcher import requests_for
     from pearlctl.slurm.script import worker_env
     from pearlctl.state.store import Store
     from pearlctl.trainer import TrainerHook

@@ -196,7 +196,7 @@ def spec_run(
     "run")`` in a fresh shared directory, and ``pearlctl`` a CLI on state under ``state_dir``. Before and
     after, every job is cancelled; after, the run's daemon is stopped too. A test that fails prints the end of
     each of the run's logs (its captured output)."""
-    from pearlctl.runfiles import read_address
+    from pearlctl.host.runfiles import read_address
     from tests.conftest import Pearlctl, alive
 
     cluster.cancel_all()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pearlctl import home
+from pearlctl import policies
 from pearlctl.backends.slurm import SlurmBackend
 from pearlctl.config import load_spec
-from pearlctl.launcher import launch
+from pearlctl.ops.launcher import launch
 from pearlctl.slurm.client import SlurmClient
 from pearlctl.state.store import Store
 from tests.conftest import write_spec
@@ -48,7 +48,7 @@ def test_relaunch_adopts_the_job_a_crashed_launch_submitted(slurm_cluster, tmp_p
     d = slurm_cluster.new_shared_dir("adopt")
     spec = load_spec(
         write_spec(d / "adopt.toml", name="adopt", model=model_dir, run_dir=d / "run", pools=POOLS, backend="slurm"),
-        home.known_policies(),
+        policies.known_policies(),
     )
     real = SlurmBackend()
     with Store.open(tmp_path / "state.db") as store:

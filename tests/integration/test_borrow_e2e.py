@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.runfiles import read_address
+from pearlctl.host.runfiles import read_address
 from pearlctl.state.machines import OPEN_TRANSITION_STATES
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PLACEHOLDER

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pearlctl.cli.render import slurm_id
-from pearlctl.runfiles import read_address, read_secret
+from pearlctl.host.runfiles import read_address, read_secret
 from tests.conftest import Pearlctl, alive, wait_for, write_spec
 
 HEARTBEAT_S = 1.0

@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pearlctl.host.runfiles import read_address
 from pearlctl.router import service
-from pearlctl.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN as PACED

@@ -15,8 +15,8 @@ import pytest
 
 from pearlctl.backends.slurm import SlurmBackend
 from pearlctl.daemon.elastic import ElasticPool
+from pearlctl.ops.watcher import sync_run
 from pearlctl.state.store import Store
-from pearlctl.watcher import sync_run
 from tests.conftest import Pearlctl, wait_for, write_spec
 
 pytestmark = pytest.mark.timeout(600)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from pearlctl.runfiles import read_address
+from pearlctl.host.runfiles import read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for, write_spec
 from tests.engines.conftest import PACED_RUN

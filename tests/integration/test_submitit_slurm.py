@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from pearlctl.host.runfiles import read_address
 from pearlctl.planner import profile as profiles
-from pearlctl.runfiles import read_address
 from tests.conftest import REPO, Pearlctl, write_spec
 from tests.local.test_sweep_local import POLICIES, SCENARIOS, SEEDS, STEPS, check_merged
 

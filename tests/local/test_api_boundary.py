@@ -39,7 +39,7 @@ import httpx
 import pytest
 
 from pearlctl.daemon.agents import allocation_credential
-from pearlctl.runfiles import ensure_secret, read_address
+from pearlctl.host.runfiles import ensure_secret, read_address
 from pearlctl.state.store import Store
 from tests.conftest import REPO, alive, wait_for
 
@@ -482,7 +482,7 @@ def test_found_a_policy_name_cannot_name_a_file_outside_the_policy_folders(live_
     evil = tmp_path / "outside" / "evil.py"
     evil.parent.mkdir()
     evil.write_text(f"open({str(marker)!r}, 'w').write('ran')\n\ndef decide(snapshot):\n    return None\n")
-    relative = os.path.relpath(evil.with_suffix(""), REPO / "policies")
+    relative = os.path.relpath(evil.with_suffix(""), REPO / "pearlctl" / "policies" / "shipped")
     answers = {}
     for name in (str(evil.with_suffix("")), relative, "p" * 300):
         resp = run.post("/v1/borrow", {"policy": name, "dry_run": True})

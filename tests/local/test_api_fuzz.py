@@ -51,9 +51,9 @@ from hypothesis import strategies as st
 
 from pearlctl.api import bodies
 from pearlctl.daemon.agents import allocation_credential
-from pearlctl.home import known_policies
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import Work
+from pearlctl.policies import known_policies
 from pearlctl.vocabulary import Engine, Role
 from tests.conftest import REPO
 from tests.local.test_api_boundary import NODE, RUN_ID, LiveRun, wait_until

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from pearlctl.backends.local import LocalBackend
 from pearlctl.daemon.elastic import ElasticPool
+from pearlctl.ops.watcher import sync_run
 from pearlctl.slurm.script import SubmitRequest
 from pearlctl.state.store import Store
-from pearlctl.watcher import sync_run
 from tests.conftest import alive, wait_for, write_spec
 
 SLEEP = f'["{sys.executable}", "-c", "import time; time.sleep(600)"]'

@@ -74,7 +74,7 @@ def build_wheel(tmp_path: Path) -> Path:
     """pearlctl's wheel, built from a copy of the sources (the build leaves build/ and egg-info where it runs)."""
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("pearlctl", "policies", "jobs"):
+    for folder in ("pearlctl", "jobs"):
         shutil.copytree(REPO / folder, src / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
@@ -153,7 +153,8 @@ def test_a_wheel_installed_in_a_clean_venv_runs_doctor_and_simulate_with_its_shi
         "detail": str(shipped / "_shipped_jobs" / "worker.sh"),
     }
     assert checks["policies"]["status"] == "ok"
-    assert checks["policies"]["detail"] == f"elastic, greedy, never, pearl, static in {shipped / '_shipped_policies'}"
+    shipped_policies = shipped / "policies" / "shipped"
+    assert checks["policies"]["detail"] == f"elastic, greedy, never, pearl, static in {shipped_policies}"
     assert checks["slurm"]["status"] == "warn"  # not on PATH
     assert checks["state file"]["status"] == "ok"
     for engine in ("vllm", "deepspeed", "torch"):  # the cpu extra is not installed

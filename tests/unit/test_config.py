@@ -167,14 +167,14 @@ def test_overrides_are_validated_like_the_file(spec_dir):
 
 
 def test_shipped_examples_are_valid(tmp_path):
-    from pearlctl import home
+    from pearlctl import policies
 
     root = Path(__file__).resolve().parents[2] / "examples"
     specs = sorted(root.glob("*.toml"))
     assert specs, "examples/*.toml missing"
     for path in specs:
         # the tiny model is built by scripts/build-tiny-model.py; stand in an empty directory for it
-        spec = load_spec(path, home.known_policies(), {"model": str(tmp_path)})
+        spec = load_spec(path, policies.known_policies(), {"model": str(tmp_path)})
         assert "trainer" in spec.pools
 
 
@@ -326,7 +326,7 @@ def test_daemon_slurm_options_are_checked_like_a_spec():
 
 
 def test_constraint_and_exclude_reach_every_task_of_the_pool_as_sbatch_directives(spec_dir):
-    from pearlctl.launcher import grow_request, requests_for
+    from pearlctl.ops.launcher import grow_request, requests_for
     from pearlctl.slurm.script import sbatch_directives
 
     (spec_dir / "m").mkdir(exist_ok=True)
@@ -358,7 +358,7 @@ PACED = GOOD.replace('policy = "never"', f'policy = "never"\nengine = "paced"\ne
 
 
 def test_a_paced_run_names_its_profile_and_reaches_the_workers_environment(spec_dir):
-    from pearlctl.launcher import requests_for
+    from pearlctl.ops.launcher import requests_for
     from pearlctl.slurm.script import worker_env
 
     spec = load_spec(write(spec_dir, PACED), POLICIES)

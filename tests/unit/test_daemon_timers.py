@@ -27,10 +27,10 @@ from pearlctl.api import bodies
 from pearlctl.daemon import main as daemon_main
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings
+from pearlctl.ops.watcher import Poll, apply_poll
 from pearlctl.slurm.records import JobRecord
 from pearlctl.state.errors import StaleEpoch
 from pearlctl.state.store import Store, run_lease_name
-from pearlctl.watcher import Poll, apply_poll
 
 RUN = "r"
 JOB = "100"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pearlctl.doctor import FAIL, OK, WARN, check_slurm
+from pearlctl.ops.doctor import FAIL, OK, WARN, check_slurm
 from pearlctl.slurm.client import SlurmClient
 from pearlctl.slurm.parse import parse_scontrol_config, parse_scontrol_partitions
 from pearlctl.slurm.runner import CommandResult

@@ -15,13 +15,13 @@ from pearlctl.backends import BackendError
 from pearlctl.config import parse_spec
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, ElasticPool, elastic_view
-from pearlctl.launcher import cancel, grow_request, launch
+from pearlctl.ops.launcher import cancel, grow_request, launch
+from pearlctl.ops.watcher import sync_run
 from pearlctl.slurm.client import SlurmClient
 from pearlctl.slurm.records import JobRecord
 from pearlctl.slurm.runner import CommandResult
 from pearlctl.slurm.script import render_script
 from pearlctl.state.store import Store
-from pearlctl.watcher import sync_run
 
 NODES, MAX_NODES, PENDING_S, NOTICE_S = 1, 3, 60.0, 20
 

@@ -1,4 +1,4 @@
-"""An engine process started by the agent (``pearlctl.processes.die_with_parent``, as
+"""An engine process started by the agent (``pearlctl.host.processes.die_with_parent``, as
 pearlctl.agent.engines.vllm starts vLLM) ignores the pool's preemption signal and dies when the agent that started it
 dies. Real processes: a stand-in agent starts
 ``sleep`` the way the agent starts vLLM, and is SIGKILLed."""
@@ -20,7 +20,7 @@ AGENT = textwrap.dedent(
     """
     import signal, subprocess, time
     from pearlctl.agent.engines import ignore_preempt_signal
-    from pearlctl.processes import die_with_parent
+    from pearlctl.host.processes import die_with_parent
     preexec = die_with_parent(signal.SIGTERM, then=ignore_preempt_signal)
     child = subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=preexec)
     print(child.pid, flush=True)

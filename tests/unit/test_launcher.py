@@ -6,7 +6,7 @@ import pytest
 
 from pearlctl.backends import BackendError
 from pearlctl.config import parse_spec
-from pearlctl.launcher import LaunchError, launch
+from pearlctl.ops.launcher import LaunchError, launch
 from pearlctl.slurm.client import SlurmClient, SlurmError
 from pearlctl.slurm.runner import CommandResult
 from pearlctl.state.store import Store

@@ -1,4 +1,4 @@
-"""pearlctl.logfiles: finding a run's log files, selecting a target, tails, requeue markers, following."""
+"""pearlctl.host.logfiles: finding a run's log files, selecting a target, tails, requeue markers, following."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pearlctl.logfiles import (
+from pearlctl.host.logfiles import (
     Follower,
     LogFile,
     discover,

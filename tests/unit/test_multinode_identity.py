@@ -1,6 +1,6 @@
 """A trainer of several nodes is one job with one agent per node (pearlctl.slurm.script): who each agent is
 (pearlctl.agent.identity), the rendezvous its torchrun gets, the node the watcher binds each allocation to
-(pearlctl.watcher.node_of), what the launcher submits and what the spec refuses. Pure, no cluster; the real
+(pearlctl.ops.watcher.node_of), what the launcher submits and what the spec refuses. Pure, no cluster; the real
 cluster runs it in tests/integration/test_multinode_trainer.py."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from pearlctl.agent.identity import RDZV_PORT_BASE, RDZV_PORT_SPAN, identity_from_env
 from pearlctl.cli.render import slurm_id
 from pearlctl.config import SpecError, load_spec
-from pearlctl.launcher import requests_for
+from pearlctl.ops.launcher import requests_for
+from pearlctl.ops.watcher import node_of
 from pearlctl.slurm.records import JobRecord
-from pearlctl.watcher import node_of
 
 GANG_TASK = {
     "SLURM_JOB_ID": "4242",

@@ -1,13 +1,14 @@
-"""What a wheel ships (pyproject.toml's [tool.setuptools]): every package under pearlctl/, and the top-level
-policies/ and jobs/ as pearlctl._shipped_policies and pearlctl._shipped_jobs, which pearlctl.home finds through
-the import system (here: the editable install, which maps them onto the folders). The wheel itself is built and
-installed in tests/local/test_wheel_install.py."""
+"""What a wheel ships (pyproject.toml's [tool.setuptools]): every package under pearlctl/ (the shipped policies
+among them, pearlctl.policies.shipped), and the top-level jobs/ as pearlctl._shipped_jobs, which
+pearlctl.host.home finds through the import system (here: the editable install, which maps it onto the folder).
+The wheel itself is built and installed in tests/local/test_wheel_install.py."""
 
 from __future__ import annotations
 
 import tomllib
 
-from pearlctl import home
+from pearlctl import policies
+from pearlctl.host import home
 from tests.conftest import REPO
 
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -19,9 +20,9 @@ def test_every_package_under_pearlctl_is_listed():
 
 
 def test_the_shipped_folders_are_mapped_packages_found_through_the_import_system():
-    assert SETUPTOOLS["package-dir"] == {"pearlctl._shipped_policies": "policies", "pearlctl._shipped_jobs": "jobs"}
-    assert {"pearlctl._shipped_policies", "pearlctl._shipped_jobs"} <= set(SETUPTOOLS["packages"])
-    assert home.SHIPPED_POLICIES_DIR == REPO / "policies"  # the one copy, not a duplicate
+    assert SETUPTOOLS["package-dir"] == {"pearlctl._shipped_jobs": "jobs"}
+    assert "pearlctl._shipped_jobs" in SETUPTOOLS["packages"]
+    assert policies.SHIPPED_POLICIES_DIR == REPO / "pearlctl" / "policies" / "shipped"
     assert home.WORKER_SCRIPT == REPO / "jobs" / "worker.sh"
 
 

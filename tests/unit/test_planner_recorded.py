@@ -258,8 +258,10 @@ def _plan(p: Plan | None) -> dict | None:
 
 @functools.cache
 def policy(name: str):
-    """The shipped policy module ``policies/<name>.py`` (from its file, as pearlctl.policies loads it)."""
-    spec = importlib.util.spec_from_file_location(f"recorded_policy_{name}", REPO / "policies" / f"{name}.py")
+    """The shipped policy module ``pearlctl/policies/shipped/<name>.py`` (from its file, as pearlctl.policies
+    loads it)."""
+    path = REPO / "pearlctl" / "policies" / "shipped" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"recorded_policy_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,5 +1,5 @@
-"""The shipped policies' contracts (policies/static.py, elastic.py, pearl.py), loaded by name as the daemon
-and the simulator load them."""
+"""The shipped policies' contracts (pearlctl/policies/shipped/static.py, elastic.py, pearl.py), loaded by name
+as the daemon and the simulator load them."""
 
 from __future__ import annotations
 

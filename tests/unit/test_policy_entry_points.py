@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from pearlctl import doctor, home, policies
+from pearlctl import policies
+from pearlctl.ops import doctor
 from pearlctl.policies import PolicyError, load_policy
 
 ENTRY_POINTS = """\
@@ -61,7 +62,7 @@ def test_a_third_party_policy_loads_by_its_entry_point_name(third_party):
     obj = load_policy("tpobject")  # an object with decide, not a module
     assert type(obj).__name__ == "_Policy" and obj.decide(None) is None
     assert load_policy("tpgood") is module  # once per process
-    known = home.known_policies()
+    known = policies.known_policies()
     assert {"tpgood", "tpobject", "tpbad", "tpbroken"} <= set(known)
     assert {"never", "greedy", "static", "pearl", "elastic"} <= set(known)  # the shipped ones still there
 
@@ -81,7 +82,7 @@ def test_an_entry_point_that_fails_to_import_is_refused_naming_it(third_party):
 
 def test_a_name_is_never_a_path_even_for_an_entry_point(third_party):
     """An entry point whose name is not a policy name is not listed and cannot be loaded."""
-    assert "../evil" not in home.known_policies()
+    assert "../evil" not in policies.known_policies()
     with pytest.raises(PolicyError, match="is not a policy name"):
         load_policy("../evil")
 
@@ -90,7 +91,7 @@ def test_precedence_policy_path_then_entry_points_then_shipped(third_party, tmp_
     # an entry point beats a shipped policy of the same name
     static = load_policy("static")
     assert static.__name__ == "tp_good"
-    assert dict(home.policy_sources())["static"] == "entry point tp_good of tp-policies"
+    assert dict(policies.policy_sources())["static"] == "entry point tp_good of tp-policies"
     # a $PEARL_POLICY_PATH file beats an entry point
     folder = tmp_path / "mine"
     folder.mkdir()
@@ -98,13 +99,13 @@ def test_precedence_policy_path_then_entry_points_then_shipped(third_party, tmp_
     monkeypatch.setenv("PEARL_POLICY_PATH", str(folder))
     monkeypatch.setattr(policies, "_loaded", {})
     assert load_policy("tpgood").__file__ == str(folder / "tpgood.py")
-    assert dict(home.policy_sources())["tpgood"] == str(folder / "tpgood.py")
+    assert dict(policies.policy_sources())["tpgood"] == str(folder / "tpgood.py")
     # with neither, the shipped file
-    assert load_policy("pearl").__file__ == str(home.SHIPPED_POLICIES_DIR / "pearl.py")
+    assert load_policy("pearl").__file__ == str(policies.SHIPPED_POLICIES_DIR / "pearl.py")
 
 
 def test_doctor_says_where_each_policy_comes_from(third_party):
     check = doctor.check_policies()
     assert check.status == doctor.OK
     assert "tpgood from entry point tp_good of tp-policies" in check.detail
-    assert f"in {home.SHIPPED_POLICIES_DIR}" in check.detail
+    assert f"in {policies.SHIPPED_POLICIES_DIR}" in check.detail

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pearlctl.planner import profile as profiles
-from pearlctl.planner.profile import DecodeModel, Profile, ProfileError, step_costs
-from pearlctl.profiling import (
+from pearlctl.ops.profiling import (
     DecodePoint,
     ProfilingError,
     WorkerProbe,
@@ -17,6 +15,8 @@ from pearlctl.profiling import (
     kv_capacity,
     measure,
 )
+from pearlctl.planner import profile as profiles
+from pearlctl.planner.profile import DecodeModel, Profile, ProfileError, step_costs
 
 
 def test_fit_recovers_the_decode_model_it_was_measured_from():

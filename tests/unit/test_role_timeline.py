@@ -1,9 +1,9 @@
-"""pearlctl.timeline: a run's GPU roles over time rebuilt from journal rows (hand-built, and a real store's)."""
+"""pearlctl.ops.timeline: a run's GPU roles over time rebuilt from journal rows (hand-built, and a real store's)."""
 
 from __future__ import annotations
 
+from pearlctl.ops.timeline import CATEGORIES, Span, reconstruct
 from pearlctl.state.store import Store
-from pearlctl.timeline import CATEGORIES, Span, reconstruct
 from tests.conftest import create_trainer_run
 
 TRAINER = {"id": 1, "role": "TRAIN", "state": "UP", "pool": "trainer", "node": "n1", "idx": 0}

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.home import known_policies
 from pearlctl.planner.model import Move, MoveKind, Plan, Role
+from pearlctl.policies import known_policies
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
 from pearlctl.sim.compare import compare

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pearlctl.config import _POOL_KEYS, _RUN_KEYS, ROUTER_POLICIES, SpecError, parse_spec
-from pearlctl.launcher import requests_for
+from pearlctl.ops.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
 from pearlctl.vocabulary import PACED_ENGINE_ARGS
 

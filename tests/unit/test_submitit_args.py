@@ -62,7 +62,7 @@ def test_profile_slurm_rejects_bad_input_with_exit_2(tmp_path, monkeypatch, args
 
 
 def test_merge_takes_mean_and_spread_per_scenario_and_policy():
-    from pearlctl import sweep
+    from pearlctl.ops import sweep
     from pearlctl.sim.run import RunResult
     from pearlctl.sim.scenario import load
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from pearlctl.ops.watcher import maybe_sync, sync_run
 from pearlctl.slurm.records import JobRecord
 from pearlctl.state.store import Store
-from pearlctl.watcher import maybe_sync, sync_run
 
 
 class RecordedBackend:

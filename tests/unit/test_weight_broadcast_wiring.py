@@ -13,7 +13,7 @@ import pytest
 
 from pearlctl.config import SpecError, load_spec
 from pearlctl.daemon.weights import broadcast_targets
-from pearlctl.launcher import grow_request, requests_for
+from pearlctl.ops.launcher import grow_request, requests_for
 from pearlctl.slurm.script import worker_env
 from pearlctl.state.store import Store
 from pearlctl.trainer.broadcast import BROADCAST_ENV, WeightBroadcaster, server_engine_args

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import httpx
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
-from pearlctl.processes import die_with_parent
+from pearlctl.host.processes import die_with_parent
 from pearlctl.vocabulary import PACED_ENGINE_ARGS, SERVING_ROLES, Role
 
 Device = Literal["auto", "cpu", "gpu"]
@@ -589,7 +589,7 @@ SELECTED_METRICS = {
     # recomputes
     "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
-    # decode timing, for pearlctl.profiling: the engine's inter-token latencies and its steps
+    # decode timing, for pearlctl.ops.profiling: the engine's inter-token latencies and its steps
     "vllm:inter_token_latency_seconds_sum": "inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count": "inter_token_latency_seconds_count",
     "vllm:iteration_tokens_total_count": "engine_steps_total",

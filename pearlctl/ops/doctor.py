@@ -15,7 +15,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from pearlctl import __version__, home
+from pearlctl import __version__, policies
+from pearlctl.host import home
 from pearlctl.slurm.client import SlurmClient, SlurmError, SlurmNotConfigured
 from pearlctl.slurm.parse import PartitionConfig
 from pearlctl.state.errors import IncompatibleSchema
@@ -272,7 +273,7 @@ def check_policies() -> Check:
     """The policies a name finds, each with where it comes from (pearlctl.policies's order of precedence):
     ``never, pearl in /x/policies; mypolicy from entry point mypkg.policy of mypkg``."""
     groups: dict[str, list[str]] = {}
-    for name, source in home.policy_sources():
+    for name, source in policies.policy_sources():
         where = f"from {source}" if source.startswith("entry point ") else f"in {Path(source).parent}"
         groups.setdefault(where, []).append(name)
     detail = "; ".join(f"{', '.join(names)} {where}" for where, names in groups.items())

@@ -24,15 +24,15 @@ from pathlib import Path
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.config import DEFAULT_PENDING_TIMEOUT_S, PoolSpec, RunSpec, SpecError, SpecProblem
-from pearlctl.home import REPO_ROOT, WORKER_SCRIPT
-from pearlctl.runfiles import ensure_secret
+from pearlctl.host.home import REPO_ROOT, WORKER_SCRIPT
+from pearlctl.host.runfiles import ensure_secret
+from pearlctl.ops.watcher import sync_run
 from pearlctl.slurm.script import SubmitRequest, job_name, render_script
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
 from pearlctl.trainer.broadcast import BROADCAST_ENV, server_engine_args
 from pearlctl.vocabulary import POOL_KINDS, PoolKind, one_job_of_nodes
-from pearlctl.watcher import sync_run
 
 POOL_ORDER = tuple(str(k) for k in POOL_KINDS)  # the trainer first
 

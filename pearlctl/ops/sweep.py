@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pearlctl import home
+from pearlctl.host import home
 from pearlctl.sim import report
 from pearlctl.sim.compare import simulate
 from pearlctl.sim.run import RunResult, make_draws, make_trace
