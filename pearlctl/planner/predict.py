@@ -62,9 +62,11 @@ state decides), queueing variance (means only), chunked-prefill details, and spe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
+from typing import NamedTuple
 
 from pearlctl.planner.model import Deployment, Mode, Work
 from pearlctl.planner.profile import DecodeModel, Profile
@@ -126,76 +128,19 @@ def completion_s(work: Work, dep: Deployment, profile: Profile) -> float:
 
 def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     """The completion time, the effective decode batch and the bound that dominates (see the module doc)."""
-    n = float(work.trajectories)
-    if n <= 0:
+    if work.trajectories <= 0:
         return Prediction(0.0, 0.0, Bound.NONE)
-    disaggregated = dep.mode is Mode.DISAGGREGATED
-    if dep.decode <= 0 or (disaggregated and dep.prefill <= 0):
+    if dep.decode <= 0 or (dep.mode is Mode.DISAGGREGATED and dep.prefill <= 0):
         return Prediction(math.inf, 0.0, Bound.UNSERVED)
-
-    mean_turns = max(work.turns_left, 0.0)
-    max_turns = max(work.turns_left_max, mean_turns)
-    decode_tokens = max(work.decode_tokens_per_turn, 1.0)  # a turn always emits at least one token
-    prefill_tokens = max(work.prefill_tokens_per_turn, 0.0)
-    tool_s = max(work.tool_latency_s, 0.0)
-    growth = decode_tokens + prefill_tokens  # context tokens one turn adds
-    context0 = max(work.context_tokens, 0.0)
-
-    groups = _turn_groups(mean_turns, max_turns)
-    total = 0.0
-    phases: list[float] = []
-    first: _Steady | None = None
-    last: _Steady | None = None
-    slowest: tuple[float, Bound] = (-1.0, Bound.THROUGHPUT)
-    done_turns = 0.0
-    for k, turns in enumerate(groups):
-        delta = turns - done_turns
-        if delta <= 1e-12:
-            phases.append(0.0)
-            continue
-        active = n * (PHASES - k) / PHASES  # groups k.. are still running
-        context = context0 + (done_turns + delta / 2) * growth
-        # the groups this phase finishes call no tool after their last turn
-        ending = sum(1 for g in groups[k:] if g - turns <= 1e-12) / (PHASES - k)
-        phase_tool_s = tool_s * (1.0 - ending * min(1.0, 1.0 / delta))
-        steady = _steady(active, context, dep, profile, decode_tokens, prefill_tokens, phase_tool_s)
-        duration = delta * steady.turn_s
-        phases.append(duration)
-        total += duration
-        first = first or steady
-        last = steady
-        if duration > slowest[0]:
-            slowest = (duration, steady.bound)
-        done_turns = turns
-
-    if first is None or last is None:  # no turns left at all: the batch is done
+    shape = _Shape.of(work)
+    drain = _drain(shape, dep, profile)
+    if drain is None:  # no turns left at all: the batch is done
         return Prediction(0.0, 0.0, Bound.NONE)
-
-    # The straggler: its own turns one after another, in the last phase's batch (never faster than batch 1)
-    # and behind the last phase's queue for a batch slot or a prefill worker. One tail response (the ``*_max``),
-    # the others typical: response lengths per turn are independent, so two tail turns in one trajectory are
-    # rare. The tail response's excess decodes as the batch drains (the module doc). Its tools: the expected
-    # maximum of the tool-time sums of the trajectories that could be it.
-    s_excess = max(work.decode_tokens_per_turn_max - decode_tokens, 0.0)
-    s_decode = s_excess + max_turns * decode_tokens
-    s_tool, s_sd = _slowest_tools(
-        max(max_turns - 1.0, 0.0), n * _tail_share(mean_turns, max_turns), tool_s, work.tool_latency_max_s
-    )
-    s_context = context0 + (max_turns * prefill_tokens + s_decode) / 2
-    s_itl1 = profile.decode.itl(1.0, s_context)
-    s_it = max(last.it_s, s_itl1)
-    s_drain_it = 0.0  # one decode step of the tail response's excess, at the drain's mean batch
-    if s_excess > 0:  # (most predictions have none: exact lengths, or a tail no longer than the mean)
-        drain = (last.batch - 1.0) / math.log(last.batch) if last.batch > 1.0 + 1e-9 else 1.0
-        s_drain_it = max(profile.decode.itl(drain, s_context), s_itl1)
-    straggler = max_turns * (decode_tokens * s_it + last.prefill_s + last.queue_s) + s_excess * s_drain_it + s_tool
-    if context0 <= 0:  # the batch's start: every trajectory sends its first request at once, and the last
-        # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
-        entry = min(dep.decode, dep.prefill) if disaggregated else dep.decode
-        straggler += max(n / entry - 1.0, 0.0) * profile.request_serial_s
+    phases, total, first, last, slowest = drain
+    straggler, s_sd = _straggler(shape, work, dep, profile, last)
 
     # (identical trajectories make the two equal: the drain's bound says more then)
-    seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest[1])
+    seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest)
     seconds = max(seconds, straggler)
     k = profile.time_scale  # the run's learned correction (pearlctl.planner.correct); 1 without one
     return Prediction(
@@ -208,6 +153,98 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
         recompute_tokens_per_turn=first.recompute,
         phases_s=tuple(p * k for p in phases),
     )
+
+
+class _Shape(NamedTuple):
+    """The batch's remaining work per trajectory, clamped to what the model takes (``Work``'s means)."""
+
+    n: float  # unfinished trajectories
+    mean_turns: float
+    max_turns: float
+    decode_tokens: float  # response tokens per turn
+    prefill_tokens: float  # new tokens per turn
+    tool_s: float  # one tool call's mean latency
+    context0: float  # a trajectory's context now
+
+    @classmethod
+    def of(cls, work: Work) -> _Shape:
+        mean_turns = max(work.turns_left, 0.0)
+        return cls(
+            n=float(work.trajectories),
+            mean_turns=mean_turns,
+            max_turns=max(work.turns_left_max, mean_turns),
+            decode_tokens=max(work.decode_tokens_per_turn, 1.0),  # a turn always emits at least one token
+            prefill_tokens=max(work.prefill_tokens_per_turn, 0.0),
+            tool_s=max(work.tool_latency_s, 0.0),
+            context0=max(work.context_tokens, 0.0),
+        )
+
+
+def _drain(
+    shape: _Shape, dep: Deployment, profile: Profile
+) -> tuple[list[float], float, _Steady, _Steady, Bound] | None:
+    """The batch's drain, ``PHASES`` phases of the trajectories still unfinished (the module doc): each phase's
+    duration, their total, the first and last phases' steady states and the bound of the longest phase (None:
+    no phase runs a turn)."""
+    n, groups = shape.n, _turn_groups(shape.mean_turns, shape.max_turns)
+    decode_tokens, prefill_tokens, tool_s = shape.decode_tokens, shape.prefill_tokens, shape.tool_s
+    growth = decode_tokens + prefill_tokens  # context tokens one turn adds
+    total = 0.0
+    phases: list[float] = []
+    first: _Steady | None = None
+    last: _Steady | None = None
+    slowest: tuple[float, Bound] = (-1.0, Bound.THROUGHPUT)
+    done_turns = 0.0
+    for k, turns in enumerate(groups):
+        delta = turns - done_turns
+        if delta <= 1e-12:
+            phases.append(0.0)
+            continue
+        active = n * (PHASES - k) / PHASES  # groups k.. are still running
+        context = shape.context0 + (done_turns + delta / 2) * growth
+        # the groups this phase finishes call no tool after their last turn
+        ending = sum(1 for g in groups[k:] if g - turns <= 1e-12) / (PHASES - k)
+        phase_tool_s = tool_s * (1.0 - ending * min(1.0, 1.0 / delta))
+        steady = _steady(active, context, dep, profile, decode_tokens, prefill_tokens, phase_tool_s)
+        duration = delta * steady.turn_s
+        phases.append(duration)
+        total += duration
+        first = first or steady
+        last = steady
+        if duration > slowest[0]:
+            slowest = (duration, steady.bound)
+        done_turns = turns
+    if first is None or last is None:
+        return None
+    return phases, total, first, last, slowest[1]
+
+
+def _straggler(shape: _Shape, work: Work, dep: Deployment, profile: Profile, last: _Steady) -> tuple[float, float]:
+    """The straggler floor and its standard deviation (the module doc): its own turns one after another, in the
+    ``last`` phase's batch (never faster than batch 1) and behind that phase's queue for a batch slot or a
+    prefill worker. One tail response (the ``*_max``), the others typical: response lengths per turn are
+    independent, so two tail turns in one trajectory are rare. The tail response's excess decodes as the batch
+    drains. Its tools: the expected maximum of the tool-time sums of the trajectories that could be it."""
+    n, mean_turns, max_turns = shape.n, shape.mean_turns, shape.max_turns
+    decode_tokens, context0 = shape.decode_tokens, shape.context0
+    s_excess = max(work.decode_tokens_per_turn_max - decode_tokens, 0.0)
+    s_decode = s_excess + max_turns * decode_tokens
+    s_tool, s_sd = _slowest_tools(
+        max(max_turns - 1.0, 0.0), n * _tail_share(mean_turns, max_turns), shape.tool_s, work.tool_latency_max_s
+    )
+    s_context = context0 + (max_turns * shape.prefill_tokens + s_decode) / 2
+    s_itl1 = profile.decode.itl(1.0, s_context)
+    s_it = max(last.it_s, s_itl1)
+    s_drain_it = 0.0  # one decode step of the tail response's excess, at the drain's mean batch
+    if s_excess > 0:  # (most predictions have none: exact lengths, or a tail no longer than the mean)
+        drain = (last.batch - 1.0) / math.log(last.batch) if last.batch > 1.0 + 1e-9 else 1.0
+        s_drain_it = max(profile.decode.itl(drain, s_context), s_itl1)
+    straggler = max_turns * (decode_tokens * s_it + last.prefill_s + last.queue_s) + s_excess * s_drain_it + s_tool
+    if context0 <= 0:  # the batch's start: every trajectory sends its first request at once, and the last
+        # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
+        entry = min(dep.decode, dep.prefill) if dep.mode is Mode.DISAGGREGATED else dep.decode
+        straggler += max(n / entry - 1.0, 0.0) * profile.request_serial_s
+    return straggler, s_sd
 
 
 def _tail_share(mean_turns: float, max_turns: float) -> float:
@@ -271,38 +308,18 @@ def _steady(
     tool_s: float,
 ) -> _Steady:
     """The steady state of ``active`` trajectories of mean context ``context`` on ``dep``."""
-    decode = profile.decode
     per_worker = active / dep.decode
     kv = float(profile.kv_capacity_tokens)
     context = max(context, 1.0)
     kv_cap = kv / context
     cap = min(float(profile.max_num_seqs), kv_cap)
-
-    # Whose cache holds the contexts between turns: the colocated workers, or the prefill workers.
-    holders = dep.prefill if dep.mode is Mode.DISAGGREGATED else dep.decode
-    resident = active / holders * context
-    evicted = max(0.0, 1.0 - kv / resident) if resident > 0 else 0.0
-    recompute = evicted * context
-    prefill_eff = prefill_tokens + recompute
-
-    pf = profile.prefill_tok_s
-    # a turn's request also waits for the server's own handling (HTTP, tokenizing, scheduling); the serial
-    # part of it bounds the requests a worker's API server takes per second: every turn of its trajectories
-    # passes through it once (disaggregated: through a prefill worker's and a decode worker's)
-    overhead = profile.request_overhead_s
-    requests_floor = per_worker * profile.request_serial_s
-    if dep.mode is Mode.DISAGGREGATED:
-        own_prefill = prefill_eff / pf + profile.kv_transfer_s(context) + overhead
-        steal = 0.0
-        prefill_floor = active * prefill_eff / (dep.prefill * pf)
-        requests_floor = max(requests_floor, active / dep.prefill * profile.request_serial_s)
-    else:
-        own_prefill = prefill_eff / pf + overhead
-        steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
-        prefill_floor = 0.0
+    recompute = _recompute_tokens(active, context, dep, kv)
+    own_prefill, steal, prefill_floor, requests_floor = _turn_overheads(
+        active, context, dep, profile, decode_tokens, prefill_tokens + recompute
+    )
     floor = max(prefill_floor, requests_floor)
 
-    itl = decode.itl_at(context)
+    itl = profile.decode.itl_at(context)
 
     def it(b: float) -> float:
         return itl(b) + b * steal
@@ -316,37 +333,17 @@ def _steady(
         batch = hi  # more would decode if they could: the cap binds (or every trajectory decodes)
         capped = hi < per_worker
     else:
-        # g(mid) > mid, with it(mid) computed once per step and the constant products hoisted: the same
-        # floating-point operations in the same order as per_worker * decode_tokens * it(mid) / cycle(mid)
-        lo = 0.0
-        waits = tool_s + own_prefill
-        demand = per_worker * decode_tokens
-        if type(decode) is DecodeModel:
-            # ``itl(mid)`` (``DecodeModel.itl_at``, from the same ``itl_terms``) and ``max(..., floor)`` written out,
-            # the same operations in the same order: the loop runs a thousand times a decision
-            fixed, per_seq, experts, keep = decode.itl_terms(context)
-            moe = bool(decode.moe_experts)
-            for _ in range(_BISECTIONS):
-                mid = 0.5 * (lo + hi)
-                b = mid if mid > 1.0 else 1.0
-                i = (fixed + experts * (1.0 - keep**b) + per_seq * b if moe else fixed + per_seq * b) + mid * steal
-                c = waits + decode_tokens * i
-                if floor > c:
-                    c = floor
-                if demand * i / c > mid:
-                    lo = mid
-                else:
-                    hi = mid
-        else:
-            for _ in range(_BISECTIONS):
-                mid = 0.5 * (lo + hi)
-                i = itl(mid) + mid * steal
-                c = max(waits + decode_tokens * i, floor)
-                if demand * i / c > mid:
-                    lo = mid
-                else:
-                    hi = mid
-        batch = 0.5 * (lo + hi)
+        batch = _fixed_point(
+            profile.decode,
+            context,
+            itl,
+            hi,
+            per_worker * decode_tokens,
+            tool_s + own_prefill,
+            decode_tokens,
+            steal,
+            floor,
+        )
     it_s = it(batch)
     c = cycle(batch)
     # Queued behind the cap: a turn's decode waits for a slot, so the cycle is set by throughput. Uncapped,
@@ -361,3 +358,82 @@ def _steady(
         bound = Bound.THROUGHPUT
     queue = max(0.0, turn - (tool_s + own_prefill + decode_tokens * it_s))
     return _Steady(turn, batch, it_s, own_prefill, queue, recompute, bound)
+
+
+def _recompute_tokens(active: float, context: float, dep: Deployment, kv: float) -> float:
+    """Context tokens a trajectory re-prefills per turn: the share of the tool-waiting contexts that does not fit
+    the KV cache (``kv`` tokens a worker) of the workers that hold them between turns — the colocated workers,
+    or the prefill workers."""
+    holders = dep.prefill if dep.mode is Mode.DISAGGREGATED else dep.decode
+    resident = active / holders * context
+    evicted = max(0.0, 1.0 - kv / resident) if resident > 0 else 0.0
+    return evicted * context
+
+
+def _turn_overheads(
+    active: float, context: float, dep: Deployment, profile: Profile, decode_tokens: float, prefill_eff: float
+) -> tuple[float, float, float, float]:
+    """What a turn costs besides its decode and its tool, ``(own_prefill, steal, prefill_floor, requests_floor)``:
+    a trajectory's own latency per turn (its ``prefill_eff`` tokens' prefill, the KV transfer when
+    disaggregated, the request's overhead), the prefill seconds a colocated decode iteration spends per sequence
+    (``steal``: prefill time-shares the worker), and the floors the prefill workers and the API servers put
+    under the cycle."""
+    pf = profile.prefill_tok_s
+    # a turn's request also waits for the server's own handling (HTTP, tokenizing, scheduling); the serial
+    # part of it bounds the requests a worker's API server takes per second: every turn of its trajectories
+    # passes through it once (disaggregated: through a prefill worker's and a decode worker's)
+    overhead = profile.request_overhead_s
+    requests_floor = active / dep.decode * profile.request_serial_s
+    if dep.mode is Mode.DISAGGREGATED:
+        own_prefill = prefill_eff / pf + profile.kv_transfer_s(context) + overhead
+        prefill_floor = active * prefill_eff / (dep.prefill * pf)
+        requests_floor = max(requests_floor, active / dep.prefill * profile.request_serial_s)
+        return own_prefill, 0.0, prefill_floor, requests_floor
+    steal = prefill_eff / (decode_tokens * pf)  # prefill seconds per decode iteration per sequence
+    return prefill_eff / pf + overhead, steal, 0.0, requests_floor
+
+
+def _fixed_point(
+    decode: DecodeModel,
+    context: float,
+    itl: Callable[[float], float],
+    hi: float,
+    demand: float,
+    waits: float,
+    decode_tokens: float,
+    steal: float,
+    floor: float,
+) -> float:
+    """The effective batch below ``hi`` by bisection: the ``B`` where ``g(B) = demand * it(B) / cycle(B)`` meets
+    it, with ``it(B) = itl(B) + B * steal`` (``itl``: ``decode.itl_at(context)``) and ``cycle(B) = max(waits +
+    decode_tokens * it(B), floor)`` (the module doc). ``g(mid) > mid`` is tested with ``it(mid)`` computed once
+    per step and the constant products hoisted: the same floating-point operations in the same order as
+    ``per_worker * decode_tokens * it(mid) / cycle(mid)`` with ``demand = per_worker * decode_tokens`` and
+    ``waits = tool_s + own_prefill``."""
+    lo = 0.0
+    if type(decode) is DecodeModel:
+        # ``itl(mid)`` (``DecodeModel.itl_at``, from the same ``itl_terms``) and ``max(..., floor)`` written out,
+        # the same operations in the same order: the loop runs a thousand times a decision
+        fixed, per_seq, experts, keep = decode.itl_terms(context)
+        moe = bool(decode.moe_experts)
+        for _ in range(_BISECTIONS):
+            mid = 0.5 * (lo + hi)
+            b = mid if mid > 1.0 else 1.0
+            i = (fixed + experts * (1.0 - keep**b) + per_seq * b if moe else fixed + per_seq * b) + mid * steal
+            c = waits + decode_tokens * i
+            if floor > c:
+                c = floor
+            if demand * i / c > mid:
+                lo = mid
+            else:
+                hi = mid
+    else:
+        for _ in range(_BISECTIONS):
+            mid = 0.5 * (lo + hi)
+            i = itl(mid) + mid * steal
+            c = max(waits + decode_tokens * i, floor)
+            if demand * i / c > mid:
+                lo = mid
+            else:
+                hi = mid
+    return 0.5 * (lo + hi)
