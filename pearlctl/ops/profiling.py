@@ -103,7 +103,7 @@ def kv_capacity(metrics_text: str) -> int | None:
     return None
 
 
-# the engine's own counters of a decode (vLLM's /metrics, as pearlctl.agent.engines.vllm.parse_metrics names
+# the engine's own counters of a decode (vLLM's /metrics, as pearlctl.agent.engines.vllm_endpoints.parse_metrics names
 # them): their differences across a measurement
 _ENGINE_COUNTERS = {
     "inter_token_latency_seconds_sum": "itl_sum",
@@ -115,7 +115,7 @@ _ENGINE_COUNTERS = {
 
 def engine_counters(metrics_text: str) -> dict[str, float]:
     """The decode counters in a /metrics text, summed over engines (absent ones are left out)."""
-    from pearlctl.agent.engines.vllm import parse_metrics
+    from pearlctl.agent.engines.vllm_endpoints import parse_metrics
 
     parsed = parse_metrics(metrics_text)
     return {short: float(parsed[name]) for name, short in _ENGINE_COUNTERS.items() if name in parsed}

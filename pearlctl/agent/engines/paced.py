@@ -14,7 +14,7 @@ agent's adapter is `pearlctl.agent.engines.vllm.PacedServer`), it serves:
   logprobs; ``/v1/models``; answers carry ``X-Pearl-Worker`` and ``X-Pearl-Weight-Version`` as the agent's
   vLLM servers do (pearlctl.agent.engines.vllm_headers);
 - ``/health``, ``/load``, and ``/metrics`` with vLLM's metric names (the ones
-  `pearlctl.agent.engines.vllm.SELECTED_METRICS` reads, and ``vllm:engine_sleep_state``);
+  `pearlctl.agent.engines.vllm_endpoints.SELECTED_METRICS` reads, and ``vllm:engine_sleep_state``);
 - the dev endpoints: ``/pause?mode=`` (keep, wait, abort), ``/resume``, ``/is_paused``, ``/sleep?level=&mode=``,
   ``/wake_up``, ``/is_sleeping``, ``/abort_requests``, ``/collective_rpc`` with ``reload_weights``,
   ``/update_weight_version`` and ``/weight_info``.

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from pearlctl.agent.engines.paced_batch import UNSET_VERSION, PacedEngine, Seq
 from pearlctl.agent.engines.paced_tokens import Vocab, chat_prompt
-from pearlctl.agent.engines.vllm import PAUSE_MODES
+from pearlctl.agent.engines.vllm_endpoints import PAUSE_MODES
 
 VOCAB = 1 << 20  # token ids a prompt may hold (a real tokenizer's ids pass through: they are only hashed)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
