@@ -99,6 +99,54 @@ def of(snapshot: Snapshot) -> View:
     return view
 
 
+def _generation(
+    by_pool: dict[str, list[GpuSlot]], start_by: dict[bool, float]
+) -> tuple[dict[str, list[GpuSlot]], dict[str, list[GpuSlot]], dict[str, list[GpuSlot]]]:
+    """Each generation pool's GPUs that serve, that are startable — idle, and their allocation outlasts a wake
+    (parked) or a start by ``start_by`` (``budget.may_start``) — and that may serve: either, in snapshot order."""
+    serving: dict[str, list[GpuSlot]] = {}
+    startable: dict[str, list[GpuSlot]] = {}
+    may_serve: dict[str, list[GpuSlot]] = {}
+    idle = Role.IDLE
+    for p in _GENERATION:
+        on, up, may = serving[p], startable[p], may_serve[p] = [], [], []
+        for g in by_pool[p]:
+            role = g.role
+            if role in _SERVING:
+                on.append(g)
+                may.append(g)
+            elif role is idle and (g.ends_at is None or g.ends_at > start_by[g.parked]):  # budget.may_start
+                up.append(g)
+                may.append(g)
+    return serving, startable, may_serve
+
+
+def _split_lent(
+    s: Snapshot, serving: list[GpuSlot], lent_due_s: float, trainer_due: float
+) -> tuple[list[GpuSlot], list[GpuSlot]]:
+    """The lent trainer GPUs among ``serving``: those that must go back now (``budget.must_return``: the trainer
+    trains, or the return must start within ``lent_due_s`` of the deadline) and the rest (``budget.is_lent``
+    and not ``must_return``)."""
+    now = s.now
+    training = s.trainer.phase == "training" or s.trainer.batch_ready  # budget.must_return
+    forced: list[GpuSlot] = []
+    lent: list[GpuSlot] = []
+    for g in serving:
+        if g.borrowed:
+            due = g.return_deadline if g.return_deadline is not None else trainer_due
+            (forced if training or due - now <= lent_due_s else lent).append(g)
+    return forced, lent
+
+
+def _may_lend(s: Snapshot, trainer: list[GpuSlot], borrow_by: dict[bool, float], lend_limit: float) -> list[GpuSlot]:
+    """The trainer GPUs that may be lent (``budget``), in snapshot order: only while the trainer waits and its
+    batch is not complete, training GPUs not lent yet whose borrow ends by ``lend_limit``."""
+    if not (s.trainer.phase == "waiting" and not s.trainer.batch_ready):
+        return []
+    now, train = s.now, Role.TRAIN
+    return [g for g in trainer if g.role is train and not g.borrowed and now + borrow_by[g.parked] <= lend_limit]
+
+
 class View:
     """One snapshot's derived values. One pass over the GPUs sorts them into what the pool rules, the diff and
     the pricing read; the rest is computed on first use."""
@@ -116,8 +164,6 @@ class View:
         return_s = budget.return_cost_s(s)
         self.lent_due_s = return_s + slack  # a lent GPU leaves this long before its deadline
         self.trainer_due = trainer_due = budget.trainer_deadline(s)
-        training = s.trainer.phase == "training" or s.trainer.batch_ready  # budget.must_return
-        waiting = s.trainer.phase == "waiting" and not s.trainer.batch_ready  # lendable
         lend_limit = trainer_due - slack - return_s  # lendable: borrowed and back with the slack
         start_by = {True: now + costs.wake_s + slack, False: now + costs.start_s + slack}  # budget.may_start
         borrow_by = self._borrow_by = {True: costs.borrow_s(warm=True), False: costs.borrow_s(warm=False)}
@@ -130,7 +176,6 @@ class View:
             MoveKind.START: costs.start_s,
             MoveKind.SWITCH: costs.role_switch_s,
         }
-        idle, train = Role.IDLE, Role.TRAIN
 
         # One pass sorts the GPUs by pool; one more per pool sorts them by what they may do.
         by_pool: dict[str, list[GpuSlot]] = {p: [] for p in POOLS}
@@ -139,34 +184,13 @@ class View:
             if gpus is not None:
                 gpus.append(g)
         planned = [g for g in s.gpus if g.pool in _POOLS]
-        serving: dict[str, list[GpuSlot]] = {}
-        startable: dict[str, list[GpuSlot]] = {}
-        may_serve: dict[str, list[GpuSlot]] = {}  # servable: serving or startable, in snapshot order
-        for p in _GENERATION:
-            on, up, may = serving[p], startable[p], may_serve[p] = [], [], []
-            for g in by_pool[p]:
-                role = g.role
-                if role in _SERVING:
-                    on.append(g)
-                    may.append(g)
-                elif role is idle and (g.ends_at is None or g.ends_at > start_by[g.parked]):  # budget.may_start
-                    up.append(g)
-                    may.append(g)
+        serving, self._startable, self._may_serve = _generation(by_pool, start_by)
         trainer = by_pool[_TRAINER]
         serving[_TRAINER] = [g for g in trainer if g.role in _SERVING]
-        serving = {p: serving[p] for p in POOLS}
-        forced: list[GpuSlot] = []
-        lent: list[GpuSlot] = []  # budget.is_lent and not budget.must_return
-        for g in serving[_TRAINER]:
-            if g.borrowed:
-                due = g.return_deadline if g.return_deadline is not None else trainer_due
-                (forced if training or due - now <= self.lent_due_s else lent).append(g)
-        lendable = (
-            [g for g in trainer if g.role is train and not g.borrowed and now + borrow_by[g.parked] <= lend_limit]
-            if waiting
-            else []
-        )
-        by_id = {g.id: g for g in planned}
+        self.serving = serving = {p: serving[p] for p in POOLS}
+        self.forced, self._lent = _split_lent(s, serving[_TRAINER], self.lent_due_s, trainer_due)
+        self._lendable = _may_lend(s, trainer, borrow_by, lend_limit)
+        self.by_id = by_id = {g.id: g for g in planned}
         # ids are unique in a well-formed snapshot; where they are not, a move applies to every GPU of its id
         self._twins: dict[int, list[GpuSlot]] | None = None
         if len(by_id) != len(planned):
@@ -174,17 +198,18 @@ class View:
             for g in planned:
                 twins.setdefault(g.id, []).append(g)
             self._twins = twins
+        self._other_pools = len(planned) != len(s.gpus)  # GPUs of pools not planned here (reward)
+        self._count_base([g for p in POOLS for g in serving[p]])
 
-        # The current assignment's timeline: serving from the start, leaving at the allocation's end or, lent,
-        # when its return must start.
-        serving_gpus = [g for p in POOLS for g in serving[p]]
+    def _count_base(self, serving_gpus: list[GpuSlot]) -> None:
+        """The current assignment's timeline (``base``): its ``serving_gpus`` serve from the start and leave at
+        the allocation's end or, lent, when their return must start; and ``serving_roles``."""
         base_serving = Counter(map(_worker_key, serving_gpus))  # (g.node, g.pool, g.role) per GPU
         # serving GPUs per (pool, role), from the few hundred worker keys rather than the thousands of GPUs
         serving_roles: Counter[tuple[str, Role]] = Counter()
         for (_, pool, role), count in base_serving.items():
             serving_roles[(pool, role)] += count
         self.serving_roles = serving_roles
-        self._other_pools = len(planned) != len(s.gpus)  # GPUs of pools not planned here (reward)
         departures: Counter[tuple[float, float, Key]] = Counter()
         for g in serving_gpus:
             if g.ends_at is not None or (g.pool == _TRAINER and g.borrowed):
@@ -193,15 +218,7 @@ class View:
                     base_serving[(g.node, g.pool, g.role)] -= 1  # gone before it serves
                 elif leave is not None:
                     departures[(leave, 0.0, key)] += 1
-
-        self.serving = serving
-        self.forced = forced
-        self.by_id = by_id
         self.base = (base_serving, departures)
-        self._startable = startable
-        self._may_serve = may_serve
-        self._lent = lent
-        self._lendable = lendable
 
     def move(self, g: GpuSlot, kind: MoveKind, to: Role) -> Move:
         """The move of ``g`` (each move made once per snapshot: several targets share most of their moves). The
