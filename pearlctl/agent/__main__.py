@@ -28,7 +28,7 @@ import time
 
 from pearlctl.agent.client import DaemonClient
 from pearlctl.agent.identity import identity_from_env
-from pearlctl.agent.workers import Reconciler
+from pearlctl.agent.reconciler import Reconciler
 from pearlctl.api.bodies import MIN_LOSS_WINDOW_S
 from pearlctl.vocabulary import HEARTBEAT_S
 

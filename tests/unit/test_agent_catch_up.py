@@ -1,4 +1,4 @@
-"""The agent's weight catch-up (pearlctl.agent.workers.Reconciler.catch_up): a vLLM worker that becomes READY
+"""The agent's weight catch-up (pearlctl.agent.reconciler.Reconciler.catch_up): a vLLM worker that becomes READY
 between two answers of the daemon loads the weights the latest answer asked for at once, so its report names
 them as soon as they load, rather than one long poll later. Reloads run in the background: the agent's loop (its
 heartbeat) never waits for one. The vLLM server is the seam."""
@@ -9,7 +9,8 @@ import threading
 import time
 
 from pearlctl.agent.identity import Identity
-from pearlctl.agent.workers import Reconciler, VllmWorker
+from pearlctl.agent.reconciler import Reconciler
+from pearlctl.agent.workers import VllmWorker
 
 
 class StartingServer:

@@ -1,4 +1,4 @@
-"""A worker that keeps failing is restarted with a growing wait (pearlctl.agent.workers.Reconciler): 10 s, then
+"""A worker that keeps failing is restarted with a growing wait (pearlctl.agent.reconciler.Reconciler): 10 s, then
 twice as long after each failure in a row, at most 5 minutes; a worker that reached READY starts afresh. The
 clock and the worker handles are stand-ins (the seams); the agent's reconciler is the real one. A failed worker's
 report says why (exit status, the end of its log) and the daemon journals it."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pearlctl.agent.identity import Identity
-from pearlctl.agent.workers import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, Reconciler, identity, restart_wait
+from pearlctl.agent.reconciler import RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, Reconciler, restart_wait
+from pearlctl.agent.workers import identity
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
 from pearlctl.daemon.controller import Controller

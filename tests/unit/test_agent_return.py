@@ -1,4 +1,4 @@
-"""The agent's own return of lent GPUs (pearlctl.agent.workers.Reconciler), at its one seam: the worker
+"""The agent's own return of lent GPUs (pearlctl.agent.reconciler.Reconciler), at its one seam: the worker
 handle. A worker on lent trainer GPUs whose ``return_by`` has passed is stopped, the node-local return file
 is written for the trainer (after the stop, never before), the return is queued for the daemon, and the
 same lending is never served again — even when a stale desired state still lists it."""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pearlctl.agent.identity import Identity
-from pearlctl.agent.workers import Reconciler
+from pearlctl.agent.reconciler import Reconciler
 
 
 class Handle:
