@@ -45,11 +45,47 @@ _gpu = attrgetter("gpu")
 
 
 def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
-    s = snapshot
-    v = view.of(s)  # the snapshot's GPUs grouped and sorted once, for every target priced against it
-    serving = v.staying
-    forced = v.forced
+    """The fewest moves from the current assignment to ``target`` (the module doc), in the order an executor
+    should run them (``_ORDER``, then by GPU)."""
+    v = view.of(snapshot)  # the snapshot's GPUs grouped and sorted once, for every target priced against it
+    keep_n, add_n, drop_n = _counts(snapshot, v, target)
+    wanted_roles = _role_counts(target, sum(keep_n.values()) + sum(add_n.values()))
 
+    # Which serving GPUs leave: as many as possible from roles that have too many GPUs (each saves a switch).
+    have = v.staying_roles
+    excess = {r: max(0, sum(have[(p, r)] for p in POOLS) - wanted_roles[r]) for r in _ROLES}
+    from_role = _max_flow(drop_n, have, excess)
+
+    move = v.move  # (each cost from snapshot.costs: what the GPU's pool and parked worker make it)
+    out: list[Move] = [move(g, MoveKind.RETURN, Role.TRAIN) for g in v.forced]
+    kept_roles = {r: sum(have[(p, r)] for p in POOLS) for r in _ROLES}
+    kept_by_pool: dict[str, list[GpuSlot]] = {}
+    for p in POOLS:
+        leaving, kept_by_pool[p] = _leaving(v, p, drop_n[p], from_role)
+        for g in leaving:
+            kept_roles[g.role] -= 1
+        kind = MoveKind.RETURN if p == PoolKind.TRAINER else MoveKind.RETIRE
+        to = Role.TRAIN if p == PoolKind.TRAINER else Role.IDLE
+        out += [move(g, kind, to) for g in leaving]
+
+    # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short.
+    runs = _short_runs(wanted_roles, kept_roles)
+    switching = _switching(kept_by_pool, wanted_roles, kept_roles)
+    # The pools' new GPUs take the slots in order, then the switchers.
+    out += _adds(v, add_n, runs)
+    if switching:
+        at = sum(add_n.values())
+        roles = [r for r, first, stop in runs for _ in range(stop - first)]
+        for g in switching:
+            out.append(move(g, MoveKind.SWITCH, roles[at]))
+            at += 1
+    return _in_order(out)
+
+
+def _counts(s: Snapshot, v: view.View, target: Target) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per pool: how many of its serving GPUs stay, how many new ones come up and how many leave — the target's
+    counts clipped to what the pool rules allow (``max_lend``, the lendable and startable candidates)."""
+    serving = v.staying
     lend = max(target.lend, 0)
     if s.max_lend is not None:
         lend = min(lend, s.max_lend)
@@ -68,40 +104,31 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
     }
     add_n = {p: min(want[p] - keep_n[p], len(candidates[p])) for p in POOLS}
     drop_n = {p: len(serving[p]) - keep_n[p] for p in POOLS}
-    final = sum(keep_n.values()) + sum(add_n.values())
-    wanted_roles = _role_counts(target, final)
+    return keep_n, add_n, drop_n
 
-    # Which serving GPUs leave: as many as possible from roles that have too many GPUs (each saves a switch).
-    have = v.staying_roles
-    excess = {r: max(0, sum(have[(p, r)] for p in POOLS) - wanted_roles[r]) for r in _ROLES}
-    from_role = _max_flow(drop_n, have, excess)
 
-    move = v.move  # (each cost from snapshot.costs: what the GPU's pool and parked worker make it)
-    out: list[Move] = [move(g, MoveKind.RETURN, Role.TRAIN) for g in forced]
-    kept_roles = {r: sum(have[(p, r)] for p in POOLS) for r in _ROLES}
-    kept_by_pool: dict[str, list[GpuSlot]] = {}
-    for p in POOLS:
-        if not drop_n[p]:  # (the common case, cheap: nothing leaves this pool)
-            kept_by_pool[p] = serving[p]
-            continue
-        order = v.leave_order(p)
-        leaving: list[GpuSlot] = []
-        for r in _ROLES:
-            if from_role[(p, r)]:
-                leaving += [g for g in order if g.role is r][: from_role[(p, r)]]
-        left = {g.id for g in leaving}
-        rest = [g for g in order if g.id not in left]
-        extra = drop_n[p] - len(leaving)
-        leaving += rest[:extra]
-        kept_by_pool[p] = rest[extra:]
-        for g in leaving:
-            kept_roles[g.role] -= 1
-        kind = MoveKind.RETURN if p == PoolKind.TRAINER else MoveKind.RETIRE
-        to = Role.TRAIN if p == PoolKind.TRAINER else Role.IDLE
-        out += [move(g, kind, to) for g in leaving]
+def _leaving(
+    v: view.View, pool: str, drop: int, from_role: dict[tuple[str, Role], int]
+) -> tuple[list[GpuSlot], list[GpuSlot]]:
+    """Which ``drop`` of ``pool``'s staying GPUs leave, and which stay: ``from_role``'s count of each role (the
+    max flow's), then any; the soonest to end first (``view.leave_order``)."""
+    if not drop:  # (the common case, cheap: nothing leaves this pool)
+        return [], v.staying[pool]
+    order = v.leave_order(pool)
+    leaving: list[GpuSlot] = []
+    for r in _ROLES:
+        if from_role[(pool, r)]:
+            leaving += [g for g in order if g.role is r][: from_role[(pool, r)]]
+    left = {g.id for g in leaving}
+    rest = [g for g in order if g.id not in left]
+    extra = drop - len(leaving)
+    leaving += rest[:extra]
+    return leaving, rest[extra:]
 
-    # Roles: kept GPUs in an over-full role switch; new GPUs and switchers fill the roles that are short: the
-    # slots, in order, are runs of one role each (ROLLOUT, PREFILL, DECODE), as (role, first, end) here.
+
+def _short_runs(wanted_roles: dict[Role, int], kept_roles: dict[Role, int]) -> list[tuple[Role, int, int]]:
+    """The slots new GPUs and switchers fill, in order: runs of one role each (ROLLOUT, PREFILL, DECODE), as
+    (role, first, end), one for each role the kept GPUs leave short."""
     runs: list[tuple[Role, int, int]] = []
     end = 0
     for r in _ROLES:
@@ -109,6 +136,13 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
         if short:
             runs.append((r, end, end + short))
             end += short
+    return runs
+
+
+def _switching(
+    kept_by_pool: dict[str, list[GpuSlot]], wanted_roles: dict[Role, int], kept_roles: dict[Role, int]
+) -> list[GpuSlot]:
+    """The kept GPUs that switch role: as many of each over-full role as it has too many, by node and id."""
     over = {r: max(0, kept_roles[r] - wanted_roles[r]) for r in _ROLES}
     switching: list[GpuSlot] = []
     if any(over.values()):
@@ -117,9 +151,13 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
             if over[g.role] > 0:
                 over[g.role] -= 1
                 switching.append(g)
+    return switching
 
-    # The pools' new GPUs take the slots in order (POOLS' order, each pool's best candidates first), then the
-    # switchers: each new GPU's move (BORROW, WAKE or START) is ``view.adds``'.
+
+def _adds(v: view.View, add_n: dict[str, int], runs: list[tuple[Role, int, int]]) -> list[Move]:
+    """The pools' new GPUs in the first slots of ``runs``, in POOLS' order, each pool's best candidates first:
+    each new GPU's move (BORROW, WAKE or START) is ``view.adds``'."""
+    out: list[Move] = []
     at = 0
     for p in POOLS:
         n = add_n[p]
@@ -130,12 +168,11 @@ def moves(snapshot: Snapshot, target: Target) -> tuple[Move, ...]:
             if lo < hi:
                 out += v.adds(p, r, lo - at, hi - at)
         at += n
-    if switching:
-        roles = [r for r, first, stop in runs for _ in range(stop - first)]
-        for g in switching:
-            out.append(move(g, MoveKind.SWITCH, roles[at]))
-            at += 1
-    # in _ORDER, then by GPU (a stable sort by kind and GPU, one kind at a time)
+    return out
+
+
+def _in_order(out: list[Move]) -> tuple[Move, ...]:
+    """``out`` in _ORDER, then by GPU (a stable sort by kind and GPU, one kind at a time)."""
     by_kind: dict[MoveKind, list[Move]] = {kind: [] for kind in _KINDS}
     for m in out:
         by_kind[m.kind].append(m)
