@@ -56,11 +56,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pearlctl.host.runfiles import write_atomic
 from pearlctl.trainer.events import EventLog
 from pearlctl.trainer.weights import prune_weights
+
+if TYPE_CHECKING:
+    from pearlctl.trainer.hook import TrainerHook
 
 STATE_FILE = "paced_state.json"
 """A checkpoint's one file, in ``<ckpt_dir>/<tag>/``: ``{"global_steps", "client_state"}``."""
@@ -284,29 +287,14 @@ def _make_channel(spec: str, out: Path):
 def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     args = parse_args(argv)
-    from pearlctl.trainer import TrainerHook
-
     rank, world_size = _init_world()
     args.out.mkdir(parents=True, exist_ok=True)
     say = EventLog(args.out / "train.jsonl" if rank == 0 else None)
     engine = PacedEngine(offload_s=args.offload_s, reload_s=args.reload_s)
     engine.module.state_dict()  # imports torch now, at start-up, not inside step 1's paced export
 
-    channel = _make_channel(args.channel, args.out)
     ckpt_dir = args.out / "checkpoints"
-    hook = TrainerHook(
-        engine,
-        channel=channel,
-        rank=rank,
-        world_size=world_size,
-        ckpt_dir=ckpt_dir,
-        base_model_dir=args.model,
-        release_mode=args.release_mode,
-        poll_interval_s=args.poll_interval,
-        on_command=lambda done: say(done["command"], command_id=done["command_id"], **done["result"]),
-    )
-    hook.save_on_signal(ckpt_dir)
-
+    hook = _make_hook(args, engine, rank, world_size, ckpt_dir, say)
     t = time.monotonic()
     step = hook.resume(ckpt_dir)
     if step:
@@ -322,16 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         t_wait = time.monotonic()
         released_before = hook.released
-        # train.py's FileRollouts.next_batch: wait serving commands, take the GPUs back, read the batch
-        path = batch_path(args.rollouts, step)
-        ready = hook.wait_until(
-            path.exists, step=step, expected_wait_s=expected_wait, poll_interval_s=args.poll_interval
-        )
-        if not ready:  # a signal arrived while waiting: the last finished step is step - 1
-            say("checkpoint", step=step - 1, reason="signal")
-            hook.checkpoint_and_exit(step - 1)
-        hook.ensure_reclaimed()
-        batch = batch_summary(path)
+        batch = _next_batch(hook, args, step, expected_wait, say)
         wait_s = time.monotonic() - t_wait
         expected_wait = wait_s if expected_wait is None else 0.7 * expected_wait + 0.3 * wait_s
 
@@ -376,6 +355,43 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _make_hook(
+    args: argparse.Namespace, engine: PacedEngine, rank: int, world_size: int, ckpt_dir: Path, say: EventLog
+) -> TrainerHook:
+    """The real ``TrainerHook`` over the stand-in engine, as train.py makes it: the channel ``--channel`` names,
+    checkpoints in ``ckpt_dir`` (one saved on USR2 or TERM), and each command it carries out logged as an event."""
+    from pearlctl.trainer import TrainerHook
+
+    hook = TrainerHook(
+        engine,
+        channel=_make_channel(args.channel, args.out),
+        rank=rank,
+        world_size=world_size,
+        ckpt_dir=ckpt_dir,
+        base_model_dir=args.model,
+        release_mode=args.release_mode,
+        poll_interval_s=args.poll_interval,
+        on_command=lambda done: say(done["command"], command_id=done["command_id"], **done["result"]),
+    )
+    hook.save_on_signal(ckpt_dir)
+    return hook
+
+
+def _next_batch(
+    hook: TrainerHook, args: argparse.Namespace, step: int, expected_wait: float | None, say: EventLog
+) -> dict:
+    """train.py's FileRollouts.next_batch: wait for step ``step``'s batch serving the daemon's commands, take the
+    GPUs back, read the batch (`batch_summary`). A signal while waiting checkpoints the last finished step and
+    exits."""
+    path = batch_path(args.rollouts, step)
+    ready = hook.wait_until(path.exists, step=step, expected_wait_s=expected_wait, poll_interval_s=args.poll_interval)
+    if not ready:  # a signal arrived while waiting: the last finished step is step - 1
+        say("checkpoint", step=step - 1, reason="signal")
+        hook.checkpoint_and_exit(step - 1)
+    hook.ensure_reclaimed()
+    return batch_summary(path)
 
 
 def _init_world() -> tuple[int, int]:
