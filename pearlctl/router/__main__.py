@@ -22,10 +22,10 @@ in the foreground. Guarantees:
   lives as long as the gateway serves), started by `PdRouterChild.launch` on a fresh
   loopback port for each new set of lists: 0.1.17 refuses ``/add_worker`` in PD mode, so a change of the
   pairs starts a new one, which takes the new requests once ready while the one it replaces finishes what
-  runs through it (pearlctl.router.gateway: make before break). One that exits is replaced within a second.
+  runs through it (pearlctl.router.routing: make before break). One that exits is replaced within a second.
 - **A control plane of its own.** ``/health``, ``/pearl/workers`` and ``/pearl/stats`` are served a second
   time on a socket of their own (same host, a free port), on the control plane's thread and event loop
-  (pearlctl.router.gateway.ControlPlane), where membership changes run: a batch of thousands of turns on
+  (pearlctl.router.control.ControlPlane), where membership changes run: a batch of thousands of turns on
   the public socket does not delay them. The daemon's router keeper uses it.
 - **The record.** Once both answer, the gateway writes ``RUN_DIR/.pearl/router.json``
   (pearlctl.router.service.RouterRecord: pid, start ticks, base URL, router URL, control URL) atomically,
@@ -73,7 +73,10 @@ from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerS
 from pearlctl.vocabulary import Role
 
 if TYPE_CHECKING:
-    from pearlctl.router.gateway import PdLists
+    import uvicorn
+
+    from pearlctl.router.gateway import Gateway
+    from pearlctl.router.routing import PdLists
 
 log = logging.getLogger("pearlctl.router")
 
@@ -252,7 +255,7 @@ class RouterChild:
 
 
 class PdRouterChild:
-    """A `RouterChild` in PD mode as the gateway sees a PD router (pearlctl.router.gateway.PdRouter)."""
+    """A `RouterChild` in PD mode as the gateway sees a PD router (pearlctl.router.routing.PdRouter)."""
 
     def __init__(self, child: RouterChild, lists: PdLists):
         self.child, self.url, self.lists = child, child.url, lists
@@ -261,7 +264,7 @@ class PdRouterChild:
     async def launch(cls, args: argparse.Namespace, lists: PdLists) -> PdRouterChild:
         """Start one and return it once it answers ``/liveness`` (in PD mode 0.1.17 answers only after every
         listed worker's ``/health``); RuntimeError, with nothing left running, otherwise. Runs on the
-        control plane's thread (pearlctl.router.gateway.ControlPlane), which lives as long as the gateway
+        control plane's thread (pearlctl.router.control.ControlPlane), which lives as long as the gateway
         serves: the child's death signal follows the thread that forked it."""
         child = RouterChild(args, pd=lists)
         child.start()
@@ -287,7 +290,7 @@ async def _watch_pd(gateway, stopping: asyncio.Event) -> None:
         if stopping.is_set():
             return
         try:
-            await gateway.check_pd()
+            await gateway.routers.check_pd()
         except Exception as exc:  # never fatal: tried again on the next tick
             log.error("checking the PD router failed: %s", exc)
 
@@ -313,7 +316,7 @@ async def _watch_router(
         except (OSError, RuntimeError) as exc:
             log.error("vllm-router restart failed: %s", exc)
             continue
-        failed = await gateway.reregister()
+        failed = await gateway.routers.reregister()
         log.warning("vllm-router restarted; members re-registered%s", f" except {failed}" if failed else "")
         restarted()
         backoff = RESTART_BACKOFF_S[0]
@@ -328,41 +331,23 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
 
 
-async def _serve(
-    args: argparse.Namespace, key: str, sock: socket.socket, control_sock: socket.socket, advertise: str
-) -> int:
+def _gateway(args: argparse.Namespace, key: str, router: RouterChild) -> Gateway:
+    """The gateway in front of ``router``, starting PD routers as this process's children."""
+    from pearlctl.router.gateway import Gateway, GatewayConfig
+
+    config = GatewayConfig(
+        key=key, router_url=router.url, retry_for_s=args.retry_for_s, request_timeout_s=args.request_timeout_s
+    )
+    return Gateway(config, pd_launcher=lambda lists: PdRouterChild.launch(args, lists))
+
+
+def _public_server(gateway: Gateway) -> uvicorn.Server:
+    """The server of the gateway's public socket (the OpenAI routes and the control routes)."""
     import uvicorn
 
-    from pearlctl.router.gateway import ControlPlane, Gateway, GatewayConfig, build_app
+    from pearlctl.router.app import build_app
 
-    router = RouterChild(args)
-    router.start()
-    try:
-        await router.wait_ready(ROUTER_READY_S)  # a SIGTERM meanwhile stops it (default action)
-    except RuntimeError as exc:
-        log.error("%s", exc)
-        router.stop()
-        return 3
-    gateway = Gateway(
-        GatewayConfig(
-            key=key,
-            router_url=router.url,
-            retry_for_s=args.retry_for_s,
-            request_timeout_s=args.request_timeout_s,
-        ),
-        pd_launcher=lambda lists: PdRouterChild.launch(args, lists),
-    )
-    # membership, health and the PD routers on their own thread and loop (pearlctl.router.gateway)
-    control = ControlPlane(
-        gateway, control_sock, tasks=[lambda stop: _watch_pd(gateway, stop)], loop_factory=_loop_factory()
-    )
-    try:
-        await asyncio.to_thread(control.start)
-    except RuntimeError as exc:
-        log.error("%s", exc)
-        router.stop()
-        return 3
-    server = uvicorn.Server(
+    return uvicorn.Server(
         uvicorn.Config(
             build_app(gateway),
             log_level="warning",
@@ -372,6 +357,66 @@ async def _serve(
             timeout_graceful_shutdown=5,
         )
     )
+
+
+def _record(
+    args: argparse.Namespace, router: RouterChild, sock: socket.socket, control_sock: socket.socket, advertise: str
+) -> service.RouterRecord:
+    """Write the record of this gateway (``RUN_DIR/.pearl/router.json``) and return it."""
+    pid = os.getpid()
+    port = sock.getsockname()[1]
+    root = f"http://{advertise}:{port}"
+    control_url = f"http://{advertise}:{control_sock.getsockname()[1]}"
+    record = service.RouterRecord(
+        pid=pid,
+        start_ticks=service.proc_start_ticks(pid) or 0,
+        url=root,
+        base_url=root + "/v1",
+        router_url=router.url,
+        host=args.host,
+        port=port,
+        started_at=time.time(),
+        router_pid=router.proc.pid if router.proc else None,
+        launch_id=args.launch_id,
+        log=args.log,
+        control_url=control_url,
+    )
+    service.write_record(args.run_dir, record)
+    log.info(
+        "gateway on %s, control on %s (vllm-router %s); record %s",
+        root,
+        control_url,
+        router.url,
+        service.record_path(args.run_dir),
+    )
+    return record
+
+
+async def _serve(
+    args: argparse.Namespace, key: str, sock: socket.socket, control_sock: socket.socket, advertise: str
+) -> int:
+    from pearlctl.router.control import ControlPlane
+
+    router = RouterChild(args)
+    router.start()
+    try:
+        await router.wait_ready(ROUTER_READY_S)  # a SIGTERM meanwhile stops it (default action)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        router.stop()
+        return 3
+    gateway = _gateway(args, key, router)
+    # membership, health and the PD routers on their own thread and loop (pearlctl.router.control)
+    control = ControlPlane(
+        gateway, control_sock, tasks=[lambda stop: _watch_pd(gateway, stop)], loop_factory=_loop_factory()
+    )
+    try:
+        await asyncio.to_thread(control.start)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        router.stop()
+        return 3
+    server = _public_server(gateway)
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -393,7 +438,6 @@ async def _serve(
 
     watchdog = asyncio.create_task(_watch_router(router, gateway, stopping, restarted))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    pid = os.getpid()
     try:
         while not server.started:
             if serving.done():
@@ -401,34 +445,9 @@ async def _serve(
             await asyncio.sleep(0.02)
         if args.worker:
             initial = WorkerSet(workers=[parse_worker(spec) for spec in args.worker], wait_s=5.0)
-            for url, why in (await gateway.on_control(gateway.sync, initial))["failed"].items():
+            for url, why in (await gateway.control.run(gateway.admin.sync, initial))["failed"].items():
                 log.error("initial worker %s: %s", url, why)
-        port = sock.getsockname()[1]
-        root = f"http://{advertise}:{port}"
-        control_url = f"http://{advertise}:{control_sock.getsockname()[1]}"
-        record = service.RouterRecord(
-            pid=pid,
-            start_ticks=service.proc_start_ticks(pid) or 0,
-            url=root,
-            base_url=root + "/v1",
-            router_url=router.url,
-            host=args.host,
-            port=port,
-            started_at=time.time(),
-            router_pid=router.proc.pid if router.proc else None,
-            launch_id=args.launch_id,
-            log=args.log,
-            control_url=control_url,
-        )
-        service.write_record(args.run_dir, record)
-        written.append(record)
-        log.info(
-            "gateway on %s, control on %s (vllm-router %s); record %s",
-            root,
-            control_url,
-            router.url,
-            service.record_path(args.run_dir),
-        )
+        written.append(_record(args, router, sock, control_sock, advertise))
         await serving
         return 0
     finally:
@@ -438,7 +457,7 @@ async def _serve(
             await watchdog
         await asyncio.to_thread(control.stop)  # the PD routers stop with it
         router.stop()
-        service.remove_record(args.run_dir, pid)
+        service.remove_record(args.run_dir, os.getpid())
         await gateway.aclose()
         log.info("gateway stopped")
 

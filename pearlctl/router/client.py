@@ -45,7 +45,7 @@ from tenacity.stop import stop_base
 
 from pearlctl.api.client import ControlClient, DaemonRefusal
 from pearlctl.router import service
-from pearlctl.router.gateway import RETRY_FOR_HEADER, SESSION_HEADER
+from pearlctl.router.app import RETRY_FOR_HEADER, SESSION_HEADER
 
 log = logging.getLogger("pearlctl.router")
 

@@ -1,8 +1,8 @@
 """Which rollout workers the run's router sends requests to: the gateway's admin API, as typed bodies and
 the one client the daemon uses to drive it.
 
-The gateway (pearlctl.router.gateway) serves ``/pearl/workers`` with the same credential as its
-OpenAI-compatible routes (``Authorization: Bearer <router key>``):
+The gateway serves ``/pearl/workers`` (pearlctl.router.app; the changes: pearlctl.router.admin) with the same
+credential as its OpenAI-compatible routes (``Authorization: Bearer <router key>``):
 
   GET    /pearl/workers              the members: url, role, weight version, when added, whether it is routed to
   POST   /pearl/workers              `WorkerIn`: add one worker (or change its weight version or role); idempotent

@@ -65,7 +65,7 @@ class RouterRecord:
     router_pid: int | None = None
     launch_id: str | None = None  # names the `start` call that made it
     log: str | None = None
-    # the control plane's own socket (health, membership; pearlctl.router.gateway.ControlPlane), e.g.
+    # the control plane's own socket (health, membership; pearlctl.router.control.ControlPlane), e.g.
     # http://head:41234: answered while the data plane's loop is busy with a batch's turns
     control_url: str | None = None
 
@@ -203,6 +203,56 @@ def _log_tail(path: Path) -> str:
         return f"(no log at {path}: {exc})"
 
 
+def _detach(argv: list[str], log: Path, deadline: float, ready_timeout_s: float) -> None:
+    """Run the launcher (``argv``, output to ``log``) and wait, until ``deadline``, for it to fork the gateway
+    away and exit 0; else `RouterStartError` with the log's tail (a launcher that hangs is killed)."""
+    with open(log, "ab") as out:
+        out.write(f"# pearlctl: starting {' '.join(argv)}\n".encode())
+        out.flush()
+        try:
+            launcher = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as exc:
+            raise RouterStartError(f"cannot run {argv[0]} -m pearlctl.router: {exc}") from exc
+    try:
+        code = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.wait()
+        raise RouterStartError(
+            f"the router launcher (pid {launcher.pid}) did not detach within {ready_timeout_s:.0f} s; "
+            f"log {log} ends:\n{_log_tail(log)}"
+        ) from None
+    if code != 0:
+        raise RouterStartError(f"the router launcher exited with code {code}; log {log} ends:\n{_log_tail(log)}")
+
+
+def _await_record(
+    run_dir: str | os.PathLike, launch_id: str, log: Path, deadline: float, ready_timeout_s: float
+) -> RouterRecord:
+    """The record the gateway of ``launch_id`` writes, once that gateway answers ``/health`` ok; by
+    ``deadline``, else `RouterStartError` (a gateway that wrote its record but does not answer is stopped)."""
+    while True:
+        record = read_record(run_dir)
+        if record is not None and record.launch_id == launch_id:
+            if not same_process(record.pid, record.start_ticks):
+                raise RouterStartError(
+                    f"the router gateway (pid {record.pid}) exited; log {log} ends:\n{_log_tail(log)}"
+                )
+            doc = health(record.admin_url, timeout=1.0)
+            if doc is not None and doc.get("ok"):
+                return record
+        if time.monotonic() >= deadline:
+            if record is not None and record.launch_id == launch_id:
+                stop(record, timeout=5.0)
+            raise RouterStartError(
+                f"the router gateway did not answer /health within {ready_timeout_s:.0f} s; log {log} ends:\n"
+                f"{_log_tail(log)}"
+            )
+        time.sleep(0.05)
+
+
 def start(
     run_dir: str | os.PathLike,
     host: str,
@@ -242,76 +292,28 @@ def start(
     log = Path(log_path) if log_path is not None else Path(run_dir) / "logs" / "router.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     launch_id = secrets.token_hex(8)
-    argv = [
-        python or sys.executable,
-        "-m",
-        "pearlctl.router",
-        "--run-dir",
-        str(run_dir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--key-file",
-        str(key_file),
-        "--policy",
-        policy,
-        "--retry-for-s",
-        str(retry_for_s),
-        "--request-timeout-s",
-        str(request_timeout_s),
-        "--health-check-interval-s",
-        str(health_check_interval_s),
-        "--launch-id",
-        launch_id,
-        "--log",
-        str(log),
-        "--detach",
-    ]
+    argv = [python or sys.executable, "-m", "pearlctl.router", "--run-dir", str(run_dir)]
+    for flag, value in (
+        ("--host", host),
+        ("--port", port),
+        ("--key-file", key_file),
+        ("--policy", policy),
+        ("--retry-for-s", retry_for_s),
+        ("--request-timeout-s", request_timeout_s),
+        ("--health-check-interval-s", health_check_interval_s),
+        ("--launch-id", launch_id),
+        ("--log", log),
+    ):
+        argv += [flag, str(value)]
+    argv.append("--detach")
     if advertise_host:
         argv += ["--advertise-host", advertise_host]
     for url, version in (workers or {}).items():
         role = (roles or {}).get(url, Role.ROLLOUT)
         argv += ["--worker", (f"{url}={version}" if version else url) + (f"@{role}" if role != Role.ROLLOUT else "")]
     deadline = time.monotonic() + ready_timeout_s
-    with open(log, "ab") as out:
-        out.write(f"# pearlctl: starting {' '.join(argv)}\n".encode())
-        out.flush()
-        try:
-            launcher = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        except OSError as exc:
-            raise RouterStartError(f"cannot run {argv[0]} -m pearlctl.router: {exc}") from exc
-    try:
-        code = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        launcher.kill()
-        launcher.wait()
-        raise RouterStartError(
-            f"the router launcher (pid {launcher.pid}) did not detach within {ready_timeout_s:.0f} s; "
-            f"log {log} ends:\n{_log_tail(log)}"
-        ) from None
-    if code != 0:
-        raise RouterStartError(f"the router launcher exited with code {code}; log {log} ends:\n{_log_tail(log)}")
-    while True:
-        record = read_record(run_dir)
-        if record is not None and record.launch_id == launch_id:
-            if not same_process(record.pid, record.start_ticks):
-                raise RouterStartError(
-                    f"the router gateway (pid {record.pid}) exited; log {log} ends:\n{_log_tail(log)}"
-                )
-            doc = health(record.admin_url, timeout=1.0)
-            if doc is not None and doc.get("ok"):
-                return record
-        if time.monotonic() >= deadline:
-            if record is not None and record.launch_id == launch_id:
-                stop(record, timeout=5.0)
-            raise RouterStartError(
-                f"the router gateway did not answer /health within {ready_timeout_s:.0f} s; log {log} ends:\n"
-                f"{_log_tail(log)}"
-            )
-        time.sleep(0.05)
+    _detach(argv, log, deadline, ready_timeout_s)
+    return _await_record(run_dir, launch_id, log, deadline, ready_timeout_s)
 
 
 def stop(record: RouterRecord, *, timeout: float = 10.0, run_dir: str | os.PathLike | None = None) -> bool:

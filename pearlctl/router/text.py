@@ -12,7 +12,7 @@ same steps vLLM takes for an uninterrupted request (``vllm/v1/engine/detokenizer
 
 Guarantees:
 - given the model's ``tokenizer.json``, a continued turn's text equals the uninterrupted run's, whatever the
-  boundary (tests/unit/test_router_text.py checks every boundary of real outputs of the tiny model);
+  boundary (tests/unit/test_gateway.py checks every boundary of real outputs of the tiny model);
 - without one (a model directory that has none, a hub id the head node cannot read), or for a request this
   cannot mirror (stop strings, which vLLM matches on its own text, or ``spaces_between_special_tokens`` off),
   the parts keep vLLM's text, as before; the gateway says so once per model in its log;

@@ -1,6 +1,6 @@
-"""The gateway (pearlctl.router.gateway) with one seam faked: the upstream HTTP (vllm-router and the workers'
-``/health``), as an ``httpx.MockTransport``. The app itself runs for real (Starlette, through
-``httpx.ASGITransport``).
+"""The gateway (pearlctl.router: gateway, app, turn, routing, admin) with one seam faked: the upstream HTTP
+(vllm-router and the workers' ``/health``), as an ``httpx.MockTransport``. The app itself runs for real
+(Starlette, through ``httpx.ASGITransport``).
 
 The fake upstream "decodes" greedily with a deterministic rule — the next token is a function of the whole
 sequence — so a continuation from token ids reproduces an uninterrupted run exactly only if the gateway sends
@@ -30,17 +30,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from pearlctl.router.gateway import (
-    Gateway,
-    GatewayConfig,
-    PdLists,
-    build_app,
-    choose_pd,
-    pd_lists,
-    pd_share,
-    regular_members,
-)
+from pearlctl.router.app import build_app
+from pearlctl.router.gateway import Gateway, GatewayConfig
 from pearlctl.router.membership import RouterMembership, ValidationError
+from pearlctl.router.routing import PdLists, choose_pd, pd_lists, pd_share, regular_members
 
 KEY = "k3y-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -326,7 +319,7 @@ def run(
     scenario: Callable[[Gateway, httpx.AsyncClient, Upstream], Awaitable[None]], *, pd: bool = False, **config: Any
 ) -> Upstream:
     """Run ``scenario`` against a fresh gateway whose upstream is a fresh `Upstream` (``pd``: with the fake
-    PD-router launcher, ``gateway.pd_launcher``)."""
+    PD-router launcher, ``gateway.routers.pd_launcher``)."""
     upstream = Upstream()
 
     async def main() -> None:
@@ -855,7 +848,7 @@ def test_reregister_puts_every_member_back_into_a_restarted_router() -> None:
         await add(client, W1)
         await add(client, W2)
         up.routed.clear()  # vllm-router restarted: its membership was in memory
-        assert await gw.reregister() == []
+        assert await gw.routers.reregister() == []
         assert up.routed == {W1, W2}
 
     run(scenario)
@@ -923,11 +916,11 @@ def test_members_with_roles_go_through_a_pd_router_while_a_pair_exists() -> None
         assert (await add(client, W1)).json()["worker"]["role"] == "ROLLOUT"  # the default: colocated
         r = await add(client, P1, role="PREFILL")
         assert r.status_code == 200 and r.json()["worker"]["role"] == "PREFILL"
-        assert up.routed == {W1, P1} and gw.pd is None and gw.pd_launcher.launched == []  # half a pair
+        assert up.routed == {W1, P1} and gw.routers.pd is None and gw.routers.pd_launcher.launched == []  # half a pair
         r = await add(client, D1, role="DECODE")
         assert r.status_code == 200
-        [pd] = gw.pd_launcher.launched
-        assert pd.lists == PdLists((P1,), (D1,)) and gw.pd is pd
+        [pd] = gw.routers.pd_launcher.launched
+        assert pd.lists == PdLists((P1,), (D1,)) and gw.routers.pd is pd
         assert up.routed == {W1}  # the pair left the regular router once the PD router took it over
         listed = {w["url"]: w for w in (await client.get("/pearl/workers", headers=AUTH)).json()["workers"]}
         assert {u: (w["role"], w["router"], w["routed"]) for u, w in listed.items()} == {
@@ -960,7 +953,7 @@ def test_members_with_roles_go_through_a_pd_router_while_a_pair_exists() -> None
         assert up.via == [pd.url, pd.url] and up.routed == set()  # only the pair is left
 
         await client.delete("/pearl/workers", params={"url": D1}, headers=AUTH)
-        assert gw.pd is None and up.routed == {P1}  # half a pair again: it serves whole requests
+        assert gw.routers.pd is None and up.routed == {P1}  # half a pair again: it serves whole requests
         await asyncio.sleep(0.05)
         assert pd.stopped  # nothing ran through it any more
         up.via.clear()
@@ -981,7 +974,7 @@ def test_a_new_pair_starts_a_new_pd_router_and_the_old_one_stops_only_after_its_
             headers=AUTH,
         )
         assert sorted(synced.json()["added"]) == [D1, P1] and up.routed == set()
-        [old] = gw.pd_launcher.launched  # one launch for the whole set, not one per worker
+        [old] = gw.routers.pd_launcher.launched  # one launch for the whole set, not one per worker
         go_on = asyncio.Event()
         up.script = [("hold", 3, go_on, "finish")]
         body = {"prompt": "xyz", "max_tokens": 8, "stream": True, "return_token_ids": True}
@@ -990,8 +983,8 @@ def test_a_new_pair_starts_a_new_pd_router_and_the_old_one_stops_only_after_its_
             await asyncio.sleep(0.001)
         both = [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}, {"url": D2, "role": "DECODE"}]
         await client.put("/pearl/workers", json={"workers": both, "wait_s": 1}, headers=AUTH)
-        new = gw.pd_launcher.launched[-1]
-        assert new.lists == PdLists((P1,), (D1, D2)) and gw.pd is new
+        new = gw.routers.pd_launcher.launched[-1]
+        assert new.lists == PdLists((P1,), (D1, D2)) and gw.routers.pd is new
         r = await client.post("/v1/completions", json={"prompt": "q", "max_tokens": 2}, headers=AUTH)
         assert r.status_code == 200 and up.via[-1] == new.url  # new requests: the new router
         await asyncio.sleep(0.1)
@@ -1004,7 +997,7 @@ def test_a_new_pair_starts_a_new_pd_router_and_the_old_one_stops_only_after_its_
             if old.stopped:
                 break
             await asyncio.sleep(0.01)
-        assert old.stopped and not new.stopped and gw.pd_info["retired"] == 1
+        assert old.stopped and not new.stopped and gw.routers.pd_info["retired"] == 1
 
     run(scenario, pd=True)
 
@@ -1027,7 +1020,7 @@ def test_a_turn_aborted_on_a_colocated_worker_that_left_continues_exactly_on_the
         assert got == greedy(list(b"xyz"), 10)
         pearl = [e for e in evs[:-1] if "pearl" in e][0]["pearl"]
         assert pearl["continued"] == 1 and [p["tokens"] for p in pearl["parts"]] == [4, 6]
-        assert up.via == [ROUTER, gw.pd.url]
+        assert up.via == [ROUTER, gw.routers.pd.url]
         assert up.requests[1][1]["prompt"] == list(b"xyz") + greedy(list(b"xyz"), 4)
 
     run(scenario, pd=True)
@@ -1035,22 +1028,26 @@ def test_a_turn_aborted_on_a_colocated_worker_that_left_continues_exactly_on_the
 
 def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_again() -> None:
     async def scenario(gw, client, up):
-        gw.pd_launcher.fail = 1
+        gw.routers.pd_launcher.fail = 1
         pair = {"workers": [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}], "wait_s": 1}
         doc = (await client.put("/pearl/workers", json=pair, headers=AUTH)).json()
-        assert doc["failed"] == {} and gw.pd is None and up.routed == {P1, D1}  # serving, colocated
+        assert doc["failed"] == {} and gw.routers.pd is None and up.routed == {P1, D1}  # serving, colocated
         assert all(w["router"] == "regular" and w["routed"] for w in doc["workers"])
         health = (await client.get("/health")).json()
         assert health["pd"]["failures"] == 1 and "liveness" in health["pd"]["last_error"]
-        await gw.check_pd()  # within the back-off: not tried
-        assert gw.pd_launcher.launched == []
+        await gw.routers.check_pd()  # within the back-off: not tried
+        assert gw.routers.pd_launcher.launched == []
         await asyncio.sleep(0.06)
-        await gw.check_pd()
-        assert gw.pd is not None and up.routed == set()
-        gw.pd.dead = True  # the PD router exits: requests meanwhile go to the regular router
-        assert gw.upstream(None) == ROUTER
-        await gw.check_pd()
-        assert len(gw.pd_launcher.launched) == 2 and gw.pd.alive() and gw.pd.lists == PdLists((P1,), (D1,))
+        await gw.routers.check_pd()
+        assert gw.routers.pd is not None and up.routed == set()
+        gw.routers.pd.dead = True  # the PD router exits: requests meanwhile go to the regular router
+        assert gw.routers.upstream(None) == ROUTER
+        await gw.routers.check_pd()
+        assert (
+            len(gw.routers.pd_launcher.launched) == 2
+            and gw.routers.pd.alive()
+            and gw.routers.pd.lists == PdLists((P1,), (D1,))
+        )
 
     run(scenario, pd=True, pd_retry_s=0.05)
 
@@ -1059,7 +1056,7 @@ def test_without_a_launcher_prefill_and_decode_members_serve_colocated() -> None
     async def scenario(gw, client, up):
         await add(client, P1, role="PREFILL")
         await add(client, D1, role="DECODE")
-        assert gw.pd is None and up.routed == {P1, D1}
+        assert gw.routers.pd is None and up.routed == {P1, D1}
         r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers=AUTH)
         assert r.status_code == 200 and up.via == [ROUTER]
 

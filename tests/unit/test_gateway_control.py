@@ -1,4 +1,4 @@
-"""The gateway's control plane (pearlctl.router.gateway.ControlPlane) on its own thread and event loop: a
+"""The gateway's control plane (pearlctl.router.control.ControlPlane) on its own thread and event loop: a
 membership change sent to its socket is made, and answered, while the data plane's loop cannot run at all.
 
 Real sockets and real servers on loopback: the gateway's public app (uvicorn) in the test's own event loop,
@@ -19,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pearlctl.router.gateway import ControlPlane, Gateway, GatewayConfig, build_app
+from pearlctl.router.app import build_app
+from pearlctl.router.control import ControlPlane
+from pearlctl.router.gateway import Gateway, GatewayConfig
 
 KEY = "k3y-for-tests"
 AUTH = {"Authorization": f"Bearer {KEY}"}

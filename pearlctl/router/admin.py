@@ -1,0 +1,187 @@
+"""What the admin API (``/pearl/workers``, pearlctl.router.membership) does to the gateway's members: add a
+worker once its ``/health`` answers, remove one, make the members exactly a set, and say how the routers list
+each member. Runs on the control plane's loop (pearlctl.router.control).
+
+Guarantees:
+- A worker becomes a member only once its ``/health`` answered 200 within its ``wait_s`` (504 otherwise) and
+  a vllm-router took it (502 otherwise); a worker that could not be routed is not a member, or keeps its
+  previous version and role.
+- A set (`MemberAdmin.sync`) is health-checked concurrently and changes the routers once for the whole set.
+- A worker removed or re-added while it was awaited is answered 409, never added behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+import httpx
+
+from pearlctl.router.control import ControlLoop
+from pearlctl.router.errors import BadRequest
+from pearlctl.router.members import MemberRecord, Members
+from pearlctl.router.membership import WorkerIn, WorkerSet
+from pearlctl.router.routing import Routers
+
+log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
+
+
+class MemberAdmin:
+    """The membership changes of the admin API, over the members and the routers that route to them."""
+
+    def __init__(self, members: Members, routers: Routers, control: ControlLoop):
+        self.members, self.routers, self.control = members, routers, control
+        self._wanted: dict[str, int] = {}  # url -> the latest add's ticket (a remove withdraws it)
+        self._ticket = 0
+
+    async def _wait_healthy(self, url: str, wait_s: float) -> str | None:
+        """None once ``url``/health answers 200 within ``wait_s``; else why not."""
+        deadline = time.monotonic() + wait_s
+        last = "no answer"
+        while True:
+            try:
+                resp = await self.control.http.get(url + "/health", timeout=min(5.0, max(0.5, wait_s)))
+                if resp.status_code == 200:
+                    return None
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}".strip()
+            if time.monotonic() >= deadline:
+                return f"{url}/health not 200 within {wait_s:g} s (last: {last})"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    async def _admit(
+        self, workers: list[WorkerIn], *, gone: Iterable[str] = (), wait_s: float
+    ) -> tuple[dict[str, tuple[int, dict]], dict[str, str]]:
+        """Add or update ``workers``, each once its ``/health`` answers 200 within its ``wait_s`` (awaited
+        concurrently), then route to exactly the members, ``gone`` left out: one change of the routers for
+        the whole set. Returns each worker's (HTTP status, answer) and the URLs that could not be taken out of
+        the regular router. A worker that could not be routed is not a member (or keeps its previous version
+        and role)."""
+        tickets: dict[str, int] = {}
+        for w in workers:
+            self._ticket += 1
+            tickets[w.url] = self._wanted[w.url] = self._ticket
+        whys = await asyncio.gather(*(self._wait_healthy(w.url, w.wait_s) for w in workers))
+        results: dict[str, tuple[int, dict]] = {}
+        before: dict[str, MemberRecord | None] = {}
+        for w, why in zip(workers, whys, strict=True):
+            if self._wanted.get(w.url) != tickets[w.url]:
+                message = f"{w.url} was removed or re-added while it was awaited"
+                results[w.url] = (409, {"error": {"message": message, "type": "conflict", "code": 409}})
+            elif why is not None:
+                if w.url not in self.members.by_url:
+                    del self._wanted[w.url]
+                status = 504 if "not 200 within" in why else 502
+                message = f"{w.url} not added: {why}"
+                results[w.url] = (status, {"error": {"message": message, "type": "worker_unavailable", "code": status}})
+            else:
+                before[w.url] = self.members.by_url.get(w.url)
+                member, added, changed = self.members.set(w.url, w.weight_version, w.role)
+                results[w.url] = (200, {"worker": member.doc(), "added": added, "updated": changed})
+        failed, stuck = await self.routers.reconcile(force=before, gone=gone, wait_s=wait_s)
+        undone: list[str] = []
+        for url, why in failed.items():
+            if url not in before or self._wanted.get(url) != tickets[url]:
+                continue  # not one of these workers, or removed meanwhile
+            prev = before.pop(url)
+            if prev is None:
+                self.members.drop(url)
+                del self._wanted[url]
+                undone.append(url)
+            else:
+                self.members.put(prev)
+            message = f"{url} not added: {why}"
+            results[url] = (502, {"error": {"message": message, "type": "worker_unavailable", "code": 502}})
+        if failed.keys() & tickets.keys():
+            _, more = await self.routers.reconcile(gone=undone, wait_s=wait_s)  # a late add must not route
+            stuck.update(more)
+        for url in before:
+            _, doc = results[url]
+            if doc["added"] or doc["updated"]:
+                m = self.members.by_url[url]
+                log.info(
+                    "member %s %s (%s, weight version %s)",
+                    url,
+                    "added" if doc["added"] else "updated",
+                    m.role,
+                    m.weight_version,
+                )
+        return results, stuck
+
+    async def add(self, worker: WorkerIn) -> tuple[int, dict]:
+        """Add one worker (or change its version or role); (HTTP status, answer)."""
+        results, _ = await self._admit([worker], wait_s=worker.wait_s)
+        return results[worker.url]
+
+    async def remove(self, url: str) -> dict:
+        self._wanted.pop(url, None)
+        was = self.members.drop(url)
+        _, stuck = await self.routers.reconcile(gone=[url])
+        if url in stuck:
+            raise BadRequest(502, f"{url}: {stuck[url]}")
+        if was:
+            log.info("member %s removed", url)
+        return {"removed": was}
+
+    async def sync(self, wanted: WorkerSet) -> dict:
+        target = {w.url: w for w in wanted.workers}
+        removed = [u for u in list(self.members.by_url) if u not in target]
+        for url in removed:
+            self._wanted.pop(url, None)
+            self.members.drop(url)
+            log.info("member %s removed", url)
+        routed = {d["url"] for d in await self.member_docs() if d.get("routed") is not False}
+        current = self.members.by_url
+        changing = [
+            w.model_copy(update={"wait_s": wanted.wait_s})
+            for w in target.values()
+            if w.url not in current
+            or (current[w.url].weight_version, current[w.url].role) != (w.weight_version, w.role)
+            or w.url not in routed  # a member a router lost (a failed re-registration) is added again
+        ]
+        results, stuck = await self._admit(changing, gone=removed, wait_s=wanted.wait_s)
+        if stuck:
+            raise BadRequest(502, "; ".join(f"{url}: {why}" for url, why in sorted(stuck.items())))
+        added, updated, failed = [], [], {}
+        for url, (status, doc) in results.items():
+            if status != 200:
+                failed[url] = doc["error"]["message"]
+            elif doc["added"]:
+                added.append(url)
+            elif doc["updated"]:
+                updated.append(url)
+        return {
+            "added": added,
+            "removed": removed,
+            "updated": updated,
+            "failed": failed,
+            "workers": await self.member_docs(),
+        }
+
+    async def member_docs(self) -> list[dict]:
+        """The members, each with ``router`` (``regular`` or ``pd``: which vllm-router routes to it),
+        ``routed`` and ``healthy`` as that router lists it (both left out when it does not answer)."""
+        listed = await self.routers.router_workers()
+        seen = {str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None
+        pd, pd_seen = await self.routers.pd_listing()
+        in_pd = pd.lists.urls() if pd is not None else frozenset()
+        out = []
+        for m in self.members.members():
+            doc = m.doc()
+            if m.url in in_pd:
+                doc["router"] = "pd"
+                if pd is not None and not pd.alive():
+                    doc["routed"] = doc["healthy"] = False
+                elif pd_seen is not None:
+                    doc["routed"] = m.url in pd_seen
+                    doc["healthy"] = bool(pd_seen[m.url].get("is_healthy")) if m.url in pd_seen else False
+            else:
+                doc["router"] = "regular"
+                if seen is not None:
+                    doc["routed"] = m.url in seen
+                    doc["healthy"] = bool(seen[m.url].get("is_healthy")) if m.url in seen else False
+            out.append(doc)
+        return out
