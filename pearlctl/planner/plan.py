@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from pearlctl.planner import view
@@ -125,16 +125,36 @@ def timeline_s(snapshot: Snapshot, planned: Iterable[Move], *, instant: bool = F
     # The current assignment's GPUs (serving from the start, leaving when a return is due or an allocation
     # ends) are counted once per snapshot (``view.base``); a plan changes only its moved GPUs' shares: each
     # stops serving as it was, and serves in its new role once its move is done.
-    gpw = s.profile.gpus_per_worker
     base_gpus, base_workers, base_leaving, base_departing = v.base_timeline
     taken, cancelled, added = v.changes(planned)
-    fleet = _Fleet(gpw)
+    fleet = _Fleet(s.profile.gpus_per_worker)
     fleet.gpus, fleet.workers = base_gpus.copy(), base_workers.copy()
     if taken:
         fleet.update(taken, -1)
+    joins, arrived, departing = _arrivals(added, instant)
+    if arrived:
+        fleet.update(arrived, 1)
+    seconds = v.completion_s
+
+    # Departures come from two lists, each in time order: the current assignment's that the plan keeps (sorted
+    # once per snapshot) and the moved GPUs'.
+    base = [] if base_departing - sum(cancelled.values()) <= 0 else base_leaving
+    leaving: list[tuple[float, Key, int]] = []  # (leaves, worker key, GPUs)
+    grid = 1.0
+    if base or departing:
+        grid, leaving = _rounded_departures(fleet, joins, departing, seconds)
+    return _run_segments(fleet, seconds, joins, leaving, base, cancelled, grid)
+
+
+def _arrivals(
+    added: Counter, instant: bool
+) -> tuple[defaultdict[float, Counter], Counter, list[tuple[float, float, Key, int]]]:
+    """When the GPUs a plan brings in (``View.changes``' added: per (key, leaves, move cost)) serve: those that
+    start later per start time and worker key, those serving from the start per worker key, and those that
+    leave as (leaves, starts serving, worker key, GPUs). A GPU gone before its move is done never serves."""
     joins: defaultdict[float, Counter] = defaultdict(Counter)  # (starts serving) -> worker key -> GPUs
     arrived: Counter = Counter()
-    departing: list[tuple[float, float, Key, int]] = []  # (leaves, starts serving, worker key, GPUs)
+    departing: list[tuple[float, float, Key, int]] = []
     for (key, leave, cost), n in added.items():
         start = 0.0 if instant else cost
         if leave is not None:
@@ -145,25 +165,40 @@ def timeline_s(snapshot: Snapshot, planned: Iterable[Move], *, instant: bool = F
             joins[start][key] += n
         else:
             arrived[key] += n
-    if arrived:
-        fleet.update(arrived, 1)
-    seconds = v.completion_s
+    return joins, arrived, departing
 
-    # Events grouped by instant: at one instant arrivals count before departures (counts never go negative).
-    # Departures come from two lists, each in time order: the current assignment's that the plan keeps (sorted
-    # once per snapshot) and the moved GPUs'.
-    base = [] if base_departing - sum(cancelled.values()) <= 0 else base_leaving
-    leaving: list[tuple[float, Key, int]] = []  # (leaves, worker key, GPUs)
-    grid = 1.0
-    if base or departing:
-        # Round departures down (never later than they happen, never before the GPU serves) to a grid
-        # scaled by the batch's time; consumed in time order, and only up to the batch's end.
-        final = fleet.copy()
-        for joined in joins.values():
-            final.update(joined, 1)
-        ref = min(seconds(fleet.deployment()), seconds(final.deployment()))
-        grid = ref / _DEPARTURE_GRID if math.isfinite(ref) and ref > 0 else 1.0
-        leaving = sorted((max(math.floor(t / grid) * grid, start), key, n) for t, start, key, n in departing)
+
+def _rounded_departures(
+    fleet: _Fleet,
+    joins: dict[float, Counter],
+    departing: list[tuple[float, float, Key, int]],
+    seconds: Callable[[Deployment], float],
+) -> tuple[float, list[tuple[float, Key, int]]]:
+    """The departure grid, 1/``_DEPARTURE_GRID`` of the batch's time (the lesser of its time on ``fleet`` now and
+    once every GPU has joined), and the moved GPUs' ``departing`` rounded down to it (never later than they
+    happen, never before the GPU serves) as (leaves, worker key, GPUs), in time order."""
+    final = fleet.copy()
+    for joined in joins.values():
+        final.update(joined, 1)
+    ref = min(seconds(fleet.deployment()), seconds(final.deployment()))
+    grid = ref / _DEPARTURE_GRID if math.isfinite(ref) and ref > 0 else 1.0
+    return grid, sorted((max(math.floor(t / grid) * grid, start), key, n) for t, start, key, n in departing)
+
+
+def _run_segments(
+    fleet: _Fleet,
+    seconds: Callable[[Deployment], float],
+    joins: dict[float, Counter],
+    leaving: list[tuple[float, Key, int]],
+    base: list[tuple[float, Key, int]],
+    cancelled: Counter,
+    grid: float,
+) -> float:
+    """The batch run through the segments between events, from now on ``fleet`` (the module doc): GPUs join at
+    their ``joins`` times; the moved GPUs leave at their (rounded) ``leaving`` times, and the current
+    assignment's ``base`` departures the plan keeps (those not ``cancelled``) at their times rounded down to
+    ``grid``; consumed in time order, and only up to the batch's end. At one instant arrivals count before
+    departures (counts never go negative)."""
     join_times = sorted(joins)
 
     # the next kept departure of the current assignment: rounded times grow with its (sorted) raw times
