@@ -1,7 +1,8 @@
 """The trace-driven simulator (docs/simulator.md): a scenario's cluster, elastic trace, engines and RL loop in
 simulated time, driving the daemon's own planner and policies.
 
-- ``scenario``: the scenario file, validated;
+- ``scenario``: a scenario, loaded from its file into the values the simulator runs;
+- ``scenario_schema``: the scenario file's tables as strict pydantic models, and every problem in words;
 - ``availability``: the elastic-capacity trace (grants, preemption notices, preemptions);
 - ``engine``: the truth model of the rollout engines, tick by tick;
 - ``run``: the RL loop in simulated time, driving a policy as the daemon does;

@@ -2,7 +2,10 @@
 profile, the agentic workload and the RL loop (docs/simulator.md has the format).
 
 Guarantees: ``load`` either returns a complete, internally consistent ``Scenario`` or raises
-``ScenarioError`` naming the key (``[workload] turns.p99``) and what would be allowed. The profile is
+``ScenarioError`` with every problem found, one line each, naming the key (``[workload] turns.p99``) and what
+would be allowed. The file is read into strict pydantic models of its tables (pearlctl/sim/scenario_schema.py:
+unknown keys, wrong types, NaN and infinities refused), which ``_build`` turns into the frozen dataclasses the
+simulator consumes, with the defaults that depend on other tables or on the profile. The profile is
 referenced by path relative to the scenario file and loaded with the planner's own loader
 (``pearlctl.planner.profile.load``), so the simulator and the planner read the same numbers.
 
@@ -22,21 +25,34 @@ import statistics
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pearlctl.planner.profile import Profile, ProfileError
 from pearlctl.planner.profile import load as load_profile
+from pearlctl.sim.scenario_schema import (
+    DISTRIBUTION_PARAMETERS,
+    MISMATCH_KINDS,
+    MISMATCH_PRESET_NAMES,
+    DistributionTable,
+    MismatchTable,
+    PerturbationTable,
+    ScenarioFile,
+    read,
+)
 
 
 class ScenarioError(ValueError):
-    pass
+    """A scenario that cannot be used: every problem found, one line each (``problems``)."""
+
+    def __init__(self, *problems: str):
+        self.problems = list(problems)
+        super().__init__("\n".join(problems))
 
 
 # z of the 99th percentile of a standard normal: a lognormal given by (median, p99) has sigma = ln(p99/median)/Z99.
 Z99 = 2.3263478740408408
-
-DISTRIBUTION_KINDS = ("const", "uniform", "lognormal")
 
 # The rollout driver's join wait: a batch due while workers are joining (GPUs in a transition toward a serving
 # role: a borrow, start, wake or switch) is launched once they serve, or this long after it was due (0: at
@@ -53,7 +69,6 @@ MEASURED_PREDICTOR_ERRORS = (-0.24, -0.15, -0.26, -0.26, -0.13, -0.37)
 _MEASURED_RATIOS = [1.0 / (1.0 + e) for e in MEASURED_PREDICTOR_ERRORS]
 MEASURED_BIAS = round(statistics.median(_MEASURED_RATIOS), 3)  # 1.334: the truth takes a third longer
 MEASURED_SPREAD = round(statistics.stdev(math.log(r) for r in _MEASURED_RATIOS), 3)  # 0.116
-MISMATCH_KINDS = ("decode", "prefill", "tool_latency", "transitions")
 
 
 @dataclass(frozen=True)
@@ -215,7 +230,7 @@ NO_MISMATCH = Mismatch()
 # completion that much longer whatever its mix. Transition costs were not part of that measurement: the same
 # bias is an ASSUMPTION (the daemon's running estimates from the journal learn them, as the simulator's do).
 MEASURED = Mismatch(**dict.fromkeys(MISMATCH_KINDS, Perturbation(MEASURED_BIAS, MEASURED_SPREAD)))
-MISMATCH_PRESETS = {"none": NO_MISMATCH, "measured": MEASURED}
+MISMATCH_PRESETS = dict(zip(MISMATCH_PRESET_NAMES, (NO_MISMATCH, MEASURED), strict=True))
 
 
 @dataclass(frozen=True)
@@ -257,252 +272,78 @@ class Scenario:
 
 # -- loading ----------------------------------------------------------------------------------------
 
-_SECTIONS = {"scenario", "cluster", "availability", "workload", "training", "mismatch", "sources"}
 
-
-def _table(doc: dict, name: str, where: str, *, required: bool = True) -> dict:
-    t = doc.get(name)
-    if t is None:
-        if required:
-            raise ScenarioError(f"{where}: missing [{name}] table")
-        return {}
-    if not isinstance(t, dict):
-        raise ScenarioError(f"{where}: {name} must be a table [{name}]")
-    return dict(t)
-
-
-def _known(t: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(t) - allowed)
-    if unknown:
-        raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-
-
-def _number(t: dict, key: str, where: str, *, default=None, minimum: float = 0.0, strict: bool = False, integer=False):
-    if key not in t:
-        if default is None:
-            raise ScenarioError(f"{where} {key}: required ({'an integer' if integer else 'a number'})")
-        return default
-    v = t[key]
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not math.isfinite(v):
-        raise ScenarioError(f"{where} {key}: must be {'an integer' if integer else 'a number'} (got {v!r})")
-    if v < minimum or (strict and v == minimum):
-        raise ScenarioError(f"{where} {key}: must be {'>' if strict else '>='} {minimum} (got {v!r})")
-    return v
-
-
-def _distribution(t: dict, key: str, where: str) -> Distribution:
-    w = f"{where} {key}"
-    spec = t.get(key)
-    if spec is None:
-        raise ScenarioError(f'{w}: required, e.g. {{kind = "lognormal", median = 500, p99 = 4000}}')
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return Distribution("const", value=float(spec))
-    if not isinstance(spec, dict):
-        raise ScenarioError(f"{w}: must be a number or an inline table with kind = {'|'.join(DISTRIBUTION_KINDS)}")
-    kind = spec.get("kind")
-    allowed = {"const": {"value"}, "uniform": {"low", "high"}, "lognormal": {"median", "p99"}}
-    if kind not in allowed:
-        raise ScenarioError(f"{w}.kind: must be one of {', '.join(DISTRIBUTION_KINDS)} (got {kind!r})")
-    _known(spec, allowed[kind] | {"kind", "min", "max"}, w)
-    vals = {k: float(_number(spec, k, f"{w}.")) for k in allowed[kind]}
-    lo = float(_number(spec, "min", f"{w}.", default=0.0))
-    hi = float(_number(spec, "max", f"{w}.", default=math.inf)) if "max" in spec else math.inf
-    if kind == "uniform" and vals["high"] < vals["low"]:
-        raise ScenarioError(f"{w}: high must be >= low")
-    if kind == "lognormal":
-        if vals["median"] <= 0:
-            raise ScenarioError(f"{w}.median: must be > 0")
-        if vals["p99"] < vals["median"]:
-            raise ScenarioError(f"{w}.p99: must be >= median ({vals['median']})")
-    if hi < lo:
-        raise ScenarioError(f"{w}: max must be >= min")
-    return Distribution(kind, min=lo, max=hi, **vals)
-
-
-def _perturbation(t: dict, key: str, where: str, default: Perturbation) -> Perturbation:
-    w = f"{where} {key}"
-    spec = t.get(key)
-    if spec is None:
-        return default
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        spec = {"bias": spec}
-    if not isinstance(spec, dict):
-        raise ScenarioError(f"{w}: must be a number (the bias) or an inline table {{bias = 1.3, spread = 0.1}}")
-    _known(spec, {"bias", "spread"}, w)
-    values = {"bias": default.bias, "spread": default.spread}
-    for k in values:
-        v = spec.get(k, values[k])
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ScenarioError(f"{w}.{k}: must be a number (got {v!r})")
-        if v < 0 or (k == "bias" and v == 0):
-            raise ScenarioError(f"{w}.{k}: must be {'> 0' if k == 'bias' else '>= 0'} (got {v!r})")
-        values[k] = float(v)
-    return Perturbation(**values)
-
-
-def _lifetime_mixture(a: dict, where: str) -> tuple[tuple[float, float], ...]:
-    """``[availability] lifetime_mixture = [{weight = 0.6, mean_s = 1500}, {weight = 0.4, mean_s = 17000}]``:
-    each grant's lifetime is exponential with the mean of a component drawn by weight. Weights > 0 summing to 1,
-    means > 0; not together with ``lifetime_s``."""
-    spec = a.get("lifetime_mixture")
-    if spec is None:
-        return ()
-    w = f"{where} lifetime_mixture"
-    if "lifetime_s" in a:
-        raise ScenarioError(f"{w}: give lifetime_s (one exponential mean) or lifetime_mixture, not both")
-    if not isinstance(spec, list) or not spec:
-        raise ScenarioError(f"{w}: must be a non-empty list of {{weight = 0.6, mean_s = 1500.0}}")
-    out = []
-    for i, c in enumerate(spec):
-        wc = f"{w}[{i}]"
-        if not isinstance(c, dict):
-            raise ScenarioError(f"{wc}: must be an inline table {{weight = 0.6, mean_s = 1500.0}}")
-        _known(c, {"weight", "mean_s"}, wc)
-        out.append(
-            (
-                float(_number(c, "weight", f"{wc}", minimum=0.0, strict=True)),
-                float(_number(c, "mean_s", f"{wc}", minimum=0.0, strict=True)),
-            )
-        )
-    total = sum(p for p, _ in out)
-    if abs(total - 1.0) > 1e-6:
-        raise ScenarioError(f"{w}: the weights must sum to 1 (got {total:g})")
-    return tuple(out)
-
-
-def mismatch_from_dict(t: dict, where: str = "[mismatch]") -> Mismatch:
-    """``[mismatch]``: ``preset = "none" | "measured"`` (default none), then any of ``decode``, ``prefill``,
-    ``tool_latency``, ``transitions`` as a bias or ``{bias, spread}`` on top of the preset."""
-    _known(t, {"preset", *MISMATCH_KINDS}, where)
-    preset = t.get("preset", "none")
-    if preset not in MISMATCH_PRESETS:
-        raise ScenarioError(f"{where} preset: must be one of {', '.join(MISMATCH_PRESETS)} (got {preset!r})")
-    base = MISMATCH_PRESETS[preset]
-    return Mismatch(**{k: _perturbation(t, k, where, getattr(base, k)) for k in MISMATCH_KINDS})
-
-
-def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
-    _known(doc, _SECTIONS, where)
-    top = _table(doc, "scenario", where)
-    _known(
-        top, {"name", "description", "profile", "steps", "seed", "tick_s", "control_interval_s"}, f"{where} [scenario]"
-    )
-    if not isinstance(top.get("name"), str) or not top["name"]:
-        raise ScenarioError(f"{where} [scenario] name: required (a string)")
-    if not isinstance(top.get("profile"), str):
-        raise ScenarioError(f"{where} [scenario] profile: required: a profile TOML path relative to the scenario file")
-    profile_path = (base / top["profile"]).resolve()
+def _load_profile(doc: Any, base: Path) -> tuple[Profile | None, Path | None, str | None]:
+    """The profile ``[scenario] profile`` names (path relative to ``base``), or why it cannot be read. Nothing
+    when the key is no string: the model says so."""
+    head = doc.get("scenario") if isinstance(doc, dict) else None
+    ref = head.get("profile") if isinstance(head, dict) else None
+    if not isinstance(ref, str):
+        return None, None, None
+    path = (base / ref).resolve()
     try:
-        profile = load_profile(profile_path)
+        return load_profile(path), path, None
     except ProfileError as exc:
-        raise ScenarioError(f"{where} [scenario] profile: {exc}") from None
+        return None, path, str(exc)
 
-    w = f"{where} [cluster]"
-    c = _table(doc, "cluster", where)
-    _known(c, {"trainer_gpus", "rollout_gpus", "elastic_gpus", "gpus_per_node"}, w)
-    cluster = Cluster(
-        trainer_gpus=_number(c, "trainer_gpus", w, minimum=1, integer=True),
-        rollout_gpus=_number(c, "rollout_gpus", w, minimum=0, integer=True),
-        elastic_gpus=_number(c, "elastic_gpus", w, default=0, integer=True),
-        gpus_per_node=_number(c, "gpus_per_node", w, default=8, minimum=1, integer=True),
-    )
-    g = profile.gpus_per_worker
-    for key in ("trainer_gpus", "rollout_gpus", "elastic_gpus", "gpus_per_node"):
-        if getattr(cluster, key) % g:
-            raise ScenarioError(f"{w} {key}: must be a multiple of the profile's gpus_per_worker ({g})")
-    if cluster.rollout_gpus == 0 and cluster.elastic_gpus == 0:
-        raise ScenarioError(f"{w}: rollout_gpus and elastic_gpus are both 0: nothing could ever generate rollouts")
 
-    w = f"{where} [availability]"
-    a = _table(doc, "availability", where, required=False)
-    _known(
-        a,
-        {
-            "events",
-            "initial_gpus",
-            "grant_interval_s",
-            "grant_gpus",
-            "lifetime_s",
-            "lifetime_mixture",
-            "reclaim_interval_s",
-            "notice_s",
-        },
-        w,
-    )
-    mixture = _lifetime_mixture(a, w)
-    events = []
-    for i, e in enumerate(a.get("events", [])):
-        we = f"{w} events[{i}]"
-        if not isinstance(e, dict):
-            raise ScenarioError(f"{we}: must be an inline table {{at_s = ..., grant = N}} or {{at_s, preempt = N}}")
-        _known(e, {"at_s", "grant", "preempt", "notice_s"}, we)
-        ev = AvailabilityEvent(
-            at_s=float(_number(e, "at_s", we)),
-            grant=_number(e, "grant", we, default=0, integer=True),
-            preempt=_number(e, "preempt", we, default=0, integer=True),
-            notice_s=float(_number(e, "notice_s", we)) if "notice_s" in e else None,
-        )
-        if (ev.grant > 0) == (ev.preempt > 0):
-            raise ScenarioError(f"{we}: give exactly one of grant = N or preempt = N (N > 0)")
-        events.append(ev)
+def _distribution(t: DistributionTable) -> Distribution:
+    params = {k: float(getattr(t, k)) for k in DISTRIBUTION_PARAMETERS[t.kind]}
+    return Distribution(t.kind, min=float(t.min), max=math.inf if t.max is None else float(t.max), **params)
+
+
+def _perturbation(given: PerturbationTable | None, preset: Perturbation) -> Perturbation:
+    """A part of ``[mismatch]``: the preset's, with the bias or spread the file gives instead."""
+    if given is None:
+        return preset
+    bias = preset.bias if given.bias is None else given.bias
+    return Perturbation(bias=float(bias), spread=float(preset.spread if given.spread is None else given.spread))
+
+
+def _mismatch(t: MismatchTable) -> Mismatch:
+    base = MISMATCH_PRESETS[t.preset]
+    return Mismatch(**{k: _perturbation(getattr(t, k), getattr(base, k)) for k in MISMATCH_KINDS})
+
+
+def _build(f: ScenarioFile, profile: Profile, profile_path: Path) -> Scenario:
+    """The ``Scenario`` a valid file describes, with the defaults that follow from other tables filled in."""
+    a, wl, tr = f.availability, f.workload, f.training
+    cluster = Cluster(**f.cluster.model_dump())
+    mixture = tuple((float(c.weight), float(c.mean_s)) for c in a.lifetime_mixture or ())
+    events = [AvailabilityEvent(e.at_s, e.grant, e.preempt, e.notice_s) for e in a.events]
     availability = Availability(
         events=tuple(sorted(events, key=lambda e: e.at_s)),
-        initial_gpus=_number(a, "initial_gpus", w, default=0, integer=True),
-        grant_interval_s=float(_number(a, "grant_interval_s", w, default=0.0)),
-        grant_gpus=_number(a, "grant_gpus", w, default=cluster.gpus_per_node, minimum=1, integer=True),
-        lifetime_s=sum(p * m for p, m in mixture) if mixture else float(_number(a, "lifetime_s", w, default=0.0)),
+        initial_gpus=a.initial_gpus,
+        grant_interval_s=a.grant_interval_s,
+        grant_gpus=cluster.gpus_per_node if a.grant_gpus is None else a.grant_gpus,
+        lifetime_s=sum(p * m for p, m in mixture) if mixture else (a.lifetime_s or 0.0),
         lifetime_mixture=mixture,
-        reclaim_interval_s=float(_number(a, "reclaim_interval_s", w, default=0.0)),
-        notice_s=float(_number(a, "notice_s", w, default=30.0)),
+        reclaim_interval_s=a.reclaim_interval_s,
+        notice_s=a.notice_s,
     )
-    if (availability.initial_gpus or availability.grant_interval_s or events) and not cluster.elastic_gpus:
-        raise ScenarioError(f"{w}: grants need [cluster] elastic_gpus > 0")
-    if availability.initial_gpus > cluster.elastic_gpus:
-        raise ScenarioError(f"{w} initial_gpus: must be <= [cluster] elastic_gpus ({cluster.elastic_gpus})")
-    if availability.grant_gpus % g:
-        raise ScenarioError(f"{w} grant_gpus: must be a multiple of the profile's gpus_per_worker ({g})")
-
-    w = f"{where} [workload]"
-    wl = _table(doc, "workload", where)
-    dists = ("turns", "prompt_tokens", "response_tokens", "tool_output_tokens", "tool_latency_s")
-    _known(wl, {"prompts_per_step", "group_size", "max_context_tokens", *dists}, w)
+    dists = {
+        k: _distribution(getattr(wl, k)) for k in ("turns", "prompt_tokens", "response_tokens", "tool_output_tokens")
+    }
+    if dists["turns"].min < 1:  # a trajectory has at least one turn
+        dists["turns"] = replace(dists["turns"], min=1.0)
     workload = Workload(
-        prompts_per_step=_number(wl, "prompts_per_step", w, minimum=1, integer=True),
-        group_size=_number(wl, "group_size", w, minimum=1, integer=True),
-        max_context_tokens=_number(wl, "max_context_tokens", w, default=32768, minimum=1, integer=True),
-        **{k: _distribution(wl, k, w) for k in dists},
+        prompts_per_step=wl.prompts_per_step,
+        group_size=wl.group_size,
+        max_context_tokens=wl.max_context_tokens,
+        tool_latency_s=_distribution(wl.tool_latency_s),
+        **dists,
     )
-    if workload.max_context_tokens > profile.kv_capacity_tokens:
-        raise ScenarioError(
-            f"{w} max_context_tokens: must be <= the profile's kv_capacity_tokens ({profile.kv_capacity_tokens}): "
-            "a longer trajectory could never fit one worker"
-        )
-    if workload.turns.min < 1:
-        workload = replace(workload, turns=replace(workload.turns, min=1.0))
-
-    w = f"{where} [training]"
-    tr = _table(doc, "training", where)
-    _known(tr, {"mode", "train_step_s", "weight_sync_s", "staleness", "join_wait_s", "first_wait_s"}, w)
-    mode = tr.get("mode", "sync")
-    if mode not in ("sync", "async"):
-        raise ScenarioError(f'{w} mode: must be "sync" or "async" (got {mode!r})')
     training = Training(
-        mode=mode,
-        train_step_s=float(_number(tr, "train_step_s", w, strict=True)),
-        weight_sync_s=float(_number(tr, "weight_sync_s", w, default=profile.costs.weight_sync_s)),
-        staleness=_number(tr, "staleness", w, default=1 if mode == "async" else 0, integer=True),
-        join_wait_s=float(_number(tr, "join_wait_s", w, default=JOIN_WAIT_S)),
-        first_wait_s=float(_number(tr, "first_wait_s", w)) if "first_wait_s" in tr else None,
+        mode=tr.mode,
+        train_step_s=tr.train_step_s,
+        weight_sync_s=float(profile.costs.weight_sync_s if tr.weight_sync_s is None else tr.weight_sync_s),
+        staleness=(1 if tr.mode == "async" else 0) if tr.staleness is None else tr.staleness,
+        join_wait_s=JOIN_WAIT_S if tr.join_wait_s is None else tr.join_wait_s,
+        first_wait_s=tr.first_wait_s,
     )
-    if mode == "async" and training.staleness < 1:
-        raise ScenarioError(f'{w} staleness: async needs staleness >= 1 (0 is synchronous RL: mode = "sync")')
-    if mode == "sync" and training.staleness:
-        raise ScenarioError(f'{w} staleness: only for mode = "async"')
-
-    w = f"{where} [scenario]"
+    head = f.scenario
     return Scenario(
-        name=top["name"],
+        name=head.name,
         path=None,
         profile=profile,
         profile_path=profile_path,
@@ -510,14 +351,26 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
         availability=availability,
         workload=workload,
         training=training,
-        steps=_number(top, "steps", w, default=8, minimum=1, integer=True),
-        seed=_number(top, "seed", w, default=0, integer=True),
-        tick_s=float(_number(top, "tick_s", w, default=0.5, strict=True)),
-        control_interval_s=float(_number(top, "control_interval_s", w, default=5.0, strict=True)),
-        description=str(top.get("description", "")),
-        sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
-        mismatch=mismatch_from_dict(_table(doc, "mismatch", where, required=False), f"{where} [mismatch]"),
+        steps=head.steps,
+        seed=head.seed,
+        tick_s=head.tick_s,
+        control_interval_s=head.control_interval_s,
+        description=str(head.description),
+        sources={str(k): str(v) for k, v in f.sources.items()},
+        mismatch=_mismatch(f.mismatch),
     )
+
+
+def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
+    """The scenario a parsed TOML document describes, its profile path relative to ``base``; or a
+    ``ScenarioError`` with every problem found, one line each: ``<where> [table] key: what would be valid``."""
+    profile, profile_path, unreadable = _load_profile(doc, base)
+    parsed, problems = read(doc, profile, where)
+    if unreadable is not None:
+        problems.insert(0, f"{where} [scenario] profile: {unreadable}")
+    if problems:
+        raise ScenarioError(*problems)
+    return _build(parsed, profile, profile_path)
 
 
 def load(path: str | Path) -> Scenario:

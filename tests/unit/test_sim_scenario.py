@@ -134,6 +134,57 @@ def test_bad_scenarios_name_the_key_and_what_is_allowed(edit, message):
     assert message in str(err.value)
 
 
+def test_every_problem_is_reported_one_line_each_with_its_key_path(tmp_path):
+    doc = base_doc()
+    doc["workload"]["turnz"] = 3
+    doc["cluster"]["rollout_gpus"] = "8"
+    doc["training"]["train_step_s"] = float("nan")
+    doc["workload"]["turns"] = {"kind": "lognormal", "median": 5, "p99": 1, "low": 1}
+    with pytest.raises(sc.ScenarioError) as err:
+        load_doc(doc)
+    assert err.value.problems == [
+        "s.toml [cluster] rollout_gpus: must be an integer (got '8')",
+        "s.toml [workload]: unknown key(s) turnz; allowed: group_size, max_context_tokens, prompt_tokens, "
+        "prompts_per_step, response_tokens, tool_latency_s, tool_output_tokens, turns",
+        "s.toml [workload] turns: unknown key(s) low; allowed: kind, max, median, min, p99",  # a lognormal's keys
+        "s.toml [workload] turns.p99: must be >= median (5.0)",
+        "s.toml [training] train_step_s: must be a number (got nan)",
+    ]
+    assert str(err.value) == "\n".join(err.value.problems)
+
+    from typer.testing import CliRunner
+
+    from pearlctl.cli import app
+
+    bad = tmp_path / "bad.toml"
+    text = (
+        (REPO / "examples/scenarios/short-steps-8b.toml")
+        .read_text()
+        .replace("../profiles/", f"{REPO}/examples/profiles/")
+    )
+    bad.write_text(text.replace("group_size", "group_sz").replace("prompts_per_step = ", "prompts_per_step = -"))
+    result = CliRunner().invoke(app, ["simulate", str(bad), "--policy", "static"])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if str(bad) in line]
+    assert len(lines) == 3, result.output
+    assert "unknown key(s) group_sz" in lines[0] and "prompts_per_step: must be >= 1 (got -" in lines[1]
+    assert lines[2].endswith("[workload] group_size: required (an integer)")
+
+
+def test_a_bare_number_is_a_constant_and_a_distribution_refuses_another_kinds_keys():
+    doc = base_doc()
+    doc["workload"]["turns"] = 3
+    doc["workload"]["tool_latency_s"] = {"kind": "uniform", "low": 1, "high": 4.5, "max": 4}
+    s = load_doc(doc)
+    assert s.workload.turns == sc.Distribution("const", value=3.0, min=1.0)  # at least one turn
+    assert s.workload.tool_latency_s == sc.Distribution("uniform", low=1.0, high=4.5, max=4.0)
+    doc["workload"]["tool_latency_s"] = {"kind": "const", "value": 1, "median": 2}
+    with pytest.raises(
+        sc.ScenarioError, match=r"tool_latency_s: unknown key\(s\) median; allowed: kind, max, min, value"
+    ):
+        load_doc(doc)
+
+
 def test_the_drivers_join_wait_defaults_to_the_live_drivers_and_may_be_set_or_turned_off():
     assert load_doc(base_doc()).training.join_wait_s == sc.JOIN_WAIT_S
     for value in (0, 4.5):
