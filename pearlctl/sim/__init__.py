@@ -4,7 +4,10 @@ simulated time, driving the daemon's own planner and policies.
 - ``scenario``: a scenario, loaded from its file into the values the simulator runs;
 - ``scenario_schema``: the scenario file's tables as strict pydantic models, and every problem in words;
 - ``availability``: the elastic-capacity trace (grants, preemption notices, preemptions);
+- ``trajectories``: a run's trajectories: their phases, and the work drawn for each (under a mismatch, its truth);
 - ``engine``: the truth model of the rollout engines, tick by tick;
+- ``routing``: the engines' router: which worker a waiting request goes to, and when its queue admits it;
+- ``batching``: continuous batching on the engine workers: how far a tick takes each prefill and decode;
 - ``run``: the RL loop in simulated time, driving a policy as the daemon does;
 - ``oracle``: the upper bound on the compared policies;
 - ``compare``: policies side by side, or any one by name (the oracle too), each in a process under a memory limit;

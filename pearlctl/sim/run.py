@@ -69,20 +69,10 @@ from pearlctl.planner.model import (
 from pearlctl.planner.predict import predict
 from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, TransitionCosts
 from pearlctl.sim.availability import Trace, build_trace
-from pearlctl.sim.engine import (
-    ABORT_S,
-    DEFAULT_ROUTER,
-    TOOL,
-    W_DECODE,
-    W_OFF,
-    W_PREFILL,
-    W_ROLLOUT,
-    Draws,
-    Engine,
-    draw,
-    with_mismatch,
-)
+from pearlctl.sim.engine import ABORT_S, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT, Engine
+from pearlctl.sim.routing import DEFAULT_ROUTER
 from pearlctl.sim.scenario import Scenario
+from pearlctl.sim.trajectories import TOOL, Draws, draw, with_mismatch
 from pearlctl.vocabulary import PoolKind
 from pearlctl.vocabulary import StepKind as K
 

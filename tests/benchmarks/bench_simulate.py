@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from pearlctl.sim import report  # noqa: E402
 from pearlctl.sim import scenario as sc  # noqa: E402
-from pearlctl.sim.engine import DEFAULT_ROUTER, ROUTERS  # noqa: E402
 from pearlctl.sim.oracle import run_oracle  # noqa: E402
+from pearlctl.sim.routing import DEFAULT_ROUTER, ROUTERS  # noqa: E402
 from pearlctl.sim.run import make_draws, make_trace, run_policy  # noqa: E402
 
 POLICIES = ["static", "elastic", "pearl", "oracle"]

@@ -15,8 +15,10 @@ import pytest
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.planner.profile import load as load_profile
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.engine import ABORT_S, DECODE, DONE, ROUTERS, TOOL, W_OFF, W_ROLLOUT, WAIT, Draws, Engine
+from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT, Engine
+from pearlctl.sim.routing import ROUTERS
 from pearlctl.sim.run import Sim
+from pearlctl.sim.trajectories import DECODE, DONE, TOOL, WAIT, Draws
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = load_profile(REPO / "examples/profiles/qwen3-8b-h100.toml")

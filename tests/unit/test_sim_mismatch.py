@@ -15,8 +15,9 @@ import pytest
 
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.engine import ABORT_S, DECODE, W_ROLLOUT, Engine
+from pearlctl.sim.engine import ABORT_S, W_ROLLOUT, Engine
 from pearlctl.sim.run import Sim, make_draws, run_policy
+from pearlctl.sim.trajectories import DECODE
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ agent's adapter is `pearlctl.agent.engines.vllm.PacedServer`), it serves:
   ``/wake_up``, ``/is_sleeping``, ``/abort_requests``, ``/collective_rpc`` with ``reload_weights``,
   ``/update_weight_version`` and ``/weight_info``.
 
-Timing is the simulator's batch model (pearlctl/sim/engine.py) on one worker: requests wait first come first
+Timing is the simulator's batch model (pearlctl/sim/batching.py) on one worker: requests wait first come first
 served for a slot (at most ``max_num_seqs`` running, each reserving KV for its prompt and ``max_tokens``
 within ``kv_capacity_tokens``); an admitted request first prefills the part of its prompt the prefix cache
 does not hold, at ``prefill_tok_s``, while the batch's decode waits (prefill interferes with decode); then
