@@ -395,3 +395,58 @@ def test_a_trainer_without_engine_args_borrows_with_the_rollout_pools(spec_dir):
         'partition = "preempt"', 'partition = "preempt"\nengine_args = { max_num_seqs = 8 }'
     )
     assert load_spec(write(spec_dir, no_rollout), POLICIES).pools["trainer"].engine_args == {"max_num_seqs": 8}
+
+
+# ---- the tables and the wording (pearlctl/config/tables.py, pearlctl/config/errors.py) --------------------------
+
+
+def test_every_pool_kind_of_the_vocabulary_has_its_table():
+    from pearlctl.config.tables import Pools
+    from pearlctl.vocabulary import POOL_KINDS
+
+    assert tuple(Pools.model_fields) == POOL_KINDS
+    assert all(Pools.model_fields[kind].annotation.kind == kind for kind in POOL_KINDS)
+
+
+def test_any_models_errors_are_worded_with_their_key_path_and_what_is_valid():
+    """problems_from words any pydantic model's errors the house's way (a TOML file other than the spec, say)."""
+    from typing import Annotated, ClassVar, Literal
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+    from pearlctl.config.errors import problem, problems_from
+
+    class Leaf(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        key_noun: ClassVar[str] = "thing"
+        count: Annotated[int, Field(ge=1, le=9, description="an integer from 1 to 9")]
+        rate: Annotated[float, Field(allow_inf_nan=False, description="a rate")] = 1.0
+        mode: Annotated[Literal["a", "b"], Field(description="one of a, b")] = "a"
+
+    class Root(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        leaf: Leaf
+        other: Leaf | None = None
+        env: dict[str, str] = {}
+
+        @field_validator("env")
+        @classmethod
+        def _port(cls, env: dict[str, str]) -> dict[str, str]:
+            if not env.get("PORT", "1").isdigit():
+                raise problem("must be a port number", at="PORT")
+            return env
+
+    with pytest.raises(ValidationError) as info:
+        Root.model_validate(
+            {"leaf": {"cont": 1, "rate": float("nan"), "mode": "c"}, "other": 5, "env": {"PORT": "x"}, "extra": 1}
+        )
+    found = {p.key: p.message for p in problems_from(info.value, Root)}
+    assert found == {
+        "leaf.count": "is required: an integer from 1 to 9",
+        "leaf.cont": "unknown thing (did you mean 'count'?); valid things: count, rate, mode",
+        "leaf.rate": "must be a finite number (not nan or inf): a rate, got nan",
+        "leaf.mode": "must be one of a, b; got 'c'",
+        "other": "must be a table, got int",
+        "env.PORT": "must be a port number",
+        "extra": "unknown key; valid keys: leaf, other, env",
+    }

@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pearlctl.config import _POOL_KEYS, _RUN_KEYS, ROUTER_POLICIES, SpecError, parse_spec
+from pearlctl.config import POOL_KEYS, ROUTER_POLICIES, RUN_KEYS, SpecError, parse_spec
 from pearlctl.ops.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
 from pearlctl.vocabulary import PACED_ENGINE_ARGS
@@ -26,7 +26,6 @@ from pearlctl.vocabulary import PACED_ENGINE_ARGS
 POLICIES = ("never", "greedy")
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-RUN_KEYS, POOL_KEYS = _RUN_KEYS, _POOL_KEYS  # every key a spec may have: the fuzzer sets each
 
 # --- values ------------------------------------------------------------------------------------------
 
