@@ -169,14 +169,14 @@ class _Shape(NamedTuple):
     @classmethod
     def of(cls, work: Work) -> _Shape:
         mean_turns = max(work.turns_left, 0.0)
-        return cls(
-            n=float(work.trajectories),
-            mean_turns=mean_turns,
-            max_turns=max(work.turns_left_max, mean_turns),
-            decode_tokens=max(work.decode_tokens_per_turn, 1.0),  # a turn always emits at least one token
-            prefill_tokens=max(work.prefill_tokens_per_turn, 0.0),
-            tool_s=max(work.tool_latency_s, 0.0),
-            context0=max(work.context_tokens, 0.0),
+        return cls(  # (positional: a prediction makes one, and keywords cost more than the rest of it)
+            float(work.trajectories),
+            mean_turns,
+            max(work.turns_left_max, mean_turns),
+            max(work.decode_tokens_per_turn, 1.0),  # a turn always emits at least one token
+            max(work.prefill_tokens_per_turn, 0.0),
+            max(work.tool_latency_s, 0.0),
+            max(work.context_tokens, 0.0),
         )
 
 
