@@ -18,7 +18,6 @@ Modules:
 from pearlctl.config.load import load_spec, parse_spec
 from pearlctl.config.problems import SpecError, SpecProblem
 from pearlctl.config.spec import PoolSpec, RouterSpec, RunSpec
-from pearlctl.config.tables import POOL_KEYS, RUN_KEYS
 from pearlctl.config.values import (
     DEFAULT_PENDING_TIMEOUT_S,
     ROUTER_POLICIES,
@@ -29,9 +28,7 @@ from pearlctl.config.values import (
 
 __all__ = [
     "DEFAULT_PENDING_TIMEOUT_S",
-    "POOL_KEYS",
     "ROUTER_POLICIES",
-    "RUN_KEYS",
     "PoolSpec",
     "RouterSpec",
     "RunSpec",

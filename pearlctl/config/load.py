@@ -11,15 +11,14 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from pearlctl import vocabulary
-from pearlctl.config.errors import problems_from
 from pearlctl.config.problems import SpecError, SpecProblem
 from pearlctl.config.spec import PoolSpec, RouterSpec, RunSpec
-from pearlctl.config.tables import Document, Pool, SpecContext
+
+if TYPE_CHECKING:
+    from pearlctl.config.tables import Pool
 
 
 def load_spec(
@@ -57,6 +56,12 @@ def parse_spec(
     """Validate a decoded TOML document. Raises SpecError listing every problem. ``model_on_this_host=False``
     (`launch --dry-run`): a model path missing here is a warning in ``RunSpec.warnings``, not a problem — it may
     exist only on the compute nodes; a real launch refuses it."""
+    # here, not at the top: every CLI command imports this package, and only reading a spec needs pydantic
+    from pydantic import ValidationError
+
+    from pearlctl.config.errors import problems_from
+    from pearlctl.config.tables import Document, SpecContext
+
     context = SpecContext(base=source.parent, policies=known_policies, model_on_this_host=model_on_this_host)
     try:
         document = Document.model_validate(data, context=context)

@@ -430,7 +430,7 @@ class Document(_Table):
 
     run: RunTable = Field(description="a table")
     pools: Pools = Field(description="a table")
-    router: RouterTable = RouterTable()
+    router: RouterTable = Field(default_factory=RouterTable)
 
     @model_validator(mode="after")
     def _paced_engine_does_it(self) -> Self:

@@ -450,3 +450,14 @@ def test_any_models_errors_are_worded_with_their_key_path_and_what_is_valid():
         "env.PORT": "must be a port number",
         "extra": "unknown key; valid keys: leaf, other, env",
     }
+
+
+def test_importing_the_package_leaves_pydantic_until_a_spec_is_read():
+    """Every CLI command imports pearlctl.config (SpecError, load_spec): pydantic and the tables' models cost
+    their import and build only when a spec is read."""
+    import subprocess
+    import sys
+
+    code = "import sys, pearlctl.config; print(sorted(m for m in sys.modules if 'pydantic' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -18,7 +18,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pearlctl.config import POOL_KEYS, ROUTER_POLICIES, RUN_KEYS, SpecError, parse_spec
+from pearlctl.config import ROUTER_POLICIES, SpecError, parse_spec
+from pearlctl.config.tables import POOL_KEYS, RUN_KEYS
 from pearlctl.ops.launcher import requests_for
 from pearlctl.slurm.script import SubmitRequest, render_script
 from pearlctl.vocabulary import PACED_ENGINE_ARGS
