@@ -116,7 +116,7 @@ class TransitionCosts:
 # passes), so the daemon's estimate of weight_sync_s stays the profile's.
 WEIGHT_LOAD = "SYNC_WEIGHTS"
 # journaled step kind -> the TransitionCosts field its measured durations estimate: the one table behind the
-# daemon's running estimates (``step_costs``) and the simulator's (pearlctl.sim.run.Sim.costs)
+# daemon's running estimates (``step_costs``) and the simulator's (pearlctl.sim.moves.Moves.costs)
 STEP_COSTS: dict[str, str] = {
     StepKind.START: "start_s",
     StepKind.WAKE: "wake_s",

@@ -9,6 +9,10 @@ simulated time, driving the daemon's own planner and policies.
 - ``routing``: the engines' router: which worker a waiting request goes to, and when its queue admits it;
 - ``batching``: continuous batching on the engine workers: how far a tick takes each prefill and decode;
 - ``run``: the RL loop in simulated time, driving a policy as the daemon does;
+- ``snapshot``: what the policy sees of a simulation, as the daemon's snapshot shows it;
+- ``correction``: the predictor's running correction, kept and applied as the daemon does;
+- ``moves``: the policy's plans carried out on the simulated GPUs, each move at its true cost;
+- ``gpus``: the simulated GPUs, their roles passed on to the engines, the GPU-second census, the schedule;
 - ``oracle``: the upper bound on the compared policies;
 - ``compare``: policies side by side, or any one by name (the oracle too), each in a process under a memory limit;
 - ``scale``: a scenario at another size and speed, the twin of a live run on paced engines;

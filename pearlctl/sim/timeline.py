@@ -1,6 +1,6 @@
 """A picture of GPU roles over simulated time: one stacked-area panel per policy (matplotlib, Agg backend,
 written to a PNG), so a person can see borrowing, elastic grants and preemptions, PD layouts and the time
-GPUs spend in transition. Timelines are sampled every ``pearlctl.sim.run.TIMELINE_EVERY_S`` simulated
+GPUs spend in transition. Timelines are sampled every ``pearlctl.sim.gpus.TIMELINE_EVERY_S`` simulated
 seconds when a run records them.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pearlctl.sim.run import CATEGORIES, RunResult
+from pearlctl.sim.gpus import CATEGORIES
+from pearlctl.sim.run import RunResult
 from pearlctl.vocabulary import Role
 
 COLORS = {

@@ -18,7 +18,7 @@ Many trajectories at once: the episodes run on threads in ``--procs`` child proc
 ``RolloutClient`` (pearlctl.router.client: the gateway continues and retries turns; the client retries what the
 gateway could not). This process keeps every trajectory's state from their events, reports progress to the
 daemon as examples/grpo/rollout.py does — the counts, and the remaining batch's ``Work`` computed as the
-simulator computes it (``Sim.work_view``: the same distribution summaries and residual-turn table) — and
+simulator computes it (``PolicyView.work``: the same distribution summaries and residual-turn table) — and
 writes ``OUT/step-NNNNNN.jsonl`` (one line per group, its rewards) when a batch is whole, which is what the
 paced trainer (pearlctl.trainer.paced) waits for.
 
@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:
 from pearlctl.sim import run as simrun  # noqa: E402
 from pearlctl.sim import scale  # noqa: E402
 from pearlctl.sim import scenario as sc  # noqa: E402
+from pearlctl.sim.snapshot import residual_table  # noqa: E402
 
 VOCAB_LO, VOCAB_HI = 100, 2000  # ids inside the tiny model's vocabulary (2,048), clear of its special tokens
 PROGRESS_S = 0.2  # how often the daemon hears of progress (examples/grpo/rollout.py: 1 s on a run 1x fast)
@@ -143,7 +144,7 @@ def child(run_dir: str, inbox: mp.Queue, outbox: mp.Queue, threads: int, traced:
 # -- the coordinator -------------------------------------------------------------------------------------------
 class Trajectories:
     """Every trajectory in flight as its events tell it (turns done, phase, context), the counts the daemon is
-    told, and the remaining batch as the simulator sees it (``Sim.work_view``)."""
+    told, and the remaining batch as the simulator sees it (``PolicyView.work``)."""
 
     def __init__(self, s: sc.Scenario):
         wl = s.workload
@@ -151,7 +152,7 @@ class Trajectories:
         self.resp_mean, self.resp_p99 = wl.response_tokens.summary()
         self.tool_out_mean, _ = wl.tool_output_tokens.summary()
         self.lat_mean, self.lat_p99 = wl.tool_latency_s.summary()
-        self.residual = simrun._residual_table(wl.turns)
+        self.residual = residual_table(wl.turns)
         self.state: dict[int, list] = {}  # ep -> [turns done, phase ("queued" | "generating" | "tool_wait"), context]
         self.tokens: dict[int, int] = {}  # ep -> tokens counted so far
         self.done = 0

@@ -14,7 +14,8 @@ from pearlctl.planner import correct, plan
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.planner.predict import completion_s
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.run import Sim, run_policy, serving_workers
+from pearlctl.sim.correction import serving_workers
+from pearlctl.sim.run import Sim, run_policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,50 +36,50 @@ def _until(sim: Sim, done, t: float = 0.0, limit: float = 600.0) -> float:
 
 def test_a_watch_starts_on_a_stable_set_of_serving_gpus_and_learns_at_the_batchs_end():
     sim = _sim()
-    _until(sim, lambda: sim.launched == 1 and sim.predictor.get("watch"))
-    watch = sim.predictor["watch"]
-    snap = sim.snapshot(watch["since"], corrected=False)
-    work = sim.work_view()
+    _until(sim, lambda: sim.launched == 1 and sim.correction.predictor.get("watch"))
+    watch = sim.correction.predictor["watch"]
+    snap = sim.view.snapshot(watch["since"], corrected=False)
+    work = sim.view.work()
     assert watch["gpus"] == tuple(g.id for g in sim.gpus if g.role in (Role.ROLLOUT,))
     assert watch["predicted_s"] == pytest.approx(
         completion_s(work, plan.current_deployment(snap), sim.profile), rel=1e-9
     )
     assert watch["shape"] == correct.shape(work, serving_workers(snap.gpus, sim.gpw))
     start = watch["since"]
-    t = _until(sim, lambda: sim.checks, start)
-    check = sim.checks[0]
+    t = _until(sim, lambda: sim.correction.checks, start)
+    check = sim.correction.checks[0]
     assert check.measured_s == pytest.approx(t - sim.scenario.tick_s - start)  # the first moment without work
     assert check.predicted_s == watch["predicted_s"] and check.shape == watch["shape"]
-    assert sim.predictor["watch"] is None and sim.predictor["all"]["batches"] == 1
+    assert sim.correction.predictor["watch"] is None and sim.correction.predictor["all"]["batches"] == 1
 
 
 def test_a_change_of_the_serving_gpus_drops_the_watch():
     sim = _sim()
-    _until(sim, lambda: sim.predictor.get("watch"))
+    _until(sim, lambda: sim.correction.predictor.get("watch"))
     rollout = next(g for g in sim.gpus if g.pool == "rollout")
-    t = sim.predictor["watch"]["since"] + 1.0
-    assert sim._apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), t)
-    sim._check_prediction(t)
-    assert sim.predictor["watch"] is None  # a transition is open
-    sim._check_prediction(rollout.busy_until)
-    assert sim.predictor["watch"]["gpus"] == sim._serving_ids(rollout.busy_until)  # a new stable set
-    assert rollout.id not in sim.predictor["watch"]["gpus"]
+    t = sim.correction.predictor["watch"]["since"] + 1.0
+    assert sim.moves.apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), t)
+    sim.correction.check(t)
+    assert sim.correction.predictor["watch"] is None  # a transition is open
+    sim.correction.check(rollout.busy_until)
+    assert sim.correction.predictor["watch"]["gpus"] == sim.roles.serving_ids(rollout.busy_until)  # a new stable set
+    assert rollout.id not in sim.correction.predictor["watch"]["gpus"]
 
 
 def test_the_policy_sees_predictions_scaled_by_the_correction_for_the_works_shape():
     sim = _sim()
     _until(sim, lambda: sim.launched == 1)
-    work = sim.work_view()
-    snap = sim.snapshot(1.0)
+    work = sim.view.work()
+    snap = sim.view.snapshot(1.0)
     key = correct.shape(work, serving_workers(snap.gpus, sim.gpw))
     assert snap.profile.time_scale == 1.0  # nothing learned yet
-    sim.predictor = {"shapes": {key: {"ratio": 1.4, "batches": 2}}, "all": {"ratio": 0.8, "batches": 3}}
-    assert sim.snapshot(1.0).profile.time_scale == 1.4
-    sim.predictor = {"shapes": {}, "all": {"ratio": 0.8, "batches": 3}}
-    assert sim.snapshot(1.0).profile.time_scale == 0.8  # an unseen shape takes the overall ratio
+    sim.correction.predictor = {"shapes": {key: {"ratio": 1.4, "batches": 2}}, "all": {"ratio": 0.8, "batches": 3}}
+    assert sim.view.snapshot(1.0).profile.time_scale == 1.4
+    sim.correction.predictor = {"shapes": {}, "all": {"ratio": 0.8, "batches": 3}}
+    assert sim.view.snapshot(1.0).profile.time_scale == 0.8  # an unseen shape takes the overall ratio
     off = _sim(correction=False)
-    off.predictor = sim.predictor
-    assert off.snapshot(1.0).profile.time_scale == 1.0
+    off.correction.predictor = sim.correction.predictor
+    assert off.view.snapshot(1.0).profile.time_scale == 1.0
 
 
 def test_without_the_correction_nothing_is_learned():
@@ -96,26 +97,26 @@ def test_before_its_first_measured_wait_the_lending_horizon_is_the_predicted_bat
         sim = _sim(name)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-        sim._refresh(0.0)
-        view = sim._trainer_view(5.0)
+        sim.roles.refresh(0.0)
+        view = sim.view.trainer(5.0)
         assert view.phase == "waiting" and not view.wait_known
-        snap = sim.snapshot(5.0)
+        snap = sim.view.snapshot(5.0)
         expected = completion_s(snap.work, plan.current_deployment(snap), snap.profile)
         assert snap.trainer.wait_predicted and snap.trainer.wait_left_s == pytest.approx(expected)
         assert expected > 10.0  # a whole batch ahead (short-steps: about 15 s)
         sim.wait_ema, sim.waiting_since = 120.0, 2.0
-        measured = sim.snapshot(5.0).trainer
+        measured = sim.view.snapshot(5.0).trainer
         assert measured.wait_known and not measured.wait_predicted
         assert measured.wait_left_s == pytest.approx(117.0)
-        assert sim._trainer_view(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
+        assert sim.view.trainer(500.0).wait_left_s == 0.0  # later than expected: floored, as the hook does
         # with PEARL_FIRST_WAIT_S (a user's hint, the scenario's first_wait_s), that is its ETA before any measured wait
         sim = _sim(name, first_wait_s=300.0)
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-        assert sim.snapshot(5.0).trainer.wait_left_s == pytest.approx(295.0)
+        assert sim.view.snapshot(5.0).trainer.wait_left_s == pytest.approx(295.0)
     # with no work in flight nothing is predicted: nothing is lent on an unknown wait
     sim = _sim()
-    assert sim.snapshot(0.0).trainer.wait_left_s == 0.0
+    assert sim.view.snapshot(0.0).trainer.wait_left_s == 0.0
 
 
 def test_no_shipped_scenario_gives_a_first_wait_and_an_override_sets_or_unsets_it():
@@ -148,10 +149,10 @@ def test_between_batches_the_snapshot_carries_the_latest_batchs_work_as_it_began
     """``Snapshot.last_batch``, as the daemon keeps it from the driver's first report with work after none: the
     work at the batch's launch, kept while it runs down and between batches."""
     sim = _sim(steps=2)
-    assert sim.snapshot(0.0).last_batch.empty  # before any batch
+    assert sim.view.snapshot(0.0).last_batch.empty  # before any batch
     t = _until(sim, lambda: sim.launched == 1)
-    began = sim.work_view()
-    assert not began.empty and sim.snapshot(t).last_batch == began
+    began = sim.view.work()
+    assert not began.empty and sim.view.snapshot(t).last_batch == began
     t = _until(sim, lambda: not sim.engine.busy(), t)  # the batch ran down: nothing in flight
-    s = sim.snapshot(t)
+    s = sim.view.snapshot(t)
     assert s.work.empty and s.last_batch == began

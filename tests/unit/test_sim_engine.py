@@ -141,16 +141,16 @@ def test_a_gpu_in_transition_does_no_work():
     sim._availability(0.0)
     sim._trainer(0.0)
     trainer_gpu = 0
-    sim._apply(Move(trainer_gpu, MoveKind.BORROW, Role.TRAIN, Role.ROLLOUT, 0.0), 0.0)
+    sim.moves.apply(Move(trainer_gpu, MoveKind.BORROW, Role.TRAIN, Role.ROLLOUT, 0.0), 0.0)
     cost = s.profile.costs.offload_s + s.profile.costs.start_s  # nothing parked: a cold start
     assert sim.gpus[trainer_gpu].busy_until == pytest.approx(cost)
-    sim._refresh(0.0)
+    sim.roles.refresh(0.0)
     assert sim.engine.w_role[trainer_gpu] == W_OFF  # moving: not serving
-    sim._refresh(cost - 0.5)
+    sim.roles.refresh(cost - 0.5)
     assert sim.engine.w_role[trainer_gpu] == W_OFF
-    sim._refresh(cost)
+    sim.roles.refresh(cost)
     assert sim.engine.w_role[trainer_gpu] == W_ROLLOUT
-    assert sim._counts["ROLLOUT"] == s.cluster.rollout_gpus + 1
+    assert sim.roles.counts["ROLLOUT"] == s.cluster.rollout_gpus + 1
 
 
 def test_a_worker_that_leaves_requeues_its_sequences_with_their_context():

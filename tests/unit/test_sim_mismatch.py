@@ -142,16 +142,16 @@ def test_moves_take_their_true_cost_and_the_policy_plans_with_the_daemons_runnin
     c = s.profile.costs
     sim = Sim(s, "test", lambda snap: None)
     lent = sim.gpus[0]
-    assert sim.snapshot(0.0).costs == c  # nothing measured yet: the profile's
-    assert sim._apply(Move(lent.id, MoveKind.BORROW, Role.TRAIN, Role.ROLLOUT, 0.0), 10.0)
+    assert sim.view.snapshot(0.0).costs == c  # nothing measured yet: the profile's
+    assert sim.moves.apply(Move(lent.id, MoveKind.BORROW, Role.TRAIN, Role.ROLLOUT, 0.0), 10.0)
     assert lent.busy_until == pytest.approx(10.0 + 2.0 * (c.offload_s + c.start_s))
     lent.busy_until = 0.0
-    assert sim._apply(Move(lent.id, MoveKind.RETURN, Role.ROLLOUT, Role.TRAIN, 0.0), 100.0)
+    assert sim.moves.apply(Move(lent.id, MoveKind.RETURN, Role.ROLLOUT, Role.TRAIN, 0.0), 100.0)
     assert lent.busy_until == pytest.approx(100.0 + ABORT_S + 2.0 * (c.sleep_s + c.reload_s))  # the abort is not
-    seen = sim.snapshot(200.0).costs  # the journal's medians, as the daemon's Borrowing.costs
+    seen = sim.view.snapshot(200.0).costs  # the journal's medians, as the daemon's Borrowing.costs
     assert seen.start_s == 2 * c.start_s and seen.offload_s == 2 * c.offload_s and seen.sleep_s == 2 * c.sleep_s
     assert seen.wake_s == c.wake_s and seen.role_switch_s == c.role_switch_s  # not measured yet
-    assert sim.snapshot(200.0).profile.costs == c and sim.snapshot(200.0).profile.decode == s.profile.decode
+    assert sim.view.snapshot(200.0).profile.costs == c and sim.view.snapshot(200.0).profile.decode == s.profile.decode
 
 
 def test_the_policy_sees_the_belief_while_the_engines_run_the_truth():
@@ -161,7 +161,7 @@ def test_the_policy_sees_the_belief_while_the_engines_run_the_truth():
     for sim in (plain, truth):
         sim.engine.launch(0, sim.batch, 0.0)
         sim.launched = 1
-    a, b = plain.snapshot(0.0), truth.snapshot(0.0)
+    a, b = plain.view.snapshot(0.0), truth.view.snapshot(0.0)
     assert a.profile == b.profile == s.profile and a.work == b.work and a.costs == b.costs
 
 

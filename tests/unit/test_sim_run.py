@@ -146,12 +146,12 @@ def test_a_preempted_worker_drains_from_its_notice_and_stops_at_the_end_of_the_d
     sim.gpus[elastic[0].id].ends_at = 100.0  # what a preemption notice at t = 70 sets, and:
     sim.gpus[elastic[0].id].abort_at = 70.0 + drain_s(30.0)
     k = elastic[0].id // sim.gpw
-    sim._refresh(75.0)
+    sim.roles.refresh(75.0)
     assert sim.engine.w_role[k] == W_ROLLOUT and not sim.engine.w_admit[k]  # draining: serves, takes nothing new
     assert sim.engine.w_admit[elastic[1].id // sim.gpw]
-    sim._refresh(90.0)
+    sim.roles.refresh(90.0)
     assert sim.engine.w_role[k] == W_OFF  # aborted what was left and stopped
-    assert sim._counts["TRANSITION"] == 1
+    assert sim.roles.counts["TRANSITION"] == 1
 
 
 @pytest.mark.parametrize("notice_s, hard", [(30.0, False), (0.0, True)])
@@ -176,9 +176,9 @@ def test_a_worker_leaving_its_role_pays_the_abort_before_its_own_transition():
     sim._availability(0.0)
     lent, rollout = sim.gpus[0], sim.gpus[s.cluster.trainer_gpus]
     lent.role, lent.borrowed = Role.ROLLOUT, True
-    assert sim._apply(Move(lent.id, MoveKind.RETURN, Role.ROLLOUT, Role.TRAIN, 0.0), 10.0)
+    assert sim.moves.apply(Move(lent.id, MoveKind.RETURN, Role.ROLLOUT, Role.TRAIN, 0.0), 10.0)
     assert lent.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s + c.reload_s)
-    assert sim._apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), 10.0)
+    assert sim.moves.apply(Move(rollout.id, MoveKind.RETIRE, Role.ROLLOUT, Role.IDLE, 0.0), 10.0)
     assert rollout.busy_until == pytest.approx(10.0 + ABORT_S + c.sleep_s)
 
 
@@ -195,12 +195,12 @@ def test_a_plans_switches_run_one_group_at_a_time_as_the_daemon_runs_them():
     moves = [Move(g.id, MoveKind.SWITCH, Role.ROLLOUT, Role.PREFILL, 0.0) for g in first]
     moves += [Move(g.id, MoveKind.SWITCH, Role.ROLLOUT, Role.DECODE, 0.0) for g in second]
     sim.decide = lambda snap: Plan(None, tuple(moves), 0.0, 0.0, 0.0, why="scripted")  # type: ignore[arg-type]
-    sim._control(10.0)
+    sim.moves.control(10.0)
     switch_s = ABORT_S + s.profile.costs.role_switch_s
     assert all(g.role is Role.PREFILL and g.busy_until == pytest.approx(10.0 + switch_s) for g in first)
     assert all(g.role is Role.ROLLOUT and g.busy_until <= 10.0 for g in second)  # waits, serving meanwhile
-    assert sim._next_switch(10.0 + switch_s / 2) == 0
-    assert sim._next_switch(10.0 + switch_s) == len(second)  # the first node's switch ended: the next one
+    assert sim.moves.next_switch(10.0 + switch_s / 2) == 0
+    assert sim.moves.next_switch(10.0 + switch_s) == len(second)  # the first node's switch ended: the next one
     assert all(g.role is Role.DECODE and g.busy_until == pytest.approx(10.0 + 2 * switch_s) for g in second)
 
 
@@ -211,7 +211,7 @@ def test_the_sync_trainer_reports_its_wait_from_the_end_of_its_step():
     sim = Sim(s, "test", lambda snap: None)
     sim.trained = sim.launched = 3  # step 3 trained; the weight sync runs, batch 4 not launched yet
     sim.wait_ema, sim.waiting_since = 200.0, 1000.0
-    view = sim._trainer_view(1004.0)
+    view = sim.view.trainer(1004.0)
     assert view.phase == "waiting" and view.wait_left_s == pytest.approx(196.0)
 
 
@@ -268,8 +268,8 @@ def test_a_worker_that_joined_before_the_launch_takes_first_turns():
         t = 0.0
         while t <= 3.0:
             sim._trainer(t)
-            if sim._dirty or t >= sim._next_expiry:
-                sim._refresh(t)
+            if sim._dirty or t >= sim.roles.next_expiry:
+                sim.roles.refresh(t)
             sim.engine.step(t, sim.scenario.tick_s)
             t += sim.scenario.tick_s
         e = sim.engine

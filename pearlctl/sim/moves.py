@@ -1,0 +1,200 @@
+"""A policy's plans carried out on the simulated GPUs, as the daemon carries them out (``Moves``, one per
+``pearlctl.sim.run.Sim``): each move at its *true* cost from the profile (a move's own ``cost_s`` is the
+planner's estimate, not what the simulated GPU pays), a plan's switches one transition at a time, the trainer's
+GPUs returned when it needs them.
+
+- **Switches one group at a time.** A plan's switches run one group at a time, a group being the GPUs of one
+  node and pool moving between the same roles (one live transition), the other workers serving meanwhile; no
+  new plan is made until they all ran — as the daemon does (pearlctl/daemon/borrowing.py).
+- **Leaves are paid.** A move that takes a worker out of serving (return, retire, switch) first aborts what it
+  runs — ``ABORT_S`` more than the step's own cost (``pearlctl.sim.engine``: abort and continue).
+- **The truth may differ from the profile.** Under a model mismatch every move takes its profile cost times a
+  factor drawn per move (in move order: deterministic for a seed); the steps' true durations are journaled and
+  the costs a policy plans with are their running estimates (``costs``), as the daemon's.
+
+Guarantees: the daemon's return guarantee holds — when the trainer needs its GPUs, lent ones are returned
+(``force_return``, forced if the policy has not); a GPU is never moved while it is in transition; moves that do
+not match the simulated state are refused and counted by reason (``refusals``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pearlctl.planner.model import SERVING, Move, MoveKind, Role
+from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, TransitionCosts
+from pearlctl.sim.engine import ABORT_S
+from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import StepKind as K
+
+if TYPE_CHECKING:
+    from pearlctl.sim.gpus import SimGpu
+    from pearlctl.sim.run import Sim
+
+COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
+
+
+class Moves:
+    """The moves of ``sim``'s policy: its plans applied, its switches queued, its refusals and forced returns."""
+
+    def __init__(self, sim: Sim):
+        self.sim = sim
+        self.plans = 0
+        self.forced_returns = 0
+        self.refusals: dict[str, int] = {}  # refused moves by reason
+        self.last_change_at: float | None = None
+        # a plan's switches not started yet, one group per live transition (node, pool, roles), and the GPUs
+        # of the group now switching: the daemon runs a plan's switches one transition at a time
+        self._switch_queue: list[list[Move]] = []
+        self._switching: list[int] = []
+        # Model mismatch: each move's true duration is its profile cost times a factor drawn per move; the steps'
+        # true durations are journaled and the snapshot's costs are their running estimates, as the daemon's.
+        self._move_rng = np.random.default_rng([sim.scenario.seed, 0x7A11])
+        self._journal: dict[str, list[float]] = {}
+        self._costs: TransitionCosts | None = None  # (``costs``)
+
+    @property
+    def switching(self) -> bool:
+        """A plan's switches still run (or wait to): the daemon plans nothing new meanwhile."""
+        return bool(self._switch_queue or self._switching)
+
+    @property
+    def queued(self) -> bool:
+        """A plan's switches wait to start."""
+        return bool(self._switch_queue)
+
+    def control(self, t: float) -> None:
+        """Ask the policy for a plan (on the snapshot at ``t``) and carry it out."""
+        sim = self.sim
+        plan = sim.decide(sim.view.snapshot(t))
+        if plan is None or not plan.moves:
+            return
+        self.plans += 1
+        applied = 0
+        groups: dict[tuple, list[Move]] = {}
+        for move in plan.moves:
+            if move.kind is MoveKind.SWITCH and 0 <= move.gpu < len(sim.gpus):
+                g = sim.gpus[move.gpu]
+                groups.setdefault((g.node, g.pool, move.from_role, move.to_role), []).append(move)
+            else:
+                applied += self.apply(move, t)
+        self._switch_queue = list(groups.values())
+        applied += self.next_switch(t)
+        if applied:
+            self.last_change_at = t
+
+    def next_switch(self, t: float) -> int:
+        """Start the plan's next group of switches once the group switching now has finished (as the
+        daemon's transitions do: one switch at a time, the other workers serving meanwhile); a group none
+        of whose moves still fit ends the plan's switches, as a failed switch drops the daemon's waiting
+        ones. Returns the moves applied."""
+        if any(self.sim.gpus[i].busy_until > t for i in self._switching):
+            return 0
+        self._switching = []
+        while self._switch_queue:
+            group = self._switch_queue.pop(0)
+            applied = [m.gpu for m in group if self.apply(m, t)]
+            if applied:
+                self._switching = applied
+                return len(applied)
+            self._switch_queue = []
+        return 0
+
+    def force_return(self, g: SimGpu, t: float) -> None:
+        """The daemon's return guarantee: trainer GPU ``g`` goes back to TRAIN (instantly for the oracle)."""
+        sim = self.sim
+        if sim.controller is not None:  # the oracle's GPUs come back instantly
+            g.role, g.borrowed, sim._dirty = Role.TRAIN, False, True
+            return
+        self.forced_returns += 1
+        self.apply(Move(g.id, MoveKind.RETURN, g.role, Role.TRAIN, 0.0), t)
+
+    def apply(self, move: Move, t: float) -> bool:
+        """Apply one move at its true cost; refuse (and count) one that does not fit the simulated state."""
+        sim = self.sim
+        if not 0 <= move.gpu < len(sim.gpus) or not sim.gpus[move.gpu].present:
+            return self._refuse(move, "no such GPU present")
+        g = sim.gpus[move.gpu]
+        c = sim.profile.costs
+        if g.busy_until > t:
+            return self._refuse(move, "GPU in transition")
+        if g.role != move.from_role or move.to_role == move.from_role:
+            return self._refuse(move, f"GPU is {g.role.value}, not {move.from_role.value}")
+        kind, to = move.kind, move.to_role
+        stale = g.version < sim.version
+        # the move's steps (journal kind, profile seconds); a stale wake also loads the newest weights
+        wake = [(K.WAKE, c.wake_s)] + ([(WEIGHT_LOAD, sim.scenario.training.weight_sync_s)] if stale else [])
+        if kind == MoveKind.BORROW:
+            # The trainer releases a GPU only while it waits for rollouts, never mid-step.
+            if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in SERVING:
+                return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
+            steps = [(K.OFFLOAD, c.offload_s)] + (wake if g.parked else [(K.START, c.start_s)])
+            g.borrowed, g.parked = True, False
+        elif kind == MoveKind.RETURN:
+            if g.pool != PoolKind.TRAINER or to != Role.TRAIN:
+                return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
+            # the rollout worker is parked asleep: the next borrow is a wake
+            steps = [(K.SLEEP, c.sleep_s), (K.RELOAD, c.reload_s)]
+            g.borrowed, g.parked = False, True
+        elif kind in (MoveKind.START, MoveKind.WAKE):
+            if g.pool == PoolKind.TRAINER or g.role != Role.IDLE or to not in SERVING:
+                return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
+            steps = wake if g.parked else [(K.START, c.start_s)]  # a WAKE of a GPU with nothing parked: cold start
+            g.parked = False
+        elif kind == MoveKind.RETIRE:
+            if g.role not in SERVING or to != Role.IDLE or g.pool == PoolKind.TRAINER:
+                return self._refuse(move, "retire of a trainer GPU or of a GPU not serving")
+            # Elastic GPUs may vanish: stop the worker; rollout GPUs park it for a quick wake.
+            elastic = g.pool == PoolKind.ELASTIC
+            steps, g.parked = ([(K.STOP, c.stop_s)], False) if elastic else ([(K.SLEEP, c.sleep_s)], True)
+        elif kind == MoveKind.SWITCH:
+            if g.role not in SERVING or to not in SERVING:
+                return self._refuse(move, "switch between non-serving roles")
+            steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
+        else:
+            return self._refuse(move, "unknown move kind")
+        cost = self._true_cost(steps)
+        if g.role in SERVING:
+            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued elsewhere)
+        if to in SERVING:
+            g.version = sim.version  # a cold start loads the newest weights; a stale wake paid its sync above
+        g.role = to
+        g.busy_until = t + cost
+        sim.transitions += 1
+        sim._dirty = True
+        return True
+
+    def _true_cost(self, steps: list[tuple[str, float]]) -> float:
+        """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one
+        draw per move, in move order: deterministic for a seed). Each step's true duration is journaled."""
+        mm = self.sim.scenario.mismatch.transitions
+        f = 1.0 if mm.zero else float(mm.factors(self._move_rng, 1)[0])
+        cost = 0.0
+        for kind, seconds in steps:
+            true_s = seconds * f
+            self._journal.setdefault(kind, []).append(true_s)
+            self._costs = None  # (``costs``: estimated again)
+            cost += true_s
+        return cost
+
+    def costs(self) -> TransitionCosts:
+        """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
+        median of the last 5 journaled steps of each kind, else the profile's). They change only when a step is
+        journaled (``_true_cost``), so they are kept until then."""
+        if self._costs is None:
+            est = {
+                field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
+                for kind, field in STEP_COSTS.items()
+                if kind in self._journal
+            }
+            self._costs = replace(self.sim.profile.costs, **est) if est else self.sim.profile.costs
+        return self._costs
+
+    def _refuse(self, move: Move, why: str) -> bool:
+        key = f"{move.kind.value}: {why}"
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+        return False
