@@ -77,7 +77,7 @@ def profile(
             run = resolve_run(store, run_ref)
             workers = store.workers(run["id"])
             pool_of = {a["id"]: a["pool"] for a in store.allocations(run["id"])}
-            steps = [s for t in store.transitions(run["id"]) for s in store.steps(t["id"])]
+            steps = [s.to_dict() for t in store.transitions(run["id"]) for s in store.steps(t.id)]
         finally:
             store.close()
         if export_file is not None:

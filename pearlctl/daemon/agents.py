@@ -383,7 +383,7 @@ class Agents(Side):
         """(allocation, GPU index) of the allocation's GPUs (``gpus``, its rows) that an open transition is moving."""
         ids: set[int] = set()
         for t in self.store.open_transitions(self.run_id):
-            ids.update(t["gpu_ids"])
+            ids.update(t.gpu_ids)
         if not ids:
             return set()
         return {(alloc_id, g["idx"]) for g in gpus if g["id"] in ids}
@@ -592,14 +592,12 @@ class Agents(Side):
         ]
         rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
         moving = [
-            t
-            for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING))
-            if t["to_role"] in rollout_roles
+            t for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING)) if t.to_role in rollout_roles
         ]
         joining = 0
         if moving:  # the GPU rows only then: most answers have nothing joining
             alloc_of = {g["id"]: g["allocation_id"] for g in self.store.gpus(self.run_id)}
-            joining = len({(alloc_of.get(i), t["to_role"]) for t in moving for i in t["gpu_ids"]})
+            joining = len({(alloc_of.get(i), t.to_role) for t in moving for i in t.gpu_ids})
         return {"epoch": self.epoch, "workers": workers, "joining": joining}
 
     @property

@@ -60,7 +60,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
+from pearlctl.daemon.transitions import BorrowDetail, Executor, PlanKind, ReturnDetail, TransitionDetail, detail_for
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
@@ -71,6 +71,7 @@ from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step
 from pearlctl.policies import PolicyError, load_policy
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.rows import Transition
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, PoolKind
@@ -226,13 +227,13 @@ class Borrowing:
     def costs(self, base: TransitionCosts) -> TransitionCosts:
         """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
         steps = self.store.recent_steps(self.run_id, state="DONE", per_kind=5)
-        return TransitionCosts(**{**vars(base), **step_costs(steps, last=5)})
+        return TransitionCosts(**{**vars(base), **step_costs([s.to_dict() for s in steps], last=5)})
 
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
         the sum of its steps' estimates. The deadline rules use it."""
         latest = self.store.transitions(self.run_id, states=(T.DONE,), kind=kind, last=5)
-        done = [t["updated_at"] - t["created_at"] for t in latest]
+        done = [t.updated_at - t.created_at for t in latest]
         if done:
             return statistics.median(done)
         costs = self.costs((self.profile() or UNMEASURED).costs)
@@ -278,7 +279,7 @@ class Borrowing:
             costs=self.costs(profile.costs),
             mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
-            last_change_at=transitions[-1]["created_at"] if transitions else None,
+            last_change_at=transitions[-1].created_at if transitions else None,
             last_batch=Work(**(run.get(ROLLOUT_PROGRESS) or {}).get("batch_work") or {}),
         )
         # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
@@ -531,25 +532,25 @@ class Borrowing:
         except Exception:  # advice to the planner: never in the way of the plan or the return guarantee
             log.exception("checking the batch's prediction failed")
         moving = self.executor.open_transitions()
-        switching = {t["id"] for t in moving if t["kind"] == MoveKind.SWITCH and t["state"] != T.PLANNED}
+        switching = {t.id for t in moving if t.kind == MoveKind.SWITCH and t.state != T.PLANNED}
         for t in moving:
-            if t["kind"] == MoveKind.SWITCH and t["state"] == T.PLANNED:
+            if t.kind == MoveKind.SWITCH and t.state == T.PLANNED:
                 if self._plan_broke(t):
-                    self.executor.abort(t["id"], "an earlier switch of its plan did not complete")
+                    self.executor.abort(t.id, "an earlier switch of its plan did not complete")
                     continue
                 if switching:
                     continue  # one switch at a time: the workers not switching keep serving meanwhile
             deadline = TransitionDetail.of(t).return_deadline
-            borrowing = t["kind"] == MoveKind.BORROW and t["state"] == T.RUNNING
+            borrowing = t.kind == MoveKind.BORROW and t.state == T.RUNNING
             if borrowing and deadline and now >= deadline - self.cost(MoveKind.RETURN):
-                self.executor.abort(t["id"], "return deadline reached during the borrow")
-            state = self.executor.advance(t["id"])
-            if t["kind"] == MoveKind.RETURN and state == T.DONE:
+                self.executor.abort(t.id, "return deadline reached during the borrow")
+            state = self.executor.advance(t.id)
+            if t.kind == MoveKind.RETURN and state == T.DONE:
                 self._judge_return(t)
-            if t["kind"] == MoveKind.SWITCH and state in (T.RUNNING, T.ROLLING_BACK):
-                switching.add(t["id"])
+            if t.kind == MoveKind.SWITCH and state in (T.RUNNING, T.ROLLING_BACK):
+                switching.add(t.id)
             else:
-                switching.discard(t["id"])
+                switching.discard(t.id)
 
     def _pending(self, now: float) -> _Pending | None:
         """What the tick has to carry out now, or None: nothing while a transition is open (one plan at a time:
@@ -612,7 +613,7 @@ class Borrowing:
             why = f"policy: {planned.why}"
         if why:
             plan = PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN
-            detail = TransitionDetail(plan=plan, why=why, return_deadline=deadline)
+            detail = ReturnDetail(plan=plan, why=why, return_deadline=deadline)
             self.executor.plan(MoveKind.RETURN, [g["id"] for g in lent], detail=detail)
             if planned is None:
                 return
@@ -620,7 +621,7 @@ class Borrowing:
             return
         rows = {g["id"]: g for g in self.gpu_rows()}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
-            detail = TransitionDetail(plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
+            detail = detail_for(t["kind"], plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
         if not lent:
             borrow = self.plan_borrow(now, settings, planned=planned)
@@ -628,7 +629,7 @@ class Borrowing:
                 self.executor.plan(
                     MoveKind.BORROW,
                     borrow["gpu_ids"],
-                    detail=TransitionDetail(
+                    detail=BorrowDetail(
                         plan=borrow["plan"],
                         rollback=borrow["rollback"],
                         policy=borrow["policy"],
@@ -637,20 +638,20 @@ class Borrowing:
                     ),
                 )
 
-    def _plan_broke(self, t: dict) -> bool:
+    def _plan_broke(self, t: Transition) -> bool:
         """Whether another switch of ``t``'s plan (planned at the same moment) failed or was rolled back: the
         deployment the plan aimed at will not be reached, and the next plan is made from what is."""
         at = TransitionDetail.of(t).planned_at
         return at is not None and any(
-            o["id"] != t["id"] and TransitionDetail.of(o).planned_at == at and o["state"] in (T.FAILED, T.ROLLED_BACK)
+            o.id != t.id and TransitionDetail.of(o).planned_at == at and o.state in (T.FAILED, T.ROLLED_BACK)
             for o in self.store.transitions(self.run_id, kind=MoveKind.SWITCH)
         )
 
-    def _judge_return(self, t: dict) -> None:
+    def _judge_return(self, t: Transition) -> None:
         deadline = TransitionDetail.of(t).return_deadline
         if deadline is None:
             return
-        finished = self.store.get("transitions", t["id"])["updated_at"]
+        finished = self.store.transition(t.id).updated_at
         # the GPUs were back when their agent returned them itself (the daemon was out of reach then)
         agent_returns = [
             float(j["data"]["at"])
@@ -662,7 +663,7 @@ class Borrowing:
         self.store.journal_event(
             self.run_id,
             "transitions",
-            str(t["id"]),
+            str(t.id),
             "deadline missed" if late > 0 else "deadline met",
             data={"lateness_s": round(late, 3), **({"by": "agent"} if agent_returns else {})},
             epoch=self.executor.epoch,

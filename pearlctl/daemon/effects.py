@@ -35,6 +35,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.rows import Transition
 from pearlctl.state.schema import TRAINER_REPORT
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
@@ -68,11 +69,11 @@ class DaemonEffects:
         self.router_wake = router_wake
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _gpus(self, t: dict) -> list[dict]:
-        ids = set(t["gpu_ids"])
+    def _gpus(self, t: Transition) -> list[dict]:
+        ids = set(t.gpu_ids)
         return [g for g in self.store.gpus(self.run_id) if g["id"] in ids]
 
-    def _workers_on(self, t: dict, role: str | None = None) -> list[dict]:
+    def _workers_on(self, t: Transition, role: str | None = None) -> list[dict]:
         """The vLLM workers on the transition's GPUs (``role``: only those serving it)."""
         places = {(g["allocation_id"], g["idx"]) for g in self._gpus(t)}
         out = []
@@ -83,7 +84,7 @@ class DaemonEffects:
                 out.append(w)
         return out
 
-    def _serving(self, t: dict) -> tuple[list[dict], bool]:
+    def _serving(self, t: Transition) -> tuple[list[dict], bool]:
         """The live workers in the transition's serving role on its GPUs, and whether they cover every one of
         them. A transition of many GPUs has a worker per GPU (or per tensor-parallel group), and its agents
         start or wake them at different times: a step that brings GPUs up is proven for all of them, never
@@ -94,9 +95,9 @@ class DaemonEffects:
         return live, all((g["allocation_id"], g["idx"]) in covered for g in self._gpus(t))
 
     @staticmethod
-    def _serving_role(t: dict) -> str:
+    def _serving_role(t: Transition) -> str:
         """The role the transition's GPUs serve in when it brings them up (a borrow: ROLLOUT)."""
-        return t["to_role"] if t["to_role"] in SERVING_ROLES else Role.ROLLOUT
+        return t.to_role if t.to_role in SERVING_ROLES else Role.ROLLOUT
 
     def _proven_gone(self, w: dict) -> bool:
         """Stopped or failed as its agent reported — or LOST with its allocation ended. A worker LOST only
@@ -108,10 +109,10 @@ class DaemonEffects:
 
     def _ack(self, key: str) -> dict | None:
         step = self.store.step_by_key(self.run_id, key)
-        return (step.get("detail") or {}).get("ack") if step else None
+        return (step.detail or {}).get("ack") if step else None
 
     # -- effects --------------------------------------------------------------------------------
-    def _serve(self, t: dict, key: str) -> None:
+    def _serve(self, t: Transition, key: str) -> None:
         """START / WAKE: the GPUs serve in the transition's role now: their agent starts a vLLM worker, or
         wakes the one parked there. Lent trainer GPUs carry their return deadline down to the agent."""
         deadline = TransitionDetail.of(t).return_deadline
@@ -130,12 +131,12 @@ class DaemonEffects:
                 worker_id=None,
             )
 
-    def _register(self, t: dict, key: str) -> None:
+    def _register(self, t: Transition, key: str) -> None:
         """REGISTER: the live workers in the transition's serving role take new requests."""
         workers = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
         self._set_routable(workers, 1)
 
-    def _deregister(self, t: dict, key: str) -> None:
+    def _deregister(self, t: Transition, key: str) -> None:
         """DEREGISTER: the workers on the transition's GPUs stop taking new requests."""
         self._set_routable(self._workers_on(t), 0)
 
@@ -145,7 +146,7 @@ class DaemonEffects:
                 self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
         self.router_wake()
 
-    def _leave(self, t: dict, key: str) -> None:
+    def _leave(self, t: Transition, key: str) -> None:
         """DRAIN: the GPUs leave their serving role — trainer GPUs back to TRAIN, others IDLE; with a SLEEP
         next, the worker stays parked on the GPUs (desired: asleep)."""
         parked: dict[tuple[int, int], int] = {}  # (allocation, GPU index) -> the worker parked there
@@ -166,34 +167,34 @@ class DaemonEffects:
                 worker_id=parked.get((g["allocation_id"], g["idx"])),
             )
 
-    def _nothing(self, t: dict, key: str) -> None:
+    def _nothing(self, t: Transition, key: str) -> None:
         """OFFLOAD / RELOAD: the command is the step's INTENT itself (see pending_trainer_command); the
         probes of STOP, SLEEP and VERIFY wait for what an earlier step set in motion."""
 
     # -- probes ---------------------------------------------------------------------------------
-    def _trainer_acked(self, t: dict, key: str) -> Outcome:
+    def _trainer_acked(self, t: Transition, key: str) -> Outcome:
         ack = self._ack(key)
         if ack is None:
             return Outcome.PENDING
         return Outcome.DONE if ack.get("ok") else Outcome.FAILED
 
-    def _none_up(self, t: dict) -> Outcome:
+    def _none_up(self, t: Transition) -> Outcome:
         """No live worker on the GPUs brought up: FAILED where one failed there, else still PENDING."""
         failed = any(w["state"] == W.FAILED for w in self._workers_on(t, self._serving_role(t)))
         return Outcome.FAILED if failed else Outcome.PENDING
 
-    def _woken(self, t: dict, key: str) -> Outcome:
+    def _woken(self, t: Transition, key: str) -> Outcome:
         live, covered = self._serving(t)
         if not live:
             return Outcome.FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
         # GPUs with no parked worker get a new one (the agent starts what desired state lacks): READY too
         return _proven(covered and all(w["state"] == W.READY for w in live))
 
-    def _asleep(self, t: dict, key: str) -> Outcome:
+    def _asleep(self, t: Transition, key: str) -> Outcome:
         workers = self._workers_on(t)
         return _proven(all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers))
 
-    def _started(self, t: dict, key: str) -> Outcome:
+    def _started(self, t: Transition, key: str) -> Outcome:
         live, covered = self._serving(t)
         if covered:
             return Outcome.DONE
@@ -201,7 +202,7 @@ class DaemonEffects:
             return Outcome.PENDING  # some of its GPUs' workers are there: the others come (a failed one restarts)
         return self._none_up(t)
 
-    def _verified(self, t: dict, key: str) -> Outcome:
+    def _verified(self, t: Transition, key: str) -> Outcome:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
             trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
             return _proven(bool(trainer) and not trainer.get("released"))
@@ -217,7 +218,7 @@ class DaemonEffects:
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
         return _proven(latest is None or all(w.get("weight_version") == str(latest) for w in live))
 
-    def _registered(self, t: dict, key: str) -> Outcome:
+    def _registered(self, t: Transition, key: str) -> Outcome:
         """Recorded in state, and — where the run has a router — carried out by it: the router routes to every
         live worker in the serving role."""
         routed = self.router()
@@ -226,7 +227,7 @@ class DaemonEffects:
             return Outcome.PENDING
         return _proven(routed is None or all(w["url"] in routed for w in live if w["url"]))
 
-    def _deregistered(self, t: dict, key: str) -> Outcome:
+    def _deregistered(self, t: Transition, key: str) -> Outcome:
         """Recorded in state, and — where the run has a router — carried out by it: the router no longer routes
         to the workers (so a worker drains only once nothing new can reach it)."""
         routed = self.router_may_route()
@@ -235,11 +236,11 @@ class DaemonEffects:
             return Outcome.PENDING
         return _proven(routed is None or not any(w["url"] in routed for w in workers if w["url"]))
 
-    def _drained(self, t: dict, key: str) -> Outcome:
+    def _drained(self, t: Transition, key: str) -> Outcome:
         busy = (W.READY, W.STARTING)
         return _proven(all(w["state"] not in busy for w in self._workers_on(t)))
 
-    def _stopped(self, t: dict, key: str) -> Outcome:
+    def _stopped(self, t: Transition, key: str) -> Outcome:
         return _proven(all(self._proven_gone(w) for w in self._workers_on(t)))
 
     # -- the Effects protocol: one table --------------------------------------------------------
@@ -255,50 +256,54 @@ def _proven(held: bool) -> Outcome:
 
 
 @dataclass(frozen=True)
-class Step:
+class StepAction:
     """One step kind: its effect and its proof (functions of DaemonEffects, the transition and the step's key),
     and both in words."""
 
-    do: Callable[[DaemonEffects, dict, str], None]
-    probe: Callable[[DaemonEffects, dict, str], Outcome]
+    do: Callable[[DaemonEffects, Transition, str], None]
+    probe: Callable[[DaemonEffects, Transition, str], Outcome]
     effect: str
     proven: str
 
 
 _E = DaemonEffects
-STEPS: dict[StepKind, Step] = {
-    StepKind.OFFLOAD: Step(_E._nothing, _E._trainer_acked, "the trainer is asked to release (id: the key)", "acked ok"),
-    StepKind.START: Step(
+STEPS: dict[StepKind, StepAction] = {
+    StepKind.OFFLOAD: StepAction(
+        _E._nothing, _E._trainer_acked, "the trainer is asked to release (id: the key)", "acked ok"
+    ),
+    StepKind.START: StepAction(
         _E._serve, _E._started, "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "a worker runs"
     ),
-    StepKind.WAKE: Step(_E._serve, _E._woken, "as START; the agent wakes the parked worker", "it is READY"),
-    StepKind.VERIFY: Step(
+    StepKind.WAKE: StepAction(_E._serve, _E._woken, "as START; the agent wakes the parked worker", "it is READY"),
+    StepKind.VERIFY: StepAction(
         _E._nothing, _E._verified, "—", "GPUs brought up: the worker is READY; back to TRAIN: the trainer has them"
     ),
-    StepKind.REGISTER: Step(
+    StepKind.REGISTER: StepAction(
         _E._register, _E._registered, "the worker becomes routable", "recorded; the router lists it"
     ),
-    StepKind.DEREGISTER: Step(
+    StepKind.DEREGISTER: StepAction(
         _E._deregister, _E._deregistered, "the worker stops being routable", "recorded; the router no longer lists it"
     ),
-    StepKind.DRAIN: Step(
+    StepKind.DRAIN: StepAction(
         _E._leave, _E._drained, "the GPUs leave their role (trainer: TRAIN; others: IDLE)", "drained or gone"
     ),
-    StepKind.STOP: Step(_E._nothing, _E._stopped, "—", "the worker is STOPPED (or proven gone)"),
-    StepKind.SLEEP: Step(_E._nothing, _E._asleep, "— (DRAIN parked the worker)", "it SLEEPS (or is gone)"),
-    StepKind.RELOAD: Step(_E._nothing, _E._trainer_acked, "the trainer is asked to reclaim (id: the key)", "acked ok"),
+    StepKind.STOP: StepAction(_E._nothing, _E._stopped, "—", "the worker is STOPPED (or proven gone)"),
+    StepKind.SLEEP: StepAction(_E._nothing, _E._asleep, "— (DRAIN parked the worker)", "it SLEEPS (or is gone)"),
+    StepKind.RELOAD: StepAction(
+        _E._nothing, _E._trainer_acked, "the trainer is asked to reclaim (id: the key)", "acked ok"
+    ),
 }
 
 
 def pending_trainer_command(store: Store, run_id: str) -> dict:
     """The trainer command the current step of an open transition asks for, or no command."""
     for t in store.transitions(run_id, states=(T.RUNNING, T.ROLLING_BACK)):
-        for s in sorted(store.steps(t["id"]), key=lambda s: s["seq"]):
-            trainer_step = s["kind"] in (StepKind.OFFLOAD, StepKind.RELOAD)
-            if s["state"] == S.INTENT and trainer_step and not (s.get("detail") or {}).get("ack"):
+        for s in sorted(store.steps(t.id), key=lambda s: s.seq):
+            trainer_step = s.kind in (StepKind.OFFLOAD, StepKind.RELOAD)
+            if s.state == S.INTENT and trainer_step and not (s.detail or {}).get("ack"):
                 return {
-                    "command": "release" if s["kind"] == StepKind.OFFLOAD else "reclaim",
-                    "command_id": s["idempotency_key"],
+                    "command": "release" if s.kind == StepKind.OFFLOAD else "reclaim",
+                    "command_id": s.idempotency_key,
                 }
     return {"command": None}
 
@@ -307,7 +312,7 @@ def record_trainer_ack(store: Store, run_id: str, command_id: str, result: dict,
     s = store.step_by_key(run_id, command_id)
     if s is None:
         return False
-    detail = dict(s.get("detail") or {}, ack=result)
+    detail = dict(s.detail or {}, ack=result)
     ack = {"ok": result.get("ok")}
-    store.update_fields("steps", s["id"], epoch=epoch, event="trainer ack", data=ack, detail=detail)
+    store.update_fields("steps", s.id, epoch=epoch, event="trainer ack", data=ack, detail=detail)
     return True

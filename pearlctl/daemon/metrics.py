@@ -103,13 +103,11 @@ class RunCollector:
         yield workers
         transitions = self.store.transitions(self.run_id)
         total = CounterMetricFamily("pearl_transitions", "role transitions by kind and state", labels=["kind", "state"])
-        for (kind, state), n in Counter((t["kind"], t["state"]) for t in transitions).items():
+        for (kind, state), n in Counter((t.kind, t.state) for t in transitions).items():
             total.add_metric([kind, state], n)
         yield total
         for kind in (MoveKind.BORROW, MoveKind.RETURN):
-            done = [
-                t["updated_at"] - t["created_at"] for t in transitions if t["kind"] == kind and t["state"] == T.DONE
-            ]
+            done = [t.updated_at - t.created_at for t in transitions if t.kind == kind and t.state == T.DONE]
             buckets = [(str(b), sum(1 for d in done if d <= b)) for b in BUCKETS] + [("+Inf", len(done))]
             hist = HistogramMetricFamily(
                 "pearl_transition_seconds", "duration of completed transitions", labels=["kind"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.shared import ControlError, Side
-from pearlctl.daemon.transitions import PlanKind, TransitionDetail
+from pearlctl.daemon.transitions import PlanKind, detail_for
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import GpuState as G
@@ -75,9 +75,9 @@ class Operator(Side):
             aborted = []
             if body.now:
                 for t in self.borrowing.executor.open_transitions():
-                    if t["kind"] == MoveKind.BORROW:
-                        self.borrowing.executor.abort(t["id"], "pearlctl return --now")
-                        aborted.append(t["id"])
+                    if t.kind == MoveKind.BORROW:
+                        self.borrowing.executor.abort(t.id, "pearlctl return --now")
+                        aborted.append(t.id)
             lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
@@ -94,7 +94,7 @@ class Operator(Side):
             if busy:
                 t = busy[0]
                 raise ControlError(
-                    f"transition {t['id']} ({t['kind']}, {t['state']}) is still moving GPUs {t['gpu_ids']}: "
+                    f"transition {t.id} ({t.kind}, {t.state}) is still moving GPUs {list(t.gpu_ids)}: "
                     "one plan at a time; move again once it ends (`pearlctl status`)",
                     409,
                 )
@@ -140,7 +140,7 @@ class Operator(Side):
             tid = executor.plan(
                 body.kind,
                 ids,
-                detail=TransitionDetail(plan=plan, why="operator move (pearlctl move)", by="operator"),
+                detail=detail_for(body.kind, plan=plan, why="operator move (pearlctl move)", by="operator"),
                 from_role=str(from_role),
                 to_role=str(to_role),
             )

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.rows import Step, Transition
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import Role, StepKind
 
@@ -102,49 +103,77 @@ KIND_ROLES: dict[MoveKind, tuple[Role | None, Role | None]] = {
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransitionDetail:
-    """A transition's ``detail`` column, typed: what it carries besides its kind, GPUs and roles. Stored as a JSON
-    object of the fields set (``to_json``); read back with ``of``, which ignores keys it does not know."""
+    """A transition's ``detail`` column, typed: what it carries besides its kind, GPUs and roles. What every kind
+    may carry is here; a kind that carries more has its own model (``DETAILS``: a borrow, a return). Stored as a
+    JSON object of the fields set (``to_json``); read back with ``of``, which picks the kind's model and ignores
+    keys it does not know."""
 
     plan: PlanKind | None = None  # the steps it runs (default: its kind's)
     rollback: PlanKind | None = None  # what a failure runs to compensate (default: ROLLBACKS[kind])
     why: str | None = None  # the reason it was planned
     policy: str | None = None  # the policy whose plan it carries out
     planned_at: float | None = None  # a plan's transitions share it (its switches run one at a time)
-    return_deadline: float | None = None  # a borrow, or a return of lent GPUs: when the trainer needs them
-    wait_from: str | None = None  # a borrow: where its deadline's wait came from ("trainer report" | "prediction")
     by: str | None = None  # "operator": asked for through `pearlctl move`
+    # only the trainer's GPUs moving (a borrow, a return of lent GPUs) have a deadline: when the trainer needs them
+    return_deadline: ClassVar[float | None] = None
 
     @classmethod
-    def of(cls, transition: Mapping[str, Any]) -> TransitionDetail:
-        doc = transition.get("detail") or {}
-        known = {f.name for f in fields(cls)}
+    def of(cls, transition: Transition) -> TransitionDetail:
+        """The detail of ``transition`` as its kind's model."""
+        model = DETAILS.get(MoveKind(transition.kind), TransitionDetail)
+        doc = transition.detail or {}
+        known = {f.name for f in fields(model)}
         kept = {k: v for k, v in doc.items() if k in known and v is not None}
         for k in ("plan", "rollback"):
             if k in kept:
                 kept[k] = PlanKind(kept[k])
-        return cls(**kept)
+        return model(**kept)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReturnDetail(TransitionDetail):
+    """A return: the trainer's deadline for the GPUs it gets back."""
+
+    return_deadline: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BorrowDetail(TransitionDetail):
+    """A borrow: the deadline by which the lent GPUs must be back, and where the wait it was sized to came from."""
+
+    return_deadline: float | None = None
+    wait_from: str | None = None  # "trainer report" | "prediction"
+
+
+# The detail model of each transition kind that carries more than ``TransitionDetail``.
+DETAILS: dict[MoveKind, type[TransitionDetail]] = {MoveKind.BORROW: BorrowDetail, MoveKind.RETURN: ReturnDetail}
+
+
+def detail_for(kind: MoveKind, **fields: Any) -> TransitionDetail:
+    """A detail of ``kind``'s model, for a caller that plans transitions of any kind."""
+    return DETAILS.get(MoveKind(kind), TransitionDetail)(**fields)
+
+
 class Effects(Protocol):
     """The seam between the executor and the world. ``do`` must be idempotent for ``key``."""
 
-    def do(self, kind: StepKind, transition: dict, key: str) -> None: ...
+    def do(self, kind: StepKind, transition: Transition, key: str) -> None: ...
 
-    def probe(self, kind: StepKind, transition: dict, key: str) -> Outcome: ...  # DONE | PENDING | FAILED
+    def probe(self, kind: StepKind, transition: Transition, key: str) -> Outcome: ...  # DONE | PENDING | FAILED
 
 
-def current_plan(t: dict) -> tuple[StepKind, ...]:
+def current_plan(t: Transition) -> tuple[StepKind, ...]:
     """The steps a transition runs now: its plan (``detail.plan``, default its kind), or while it rolls back
     its compensation (``detail.rollback``, default ``ROLLBACKS[kind]``)."""
     detail = TransitionDetail.of(t)
-    if t["state"] == T.ROLLING_BACK:
-        return PLANS[detail.rollback or ROLLBACKS.get(t["kind"], PlanKind.RETURN)]
-    return PLANS[detail.plan or PlanKind(t["kind"])]
+    if t.state == T.ROLLING_BACK:
+        return PLANS[detail.rollback or ROLLBACKS.get(MoveKind(t.kind), PlanKind.RETURN)]
+    return PLANS[detail.plan or PlanKind(t.kind)]
 
 
 def step_key(transition_id: int, seq: int, kind: StepKind) -> str:
@@ -178,6 +207,9 @@ class Executor:
         from_role, to_role = from_role or default_from, to_role or default_to
         if from_role is None or to_role is None:
             raise ValueError(f"a {kind} transition needs from_role and to_role")
+        model = DETAILS.get(kind, TransitionDetail)
+        if detail is not None and type(detail) is not model:
+            raise TypeError(f"a {kind} transition's detail is a {model.__name__}, not a {type(detail).__name__}")
         with self.store.atomic():  # the transition and its detail land together: a plan is never half written
             tid = self.store.add_transition(
                 run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
@@ -186,63 +218,63 @@ class Executor:
                 self.store.update_fields("transitions", tid, epoch=self.epoch, detail=detail.to_json())
         return tid
 
-    def open_transitions(self) -> list[dict]:
+    def open_transitions(self) -> list[Transition]:
         return self.store.open_transitions(self.run_id)
 
     # -- moving -----------------------------------------------------------------------------------
-    def _set(self, t: dict, to: str, event: str, data: dict | None = None) -> dict:
-        self.store.set_state("transitions", t["id"], expect=t["state"], to=to, epoch=self.epoch, event=event, data=data)
-        return self.store.get("transitions", t["id"])
+    def _set(self, t: Transition, to: str, event: str, data: dict | None = None) -> Transition:
+        self.store.set_state("transitions", t.id, expect=t.state, to=to, epoch=self.epoch, event=event, data=data)
+        return self.store.transition(t.id)
 
-    def _steps_for(self, t: dict) -> list[tuple[int, StepKind]]:
+    def _steps_for(self, t: Transition) -> list[tuple[int, StepKind]]:
         """The transition's plan (``detail.plan``, default its kind); a rollback runs ``detail.rollback``."""
-        if t["state"] == T.ROLLING_BACK:
+        if t.state == T.ROLLING_BACK:
             return [(ROLLBACK_SEQ + i, k) for i, k in enumerate(current_plan(t))]
         return list(enumerate(current_plan(t)))
 
     def abort(self, tid: int, why: str) -> None:
         """Stop a running transition that can compensate and roll it back (a borrow's deadline reached,
         operator `return --now`); a PLANNED one is dropped."""
-        t = self.store.get("transitions", tid)
-        if t["state"] == T.RUNNING and t["kind"] in ROLLBACKS:
+        t = self.store.transition(tid)
+        if t.state == T.RUNNING and t.kind in ROLLBACKS:
             for step in self.store.steps(tid):  # an effect still pending is superseded, not awaited
-                if step["state"] == S.INTENT:
+                if step.state == S.INTENT:
                     self._finish(step, S.FAILED, f"aborted: {why}")
             self._set(t, T.ROLLING_BACK, "rollback", {"why": why})
-        elif t["state"] == T.PLANNED:
+        elif t.state == T.PLANNED:
             self._set(t, T.ROLLED_BACK, "dropped", {"why": why})
 
     def advance(self, tid: int) -> str:
         """Move one transition as far as its probes allow. Returns its state."""
-        t = self.store.get("transitions", tid)
-        if t["state"] == T.PLANNED:
+        t = self.store.transition(tid)
+        if t.state == T.PLANNED:
             t = self._set(t, T.RUNNING, "started")
-        while t["state"] in (T.RUNNING, T.ROLLING_BACK):
+        while t.state in (T.RUNNING, T.ROLLING_BACK):
             outcome = self._walk(t)
             if outcome is Outcome.PENDING:
                 break
             if outcome is Outcome.DONE:
-                t = self._set(t, T.DONE if t["state"] == T.RUNNING else T.ROLLED_BACK, "completed")
+                t = self._set(t, T.DONE if t.state == T.RUNNING else T.ROLLED_BACK, "completed")
             elif outcome is Outcome.HELD:
                 t = self._set(t, T.FAILED, "held: a step's effect could not be proven")
-            elif t["state"] == T.RUNNING and t["kind"] in ROLLBACKS:
+            elif t.state == T.RUNNING and t.kind in ROLLBACKS:
                 t = self._set(t, T.ROLLING_BACK, "rollback", {"why": "a step failed"})  # GPUs go back
             else:
                 t = self._set(t, T.FAILED, "failed")  # a failed return or rollback needs a person
-        return t["state"]
+        return t.state
 
-    def _walk(self, t: dict) -> Outcome:
+    def _walk(self, t: Transition) -> Outcome:
         """Go through the steps in order; stop at the first that is not DONE."""
-        existing = {s["seq"]: s for s in self.store.steps(t["id"])}
+        existing = {s.seq: s for s in self.store.steps(t.id)}
         for seq, kind in self._steps_for(t):
             step = existing.get(seq) or self._intend(t, seq, kind)
-            if step["state"] == S.DONE:
+            if step.state == S.DONE:
                 continue
-            if step["state"] == S.HELD:
+            if step.state == S.HELD:
                 return Outcome.HELD
-            if step["state"] == S.FAILED:
+            if step.state == S.FAILED:
                 return Outcome.FAILED
-            key = step["idempotency_key"]
+            key = step.idempotency_key
             if key not in self.issued:  # after a restart: effects are idempotent per key, so issue again
                 self._issue(kind, t, key, again=True)
             result = Outcome(self.effects.probe(kind, t, key))
@@ -250,19 +282,19 @@ class Executor:
                 self._finish(step, S.DONE, "done")
                 self.fault("after_done", key)
                 continue
-            started = (step.get("detail") or {}).get("started_at", self.clock())
+            started = (step.detail or {}).get("started_at", self.clock())
             if result is Outcome.FAILED or self.clock() - started > self.step_timeout_s:
                 self._finish(step, S.FAILED, "probe failed" if result is Outcome.FAILED else "no effect in time")
                 return Outcome.FAILED
             return Outcome.PENDING
         return Outcome.DONE
 
-    def _intend(self, t: dict, seq: int, kind: StepKind) -> dict:
+    def _intend(self, t: Transition, seq: int, kind: StepKind) -> Step:
         """Write the step's INTENT durably, then issue its effect."""
-        key = step_key(t["id"], seq, kind)
+        key = step_key(t.id, seq, kind)
         self.fault("before_intent", key)
         sid = self.store.add_step(
-            transition_id=t["id"],
+            transition_id=t.id,
             seq=seq,
             kind=kind,
             idempotency_key=key,
@@ -272,9 +304,9 @@ class Executor:
         self.fault("after_intent", key)
         self._issue(kind, t, key)
         self.fault("after_effect", key)
-        return self.store.get("steps", sid)
+        return self.store.step(sid)
 
-    def _issue(self, kind: StepKind, t: dict, key: str, *, again: bool = False) -> None:
+    def _issue(self, kind: StepKind, t: Transition, key: str, *, again: bool = False) -> None:
         self.effects.do(kind, t, key)
         self.issued.add(key)
         if again:
@@ -282,8 +314,6 @@ class Executor:
                 self.run_id, "steps", key, "effect re-issued after restart", data={"kind": kind}, epoch=self.epoch
             )
 
-    def _finish(self, step: dict, to: str, why: str) -> None:
-        detail = dict(step.get("detail") or {}, finished_at=self.clock(), why=why)
-        self.store.set_state(
-            "steps", step["id"], expect=step["state"], to=to, epoch=self.epoch, event=why, detail=detail
-        )
+    def _finish(self, step: Step, to: str, why: str) -> None:
+        detail = dict(step.detail or {}, finished_at=self.clock(), why=why)
+        self.store.set_state("steps", step.id, expect=step.state, to=to, epoch=self.epoch, event=why, detail=detail)

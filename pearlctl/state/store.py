@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from pearlctl.state.db import BUSY_TIMEOUT_MS, Database, connect, schema_version
 from pearlctl.state.errors import (
@@ -53,10 +53,12 @@ from pearlctl.state.machines import (
     check_edge,
     machine,
 )
+from pearlctl.state.rows import ROW_TYPES, Step, Transition, TypedRow
 from pearlctl.state.schema import JSON_COLUMNS
 
 Clock = Callable[[], float]
-Row = dict[str, Any]
+Row = dict[str, Any]  # a row of a table without a typed row (pearlctl.state.rows)
+R = TypeVar("R", bound=TypedRow)
 
 BACKENDS = ("slurm", "local")
 # Keys a pool dict passed to create_run may carry (pools columns minus id, run_id, job_id).
@@ -66,6 +68,8 @@ POOL_OPTIONAL = frozenset({"partition"})
 _MANAGED_COLUMNS = frozenset({"id", "run_id", "state", "version", "updated_at", "created_at"})
 # Tables with their own write paths: the journal is append-only, leases go through the lease methods.
 _NO_FIELD_UPDATES = frozenset({"journal", "leases"})
+# The reads of a typed table that join names in (a GPU's node and pool, an allocation's pool), by table.
+_JOINED: Mapping[str, str] = {}
 # Steps may only be added while their transition is still moving.
 
 
@@ -259,6 +263,10 @@ class Store:
                 hit = (generation, read())
                 self._cache[(what, run_id)] = hit
         return [dict(row) for row in hit[1]]
+
+    def _typed(self, cls: type[R], sql: str, params: Sequence[Any] = ()) -> list[R]:
+        """The rows of ``sql`` (over ``cls``'s table, JSON columns decoded) as ``cls`` values."""
+        return [cls.from_row(row) for row in self._query(sql, params, table=cls.TABLE)]
 
     def _query(self, sql: str, params: Sequence[Any] = (), *, table: str | None = None) -> list[Row]:
         with self._lock:
@@ -828,14 +836,26 @@ class Store:
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, table: str, row_id: int | str) -> Row:
-        """One row of any table by id (JSON decoded); ``NotFound`` if absent."""
+    def get(self, table: str, row_id: int | str) -> Row | TypedRow:
+        """One row of any table by id: a typed table's as its type (pearlctl.state.rows; ``transition``,
+        ``step``, ... say which), any other's as a dict, JSON decoded; ``NotFound`` if absent."""
         if "id" not in self._columns.get(table, ()):
             raise NotFound(f"no table {table!r} with ids; tables: {', '.join(sorted(self._columns))}")
-        rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
+        if table in ROW_TYPES:
+            select = _JOINED.get(table, f'SELECT * FROM "{table}"')
+            rows = self._query(f"{select} WHERE {table[0]}.id = ?" if table in _JOINED else f"{select} WHERE id = ?",
+                               (row_id,), table=table)  # fmt: skip
+        else:
+            rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
         if not rows:
             raise NotFound(f"{table} has no row {row_id!r}")
-        return rows[0]
+        return ROW_TYPES[table].from_row(rows[0]) if table in ROW_TYPES else rows[0]
+
+    def transition(self, transition_id: int) -> Transition:
+        return self.get(Transition.TABLE, transition_id)
+
+    def step(self, step_id: int) -> Step:
+        return self.get(Step.TABLE, step_id)
 
     def pools(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM pools WHERE run_id = ? ORDER BY id", (run_id,))
@@ -893,7 +913,7 @@ class Store:
 
     def transitions(
         self, run_id: str, *, states: Iterable[str] | None = None, kind: str | None = None, last: int | None = None
-    ) -> list[Row]:
+    ) -> list[Transition]:
         """The run's transitions, oldest first: only those in ``states`` and of ``kind`` when given, only the
         ``last`` n when given. The daemon's loop asks for the open ones and the latest few, never the whole
         history, which grows by a few rows per training step."""
@@ -906,39 +926,35 @@ class Store:
             sql += " AND kind = ?"
             params.append(kind)
         if last is None:
-            return self._query(sql + " ORDER BY id", params, table="transitions")
-        rows = self._query(sql + " ORDER BY id DESC LIMIT ?", [*params, last], table="transitions")
-        return rows[::-1]
+            return self._typed(Transition, sql + " ORDER BY id", params)
+        return self._typed(Transition, sql + " ORDER BY id DESC LIMIT ?", [*params, last])[::-1]
 
-    def open_transitions(self, run_id: str) -> list[Row]:
+    def open_transitions(self, run_id: str) -> list[Transition]:
         return self.transitions(run_id, states=OPEN_TRANSITION_STATES)
 
-    def steps(self, transition_id: int) -> list[Row]:
-        return self._query("SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,), table="steps")
+    def steps(self, transition_id: int) -> list[Step]:
+        return self._typed(Step, "SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,))
 
-    def step_by_key(self, run_id: str, key: str) -> Row | None:
+    def step_by_key(self, run_id: str, key: str) -> Step | None:
         """The run's step with this idempotency key (a trainer command's id is its step's key)."""
-        rows = self._query(
+        rows = self._typed(
+            Step,
             "SELECT steps.* FROM steps JOIN transitions ON transitions.id = steps.transition_id "
             "WHERE steps.idempotency_key = ? AND transitions.run_id = ?",
             (key, run_id),
-            table="steps",
         )
         return rows[0] if rows else None
 
-    def recent_steps(self, run_id: str, *, state: str, per_kind: int) -> list[Row]:
+    def recent_steps(self, run_id: str, *, state: str, per_kind: int) -> list[Step]:
         """The run's latest ``per_kind`` steps in ``state`` of each step kind, oldest first (running
         estimates of step durations)."""
-        rows = self._query(
+        return self._typed(
+            Step,
             "SELECT * FROM (SELECT steps.*, ROW_NUMBER() OVER (PARTITION BY steps.kind ORDER BY steps.id DESC) AS n "
             "FROM steps JOIN transitions ON transitions.id = steps.transition_id "
             "WHERE transitions.run_id = ? AND steps.state = ?) WHERE n <= ? ORDER BY id",
             (run_id, state, per_kind),
-            table="steps",
         )
-        for row in rows:
-            del row["n"]
-        return rows
 
     def journal(self, run_id: str | None = None, since_id: int = 0, limit: int | None = None) -> list[Row]:
         """Journal rows with ``id > since_id``, oldest first; only the run's if ``run_id`` is given."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pearlctl.state.machines import StepState as S
+from pearlctl.state.machines import TransitionState as T
+from pearlctl.state.rows import Transition
 from pearlctl.state.store import Store
 
 
@@ -20,9 +23,9 @@ def run_document(store: Store, run_id: str) -> dict:
     }
 
 
-def _with_current_step(store: Store, t: dict) -> dict:
+def _with_current_step(store: Store, t: Transition) -> dict:
     """A transition with ``current_step``: the kind of its first step not DONE (None when finished)."""
-    if t["state"] in ("DONE", "ROLLED_BACK", "FAILED"):
-        return dict(t, current_step=None)
-    pending = [s for s in store.steps(t["id"]) if s["state"] != "DONE"]
-    return dict(t, current_step=pending[-1]["kind"] if pending else None)
+    if t.state in (T.DONE, T.ROLLED_BACK, T.FAILED):
+        return dict(t.to_dict(), current_step=None)
+    pending = [s for s in store.steps(t.id) if s.state != S.DONE]
+    return dict(t.to_dict(), current_step=pending[-1].kind if pending else None)

@@ -386,7 +386,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "recomputed": result.get("recomputed"),
         "deadlines_met": sum(1 for j in journal if j["event"] == "deadline met"),
         "deadlines_missed": sum(1 for j in journal if j["event"] == "deadline missed"),
-        "transitions": sum(1 for t in transitions if t["state"] == "DONE"),
+        "transitions": sum(1 for t in transitions if t.state == "DONE"),
         "preemptions": sum(1 for t, _, what in played if what == "hold" and t <= end - t0),
         "requeues": sum(int(a.get("restarts") or 0) for a in elastic),
         "tick_p99_ms": p99_ms(metrics, "pearl_daemon_tick_duration_seconds"),

@@ -89,13 +89,13 @@ def analyze(store: Store, run_id: str) -> list[dict]:
     gpus = {g["id"]: g for g in store.gpus(run_id)}
     rows = []
     for t in store.transitions(run_id):
-        if t["state"] != "DONE":
+        if t.state != "DONE":
             continue
-        plan = (t.get("detail") or {}).get("plan", t["kind"])
-        steps = {s["kind"]: s for s in store.steps(t["id"])}
-        begun = min(s["detail"]["started_at"] for s in steps.values())
-        ended = max(s["detail"]["finished_at"] for s in steps.values())
-        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t["gpu_ids"]}
+        plan = (t.detail or {}).get("plan", t.kind)
+        steps = {s.kind: s for s in store.steps(t.id)}
+        begun = min(s.detail["started_at"] for s in steps.values())
+        ended = max(s.detail["finished_at"] for s in steps.values())
+        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t.gpu_ids}
         (w,) = [
             w
             for w in store.workers(run_id)
@@ -104,16 +104,16 @@ def analyze(store: Store, run_id: str) -> list[dict]:
             and any(begun - 1 <= ts <= ended + 0.5 for ts, _ in wt.get(w["id"], []))
         ]
         times = wt[w["id"]]
-        if t["kind"] == "borrow":
-            trainer_s = steps["OFFLOAD"]["detail"]["ack"]["max_rank_s"]
+        if t.kind == "borrow":
+            trainer_s = steps["OFFLOAD"].detail["ack"]["max_rank_s"]
             if plan == "borrow":  # cold: process start (first report) to healthy
                 vllm_s = first(times, "READY", begun) - first(times, "STARTING", begun - 1)
             else:  # warm: from the WAKE step's intent to the worker READY (wake_up + resume; this window
                 # also holds the few ms it takes desired state to reach the agent, counted as engine here)
-                wake = steps["WAKE"]["detail"]["started_at"]
+                wake = steps["WAKE"].detail["started_at"]
                 vllm_s = first(times, "READY", wake) - wake
         else:
-            trainer_s = steps["RELOAD"]["detail"]["ack"]["max_rank_s"]
+            trainer_s = steps["RELOAD"].detail["ack"]["max_rank_s"]
             end_state = "STOPPED" if plan == "return" else "SLEEPING"
             vllm_s = first(times, end_state, begun) - first(times, "DRAINING", begun)
         rows.append(
@@ -125,12 +125,12 @@ def analyze(store: Store, run_id: str) -> list[dict]:
                 "overhead_s": ended - begun - trainer_s - vllm_s,
                 # where the time went: each step from its intent to its end, and the gaps between steps
                 "steps": {
-                    k: round(s["detail"]["finished_at"] - s["detail"]["started_at"], 4)
-                    for k, s in sorted(steps.items(), key=lambda kv: kv[1]["seq"])
+                    k: round(s.detail["finished_at"] - s.detail["started_at"], 4)
+                    for k, s in sorted(steps.items(), key=lambda kv: kv[1].seq)
                 },
                 "gaps": [
-                    round(b["detail"]["started_at"] - a["detail"]["finished_at"], 4)
-                    for a, b in itertools.pairwise(sorted(steps.values(), key=lambda s: s["seq"]))
+                    round(b.detail["started_at"] - a.detail["finished_at"], 4)
+                    for a, b in itertools.pairwise(sorted(steps.values(), key=lambda s: s.seq))
                 ],
             }
         )

@@ -25,6 +25,7 @@ import pytest
 
 from pearlctl.daemon.transitions import PLANS
 from pearlctl.host.runfiles import read_address
+from pearlctl.state.rows import Transition
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, TINY_MODEL
@@ -136,7 +137,7 @@ class Harness:
             wait_for(lambda: not alive(address["pid"]), 30, every=0.1)
 
     # -- what state says ----------------------------------------------------------------------------
-    def transitions(self) -> list[dict]:
+    def transitions(self) -> list[Transition]:
         return self.store.transitions(self.run_id)
 
     def lent(self) -> list[dict]:
@@ -145,12 +146,12 @@ class Harness:
     def parked(self) -> list[dict]:
         return [g for g in self.store.gpus(self.run_id) if g["worker_id"] is not None and not g["borrowed"]]
 
-    def settled(self) -> dict | None:
-        """The last transition once nothing is moving (None while one is open)."""
+    def settled(self) -> Transition | None:
+        """The last transition once nothing is moving (None while one is open, or before the first)."""
         ts = self.transitions()
-        if any(t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in ts):
+        if any(t.state in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in ts):
             return None
-        return ts[-1] if ts else {}
+        return ts[-1] if ts else None
 
     def vllm_starts(self) -> int:
         """vLLM processes ever started by the agent: one "starting" line per process in its logs."""
@@ -254,12 +255,12 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
     t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 180)
 
     # it converged: the transition the first daemon planned ran to the end, each step journaled once
-    assert (t["detail"] or {}).get("plan", t["kind"]) == plan and t["state"] == "DONE", t
-    steps = h.store.steps(t["id"])
-    assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
+    assert (t.detail or {}).get("plan", t.kind) == plan and t.state == "DONE", t
+    steps = h.store.steps(t.id)
+    assert [(s.seq, s.kind, s.state) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
     journal = h.store.journal(h.run_id)
     intents = [j for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
-    keys = [j["data"]["key"] for j in intents if j["data"]["transition_id"] == t["id"]]
+    keys = [j["data"]["key"] for j in intents if j["data"]["transition_id"] == t.id]
     assert len(keys) == len(set(keys)) == len(PLANS[plan])
 
     # no engine started twice: a cold borrow started exactly one vLLM process, any other case none

@@ -200,7 +200,7 @@ class Harness:
         return worker
 
     def open_transitions(self) -> list[dict]:
-        return [t for t in self.store.transitions(self.run_id) if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
+        return [t for t in self.store.transitions(self.run_id) if t.state in ("PLANNED", "RUNNING", "ROLLING_BACK")]
 
     def converged(self, size: int) -> bool:
         """The pool holds ``size`` tasks as wanted, each with one READY worker the router routes to, every task

@@ -231,14 +231,14 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
         t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
 
         # it converged: the transition ran to the end, each step journaled once
-        assert (t["detail"] or {}).get("plan") == plan and t["state"] == "DONE", t
-        steps = h.store.steps(t["id"])
-        assert [(s["seq"], s["kind"], s["state"]) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
+        assert (t.detail or {}).get("plan") == plan and t.state == "DONE", t
+        steps = h.store.steps(t.id)
+        assert [(s.seq, s.kind, s.state) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
         journal = h.store.journal(h.run_id)
         keys = [
             j["data"]["key"]
             for j in journal
-            if j["event"] == "step.intent" and j["data"]["transition_id"] == t["id"] and j["entity"] == "steps"
+            if j["event"] == "step.intent" and j["data"]["transition_id"] == t.id and j["entity"] == "steps"
         ]
         assert len(keys) == len(set(keys)) == len(PLANS[plan])
         # the journal tells it: the effect the first daemon issued before it died was issued again (idempotently)

@@ -95,7 +95,7 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
     ref = Load(run_dir, prompts=PROMPTS, tokens=TOKENS)
     refs = ref.references()
     n_before = len(store.transitions(run_id))
-    switches = lambda: [t for t in store.transitions(run_id)[n_before:] if t["kind"] == "switch"]  # noqa: E731
+    switches = lambda: [t for t in store.transitions(run_id)[n_before:] if t.kind == "switch"]  # noqa: E731
     t0 = time.monotonic()
     via_pd, at_once = 0, 0
     with Load(run_dir, prompts=PROMPTS, tokens=TOKENS) as load:
@@ -110,8 +110,8 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
 
         def pair_serves() -> bool:
             nonlocal at_once
-            at_once = max(at_once, sum(t["state"] == "RUNNING" for t in switches()))
-            done = [t for t in switches() if t["state"] == "DONE"]
+            at_once = max(at_once, sum(t.state == "RUNNING" for t in switches()))
+            done = [t for t in switches() if t.state == "DONE"]
             return len(done) == 2 and sorted(w["role"] for w in serving(store, run_id)) == ["DECODE", "PREFILL"]
 
         wait_for(pair_serves, 300, every=0.2)
@@ -136,9 +136,9 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
     assert via_pd >= 1
     assert len(load.continued()) >= 1  # turns caught running on a leaving worker were continued, not lost
     assert at_once == 1  # pearl's two switches ran one after the other: one worker served throughout
-    assert [(t["from_role"], t["to_role"], t["state"]) for t in made] in (
+    assert [(t.from_role, t.to_role, t.state) for t in made] in (
         [("ROLLOUT", a, "DONE"), ("ROLLOUT", b, "DONE")] for a, b in (("PREFILL", "DECODE"), ("DECODE", "PREFILL"))
     ), made
-    assert [(t["detail"] or {}).get("policy") for t in made] == ["pearl", "pearl"]
+    assert [(t.detail or {}).get("policy") for t in made] == ["pearl", "pearl"]
     journal = store.journal(run_id)
     assert sum(j["event"] == "router membership" for j in journal) >= 2 * len(made)  # out, then in, each

@@ -111,11 +111,11 @@ def test_deregister_is_proven_only_when_the_router_no_longer_routes_to_the_worke
     tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)
     step = store.steps(tid)[0]
-    assert step["kind"] == "DEREGISTER" and step["state"] == "INTENT"  # state says so; the router not yet
+    assert step.kind == "DEREGISTER" and step.state == "INTENT"  # state says so; the router not yet
     assert not store.get("workers", ids[0])["routable"]
     keeper.sync_once()
     ex.advance(tid)
-    assert store.steps(tid)[0]["state"] == "DONE"
+    assert store.steps(tid)[0].state == "DONE"
     assert urls[0] not in keeper.routed()
 
 
@@ -151,12 +151,12 @@ def test_a_deregister_wakes_the_keeper_and_the_routers_answer_wakes_the_control_
     tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)
     intent = store.steps(tid)[0]
-    assert intent["kind"] == "DEREGISTER" and intent["state"] == "INTENT"
+    assert intent.kind == "DEREGISTER" and intent.state == "INTENT"
     assert changed.wait(10), "the router's changed membership did not wake the control loop"
     ex.advance(tid)
     done = store.steps(tid)[0]
-    assert done["state"] == "DONE" and urls[0] not in keeper.routed()
-    assert done["updated_at"] - intent["updated_at"] < 5.0  # one round trip to the router, not the 60-s timer
+    assert done.state == "DONE" and urls[0] not in keeper.routed()
+    assert done.updated_at - intent.updated_at < 5.0  # one round trip to the router, not the 60-s timer
     stopping.set()
     keeper.wake()
     loop.join(5)
@@ -207,13 +207,13 @@ def test_a_deregister_waits_for_a_membership_change_in_flight_that_routes_to_the
         tid = ex.plan("retire", [gpu["id"]], from_role="ROLLOUT", to_role="IDLE")
         ex.advance(tid)  # DEREGISTER's effect: state says not routable; the router has not answered the change
         assert urls[0] not in keeper.routed()  # what the router last said: the old probe proved DEREGISTER here
-        assert store.steps(tid)[0]["state"] == "INTENT"
+        assert store.steps(tid)[0].state == "INTENT"
     finally:
         os.kill(record.pid, signal.SIGCONT)
     syncing.join(30)
     assert urls[0] in keeper.routed()  # the change in flight did route to it again
     ex.advance(tid)
-    assert store.steps(tid)[0]["state"] == "INTENT"
+    assert store.steps(tid)[0].state == "INTENT"
     keeper.sync_once()  # the next change takes it out: now it is proven
     ex.advance(tid)
-    assert store.steps(tid)[0]["state"] == "DONE" and urls[0] not in keeper.routed()
+    assert store.steps(tid)[0].state == "DONE" and urls[0] not in keeper.routed()

@@ -45,7 +45,7 @@ def test_a_borrow_of_two_gpus_serves_both_workers_parks_each_on_its_gpu_and_wake
     clock, agent, trainer = Clock(), OneAtATime(), SimTrainer()
 
     def completed(kind, n):
-        return lambda store: sum(t["state"] == "DONE" for t in transitions(store, kind)) >= n
+        return lambda store: sum(t.state == "DONE" for t in transitions(store, kind)) >= n
 
     for n, (plan, settings) in enumerate(
         [
@@ -58,7 +58,7 @@ def test_a_borrow_of_two_gpus_serves_both_workers_parks_each_on_its_gpu_and_wake
         kind = "borrow" if plan.startswith("borrow") else "return"
         run_until(store, alloc_id, clock, agent, trainer, crash_at=None, done=completed(kind, n // 2 + 1), limit=60)
         last = transitions(store, kind)[-1]
-        assert (last.get("detail") or {}).get("plan") == plan and len(last["gpu_ids"]) == 2
+        assert (last.detail or {}).get("plan") == plan and len(last.gpu_ids) == 2
         workers = [w for w in store.workers("r") if w["role"] == "ROLLOUT" and w["state"] not in ("STOPPED",)]
         if kind == "borrow":  # both serve and are routed, not only the first one up
             assert sorted(w["gpu_idx"] for w in workers) == [[0], [1]]
@@ -69,4 +69,4 @@ def test_a_borrow_of_two_gpus_serves_both_workers_parks_each_on_its_gpu_and_wake
             assert all(w["state"] == "SLEEPING" for w in workers)
     # the warm borrow woke both: one start each for two borrows
     assert agent.starts == {"rollout-0": 1, "rollout-1": 1, "train-0": 1}
-    assert all(t["state"] == "DONE" for t in store.transitions("r"))
+    assert all(t.state == "DONE" for t in store.transitions("r"))

@@ -56,8 +56,8 @@ def test_greedy_lends_through_the_planner_only_when_the_wait_pays(daemon):
     plan = c.borrowing.plan_borrow(NOW)
     assert plan["plan"] == "borrow" and len(plan["gpu_ids"]) == 1 and plan["return_deadline"] == NOW + 120.0
     c.borrowing.tick()
-    borrows = [t for t in store.transitions("r") if t["kind"] == "borrow"]
-    assert len(borrows) == 1 and borrows[0]["gpu_ids"] == plan["gpu_ids"]
+    borrows = [t for t in store.transitions("r") if t.kind == "borrow"]
+    assert len(borrows) == 1 and list(borrows[0].gpu_ids) == plan["gpu_ids"]
 
 
 def test_work_from_progress_counts_and_details():

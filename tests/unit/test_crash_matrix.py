@@ -149,7 +149,7 @@ def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=2
 
 
 def transitions(store, kind):
-    return [t for t in store.transitions("r") if t["kind"] == kind]
+    return [t for t in store.transitions("r") if t.kind == kind]
 
 
 @pytest.mark.parametrize("cycle,step,point", CASES, ids=[f"{c}-{k}-{p}" for c, k, p in CASES])
@@ -160,13 +160,13 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
 
     def crash_at(at, key):
         tid, _, step_kind = key.split(":")
-        detail = store.get("transitions", int(tid)).get("detail") or {}
+        detail = store.transition(int(tid)).detail or {}
         if not fired and at == point and step_kind == step and detail.get("plan") == cycle:
             fired.append(key)
             raise Crash(key)
 
     def completed(kind, n):
-        return lambda store: sum(t["state"] == "DONE" for t in transitions(store, kind)) >= n
+        return lambda store: sum(t.state == "DONE" for t in transitions(store, kind)) >= n
 
     crashes = 0
     for n, (cycle_plan, settings) in enumerate(
@@ -183,12 +183,12 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
             store, alloc_id, clock, agent, trainer, crash_at=crash_at, done=completed(kind, n // 2 + 1)
         )
         last = transitions(store, kind)[-1]
-        assert (last.get("detail") or {}).get("plan") == cycle_plan
+        assert (last.detail or {}).get("plan") == cycle_plan
     assert fired and crashes == 1, "the crash point was never reached"
 
     # converged: two borrows and two returns completed, and nothing is lent or parked any more
-    assert [t["state"] for t in transitions(store, "borrow")] == ["DONE", "DONE"]
-    assert [t["state"] for t in transitions(store, "return")] == ["DONE", "DONE"]
+    assert [t.state for t in transitions(store, "borrow")] == ["DONE", "DONE"]
+    assert [t.state for t in transitions(store, "return")] == ["DONE", "DONE"]
     gpus = store.gpus("r")
     assert not any(g["borrowed"] for g in gpus) and {g["role"] for g in gpus} == {"TRAIN"}
     assert all(g["worker_id"] is None for g in gpus)

@@ -155,7 +155,7 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
 
     def crash_at(at, key):
         tid, _, step_kind = key.split(":")
-        detail = store.get("transitions", int(tid)).get("detail") or {}
+        detail = store.transition(int(tid)).detail or {}
         if not fired and at == point and step_kind == step and detail.get("plan") == plan:
             fired.append(key)
             raise Crash(key)
@@ -190,8 +190,8 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
         with daemon.controller.lock:
             detail = TransitionDetail(plan=PlanKind(cycle_plan))
             tid = daemon.executor.plan(kind, [gpu], detail=detail, from_role=from_role, to_role=to_role)
-        loop(lambda tid=tid: store.get("transitions", tid)["state"] in ("DONE", "FAILED", "ROLLED_BACK"))
-        assert store.get("transitions", tid)["state"] == "DONE", cycle_plan
+        loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transition(tid).state == "DONE", cycle_plan
         assert store.get("gpus", gpu)["role"] == to_role
     loop(lambda: router.urls)  # the last start's worker is routed to
     assert fired and crashes == 1, "the crash point was never reached"

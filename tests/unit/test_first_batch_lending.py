@@ -27,6 +27,7 @@ from pearlctl.daemon.transitions import Executor
 from pearlctl.planner import budget, plan, view
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.predict import predict
+from pearlctl.state.rows import Transition
 from pearlctl.state.store import Store
 from tests.conftest import REPO, FakeClock, create_serving_run
 
@@ -74,8 +75,8 @@ def lend(run, deadline: float) -> dict:
     return gpu
 
 
-def returns(run) -> list[dict]:
-    return [t for t in run.store.transitions("q") if t["kind"] == "return"]
+def returns(run) -> list[Transition]:
+    return [t for t in run.store.transitions("q") if t.kind == "return"]
 
 
 @pytest.mark.parametrize("policy", ["pearl", "greedy"])
@@ -93,10 +94,10 @@ def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when
     assert borrow is not None and borrow["view"]["wait_from"] == "prediction"
     assert borrow["return_deadline"] == pytest.approx(run.clock.now + expected)
     run.b.tick()  # the daemon plans that borrow, its deadline the same
-    planned = [t for t in run.store.transitions("q") if t["kind"] == "borrow"]
-    assert len(planned) == 1 and planned[0]["gpu_ids"] == borrow["gpu_ids"]
-    assert planned[0]["detail"]["return_deadline"] == pytest.approx(run.clock.now + expected)
-    assert planned[0]["detail"]["wait_from"] == "prediction"
+    planned = [t for t in run.store.transitions("q") if t.kind == "borrow"]
+    assert len(planned) == 1 and list(planned[0].gpu_ids) == borrow["gpu_ids"]
+    assert planned[0].detail["return_deadline"] == pytest.approx(run.clock.now + expected)
+    assert planned[0].detail["wait_from"] == "prediction"
 
 
 def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
@@ -136,8 +137,8 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
     run.clock.now = T0 + 60.5  # the next tick: back although its deadline is 840 s ahead
     run.b.tick()
     [back] = returns(run)
-    assert back["gpu_ids"] == [gpu["id"]] and back["detail"]["why"] == "the trainer's batch is complete"
-    assert back["detail"]["return_deadline"] == deadline and run.clock.now < deadline
+    assert back.gpu_ids == (gpu["id"],) and back.detail["why"] == "the trainer's batch is complete"
+    assert back.detail["return_deadline"] == deadline and run.clock.now < deadline
 
 
 def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keeps_lent_gpus(run):

@@ -95,9 +95,9 @@ def test_a_rollout_gpu_goes_through_every_move_and_back(world):
         assert (answer["plan"], answer["from_role"], answer["to_role"]) == (plan, from_role, to_role)
         assert answer["gpus"] == ["gpu2:0"] and answer["policy"] == "never"
         tid = answer["transition_id"]
-        loop(lambda tid=tid: store.get("transitions", tid)["state"] in ("DONE", "FAILED", "ROLLED_BACK"))
-        t = store.get("transitions", tid)
-        assert t["state"] == "DONE" and t["detail"]["by"] == "operator", t
+        loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        t = store.transition(tid)
+        assert t.state == "DONE" and t.detail["by"] == "operator", t
         assert store.get("gpus", gpu["id"])["role"] == to_role
     loop(lambda: any(w["role"] == "DECODE" and w["routable"] for w in store.workers("r")))
     # one start per worker a move brought up: the launch's rollout-0, prefill-0 by the first switch, a new
@@ -129,15 +129,15 @@ def test_a_move_that_does_not_fit_is_refused_naming_why(world, kind, gpus, role,
 def test_wake_needs_a_parked_worker_and_start_refuses_one(world):
     store, daemon, _, loop = world
     tid = move(daemon, "retire", "gpu2:0")["transition_id"]  # stopped, not parked
-    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    loop(lambda: store.transition(tid).state == "DONE")
     with pytest.raises(ControlError, match="no worker is parked asleep"):
         move(daemon, "wake", "gpu2:0")
     with pytest.raises(ControlError, match="are IDLE: nothing serves there to retire"):
         move(daemon, "retire", "gpu2:0")
     tid = move(daemon, "start", "gpu2:0")["transition_id"]
-    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    loop(lambda: store.transition(tid).state == "DONE")
     tid = move(daemon, "retire", "gpu2:0", keep_warm=True)["transition_id"]
-    loop(lambda: store.get("transitions", tid)["state"] == "DONE")
+    loop(lambda: store.transition(tid).state == "DONE")
     with pytest.raises(ControlError, match="wake it instead"):
         move(daemon, "start", "gpu2:0")
 
@@ -156,7 +156,7 @@ def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_fo
     trainer = next(g for g in store.gpus("r") if g["pool"] == "trainer")
     answer = move(daemon, "switch", rollout["id"], role="DECODE")
     assert answer["gpus"] == ["gpu2:0"] and answer["to_role"] == "DECODE"
-    loop(lambda: store.get("transitions", answer["transition_id"])["state"] == "DONE")
+    loop(lambda: store.transition(answer["transition_id"]).state == "DONE")
     with pytest.raises(ControlError, match="is a trainer GPU"):
         move(daemon, "retire", trainer["id"])
     with pytest.raises(ControlError, match="has no GPU id 999"):

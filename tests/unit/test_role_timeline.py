@@ -163,9 +163,9 @@ def test_a_transitions_steps_journal_every_role_they_give(tmp_path):
         effects = DaemonEffects(store, "r", None)
         borrow = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gid])
         back = store.add_transition(run_id="r", kind="return", from_role="ROLLOUT", to_role="TRAIN", gpu_ids=[gid])
-        effects.do(StepKind.START, store.get("transitions", borrow), f"{borrow}:1:START")
-        effects.do(StepKind.START, store.get("transitions", borrow), f"{borrow}:1:START")  # again: no new row
-        effects.do(StepKind.DRAIN, store.get("transitions", back), f"{back}:1:DRAIN")
+        effects.do(StepKind.START, store.transition(borrow), f"{borrow}:1:START")
+        effects.do(StepKind.START, store.transition(borrow), f"{borrow}:1:START")  # again: no new row
+        effects.do(StepKind.DRAIN, store.transition(back), f"{back}:1:DRAIN")
         journal = store.journal("r")
         run = store.get_run("r")
     roles = [(r["data"]["fields"]["role"], r["data"]["step"]) for r in journal if r["event"] == ROLE_SET]

@@ -115,8 +115,14 @@ def row_in(store: Store, table: str, state: str) -> int | str:
     route = path_to(table, state)
     for old, new in itertools.pairwise(route):
         store.set_state(table, row_id, expect=old, to=new, event=f"walk.{new.lower()}")
-    assert store.get(table, row_id)["state"] == state
+    assert row_of(store, table, row_id)["state"] == state
     return row_id
+
+
+def row_of(store: Store, table: str, row_id: int | str) -> dict:
+    """Any table's row as a dict (a typed row's ``to_dict``): the state-machine cases below walk every table."""
+    row = store.get(table, row_id)
+    return row if isinstance(row, dict) else row.to_dict()
 
 
 def last_journal_id(store: Store) -> int:
@@ -148,7 +154,7 @@ def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
 @pytest.mark.parametrize(("table", "old", "new"), EDGES)
 def test_every_edge_writes_row_and_journal(shared: Store, table: str, old: str, new: str) -> None:
     row_id = row_in(shared, table, old)
-    before = shared.get(table, row_id)
+    before = row_of(shared, table, row_id)
     since = last_journal_id(shared)
 
     version = shared.set_state(
@@ -156,7 +162,7 @@ def test_every_edge_writes_row_and_journal(shared: Store, table: str, old: str, 
         data={"why": "edge walk"},
     )  # fmt: skip
 
-    after = shared.get(table, row_id)
+    after = row_of(shared, table, row_id)
     assert (after["state"], after["version"]) == (new, before["version"] + 1) and version == after["version"]
     assert after["updated_at"] >= before["updated_at"]
     (entry,) = shared.journal(since_id=since)
@@ -170,14 +176,14 @@ def test_every_edge_writes_row_and_journal(shared: Store, table: str, old: str, 
 @pytest.mark.parametrize(("table", "old", "new"), NON_EDGES)
 def test_every_non_edge_is_refused_and_writes_nothing(shared: Store, table: str, old: str, new: str) -> None:
     row_id = row_in(shared, table, old)
-    before = shared.get(table, row_id)
+    before = row_of(shared, table, row_id)
     since = last_journal_id(shared)
 
     with pytest.raises(IllegalTransition) as refused:
         shared.set_state(table, row_id, expect=old, to=new, event="test.non_edge")
 
     assert refused.value.allowed == tuple(str(s) for s in MACHINES[table].next_states(old))
-    assert shared.get(table, row_id) == before
+    assert row_of(shared, table, row_id) == before
     assert shared.journal(since_id=since) == []
 
 
@@ -185,7 +191,7 @@ def test_every_non_edge_is_refused_and_writes_nothing(shared: Store, table: str,
 def test_every_state_reachable_through_the_store(shared: Store, table: str, state: str) -> None:
     row_id = row_in(shared, table, state)
     route = path_to(table, state)
-    assert shared.get(table, row_id)["version"] == len(route)
+    assert row_of(shared, table, row_id)["version"] == len(route)
     entries = [e for e in shared.journal() if e["entity"] == table and e["entity_id"] == str(row_id)]
     assert [e["to_state"] for e in entries if e["to_state"]] == route  # creation + one row per edge
 
@@ -204,7 +210,7 @@ def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: 
         else:
             with pytest.raises(IllegalTransition):
                 shared.set_state(table, row_id, expect=state, to=target, event="walk")
-    row = shared.get(table, row_id)
+    row = row_of(shared, table, row_id)
     entries = [e for e in shared.journal() if e["entity"] == table and e["entity_id"] == str(row_id)]
     transitions = [e for e in entries if e["to_state"] is not None]
     assert row["state"] == state == transitions[-1]["to_state"]
@@ -396,12 +402,10 @@ def test_workers_transitions_and_steps(store: Store) -> None:
         (worker_id, "STARTING", "http://n:8000")
     ]
     (transition,) = store.transitions(run_id)
-    assert (transition["state"], transition["gpu_ids"]) == ("PLANNED", sorted(gpu_ids))
-    assert [(s["id"], s["state"], s["detail"]) for s in store.steps(transition_id)] == [
-        (step_id, "INTENT", {"ranks": [0, 1]})
-    ]
+    assert (transition.state, transition.gpu_ids) == ("PLANNED", tuple(sorted(gpu_ids)))
+    assert [(s.id, s.state, s.detail) for s in store.steps(transition_id)] == [(step_id, "INTENT", {"ranks": [0, 1]})]
     store.set_state("steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True})
-    assert store.steps(transition_id)[0]["detail"] == {"ranks": [0, 1], "ok": True}
+    assert store.steps(transition_id)[0].detail == {"ranks": [0, 1], "ok": True}
     with pytest.raises(DuplicateStep):
         store.add_step(transition_id=transition_id, seq=1, kind="RELOAD", idempotency_key="k0")
     with pytest.raises(DuplicateStep):
@@ -440,21 +444,21 @@ def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> No
             if i < 7:
                 store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="done")
     a, b = runs
-    assert [t["id"] for t in store.transitions(a)] == made[a]  # the whole history, oldest first
-    assert [t["id"] for t in store.open_transitions(a)] == made[a][-1:]
-    assert [t["id"] for t in store.transitions(a, states=("DONE",), kind="borrow", last=2)] == made[a][4:7:2]
-    assert [t["id"] for t in store.transitions(a, last=3)] == made[a][-3:]
+    assert [t.id for t in store.transitions(a)] == made[a]  # the whole history, oldest first
+    assert [t.id for t in store.open_transitions(a)] == made[a][-1:]
+    assert [t.id for t in store.transitions(a, states=("DONE",), kind="borrow", last=2)] == made[a][4:7:2]
+    assert [t.id for t in store.transitions(a, last=3)] == made[a][-3:]
     assert store.transitions(a, kind="switch") == []
     step = store.step_by_key(a, f"{a}:{made[a][0]}:1")
-    assert (step["transition_id"], step["kind"]) == (made[a][0], "START")
+    assert (step.transition_id, step.kind) == (made[a][0], "START")
     assert store.step_by_key(b, f"{a}:{made[a][0]}:1") is None  # another run's key is not this run's step
     recent = store.recent_steps(a, state="DONE", per_kind=2)
-    assert [(s["kind"], s["transition_id"]) for s in recent] == sorted(
+    assert [(s.kind, s.transition_id) for s in recent] == sorted(
         [(k, t) for k, ts in (("OFFLOAD", made[a][4:7:2]), ("START", made[a][4:7:2]),
                               ("STOP", made[a][3:6:2]), ("RELOAD", made[a][3:6:2])) for t in ts],
-        key=lambda kt: next(s["id"] for s in store.steps(kt[1]) if s["kind"] == kt[0]),
+        key=lambda kt: next(s.id for s in store.steps(kt[1]) if s.kind == kt[0]),
     )  # fmt: skip
-    assert "n" not in recent[0] and all(s["state"] == "DONE" for s in recent)
+    assert all(s.state == "DONE" for s in recent)
 
 
 # ---------------------------------------------------------------------------- node and GPU registration

@@ -36,7 +36,7 @@ def gpu_ids(store):
 
 
 def kinds(store, tid):
-    return [(s["seq"], s["kind"], s["state"]) for s in sorted(store.steps(tid), key=lambda s: s["seq"])]
+    return [(s.seq, s.kind, s.state) for s in sorted(store.steps(tid), key=lambda s: s.seq)]
 
 
 def test_borrow_runs_its_steps_in_order_each_issued_once(store):
@@ -105,17 +105,31 @@ def test_abort_rolls_a_running_borrow_back(store):
     assert ex.advance(tid) == "ROLLED_BACK"
 
 
-def test_a_transitions_detail_is_typed_and_stored_as_the_fields_set(store):
-    """``TransitionDetail``: written as a JSON object of the fields set, read back typed (plan kinds as
-    ``PlanKind``), unknown keys of an older row ignored; the steps it runs follow its ``plan``."""
-    from pearlctl.daemon.transitions import PlanKind, TransitionDetail, current_plan
+def test_a_transitions_detail_is_typed_by_its_kind_and_stored_as_the_fields_set(store):
+    """A transition's detail is its kind's model (``DETAILS``: a borrow's carries its deadline and where its wait
+    came from, a return's its deadline, the others neither): written as a JSON object of the fields set, read
+    back typed (plan kinds as ``PlanKind``), unknown keys of an older row ignored; the steps it runs follow its
+    ``plan``. A detail of another kind's model is refused before anything is written."""
+    from dataclasses import replace
+
+    from pearlctl.daemon.transitions import BorrowDetail, PlanKind, ReturnDetail, TransitionDetail, current_plan
 
     ex = Executor(store, Script(), run_id="r", epoch=None)
-    detail = TransitionDetail(plan=PlanKind.BORROW_WARM, rollback=PlanKind.RETURN_SLEEP, return_deadline=5.0)
+    detail = BorrowDetail(plan=PlanKind.BORROW_WARM, rollback=PlanKind.RETURN_SLEEP, return_deadline=5.0)
     tid = ex.plan("borrow", gpu_ids(store), detail=detail)
-    row = store.get("transitions", tid)
-    assert row["detail"] == {"plan": "borrow_warm", "rollback": "return_sleep", "return_deadline": 5.0}
+    row = store.transition(tid)
+    assert row.detail == {"plan": "borrow_warm", "rollback": "return_sleep", "return_deadline": 5.0}
     assert TransitionDetail.of(row) == detail and TransitionDetail.of(row).plan is PlanKind.BORROW_WARM
     assert current_plan(row) == PLANS["borrow_warm"]
-    assert TransitionDetail.of({"detail": {"why": "x", "from_an_older_daemon": 1}}) == TransitionDetail(why="x")
-    assert TransitionDetail.of({"detail": None}) == TransitionDetail()
+    older = replace(row, detail={"why": "x", "from_an_older_daemon": 1})
+    assert TransitionDetail.of(older) == BorrowDetail(why="x")
+    assert TransitionDetail.of(replace(row, detail=None)) == BorrowDetail()
+    assert TransitionDetail.of(replace(row, kind="return", detail={"return_deadline": 7.0})) == ReturnDetail(
+        return_deadline=7.0
+    )
+    start = TransitionDetail.of(replace(row, kind="start", detail={"return_deadline": 7.0, "why": "w"}))
+    assert type(start) is TransitionDetail and start == TransitionDetail(why="w") and start.return_deadline is None
+    before = len(store.transitions("r"))
+    with pytest.raises(TypeError, match="BorrowDetail"):
+        ex.plan("borrow", gpu_ids(store), detail=TransitionDetail(why="untyped"))
+    assert len(store.transitions("r")) == before

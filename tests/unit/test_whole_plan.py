@@ -16,6 +16,7 @@ from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
+from pearlctl.state.rows import Transition
 from pearlctl.state.store import Store
 
 NOW = 1_000_000.0
@@ -65,8 +66,8 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     names = {p["id"]: p["name"] for p in store.pools("r")}
     gpus = {g["id"]: g for g in store.gpus("r")}
     seen = sorted(
-        (t["kind"], (t["detail"] or {}).get("plan"), names[pools[gpus[t["gpu_ids"][0]]["allocation_id"]]],
-         t["from_role"], t["to_role"], len(t["gpu_ids"]))
+        (t.kind, (t.detail or {}).get("plan"), names[pools[gpus[t.gpu_ids[0]]["allocation_id"]]],
+         t.from_role, t.to_role, len(t.gpu_ids))
         for t in made
     )  # fmt: skip
     # three serving GPUs, the target keeps two, one prefilling and one decoding: a rollout GPU retires (its
@@ -76,17 +77,17 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     assert retire[1:3] == ("retire_sleep", "rollout") and retire[3:] == ("ROLLOUT", "IDLE", 1)
     assert sorted(s[4] for s in switches) == ["DECODE", "PREFILL"]
     assert {s[2] for s in switches} == {"rollout", "elastic"}
-    assert all((t["detail"] or {}).get("why", "").startswith("scripted") for t in made)
-    assert all(t["state"] == "PLANNED" for t in made)
+    assert all((t.detail or {}).get("why", "").startswith("scripted") for t in made)
+    assert all(t.state == "PLANNED" for t in made)
     with controller.lock:
         controller.borrowing.tick()  # the next tick starts the retire and one switch; the other switch waits
-    states = {(t["kind"], t["state"]) for t in store.transitions("r")}
+    states = {(t.kind, t.state) for t in store.transitions("r")}
     assert states == {("retire", "DONE"), ("switch", "RUNNING"), ("switch", "PLANNED")}, states  # no worker: done
     assert len(store.transitions("r")) == 3  # and plans nothing new while they move
 
 
-def _switches(store: Store) -> list[dict]:
-    return sorted((t for t in store.transitions("r") if t["kind"] == "switch"), key=lambda t: t["id"])
+def _switches(store: Store) -> list[Transition]:
+    return sorted((t for t in store.transitions("r") if t.kind == "switch"), key=lambda t: t.id)
 
 
 def test_a_plans_switches_run_one_at_a_time_so_the_other_workers_keep_serving(run):
@@ -95,15 +96,15 @@ def test_a_plans_switches_run_one_at_a_time_so_the_other_workers_keep_serving(ru
         controller.borrowing.tick()
         controller.borrowing.tick()
     first, second = _switches(store)
-    assert (first["state"], second["state"]) == ("RUNNING", "PLANNED")
+    assert (first.state, second.state) == ("RUNNING", "PLANNED")
     for _ in range(3):  # the first one still moves (its worker has not drained): the second keeps waiting
         with controller.lock:
             controller.borrowing.tick()
-        assert [t["state"] for t in _switches(store)] == ["RUNNING", "PLANNED"]
-    store.set_state("transitions", first["id"], expect="RUNNING", to="DONE", event="test: the switch completed")
+        assert [t.state for t in _switches(store)] == ["RUNNING", "PLANNED"]
+    store.set_state("transitions", first.id, expect="RUNNING", to="DONE", event="test: the switch completed")
     with controller.lock:
         controller.borrowing.tick()
-    assert [t["state"] for t in _switches(store)] == ["DONE", "RUNNING"]  # now the second one goes
+    assert [t.state for t in _switches(store)] == ["DONE", "RUNNING"]  # now the second one goes
 
 
 def test_when_a_switch_of_a_plan_fails_its_waiting_switches_are_dropped(run):
@@ -112,12 +113,12 @@ def test_when_a_switch_of_a_plan_fails_its_waiting_switches_are_dropped(run):
         controller.borrowing.tick()
         controller.borrowing.tick()
     first, second = _switches(store)
-    store.set_state("transitions", first["id"], expect="RUNNING", to="FAILED", event="test: a step was held")
+    store.set_state("transitions", first.id, expect="RUNNING", to="FAILED", event="test: a step was held")
     with controller.lock:
         controller.borrowing.tick()
-    dropped = store.get("transitions", second["id"])
-    assert dropped["state"] == "ROLLED_BACK" and store.steps(second["id"]) == []  # never started
-    why = [j for j in store.journal("r") if j["entity"] == "transitions" and j["entity_id"] == str(second["id"])]
+    dropped = store.transition(second.id)
+    assert dropped.state == "ROLLED_BACK" and store.steps(second.id) == []  # never started
+    why = [j for j in store.journal("r") if j["entity"] == "transitions" and j["entity_id"] == str(second.id)]
     assert any("earlier switch of its plan" in str(j["data"]) for j in why), why
 
 
