@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.daemon.main import process_alive as alive  # noqa: F401  (tests import it from here)
+from pearlctl.state.rows import Allocation
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny.toml"
@@ -80,9 +81,9 @@ def running_run(store, run_dir: Path, *, pool: str, role: str, nodes: int) -> No
     store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(run_dir), backend="slurm",
                      policy="never", pools=pools)  # fmt: skip
     for i, a in enumerate(store.allocations("r")):
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-        store.upsert_node_gpus("r", a["id"], f"n{i}", [0], role)
+        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+        store.upsert_node_gpus("r", a.id, f"n{i}", [0], role)
 
 
 def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
@@ -97,9 +98,9 @@ def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
                      policy="never", pools=pools)  # fmt: skip
     names = {p["id"]: p["name"] for p in store.pools("r")}
     for i, a in enumerate(store.allocations("r")):
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-        yield i, a, names[a["pool_id"]]
+        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+        yield i, a, names[a.pool_id]
 
 
 def assert_quiet_on_broken_pipe(proc: subprocess.Popen, timeout: float, exit_code: int) -> None:
@@ -128,10 +129,10 @@ def create_serving_run(store, run_dir: Path, *, run_id: str = "q") -> None:
                      policy="never", pools=pools)  # fmt: skip
     placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
     for a, (node, idx, role) in zip(store.allocations(run_id), placed, strict=True):
-        store.upsert_node_gpus(run_id, a["id"], node, idx, role)
+        store.upsert_node_gpus(run_id, a.id, node, idx, role)
 
 
-def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
+def create_trainer_run(store, run_dir: Path, *, job_id: str) -> Allocation:
     """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
     store.create_run(
         run_id="r",
@@ -154,8 +155,8 @@ def create_trainer_run(store, run_dir: Path, *, job_id: str) -> dict:
         ],
     )
     alloc = store.allocations("r")[0]
-    store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
-    return store.get("allocations", alloc["id"])
+    store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
+    return store.allocation(alloc.id)
 
 
 GRPO_EXAMPLE = REPO / "examples" / "grpo"

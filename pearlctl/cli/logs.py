@@ -134,8 +134,8 @@ def logs(
             run = resolve_run(store, run_ref)
             run_dir = run.get("run_dir") or "."
             pools = [p["name"] for p in store.pools(run["id"])]
-            allocations = store.allocations(run["id"])
-            workers = store.workers(run["id"])
+            allocations = [a.to_dict() for a in store.allocations(run["id"])]  # logfiles reads plain rows
+            workers = [w.to_dict() for w in store.workers(run["id"])]
         finally:
             store.close()
 

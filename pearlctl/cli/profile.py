@@ -76,7 +76,7 @@ def profile(
         try:
             run = resolve_run(store, run_ref)
             workers = store.workers(run["id"])
-            pool_of = {a["id"]: a["pool"] for a in store.allocations(run["id"])}
+            pool_of = {a.id: a.pool for a in store.allocations(run["id"])}
             steps = [s.to_dict() for t in store.transitions(run["id"]) for s in store.steps(t.id)]
         finally:
             store.close()
@@ -119,20 +119,20 @@ def profile(
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
     from pearlctl.ops import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
 
-    serving = [w for w in workers if w["state"] == "READY" and w["url"] and w["role"] != Role.TRAIN]
+    serving = [w for w in workers if w.state == "READY" and w.url and w.role != Role.TRAIN]
     if worker:
-        serving = [w for w in serving if worker in (w["url"], w["worker_key"])]
+        serving = [w for w in serving if worker in (w.url, w.worker_key)]
     if not serving:
-        known = ", ".join(f"{w['worker_key']} ({w['url']}, {w['state']})" for w in workers if w["url"]) or "none"
+        known = ", ".join(f"{w.worker_key} ({w.url}, {w.state})" for w in workers if w.url) or "none"
         raise fail(f"no serving vLLM worker {worker or ''} in run {run['id']}; workers: {known}", EXIT_NOT_FOUND)
     w = serving[0]
     try:
-        model = httpx.get(w["url"] + "/v1/models", timeout=10).json()["data"][0]["id"]
-        metrics = httpx.get(w["url"] + "/metrics", timeout=10).text
+        model = httpx.get(w.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        metrics = httpx.get(w.url + "/metrics", timeout=10).text
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise fail(f"worker {w['url']} does not answer as a vLLM server: {exc}", 3) from None
-    err.print(f"measuring {w['worker_key']} at {w['url']} (model {model}); this takes a minute or two")
-    with profiling.WorkerProbe(w["url"], model) as probe:
+        raise fail(f"worker {w.url} does not answer as a vLLM server: {exc}", 3) from None
+    err.print(f"measuring {w.worker_key} at {w.url} (model {model}); this takes a minute or two")
+    with profiling.WorkerProbe(w.url, model) as probe:
         measurement = profiling.measure(
             probe,
             batches=_int_list(batches, "--batches"),
@@ -140,16 +140,16 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
             repeats=repeats,
             metrics_text=metrics,
         )
-    engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w["allocation_id"])) or {}).get("engine_args") or {}
+    engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w.allocation_id)) or {}).get("engine_args") or {}
     return profiling.build_profile(
         measurement,
-        name=name or f"{run['name']}-{w['worker_key']}",
+        name=name or f"{run['name']}-{w.worker_key}",
         model=run["spec"].get("model", model),
-        hardware=f"worker {w['worker_key']} of run {run['id']} ({w['url']})",
+        hardware=f"worker {w.worker_key} of run {run['id']} ({w.url})",
         costs=profiles.step_costs(steps),
         max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
-        gpus_per_worker=len(w.get("gpu_idx") or []),
-        source=f"on {w['url']}",
+        gpus_per_worker=len(w.gpu_idx or []),
+        source=f"on {w.url}",
     )
 
 

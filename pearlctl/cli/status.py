@@ -57,7 +57,7 @@ def _timeline(store: Store, run: dict, path: Path) -> str:
     from pearlctl.sim.timeline import draw
 
     kinds = {p["name"]: p["kind"] for p in store.pools(run["id"])}
-    gpus = [dict(g, pool_kind=kinds.get(g["pool"])) for g in store.gpus(run["id"])]
+    gpus = [dict(g.to_dict(), pool_kind=kinds.get(g.pool)) for g in store.gpus(run["id"])]
     journal = store.journal(run["id"])
     end = time.time()
     if run["state"] in _ENDED:  # when it ended: the journal row that moved it there

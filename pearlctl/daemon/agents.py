@@ -148,7 +148,7 @@ class Agents(Side):
 
     def _allocation(self, job_id: str, task_id: int) -> dict:
         for a in self.store.allocations(self.run_id):
-            if a["job_id"] == job_id and a["array_index"] == task_id:
+            if a.job_id == job_id and a.array_index == task_id:
                 return a
         raise ControlError(f"run {self.run_id} has no allocation for job {job_id} task {task_id}", 404)
 
@@ -157,11 +157,11 @@ class Agents(Side):
         credential, the only one its heartbeats are accepted with."""
         with self.lock:
             alloc = self._allocation(body.job_id, body.task_id)
-            if alloc["state"] in (A.ENDED, A.REQUESTED):
-                raise ControlError(f"allocation {alloc['id']} is {alloc['state']}: not accepting agents", 409)
-            if alloc.get("node") and body.node != alloc["node"]:
+            if alloc.state in (A.ENDED, A.REQUESTED):
+                raise ControlError(f"allocation {alloc.id} is {alloc.state}: not accepting agents", 409)
+            if alloc.node and body.node != alloc.node:
                 raise ControlError(
-                    f"allocation {alloc['id']} runs on node {alloc['node']} (Slurm says), not {body.node}", 403
+                    f"allocation {alloc.id} runs on node {alloc.node} (Slurm says), not {body.node}", 403
                 )
             pool = self._pool_of(alloc)
             gpus = list(body.gpus)
@@ -169,7 +169,7 @@ class Agents(Side):
                 gpus = list(range(pool["gpus_per_node"]))  # no device list in the environment (local backend)
             self.store.update_fields(
                 "allocations",
-                alloc["id"],
+                alloc.id,
                 epoch=self.epoch,
                 event="agent registered",
                 data={"pid": body.pid, "node": body.node, "host": body.host, "gpus": gpus},
@@ -177,20 +177,20 @@ class Agents(Side):
                 agent_host=body.host or body.node,
                 agent_seen_at=self.clock(),
             )
-            self.store.upsert_node_gpus(self.run_id, alloc["id"], body.node, gpus, pool["role"], epoch=self.epoch)
+            self.store.upsert_node_gpus(self.run_id, alloc.id, body.node, gpus, pool["role"], epoch=self.epoch)
             return {
-                "allocation_id": alloc["id"],
-                "credential": allocation_credential(self.secret, self.run_id, alloc["id"]),
+                "allocation_id": alloc.id,
+                "credential": allocation_credential(self.secret, self.run_id, alloc.id),
                 "epoch": self.epoch,
                 "heartbeat_s": self.heartbeat_s,
             }
 
     def _own_allocation(self, alloc_id: int) -> dict:
         try:
-            alloc = self.store.get("allocations", alloc_id)
+            alloc = self.store.allocation(alloc_id)
         except NotFound:
             alloc = None
-        if alloc is None or alloc["run_id"] != self.run_id:
+        if alloc is None or alloc.run_id != self.run_id:
             raise ControlError(f"run {self.run_id} has no allocation {alloc_id}: register again", 404)
         return alloc
 
@@ -199,18 +199,18 @@ class Agents(Side):
         traffic elsewhere by reporting a worker."""
         if all(w.url is None for w in body.workers):
             return
-        hosts = {h.lower() for h in (alloc.get("node"), alloc.get("agent_host")) if h}
-        hosts |= {n["name"].lower() for n in self._nodes_of(alloc["id"])}
+        hosts = {h.lower() for h in (alloc.node, alloc.agent_host) if h}
+        hosts |= {n["name"].lower() for n in self._nodes_of(alloc.id)}
         for w in body.workers:
             if w.url is not None and (urlsplit(w.url).hostname or "").lower() not in hosts:
                 raise ControlError(
-                    f"worker {w.key}: url {w.url} is not on allocation {alloc['id']}'s node "
+                    f"worker {w.key}: url {w.url} is not on allocation {alloc.id}'s node "
                     f"({', '.join(sorted(hosts)) or 'unknown'})",
                     403,
                 )
 
     def _nodes_of(self, alloc_id: int) -> list[dict]:
-        ids = {g["node_id"] for g in self.store.gpus(self.run_id, allocation_id=alloc_id)}
+        ids = {g.node_id for g in self.store.gpus(self.run_id, allocation_id=alloc_id)}
         return [self.store.get("nodes", i) for i in sorted(ids)]
 
     def heartbeat(self, body: bodies.Heartbeat, allocation_id: int) -> dict:
@@ -319,9 +319,9 @@ class Agents(Side):
         # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
         # this allocation's workers out of routing
         gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
-        draining = alloc.get("drain_requested_at") is not None or any(g["state"] == G.DRAINING for g in gpus)
+        draining = alloc.drain_requested_at is not None or any(g.state == G.DRAINING for g in gpus)
         moving = self._moving_places(alloc_id, gpus) if body.workers else set()
-        lent = {g["idx"] for g in gpus if g["borrowed"]}
+        lent = {g.idx for g in gpus if g.borrowed}
         changed = [self._record_worker(alloc, report, draining, moving, lent) for report in body.workers]
         for r in body.self_returns:
             self.store.journal_event(
@@ -362,10 +362,8 @@ class Agents(Side):
         """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
         hit = False
         for g in self.store.gpus(self.run_id, allocation_id=alloc_id):
-            if g["state"] in from_states:
-                self.store.set_state(
-                    "gpus", g["id"], expect=g["state"], to=to, epoch=self.epoch, event=event, data=data
-                )
+            if g.state in from_states:
+                self.store.set_state("gpus", g.id, expect=g.state, to=to, epoch=self.epoch, event=event, data=data)
                 hit = True
         return hit
 
@@ -374,8 +372,8 @@ class Agents(Side):
         requests from now on, before the drain ends and before Slurm's next poll says so."""
         hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
         for w in self.store.workers(self.run_id, allocation_id=alloc_id):
-            if w["routable"]:
-                self.store.update_fields("workers", w["id"], epoch=self.epoch, event="agent draining", routable=0)
+            if w.routable:
+                self.store.update_fields("workers", w.id, epoch=self.epoch, event="agent draining", routable=0)
                 hit = True
         return hit
 
@@ -386,7 +384,7 @@ class Agents(Side):
             ids.update(t.gpu_ids)
         if not ids:
             return set()
-        return {(alloc_id, g["idx"]) for g in gpus if g["id"] in ids}
+        return {(alloc_id, g.idx) for g in gpus if g.id in ids}
 
     def _record_worker(
         self, alloc: dict, report: bodies.WorkerReport, draining: bool, moving: set[tuple[int, int]], lent: set[int]
@@ -397,33 +395,33 @@ class Agents(Side):
         key, state = report.key, report.state
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = next(
-            (w for w in self.store.workers(self.run_id, allocation_id=alloc["id"]) if w.get("worker_key") == key),
+            (w for w in self.store.workers(self.run_id, allocation_id=alloc.id) if w.worker_key == key),
             None,
         )
         replaced = (
             worker is not None
-            and worker["state"] not in (W.STOPPED, W.FAILED)
+            and worker.state not in (W.STOPPED, W.FAILED)
             and report.pid is not None
-            and worker.get("pid") not in (None, report.pid)
+            and worker.pid not in (None, report.pid)
         )
         if replaced:
             # another process under the key (the allocation ran again after a requeue, or its agent restarted
             # the engine): the row's process is gone — it ends here, and the new process gets a row of its own
-            ended = W.STOPPED if edge_path("workers", worker["state"], W.STOPPED) else W.FAILED
-            for step in edge_path("workers", worker["state"], ended):
+            ended = W.STOPPED if edge_path("workers", worker.state, W.STOPPED) else W.FAILED
+            for step in edge_path("workers", worker.state, ended):
                 self.store.set_state(
                     "workers",
-                    worker["id"],
-                    expect=self.store.get("workers", worker["id"])["state"],
+                    worker.id,
+                    expect=self.store.worker(worker.id).state,
                     to=step,
                     epoch=self.epoch,
                     event="replaced by a new process",
-                    data={"pid": worker.get("pid"), "new_pid": report.pid},
+                    data={"pid": worker.pid, "new_pid": report.pid},
                 )
-            worker = self.store.get("workers", worker["id"])
-        if worker is not None and worker["state"] in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
+            worker = self.store.worker(worker.id)
+        if worker is not None and worker.state in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
             # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
-            self.store.update_fields("workers", worker["id"], epoch=self.epoch, worker_key=f"{key}#{worker['id']}")
+            self.store.update_fields("workers", worker.id, epoch=self.epoch, worker_key=f"{key}#{worker.id}")
             worker = None
         created = worker is None
         if worker is None:
@@ -431,17 +429,17 @@ class Agents(Side):
                 return False
             wid = self.store.add_worker(
                 run_id=self.run_id,
-                allocation_id=alloc["id"],
+                allocation_id=alloc.id,
                 role=report.role,
                 engine=report.engine,
                 epoch=self.epoch,
                 **fields,
             )
             self.store.update_fields("workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.gpus))
-            worker = self.store.get("workers", wid)
+            worker = self.store.worker(wid)
         elif fields:
-            self.store.update_fields("workers", worker["id"], epoch=self.epoch, **fields)
-        current = worker["state"]
+            self.store.update_fields("workers", worker.id, epoch=self.epoch, **fields)
+        current = worker.state
         moved = created or current != state
         if current != state:
             path = edge_path("workers", current, state)
@@ -449,7 +447,7 @@ class Agents(Side):
                 self.store.journal_event(
                     self.run_id,
                     "workers",
-                    str(worker["id"]),
+                    str(worker.id),
                     "unexpected report",
                     data={"state": current, "reported": state},
                     epoch=self.epoch,
@@ -457,7 +455,7 @@ class Agents(Side):
             for step in path:
                 self.store.set_state(
                     "workers",
-                    worker["id"],
+                    worker.id,
                     expect=current,
                     to=step,
                     epoch=self.epoch,
@@ -472,13 +470,13 @@ class Agents(Side):
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
             # again after a crash serves again, as on a rollout GPU.
             routable = int(current == W.READY and not draining)
-            held = any((alloc["id"], i) in moving for i in report.gpus)
-            if routable != self.store.get("workers", worker["id"])["routable"] and not (held and routable):
-                self.store.update_fields("workers", worker["id"], epoch=self.epoch, routable=routable)
+            held = any((alloc.id, i) in moving for i in report.gpus)
+            if routable != self.store.worker(worker.id).routable and not (held and routable):
+                self.store.update_fields("workers", worker.id, epoch=self.epoch, routable=routable)
         return moved
 
     def _pool_of(self, alloc: dict) -> dict:
-        return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc["pool_id"])
+        return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc.pool_id)
 
     def desired(self, alloc_id: int) -> list[DesiredWorker]:
         """The allocation's workers: per role among its live GPUs, a trainer of all of them, and vLLM workers of
@@ -489,19 +487,19 @@ class Agents(Side):
         worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
         asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
         """
-        alloc = self.store.get("allocations", alloc_id)
+        alloc = self.store.allocation(alloc_id)
         gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
-        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.get("workers", wid))
+        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.worker(wid))
 
     def desired_all(self) -> dict[int, list[DesiredWorker]]:
         """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
         by_alloc: dict[int, list[dict]] = collections.defaultdict(list)
         for g in self.store.gpus(self.run_id):
-            by_alloc[g["allocation_id"]].append(g)
-        workers = {w["id"]: w for w in self.store.workers(self.run_id)}
+            by_alloc[g.allocation_id].append(g)
+        workers = {w.id: w for w in self.store.workers(self.run_id)}
         weights, gpw = self._serving()
         return {
-            a["id"]: self._desired(a, by_alloc.get(a["id"], []), weights, gpw, workers.__getitem__)
+            a.id: self._desired(a, by_alloc.get(a.id, []), weights, gpw, workers.__getitem__)
             for a in self.store.allocations(self.run_id)
         }
 
@@ -526,22 +524,22 @@ class Agents(Side):
         gpus_per_worker: int | None,
         worker: Callable[[int], dict],
     ) -> list[DesiredWorker]:
-        if alloc["state"] not in (A.RUNNING,):
+        if alloc.state not in (A.RUNNING,):
             return []
         by_role: dict[str, list[int]] = {}
         parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
         deadlines: dict[str, float] = {}  # role -> the earliest return deadline of its lent GPUs
         for g in gpus:
-            if g["state"] == G.UP:
-                by_role.setdefault(g["role"], []).append(g["idx"])
+            if g.state == G.UP:
+                by_role.setdefault(g.role, []).append(g.idx)
                 # lent: serving another role (a TRAIN GPU is its trainer's whatever its flag says: its agent
                 # must never be handed a trainer's GPUs twice, nor a deadline to stop the trainer by)
-                if g["borrowed"] and g["role"] != Role.TRAIN:
-                    by_role.setdefault(Role.TRAIN, []).append(g["idx"])
-                    if g["return_deadline"] is not None:
-                        deadlines[g["role"]] = min(deadlines.get(g["role"], g["return_deadline"]), g["return_deadline"])
-                if g["worker_id"] is not None and g["role"] in (Role.TRAIN, Role.IDLE):
-                    parked.setdefault(g["worker_id"], []).append(g["idx"])
+                if g.borrowed and g.role != Role.TRAIN:
+                    by_role.setdefault(Role.TRAIN, []).append(g.idx)
+                    if g.return_deadline is not None:
+                        deadlines[g.role] = min(deadlines.get(g.role, g.return_deadline), g.return_deadline)
+                if g.worker_id is not None and g.role in (Role.TRAIN, Role.IDLE):
+                    parked.setdefault(g.worker_id, []).append(g.idx)
         out = []
         return_s = self.borrowing.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
@@ -565,8 +563,8 @@ class Agents(Side):
             )
         for wid, idx in sorted(parked.items()):
             w = worker(wid)
-            if w["state"] not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
-                out.append(DesiredWorker(w["worker_key"], w["role"], w["engine"], tuple(sorted(idx)), "SLEEPING"))
+            if w.state not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
+                out.append(DesiredWorker(w.worker_key, w.role, w.engine, tuple(sorted(idx)), "SLEEPING"))
         return out
 
     def routable_workers(self) -> dict:
@@ -578,17 +576,17 @@ class Agents(Side):
         allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
         (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
         allocations = self.store.allocations(self.run_id, cached=True)  # the times: ours are newer than its
-        seen = {a["id"]: self._seen.get(a["id"], a.get("agent_seen_at")) for a in allocations}
+        seen = {a.id: self._seen.get(a.id, a.agent_seen_at) for a in allocations}
         workers = [
             {
-                "id": w["id"],
-                "url": w["url"],
-                "role": w["role"],
-                "weight_version": w.get("weight_version"),
-                "seen_at": seen.get(w["allocation_id"]),
+                "id": w.id,
+                "url": w.url,
+                "role": w.role,
+                "weight_version": w.weight_version,
+                "seen_at": seen.get(w.allocation_id),
             }
             for w in self.store.workers(self.run_id)
-            if w["routable"] and w["state"] == W.READY and w["url"]
+            if w.routable and w.state == W.READY and w.url
         ]
         rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
         moving = [
@@ -596,7 +594,7 @@ class Agents(Side):
         ]
         joining = 0
         if moving:  # the GPU rows only then: most answers have nothing joining
-            alloc_of = {g["id"]: g["allocation_id"] for g in self.store.gpus(self.run_id)}
+            alloc_of = {g.id: g.allocation_id for g in self.store.gpus(self.run_id)}
             joining = len({(alloc_of.get(i), t.to_role) for t in moving for i in t.gpu_ids})
         return {"epoch": self.epoch, "workers": workers, "joining": joining}
 
@@ -655,20 +653,20 @@ class Agents(Side):
             # what was written since, or heard since, so the newer time in memory counts; None stays None (never
             # heard from, or reset by a requeue, which changes the rows and so the cache)
             for alloc in self.store.allocations(self.run_id, cached=True):
-                seen = alloc.get("agent_seen_at")
+                seen = alloc.agent_seen_at
                 if seen is not None:
-                    seen = max(seen, self._seen.get(alloc["id"], seen))
-                gone = alloc["state"] in (A.ENDED, A.LOST)
-                if seen is None or (not gone and (seen > deadline or self.in_flight[alloc["id"]] > 0)):
+                    seen = max(seen, self._seen.get(alloc.id, seen))
+                gone = alloc.state in (A.ENDED, A.LOST)
+                if seen is None or (not gone and (seen > deadline or self.in_flight[alloc.id] > 0)):
                     continue
-                hit = self._move_gpus(alloc["id"], (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
+                hit = self._move_gpus(alloc.id, (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
                 workers = self.store.workers(self.run_id) if workers is None else workers
                 for w in workers:
-                    if w["allocation_id"] == alloc["id"] and w["state"] not in (W.STOPPED, W.FAILED, W.LOST):
+                    if w.allocation_id == alloc.id and w.state not in (W.STOPPED, W.FAILED, W.LOST):
                         self.store.set_state(
                             "workers",
-                            w["id"],
-                            expect=w["state"],
+                            w.id,
+                            expect=w.state,
                             to=W.LOST,
                             epoch=self.epoch,
                             event="agent silent",
@@ -676,7 +674,7 @@ class Agents(Side):
                         )
                         hit = True
                 if hit:
-                    marked.append(alloc["id"])
+                    marked.append(alloc.id)
             return marked
 
     def notify(self) -> None:

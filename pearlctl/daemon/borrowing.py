@@ -138,7 +138,7 @@ def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) ->
         if m.kind not in _POOL_MOVES or m.gpu not in gpus:
             continue
         g = gpus[m.gpu]
-        groups.setdefault((g["allocation_id"], m.kind, str(m.from_role), str(m.to_role), g["pool"]), []).append(m.gpu)
+        groups.setdefault((g.allocation_id, m.kind, str(m.from_role), str(m.to_role), g.pool), []).append(m.gpu)
     out = []
     for (alloc, kind, from_role, to_role, pool), ids in groups.items():
         plan = PlanKind(kind)
@@ -166,8 +166,8 @@ def describe_moves(planned: Plan | None, gpus: dict[int, dict]) -> list[dict]:
         out.append(
             {
                 "gpu": m.gpu,
-                "node": g.get("node"),
-                "pool": g.get("pool"),
+                "node": g.node,
+                "pool": g.pool,
                 "kind": str(m.kind),
                 "from": str(m.from_role),
                 "to": str(m.to_role),
@@ -206,7 +206,7 @@ class Borrowing:
     def serving_gpu_ids(self) -> list[int]:
         """The ids of the GPUs that serve rollouts now, sorted (shared, read-only)."""
         return self._per_generation(
-            "serving", lambda: sorted(g["id"] for g in self.gpu_rows() if g["state"] == G.UP and _serves(g))
+            "serving", lambda: sorted(g.id for g in self.gpu_rows() if g.state == G.UP and _serves(g))
         )
 
     def serving_workers(self, gpus_per_worker: int) -> int:
@@ -240,7 +240,7 @@ class Borrowing:
         return costs.borrow_s(warm=False) if kind == MoveKind.BORROW else costs.return_s(park=True)
 
     def trainer_gpus(self) -> list[dict]:
-        return [g for g in self.gpu_rows() if g["state"] == G.UP and g["pool"] == PoolKind.TRAINER]
+        return [g for g in self.gpu_rows() if g.state == G.UP and g.pool == PoolKind.TRAINER]
 
     def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
         """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
@@ -298,24 +298,24 @@ class Borrowing:
         return self._per_generation("slots", self._make_slots)
 
     def _make_slots(self) -> tuple[GpuSlot, ...]:
-        asleep = {w["id"] for w in self.store.workers(self.run_id) if w["state"] == "SLEEPING"}
+        asleep = {w.id for w in self.store.workers(self.run_id) if w.state == "SLEEPING"}
         gpus = []
         for g in self.gpu_rows():
-            if g["state"] != G.UP:
+            if g.state != G.UP:
                 continue
-            if g["pool"] == PoolKind.TRAINER:
-                role = Role.ROLLOUT if g["borrowed"] else Role.TRAIN
+            if g.pool == PoolKind.TRAINER:
+                role = Role.ROLLOUT if g.borrowed else Role.TRAIN
             else:
-                role = Role(g["role"]) if g["role"] in SERVING_ROLES else Role.IDLE
+                role = Role(g.role) if g.role in SERVING_ROLES else Role.IDLE
             gpus.append(
                 GpuSlot(
-                    id=g["id"],
-                    node=g["node"],
-                    pool=g["pool"],
+                    id=g.id,
+                    node=g.node,
+                    pool=g.pool,
                     role=role,
-                    parked=role in (Role.TRAIN, Role.IDLE) and g["worker_id"] in asleep,
-                    borrowed=bool(g["borrowed"]),
-                    return_deadline=g["return_deadline"],
+                    parked=role in (Role.TRAIN, Role.IDLE) and g.worker_id in asleep,
+                    borrowed=bool(g.borrowed),
+                    return_deadline=g.return_deadline,
                 )
             )
         return tuple(gpus)
@@ -340,15 +340,15 @@ class Borrowing:
         lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
         if not lend:
             return None
-        rows = {g["id"]: g for g in self.trainer_gpus()}
+        rows = {g.id: g for g in self.trainer_gpus()}
         chosen = [rows[i] for i in lend if i in rows]
         # warm: a worker sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all woken
-        parked = {g["worker_id"] for g in chosen}
+        parked = {g.worker_id for g in chosen}
         warm = bool(parked) and None not in parked and all(self._asleep(w) for w in parked)
         keep_warm = settings.get("keep_warm", True)
         return {
-            "gpu_ids": [g["id"] for g in chosen],
-            "gpus": [(g["node"], g["idx"]) for g in chosen],
+            "gpu_ids": [g.id for g in chosen],
+            "gpus": [(g.node, g.idx) for g in chosen],
             "return_deadline": now + snapshot.trainer.wait_left_s,
             "policy": settings["policy"],
             "plan": PlanKind.BORROW_WARM if warm else PlanKind.BORROW,
@@ -363,7 +363,7 @@ class Borrowing:
         for them (``borrow --dry-run``). Pure read."""
         settings = settings or self.settings()
         planned = self.decide(now, settings)
-        rows = {g["id"]: g for g in self.gpu_rows()}
+        rows = {g.id: g for g in self.gpu_rows()}
         return {
             "why": planned.why if planned else None,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
@@ -406,18 +406,18 @@ class Borrowing:
     def _unpark(self) -> None:
         """Keeping workers warm was turned off: parked workers are no longer desired (their agents stop them)."""
         for g in self.trainer_gpus():
-            if g["worker_id"] is not None and not g["borrowed"]:
+            if g.worker_id is not None and not g.borrowed:
                 self.store.update_fields(
                     "gpus",
-                    g["id"],
+                    g.id,
                     epoch=self.executor.epoch,
                     event="unparked",
-                    data={"worker_id": g["worker_id"]},
+                    data={"worker_id": g.worker_id},
                     worker_id=None,
                 )
 
     def _asleep(self, worker_id: int) -> bool:
-        return self.store.get("workers", worker_id)["state"] == "SLEEPING"
+        return self.store.worker(worker_id).state == "SLEEPING"
 
     # -- the predictor, checked --------------------------------------------------------------------
     def check_prediction(self) -> None:
@@ -561,10 +561,10 @@ class Borrowing:
         settings = self.settings()
         if not settings.get("keep_warm", True):
             self._unpark()
-        lent = [g for g in self.trainer_gpus() if g["borrowed"]]
+        lent = [g for g in self.trainer_gpus() if g.borrowed]
         why, deadline = None, None
         if lent:
-            deadline = min(g["return_deadline"] or now for g in lent)
+            deadline = min(g.return_deadline or now for g in lent)
             run = self.store.get_run(self.run_id)
             trainer = run.get(TRAINER_REPORT) or {}
             if settings["policy"] == "never":
@@ -592,7 +592,7 @@ class Borrowing:
         if now - at >= REDECIDE_S or now < at or inputs != last:
             return True
         if lent:
-            deadline = min(g["return_deadline"] or now for g in lent)
+            deadline = min(g.return_deadline or now for g in lent)
             return now >= deadline - self.cost(MoveKind.RETURN) - RETURN_SLACK_S - REDECIDE_S
         return False
 
@@ -614,12 +614,12 @@ class Borrowing:
         if why:
             plan = PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN
             detail = ReturnDetail(plan=plan, why=why, return_deadline=deadline)
-            self.executor.plan(MoveKind.RETURN, [g["id"] for g in lent], detail=detail)
+            self.executor.plan(MoveKind.RETURN, [g.id for g in lent], detail=detail)
             if planned is None:
                 return
         if planned is None or planned.empty:
             return
-        rows = {g["id"]: g for g in self.gpu_rows()}
+        rows = {g.id: g for g in self.gpu_rows()}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
             detail = detail_for(t["kind"], plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
@@ -688,7 +688,7 @@ def summary(s: Snapshot) -> dict:
 
 def _serves(g: dict) -> bool:
     """A GPU row that serves rollouts now: a lent trainer GPU, or a rollout/elastic GPU in a serving role."""
-    return bool(g["borrowed"]) if g["pool"] == PoolKind.TRAINER else g["role"] in SERVING_ROLES
+    return bool(g.borrowed) if g.pool == PoolKind.TRAINER else g.role in SERVING_ROLES
 
 
 def _serving_workers(gpus, gpus_per_worker: int) -> int:

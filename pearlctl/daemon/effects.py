@@ -71,16 +71,16 @@ class DaemonEffects:
     # -- helpers ----------------------------------------------------------------------------------
     def _gpus(self, t: Transition) -> list[dict]:
         ids = set(t.gpu_ids)
-        return [g for g in self.store.gpus(self.run_id) if g["id"] in ids]
+        return [g for g in self.store.gpus(self.run_id) if g.id in ids]
 
     def _workers_on(self, t: Transition, role: str | None = None) -> list[dict]:
         """The vLLM workers on the transition's GPUs (``role``: only those serving it)."""
-        places = {(g["allocation_id"], g["idx"]) for g in self._gpus(t)}
+        places = {(g.allocation_id, g.idx) for g in self._gpus(t)}
         out = []
         for w in self.store.workers(self.run_id):
-            if w["engine"] != Engine.VLLM or (role is not None and w["role"] != role):
+            if w.engine != Engine.VLLM or (role is not None and w.role != role):
                 continue
-            if any((w["allocation_id"], i) in places for i in (w.get("gpu_idx") or [])):
+            if any((w.allocation_id, i) in places for i in (w.gpu_idx or [])):
                 out.append(w)
         return out
 
@@ -90,9 +90,9 @@ class DaemonEffects:
         start or wake them at different times: a step that brings GPUs up is proven for all of them, never
         for the first one up — REGISTER routes the workers there are when it runs."""
         workers = self._workers_on(t, self._serving_role(t))
-        live = [w for w in workers if w["state"] not in GONE_WORKER]
-        covered = {(w["allocation_id"], i) for w in live for i in (w.get("gpu_idx") or [])}
-        return live, all((g["allocation_id"], g["idx"]) in covered for g in self._gpus(t))
+        live = [w for w in workers if w.state not in GONE_WORKER]
+        covered = {(w.allocation_id, i) for w in live for i in (w.gpu_idx or [])}
+        return live, all((g.allocation_id, g.idx) in covered for g in self._gpus(t))
 
     @staticmethod
     def _serving_role(t: Transition) -> str:
@@ -103,9 +103,9 @@ class DaemonEffects:
         """Stopped or failed as its agent reported — or LOST with its allocation ended. A worker LOST only
         because its agent went quiet for a moment (a daemon restart, a slow host) may still run: a
         STOP or SLEEP is not proven by that."""
-        if w["state"] in (W.STOPPED, W.FAILED):
+        if w.state in (W.STOPPED, W.FAILED):
             return True
-        return w["state"] == W.LOST and self.store.get("allocations", w["allocation_id"])["state"] in (A.ENDED, A.LOST)
+        return w.state == W.LOST and self.store.allocation(w.allocation_id).state in (A.ENDED, A.LOST)
 
     def _ack(self, key: str) -> dict | None:
         step = self.store.step_by_key(self.run_id, key)
@@ -118,10 +118,10 @@ class DaemonEffects:
         deadline = TransitionDetail.of(t).return_deadline
         role = self._serving_role(t)
         for g in self._gpus(t):
-            lent = g["pool"] == PoolKind.TRAINER
+            lent = g.pool == PoolKind.TRAINER
             self.store.update_fields(
                 "gpus",
-                g["id"],
+                g.id,
                 epoch=self.epoch,
                 event=ROLE_SET,
                 data={"step": key},
@@ -133,7 +133,7 @@ class DaemonEffects:
 
     def _register(self, t: Transition, key: str) -> None:
         """REGISTER: the live workers in the transition's serving role take new requests."""
-        workers = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
+        workers = [w for w in self._workers_on(t, self._serving_role(t)) if w.state not in GONE_WORKER]
         self._set_routable(workers, 1)
 
     def _deregister(self, t: Transition, key: str) -> None:
@@ -142,8 +142,8 @@ class DaemonEffects:
 
     def _set_routable(self, workers: list[dict], routable: int) -> None:
         for w in workers:
-            if w["routable"] != routable:
-                self.store.update_fields("workers", w["id"], epoch=self.epoch, routable=routable)
+            if w.routable != routable:
+                self.store.update_fields("workers", w.id, epoch=self.epoch, routable=routable)
         self.router_wake()
 
     def _leave(self, t: Transition, key: str) -> None:
@@ -152,19 +152,19 @@ class DaemonEffects:
         parked: dict[tuple[int, int], int] = {}  # (allocation, GPU index) -> the worker parked there
         if StepKind.SLEEP in current_plan(t):
             for w in self._workers_on(t):
-                if w["state"] not in GONE_WORKER:
-                    parked.update({(w["allocation_id"], i): w["id"] for i in w.get("gpu_idx") or []})
+                if w.state not in GONE_WORKER:
+                    parked.update({(w.allocation_id, i): w.id for i in w.gpu_idx or []})
         for g in self._gpus(t):
             self.store.update_fields(
                 "gpus",
-                g["id"],
+                g.id,
                 epoch=self.epoch,
                 event=ROLE_SET,
                 data={"step": key},
-                role=Role.TRAIN if g["pool"] == PoolKind.TRAINER else Role.IDLE,
+                role=Role.TRAIN if g.pool == PoolKind.TRAINER else Role.IDLE,
                 borrowed=0,
                 return_deadline=None,
-                worker_id=parked.get((g["allocation_id"], g["idx"])),
+                worker_id=parked.get((g.allocation_id, g.idx)),
             )
 
     def _nothing(self, t: Transition, key: str) -> None:
@@ -180,7 +180,7 @@ class DaemonEffects:
 
     def _none_up(self, t: Transition) -> Outcome:
         """No live worker on the GPUs brought up: FAILED where one failed there, else still PENDING."""
-        failed = any(w["state"] == W.FAILED for w in self._workers_on(t, self._serving_role(t)))
+        failed = any(w.state == W.FAILED for w in self._workers_on(t, self._serving_role(t)))
         return Outcome.FAILED if failed else Outcome.PENDING
 
     def _woken(self, t: Transition, key: str) -> Outcome:
@@ -188,11 +188,11 @@ class DaemonEffects:
         if not live:
             return Outcome.FAILED  # the parked worker is gone: nothing to wake (the borrow rolls back)
         # GPUs with no parked worker get a new one (the agent starts what desired state lacks): READY too
-        return _proven(covered and all(w["state"] == W.READY for w in live))
+        return _proven(covered and all(w.state == W.READY for w in live))
 
     def _asleep(self, t: Transition, key: str) -> Outcome:
         workers = self._workers_on(t)
-        return _proven(all(w["state"] == W.SLEEPING or self._proven_gone(w) for w in workers))
+        return _proven(all(w.state == W.SLEEPING or self._proven_gone(w) for w in workers))
 
     def _started(self, t: Transition, key: str) -> Outcome:
         live, covered = self._serving(t)
@@ -209,36 +209,36 @@ class DaemonEffects:
         live, covered = self._serving(t)  # GPUs brought up: a worker serves on every one
         if not live:
             return self._none_up(t)
-        if not covered or any(w["state"] != W.READY for w in live):
+        if not covered or any(w.state != W.READY for w in live):
             return Outcome.PENDING
         # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
         # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
         # fails the step by its timeout, and the transition rolls back)
         trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
-        return _proven(latest is None or all(w.get("weight_version") == str(latest) for w in live))
+        return _proven(latest is None or all(w.weight_version == str(latest) for w in live))
 
     def _registered(self, t: Transition, key: str) -> Outcome:
         """Recorded in state, and — where the run has a router — carried out by it: the router routes to every
         live worker in the serving role."""
         routed = self.router()
-        live = [w for w in self._workers_on(t, self._serving_role(t)) if w["state"] not in GONE_WORKER]
-        if not all(w["routable"] for w in live):
+        live = [w for w in self._workers_on(t, self._serving_role(t)) if w.state not in GONE_WORKER]
+        if not all(w.routable for w in live):
             return Outcome.PENDING
-        return _proven(routed is None or all(w["url"] in routed for w in live if w["url"]))
+        return _proven(routed is None or all(w.url in routed for w in live if w.url))
 
     def _deregistered(self, t: Transition, key: str) -> Outcome:
         """Recorded in state, and — where the run has a router — carried out by it: the router no longer routes
         to the workers (so a worker drains only once nothing new can reach it)."""
         routed = self.router_may_route()
         workers = self._workers_on(t)
-        if any(w["routable"] for w in workers):
+        if any(w.routable for w in workers):
             return Outcome.PENDING
-        return _proven(routed is None or not any(w["url"] in routed for w in workers if w["url"]))
+        return _proven(routed is None or not any(w.url in routed for w in workers if w.url))
 
     def _drained(self, t: Transition, key: str) -> Outcome:
         busy = (W.READY, W.STARTING)
-        return _proven(all(w["state"] not in busy for w in self._workers_on(t)))
+        return _proven(all(w.state not in busy for w in self._workers_on(t)))
 
     def _stopped(self, t: Transition, key: str) -> Outcome:
         return _proven(all(self._proven_gone(w) for w in self._workers_on(t)))

@@ -104,16 +104,16 @@ class _Pool:
 
     @property
     def live(self) -> list[dict]:
-        return [a for a in self.allocs if a["state"] in LIVE]
+        return [a for a in self.allocs if a.state in LIVE]
 
     @property
     def draining(self) -> list[dict]:
-        return [a for a in self.live if a.get("drain_requested_at") is not None]
+        return [a for a in self.live if a.drain_requested_at is not None]
 
     @property
     def serving(self) -> list[dict]:
         """Live tasks not asked to leave: what counts towards the size the daemon wants."""
-        return [a for a in self.live if a.get("drain_requested_at") is None]
+        return [a for a in self.live if a.drain_requested_at is None]
 
     def clamp(self, wanted: int) -> int:
         return min(max(int(wanted), self.floor), self.ceiling)
@@ -122,10 +122,10 @@ class _Pool:
         serving = self.serving
         return {
             "size": len(self.live),
-            "running": sum(1 for a in serving if a["state"] == A.RUNNING),
-            "pending": sum(1 for a in serving if a["state"] in (A.REQUESTED, A.PENDING)),
-            "preempting": sum(1 for a in serving if a["state"] == A.PREEMPTING),
-            "lost": sum(1 for a in serving if a["state"] == A.LOST),
+            "running": sum(1 for a in serving if a.state == A.RUNNING),
+            "pending": sum(1 for a in serving if a.state in (A.REQUESTED, A.PENDING)),
+            "preempting": sum(1 for a in serving if a.state == A.PREEMPTING),
+            "lost": sum(1 for a in serving if a.state == A.LOST),
             "draining": len(self.draining),
             "wanted": self.row.get("wanted"),
         }
@@ -137,7 +137,7 @@ def _read(store: Store, run_id: str, pool: str) -> _Pool | None:
     if row is None:
         return None
     run = store.get_run(run_id)
-    allocs = [a for a in store.allocations(run_id) if a["pool_id"] == row["id"]]
+    allocs = [a for a in store.allocations(run_id) if a.pool_id == row["id"]]
     return _Pool(run, row, pool_spec_of(run, pool), allocs)
 
 
@@ -206,7 +206,7 @@ class ElasticPool:
         p = _read(self.store, self.run_id, self.pool)
         if p is None:
             return None
-        running = sum(1 for a in p.serving if a["state"] == A.RUNNING)
+        running = sum(1 for a in p.serving if a.state == A.RUNNING)
         return {"low": p.floor, "high": p.ceiling, "running": running, "gpus_per_node": p.spec.gpus_per_node}
 
     def resize(self, wanted: int, why: str) -> int | None:
@@ -238,22 +238,22 @@ class ElasticPool:
                 bound = float(p.spec.pending_timeout_s or 0)
                 overdue = []
                 for a in p.serving:
-                    if a["state"] != A.PENDING or a["array_index"] < p.floor:
+                    if a.state != A.PENDING or a.array_index < p.floor:
                         continue
-                    since = self.store.entered_at("allocations", a["id"], A.PENDING) or a["updated_at"]
+                    since = self.store.entered_at("allocations", a.id, A.PENDING) or a.updated_at
                     if now - since >= bound:
                         overdue.append((a, since))
                 for a, since in overdue:
                     self.store.update_fields(
                         "allocations",
-                        a["id"],
+                        a.id,
                         epoch=self.epoch,
                         event="elastic pending timeout",
                         data={
                             "pending_s": round(now - since, 3),
                             "pending_timeout_s": bound,
-                            "slurm_id": f"{a['job_id']}_{a['array_index']}",
-                            "reason": a.get("reason"),
+                            "slurm_id": f"{a.job_id}_{a.array_index}",
+                            "reason": a.reason,
                         },
                         drain_requested_at=now,
                     )
@@ -282,7 +282,7 @@ class ElasticPool:
                     serving += self._undrain(p, target - serving, now)
                     grow = serving < target
                 # a crash between an intent and its sbatch left a row to adopt or to submit
-                grow = grow or any(a["state"] == A.REQUESTED and not a["job_id"] for a in p.live)
+                grow = grow or any(a.state == A.REQUESTED and not a.job_id for a in p.live)
             if not grow:
                 self._note_size(_read(self.store, self.run_id, self.pool))
         if grow:
@@ -296,7 +296,7 @@ class ElasticPool:
             p = _read(self.store, self.run_id, self.pool)
             if p is None:
                 return
-            live_ids = {a["id"] for a in p.live}
+            live_ids = {a.id for a in p.live}
             self._scancelled = {k: v for k, v in self._scancelled.items() if k in live_ids}
             self._out_of_router(p)
             to_cancel: list[dict] = []
@@ -305,18 +305,18 @@ class ElasticPool:
                 bound = float(p.spec.preempt_notice_s)
                 workers = self.store.workers(self.run_id)
                 for a in p.draining:
-                    if a["state"] == A.REQUESTED or not a["job_id"]:
+                    if a.state == A.REQUESTED or not a.job_id:
                         continue
-                    sent = self._scancelled.get(a["id"])
-                    if a["state"] == A.LOST and (
-                        sent is not None or self.store.entity_events("allocations", a["id"], ["elastic scancel"])
+                    sent = self._scancelled.get(a.id)
+                    if a.state == A.LOST and (
+                        sent is not None or self.store.entity_events("allocations", a.id, ["elastic scancel"])
                     ):
                         # scancelled, and now gone from squeue, sacct and scontrol: the end that was asked for
                         self.store.set_state(
                             "allocations",
-                            a["id"],
+                            a.id,
                             expect=A.LOST,
-                            expect_version=a["version"],
+                            expect_version=a.version,
                             to=A.ENDED,
                             event="elastic cancelled",
                             data={"was": "LOST", "why": "gone from Slurm after its scancel"},
@@ -326,55 +326,55 @@ class ElasticPool:
                         continue
                     if sent is not None and now - sent < RESEND_SCANCEL_S:
                         continue
-                    if a["state"] != A.PENDING and self.routed is None:
+                    if a.state != A.PENDING and self.routed is None:
                         # UP only: a LOST GPU stays LOST (the controller judges silent agents every tick);
                         # with a router, _out_of_router does this once the router sends the task nothing
-                        self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
+                        self._gpus(a.id, (G.UP,), G.DRAINING, "elastic drain")
                     # a PENDING task runs nothing, whatever an agent of its last run left in state
                     busy = [
-                        w["id"]
+                        w.id
                         for w in workers
-                        if a["state"] != A.PENDING and w["allocation_id"] == a["id"] and w["state"] in BUSY_WORKERS
+                        if a.state != A.PENDING and w.allocation_id == a.id and w.state in BUSY_WORKERS
                     ]
-                    waited = now - a["drain_requested_at"]
+                    waited = now - a.drain_requested_at
                     if busy and waited < bound:
                         continue
                     why = "drained" if not busy else f"drain took longer than {bound:g}s"
                     self.store.journal_event(
                         self.run_id,
                         "allocations",
-                        a["id"],
+                        a.id,
                         "elastic scancel",
                         data={
                             "why": why,
-                            "slurm_id": f"{a['job_id']}_{a['array_index']}",
-                            "state": a["state"],
+                            "slurm_id": f"{a.job_id}_{a.array_index}",
+                            "state": a.state,
                             "drain_s": round(waited, 3),
                             "workers_left": busy,
                             "again": sent is not None,
                         },
                         epoch=self.epoch,
                     )
-                    self._scancelled[a["id"]] = now
+                    self._scancelled[a.id] = now
                     to_cancel.append(a)
         if to_cancel:
             try:
-                self.backend.cancel_tasks([(a["job_id"], int(a["array_index"])) for a in to_cancel])
+                self.backend.cancel_tasks([(a.job_id, int(a.array_index)) for a in to_cancel])
             except BackendError as exc:
                 with self.lock:
                     for a in to_cancel:
-                        self._scancelled.pop(a["id"], None)
+                        self._scancelled.pop(a.id, None)
                     self.store.journal_event(
                         self.run_id,
                         "pools",
                         p.row["id"],
                         "elastic scancel failed",
-                        data={"error": str(exc), "tasks": [f"{a['job_id']}_{a['array_index']}" for a in to_cancel]},
+                        data={"error": str(exc), "tasks": [f"{a.job_id}_{a.array_index}" for a in to_cancel]},
                         epoch=self.epoch,
                     )
                 raise
             for a in to_cancel:
-                self.fault("after_effect", f"elastic:{a['id']}:SHRINK")  # scancelled; its end not yet seen
+                self.fault("after_effect", f"elastic:{a.id}:SHRINK")  # scancelled; its end not yet seen
         with self.lock:
             self._note_size(_read(self.store, self.run_id, self.pool))
 
@@ -423,20 +423,20 @@ class ElasticPool:
                     },
                     epoch=self.epoch,
                 )
-                self._mine.add(row["id"])
+                self._mine.add(row.id)
             p = _read(self.store, self.run_id, self.pool)
             for a in p.live:
-                if a["state"] != A.REQUESTED or a["job_id"]:
+                if a.state != A.REQUESTED or a.job_id:
                     continue
-                if a["id"] in self._mine or now - a["updated_at"] >= SUBMIT_SETTLE_S:
+                if a.id in self._mine or now - a.updated_at >= SUBMIT_SETTLE_S:
                     submit.append(a)
             run = p.run
             self._note_size(p)
         for i, a in enumerate(submit):
-            key = f"elastic:{a['id']}:GROW"
+            key = f"elastic:{a.id}:GROW"
             self.fault("after_intent", key)  # the REQUESTED row is committed; its sbatch has not run
             try:
-                req = grow_request(run, self.pool, int(a["array_index"]))
+                req = grow_request(run, self.pool, int(a.array_index))
                 job_id = self.backend.submit(req, render_script(req))
             except (BackendError, ValueError) as exc:
                 self._submit_failed(submit[i:], str(exc))
@@ -450,33 +450,33 @@ class ElasticPool:
     def _adopt(self, p: _Pool, found: list) -> list[tuple[str, int]]:
         """Adopt, for each REQUESTED row without a job id, the task of its index found under the job name;
         return the live tasks found under the name that no row knows (counted against ``max_nodes``)."""
-        known = {(a["job_id"], int(a["array_index"])) for a in p.allocs if a["job_id"]}
-        owned = {a["job_id"] for a in p.allocs if a["job_id"]}
+        known = {(a.job_id, int(a.array_index)) for a in p.allocs if a.job_id}
+        owned = {a.job_id for a in p.allocs if a.job_id}
         unmatched: dict[tuple[str, int], object] = {}
         for r in found:
             for index in (r.array_task_id,) if r.array_task_id is not None else r.pending_tasks:
                 if (r.job_id, index) not in known:
                     unmatched[(r.job_id, index)] = r
         for a in p.live:
-            if a["state"] != A.REQUESTED or a["job_id"]:
+            if a.state != A.REQUESTED or a.job_id:
                 continue
-            key = next((k for k in unmatched if k[1] == a["array_index"] and k[0] not in owned), None)
+            key = next((k for k in unmatched if k[1] == a.array_index and k[0] not in owned), None)
             if key is None:
                 continue
             rec = unmatched.pop(key)
             ended = rec.phase is JobPhase.ENDED
             self.store.set_state(
                 "allocations",
-                a["id"],
+                a.id,
                 expect=A.REQUESTED,
-                expect_version=a["version"],
+                expect_version=a.version,
                 to=A.ENDED if ended else A.PENDING,
                 event="adopted",
                 data={"by": "job name", "name": self.job_name, "slurm_state": rec.state},
                 epoch=self.epoch,
                 job_id=key[0],
             )
-            self._mine.discard(a["id"])
+            self._mine.discard(a.id)
         return [k for k, r in unmatched.items() if r.phase is not JobPhase.ENDED]
 
     def _record_submitted(self, a: dict, job_id: str) -> None:
@@ -487,12 +487,12 @@ class ElasticPool:
             try:
                 self.store.set_state(
                     "allocations",
-                    a["id"],
+                    a.id,
                     expect=A.REQUESTED,
-                    expect_version=a["version"],
+                    expect_version=a.version,
                     to=A.PENDING,
                     event="submitted",
-                    data={"by": POOL, "slurm_id": f"{job_id}_{a['array_index']}"},
+                    data={"by": POOL, "slurm_id": f"{job_id}_{a.array_index}"},
                     epoch=self.epoch,
                     job_id=job_id,
                 )
@@ -501,12 +501,12 @@ class ElasticPool:
                 self.store.journal_event(
                     self.run_id,
                     "allocations",
-                    a["id"],
+                    a.id,
                     "elastic submitted too late",
                     data={"job_id": job_id, "why": str(exc)},
                     epoch=self.epoch,
                 )
-            self._mine.discard(a["id"])
+            self._mine.discard(a.id)
         if orphan:
             self.backend.cancel([job_id])
 
@@ -515,13 +515,13 @@ class ElasticPool:
         error), and growth backs off."""
         with self.lock:
             for a in rows:
-                self._mine.discard(a["id"])
+                self._mine.discard(a.id)
                 try:
                     self.store.set_state(
                         "allocations",
-                        a["id"],
+                        a.id,
                         expect=A.REQUESTED,
-                        expect_version=a["version"],
+                        expect_version=a.version,
                         to=A.ENDED,
                         event="elastic submit failed",
                         data={"error": error},
@@ -538,30 +538,28 @@ class ElasticPool:
         """Ask ``surplus`` tasks to leave: first those serving nothing (PENDING), then those leaving anyway
         (a preemption notice, or lost), then the newest running ones."""
         rank = {A.PENDING: 0, A.PREEMPTING: 1, A.LOST: 1, A.RUNNING: 2}
-        candidates = sorted(
-            (a for a in p.serving if a["state"] in rank), key=lambda a: (rank[a["state"]], -a["array_index"])
-        )
+        candidates = sorted((a for a in p.serving if a.state in rank), key=lambda a: (rank[a.state], -a.array_index))
         for a in candidates[:surplus]:
             self.store.update_fields(
                 "allocations",
-                a["id"],
+                a.id,
                 epoch=self.epoch,
                 event="elastic drain",
-                data={"why": why, "state": a["state"], "slurm_id": f"{a['job_id']}_{a['array_index']}"},
+                data={"why": why, "state": a.state, "slurm_id": f"{a.job_id}_{a.array_index}"},
                 drain_requested_at=now,
             )
-            self.fault("after_intent", f"elastic:{a['id']}:SHRINK")  # asked to leave; its workers still routable
-            self._unroute(a["id"])
-            if a["state"] != A.PENDING and self.routed is None:
-                self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain")
+            self.fault("after_intent", f"elastic:{a.id}:SHRINK")  # asked to leave; its workers still routable
+            self._unroute(a.id)
+            if a.state != A.PENDING and self.routed is None:
+                self._gpus(a.id, (G.UP,), G.DRAINING, "elastic drain")
             # with a router, the GPUs go DRAINING (their agent drains the workers) only once the router sends
             # them nothing new: see _out_of_router
 
     def _unroute(self, alloc_id: int) -> None:
         """The task's workers take no new requests: out of routing in state (the router follows)."""
         for w in self.store.workers(self.run_id):
-            if w["allocation_id"] == alloc_id and w["routable"]:
-                self.store.update_fields("workers", w["id"], epoch=self.epoch, event="elastic drain", routable=0)
+            if w.allocation_id == alloc_id and w.routable:
+                self.store.update_fields("workers", w.id, epoch=self.epoch, event="elastic drain", routable=0)
 
     def _out_of_router(self, p: _Pool) -> None:
         """Draining tasks whose workers the router no longer routes to: their GPUs go DRAINING now, so their
@@ -569,50 +567,48 @@ class ElasticPool:
         workers still routable in state (a daemon that crashed between the drain's request and their
         unrouting) are taken out first."""
         for a in p.draining:
-            if a["state"] != A.PENDING:
-                self._unroute(a["id"])
+            if a.state != A.PENDING:
+                self._unroute(a.id)
         if self.routed is None:
             return
         routed = self.routed()
         workers = self.store.workers(self.run_id)
         for a in p.draining:
-            if a["state"] == A.PENDING:
+            if a.state == A.PENDING:
                 continue
-            urls = {
-                w["url"] for w in workers if w["allocation_id"] == a["id"] and w["url"] and w["state"] in BUSY_WORKERS
-            }
+            urls = {w.url for w in workers if w.allocation_id == a.id and w.url and w.state in BUSY_WORKERS}
             if not urls & routed:
-                self._gpus(a["id"], (G.UP,), G.DRAINING, "elastic drain: out of the router")
+                self._gpus(a.id, (G.UP,), G.DRAINING, "elastic drain: out of the router")
 
     def _undrain(self, p: _Pool, count: int, now: float) -> int:
         """Take back up to ``count`` running tasks whose drain has not been scancelled yet; returns how many.
         Their workers come back (the controller desires them again once their GPUs are UP)."""
         taken = 0
-        for a in sorted(p.draining, key=lambda a: a["array_index"]):
+        for a in sorted(p.draining, key=lambda a: a.array_index):
             if taken == count:
                 break
-            if a["state"] != A.RUNNING or a["id"] in self._scancelled:
+            if a.state != A.RUNNING or a.id in self._scancelled:
                 continue
             self.store.update_fields(
                 "allocations",
-                a["id"],
+                a.id,
                 epoch=self.epoch,
                 event="elastic undrain",
-                data={"why": "wanted again before its scancel", "drain_s": round(now - a["drain_requested_at"], 3)},
+                data={"why": "wanted again before its scancel", "drain_s": round(now - a.drain_requested_at, 3)},
                 drain_requested_at=None,
             )
-            self._gpus(a["id"], (G.DRAINING,), G.UP, "elastic undrain")
+            self._gpus(a.id, (G.DRAINING,), G.UP, "elastic undrain")
             taken += 1
         return taken
 
     def _gpus(self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str) -> None:
         for g in self.store.gpus(self.run_id):
-            if g["allocation_id"] == alloc_id and g["state"] in from_states:
+            if g.allocation_id == alloc_id and g.state in from_states:
                 self.store.set_state(
                     "gpus",
-                    g["id"],
-                    expect=g["state"],
-                    expect_version=g["version"],
+                    g.id,
+                    expect=g.state,
+                    expect_version=g.version,
                     to=to,
                     event=event,
                     epoch=self.epoch,
@@ -639,7 +635,7 @@ class ElasticPool:
         if length is None or until is None:
             return
         began = until - length
-        started = [a for a in p.live if a["state"] == A.RUNNING and (a.get("started_at") or 0) >= began]
+        started = [a for a in p.live if a.state == A.RUNNING and (a.started_at or 0) >= began]
         if started:
             a = started[0]
             self.store.update_fields(
@@ -647,7 +643,7 @@ class ElasticPool:
                 p.row["id"],
                 epoch=self.epoch,
                 event="elastic back-off reset",
-                data={"why": f"task {a['job_id']}_{a['array_index']} started"},
+                data={"why": f"task {a.job_id}_{a.array_index} started"},
                 backoff_s=None,
             )
 
@@ -676,20 +672,18 @@ def elastic_view(store: Store, run_id: str, *, pool: str = POOL, now: float | No
     for a in p.live:
         tasks.append(
             {
-                "allocation_id": a["id"],
-                "array_index": a["array_index"],
-                "job_id": a["job_id"],
-                "slurm_id": f"{a['job_id']}_{a['array_index']}" if a["job_id"] else None,
-                "state": a["state"],
-                "slurm_state": a.get("slurm_state"),
-                "node": a.get("node"),
-                "restarts": a.get("restarts") or 0,
-                "added": a["array_index"] >= p.floor,
-                "draining": a.get("drain_requested_at") is not None,
-                "drain_requested_at": a.get("drain_requested_at"),
-                "pending_since": store.entered_at("allocations", a["id"], A.PENDING)
-                if a["state"] == A.PENDING
-                else None,
+                "allocation_id": a.id,
+                "array_index": a.array_index,
+                "job_id": a.job_id,
+                "slurm_id": f"{a.job_id}_{a.array_index}" if a.job_id else None,
+                "state": a.state,
+                "slurm_state": a.slurm_state,
+                "node": a.node,
+                "restarts": a.restarts or 0,
+                "added": a.array_index >= p.floor,
+                "draining": a.drain_requested_at is not None,
+                "drain_requested_at": a.drain_requested_at,
+                "pending_since": store.entered_at("allocations", a.id, A.PENDING) if a.state == A.PENDING else None,
             }
         )
     history = [

@@ -93,12 +93,12 @@ class RunCollector:
             "pearl_gpus", "GPUs of the run by role and state", labels=["role", "state", "borrowed"]
         )
         for (role, state, borrowed), n in Counter(
-            (g["role"], g["state"], str(bool(g["borrowed"])).lower()) for g in self.store.gpus(self.run_id)
+            (g.role, g.state, str(bool(g.borrowed)).lower()) for g in self.store.gpus(self.run_id)
         ).items():
             gpus.add_metric([role, state, borrowed], n)
         yield gpus
         workers = GaugeMetricFamily("pearl_workers", "workers by role and state", labels=["role", "state"])
-        for (role, state), n in Counter((w["role"], w["state"]) for w in self.store.workers(self.run_id)).items():
+        for (role, state), n in Counter((w.role, w.state) for w in self.store.workers(self.run_id)).items():
             workers.add_metric([role, state], n)
         yield workers
         transitions = self.store.transitions(self.run_id)

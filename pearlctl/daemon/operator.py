@@ -78,7 +78,7 @@ class Operator(Side):
                     if t.kind == MoveKind.BORROW:
                         self.borrowing.executor.abort(t.id, "pearlctl return --now")
                         aborted.append(t.id)
-            lent = [g["id"] for g in self.store.gpus(self.run_id) if g["borrowed"]]
+            lent = [g.id for g in self.store.gpus(self.run_id) if g.borrowed]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
     def move(self, body: bodies.Move) -> dict:
@@ -102,18 +102,16 @@ class Operator(Side):
             chosen: list[dict] = []
             for ref in body.gpus:
                 g = self._named_gpu(rows, ref)
-                if g["state"] != G.UP:
-                    raise ControlError(f"GPU {g['node']}:{g['idx']} (id {g['id']}) is {g['state']}: only UP GPUs move")
+                if g.state != G.UP:
+                    raise ControlError(f"GPU {g.node}:{g.idx} (id {g.id}) is {g.state}: only UP GPUs move")
                 if g not in chosen:
                     chosen.append(g)
-            workers = {g["worker_id"] for g in chosen if g["worker_id"] is not None}
-            chosen += [g for g in rows if g["worker_id"] in workers and g not in chosen]  # a worker moves whole
-            if len({g["allocation_id"] for g in chosen}) > 1 or len({g["role"] for g in chosen}) > 1:
-                named = ", ".join(
-                    f"{g['node']}:{g['idx']} ({g['role']}, allocation {g['allocation_id']})" for g in chosen
-                )
+            workers = {g.worker_id for g in chosen if g.worker_id is not None}
+            chosen += [g for g in rows if g.worker_id in workers and g not in chosen]  # a worker moves whole
+            if len({g.allocation_id for g in chosen}) > 1 or len({g.role for g in chosen}) > 1:
+                named = ", ".join(f"{g.node}:{g.idx} ({g.role}, allocation {g.allocation_id})" for g in chosen)
                 raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
-            role, names = chosen[0]["role"], ", ".join(f"{g['node']}:{g['idx']}" for g in chosen)
+            role, names = chosen[0].role, ", ".join(f"{g.node}:{g.idx}" for g in chosen)
             serving = role in SERVING_ROLES
             target = str(body.role or Role.ROLLOUT)
             if body.kind in (MoveKind.START, MoveKind.WAKE):
@@ -121,7 +119,7 @@ class Operator(Side):
                     raise ControlError(
                         f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
                     )
-                parked = bool(workers) and all(self.store.get("workers", w)["state"] == W.SLEEPING for w in workers)
+                parked = bool(workers) and all(self.store.worker(w).state == W.SLEEPING for w in workers)
                 if body.kind == MoveKind.WAKE and not parked:
                     raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
                 if body.kind == MoveKind.START and workers:
@@ -136,7 +134,7 @@ class Operator(Side):
                 raise ControlError(f"GPUs {names} already serve {role}: a switch needs another role")
             else:
                 from_role, to_role, plan = role, target, PlanKind.SWITCH
-            ids = sorted(g["id"] for g in chosen)
+            ids = sorted(g.id for g in chosen)
             tid = executor.plan(
                 body.kind,
                 ids,
@@ -151,7 +149,7 @@ class Operator(Side):
                 "transition_id": tid,
                 "plan": plan,
                 "gpu_ids": ids,
-                "gpus": [f"{g['node']}:{g['idx']}" for g in chosen],
+                "gpus": [f"{g.node}:{g.idx}" for g in chosen],
                 "from_role": str(from_role),
                 "to_role": str(to_role),
                 "policy": policy,
@@ -162,20 +160,20 @@ class Operator(Side):
         all the name fits: the local backend gives every task the first GPUs of its one node, so a name may
         fit several GPUs, and then only ids tell them apart)."""
         if isinstance(ref, bodies.GpuId):
-            found, name = [g for g in rows if g["id"] == ref.id], f"id {ref.id}"
+            found, name = [g for g in rows if g.id == ref.id], f"id {ref.id}"
         else:
-            found, name = [g for g in rows if (g["node"], g["idx"]) == (ref.node, ref.index)], f"{ref.node}:{ref.index}"
+            found, name = [g for g in rows if (g.node, g.idx) == (ref.node, ref.index)], f"{ref.node}:{ref.index}"
         if not found:
-            known = ", ".join(f"{g['node']}:{g['idx']} (id {g['id']})" for g in rows) or "none yet"
+            known = ", ".join(f"{g.node}:{g.idx} (id {g.id})" for g in rows) or "none yet"
             raise ControlError(f"run {self.run_id} has no GPU {name} (its GPUs: {known})", 404)
-        movable = [g for g in found if g["pool"] != PoolKind.TRAINER]
+        movable = [g for g in found if g.pool != PoolKind.TRAINER]
         if not movable:
             raise ControlError(
                 f"GPU {name} is a trainer GPU: those are lent and taken back with `pearlctl borrow` and "
                 "`pearlctl return`"
             )
         if len(movable) > 1:
-            which = ", ".join(f"id {g['id']} ({g['pool']}, allocation {g['allocation_id']})" for g in movable)
+            which = ", ".join(f"id {g.id} ({g.pool}, allocation {g.allocation_id})" for g in movable)
             raise ControlError(f"GPU {name} fits several GPUs: {which}; name one by its id (`pearlctl status`)")
         return movable[0]
 

@@ -78,7 +78,7 @@ class TrainerSide(Side):
             return self._answer(body.released, since), passes
 
     def _nothing_lent_or_moving(self) -> bool:
-        if any(g["borrowed"] for g in self.store.gpus(self.run_id)):
+        if any(g.borrowed for g in self.store.gpus(self.run_id)):
             return False
         return not self.store.open_transitions(self.run_id)
 

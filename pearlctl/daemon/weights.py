@@ -53,23 +53,23 @@ def select_targets(
     node_name = {n["id"]: n["name"] for n in nodes}
     hosts: dict[int, set[str]] = {}
     for a in allocations:
-        hosts[a["id"]] = {a["node"].lower()} if a.get("node") else set()
+        hosts[a.id] = {a.node.lower()} if a.node else set()
     for g in gpus:
-        name = node_name.get(g["node_id"])
+        name = node_name.get(g.node_id)
         if name:
-            hosts.setdefault(g["allocation_id"], set()).add(name.lower())
+            hosts.setdefault(g.allocation_id, set()).add(name.lower())
     for a in allocations:
-        if not hosts[a["id"]] and a.get("agent_host"):
-            hosts[a["id"]] = {a["agent_host"].lower()}
+        if not hosts[a.id] and a.agent_host:
+            hosts[a.id] = {a.agent_host.lower()}
     trainer_nodes: set[str] = set()
     for a in allocations:
-        if pool_name.get(a["pool_id"]) == PoolKind.TRAINER and a["state"] in _TRAINER_LIVE:
-            trainer_nodes |= hosts.get(a["id"], set())
-    pool_of = {a["id"]: a["pool_id"] for a in allocations}
+        if pool_name.get(a.pool_id) == PoolKind.TRAINER and a.state in _TRAINER_LIVE:
+            trainer_nodes |= hosts.get(a.id, set())
+    pool_of = {a.id: a.pool_id for a in allocations}
     targets = []
     for w in workers:
-        alloc = w["allocation_id"]
-        if not (w["state"] == W.READY and w.get("routable") and w.get("url") and w["engine"] == Engine.VLLM):
+        alloc = w.allocation_id
+        if not (w.state == W.READY and w.routable and w.url and w.engine == Engine.VLLM):
             continue
         if pool_of.get(alloc) not in broadcast_pools:
             continue
@@ -78,11 +78,11 @@ def select_targets(
             continue
         targets.append(
             {
-                "id": w["id"],
-                "url": w["url"],
+                "id": w.id,
+                "url": w.url,
                 "allocation_id": alloc,
-                "role": w["role"],
-                "weight_version": w.get("weight_version"),
+                "role": w.role,
+                "weight_version": w.weight_version,
             }
         )
     return {"workers": targets, "trainer_nodes": sorted(trainer_nodes)}

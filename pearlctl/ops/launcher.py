@@ -279,12 +279,12 @@ def launch(
                 log(f"submitted pool {req.pool}: job {job_id} ({req.array_size} task(s))")
             job_ids[req.pool] = job_id
             for alloc in store.allocations(run_id):
-                if alloc["pool_id"] == pool["id"] and alloc["state"] == A.REQUESTED:
+                if alloc.pool_id == pool["id"] and alloc.state == A.REQUESTED:
                     store.set_state(
                         "allocations",
-                        alloc["id"],
+                        alloc.id,
                         expect=A.REQUESTED,
-                        expect_version=alloc["version"],
+                        expect_version=alloc.version,
                         to=A.PENDING,
                         event="submitted",
                         job_id=job_id,
@@ -304,12 +304,12 @@ def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str],
     except BackendError:
         pass  # reported below through the journal; the allocations are ended either way
     for alloc in store.allocations(run_id):
-        if alloc["state"] in (A.REQUESTED, A.PENDING):
+        if alloc.state in (A.REQUESTED, A.PENDING):
             store.set_state(
                 "allocations",
-                alloc["id"],
-                expect=alloc["state"],
-                expect_version=alloc["version"],
+                alloc.id,
+                expect=alloc.state,
+                expect_version=alloc.version,
                 to=A.ENDED,
                 event="launch failed",
                 data={"why": why},
@@ -332,7 +332,7 @@ def wait_running(
         sync_run(store, backend, run_id)
         counts: dict[str, int] = {}
         for alloc in store.allocations(run_id):
-            counts[alloc["state"]] = counts.get(alloc["state"], 0) + 1
+            counts[alloc.state] = counts.get(alloc.state, 0) + 1
         progress(counts)
         if set(counts) == {A.RUNNING}:
             return True
@@ -355,7 +355,7 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     # every pool's launch job, and the tasks an elastic pool added (each its own job id, pearlctl.daemon.elastic)
     job_ids = sorted(
         {p["job_id"] for p in store.pools(run_id) if p["job_id"]}
-        | {a["job_id"] for a in store.allocations(run_id) if a["job_id"] and a["state"] != A.ENDED}
+        | {a.job_id for a in store.allocations(run_id) if a.job_id and a.state != A.ENDED}
     )
     names = [job_name(run_id, DAEMON_POOL)]  # the daemon's job too: SIGTERM stops it cleanly
     # an added task whose job id a crash kept out of state is found by its pool's name
@@ -363,26 +363,26 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     found = [r.job_id for name in names for r in backend.find_by_name(name) if r.phase != "ENDED"]
     backend.cancel(sorted(set(job_ids) | set(found)))
     for alloc in store.allocations(run_id):
-        if alloc["state"] == A.REQUESTED:
+        if alloc.state == A.REQUESTED:
             store.set_state(
                 "allocations",
-                alloc["id"],
+                alloc.id,
                 expect=A.REQUESTED,
-                expect_version=alloc["version"],
+                expect_version=alloc.version,
                 to=A.ENDED,
                 event="cancelled before submission",
             )
     deadline = time.monotonic() + timeout
     while True:
         sync_run(store, backend, run_id)
-        live = [a for a in store.allocations(run_id) if a["state"] != A.ENDED]
-        if all(a["state"] == A.LOST for a in live):
+        live = [a for a in store.allocations(run_id) if a.state != A.ENDED]
+        if all(a.state == A.LOST for a in live):
             for a in live:  # gone from Slurm after scancel: that is the end we asked for
                 store.set_state(
                     "allocations",
-                    a["id"],
+                    a.id,
                     expect=A.LOST,
-                    expect_version=a["version"],
+                    expect_version=a.version,
                     to=A.ENDED,
                     event="cancelled",
                     data={"was": "LOST"},

@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pearlctl.backends import Backend
 from pearlctl.slurm.records import JobPhase, JobRecord
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState, RunState
+from pearlctl.state.rows import Allocation
 from pearlctl.state.store import Store, run_lease_name
 from pearlctl.vocabulary import POLL_INTERVAL_S
 
@@ -72,7 +73,7 @@ def node_of(rec: JobRecord, index: int) -> str | None:
 class _Mover:
     """Applies observed facts to one allocation row, journaling each edge it takes."""
 
-    def __init__(self, store: Store, run_id: str, pool: dict, alloc: dict, now: float, epoch: int | None = None):
+    def __init__(self, store: Store, run_id: str, pool: dict, alloc: Allocation, now: float, epoch: int | None = None):
         self.store, self.run_id, self.pool, self.alloc, self.now = store, run_id, pool, alloc, now
         self.epoch = epoch  # the daemon's lease epoch: every write is fenced by it
         self.events: list[str] = []
@@ -81,37 +82,35 @@ class _Mover:
         a = self.alloc
         self.store.set_state(
             "allocations",
-            a["id"],
-            expect=a["state"],
-            expect_version=a["version"],
+            a.id,
+            expect=a.state,
+            expect_version=a.version,
             to=to,
             event=event,
             data=data,
             epoch=self.epoch,
             **fields,
         )
-        a["state"], a["version"] = to, a["version"] + 1
-        a.update(fields)
-        self.events.append(f"{self.pool['name']}[{a['array_index']}] {event} -> {to}")
+        self.alloc = replace(a, state=to, version=a.version + 1, **fields)
+        self.events.append(f"{self.pool['name']}[{a.array_index}] {event} -> {to}")
 
     def gpus_down(self, to: GpuState) -> None:
         """UP GPUs go ``to``; when the allocation is over (``GONE``), DRAINING and LOST ones go with them."""
         leaving = (GpuState.UP,) if to != GpuState.GONE else (GpuState.UP, GpuState.DRAINING, GpuState.LOST)
         for gpu in self.store.gpus(self.run_id):
-            if gpu["allocation_id"] == self.alloc["id"] and gpu["state"] in leaving:
+            if gpu.allocation_id == self.alloc.id and gpu.state in leaving:
                 self.store.set_state(
                     "gpus",
-                    gpu["id"],
-                    expect=gpu["state"],
-                    expect_version=gpu["version"],
+                    gpu.id,
+                    expect=gpu.state,
+                    expect_version=gpu.version,
                     to=to,
-                    event=f"allocation {self.alloc['state'].lower()}",
+                    event=f"allocation {self.alloc.state.lower()}",
                     epoch=self.epoch,
                 )
 
     def apply(self, rec: JobRecord | None) -> None:
-        a = self.alloc
-        state = A(a["state"])
+        state = A(self.alloc.state)  # self.alloc: as of the last move (each move makes a new row)
         if state in (A.REQUESTED, A.ENDED):
             return
         if rec is None:
@@ -122,10 +121,10 @@ class _Mover:
         facts = {"slurm_state": rec.state, "reason": rec.reason}
         phase = rec.phase
         if phase is JobPhase.UNKNOWN:
-            if rec.state != a.get("slurm_state"):
+            if rec.state != self.alloc.slurm_state:
                 self.store.update_fields(
                     "allocations",
-                    a["id"],
+                    self.alloc.id,
                     epoch=self.epoch,
                     event="unknown_slurm_state",
                     data={"slurm_state": rec.state},
@@ -138,8 +137,8 @@ class _Mover:
                 self.gpus_down(GpuState.GONE)
             elif state is A.LOST:
                 self.move(A.PENDING, "found", facts, **facts)
-            elif (rec.state, rec.reason) != (a.get("slurm_state"), a.get("reason")):
-                self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
+            elif (rec.state, rec.reason) != (self.alloc.slurm_state, self.alloc.reason):
+                self.store.update_fields("allocations", self.alloc.id, epoch=self.epoch, **facts)
             return
         if phase is JobPhase.ENDED:
             self.move(
@@ -152,17 +151,17 @@ class _Mover:
             self.gpus_down(GpuState.GONE)
             return
         # RUNNING
-        node = node_of(rec, a["array_index"])
+        node = node_of(rec, self.alloc.array_index)
         if rec.state.startswith("COMPLETING") and state in (A.RUNNING, A.PREEMPTING):
             # the run is ending (its processes exit). After a preemption Slurm already counts the restart and
             # stamps a new PreemptTime on the COMPLETING record: that is the requeue, not a new start.
-            if rec.restarts > (a.get("restarts") or 0):
+            if rec.restarts > (self.alloc.restarts or 0):
                 self.move(A.PENDING, "requeued", {"restarts": rec.restarts}, restarts=rec.restarts, **facts)
                 self.gpus_down(GpuState.GONE)
-            elif rec.state != a.get("slurm_state"):
-                self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
+            elif rec.state != self.alloc.slurm_state:
+                self.store.update_fields("allocations", self.alloc.id, epoch=self.epoch, **facts)
             return
-        if state in (A.RUNNING, A.PREEMPTING) and rec.restarts > (a.get("restarts") or 0):
+        if state in (A.RUNNING, A.PREEMPTING) and rec.restarts > (self.alloc.restarts or 0):
             # The task was requeued and restarted between two polls: record both edges we missed.
             self.move(A.PENDING, "requeued", {"restarts": rec.restarts, "seen": "between polls"}, restarts=rec.restarts)
             self.gpus_down(GpuState.GONE)
@@ -176,21 +175,21 @@ class _Mover:
                 started_at=rec.start_time or self.now,
                 restarts=rec.restarts,
                 # a new run of the task has a new agent: the last one's silence says nothing about it
-                agent_seen_at=None if state is A.PENDING else a.get("agent_seen_at"),
+                agent_seen_at=None if state is A.PENDING else self.alloc.agent_seen_at,
                 **facts,
             )
             self._register_gpus(rec, node)
             state = A.RUNNING
         new_preemption = rec.preempt_time is not None and (
-            a.get("preempted_at") is None or rec.preempt_time > a["preempted_at"] + 0.5
+            self.alloc.preempted_at is None or rec.preempt_time > self.alloc.preempted_at + 0.5
         )
         if state is A.RUNNING and new_preemption and (rec.start_time is None or rec.preempt_time >= rec.start_time):
             self.move(
                 A.PREEMPTING, "preempted", {"preempt_time": rec.preempt_time}, preempted_at=rec.preempt_time, **facts
             )
             self.gpus_down(GpuState.DRAINING)
-        elif rec.state != a.get("slurm_state"):
-            self.store.update_fields("allocations", a["id"], epoch=self.epoch, **facts)
+        elif rec.state != self.alloc.slurm_state:
+            self.store.update_fields("allocations", self.alloc.id, epoch=self.epoch, **facts)
 
     def _register_gpus(self, rec: JobRecord, node: str | None) -> None:
         if node is None:
@@ -199,7 +198,7 @@ class _Mover:
         if not indices and self.pool["gpus_per_node"]:
             # The backend does not report device indices (local backend): number them 0..n-1.
             indices = list(range(self.pool["gpus_per_node"]))
-        self.store.upsert_node_gpus(self.run_id, self.alloc["id"], node, indices, self.pool["role"], epoch=self.epoch)
+        self.store.upsert_node_gpus(self.run_id, self.alloc.id, node, indices, self.pool["role"], epoch=self.epoch)
 
 
 @dataclass(frozen=True)
@@ -213,7 +212,7 @@ class Poll:
 def poll_run(store: Store, backend: Backend, run_id: str) -> Poll:
     """One backend poll for every live job of the run. May block on a slow scheduler: the daemon calls it
     without holding any lock."""
-    job_ids = sorted({a["job_id"] for a in store.allocations(run_id) if a["state"] in LIVE and a["job_id"]})
+    job_ids = sorted({a.job_id for a in store.allocations(run_id) if a.state in LIVE and a.job_id})
     return Poll(frozenset(job_ids), tuple(backend.poll(job_ids)) if job_ids else ())
 
 
@@ -227,14 +226,14 @@ def apply_poll(
     report = SyncReport(polled=bool(poll.job_ids))
     for alloc in store.allocations(run_id):
         # only jobs this poll asked about: one submitted meanwhile is not "vanished" from an older answer
-        if alloc["state"] not in LIVE or alloc["job_id"] not in poll.job_ids:
+        if alloc.state not in LIVE or alloc.job_id not in poll.job_ids:
             continue
-        mover = _Mover(store, run_id, pools[alloc["pool_id"]], dict(alloc), now, epoch)
-        mover.apply(_record_for(list(poll.records), alloc["job_id"], alloc["array_index"]))
+        mover = _Mover(store, run_id, pools[alloc.pool_id], alloc, now, epoch)
+        mover.apply(_record_for(list(poll.records), alloc.job_id, alloc.array_index))
         report.events += mover.events
     store.update_fields("runs", run_id, epoch=epoch, bookkeeping=True, last_poll_at=now)  # derives nothing
     run = store.get_run(run_id)
-    if run["state"] == RunState.ACTIVE and all(a["state"] == A.ENDED for a in store.allocations(run_id)):
+    if run["state"] == RunState.ACTIVE and all(a.state == A.ENDED for a in store.allocations(run_id)):
         store.set_state(
             "runs",
             run_id,

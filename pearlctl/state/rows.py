@@ -8,7 +8,7 @@ in place (``dataclasses.replace`` makes a changed copy; only the Store writes st
 one, and the Store's cache hands out the same objects without copying them. ``to_dict()`` is the row as the status
 document and ``--json`` print it: the column names, plain values.
 
-Tables read rarely and by few (runs, pools, nodes, the journal, leases) are still plain dicts (``Store.get``).
+Tables read rarely and by few (runs, pools, nodes, the journal, leases) are plain dicts (``Store.get``).
 """
 
 from __future__ import annotations
@@ -164,4 +164,4 @@ for _cls, _convert in (
     _cls._CONVERT = _convert
     _cls._FIELDS = tuple(f.name for f in fields(_cls))
 
-ROW_TYPES: Mapping[str, type[TypedRow]] = {cls.TABLE: cls for cls in (Transition, Step)}
+ROW_TYPES: Mapping[str, type[TypedRow]] = {cls.TABLE: cls for cls in (Transition, Step, Gpu, Worker, Allocation)}

@@ -53,7 +53,7 @@ from pearlctl.state.machines import (
     check_edge,
     machine,
 )
-from pearlctl.state.rows import ROW_TYPES, Step, Transition, TypedRow
+from pearlctl.state.rows import ROW_TYPES, Allocation, Gpu, Step, Transition, TypedRow, Worker
 from pearlctl.state.schema import JSON_COLUMNS
 
 Clock = Callable[[], float]
@@ -69,7 +69,11 @@ _MANAGED_COLUMNS = frozenset({"id", "run_id", "state", "version", "updated_at", 
 # Tables with their own write paths: the journal is append-only, leases go through the lease methods.
 _NO_FIELD_UPDATES = frozenset({"journal", "leases"})
 # The reads of a typed table that join names in (a GPU's node and pool, an allocation's pool), by table.
-_JOINED: Mapping[str, str] = {}
+_JOINED: Mapping[str, str] = {
+    "gpus": "SELECT g.*, n.name AS node, p.name AS pool FROM gpus g JOIN nodes n ON n.id = g.node_id"
+    " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id",
+    "allocations": "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id",
+}
 # Steps may only be added while their transition is still moving.
 
 
@@ -252,17 +256,17 @@ class Store:
                 self._reader = (reader, threading.Lock())
         return self._reader
 
-    def _cached(self, what: str, run_id: str, read: Callable[[], list[Row]]) -> list[Row]:
-        """``read()``, or a copy of its last rows while the ``generation`` is the same (bookkeeping writes never
-        touch these tables). A daemon's tick and its HTTP handlers read a 4,096-GPU run many times a
-        second; most of those reads find nothing changed."""
+    def _cached(self, what: str, run_id: str, read: Callable[[], list[R]]) -> list[R]:
+        """``read()``, or its last rows while the ``generation`` is the same (bookkeeping writes never touch these
+        tables). A daemon's tick and its HTTP handlers read a 4,096-GPU run many times a second; most of those
+        reads find nothing changed. The rows are values, so the same ones are handed out again."""
         with self._lock:
             generation = self.generation()
             hit = self._cache.get((what, run_id))
             if hit is None or hit[0] != generation:
                 hit = (generation, read())
                 self._cache[(what, run_id)] = hit
-        return [dict(row) for row in hit[1]]
+        return list(hit[1])
 
     def _typed(self, cls: type[R], sql: str, params: Sequence[Any] = ()) -> list[R]:
         """The rows of ``sql`` (over ``cls``'s table, JSON columns decoded) as ``cls`` values."""
@@ -771,7 +775,7 @@ class Store:
         event: str = "allocation.requested",
         data: Mapping[str, Any] | None = None,
         epoch: int | None = None,
-    ) -> Row:
+    ) -> Allocation:
         """Record one more REQUESTED allocation of a pool, journaled as ``event``: the intent an elastic pool
         writes before it submits a task (pearlctl.daemon.elastic). Its array index is one above the highest
         the pool ever had, so an index is never reused and ``(pool, index)`` names one submission for good.
@@ -809,7 +813,7 @@ class Store:
                 epoch=epoch,
                 data={**(data or {}), "pool": owner[1], "array_index": index},
             )
-        return self.get("allocations", allocation_id)
+        return self.allocation(allocation_id)
 
     def entered_at(self, table: str, row_id: int | str, state: str) -> float | None:
         """When the row last moved into ``state`` (the time of its journal row), or None if it never did."""
@@ -842,14 +846,24 @@ class Store:
         if "id" not in self._columns.get(table, ()):
             raise NotFound(f"no table {table!r} with ids; tables: {', '.join(sorted(self._columns))}")
         if table in ROW_TYPES:
-            select = _JOINED.get(table, f'SELECT * FROM "{table}"')
-            rows = self._query(f"{select} WHERE {table[0]}.id = ?" if table in _JOINED else f"{select} WHERE id = ?",
-                               (row_id,), table=table)  # fmt: skip
+            where = f"{table[0]}.id" if table in _JOINED else "id"  # the joined reads alias gpus g, allocations a
+            rows = self._query(
+                f"{_JOINED.get(table, f'SELECT * FROM {table}')} WHERE {where} = ?", (row_id,), table=table
+            )
         else:
             rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
         if not rows:
             raise NotFound(f"{table} has no row {row_id!r}")
         return ROW_TYPES[table].from_row(rows[0]) if table in ROW_TYPES else rows[0]
+
+    def allocation(self, allocation_id: int) -> Allocation:
+        return self.get(Allocation.TABLE, allocation_id)
+
+    def gpu(self, gpu_id: int) -> Gpu:
+        return self.get(Gpu.TABLE, gpu_id)
+
+    def worker(self, worker_id: int) -> Worker:
+        return self.get(Worker.TABLE, worker_id)
 
     def transition(self, transition_id: int) -> Transition:
         return self.get(Transition.TABLE, transition_id)
@@ -860,55 +874,44 @@ class Store:
     def pools(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM pools WHERE run_id = ? ORDER BY id", (run_id,))
 
-    def allocations(self, run_id: str, *, cached: bool = False) -> list[Row]:
+    def allocations(self, run_id: str, *, cached: bool = False) -> list[Allocation]:
         """Allocations of the run, each with its pool's name as ``pool``.
 
         ``cached``: the rows as of the last change a decision reads (``generation``), not read again while
         nothing changed. Their ``agent_seen_at`` is bookkeeping, so it may be older than the table's: only a
         caller that keeps newer heartbeat times itself (the daemon's controller) asks for this."""
 
-        def read() -> list[Row]:
-            return self._query(
-                "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id"
-                " WHERE a.run_id = ? ORDER BY a.pool_id, a.array_index",
-                (run_id,),
-            )
+        def read() -> list[Allocation]:
+            order = "ORDER BY a.pool_id, a.array_index"
+            return self._typed(Allocation, f"{_JOINED['allocations']} WHERE a.run_id = ? {order}", (run_id,))
 
         return self._cached("allocations", run_id, read) if cached else read()
 
     def nodes(self, run_id: str) -> list[Row]:
         return self._query("SELECT * FROM nodes WHERE run_id = ? ORDER BY name", (run_id,))
 
-    def gpus(self, run_id: str, *, allocation_id: int | None = None) -> list[Row]:
+    def gpus(self, run_id: str, *, allocation_id: int | None = None) -> list[Gpu]:
         """GPUs of the run (of one allocation only, if given: an index, not a scan), each with its node's
         name as ``node`` and its pool's name as ``pool``."""
         where, params = "g.run_id = ?", [run_id]
         if allocation_id is not None:
             where, params = where + " AND g.allocation_id = ?", [*params, allocation_id]
 
-        def read() -> list[Row]:
-            return self._query(
-                "SELECT g.*, n.name AS node, p.name AS pool FROM gpus g"
-                " JOIN nodes n ON n.id = g.node_id"
-                " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id"
-                f" WHERE {where} ORDER BY n.name, g.idx, g.id",
-                params,
-            )
+        def read() -> list[Gpu]:
+            return self._typed(Gpu, f"{_JOINED['gpus']} WHERE {where} ORDER BY n.name, g.idx, g.id", params)
 
         return read() if allocation_id is not None else self._cached("gpus", run_id, read)
 
-    def workers(self, run_id: str, *, allocation_id: int | None = None) -> list[Row]:
+    def workers(self, run_id: str, *, allocation_id: int | None = None) -> list[Worker]:
         """Workers of the run (of one allocation only, if given), oldest first."""
         if allocation_id is None:
             return self._cached(
                 "workers",
                 run_id,
-                lambda: self._query("SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,), table="workers"),
+                lambda: self._typed(Worker, "SELECT * FROM workers WHERE run_id = ? ORDER BY id", (run_id,)),
             )
-        return self._query(
-            "SELECT * FROM workers WHERE run_id = ? AND allocation_id = ? ORDER BY id",
-            (run_id, allocation_id),
-            table="workers",
+        return self._typed(
+            Worker, "SELECT * FROM workers WHERE run_id = ? AND allocation_id = ? ORDER BY id", (run_id, allocation_id)
         )
 
     def transitions(

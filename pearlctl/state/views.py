@@ -15,12 +15,16 @@ def run_document(store: Store, run_id: str) -> dict:
     return {
         "run": store.get_run(run_id),
         "pools": store.pools(run_id),
-        "allocations": store.allocations(run_id),
+        "allocations": [a.to_dict() for a in store.allocations(run_id)],
         "nodes": store.nodes(run_id),
-        "gpus": store.gpus(run_id),
-        "workers": [dict(w, error=reasons[w["id"]]) if w["id"] in reasons else w for w in store.workers(run_id)],
+        "gpus": [g.to_dict() for g in store.gpus(run_id)],
+        "workers": [_with_error(w.to_dict(), reasons.get(w.id)) for w in store.workers(run_id)],
         "transitions": [_with_current_step(store, t) for t in store.transitions(run_id)],
     }
+
+
+def _with_error(worker: dict, error: str | None) -> dict:
+    return worker if error is None else dict(worker, error=error)
 
 
 def _with_current_step(store: Store, t: Transition) -> dict:

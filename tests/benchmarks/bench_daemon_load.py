@@ -87,9 +87,9 @@ def create_run(state_db: str, run_dir: str, agents: int, gpus_per_node: int) -> 
         store.create_run(run_id="load", name="load", spec=spec, spec_path=None, run_dir=run_dir, backend="slurm",
                          policy="pearl", pools=pools)  # fmt: skip
         for i, a in enumerate(store.allocations("load")):
-            job = "1000" if a["pool"] == "trainer" else "2000"
-            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job)
-            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i:04d}")
+            job = "1000" if a.pool == "trainer" else "2000"
+            store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
+            store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i:04d}")
         profile = Profile(
             name="load",
             model="dense-8b",
@@ -143,7 +143,7 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s daemon %(levelname)s %(message)s")
     store = Store.open(state_db)
-    nodes = {(a["job_id"], a["array_index"]): a["node"] for a in store.allocations("load")}
+    nodes = {(a.job_id, a.array_index): a.node for a in store.allocations("load")}
     ticks: list[float] = []
     heartbeats: dict = {}
     profiler = cProfile.Profile() if profile else None
@@ -198,11 +198,11 @@ class Agents:
         return h
 
     async def agent(self, session, alloc: dict, measuring: asyncio.Event) -> None:
-        body = {"job_id": alloc["job_id"], "task_id": alloc["array_index"], "node": alloc["node"],
-                "gpus": list(range(alloc["gpus"])), "pid": 1000 + alloc["id"]}  # fmt: skip
+        body = {"job_id": alloc.job_id, "task_id": alloc.array_index, "node": alloc.node,
+                "gpus": list(range(alloc["gpus"])), "pid": 1000 + alloc.id}  # fmt: skip
         async with session.post(f"{self.url}/v1/agents/register", json=body, headers=self.headers()) as r:
             if r.status != 200:
-                self.errors.append(f"register {alloc['id']}: {r.status} {await r.text()}")
+                self.errors.append(f"register {alloc.id}: {r.status} {await r.text()}")
                 return
             reg = await r.json()
         aid, headers = reg["allocation_id"], self.headers(reg["credential"], reg["allocation_id"])
@@ -236,9 +236,9 @@ class Agents:
                     self.woken += 1
             digest = answer["desired_hash"]
             new = [
-                {"key": w["key"], "role": w["role"], "engine": w["engine"], "gpus": w["gpus"],
-                 "state": "READY" if w["state"] == "RUNNING" else w["state"], "pid": 10_000 + aid,
-                 **({"url": f"http://{alloc['node']}:8000"} if w["engine"] == "vllm" else {})}
+                {"key": w["key"], "role": w.role, "engine": w.engine, "gpus": w["gpus"],
+                 "state": "READY" if w.state == "RUNNING" else w.state, "pid": 10_000 + aid,
+                 **({"url": f"http://{alloc.node}:8000"} if w.engine == "vllm" else {})}
                 for w in answer["desired"]
             ]  # fmt: skip
             if new != report:
@@ -320,7 +320,7 @@ def main() -> int:
                 raise SystemExit(f"the daemon did not start: see {tmp / 'daemon.log'}")
             time.sleep(0.1)
         with Store.open(state_db, readonly=True) as store:
-            allocations = [{**a, "gpus": args.gpus_per_node} for a in store.allocations("load")]
+            allocations = [{**a.to_dict(), "gpus": args.gpus_per_node} for a in store.allocations("load")]
         agents = Agents(address["url"], read_secret(run_dir), allocations)
         cpu0, _, _ = proc_cpu_rss(proc.pid)
         since, wall = asyncio.run(agents.run(args.warmup, args.seconds))
@@ -331,7 +331,7 @@ def main() -> int:
     daemon = json.loads(Path(out).read_text())
     with Store.open(state_db, readonly=True) as store:
         lost = [j for j in store.journal("load") if j["entity"] == "gpus" and j["to_state"] == "LOST"]
-        lost_gpus = sum(1 for g in store.gpus("load") if g["state"] == "LOST")
+        lost_gpus = sum(1 for g in store.gpus("load") if g.state == "LOST")
         gpus = len(store.gpus("load"))
     heartbeats = agents.held + agents.plain
     measured = [t for t in daemon["ticks"] if since <= t[0] <= since + wall]  # the measured window only

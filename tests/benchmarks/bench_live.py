@@ -206,10 +206,8 @@ class Live:
     def serving(self, pool: str) -> int:
         with Store.open(self.db, readonly=True) as store:
             rid = store.find_run(self.name)["id"]
-            allocs = {a["id"]: a["pool"] for a in store.allocations(rid)}
-            return sum(
-                1 for w in store.workers(rid) if w["state"] == "READY" and allocs.get(w["allocation_id"]) == pool
-            )
+            allocs = {a.id: a.pool for a in store.allocations(rid)}
+            return sum(1 for w in store.workers(rid) if w.state == "READY" and allocs.get(w.allocation_id) == pool)
 
     def train_events(self) -> list[dict]:
         f = self.run_dir / "trainer" / "train.jsonl"
@@ -373,7 +371,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         journal = store.journal(run_id)
         allocations = store.allocations(run_id)
         transitions = store.transitions(run_id)
-    elastic = [a for a in allocations if a["pool"] == "elastic"]
+    elastic = [a for a in allocations if a.pool == "elastic"]
     out = {
         "policy": policy,
         "samples_per_s": len(steps) * scenario.workload.batch_size / (end - t0),
@@ -388,7 +386,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
         "deadlines_missed": sum(1 for j in journal if j["event"] == "deadline missed"),
         "transitions": sum(1 for t in transitions if t.state == "DONE"),
         "preemptions": sum(1 for t, _, what in played if what == "hold" and t <= end - t0),
-        "requeues": sum(int(a.get("restarts") or 0) for a in elastic),
+        "requeues": sum(int(a.restarts or 0) for a in elastic),
         "tick_p99_ms": p99_ms(metrics, "pearl_daemon_tick_duration_seconds"),
         "tick_cpu_p99_ms": p99_ms(metrics, "pearl_daemon_tick_cpu_seconds"),  # far below the tick's: it waited
         "heartbeat_p99_ms": p99_ms(metrics, "pearl_daemon_heartbeat_duration_seconds"),

@@ -86,7 +86,7 @@ def first(times: list[tuple[float, str]], state: str, after: float) -> float | N
 def analyze(store: Store, run_id: str) -> list[dict]:
     """One row per completed transition: total, the trainer's and vLLM's own time, and the rest."""
     wt = worker_times(store.journal(run_id))
-    gpus = {g["id"]: g for g in store.gpus(run_id)}
+    gpus = {g.id: g for g in store.gpus(run_id)}
     rows = []
     for t in store.transitions(run_id):
         if t.state != "DONE":
@@ -99,11 +99,11 @@ def analyze(store: Store, run_id: str) -> list[dict]:
         (w,) = [
             w
             for w in store.workers(run_id)
-            if w["role"] == "ROLLOUT"
-            and any((w["allocation_id"], i) in places for i in (w["gpu_idx"] or []))
-            and any(begun - 1 <= ts <= ended + 0.5 for ts, _ in wt.get(w["id"], []))
+            if w.role == "ROLLOUT"
+            and any((w.allocation_id, i) in places for i in (w.gpu_idx or []))
+            and any(begun - 1 <= ts <= ended + 0.5 for ts, _ in wt.get(w.id, []))
         ]
-        times = wt[w["id"]]
+        times = wt[w.id]
         if t.kind == "borrow":
             trainer_s = steps["OFFLOAD"].detail["ack"]["max_rank_s"]
             if plan == "borrow":  # cold: process start (first report) to healthy

@@ -367,7 +367,7 @@ def all_serve(client, version: str) -> bool:
         return False
     _ASKED[0] = time.monotonic()
     workers = client.workers(force=True)
-    return bool(workers) and all(w.get("weight_version") == version for w in workers)
+    return bool(workers) and all(w.weight_version == version for w in workers)
 
 
 if __name__ == "__main__":

@@ -141,10 +141,10 @@ class Harness:
         return self.store.transitions(self.run_id)
 
     def lent(self) -> list[dict]:
-        return [g for g in self.store.gpus(self.run_id) if g["borrowed"]]
+        return [g for g in self.store.gpus(self.run_id) if g.borrowed]
 
     def parked(self) -> list[dict]:
-        return [g for g in self.store.gpus(self.run_id) if g["worker_id"] is not None and not g["borrowed"]]
+        return [g for g in self.store.gpus(self.run_id) if g.worker_id is not None and not g.borrowed]
 
     def settled(self) -> Transition | None:
         """The last transition once nothing is moving (None while one is open, or before the first)."""
@@ -265,8 +265,8 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
 
     # no engine started twice: a cold borrow started exactly one vLLM process, any other case none
     assert h.vllm_starts() - starts_before == (1 if plan == "borrow" else 0)
-    workers = [w for w in h.store.workers(h.run_id) if w["role"] == "ROLLOUT"]
-    live = [w for w in workers if w["state"] not in ("STOPPED", "LOST", "FAILED")]
+    workers = [w for w in h.store.workers(h.run_id) if w.role == "ROLLOUT"]
+    live = [w for w in workers if w.state not in ("STOPPED", "LOST", "FAILED")]
     assert len(live) <= 1, live
 
     if plan.startswith("borrow"):
@@ -284,7 +284,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
             assert not live
 
     # the journal tells it: the effect of the step the first daemon died on was issued again (idempotently)
-    key = f"{t['id']}:{seq}:{kind}"
+    key = f"{t.id}:{seq}:{kind}"
     assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
     # the second daemon did not wait the lease out: it saw the holder's process gone and broke the lease
     assert sum(j["event"] == "lease.broken" for j in journal) == broken_before + 1

@@ -125,10 +125,10 @@ class Harness:
         return elastic_view(self.store, self.run_id)
 
     def elastic(self) -> list[dict]:
-        return [a for a in self.store.allocations(self.run_id) if a["pool"] == "elastic"]
+        return [a for a in self.store.allocations(self.run_id) if a.pool == "elastic"]
 
     def workers_of(self, alloc_id: int) -> list[dict]:
-        return [w for w in self.store.workers(self.run_id) if w["allocation_id"] == alloc_id]
+        return [w for w in self.store.workers(self.run_id) if w.allocation_id == alloc_id]
 
     def submits(self) -> list[tuple[str, int]]:
         """(job id, first task) of every job ever submitted under the pool's name, oldest first: the local
@@ -142,7 +142,7 @@ class Harness:
 
     def vllm_starts(self, alloc: dict | None = None) -> int:
         """vLLM processes ever started by agents (of one allocation): one "starting" line per process."""
-        pattern = f"vllm-{alloc['job_id']}_{alloc['array_index']}-*.log" if alloc else "vllm-*.log"
+        pattern = f"vllm-{alloc.job_id}_{alloc.array_index}-*.log" if alloc else "vllm-*.log"
         return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob(pattern))
 
     def journal(self) -> list[dict]:
@@ -174,7 +174,7 @@ class Harness:
 
     def left_ready_while_routed(self) -> list[dict]:
         """Workers that left READY (draining, stopping, ...) while the router still routed to them."""
-        urls = {str(w["id"]): w["url"] for w in self.store.workers(self.run_id)}
+        urls = {str(w.id): w.url for w in self.store.workers(self.run_id)}
         return [
             j
             for j, members in self.replay()
@@ -186,17 +186,15 @@ class Harness:
 
     def floor_worker(self) -> dict | None:
         """The floor task's worker, when it serves (READY and routable)."""
-        floor = next(a for a in self.elastic() if a["array_index"] == 0)
-        ready = [w for w in self.workers_of(floor["id"]) if w["state"] == "READY" and w["routable"]]
+        floor = next(a for a in self.elastic() if a.array_index == 0)
+        ready = [w for w in self.workers_of(floor["id"]) if w.state == "READY" and w.routable]
         return ready[0] if len(ready) == 1 else None
 
     def added_worker(self) -> dict:
         """The READY worker of the running added task: the one a shrink takes away (an added task leaves, never
         the floor)."""
-        added = [a["id"] for a in self.elastic() if a["array_index"] >= 1 and a["state"] == "RUNNING"]
-        (worker,) = [
-            w for w in self.store.workers(self.run_id) if w["allocation_id"] in added and w["state"] == "READY"
-        ]
+        added = [a.id for a in self.elastic() if a.array_index >= 1 and a.state == "RUNNING"]
+        (worker,) = [w for w in self.store.workers(self.run_id) if w.allocation_id in added and w.state == "READY"]
         return worker
 
     def open_transitions(self) -> list[dict]:
@@ -210,11 +208,11 @@ class Harness:
             return False
         routed = self.routed()
         for a in self.elastic():
-            ready = [w for w in self.workers_of(a["id"]) if w["state"] == "READY"]
-            if a["state"] == "RUNNING":
+            ready = [w for w in self.workers_of(a.id) if w.state == "READY"]
+            if a.state == "RUNNING":
                 if len(ready) != 1 or not ready[0]["routable"] or ready[0]["url"] not in routed:
                     return False
-            elif a["state"] != "ENDED" or ready:
+            elif a.state != "ENDED" or ready:
                 return False
         return not self.open_transitions()
 
@@ -266,10 +264,10 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     if not h.converged(3 - size):
         h.report(3 - size)
         wait_for(lambda: h.converged(3 - size), CONVERGE_S, every=1)
-    before = {a["id"] for a in h.elastic()}
-    live_before = [a for a in h.elastic() if a["state"] == "RUNNING"]
+    before = {a.id for a in h.elastic()}
+    live_before = [a for a in h.elastic() if a.state == "RUNNING"]
     submits_before = h.submits()
-    starts_before = {a["id"]: h.vllm_starts(a) for a in h.elastic()}
+    starts_before = {a.id: h.vllm_starts(a) for a in h.elastic()}
     broken_before = sum(j["event"] == "lease.broken" for j in h.journal())
 
     floor_worker = h.floor_worker()
@@ -286,12 +284,12 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
 
         # what the kill left: exactly the boundary named
         if kind == "grow":
-            (row,) = [a for a in h.elastic() if a["id"] not in before]
+            (row,) = [a for a in h.elastic() if a.id not in before]
             assert (row["state"], row["job_id"]) == ("REQUESTED", None)
             submitted = [task for _, task in h.submits()[len(submits_before) :]]
             assert submitted == ([] if point == "after_intent" else [row["array_index"]])  # sbatch not run, or run
         else:
-            (row,) = [a for a in h.elastic() if a["drain_requested_at"] is not None and a["state"] != "ENDED"]
+            (row,) = [a for a in h.elastic() if a.drain_requested_at is not None and a.state != "ENDED"]
             assert row["array_index"] >= 1  # an added task leaves, never the floor
             scancels = [j for j in h.events(row["id"]) if j["event"] == "elastic scancel"]
             assert len(scancels) == (0 if point == "after_intent" else 1)
@@ -302,14 +300,14 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
         elapsed = time.monotonic() - started
         load.wait_turns(AFTER_TURNS)  # the run's base URL still serves once the new daemon has converged
 
-    row = next(a for a in h.elastic() if a["id"] == row["id"])
+    row = next(a for a in h.elastic() if a.id == row["id"])
     view = h.view()
     journal = h.journal()
     events = h.events(row["id"])
     names = [j["event"] for j in events]
     submits = h.submits()
-    added = [a for a in h.elastic() if a["array_index"] >= 1]
-    floor = next(a for a in h.elastic() if a["array_index"] == 0)
+    added = [a for a in h.elastic() if a.array_index >= 1]
+    floor = next(a for a in h.elastic() if a.array_index == 0)
     expected = {
         "size": size,
         "submits": len(submits_before) + (1 if kind == "grow" else 0),
@@ -348,15 +346,15 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     # no task submitted twice: one job per grow, ever; no vLLM started twice: one per task, ever
     assert completed["submits"] == expected["submits"] and len(submits) == 1 + len(added)
     assert completed["vllm_starts"] == expected["vllm_starts"]
-    assert all(h.vllm_starts(a) == 1 for a in added if a["started_at"])
+    assert all(h.vllm_starts(a) == 1 for a in added if a.started_at)
     # no worker drained or stopped while the router still routed to it
     assert completed["left_ready_while_routed"] == 0, h.left_ready_while_routed()
 
     if kind == "grow":
         assert row["state"] == "RUNNING" and (row["job_id"], row["array_index"]) == submits[-1]
         (worker,) = h.workers_of(row["id"])
-        assert worker["state"] == "READY" and worker["routable"] and h.vllm_starts(row) == 1
-        assert [a["id"] for a in h.elastic() if a["state"] == "RUNNING"] == [a["id"] for a in live_before] + [row["id"]]
+        assert worker.state == "READY" and worker.routable and h.vllm_starts(row) == 1
+        assert [a.id for a in h.elastic() if a.state == "RUNNING"] == [a.id for a in live_before] + [row["id"]]
         # the journal: the intent by the dead daemon, then the submit re-issued (its sbatch never ran) or the task
         # it had submitted adopted by the pool's job name — by the new daemon, each once
         assert names[:2] == ["elastic grow", "submitted" if point == "after_intent" else "adopted"], names
@@ -369,12 +367,12 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     else:
         assert row["state"] == "ENDED" and starts_before[row["id"]] == h.vllm_starts(row) == 1
         workers = h.workers_of(row["id"])
-        assert workers and all(w["state"] == "STOPPED" for w in workers), workers
-        assert all(not alive(w["pid"]) for w in workers if w["pid"])  # its engines are gone
+        assert workers and all(w.state == "STOPPED" for w in workers), workers
+        assert all(not alive(w.pid) for w in workers if w.pid)  # its engines are gone
         pid_file = h.state_dir / "local-jobs" / row["job_id"] / f"task-{row['array_index']}.pid"
         assert not alive(int(pid_file.read_text().split()[0]))  # the task's process is gone too
         # every worker of it left the router before it left READY (checked above), and the router no longer has it
-        assert not {w["url"] for w in workers} & h.routed()
+        assert not {w.url for w in workers} & h.routed()
         # the journal: the drain requested by the dead daemon, one scancel (by the new daemon, or the dead one's
         # that the new one did not send again), and the end of the task folded by the new daemon
         assert names.count("elastic drain") == 1 and names.count("elastic scancel") == 1, names

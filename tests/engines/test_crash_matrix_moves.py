@@ -102,34 +102,32 @@ engine_args = { max_model_len = 512 }
 
 class MovesHarness(Harness):
     def allocation(self, task: int) -> dict:
-        return next(
-            a for a in self.store.allocations(self.run_id) if a["pool"] == "rollout" and a["array_index"] == task
-        )
+        return next(a for a in self.store.allocations(self.run_id) if a.pool == "rollout" and a.array_index == task)
 
     def gpu(self) -> dict:
         """The GPU the cases move: task 0's."""
-        alloc = self.allocation(MOVED)["id"]
-        return next(g for g in self.store.gpus(self.run_id) if g["allocation_id"] == alloc)
+        alloc = self.allocation(MOVED).id
+        return next(g for g in self.store.gpus(self.run_id) if g.allocation_id == alloc)
 
     def live_workers(self, task: int = MOVED) -> list[dict]:
         """The live workers of a task (by default the moved GPU's)."""
-        alloc = self.allocation(task)["id"]
+        alloc = self.allocation(task).id
         return [
             w
             for w in self.store.workers(self.run_id)
-            if w["allocation_id"] == alloc and w["state"] not in ("STOPPED", "LOST", "FAILED")
+            if w.allocation_id == alloc and w.state not in ("STOPPED", "LOST", "FAILED")
         ]
 
     def kept(self) -> dict | None:
         """Task 1's worker, when it serves (READY and routable)."""
-        live = [w for w in self.live_workers(KEPT) if w["state"] == "READY" and w["routable"]]
+        live = [w for w in self.live_workers(KEPT) if w.state == "READY" and w.routable]
         return live[0] if len(live) == 1 else None
 
     def place(self) -> str:
         g = self.gpu()
-        if g["role"] != "IDLE":
-            return g["role"]
-        return "PARKED" if g["worker_id"] is not None else "IDLE"
+        if g.role != "IDLE":
+            return g.role
+        return "PARKED" if g.worker_id is not None else "IDLE"
 
     def routed(self) -> set[str]:
         """The URLs the run's router routes to: its gateway's own membership."""
@@ -138,7 +136,7 @@ class MovesHarness(Harness):
 
     def trigger(self, plan: str) -> None:
         args = MOVES[plan][0]
-        self.pc("move", RUN, args[0], str(self.gpu()["id"]), *args[1:])
+        self.pc("move", RUN, args[0], str(self.gpu().id), *args[1:])
 
     def ensure(self, plan: str) -> None:
         address = read_address(self.run_dir)
@@ -168,7 +166,7 @@ def harness(request, tmp_path_factory):
     h = MovesHarness(pc, d / "run")
     try:  # the run is cancelled (its router stops with it) whatever happens from here on
         h.start_daemon()
-        serves = lambda task: any(w["routable"] and w["state"] == "READY" for w in h.live_workers(task))  # noqa: E731
+        serves = lambda task: any(w.routable and w.state == "READY" for w in h.live_workers(task))  # noqa: E731
         wait_for(lambda: serves(MOVED) and serves(KEPT), 300)
         yield h
     finally:
@@ -242,7 +240,7 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
         ]
         assert len(keys) == len(set(keys)) == len(PLANS[plan])
         # the journal tells it: the effect the first daemon issued before it died was issued again (idempotently)
-        key = f"{t['id']}:{seq}:{kind}"
+        key = f"{t.id}:{seq}:{kind}"
         assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
 
         # no engine started twice: a start or a switch started exactly one vLLM process, the others none
@@ -263,12 +261,12 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
             assert leaving["url"] not in h.routed()  # nothing routed to a retired worker
             wait_for(lambda: h.routed() == {kept["url"]}, 30)
             if place == "PARKED":
-                assert [(w["state"], w["routable"]) for w in live] == [("SLEEPING", 0)]
+                assert [(w.state, w.routable) for w in live] == [("SLEEPING", 0)]
             else:
                 assert live == []
         load.wait_turns(AFTER_TURNS)  # the run's base URL still serves once the new daemon has converged
 
-    moved_urls = {w["url"] for w in [leaving, *live] if w is not None}
+    moved_urls = {w.url for w in [leaving, *live] if w is not None}
     on_moved = sum(bool(moved_urls & set(o["workers"])) for o in load.done)
     print(
         f"\n{plan} killed {POINT} {seq}:{kind}: converged, {started} vLLM start(s), GPU {place}; {load.counts()} "

@@ -72,7 +72,7 @@ def run(engine_lock, tmp_path_factory):
     pc("daemon", RUN, "--heartbeat-s", "1")
     store = Store.open(d / "state" / "state.db", readonly=True)
     run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
-    serving = lambda: [w for w in store.workers(run_id) if w["state"] == "READY" and w["routable"]]  # noqa: E731
+    serving = lambda: [w for w in store.workers(run_id) if w.state == "READY" and w.routable]  # noqa: E731
     try:  # the run is cancelled (its daemon and router stop) whatever happens from here on
         wait_for(lambda: len(serving()) == 2, 300)
         yield pc, store, run_id, d / "run"
@@ -85,7 +85,7 @@ def run(engine_lock, tmp_path_factory):
 
 
 def serving(store: Store, run_id: str) -> list[dict]:
-    return [w for w in store.workers(run_id) if w["state"] == "READY" and w["routable"]]
+    return [w for w in store.workers(run_id) if w.state == "READY" and w.routable]
 
 
 def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_path):
@@ -112,10 +112,10 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
             nonlocal at_once
             at_once = max(at_once, sum(t.state == "RUNNING" for t in switches()))
             done = [t for t in switches() if t.state == "DONE"]
-            return len(done) == 2 and sorted(w["role"] for w in serving(store, run_id)) == ["DECODE", "PREFILL"]
+            return len(done) == 2 and sorted(w.role for w in serving(store, run_id)) == ["DECODE", "PREFILL"]
 
         wait_for(pair_serves, 300, every=0.2)
-        decode = next(w["url"] for w in serving(store, run_id) if w["role"] == "DECODE")
+        decode = next(w.url for w in serving(store, run_id) if w.role == "DECODE")
         decoded = lambda: sum(decode in o["workers"] for o in load.done[mark:])  # noqa: E731
         # a turn the pair served, however slow the host: the first turns to complete after the switch may all
         # have begun before it (a loaded host once completed three such turns and none through the pair)

@@ -120,11 +120,11 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
                      backend="local", policy="never", pools=pools)  # fmt: skip
     alloc = {}
     for i, a in enumerate(store.allocations("r")):
-        pool = next(p["name"] for p in store.pools("r") if p["id"] == a["pool_id"])
+        pool = next(p["name"] for p in store.pools("r") if p["id"] == a.pool_id)
         node = "trainer-node" if pool == "trainer" else here
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(1 + i))
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=node)
-        alloc[pool] = a["id"]
+        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(1 + i))
+        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=node)
+        alloc[pool] = a.id
     store.upsert_node_gpus("r", alloc["trainer"], "trainer-node", [0], "TRAIN")
     secret = ensure_secret(run_dir)
     controller = Controller(store, "r", None, secret=secret)

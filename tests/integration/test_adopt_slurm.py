@@ -64,7 +64,7 @@ def test_relaunch_adopts_the_job_a_crashed_launch_submitted(slurm_cluster, tmp_p
         assert result.run_id == run["id"]
         assert result.adopted == ["trainer"] and result.job_ids["trainer"] == orphan
         assert store.get_run(run["id"])["state"] == "ACTIVE"
-        assert {a["state"] for a in store.allocations(run["id"])} == {"PENDING"}
+        assert {a.state for a in store.allocations(run["id"])} == {"PENDING"}
 
     names = [r.name for r in SlurmClient().queue() if r.name.startswith(f"pearl.{run['id']}.")]
     trainer_tasks = [n for n in names if n.endswith(".trainer")]

@@ -206,7 +206,7 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
     wait_for(back_to_one, 240, every=2)  # the batch ended: the two added tasks drained, then scancelled
     journal = run.journal()
     completed = run.completed()
-    added = [a for a in run.allocations() if a["array_index"] >= 1 and a["started_at"]]
+    added = [a for a in run.allocations() if a.array_index >= 1 and a.started_at]
     print(json.dumps({"expected": run.expected, "completed": completed, "migrated": stats.get("continued_requests"),
                       "added_tasks": len(added), "gateway": stats}))  # fmt: skip
     assert completed == run.expected
@@ -218,15 +218,15 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
     assert len(added) >= 2
     workers = run.workers()
     for a in added:
-        events = [j["event"] for j in journal if j["entity"] == "allocations" and j["entity_id"] == str(a["id"])]
-        if a["state"] == "ENDED" and "elastic scancel" in events:
+        events = [j["event"] for j in journal if j["entity"] == "allocations" and j["entity_id"] == str(a.id)]
+        if a.state == "ENDED" and "elastic scancel" in events:
             assert events.index("elastic drain") < events.index("elastic scancel"), events
         # its worker served through the router, and left it before it stopped
-        for w in (w for w in workers if w["allocation_id"] == a["id"] and w["url"]):
+        for w in (w for w in workers if w.allocation_id == a.id and w.url):
             assert any(
-                w["url"] in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership"
+                w.url in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership"
             )
-            if w["state"] == "STOPPED":
+            if w.state == "STOPPED":
                 removed, gone = routed_out_before_gone(run, w, journal)
                 assert removed <= gone, (w, removed, gone)
     left = [a["state"] for a in run.status()["allocations"] if a["pool"] == "elastic" and a["state"] != "ENDED"]
@@ -269,8 +269,8 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
     ).stdout.strip()
 
     def requeued():
-        a = next(a for a in run.allocations() if a["id"] == victim["id"])
-        return a if a["restarts"] >= 1 and a["state"] in ("PENDING", "REQUESTED") else None
+        a = next(a for a in run.allocations() if a.id == victim["id"])
+        return a if a.restarts >= 1 and a.state in ("PENDING", "REQUESTED") else None
 
     wait_for(requeued, 180, every=1)
     view = run.status().get("elastic") or {}
@@ -278,8 +278,8 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
     slurm_cluster.run("scancel", high)
 
     def rejoined():
-        workers = [w for w in run.workers() if w["allocation_id"] == victim["id"] and w["id"] != victim_worker["id"]]
-        return [w for w in workers if w["state"] == "READY" and w["routable"]]
+        workers = [w for w in run.workers() if w.allocation_id == victim["id"] and w.id != victim_worker["id"]]
+        return [w for w in workers if w.state == "READY" and w.routable]
 
     back = wait_for(rejoined, 300, every=2)
     assert run.finish_driver(900) == 0, run.driver_log()

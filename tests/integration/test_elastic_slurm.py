@@ -83,7 +83,7 @@ def launched(slurm_cluster, tmp_path, model_dir, request):
 
 
 def elastic(store, run_id):
-    return [a for a in store.allocations(run_id) if a["pool"] == "elastic"]
+    return [a for a in store.allocations(run_id) if a.pool == "elastic"]
 
 
 def journal_ts(store, run_id, alloc_id, event):
@@ -104,7 +104,7 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
     # the daemon dies right after the first added task's sbatch: a new one adopts it by name, never twice
     with pytest.raises(Crash):
         ElasticPool(store, CrashAfterSubmit(backend), run_id, epoch=None).resize(2, "the plan wants 2")
-    assert [(a["state"], a["job_id"]) for a in elastic(store, run_id)][1] == ("REQUESTED", None)
+    assert [(a.state, a.job_id) for a in elastic(store, run_id)][1] == ("REQUESTED", None)
     pool = ElasticPool(store, backend, run_id, epoch=None)
     pool.resize(3, "the plan wants 3")
 
@@ -112,19 +112,19 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
         sync_run(store, backend, run_id)
         pool.reconcile()
         tasks = elastic(store, run_id)
-        return tasks if [a["state"] for a in tasks] == ["RUNNING"] * 3 else None
+        return tasks if [a.state for a in tasks] == ["RUNNING"] * 3 else None
 
     a0, a1, a2 = wait_for(all_running, 60)
-    assert "adopted" in [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1["id"])]
+    assert "adopted" in [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1.id)]
     assert squeue_tasks(slurm_cluster, run_id) == sorted(
-        [(f"{a['job_id']}_{a['array_index']}", "RUNNING") for a in (a0, a1, a2)]
+        [(f"{a.job_id}_{a.array_index}", "RUNNING") for a in (a0, a1, a2)]
     )
-    assert len({a["job_id"] for a in (a0, a1, a2)}) == 3  # two one-task arrays added, each submitted once
-    script = slurm_cluster.run("scontrol", "show", "job", "-o", a2["job_id"]).stdout
+    assert len({a.job_id for a in (a0, a1, a2)}) == 3  # two one-task arrays added, each submitted once
+    script = slurm_cluster.run("scontrol", "show", "job", "-o", a2.job_id).stdout
     assert "Partition=preempt" in script and "ArrayTaskId=2" in script and f"JobName=pearl.{run_id}.elastic" in script
 
     # an agent on the newest task reports a serving worker: its drain must wait for it
-    worker = store.add_worker(run_id=run_id, allocation_id=a2["id"], role="ROLLOUT", engine="vllm")
+    worker = store.add_worker(run_id=run_id, allocation_id=a2.id, role="ROLLOUT", engine="vllm")
     store.update_fields("workers", worker, worker_key="rollout-0", routable=1)
     store.set_state("workers", worker, expect="STARTING", to="READY", event="agent reported")
 
@@ -132,13 +132,13 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
 
     def ended(alloc_id):
         sync_run(store, backend, run_id)
-        return store.get("allocations", alloc_id)["state"] == "ENDED"
+        return store.allocation(alloc_id).state == "ENDED"
 
-    wait_for(lambda: ended(a1["id"]), 30)  # it served nothing: scancelled at once
+    wait_for(lambda: ended(a1.id), 30)  # it served nothing: scancelled at once
     pool.reconcile()
-    assert store.get("allocations", a2["id"])["state"] == "RUNNING"  # still draining: its worker serves
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a2["id"]} == {"DRAINING"}
-    assert store.get("workers", worker)["routable"] == 0
+    assert store.allocation(a2.id).state == "RUNNING"  # still draining: its worker serves
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
+    assert store.worker(worker).routable == 0
     assert (f"{a2['job_id']}_2", "RUNNING") in squeue_tasks(slurm_cluster, run_id)
     # the agent drains and stops it; the next pass scancels that task alone
     store.set_state("workers", worker, expect="READY", to="DRAINING", event="agent reported")
@@ -148,19 +148,19 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
         pool.reconcile()
         sync_run(store, backend, run_id)
         tasks = elastic(store, run_id)
-        return tasks if [a["state"] for a in tasks] == ["RUNNING", "ENDED", "ENDED"] else None
+        return tasks if [a.state for a in tasks] == ["RUNNING", "ENDED", "ENDED"] else None
 
     tasks = wait_for(shrunk, 60)
     assert squeue_tasks(slurm_cluster, run_id) == [(f"{a0['job_id']}_0", "RUNNING")]
     for a in tasks[1:]:
-        assert a["slurm_state"].startswith("CANCELLED")
-        drained = journal_ts(store, run_id, a["id"], "elastic drain")
-        scancelled = journal_ts(store, run_id, a["id"], "elastic scancel")
-        assert drained <= scancelled <= journal_ts(store, run_id, a["id"], "ended")
-        assert a["ended_at"] >= int(scancelled)  # Slurm's end time (whole seconds) follows the scancel
+        assert a.slurm_state.startswith("CANCELLED")
+        drained = journal_ts(store, run_id, a.id, "elastic drain")
+        scancelled = journal_ts(store, run_id, a.id, "elastic scancel")
+        assert drained <= scancelled <= journal_ts(store, run_id, a.id, "ended")
+        assert a.ended_at >= int(scancelled)  # Slurm's end time (whole seconds) follows the scancel
     # a2 was scancelled only once its worker had stopped
     stopped = next(j["ts"] for j in store.journal(run_id) if j["entity"] == "workers" and j["to_state"] == "STOPPED")
-    assert journal_ts(store, run_id, a2["id"], "elastic scancel") >= stopped
+    assert journal_ts(store, run_id, a2.id, "elastic scancel") >= stopped
     pool.reconcile()
     view = pool.view()
     assert (view["size"], view["running"], view["wanted"]) == (1, 1, 1)
@@ -189,15 +189,15 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
     def cancelled():
         sync_run(store, backend, run_id)
         pool.reconcile()
-        a = store.get("allocations", added["id"])
-        return a if a["state"] == "ENDED" else None
+        a = store.allocation(added.id)
+        return a if a.state == "ENDED" else None
 
     a = wait_for(cancelled, 60, every=1)
-    assert a["slurm_state"].startswith("CANCELLED") and a["started_at"] is None  # it never ran
-    submitted = journal_ts(store, run_id, a["id"], "submitted")
-    timed_out = journal_ts(store, run_id, a["id"], "elastic pending timeout")
+    assert a.slurm_state.startswith("CANCELLED") and a.started_at is None  # it never ran
+    submitted = journal_ts(store, run_id, a.id, "submitted")
+    timed_out = journal_ts(store, run_id, a.id, "elastic pending timeout")
     assert 10 <= timed_out - submitted <= 10 + 3  # the bound, plus at most a poll interval and a pass
-    assert timed_out <= journal_ts(store, run_id, a["id"], "elastic scancel")
+    assert timed_out <= journal_ts(store, run_id, a.id, "elastic scancel")
     until = store.pools(run_id)[1]["backoff_until"]
     assert until == pytest.approx(timed_out + 10, abs=0.5)
 
@@ -206,10 +206,10 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
         sync_run(store, backend, run_id)
         pool.reconcile()
         rows = elastic(store, run_id)
-        return rows[-1] if rows[-1]["id"] != a["id"] else None
+        return rows[-1] if rows[-1].id != a.id else None
 
     retried = wait_for(retried, 30, every=0.5)
-    grown = journal_ts(store, run_id, retried["id"], "elastic grow")
+    grown = journal_ts(store, run_id, retried.id, "elastic grow")
     assert grown >= until  # not one sbatch during the back-off
     assert [j["event"] for j in store.journal(run_id)].count("elastic grow held") == 1
     assert retried["array_index"] == 2 and retried["state"] == "PENDING"
@@ -228,11 +228,11 @@ def test_a_preempted_added_task_is_requeued_and_rejoins_without_a_replacement(la
         sync_run(store, backend, run_id)
         pool.reconcile()
         a = elastic(store, run_id)[1]
-        return a if (a["state"], a["restarts"]) == (state, restarts) else None
+        return a if (a.state, a.restarts) == (state, restarts) else None
 
     a1 = wait_for(lambda: added("RUNNING"), 30)
     # the fourth node is taken; a high-priority job wants the added task's node: Slurm preempts that task
-    busy = {a["node"] for a in store.allocations(run_id)}
+    busy = {a.node for a in store.allocations(run_id)}
     free = sorted({"gpu1", "gpu2", "gpu3", "gpu4"} - busy)
     filler = slurm_cluster.run(
         "sbatch", "--parsable", "-p", "debug", "-N1", "--gres=gpu:8", f"--nodelist={free[0]}", "-o", "/dev/null",
@@ -247,7 +247,7 @@ def test_a_preempted_added_task_is_requeued_and_rejoins_without_a_replacement(la
     slurm_cluster.run("scancel", high)
     a1 = wait_for(lambda: added("RUNNING", 1), 90)
     assert len(elastic(store, run_id)) == 2  # no replacement was ever submitted
-    events = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1["id"])]
+    events = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1.id)]
     assert [e for e in events if e in ("started", "preempted", "requeued")] == [
         "started",
         "preempted",

@@ -30,8 +30,8 @@ def test_a_paced_run_serves_every_episode_and_says_it_is_paced(make_run):
     for log in logs:
         text = log.read_text()
         assert "-m pearlctl.agent.engines.paced" in text and f"profile {PROFILE}" in text, text[-2000:]
-    workers = [w for w in run.workers() if w["role"] == "ROLLOUT"]
-    assert len(workers) == 2 and all(w["state"] == "READY" for w in workers), workers
+    workers = [w for w in run.workers() if w.role == "ROLLOUT"]
+    assert len(workers) == 2 and all(w.state == "READY" for w in workers), workers
     assert run.gateway_stats()["completed"] >= 2 * 64  # two turns an episode, all through the run's endpoint
 
     doc = run.status()

@@ -86,16 +86,16 @@ class LiveRun:
             store.set_state("runs", RUN_ID, expect="CREATED", to="SUBMITTING", event="test")
             self.jobs: dict[str, str] = {}
             for alloc in store.allocations(RUN_ID):
-                job_id = f"local-{alloc['pool'][:4]}{alloc['id']:04d}"
-                self._fake_local_job(job_id, f"pearl.{RUN_ID}.{alloc['pool']}")
-                store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
+                job_id = f"local-{alloc.pool[:4]}{alloc.id:04d}"
+                self._fake_local_job(job_id, f"pearl.{RUN_ID}.{alloc.pool}")
+                store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
                 # as the watcher folds the first poll of a RUNNING task: node and GPUs (0..n-1 locally)
-                store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node=NODE)
-                pool = next(p for p in store.pools(RUN_ID) if p["id"] == alloc["pool_id"])
-                store.upsert_node_gpus(RUN_ID, alloc["id"], NODE, list(range(pool["gpus_per_node"])), pool["role"])
-                self.jobs[alloc["pool"]] = job_id
+                store.set_state("allocations", alloc.id, expect="PENDING", to="RUNNING", event="t", node=NODE)
+                pool = next(p for p in store.pools(RUN_ID) if p["id"] == alloc.pool_id)
+                store.upsert_node_gpus(RUN_ID, alloc.id, NODE, list(range(pool["gpus_per_node"])), pool["role"])
+                self.jobs[alloc.pool] = job_id
             store.set_state("runs", RUN_ID, expect="SUBMITTING", to="ACTIVE", event="test")
-            self.allocations = {a["pool"]: a for a in store.allocations(RUN_ID)}
+            self.allocations = {a.pool: a for a in store.allocations(RUN_ID)}
         self.secret = ensure_secret(self.run_dir)
         self.log_path = tmp_path / "daemon.log"
         self.proc: subprocess.Popen | None = None
@@ -174,7 +174,7 @@ class LiveRun:
 
     def register(self, pool: str, **extra) -> dict:
         alloc = self.allocations[pool]
-        body = {"job_id": alloc["job_id"], "task_id": alloc["array_index"], "node": NODE, **extra}
+        body = {"job_id": alloc.job_id, "task_id": alloc.array_index, "node": NODE, **extra}
         resp = self.post("/v1/agents/register", body)
         assert resp.status_code == 200, resp.text
         return resp.json()
@@ -224,7 +224,7 @@ def state_bytes(run: LiveRun) -> int:
 
 def gpu_states(run: LiveRun, pool: str) -> set[str]:
     with run.read() as store:
-        return {g["state"] for g in store.gpus(RUN_ID) if g["pool"] == pool}
+        return {g.state for g in store.gpus(RUN_ID) if g.pool == pool}
 
 
 def assert_ticking(run: LiveRun) -> None:
@@ -267,9 +267,9 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
 
     # registration: a task id that is not an integer, an allocation that does not exist
     trainer = run.allocations["trainer"]
-    bad = run.post("/v1/agents/register", {"job_id": trainer["job_id"], "task_id": "abc", "node": NODE})
+    bad = run.post("/v1/agents/register", {"job_id": trainer.job_id, "task_id": "abc", "node": NODE})
     assert bad.status_code == 422 and "task_id" in bad.json()["error"], bad.text
-    for job_id, task_id in (("local-nope0000", 0), (trainer["job_id"], 7)):
+    for job_id, task_id in (("local-nope0000", 0), (trainer.job_id, 7)):
         missing = run.post("/v1/agents/register", {"job_id": job_id, "task_id": task_id, "node": NODE})
         assert missing.status_code == 404, missing.text
 
@@ -317,7 +317,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
 # -- defect 5: an agent's credential is its allocation's only ---------------------------------------------------
 def test_defect5_agent_credentials_are_bound_to_their_allocation_and_node(live_run):
     run = live_run
-    trainer_id = run.allocations["trainer"]["id"]
+    trainer_id = run.allocations["trainer"].id
     agent = run.register("rollout")  # the rollout allocation's agent; the trainer's never registered
     own = run.agent_headers(agent)
     assert gpu_states(run, "trainer") == {"UP"}
@@ -347,7 +347,7 @@ def test_defect5_agent_credentials_are_bound_to_their_allocation_and_node(live_r
     workers = run.get("/v1/workers")
     assert workers.status_code == 200 and workers.json()["workers"] == []
     with run.read() as store:
-        assert not [w for w in store.workers(RUN_ID) if w["url"] and "evil" in w["url"]]
+        assert not [w for w in store.workers(RUN_ID) if w.url and "evil" in w.url]
         assert store.workers(RUN_ID) == []
 
     # the same worker on its own node is accepted and routable: the refusal was about the URL
@@ -425,14 +425,14 @@ def test_a_worker_key_shaped_like_an_archived_one_is_refused_and_breaks_nothing(
 
     assert report("rollout-0", "READY").status_code == 200
     with run.read() as store:
-        (first,) = [w["id"] for w in store.workers(RUN_ID) if w["worker_key"] == "rollout-0"]
+        (first,) = [w.id for w in store.workers(RUN_ID) if w.worker_key == "rollout-0"]
     assert report("rollout-0", "STOPPED").status_code == 200
     refused = report(f"rollout-0#{first}", "READY")  # a key shaped like an archived one
     assert refused.status_code == 422 and "workers.0.key" in refused.json()["error"]
     again = report("rollout-0", "STARTING")  # a new process under the first key: the old row is archived
     assert again.status_code == 200, f"{again.status_code} {again.text}\n{run.log()}"
     with run.read() as store:
-        states = {w["worker_key"]: w["state"] for w in store.workers(RUN_ID)}
+        states = {w.worker_key: w.state for w in store.workers(RUN_ID)}
     assert states["rollout-0"] == "STARTING" and states[f"rollout-0#{first}"] == "STOPPED"
     assert run.api_errors() == 0
 

@@ -115,8 +115,8 @@ class Req:
 class Ids:
     """The live run's real ids, and an agent registered as the rollout allocation."""
 
-    trainer: dict
-    rollout: dict
+    trainer: int  # the trainer allocation's id
+    rollout: int  # the rollout allocation's id
     credential: str
     secret: str
     jobs: list[str] = field(default_factory=list)
@@ -143,9 +143,7 @@ ROUTES = {  # name -> (method, path, body model, agent route)
 def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
     """Per route, per field: values that look like what a real client sends (with real and unknown ids)."""
     job_ids = st.sampled_from([*ids.jobs, "local-nope0001", "12345", "0"])
-    alloc_ids = st.one_of(
-        st.sampled_from([ids.rollout["id"], ids.trainer["id"]]), st.integers(1, 2**62), st.just(99999)
-    )
+    alloc_ids = st.one_of(st.sampled_from([ids.rollout, ids.trainer]), st.integers(1, 2**62), st.just(99999))
     gpus = st.lists(st.integers(0, 7), max_size=4, unique=True)
     names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,12}", fullmatch=True)
     seconds = st.floats(0, 1000, allow_nan=False)
@@ -346,7 +344,7 @@ def route_body(draw, name: str, ids: Ids) -> tuple[bytes | None, str]:
     required = [k for k, f in model.model_fields.items() if f.is_required()]
     doc = {k: draw(values[k]) for k in fields if k in required or draw(st.booleans())}
     if name == "heartbeat" and draw(st.integers(0, 3)):
-        doc["allocation_id"] = ids.rollout["id"]  # mostly the agent's own allocation: the body gets looked at
+        doc["allocation_id"] = ids.rollout  # mostly the agent's own allocation: the body gets looked at
     if kind == "valid":
         return dumps(doc), kind
     hows = []
@@ -396,7 +394,7 @@ header_junk = st.one_of(
 
 def headers_for(req: Req, ids: Ids, draw_junk: str) -> dict[str, str | bytes]:
     run_token = f"Bearer {ids.secret}"
-    own = {"Authorization": f"Bearer {ids.credential}", "X-Pearl-Allocation": str(ids.rollout["id"])}
+    own = {"Authorization": f"Bearer {ids.credential}", "X-Pearl-Allocation": str(ids.rollout)}
     h = {
         "run": {"Authorization": run_token},
         "none": {},
@@ -405,7 +403,7 @@ def headers_for(req: Req, ids: Ids, draw_junk: str) -> dict[str, str | bytes]:
         "no_run_header": {"Authorization": run_token},
         "agent_own": own,
         # the rollout agent's credential, presented for the trainer's allocation
-        "agent_other": {**own, "X-Pearl-Allocation": str(ids.trainer["id"])},
+        "agent_other": {**own, "X-Pearl-Allocation": str(ids.trainer)},
         # a well-formed credential of an allocation that does not exist
         "agent_unknown": {
             "Authorization": f"Bearer {allocation_credential(ids.secret, RUN_ID, 99999)}",
@@ -549,12 +547,12 @@ def check_state(run: LiveRun) -> list[str]:
             if not (gpus is None or (isinstance(gpus, int) and gpus >= 1)):
                 problems.append(f"borrow.max_gpus = {gpus!r}")
         # a worker's URL names its allocation's node, or the host its agent registered from (api.py's rule)
-        hosts = {a["id"]: {h.lower() for h in (a["node"], a["agent_host"]) if h} for a in store.allocations(RUN_ID)}
+        hosts = {a.id: {h.lower() for h in (a.node, a.agent_host) if h} for a in store.allocations(RUN_ID)}
         for w in store.workers(RUN_ID):
-            if w["url"] and httpx.URL(w["url"]).host not in hosts[w["allocation_id"]]:
-                problems.append(f"worker {w['id']} has url {w['url']} (not on {hosts[w['allocation_id']]})")
-            if not (isinstance(w["gpu_idx"], list) and all(isinstance(i, int) for i in w["gpu_idx"])):
-                problems.append(f"worker {w['id']} gpu_idx = {w['gpu_idx']!r}")
+            if w.url and httpx.URL(w.url).host not in hosts[w.allocation_id]:
+                problems.append(f"worker {w.id} has url {w.url} (not on {hosts[w.allocation_id]})")
+            if not (isinstance(w.gpu_idx, list) and all(isinstance(i, int) for i in w.gpu_idx)):
+                problems.append(f"worker {w.id} gpu_idx = {w.gpu_idx!r}")
         errors = [j for j in store.journal(RUN_ID) if j["event"] in ("tick error", "poll error")]
         problems += [f"journaled {j['event']}: {j['data']}" for j in errors]
     return problems
@@ -566,13 +564,13 @@ def test_control_api_fuzz(tmp_path):
     try:
         registered = run.register("rollout")
         ids = Ids(
-            trainer=run.allocations["trainer"],
-            rollout=run.allocations["rollout"],
+            trainer=run.allocations["trainer"].id,
+            rollout=run.allocations["rollout"].id,
             credential=registered["credential"],
             secret=run.secret,
             jobs=sorted(run.jobs.values()),
         )
-        assert registered["allocation_id"] == ids.rollout["id"]
+        assert registered["allocation_id"] == ids.rollout
         ticks_before = run.ticks()
         started = time.monotonic()
 
@@ -643,7 +641,7 @@ def test_the_strategies_cover_every_route_of_the_api():
     app = build_app(controller, secret="s", status=lambda: {})
     served = {(m, r.path) for r in app.routes for m in r.methods if m != "HEAD"}
     assert served == {(m, p) for m, p, _, _ in ROUTES.values()}
-    values = valid_values(Ids({"id": 1}, {"id": 2}, "", "", ["j"]))
+    values = valid_values(Ids(1, 2, "", "", ["j"]))
     for name, (_, _, model, _) in ROUTES.items():
         if model is not None:
             assert set(values[name]) == set(model.model_fields), name

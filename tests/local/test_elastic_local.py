@@ -46,29 +46,29 @@ def test_the_elastic_pool_grows_to_three_tasks_and_shrinks_back_on_the_local_bac
             pool = ElasticPool(store, backend, run_id, epoch=None)
             assert pool.resize(3, "the plan wants 3") == 3
             sync_run(store, backend, run_id)
-            tasks = [a for a in store.allocations(run_id) if a["pool"] == "elastic"]
-            assert [(a["array_index"], a["state"]) for a in tasks] == [(0, "RUNNING"), (1, "RUNNING"), (2, "RUNNING")]
-            assert len({a["job_id"] for a in tasks}) == 3  # each added task is its own one-task job
-            pids = {a["array_index"]: task_pid(state_dir, a["job_id"], a["array_index"]) for a in tasks}
+            tasks = [a for a in store.allocations(run_id) if a.pool == "elastic"]
+            assert [(a.array_index, a.state) for a in tasks] == [(0, "RUNNING"), (1, "RUNNING"), (2, "RUNNING")]
+            assert len({a.job_id for a in tasks}) == 3  # each added task is its own one-task job
+            pids = {a.array_index: task_pid(state_dir, a.job_id, a.array_index) for a in tasks}
             assert all(alive(p) for p in pids.values())
             # the same wrapper, with the added task's own index: its log and its start line name job_index
             for a in tasks[1:]:
-                log = tmp_path / "run" / "logs" / f"elastic-{a['job_id']}_{a['array_index']}.log"
+                log = tmp_path / "run" / "logs" / f"elastic-{a.job_id}_{a.array_index}.log"
                 wait_for(lambda log=log: log.exists() and "pearl-worker" in log.read_text(), 10, every=0.1)
-                assert f"task={a['job_id']}_{a['array_index']}" in log.read_text()
+                assert f"task={a.job_id}_{a.array_index}" in log.read_text()
 
             assert pool.resize(1, "the batch ended") == 1
             sync_run(store, backend, run_id)
             pool.reconcile()  # as the daemon's Slurm thread does after each poll's fold
-            tasks = [a for a in store.allocations(run_id) if a["pool"] == "elastic"]
-            assert [(a["array_index"], a["state"], a["slurm_state"]) for a in tasks] == [
+            tasks = [a for a in store.allocations(run_id) if a.pool == "elastic"]
+            assert [(a.array_index, a.state, a.slurm_state) for a in tasks] == [
                 (0, "RUNNING", "RUNNING"),
                 (1, "ENDED", "CANCELLED"),
                 (2, "ENDED", "CANCELLED"),
             ]
             assert alive(pids[0]) and not alive(pids[1]) and not alive(pids[2])
             for a in tasks[1:]:
-                evs = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a["id"])]
+                evs = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a.id)]
                 assert evs.index("elastic drain") < evs.index("elastic scancel") < evs.index("ended"), evs
             sizes = [h["size"] for h in pool.view()["history"]]
             assert sizes[0] == 1 and 3 in sizes and sizes[-1] == 1

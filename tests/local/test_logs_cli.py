@@ -46,10 +46,10 @@ def make_run(state_dir: Path, run_dir: Path, nodes: int = 2) -> None:
             ],
         )
         for alloc in store.allocations("r"):
-            job = "12" if alloc["pool"] == "trainer" else "13"
-            store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job)
-        rollout0 = next(a for a in store.allocations("r") if a["pool"] == "rollout" and a["array_index"] == 0)
-        wid = store.add_worker(run_id="r", allocation_id=rollout0["id"], role="ROLLOUT", engine="vllm")
+            job = "12" if alloc.pool == "trainer" else "13"
+            store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
+        rollout0 = next(a for a in store.allocations("r") if a.pool == "rollout" and a.array_index == 0)
+        wid = store.add_worker(run_id="r", allocation_id=rollout0.id, role="ROLLOUT", engine="vllm")
         store.update_fields("workers", wid, worker_key="rollout-0")
     logs = run_dir / "logs"
     logs.mkdir(parents=True)

@@ -173,7 +173,7 @@ def test_a_wheel_installed_in_a_clean_venv_runs_doctor_and_simulate_with_its_shi
     assert all(p["finished"] and p["steps"] == 2 for p in doc["policies"].values())
     loaded = [line for line in sim.stderr.splitlines() if line.startswith("# ") and line.rstrip("'").endswith(".py")]
     for name in ("static", "pearl"):
-        policy_file = shipped / "_shipped_policies" / f"{name}.py"
+        policy_file = shipped / "policies" / "shipped" / f"{name}.py"
         assert any(line.endswith(f"{policy_file}") or line.endswith(f"'{policy_file}'") for line in loaded), name
     assert any(str(shipped / "cli" / "__init__.py") in line for line in loaded)
     assert not [line for line in loaded if str(REPO) in line], "a module was loaded from the repository"

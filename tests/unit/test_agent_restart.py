@@ -122,14 +122,14 @@ def failed(tmp_path):
     allocation)."""
     with Store.open(tmp_path / "state.db") as store:
         alloc = create_trainer_run(store, tmp_path, job_id="7")
-        store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
+        store.set_state("allocations", alloc.id, expect="PENDING", to="RUNNING", event="t", node="gpu1")
         controller = Controller(store, "r", None, heartbeat_s=1.0)
         controller.agents.register(
             parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1]})
         )
         for state, error in (("READY", None), ("FAILED", WHY)):
-            beat = {"allocation_id": alloc["id"], "workers": [{**TRAIN, "state": state, "error": error}]}
-            controller.agents.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
+            beat = {"allocation_id": alloc.id, "workers": [{**TRAIN, "state": state, "error": error}]}
+            controller.agents.heartbeat(parse(bodies.Heartbeat, beat), alloc.id)
         yield store, controller, alloc
 
 
@@ -153,8 +153,8 @@ def test_status_shows_why_a_worker_failed(failed):
     console.print(status_tables({**doc, "router": None}))
     assert f"worker {worker['id']} failed: {WHY}" in console.export_text()
     # restarted: a new worker, without a reason; the failed one keeps its own
-    beat = {"allocation_id": alloc["id"], "workers": [{**TRAIN, "state": "STARTING", "pid": 6}]}
-    controller.agents.heartbeat(parse(bodies.Heartbeat, beat), alloc["id"])
+    beat = {"allocation_id": alloc.id, "workers": [{**TRAIN, "state": "STARTING", "pid": 6}]}
+    controller.agents.heartbeat(parse(bodies.Heartbeat, beat), alloc.id)
     assert [(w["state"], w.get("error")) for w in run_document(store, "r")["workers"]] == [
         ("FAILED", WHY),
         ("STARTING", None),

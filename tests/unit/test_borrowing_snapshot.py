@@ -23,7 +23,7 @@ NOW = 1_000_000.0
 def daemon(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
         alloc = create_trainer_run(store, tmp_path, job_id="1")
-        store.upsert_node_gpus("r", alloc["id"], "gpu1", [0, 1], "TRAIN")
+        store.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
         # run "q": the same trainer pool plus a rollout pool of one GPU, for tests that need a serving worker
         create_serving_run(store, tmp_path)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
@@ -124,7 +124,7 @@ def test_a_trainer_released_with_nothing_lent_and_nothing_moving_is_asked_to_rec
     # not released, or released while a GPU is lent: no such command
     assert c.trainer.phase(parse(bodies.TrainerPhase, dict(phase, released=False)))["command"] is None
     gpu = next(g for g in store.gpus("r"))
-    store.update_fields("gpus", gpu["id"], borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", gpu.id, borrowed=1, return_deadline=NOW + 60)
     assert c.trainer.phase(parse(bodies.TrainerPhase, phase))["command"] is None
     # an ack for a command nobody issued is still a 404
     with pytest.raises(ControlError, match="no step"):

@@ -120,9 +120,9 @@ class Daemon:
 def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
     alloc = create_trainer_run(store, tmp_path, job_id="7")
-    store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu1")
+    store.set_state("allocations", alloc.id, expect="PENDING", to="RUNNING", event="t", node="gpu1")
     store.update_fields("runs", "r", borrow={"policy": "greedy", "max_gpus": 1})
-    yield store, alloc["id"]
+    yield store, alloc.id
     store.close()
 
 
@@ -190,8 +190,8 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
     assert [t.state for t in transitions(store, "borrow")] == ["DONE", "DONE"]
     assert [t.state for t in transitions(store, "return")] == ["DONE", "DONE"]
     gpus = store.gpus("r")
-    assert not any(g["borrowed"] for g in gpus) and {g["role"] for g in gpus} == {"TRAIN"}
-    assert all(g["worker_id"] is None for g in gpus)
+    assert not any(g.borrowed for g in gpus) and {g.role for g in gpus} == {"TRAIN"}
+    assert all(g.worker_id is None for g in gpus)
     # no engine started twice: one vLLM start for two borrows (the second woke it), one trainer worker
     assert agent.starts == {"rollout-0": 1, "train-0": 1}
     # the trainer released and reclaimed once per transition, and has its GPUs back

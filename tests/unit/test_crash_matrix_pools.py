@@ -45,7 +45,7 @@ class SimRouter:
         self.urls: set[str] = set()
 
     def sync(self, store: Store) -> None:
-        self.urls = {w["url"] for w in store.workers("r") if w["routable"] and w["state"] == "READY" and w["url"]}
+        self.urls = {w.url for w in store.workers("r") if w.routable and w.state == "READY" and w.url}
 
     def view(self) -> set[str]:
         return set(self.urls)
@@ -134,9 +134,9 @@ def world(tmp_path: Path):
         ],
     )
     alloc = store.allocations("r")[0]
-    store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id="8")
-    store.set_state("allocations", alloc["id"], expect="PENDING", to="RUNNING", event="t", node="gpu2")
-    yield store, alloc["id"]
+    store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id="8")
+    store.set_state("allocations", alloc.id, expect="PENDING", to="RUNNING", event="t", node="gpu2")
+    yield store, alloc.id
     store.close()
 
 
@@ -165,7 +165,7 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     daemon.controller.agents.register(
         parse(bodies.Register, {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1})
     )
-    gpu = store.gpus("r")[0]["id"]
+    gpu = store.gpus("r")[0].id
     crashes = 0
 
     def loop(until) -> None:
@@ -185,14 +185,14 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
         raise AssertionError("did not converge")
 
     # the pool's worker comes up at launch (its GPU's default role), routable once READY
-    loop(lambda: any(w["routable"] for w in store.workers("r")))
+    loop(lambda: any(w.routable for w in store.workers("r")))
     for kind, cycle_plan, from_role, to_role in CYCLE:
         with daemon.controller.lock:
             detail = TransitionDetail(plan=PlanKind(cycle_plan))
             tid = daemon.executor.plan(kind, [gpu], detail=detail, from_role=from_role, to_role=to_role)
         loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
         assert store.transition(tid).state == "DONE", cycle_plan
-        assert store.get("gpus", gpu)["role"] == to_role
+        assert store.gpu(gpu).role == to_role
     loop(lambda: router.urls)  # the last start's worker is routed to
     assert fired and crashes == 1, "the crash point was never reached"
 
@@ -202,9 +202,9 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     # every worker that drained (for a retire, a switch) had left the router first
     assert agent.drained_while_routed == []
     # converged: one ROLLOUT worker serving and routed, nothing parked
-    live = [w for w in store.workers("r") if w["state"] not in ("STOPPED", "FAILED", "LOST")]
-    assert [(w["role"], w["state"], w["routable"]) for w in live] == [("ROLLOUT", "READY", 1)]
-    assert store.get("gpus", gpu)["worker_id"] is None
+    live = [w for w in store.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    assert [(w.role, w.state, w.routable) for w in live] == [("ROLLOUT", "READY", 1)]
+    assert store.gpu(gpu).worker_id is None
     events = [j["event"] for j in store.journal("r")]
     assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
 

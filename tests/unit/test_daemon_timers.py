@@ -109,7 +109,7 @@ def db(tmp_path: Path) -> Path:
         )
         store.set_state("runs", RUN, expect="CREATED", to="SUBMITTING", event="t")
         alloc = store.allocations(RUN)[0]
-        store.set_state("allocations", alloc["id"], expect="REQUESTED", to="PENDING", event="t", job_id=JOB)
+        store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=JOB)
         store.set_state("runs", RUN, expect="SUBMITTING", to="ACTIVE", event="t")
     return path
 
@@ -180,7 +180,7 @@ def events(db: Path, name: str | None = None) -> list[dict]:
 
 def allocation_state(db: Path) -> str:
     with Store.open(db, readonly=True) as reader:
-        return reader.allocations(RUN)[0]["state"]
+        return reader.allocations(RUN)[0].state
 
 
 # -- defect 3a ------------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_a_preemption_seen_while_the_agent_heartbeats_at_10hz_does_not_stop_the_
     with running(db, backend, monkeypatch) as (r, store):
         d = r.daemon
         wait(lambda: allocation_state(db) == "RUNNING", 10, "the first poll is folded (started)")
-        alloc_id = store.allocations(RUN)[0]["id"]
+        alloc_id = store.allocations(RUN)[0].id
         body = bodies.parse(bodies.Heartbeat, {"allocation_id": alloc_id})
         stop, beats, errors = threading.Event(), [], []
 
@@ -271,7 +271,7 @@ def test_a_preemption_seen_while_the_agent_heartbeats_at_10hz_does_not_stop_the_
         assert allocation_state(db) == "PREEMPTING"
         assert [j["event"] for j in events(db) if j["to_state"] == "PREEMPTING"] == ["preempted"]
         with Store.open(db, readonly=True) as reader:
-            assert {g["state"] for g in reader.gpus(RUN)} == {"DRAINING"}
+            assert {g.state for g in reader.gpus(RUN)} == {"DRAINING"}
         assert d.stats.poll_errors == 0 and d.stats.tick_errors == 0
         assert not events(db, "tick error") and not events(db, "poll error")
     assert r.error is None

@@ -26,13 +26,13 @@ def trainer(tmp_path: Path):
         store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
                          policy="greedy", pools=pools)  # fmt: skip
         (a,) = store.allocations("r")
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id="10")
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node="n0")
-        store.upsert_node_gpus("r", a["id"], "n0", [0, 1], "TRAIN")
+        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id="10")
+        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node="n0")
+        store.upsert_node_gpus("r", a.id, "n0", [0, 1], "TRAIN")
         controller = Controller(store, "r", None, clock=lambda: NOW)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
-        yield store, controller, a["id"]
+        yield store, controller, a.id
 
 
 def view(controller: Controller, alloc_id: int) -> list[tuple]:
@@ -42,7 +42,7 @@ def view(controller: Controller, alloc_id: int) -> list[tuple]:
 def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
     store, controller, alloc = trainer
     lent = store.gpus("r")[1]
-    store.update_fields("gpus", lent["id"], role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     (rollout, train) = view(controller, alloc)  # by role
     assert train == ("train-0", "TRAIN", (0, 1), None, None)
     key, role, gpus, deadline, by = rollout
@@ -53,15 +53,15 @@ def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
 def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):
     store, controller, alloc = trainer
     lent = store.gpus("r")[1]
-    store.update_fields("gpus", lent["id"], role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     # the job preempted and requeued: its GPUs went, and came back with the new allocation's agent
     for g in store.gpus("r"):
-        store.set_state("gpus", g["id"], expect="UP", to="DRAINING", event="t")
-        store.set_state("gpus", g["id"], expect="DRAINING", to="GONE", event="t")
+        store.set_state("gpus", g.id, expect="UP", to="DRAINING", event="t")
+        store.set_state("gpus", g.id, expect="DRAINING", to="GONE", event="t")
     store.upsert_node_gpus("r", alloc, "n1", [0, 1], "TRAIN")
     assert view(controller, alloc) == [("train-0", "TRAIN", (0, 1), None, None)]
     # and were a TRAIN GPU ever flagged lent, the TRAIN worker still gets each GPU once and no deadline
-    store.update_fields("gpus", lent["id"], borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", lent.id, borrowed=1, return_deadline=NOW + 60)
     assert view(controller, alloc) == [("train-0", "TRAIN", (0, 1), None, None)]
 
 
@@ -73,7 +73,7 @@ def test_lent_gpus_become_workers_of_the_profiles_tensor_parallel_size(trainer):
     store, controller, alloc = trainer
     store.upsert_node_gpus("r", alloc, "n0", [0, 1, 2, 3], "TRAIN")
     for g in store.gpus("r")[1:]:
-        store.update_fields("gpus", g["id"], role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+        store.update_fields("gpus", g.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     train = ("train-0", "TRAIN", (0, 1, 2, 3), None, None)
     assert [v[:3] for v in view(controller, alloc)] == [("rollout-1", "ROLLOUT", (1, 2, 3)), train[:3]]
 

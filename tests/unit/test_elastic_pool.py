@@ -165,11 +165,11 @@ def pool_of(env, clock) -> ElasticPool:
 
 
 def elastic(store, run_id) -> list[dict]:
-    return [a for a in store.allocations(run_id) if a["pool"] == "elastic"]
+    return [a for a in store.allocations(run_id) if a.pool == "elastic"]
 
 
 def states(store, run_id) -> list[tuple[int, str]]:
-    return [(a["array_index"], a["state"]) for a in elastic(store, run_id)]
+    return [(a.array_index, a.state) for a in elastic(store, run_id)]
 
 
 def events(store, run_id, alloc_id) -> list[str]:
@@ -196,8 +196,8 @@ def test_growth_submits_one_task_arrays_under_the_pool_name_and_never_past_max_n
     assert added[0].replace("--array=1", "--array=0-0") == launched
     # every task is (its own job id, its index); each was written REQUESTED before its sbatch
     rows = elastic(store, run_id)
-    assert len({(a["job_id"], a["array_index"]) for a in rows}) == 3 and len({a["job_id"] for a in rows}) == 3
-    assert events(store, run_id, rows[1]["id"])[:2] == ["elastic grow", "submitted"]
+    assert len({(a.job_id, a.array_index) for a in rows}) == 3 and len({a.job_id for a in rows}) == 3
+    assert events(store, run_id, rows[1].id)[:2] == ["elastic grow", "submitted"]
     wanted = [j for j in store.journal(run_id) if j["event"] == "elastic wanted"]
     assert [(j["data"]["asked"], j["data"]["fields"]["wanted"], j["data"]["why"]) for j in wanted] == [
         (10, 3, "the plan wants 10")
@@ -218,12 +218,12 @@ def test_a_crash_between_sbatch_and_the_state_write_is_adopted_by_name_never_sub
         pool_of(env, clock).resize(2, "grow")
     assert len(cluster.live()) == 2  # the task was submitted ...
     row = elastic(store, run_id)[1]
-    assert (row["state"], row["job_id"]) == ("REQUESTED", None)  # ... and state never learned its id
+    assert (row.state, row.job_id) == ("REQUESTED", None)  # ... and state never learned its id
     restarted = pool_of(env, clock)  # a new daemon, at once: the task is found under the pool's job name
     restarted.reconcile()
-    row = store.get("allocations", row["id"])
-    assert row["state"] == "PENDING" and (row["job_id"], 1) in cluster.live()
-    assert "adopted" in events(store, run_id, row["id"])
+    row = store.allocation(row.id)
+    assert row.state == "PENDING" and (row.job_id, 1) in cluster.live()
+    assert "adopted" in events(store, run_id, row.id)
     restarted.reconcile()
     sync_run(store, cluster, run_id)
     assert len(cluster.scripts) == 3 and states(store, run_id) == [(0, "RUNNING"), (1, "RUNNING")]
@@ -269,9 +269,9 @@ def test_pending_tasks_are_cancelled_after_the_bound_and_growth_backs_off(env, c
     clock.t += 1
     pool.reconcile()
     added = elastic(store, run_id)[1:]
-    assert sorted(cluster.cancelled_tasks) == sorted((a["job_id"], a["array_index"]) for a in added)
+    assert sorted(cluster.cancelled_tasks) == sorted((a.job_id, a.array_index) for a in added)
     for a in added:  # journaled: the timeout (with how long it pended), then the scancel
-        evs = events(store, run_id, a["id"])
+        evs = events(store, run_id, a.id)
         assert evs.index("elastic pending timeout") < evs.index("elastic scancel")
     timeout = next(j for j in store.journal(run_id) if j["event"] == "elastic pending timeout")
     assert timeout["data"]["pending_s"] == PENDING_S and timeout["data"]["pending_timeout_s"] == PENDING_S
@@ -299,7 +299,7 @@ def test_pending_tasks_are_cancelled_after_the_bound_and_growth_backs_off(env, c
 
 def test_the_launch_tasks_are_the_floor_and_wait_as_long_as_slurm_makes_them(env, clock):
     store, cluster, run_id = env
-    cluster.tasks[(elastic(store, run_id)[0]["job_id"], 0)]["state"] = "PENDING"
+    cluster.tasks[(elastic(store, run_id)[0].job_id, 0)]["state"] = "PENDING"
     cluster.capacity = 0
     sync_run(store, cluster, run_id)
     clock.t += 10 * PENDING_S
@@ -340,34 +340,34 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     pool.resize(3, "grow")
     sync_run(store, cluster, run_id)
     a0, a1, a2 = elastic(store, run_id)
-    worker = _serve(store, run_id, a2["id"])
+    worker = _serve(store, run_id, a2.id)
     controller = Controller(store, run_id, 0)
-    assert [w.role for w in controller.agents.desired(a2["id"])] == ["ROLLOUT"]
+    assert [w.role for w in controller.agents.desired(a2.id)] == ["ROLLOUT"]
 
     pool.resize(0, "the batch ended")  # clamped to nodes: two tasks go, the newest first
     assert store.pools(run_id)[1]["wanted"] == NODES
     # a1 serves nothing: scancelled at once; a2 drains: out of routing, GPUs DRAINING, no worker desired
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a2["id"]} == {"DRAINING"}
-    assert store.get("workers", worker)["routable"] == 0
-    assert controller.agents.desired(a2["id"]) == []
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)]
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
+    assert store.worker(worker).routable == 0
+    assert controller.agents.desired(a2.id) == []
     clock.t += 5
     pool.reconcile()
-    assert (a2["job_id"], 2) not in cluster.cancelled_tasks  # its worker still serves
+    assert (a2.job_id, 2) not in cluster.cancelled_tasks  # its worker still serves
     # the agent drains and stops it (what it does when no worker is desired), then the task is scancelled
     store.set_state("workers", worker, expect="READY", to="DRAINING", event="agent reported")
     pool.reconcile()
-    assert (a2["job_id"], 2) not in cluster.cancelled_tasks
+    assert (a2.job_id, 2) not in cluster.cancelled_tasks
     store.set_state("workers", worker, expect="DRAINING", to="STOPPED", event="agent reported")
     pool.reconcile()
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1), (a2["job_id"], 2)]
+    assert cluster.cancelled_tasks == [(a1.job_id, 1), (a2.job_id, 2)]
     sync_run(store, cluster, run_id)
     assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED"), (2, "ENDED")]
     for a in (a1, a2):
-        evs = events(store, run_id, a["id"])
+        evs = events(store, run_id, a.id)
         assert evs.index("elastic drain") < evs.index("elastic scancel") < evs.index("ended")
     scancel = next(
-        j for j in store.journal(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2["id"])
+        j for j in store.journal(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2.id)
     )
     assert scancel["data"]["why"] == "drained" and scancel["data"]["drain_s"] == 5
     # never below nodes
@@ -382,14 +382,14 @@ def test_a_drain_that_does_not_finish_is_scancelled_after_the_notice(env, clock)
     pool.resize(2, "grow")
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
-    _serve(store, run_id, a1["id"])
+    _serve(store, run_id, a1.id)
     pool.resize(1, "shrink")
     clock.t += NOTICE_S - 1
     pool.reconcile()
     assert cluster.cancelled_tasks == []
     clock.t += 1
     pool.reconcile()
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)]
     scancel = next(j for j in store.journal(run_id) if j["event"] == "elastic scancel")
     assert scancel["data"]["why"] == f"drain took longer than {NOTICE_S}s" and scancel["data"]["workers_left"]
 
@@ -401,18 +401,18 @@ def test_a_task_with_a_preemption_notice_is_dropped_first_and_a_drain_is_taken_b
     sync_run(store, cluster, run_id)
     a0, a1, a2 = elastic(store, run_id)
     for a in (a0, a1, a2):
-        _serve(store, run_id, a["id"])
-    cluster.tasks[(a0["job_id"], 0)]["preempt"] = clock.t  # Slurm signalled a preemption of the oldest
+        _serve(store, run_id, a.id)
+    cluster.tasks[(a0.job_id, 0)]["preempt"] = clock.t  # Slurm signalled a preemption of the oldest
     sync_run(store, cluster, run_id)
     assert states(store, run_id)[0] == (0, "PREEMPTING")
     pool.resize(1, "shrink")
-    drained = {a["array_index"] for a in elastic(store, run_id) if a["drain_requested_at"]}
+    drained = {a.array_index for a in elastic(store, run_id) if a.drain_requested_at}
     assert drained == {0, 2}  # the preempted one, then the newest
     # wanted again before the drain ended: the running one is taken back, nothing is submitted
     pool.resize(2, "grow again")
-    assert {a["array_index"] for a in elastic(store, run_id) if a["drain_requested_at"]} == {0}
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a2["id"]} == {"UP"}
-    assert "elastic undrain" in events(store, run_id, a2["id"]) and len(cluster.scripts) == 4
+    assert {a.array_index for a in elastic(store, run_id) if a.drain_requested_at} == {0}
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"UP"}
+    assert "elastic undrain" in events(store, run_id, a2.id) and len(cluster.scripts) == 4
 
 
 def test_a_requeued_added_task_rejoins_without_a_replacement(env, clock):
@@ -421,21 +421,21 @@ def test_a_requeued_added_task_rejoins_without_a_replacement(env, clock):
     pool.resize(2, "grow")
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
-    task = cluster.tasks[(a1["job_id"], 1)]
+    task = cluster.tasks[(a1.job_id, 1)]
     task["preempt"] = clock.t
     sync_run(store, cluster, run_id)
     task.update(state="PENDING", restarts=1, preempt=None)  # Slurm requeued it
     sync_run(store, cluster, run_id)
     pool.reconcile()
-    assert store.get("allocations", a1["id"])["state"] == "PENDING"
+    assert store.allocation(a1.id).state == "PENDING"
     assert len(cluster.scripts) == 3  # it still counts: no replacement is submitted
     clock.t += 15
     task.update(state="RUNNING", start=clock.t)
     sync_run(store, cluster, run_id)
     pool.reconcile()
-    a1 = store.get("allocations", a1["id"])
-    assert (a1["state"], a1["restarts"]) == ("RUNNING", 1) and len(cluster.scripts) == 3
-    assert [e for e in events(store, run_id, a1["id"]) if e in ("preempted", "requeued", "started")] == [
+    a1 = store.allocation(a1.id)
+    assert (a1.state, a1.restarts) == ("RUNNING", 1) and len(cluster.scripts) == 3
+    assert [e for e in events(store, run_id, a1.id) if e in ("preempted", "requeued", "started")] == [
         "started",
         "preempted",
         "requeued",
@@ -469,7 +469,7 @@ def test_nothing_grows_once_the_run_is_cancelled_and_cancel_ends_added_tasks(env
     pool.resize(3, "grow")
     sync_run(store, cluster, run_id)
     assert cancel(store, cluster, run_id, timeout=1, interval=0) is True
-    assert cluster.live() == [] and {a["state"] for a in elastic(store, run_id)} == {"ENDED"}
+    assert cluster.live() == [] and {a.state for a in elastic(store, run_id)} == {"ENDED"}
     pool.resize(3, "grow")
     pool.reconcile()
     assert len(cluster.scripts) == 4 and cluster.live() == []
@@ -562,18 +562,18 @@ def test_heartbeat_of_a_drained_agent_keeps_its_gpus_draining(env, clock):
     pool.resize(2, "grow")
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
-    _serve(store, run_id, a1["id"])
+    _serve(store, run_id, a1.id)
     pool.resize(1, "shrink")
     for g in store.gpus(run_id):  # the agent went silent, then reports again: the controller's edges
-        if g["allocation_id"] == a1["id"]:
-            store.set_state("gpus", g["id"], expect="DRAINING", to="LOST", event="agent silent")
-            store.set_state("gpus", g["id"], expect="LOST", to="UP", event="agent reporting again")
+        if g.allocation_id == a1.id:
+            store.set_state("gpus", g.id, expect="DRAINING", to="LOST", event="agent silent")
+            store.set_state("gpus", g.id, expect="LOST", to="UP", event="agent reporting again")
     controller = Controller(store, run_id, 0)
-    body = bodies.Heartbeat(allocation_id=a1["id"], workers=[])
-    controller.agents.heartbeat(body, a1["id"])
+    body = bodies.Heartbeat(allocation_id=a1.id, workers=[])
+    controller.agents.heartbeat(body, a1.id)
     pool.reconcile()
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
-    assert controller.agents.desired(a1["id"]) == []
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
+    assert controller.agents.desired(a1.id) == []
 
 
 def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env, clock):
@@ -583,13 +583,13 @@ def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
     pool.resize(1, "shrink")
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
-    del cluster.tasks[(a1["job_id"], 1)]  # purged (MinJobAge) before a poll saw its end, and no sacct
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)]
+    del cluster.tasks[(a1.job_id, 1)]  # purged (MinJobAge) before a poll saw its end, and no sacct
     sync_run(store, cluster, run_id)
-    assert store.get("allocations", a1["id"])["state"] == "LOST"
+    assert store.allocation(a1.id).state == "LOST"
     pool_of(env, clock).reconcile()  # a restarted daemon knows it from the journal's scancel
-    a1 = store.get("allocations", a1["id"])
-    assert a1["state"] == "ENDED" and events(store, run_id, a1["id"])[-1] == "elastic cancelled"
+    a1 = store.allocation(a1.id)
+    assert a1.state == "ENDED" and events(store, run_id, a1.id)[-1] == "elastic cancelled"
     pool.resize(2, "grow again")
     assert len(cluster.live()) == 2
 
@@ -601,7 +601,7 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     pool.resize(2, "grow")
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
-    worker = _serve(store, run_id, a1["id"])
+    worker = _serve(store, run_id, a1.id)
     store.update_fields("workers", worker, url="http://gpu3_1:9000")
     routed.add("http://gpu3_1:9000")
     controller = Controller(store, run_id, 0)
@@ -609,23 +609,23 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     pool.resize(1, "the batch ended")
     # out of routing in state at once, but the GPUs stay UP (the worker is still desired) while the router
     # may still send it requests
-    assert store.get("workers", worker)["routable"] == 0
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
-    assert [w.role for w in controller.agents.desired(a1["id"])] == ["ROLLOUT"]
+    assert store.worker(worker).routable == 0
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
+    assert [w.role for w in controller.agents.desired(a1.id)] == ["ROLLOUT"]
     # a heartbeat of the still-READY worker does not make it routable again
     controller.agents.heartbeat(
-        parse(bodies.Heartbeat, {"allocation_id": a1["id"], "workers": [
+        parse(bodies.Heartbeat, {"allocation_id": a1.id, "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": "READY",
              "url": "http://gpu3_1:9000"}]}),
-        a1["id"],
+        a1.id,
     )  # fmt: skip
-    assert store.get("workers", worker)["routable"] == 0
+    assert store.worker(worker).routable == 0
     pool.reconcile()
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
     routed.clear()  # the router removed it
     pool.reconcile()
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
-    assert controller.agents.desired(a1["id"]) == []
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
+    assert controller.agents.desired(a1.id) == []
 
 
 # -- the fault hook: a daemon that dies where a grow's or a shrink's effect is in doubt --------------------
@@ -648,8 +648,8 @@ def test_a_crash_after_the_grow_intent_is_submitted_once_by_the_next_daemon(env,
     with pytest.raises(Crash) as died:
         crashing.resize(2, "grow")
     row = elastic(store, run_id)[1]
-    assert str(died.value) == f"elastic:{row['id']}:GROW"
-    assert (row["state"], row["job_id"]) == ("REQUESTED", None) and len(cluster.scripts) == 2  # nothing submitted
+    assert str(died.value) == f"elastic:{row.id}:GROW"
+    assert (row.state, row.job_id) == ("REQUESTED", None) and len(cluster.scripts) == 2  # nothing submitted
     restarted = pool_of(env, clock)
     restarted.reconcile()  # the dead daemon's sbatch could still be in flight: not yet
     assert len(cluster.scripts) == 2 and len(elastic(store, run_id)) == 2  # and no second row either
@@ -658,7 +658,7 @@ def test_a_crash_after_the_grow_intent_is_submitted_once_by_the_next_daemon(env,
     restarted.reconcile()
     sync_run(store, cluster, run_id)
     assert len(cluster.scripts) == 3 and states(store, run_id) == [(0, "RUNNING"), (1, "RUNNING")]
-    assert events(store, run_id, row["id"])[:2] == ["elastic grow", "submitted"]
+    assert events(store, run_id, row.id)[:2] == ["elastic grow", "submitted"]
 
 
 def test_a_crash_after_the_grow_submit_is_adopted_by_the_next_daemon(env, clock):
@@ -667,14 +667,14 @@ def test_a_crash_after_the_grow_submit_is_adopted_by_the_next_daemon(env, clock)
     with pytest.raises(Crash):
         crashing.resize(2, "grow")
     row = elastic(store, run_id)[1]
-    assert (row["state"], row["job_id"]) == ("REQUESTED", None) and len(cluster.live()) == 2  # submitted, unknown
+    assert (row.state, row.job_id) == ("REQUESTED", None) and len(cluster.live()) == 2  # submitted, unknown
     restarted = pool_of(env, clock)
     restarted.reconcile()  # at once: found under the pool's job name
     clock.t += SUBMIT_SETTLE_S  # and never submitted again, however long after
     restarted.reconcile()
     sync_run(store, cluster, run_id)
     assert len(cluster.scripts) == 3 and states(store, run_id) == [(0, "RUNNING"), (1, "RUNNING")]
-    assert events(store, run_id, row["id"])[:2] == ["elastic grow", "adopted"]
+    assert events(store, run_id, row.id)[:2] == ["elastic grow", "adopted"]
 
 
 def test_a_crash_after_the_drain_request_drains_through_the_router_and_scancels_once(env, clock):
@@ -684,7 +684,7 @@ def test_a_crash_after_the_drain_request_drains_through_the_router_and_scancels_
     pool.resize(2, "grow")
     sync_run(store, cluster, run_id)
     a1 = elastic(store, run_id)[1]
-    worker = _serve(store, run_id, a1["id"])
+    worker = _serve(store, run_id, a1.id)
     store.update_fields("workers", worker, url="http://gpu3_1:9000")
     routed.add("http://gpu3_1:9000")
     crashing = ElasticPool(
@@ -693,26 +693,26 @@ def test_a_crash_after_the_drain_request_drains_through_the_router_and_scancels_
     )  # fmt: skip
     with pytest.raises(Crash) as died:
         crashing.resize(1, "the batch ended")
-    assert str(died.value) == f"elastic:{a1['id']}:SHRINK"
-    assert store.get("allocations", a1["id"])["drain_requested_at"] is not None
-    assert store.get("workers", worker)["routable"] == 1  # died before taking the workers out of routing
+    assert str(died.value) == f"elastic:{a1.id}:SHRINK"
+    assert store.allocation(a1.id).drain_requested_at is not None
+    assert store.worker(worker).routable == 1  # died before taking the workers out of routing
 
     restarted = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed))
     restarted.reconcile()
     # out of routing in state; the GPUs stay UP (the worker serves on) while the router still routes to it
-    assert store.get("workers", worker)["routable"] == 0
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"UP"}
+    assert store.worker(worker).routable == 0
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
     routed.clear()
     restarted.reconcile()
-    assert {g["state"] for g in store.gpus(run_id) if g["allocation_id"] == a1["id"]} == {"DRAINING"}
+    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
     assert cluster.cancelled_tasks == []  # its worker still runs
     store.set_state("workers", worker, expect="READY", to="STOPPED", event="agent reported")
     restarted.reconcile()
     sync_run(store, cluster, run_id)
     restarted.reconcile()
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)] and len(cluster.scripts) == 3
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)] and len(cluster.scripts) == 3
     assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED")]
-    evs = events(store, run_id, a1["id"])
+    evs = events(store, run_id, a1.id)
     assert evs.count("elastic drain") == 1 and evs.index("elastic drain") < evs.index("elastic scancel")
 
 
@@ -725,18 +725,18 @@ def test_a_crash_after_the_scancel_is_not_scancelled_again_and_nothing_is_submit
     crashing = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, fault=crash_at("after_effect", "SHRINK"))
     with pytest.raises(Crash) as died:
         crashing.resize(1, "the batch ended")  # no worker on it: drained at once, then scancelled
-    assert str(died.value) == f"elastic:{a1['id']}:SHRINK"
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)]
-    assert store.get("allocations", a1["id"])["state"] == "RUNNING"  # the end is not folded yet
+    assert str(died.value) == f"elastic:{a1.id}:SHRINK"
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)]
+    assert store.allocation(a1.id).state == "RUNNING"  # the end is not folded yet
     # the next daemon polls first (as its Slurm thread does), then reconciles: the task ended, nothing more
     sync_run(store, cluster, run_id)
     restarted = pool_of(env, clock)
     restarted.reconcile()
     restarted.reconcile()
-    assert cluster.cancelled_tasks == [(a1["job_id"], 1)] and len(cluster.scripts) == 3
+    assert cluster.cancelled_tasks == [(a1.job_id, 1)] and len(cluster.scripts) == 3
     assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED")]
     assert store.pools(run_id)[1]["wanted"] == 1 and restarted.view()["size"] == 1
-    evs = events(store, run_id, a1["id"])
+    evs = events(store, run_id, a1.id)
     assert evs.count("elastic scancel") == 1 and evs.index("elastic scancel") < evs.index("ended")
 
 
@@ -748,7 +748,7 @@ def test_the_fault_hook_is_called_at_the_four_boundaries_with_the_allocations_ke
     a1 = elastic(store, run_id)[1]
     sync_run(store, cluster, run_id)
     pool.resize(1, "shrink")
-    key = f"elastic:{a1['id']}"
+    key = f"elastic:{a1.id}"
     assert calls == [
         ("after_intent", f"{key}:GROW"),
         ("after_effect", f"{key}:GROW"),

@@ -70,8 +70,8 @@ def progress(run, work: dict | None) -> None:
 
 def lend(run, deadline: float) -> dict:
     """The state a DONE borrow leaves: a trainer GPU lent (serving), due back at ``deadline``."""
-    gpu = next(g for g in run.store.gpus("q") if g["pool"] == "trainer")
-    run.store.update_fields("gpus", gpu["id"], epoch=None, borrowed=1, return_deadline=deadline)
+    gpu = next(g for g in run.store.gpus("q") if g.pool == "trainer")
+    run.store.update_fields("gpus", gpu.id, epoch=None, borrowed=1, return_deadline=deadline)
     return gpu
 
 
@@ -132,12 +132,12 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
     assert run.store.get_run("q")["rollout"]["emptied_at"] == T0 + 60.0
     s = run.b.snapshot(run.clock.now)
     assert s.trainer.batch_ready and s.trainer.phase == "waiting"
-    lent = next(g for g in s.gpus if g.id == gpu["id"])
+    lent = next(g for g in s.gpus if g.id == gpu.id)
     assert budget.must_return(s, lent) and view.lendable(s) == []
     run.clock.now = T0 + 60.5  # the next tick: back although its deadline is 840 s ahead
     run.b.tick()
     [back] = returns(run)
-    assert back.gpu_ids == (gpu["id"],) and back.detail["why"] == "the trainer's batch is complete"
+    assert back.gpu_ids == (gpu.id,) and back.detail["why"] == "the trainer's batch is complete"
     assert back.detail["return_deadline"] == deadline and run.clock.now < deadline
 
 

@@ -24,8 +24,8 @@ def run(tmp_path: Path):
         for i, a, pool in running_pools(store, tmp_path, shapes):
             count = 1 if pool == "elastic" else 2
             role = {"trainer": "TRAIN", "rollout": "ROLLOUT", "elastic": "IDLE"}[pool]
-            store.upsert_node_gpus("r", a["id"], f"n{i}", list(range(count)), role)
-            ids = [g["id"] for g in store.gpus("r") if g["allocation_id"] == a["id"]]
+            store.upsert_node_gpus("r", a.id, f"n{i}", list(range(count)), role)
+            ids = [g.id for g in store.gpus("r") if g.allocation_id == a.id]
             gpus.setdefault(pool, []).extend(ids)
         yield store, Controller(store, "r", None, clock=lambda: NOW), gpus
 

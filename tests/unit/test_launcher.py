@@ -44,7 +44,7 @@ def test_launch_records_intent_then_job_ids(tmp_path):
         assert result.job_ids == {"trainer": "101", "rollout": "102"}
         assert store.get_run(result.run_id)["state"] == "ACTIVE"
         allocs = store.allocations(result.run_id)
-        assert sorted((a["pool"], a["array_index"], a["job_id"], a["state"]) for a in allocs) == [
+        assert sorted((a.pool, a.array_index, a.job_id, a.state) for a in allocs) == [
             ("rollout", 0, "102", "PENDING"),
             ("rollout", 1, "102", "PENDING"),
             ("trainer", 0, "101", "PENDING"),
@@ -64,7 +64,7 @@ def test_failed_submission_cancels_what_was_submitted_and_ends_consistently(tmp_
         assert backend.cancelled == ["101"]
         run = store.find_run("r")
         assert run["state"] == "FAILED"
-        assert {a["state"] for a in store.allocations(run["id"])} == {"ENDED"}
+        assert {a.state for a in store.allocations(run["id"])} == {"ENDED"}
 
 
 class FailingRunner:

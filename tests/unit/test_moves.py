@@ -46,11 +46,11 @@ def world(tmp_path: Path):
         pools=[pool("trainer", "TRAIN"), pool("rollout", "ROLLOUT")],
     )
     for a, job, node in zip(store.allocations("r"), ("7", "8"), ("gpu1", "gpu2"), strict=True):
-        store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=job)
-        store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=node)
+        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
+        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=node)
     clock, router = Clock(), SimRouter()
-    rollout = next(a for a in store.allocations("r") if a["pool"] == "rollout")
-    daemon = Daemon(store, rollout["id"], 1, clock, router)
+    rollout = next(a for a in store.allocations("r") if a.pool == "rollout")
+    daemon = Daemon(store, rollout.id, 1, clock, router)
     for job, node in (("7", "gpu1"), ("8", "gpu2")):
         daemon.controller.agents.register(
             parse(bodies.Register, {"job_id": job, "task_id": 0, "node": node, "gpus": [0], "pid": 1})
@@ -68,7 +68,7 @@ def world(tmp_path: Path):
                 return
         raise AssertionError("did not converge")
 
-    loop(lambda: any(w["routable"] for w in store.workers("r")))
+    loop(lambda: any(w.routable for w in store.workers("r")))
     yield store, daemon, agent, loop
     store.close()
 
@@ -89,7 +89,7 @@ def test_a_rollout_gpu_goes_through_every_move_and_back(world):
         ("retire", None, False, "retire", "ROLLOUT", "IDLE"),
         ("start", "DECODE", False, "start", "IDLE", "DECODE"),
     ]
-    gpu = next(g for g in store.gpus("r") if g["pool"] == "rollout")
+    gpu = next(g for g in store.gpus("r") if g.pool == "rollout")
     for kind, role, keep_warm, plan, from_role, to_role in cycle:
         answer = move(daemon, kind, "gpu2:0", role=role, keep_warm=keep_warm)
         assert (answer["plan"], answer["from_role"], answer["to_role"]) == (plan, from_role, to_role)
@@ -98,8 +98,8 @@ def test_a_rollout_gpu_goes_through_every_move_and_back(world):
         loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
         t = store.transition(tid)
         assert t.state == "DONE" and t.detail["by"] == "operator", t
-        assert store.get("gpus", gpu["id"])["role"] == to_role
-    loop(lambda: any(w["role"] == "DECODE" and w["routable"] for w in store.workers("r")))
+        assert store.gpu(gpu.id).role == to_role
+    loop(lambda: any(w.role == "DECODE" and w.routable for w in store.workers("r")))
     # one start per worker a move brought up: the launch's rollout-0, prefill-0 by the first switch, a new
     # rollout-0 by the switch back, none by the wake (it woke the parked one), decode-0 by the start
     assert agent.starts == {"rollout-0": 2, "prefill-0": 1, "decode-0": 1}
@@ -152,22 +152,22 @@ def test_one_plan_at_a_time_a_second_move_is_a_conflict(world):
 
 def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_for_the_id(world):
     store, daemon, _, loop = world
-    rollout = next(g for g in store.gpus("r") if g["pool"] == "rollout")
-    trainer = next(g for g in store.gpus("r") if g["pool"] == "trainer")
-    answer = move(daemon, "switch", rollout["id"], role="DECODE")
+    rollout = next(g for g in store.gpus("r") if g.pool == "rollout")
+    trainer = next(g for g in store.gpus("r") if g.pool == "trainer")
+    answer = move(daemon, "switch", rollout.id, role="DECODE")
     assert answer["gpus"] == ["gpu2:0"] and answer["to_role"] == "DECODE"
     loop(lambda: store.transition(answer["transition_id"]).state == "DONE")
     with pytest.raises(ControlError, match="is a trainer GPU"):
-        move(daemon, "retire", trainer["id"])
+        move(daemon, "retire", trainer.id)
     with pytest.raises(ControlError, match="has no GPU id 999"):
         move(daemon, "retire", 999)
     # a second rollout allocation on the same node and index (as the local backend gives): the name fits both
-    pool_id = store.allocations("r")[1]["pool_id"]
+    pool_id = store.allocations("r")[1].pool_id
     extra = store.add_allocation("r", pool_id, event="t")
-    store.set_state("allocations", extra["id"], expect="REQUESTED", to="PENDING", event="t", job_id="9")
-    store.set_state("allocations", extra["id"], expect="PENDING", to="RUNNING", event="t", node="gpu2")
+    store.set_state("allocations", extra.id, expect="REQUESTED", to="PENDING", event="t", job_id="9")
+    store.set_state("allocations", extra.id, expect="PENDING", to="RUNNING", event="t", node="gpu2")
     daemon.controller.agents.register(
-        parse(bodies.Register, {"job_id": "9", "task_id": extra["array_index"], "node": "gpu2", "gpus": [0], "pid": 2})
+        parse(bodies.Register, {"job_id": "9", "task_id": extra.array_index, "node": "gpu2", "gpus": [0], "pid": 2})
     )
     with pytest.raises(ControlError, match="fits several GPUs: id .* name one by its id"):
         move(daemon, "retire", "gpu2:0")

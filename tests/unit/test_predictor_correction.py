@@ -197,7 +197,7 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
     report(controller, 32)
     tick(controller)
     first = store.get_run("r")["predictor"]["watch"]
-    gpu = store.gpus("r")[0]["id"]
+    gpu = store.gpus("r")[0].id
     retire = TransitionDetail(plan=PlanKind.RETIRE)
     tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     clock.now += 3.0
@@ -226,7 +226,7 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
 def test_a_watch_that_saw_only_the_batchs_tail_teaches_nothing(run):
     store, controller, clock = run
     report(controller, 32)
-    gpu = store.gpus("r")[0]["id"]
+    gpu = store.gpus("r")[0].id
     retire = TransitionDetail(plan=PlanKind.RETIRE)
     tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     with controller.lock:  # a transition is open from the batch's start: no watch
@@ -284,7 +284,7 @@ def test_with_nothing_serving_mid_batch_no_watch_is_kept_and_nothing_fails(run):
     tick(controller)
     assert store.get_run("r")["predictor"]["watch"] is not None
     for g in store.gpus("r"):
-        store.update_fields("gpus", g["id"], role="IDLE")
+        store.update_fields("gpus", g.id, role="IDLE")
     clock.now += 2.0
     report(controller, 30)
     with controller.lock:

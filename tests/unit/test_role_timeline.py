@@ -115,14 +115,19 @@ def test_a_real_store_journal_reads_the_same(tmp_path):
     clock = iter(float(t) for t in range(1000, 2000))
     with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
         alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
-        store.upsert_node_gpus("r", alloc["id"], "n1", [0, 1], "TRAIN")
-        lent = store.gpus("r")[0]["id"]
+        store.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "TRAIN")
+        lent = store.gpus("r")[0].id
         tid = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[lent])
         store.set_state("transitions", tid, expect="PLANNED", to="RUNNING", event="started")
         store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="completed")
-        store.upsert_node_gpus("r", alloc["id"], "n1", [0], "TRAIN")  # index 1 went away
+        store.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")  # index 1 went away
         run = store.get_run("r")
-        tl = reconstruct(store.journal("r"), store.gpus("r"), start=run["created_at"], end=run["created_at"] + 100)
+        tl = reconstruct(
+            store.journal("r"),
+            [g.to_dict() for g in store.gpus("r")],
+            start=run["created_at"],
+            end=run["created_at"] + 100,
+        )
     other = next(g for g in tl.gpus if g != lent)
     assert [s.category for s in tl.gpus[lent]] == ["TRAIN", "TRANSITION", "ROLLOUT"]
     assert [s.category for s in tl.gpus[other]] == ["TRAIN"] and tl.gpus[other][0].end < 100
@@ -158,8 +163,8 @@ def test_a_transitions_steps_journal_every_role_they_give(tmp_path):
     clock = iter(float(t) for t in range(1000, 2000))
     with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
         alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
-        store.upsert_node_gpus("r", alloc["id"], "n1", [0], "TRAIN")
-        gid = store.gpus("r")[0]["id"]
+        store.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")
+        gid = store.gpus("r")[0].id
         effects = DaemonEffects(store, "r", None)
         borrow = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gid])
         back = store.add_transition(run_id="r", kind="return", from_role="ROLLOUT", to_role="TRAIN", gpu_ids=[gid])

@@ -90,13 +90,13 @@ def new_row(store: Store, table: str) -> int | str:
     run_id = new_run(store)
     if table == "runs":
         return run_id
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     if table == "allocations":
         return allocation_id
     if table == "workers":
         return store.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm")
     store.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
-    gpu_ids = [g["id"] for g in store.gpus(run_id)]
+    gpu_ids = [g.id for g in store.gpus(run_id)]
     if table == "gpus":
         return gpu_ids[0]
     transition_id = store.add_transition(
@@ -224,9 +224,9 @@ def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: 
 
 def test_stale_version_is_refused_and_writes_nothing(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     version = store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch")
-    before, since = store.get("allocations", allocation_id), last_journal_id(store)
+    before, since = store.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleWrite) as refused:
         store.set_state(
@@ -237,30 +237,30 @@ def test_stale_version_is_refused_and_writes_nothing(store: Store) -> None:
     err = refused.value
     assert (err.current_state, err.current_version, err.expected_version) == ("PENDING", version, version - 1)
     assert f"PENDING v{version}" in str(err)
-    assert store.get("allocations", allocation_id) == before and store.journal(since_id=since) == []
+    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
 
 
 def test_wrong_expected_state_is_refused_and_writes_nothing(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
-    before, since = store.get("allocations", allocation_id), last_journal_id(store)
+    allocation_id = store.allocations(run_id)[0].id
+    before, since = store.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleWrite, match="expected RUNNING, but it is REQUESTED v1"):
         store.set_state("allocations", allocation_id, expect="RUNNING", to="ENDED", event="ended")
 
-    assert store.get("allocations", allocation_id) == before and store.journal(since_id=since) == []
+    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
 
 
 def test_set_state_writes_fields_and_journals_them(store: Store, clock: FakeClock) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     clock.advance(5)
     store.set_state(
         "allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch",
         data={"argv": ["sbatch", "x"]}, job_id="123_0", slurm_state="PENDING",
     )  # fmt: skip
     row = store.allocations(run_id)[0]
-    assert (row["job_id"], row["slurm_state"], row["updated_at"], row["pool"]) == (
+    assert (row.job_id, row.slurm_state, row.updated_at, row.pool) == (
         "123_0",
         "PENDING",
         1005.0,
@@ -274,7 +274,7 @@ def test_set_state_writes_fields_and_journals_them(store: Store, clock: FakeCloc
 
 def test_missing_row_and_bad_fields_are_refused(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     with pytest.raises(NotFound):
         store.set_state("allocations", 9999, expect="REQUESTED", to="PENDING", event="x")
     with pytest.raises(InvalidWrite, match="no column nod"):
@@ -286,12 +286,12 @@ def test_missing_row_and_bad_fields_are_refused(store: Store) -> None:
         store.update_fields("journal", 1, event="x")
     with pytest.raises(InvalidWrite):
         store.update_fields("allocations", allocation_id)  # nothing to write
-    assert store.get("allocations", allocation_id)["version"] == 1
+    assert store.allocation(allocation_id).version == 1
 
 
 def test_update_fields_bumps_version_and_is_idempotent(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     since = last_journal_id(store)
 
     v = store.update_fields("allocations", allocation_id, event="slurm.seen", job_id="77_0", restarts=1)
@@ -300,8 +300,8 @@ def test_update_fields_bumps_version_and_is_idempotent(store: Store) -> None:
     pool_version = store.update_fields("pools", store.pools(run_id)[0]["id"], job_id="77")
 
     assert (v, again, quiet, pool_version) == (2, 2, 3, None)
-    row = store.get("allocations", allocation_id)
-    assert (row["job_id"], row["restarts"], row["node"], row["state"]) == ("77_0", 1, "n9", "REQUESTED")
+    row = store.allocation(allocation_id)
+    assert (row.job_id, row.restarts, row.node, row.state) == ("77_0", 1, "n9", "REQUESTED")
     (entry,) = store.journal(since_id=since)
     assert entry["event"] == "slurm.seen" and entry["data"] == {"fields": {"job_id": "77_0", "restarts": 1}}
     assert store.pools(run_id)[0]["job_id"] == "77"
@@ -338,7 +338,7 @@ def test_create_run_writes_run_pools_allocations_and_journal(store: Store) -> No
         ("spot", "preempt", None),
     ]
     allocations = store.allocations("r1")
-    assert [(a["pool"], a["array_index"], a["state"], a["version"]) for a in allocations] == [
+    assert [(a.pool, a.array_index, a.state, a.version) for a in allocations] == [
         ("trainer", 0, "REQUESTED", 1), ("trainer", 1, "REQUESTED", 1),
         ("spot", 0, "REQUESTED", 1), ("spot", 1, "REQUESTED", 1), ("spot", 2, "REQUESTED", 1),
     ]  # fmt: skip
@@ -386,9 +386,9 @@ def test_duplicate_run_and_invalid_pools_write_nothing(store: Store) -> None:
 
 def test_workers_transitions_and_steps(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     store.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
-    gpu_ids = [g["id"] for g in store.gpus(run_id)]
+    gpu_ids = [g.id for g in store.gpus(run_id)]
     worker_id = store.add_worker(
         run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", url="http://n:8000"
     )
@@ -398,9 +398,7 @@ def test_workers_transitions_and_steps(store: Store) -> None:
     step_id = store.add_step(
         transition_id=transition_id, seq=0, kind="OFFLOAD", idempotency_key="k0", detail={"ranks": [0, 1]}
     )
-    assert [(w["id"], w["state"], w["url"]) for w in store.workers(run_id)] == [
-        (worker_id, "STARTING", "http://n:8000")
-    ]
+    assert [(w.id, w.state, w.url) for w in store.workers(run_id)] == [(worker_id, "STARTING", "http://n:8000")]
     (transition,) = store.transitions(run_id)
     assert (transition.state, transition.gpu_ids) == ("PLANNED", tuple(sorted(gpu_ids)))
     assert [(s.id, s.state, s.detail) for s in store.steps(transition_id)] == [(step_id, "INTENT", {"ranks": [0, 1]})]
@@ -424,9 +422,9 @@ def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> No
     runs = [new_run(store), new_run(store)]
     gpu = {}
     for run_id in runs:
-        allocation_id = store.allocations(run_id)[0]["id"]
+        allocation_id = store.allocations(run_id)[0].id
         store.upsert_node_gpus(run_id, allocation_id, "node-a", [0], "TRAIN")
-        gpu[run_id] = store.gpus(run_id)[0]["id"]
+        gpu[run_id] = store.gpus(run_id)[0].id
     made: dict[str, list[int]] = {r: [] for r in runs}
     for i in range(8):  # per run: borrow, return, borrow, ... ; every step DONE but the last transition's
         for run_id in runs:
@@ -466,14 +464,14 @@ def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> No
 
 def test_upsert_node_gpus(store: Store) -> None:
     run_id = new_run(store, nodes=2)
-    a0, a1 = (a["id"] for a in store.allocations(run_id))
+    a0, a1 = (a.id for a in store.allocations(run_id))
     store.upsert_node_gpus(run_id, a0, "node-a", [0, 1, 2], "TRAIN")
     since = last_journal_id(store)
     store.upsert_node_gpus(run_id, a0, "node-a", [2, 1, 0], "TRAIN")
     assert store.journal(since_id=since) == []  # idempotent
 
     def view() -> list[tuple[Any, ...]]:
-        return [(g["allocation_id"], g["node"], g["idx"], g["state"], g["role"]) for g in store.gpus(run_id)]
+        return [(g.allocation_id, g.node, g.idx, g.state, g.role) for g in store.gpus(run_id)]
 
     store.upsert_node_gpus(run_id, a0, "node-a", [0, 1], "TRAIN")  # index 2 disappeared
     assert view() == [
@@ -483,10 +481,10 @@ def test_upsert_node_gpus(store: Store) -> None:
     ]
 
     gpu1, gpu2 = store.gpus(run_id)[1:]
-    store.update_fields("gpus", gpu1["id"], role="ROLLOUT", borrowed=1, return_deadline=2000.0)
-    store.set_state("gpus", gpu1["id"], expect="UP", to="LOST", event="heartbeat.missed")
+    store.update_fields("gpus", gpu1.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
+    store.set_state("gpus", gpu1.id, expect="UP", to="LOST", event="heartbeat.missed")
     # a GPU that went while lent (its job preempted and requeued): the lending ended with the allocation
-    store.update_fields("gpus", gpu2["id"], role="ROLLOUT", borrowed=1, return_deadline=2000.0)
+    store.update_fields("gpus", gpu2.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     # requeued elsewhere: 0 moves, 1 comes back from LOST keeping its borrowed role, 2 comes back fresh
     store.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
     assert view() == [
@@ -494,7 +492,7 @@ def test_upsert_node_gpus(store: Store) -> None:
         (a0, "node-b", 1, "UP", "ROLLOUT"),
         (a0, "node-b", 2, "UP", "TRAIN"),
     ]
-    lending = [(g["borrowed"], g["return_deadline"]) for g in store.gpus(run_id)]
+    lending = [(g.borrowed, g.return_deadline) for g in store.gpus(run_id)]
     assert lending == [(0, None), (1, 2000.0), (0, None)]  # the fresh one is no longer lent
     events = [e["event"] for e in store.journal(since_id=since) if e["entity"] == "gpus"]
     assert events.count("gpu.moved") == 1 and events.count("gpu.gone") == 1
@@ -574,7 +572,7 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     with Store.open(path) as writer:
         run_id = new_run(writer)
-        allocation_id = writer.allocations(run_id)[0]["id"]
+        allocation_id = writer.allocations(run_id)[0].id
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
 
     with Store.open(path, readonly=True) as reader:
@@ -641,7 +639,7 @@ def test_lease_acquire_renew_takeover_release(store: Store, clock: FakeClock) ->
 
 def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0]["id"]
+    allocation_id = store.allocations(run_id)[0].id
     # no lease yet: the epoch is only recorded
     store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch", epoch=7)
     assert store.journal()[-1]["epoch"] == 7
@@ -651,7 +649,7 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     clock.advance(31)
     new = store.acquire_lease(lease, "daemon-2", ttl_s=30)
     assert (old, new) == (1, 2)
-    before, since = store.get("allocations", allocation_id), last_journal_id(store)
+    before, since = store.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleEpoch, match="epoch 2.*epoch 1") as refused:
         store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old)
@@ -662,7 +660,7 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
         store.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", epoch=old)
     with pytest.raises(StaleEpoch):
         store.upsert_node_gpus(run_id, allocation_id, "n1", [0], "TRAIN", epoch=old)
-    assert store.get("allocations", allocation_id) == before and store.journal(since_id=since) == []
+    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
 
     store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=new)
     assert store.journal()[-1]["epoch"] == new
@@ -670,24 +668,24 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
 
 # -- atomic: several guarded writes, one commit ---------------------------------------------------------------
 def _gpu_states(store: Store, run_id: str) -> list[str]:
-    return [g["state"] for g in store.gpus(run_id)]
+    return [g.state for g in store.gpus(run_id)]
 
 
 def test_atomic_commits_its_writes_once_and_together(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "state.db")
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0]["id"]
+    alloc = store.allocations(run_id)[0].id
     store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
     gpus = store.gpus(run_id)
     outside = Store.open(tmp_path / "state.db", readonly=True)
     commits = store.commits_on_this_thread()[0]
     with store.atomic():
         for g in gpus:
-            store.set_state("gpus", g["id"], expect=g["state"], to="DRAINING", event="drain")
+            store.set_state("gpus", g.id, expect=g.state, to="DRAINING", event="drain")
             # this thread reads its own writes at once (the cached whole-run read is refreshed)...
         assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]
         # ...another connection sees none of them before the block ends
-        assert _gpu_states(outside, run_id) == [g["state"] for g in gpus]
+        assert _gpu_states(outside, run_id) == [g.state for g in gpus]
         assert store.commits_on_this_thread()[0] == commits
     assert store.commits_on_this_thread()[0] == commits + 1
     assert _gpu_states(outside, run_id) == ["DRAINING", "DRAINING"]
@@ -698,34 +696,32 @@ def test_atomic_commits_its_writes_once_and_together(tmp_path: Path) -> None:
 
 def test_a_refused_write_inside_atomic_undoes_only_itself(store: Store) -> None:
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0]["id"]
+    alloc = store.allocations(run_id)[0].id
     store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
     first, second = store.gpus(run_id)
     with store.atomic():
-        store.set_state("gpus", first["id"], expect=first["state"], to="DRAINING", event="drain")
+        store.set_state("gpus", first.id, expect=first.state, to="DRAINING", event="drain")
         with pytest.raises(StaleWrite):
-            store.set_state("gpus", second["id"], expect="DRAINING", to="GONE", event="gone")
+            store.set_state("gpus", second.id, expect="DRAINING", to="GONE", event="gone")
         with store.atomic():  # a nested block joins the outer one
-            store.set_state("gpus", second["id"], expect=second["state"], to="DRAINING", event="drain")
+            store.set_state("gpus", second.id, expect=second.state, to="DRAINING", event="drain")
     assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]
     assert "gone" not in [j["event"] for j in store.journal(run_id)]
 
 
 def test_an_error_leaving_atomic_rolls_every_write_back(store: Store) -> None:
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0]["id"]
+    alloc = store.allocations(run_id)[0].id
     store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
     before, journal = _gpu_states(store, run_id), len(store.journal(run_id))
     with pytest.raises(RuntimeError, match="midway"), store.atomic():
         for g in store.gpus(run_id):
-            store.set_state("gpus", g["id"], expect=g["state"], to="DRAINING", event="drain")
+            store.set_state("gpus", g.id, expect=g.state, to="DRAINING", event="drain")
         assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]  # read, and cached, inside the block
         raise RuntimeError("midway")
     assert _gpu_states(store, run_id) == before  # not the rows cached inside the rolled-back block
     assert len(store.journal(run_id)) == journal
-    store.set_state(
-        "gpus", store.gpus(run_id)[0]["id"], expect=before[0], to="DRAINING", event="drain"
-    )  # writable again
+    store.set_state("gpus", store.gpus(run_id)[0].id, expect=before[0], to="DRAINING", event="drain")  # writable again
 
 
 def test_an_atomic_block_that_writes_nothing_is_not_counted_as_a_commit(store: Store) -> None:

@@ -27,12 +27,12 @@ class Script:
 def store(tmp_path: Path):
     with Store.open(tmp_path / "s.db") as s:
         alloc = create_trainer_run(s, tmp_path, job_id="1")
-        s.upsert_node_gpus("r", alloc["id"], "gpu1", [0, 1], "TRAIN")
+        s.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
         yield s
 
 
 def gpu_ids(store):
-    return [g["id"] for g in store.gpus("r")]
+    return [g.id for g in store.gpus("r")]
 
 
 def kinds(store, tid):

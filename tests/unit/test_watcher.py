@@ -49,7 +49,7 @@ def store(tmp_path: Path):
         run = s.get_run("r-1")
         s.set_state("runs", "r-1", expect="CREATED", to="SUBMITTING", event="t", expect_version=run["version"])
         for a in s.allocations("r-1"):
-            s.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id="100")
+            s.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="submitted", job_id="100")
         run = s.get_run("r-1")
         s.set_state("runs", "r-1", expect="SUBMITTING", to="ACTIVE", event="t", expect_version=run["version"])
         yield s
@@ -60,7 +60,7 @@ def rec(task, state, **kw):
 
 
 def states(store):
-    return [a["state"] for a in sorted(store.allocations("r-1"), key=lambda a: a["array_index"])]
+    return [a.state for a in sorted(store.allocations("r-1"), key=lambda a: a.array_index)]
 
 
 def events(store):
@@ -74,14 +74,14 @@ def test_pending_range_then_running_registers_nodes_and_gpus(store):
     ]
     sync_run(store, backend, "r-1")
     assert states(store) == ["PENDING", "PENDING"]
-    assert {a["reason"] for a in store.allocations("r-1")} == {"Resources"}
+    assert {a.reason for a in store.allocations("r-1")} == {"Resources"}
     backend.records = [
         rec(0, "RUNNING", nodes=("gpu1",), gpus={"gpu1": (2, 3)}, start_time=1000.0),
         rec(1, "RUNNING", nodes=("gpu2",), gpus={"gpu2": (0, 1)}, start_time=1000.0),
     ]
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING"]
-    gpus = {(g["node"], g["idx"]): (g["role"], g["state"]) for g in store.gpus("r-1")}
+    gpus = {(g.node, g.idx): (g.role, g.state) for g in store.gpus("r-1")}
     assert gpus == {
         ("gpu1", 2): ("ROLLOUT", "UP"),
         ("gpu1", 3): ("ROLLOUT", "UP"),
@@ -100,15 +100,15 @@ def test_preemption_is_recorded_as_preempting_then_requeued_then_running(store):
     backend.records[1] = rec(1, "RUNNING", nodes=("gpu2",), start_time=1000.0, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "PREEMPTING"]
-    assert [g["state"] for g in store.gpus("r-1") if g["node"] == "gpu2"] == ["DRAINING", "DRAINING"]
+    assert [g.state for g in store.gpus("r-1") if g.node == "gpu2"] == ["DRAINING", "DRAINING"]
     backend.records[1] = rec(1, "PENDING", reason="BeginTime", restarts=1, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "PENDING"]
     backend.records[1] = rec(1, "RUNNING", nodes=("gpu3",), start_time=1030.0, restarts=1, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING"]
-    a1 = [a for a in store.allocations("r-1") if a["array_index"] == 1][0]
-    assert a1["restarts"] == 1 and a1["node"] == "gpu3"
+    a1 = [a for a in store.allocations("r-1") if a.array_index == 1][0]
+    assert a1.restarts == 1 and a1.node == "gpu3"
     assert [e for e in events(store) if e[1] in ("preempted", "requeued", "started")][-3:] == [
         ("allocations", "preempted", "PREEMPTING"),
         ("allocations", "requeued", "PENDING"),
@@ -138,7 +138,7 @@ def test_vanished_jobs_become_lost_and_ended_jobs_end_the_run(store):
     backend.records = [rec(1, "COMPLETED")]
     sync_run(store, backend, "r-1")
     assert states(store) == ["LOST", "ENDED"]
-    assert [g["state"] for g in store.gpus("r-1") if g["node"] == "gpu1"] == ["LOST", "LOST"]
+    assert [g.state for g in store.gpus("r-1") if g.node == "gpu1"] == ["LOST", "LOST"]
     backend.records = [rec(0, "FAILED"), rec(1, "COMPLETED")]
     sync_run(store, backend, "r-1")
     assert states(store) == ["ENDED", "ENDED"]
@@ -177,8 +177,8 @@ def test_a_task_added_to_a_pool_is_polled_and_folded_like_a_launched_one(store):
     cancelling it alone leaves the launched tasks running."""
     pool_id = store.pools("r-1")[0]["id"]
     added = store.add_allocation("r-1", pool_id, event="elastic grow", data={"why": "test"})
-    assert added["array_index"] == 2 and added["state"] == "REQUESTED"
-    store.set_state("allocations", added["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id="200")
+    assert added.array_index == 2 and added.state == "REQUESTED"
+    store.set_state("allocations", added.id, expect="REQUESTED", to="PENDING", event="submitted", job_id="200")
     backend = RecordedBackend()
     launched = [rec(0, "RUNNING", nodes=("gpu1",), start_time=1000.0), rec(1, "RUNNING", nodes=("gpu2",))]
     backend.records = [*launched, JobRecord(job_id="200", array_task_id=None, state="PENDING", pending_tasks=(2,))]
@@ -191,15 +191,15 @@ def test_a_task_added_to_a_pool_is_polled_and_folded_like_a_launched_one(store):
     backend.records = [*launched, task2("RUNNING", nodes=("gpu3",), gpus={"gpu3": (0, 1)}, start_time=1010.0)]
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING", "RUNNING"]
-    assert sorted(g["idx"] for g in store.gpus("r-1") if g["allocation_id"] == added["id"]) == [0, 1]
+    assert sorted(g.idx for g in store.gpus("r-1") if g.allocation_id == added.id) == [0, 1]
     backend.records[2] = task2("RUNNING", nodes=("gpu3",), start_time=1010.0, preempt_time=1020.0)
     sync_run(store, backend, "r-1")
     backend.records[2] = task2("PENDING", reason="BeginTime", restarts=1)
     sync_run(store, backend, "r-1")
     backend.records[2] = task2("RUNNING", nodes=("gpu4",), start_time=1050.0, restarts=1)
     sync_run(store, backend, "r-1")
-    a2 = store.get("allocations", added["id"])
-    assert (a2["state"], a2["node"], a2["restarts"]) == ("RUNNING", "gpu4", 1)
+    a2 = store.allocation(added.id)
+    assert (a2.state, a2.node, a2.restarts) == ("RUNNING", "gpu4", 1)
     backend.records[2] = task2("CANCELLED")
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING", "ENDED"]
@@ -223,10 +223,10 @@ def test_a_pending_task_cancelled_before_it_ran_ends_instead_of_vanishing(store)
         ("201", JobRecord(job_id="201", array_task_id=None, state="CANCELLED", pending_tasks=(3,), source="sacct")),
     ):
         added = store.add_allocation("r-1", pool_id)
-        store.set_state("allocations", added["id"], expect="REQUESTED", to="PENDING", event="submitted", job_id=job_id)
+        store.set_state("allocations", added.id, expect="REQUESTED", to="PENDING", event="submitted", job_id=job_id)
         backend = RecordedBackend()
         backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",)), record]
         sync_run(store, backend, "r-1")
-        a = store.get("allocations", added["id"])
-        assert (a["state"], a["slurm_state"]) == ("ENDED", "CANCELLED"), a
+        a = store.allocation(added.id)
+        assert (a.state, a.slurm_state) == ("ENDED", "CANCELLED"), a
     assert states(store) == ["RUNNING", "RUNNING", "ENDED", "ENDED"]

@@ -48,9 +48,9 @@ def run(tmp_path: Path, monkeypatch):
                          policy="scripted", pools=pools)  # fmt: skip
         store.update_fields("runs", "r", borrow={"policy": "scripted", "max_gpus": None, "keep_warm": True})
         for i, a in enumerate(store.allocations("r")):
-            store.set_state("allocations", a["id"], expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-            store.set_state("allocations", a["id"], expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
-            store.upsert_node_gpus("r", a["id"], f"n{i}", [0], "ROLLOUT")
+            store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
+            store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+            store.upsert_node_gpus("r", a.id, f"n{i}", [0], "ROLLOUT")
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller = Controller(store, "r", None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
@@ -62,11 +62,11 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     with controller.lock:
         controller.borrowing.tick()
     made = store.transitions("r")
-    pools = {a["id"]: a["pool_id"] for a in store.allocations("r")}
+    pools = {a.id: a.pool_id for a in store.allocations("r")}
     names = {p["id"]: p["name"] for p in store.pools("r")}
-    gpus = {g["id"]: g for g in store.gpus("r")}
+    gpus = {g.id: g for g in store.gpus("r")}
     seen = sorted(
-        (t.kind, (t.detail or {}).get("plan"), names[pools[gpus[t.gpu_ids[0]]["allocation_id"]]],
+        (t.kind, (t.detail or {}).get("plan"), names[pools[gpus[t.gpu_ids[0]].allocation_id]],
          t.from_role, t.to_role, len(t.gpu_ids))
         for t in made
     )  # fmt: skip
@@ -135,22 +135,22 @@ def test_dry_run_prints_the_whole_plan_and_changes_nothing(run):
 def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(run):
     store, controller = run
     alloc = store.allocations("r")[0]
-    gpu = next(g for g in store.gpus("r") if g["allocation_id"] == alloc["id"])
-    worker = store.add_worker(run_id="r", allocation_id=alloc["id"], role="ROLLOUT", engine="vllm")
+    gpu = next(g for g in store.gpus("r") if g.allocation_id == alloc.id)
+    worker = store.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm")
     store.update_fields("workers", worker, worker_key="rollout-0", gpu_idx=[0], url="http://n0:9000")
     store.set_state("workers", worker, expect="STARTING", to="READY", event="t")
     ex = controller.borrowing.executor
     detail = TransitionDetail(plan=PlanKind.RETIRE_SLEEP)
-    tid = ex.plan("retire", [gpu["id"]], detail=detail, from_role="ROLLOUT", to_role="IDLE")
+    tid = ex.plan("retire", [gpu.id], detail=detail, from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
-    assert store.get("gpus", gpu["id"])["role"] == "IDLE"
-    assert store.get("gpus", gpu["id"])["worker_id"] == worker
-    desired = controller.agents.desired(alloc["id"])
+    assert store.gpu(gpu.id).role == "IDLE"
+    assert store.gpu(gpu.id).worker_id == worker
+    desired = controller.agents.desired(alloc.id)
     assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
     for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
-        store.set_state("workers", worker, expect=store.get("workers", worker)["state"], to=to, event="t")
+        store.set_state("workers", worker, expect=store.worker(worker).state, to=to, event="t")
     snapshot = controller.borrowing.snapshot(NOW)
-    slot = next(g for g in snapshot.gpus if g.id == gpu["id"])
+    slot = next(g for g in snapshot.gpus if g.id == gpu.id)
     assert slot.parked and slot.role == "IDLE"  # the planner sees a wake, not a cold start
 
 
@@ -180,24 +180,24 @@ def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
     alloc = store.allocations("r")[0]
 
     def report(pid: int, state: str) -> None:
-        body = {"allocation_id": alloc["id"], "workers": [
+        body = {"allocation_id": alloc.id, "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
              "url": f"http://n0:{pid}", "pid": pid}]}  # fmt: skip
-        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc.id)
 
     report(100, "READY")
-    old = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")
-    store.set_state("workers", old["id"], expect="READY", to="LOST", event="agent silent")
+    old = next(w for w in store.workers("r") if w.worker_key == "rollout-0")
+    store.set_state("workers", old.id, expect="READY", to="LOST", event="agent silent")
     report(200, "STARTING")
-    rows = {w["id"]: w for w in store.workers("r")}
-    assert rows[old["id"]]["state"] == "STOPPED" and rows[old["id"]]["worker_key"] == f"rollout-0#{old['id']}"
-    new = next(w for w in rows.values() if w["worker_key"] == "rollout-0")
-    assert new["id"] != old["id"] and new["pid"] == 200 and new["state"] == "STARTING"
-    events = [j["event"] for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(old["id"])]
+    rows = {w.id: w for w in store.workers("r")}
+    assert rows[old.id].state == "STOPPED" and rows[old.id].worker_key == f"rollout-0#{old.id}"
+    new = next(w for w in rows.values() if w.worker_key == "rollout-0")
+    assert new.id != old.id and new.pid == 200 and new.state == "STARTING"
+    events = [j["event"] for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(old.id)]
     assert "replaced by a new process" in events
     # the same process reporting again (a daemon restart, an agent back after a pause) keeps its row
     report(200, "READY")
-    assert next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")["id"] == new["id"]
+    assert next(w for w in store.workers("r") if w.worker_key == "rollout-0").id == new.id
 
 
 def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_reports(run):
@@ -208,17 +208,17 @@ def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_re
     alloc = store.allocations("r")[0]
 
     def report(state: str) -> None:
-        body = {"allocation_id": alloc["id"], "workers": [
+        body = {"allocation_id": alloc.id, "workers": [
             {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "gpus": [0], "state": state,
              "url": "http://n0:9000", "pid": 100}]}  # fmt: skip
-        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc["id"])
+        controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc.id)
 
     report("STARTING")
-    worker = next(w for w in store.workers("r") if w["worker_key"] == "rollout-0")
-    store.set_state("workers", worker["id"], expect="STARTING", to="LOST", event="agent silent")
+    worker = next(w for w in store.workers("r") if w.worker_key == "rollout-0")
+    store.set_state("workers", worker.id, expect="STARTING", to="LOST", event="agent silent")
     report("STARTING")
-    assert store.get("workers", worker["id"])["state"] == "STARTING"
+    assert store.worker(worker.id).state == "STARTING"
     report("READY")
-    assert store.get("workers", worker["id"])["state"] == "READY"
-    mine = [j for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(worker["id"])]
+    assert store.worker(worker.id).state == "READY"
+    mine = [j for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(worker.id)]
     assert "unexpected report" not in [j["event"] for j in mine]
