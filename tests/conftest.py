@@ -34,6 +34,7 @@ import pytest
 
 from pearlctl.daemon.main import process_alive as alive  # noqa: F401  (tests import it from here)
 from pearlctl.state.rows import Allocation
+from tests import factories
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny.toml"
@@ -76,30 +77,18 @@ class FakeClock:
 def running_run(store, run_dir: Path, *, pool: str, role: str, nodes: int) -> None:
     """Run "r" (Slurm backend, policy never) with one pool of ``nodes`` tasks of one GPU in ``role``, every task
     RUNNING (job 10 + i on node n{i}) with its GPU registered."""
-    pools = [{"name": pool, "kind": pool, "role": role, "partition": None, "nodes": nodes, "gpus_per_node": 1,
-              "job_name": f"pearl.r.{pool}"}]  # fmt: skip
-    store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(run_dir), backend="slurm",
-                     policy="never", pools=pools)  # fmt: skip
-    for i, a in enumerate(store.allocations("r")):
-        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+    factories.create_run(store, run_dir, [factories.pool(pool, role, nodes=nodes)])
+    for i, a in enumerate(factories.run_all(store)):
         store.upsert_node_gpus("r", a.id, f"n{i}", [0], role)
 
 
 def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
     """Run "r" of pools ``shapes`` ((name, role, nodes, gpus_per_node), ...) with every allocation RUNNING, the
     i-th on node ``n<i>`` as Slurm job ``10 + i``; yields ``(i, allocation, pool name)`` for each, in order."""
-    pools = [
-        {"name": n, "kind": n, "role": role, "partition": None, "nodes": k, "gpus_per_node": g,
-         "job_name": f"pearl.r.{n}"}
-        for n, role, k, g in shapes
-    ]  # fmt: skip
-    store.create_run(run_id="r", name="r", spec=spec or {}, spec_path=None, run_dir=str(run_dir), backend="slurm",
-                     policy="never", pools=pools)  # fmt: skip
+    pools = [factories.pool(n, role, nodes=k, gpus_per_node=g) for n, role, k, g in shapes]
+    factories.create_run(store, run_dir, pools, spec=spec)
     names = {p["id"]: p["name"] for p in store.pools("r")}
-    for i, a in enumerate(store.allocations("r")):
-        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+    for i, a in enumerate(factories.run_all(store)):
         yield i, a, names[a.pool_id]
 
 
@@ -120,13 +109,9 @@ def assert_quiet_on_broken_pipe(proc: subprocess.Popen, timeout: float, exit_cod
 def create_serving_run(store, run_dir: Path, *, run_id: str = "q") -> None:
     """Run ``run_id`` (Slurm backend, policy never): a trainer pool of 2 GPUs on node n1 and a rollout pool of
     one GPU on node n2, each GPU registered in its pool's role — for tests that need a serving worker."""
-    pools = [
-        {"name": name, "kind": name, "role": role, "partition": None, "nodes": 1, "gpus_per_node": n,
-         "job_name": f"pearl.{run_id}.{name}"}
-        for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))
-    ]  # fmt: skip
-    store.create_run(run_id=run_id, name=run_id, spec={}, spec_path=None, run_dir=str(run_dir), backend="slurm",
-                     policy="never", pools=pools)  # fmt: skip
+    pools = [factories.pool(name, role, gpus_per_node=n, run_id=run_id)
+             for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))]  # fmt: skip
+    factories.create_run(store, run_dir, pools, run_id=run_id)
     placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
     for a, (node, idx, role) in zip(store.allocations(run_id), placed, strict=True):
         store.upsert_node_gpus(run_id, a.id, node, idx, role)
@@ -134,28 +119,10 @@ def create_serving_run(store, run_dir: Path, *, run_id: str = "q") -> None:
 
 def create_trainer_run(store, run_dir: Path, *, job_id: str) -> Allocation:
     """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
-    store.create_run(
-        run_id="r",
-        name="r",
-        spec={},
-        spec_path="r.toml",
-        run_dir=str(run_dir),
-        backend="slurm",
-        policy="greedy",
-        pools=[
-            {
-                "name": "trainer",
-                "kind": "trainer",
-                "role": "TRAIN",
-                "partition": None,
-                "nodes": 1,
-                "gpus_per_node": 2,
-                "job_name": "pearl.r.trainer",
-            }
-        ],
-    )
+    pools = [factories.pool("trainer", "TRAIN", gpus_per_node=2)]
+    factories.create_run(store, run_dir, pools, spec_path="r.toml", policy="greedy")
     alloc = store.allocations("r")[0]
-    store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
+    factories.submit(store, alloc.id, job_id)
     return store.allocation(alloc.id)
 
 
