@@ -80,6 +80,24 @@ class _Gpu:
     journaled: bool = False  # a role row was read for it: its role is the journal's, not inferred
 
 
+def _is_trainer(row: Mapping[str, Any]) -> bool:
+    """Whether a GPU row is the trainer's: its ``pool_kind`` where given, else a pool named ``trainer``."""
+    return (row.get("pool_kind") or row.get("pool")) == PoolKind.TRAINER
+
+
+def _role_after(g: _Gpu, t: Mapping[str, Any], to: str, row: Mapping[str, Any]) -> str | None:
+    """The role of GPU ``g`` (its row ``row``) once the planned transition ``t`` that moved it ended in ``to``."""
+    if g.journaled:
+        return g.role  # its steps journaled its roles
+    if to == TransitionState.DONE:
+        return t.get("to_role") or g.role
+    if to == TransitionState.ROLLED_BACK and t["ran"]:
+        return Role.TRAIN if _is_trainer(row) else Role.IDLE
+    if to == TransitionState.FAILED:
+        return row.get("role") or g.role
+    return g.role
+
+
 def reconstruct(
     journal: Iterable[Mapping[str, Any]], gpus: Iterable[Mapping[str, Any]], *, start: float, end: float
 ) -> RoleTimeline:
@@ -93,10 +111,6 @@ def reconstruct(
     journal = list(journal)
     state: dict[int, _Gpu] = {}
     planned: dict[int, dict[str, Any]] = {}
-
-    def trainer(gid: int) -> bool:
-        g = rows.get(gid) or {}
-        return (g.get("pool_kind") or g.get("pool")) == PoolKind.TRAINER
 
     def gpu(gid: int) -> _Gpu:
         return state.setdefault(gid, _Gpu())
@@ -155,14 +169,7 @@ def reconstruct(
                 for gid in ids:
                     g = gpu(gid)
                     g.moving.discard(tid)
-                    if g.journaled:
-                        pass  # its steps journaled its roles
-                    elif to == TransitionState.DONE:
-                        g.role = t.get("to_role") or g.role
-                    elif to == TransitionState.ROLLED_BACK and t["ran"]:
-                        g.role = Role.TRAIN if trainer(gid) else Role.IDLE
-                    elif to == TransitionState.FAILED:
-                        g.role = (rows.get(gid) or {}).get("role") or g.role
+                    g.role = _role_after(g, t, to, rows.get(gid) or {})
             for gid in ids:
                 settle(gid, at)
     for gid, g in state.items():
