@@ -14,6 +14,7 @@ from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor
 from pearlctl.state.store import Store
+from tests import factories
 
 NOW = 1_000_000.0
 
@@ -21,13 +22,8 @@ NOW = 1_000_000.0
 @pytest.fixture
 def trainer(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
-        pools = [{"name": "trainer", "kind": "trainer", "role": "TRAIN", "partition": None, "nodes": 1,
-                  "gpus_per_node": 2, "job_name": "pearl.r.trainer"}]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="greedy", pools=pools)  # fmt: skip
-        (a,) = store.allocations("r")
-        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id="10")
-        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node="n0")
+        factories.create_run(store, tmp_path, [factories.pool("trainer", "TRAIN", gpus_per_node=2)], policy="greedy")
+        (a,) = factories.run_all(store)
         store.upsert_node_gpus("r", a.id, "n0", [0, 1], "TRAIN")
         controller = Controller(store, "r", None, clock=lambda: NOW)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)

@@ -16,38 +16,19 @@ from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
 from pearlctl.daemon.controller import ControlError
 from pearlctl.state.store import Store
+from tests import factories
 from tests.unit.test_crash_matrix import Clock
 from tests.unit.test_crash_matrix_pools import Daemon, SimAgent, SimRouter
-
-
-def pool(name: str, role: str) -> dict:
-    return {
-        "name": name,
-        "kind": name,
-        "role": role,
-        "partition": None,
-        "nodes": 1,
-        "gpus_per_node": 1,
-        "job_name": f"pearl.r.{name}",
-    }
 
 
 @pytest.fixture
 def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
-    store.create_run(
-        run_id="r",
-        name="r",
-        spec={},
-        spec_path="r.toml",
-        run_dir=str(tmp_path),
-        backend="slurm",
-        policy="never",
-        pools=[pool("trainer", "TRAIN"), pool("rollout", "ROLLOUT")],
-    )
+    pools = [factories.pool("trainer", "TRAIN"), factories.pool("rollout", "ROLLOUT")]
+    factories.create_run(store, tmp_path, pools, spec_path="r.toml")
     for a, job, node in zip(store.allocations("r"), ("7", "8"), ("gpu1", "gpu2"), strict=True):
-        store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
-        store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=node)
+        factories.submit(store, a.id, job)
+        factories.start(store, a.id, node)
     clock, router = Clock(), SimRouter()
     rollout = next(a for a in store.allocations("r") if a.pool == "rollout")
     daemon = Daemon(store, rollout.id, 1, clock, router)

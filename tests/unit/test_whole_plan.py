@@ -18,6 +18,7 @@ from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.transitions import Executor, PlanKind, TransitionDetail
 from pearlctl.state.rows import Transition
 from pearlctl.state.store import Store
+from tests import factories
 
 NOW = 1_000_000.0
 
@@ -39,17 +40,10 @@ def run(tmp_path: Path, monkeypatch):
     (tmp_path / "policies" / "scripted.py").write_text(textwrap.dedent(POLICY))
     monkeypatch.setenv("PEARL_POLICY_PATH", str(tmp_path / "policies"))
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
-        pools = [
-            {"name": n, "kind": n, "role": "ROLLOUT", "partition": None, "nodes": k, "gpus_per_node": 1,
-             "job_name": f"pearl.r.{n}"}
-            for n, k in (("rollout", 2), ("elastic", 1))
-        ]  # fmt: skip
-        store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="slurm",
-                         policy="scripted", pools=pools)  # fmt: skip
+        pools = [factories.pool(n, "ROLLOUT", nodes=k) for n, k in (("rollout", 2), ("elastic", 1))]
+        factories.create_run(store, tmp_path, pools, policy="scripted")
         store.update_fields("runs", "r", borrow={"policy": "scripted", "max_gpus": None, "keep_warm": True})
-        for i, a in enumerate(store.allocations("r")):
-            store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(10 + i))
-            store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i}")
+        for i, a in enumerate(factories.run_all(store)):
             store.upsert_node_gpus("r", a.id, f"n{i}", [0], "ROLLOUT")
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller = Controller(store, "r", None, clock=lambda: NOW)
