@@ -235,27 +235,7 @@ def launch(
     Path(spec.run_dir, "jobs").mkdir(parents=True, exist_ok=True)
     ensure_secret(spec.run_dir)  # the run's API token (mode 0600) for the daemon, agents and trainer hook
     if not resuming:
-        store.create_run(
-            run_id=run_id,
-            name=spec.name,
-            spec=spec.to_dict(),
-            spec_path=str(spec.source),
-            run_dir=str(spec.run_dir),
-            backend=backend.name,
-            policy=spec.policy,
-            pools=[
-                {
-                    "name": r.pool,
-                    "kind": r.pool,
-                    "role": r.role,
-                    "partition": r.partition,
-                    "nodes": r.array_size,
-                    "gpus_per_node": r.gpus_per_node,
-                    "job_name": r.job_name,
-                }
-                for r in reqs
-            ],
-        )
+        _create_run(spec, store, backend, run_id, reqs)
     if store.get_run(run_id)["state"] == RunState.CREATED:
         _move_run(store, run_id, expect=RunState.CREATED, to=RunState.SUBMITTING, event="submitting")
     pools = {p["name"]: p for p in store.pools(run_id)}
@@ -296,6 +276,31 @@ def launch(
         store, run_id, expect=RunState.SUBMITTING, to=RunState.ACTIVE, event="submitted", data={"job_ids": job_ids}
     )
     return LaunchResult(run_id, adopted, job_ids)
+
+
+def _create_run(spec: RunSpec, store: Store, backend: Backend, run_id: str, reqs: list[SubmitRequest]) -> None:
+    """Write the run's row and one pool row per job request (the first launch of ``spec``)."""
+    store.create_run(
+        run_id=run_id,
+        name=spec.name,
+        spec=spec.to_dict(),
+        spec_path=str(spec.source),
+        run_dir=str(spec.run_dir),
+        backend=backend.name,
+        policy=spec.policy,
+        pools=[
+            {
+                "name": r.pool,
+                "kind": r.pool,
+                "role": r.role,
+                "partition": r.partition,
+                "nodes": r.array_size,
+                "gpus_per_node": r.gpus_per_node,
+                "job_name": r.job_name,
+            }
+            for r in reqs
+        ],
+    )
 
 
 def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str], why: str) -> None:
