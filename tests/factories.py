@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pearlctl.planner.model import Snapshot, Trainer, Work
 from pearlctl.planner.profile import DecodeModel, Profile
 
 
@@ -53,3 +54,11 @@ def profile(name: str = "test", **overrides) -> Profile:
         decode = DecodeModel(**decode)
     return Profile(name=name, model=overrides.pop("model", "m"), hardware=overrides.pop("hardware", "h"),
                    decode=decode, **overrides)  # fmt: skip
+
+
+def snapshot(gpus, work: Work, profile: Profile, *, now: float, phase: str = "waiting", wait_left_s: float,
+             **fields) -> Snapshot:  # fmt: skip
+    """A planner Snapshot of ``gpus`` at ``now``, the trainer in ``phase`` with ``wait_left_s`` left, costs the
+    profile's; ``fields`` sets the rest (``max_lend``, ``mode``, ...)."""
+    return Snapshot(now=now, gpus=tuple(gpus), work=work, trainer=Trainer(phase=phase, wait_left_s=wait_left_s),
+                    profile=profile, costs=profile.costs, **fields)  # fmt: skip

@@ -22,19 +22,17 @@ from pearlctl.planner.model import (
     Role,
     Snapshot,
     Target,
-    Trainer,
     Work,
 )
 from pearlctl.planner.plan import current_target
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+from pearlctl.planner.profile import TransitionCosts
+from tests import factories
 
 NOW = 1_000.0
 COSTS = TransitionCosts()  # start 60 s, wake 3, sleep 3, stop 5, offload 2, reload 2, role switch 5
-PROFILE = Profile(
-    name="diff-test",
-    model="m",
-    hardware="h",
-    decode=DecodeModel(weights_s=0.005, seq_s=2e-5, kv_s_per_token=4e-8),
+PROFILE = factories.profile(
+    "diff-test",
+    decode={"weights_s": 0.005, "seq_s": 2e-5, "kv_s_per_token": 4e-8},
     prefill_tok_s=20_000,
     kv_capacity_tokens=200_000,
     costs=COSTS,
@@ -44,15 +42,7 @@ WORK = Work(trajectories=64, turns_left=3, decode_tokens_per_turn=200, context_t
 
 
 def snapshot(gpus, *, phase="waiting", wait_left_s=1_000.0, max_lend=None) -> Snapshot:
-    return Snapshot(
-        now=NOW,
-        gpus=tuple(gpus),
-        work=WORK,
-        trainer=Trainer(phase=phase, wait_left_s=wait_left_s),
-        profile=PROFILE,
-        costs=COSTS,
-        max_lend=max_lend,
-    )
+    return factories.snapshot(gpus, WORK, PROFILE, now=NOW, phase=phase, wait_left_s=wait_left_s, max_lend=max_lend)
 
 
 # -- the rules, as the issue states them ----------------------------------------------------------

@@ -16,23 +16,21 @@ from pearlctl.planner.model import (
     Plan,
     Role,
     Snapshot,
-    Trainer,
     Work,
 )
 from pearlctl.planner.plan import current_deployment
 from pearlctl.planner.predict import completion_s
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts
+from pearlctl.planner.profile import TransitionCosts
 from pearlctl.policies import load_policy
+from tests import factories
 
 NOW = 10_000.0
 COSTS = TransitionCosts()  # start 60 s, wake 3, sleep 3, stop 5, offload 2, reload 2, role switch 5
 # Decode dominated by reading the weights; KV on a fast (NVLink-class) link: a profile on which
 # disaggregation pays for some work and not for other.
-PROFILE = Profile(
-    name="policy-test",
-    model="m",
-    hardware="h",
-    decode=DecodeModel(weights_s=0.01, seq_s=2e-5, kv_s_per_token=1e-9),
+PROFILE = factories.profile(
+    "policy-test",
+    decode={"weights_s": 0.01, "seq_s": 2e-5, "kv_s_per_token": 1e-9},
     prefill_tok_s=20_000,
     kv_capacity_tokens=2_000_000,
     kv_bytes_per_token=147_456,
@@ -85,15 +83,7 @@ def cluster(
 
 
 def snapshot(gpus, work=BIG, *, wait_left_s=2_000.0, phase="waiting", **kw) -> Snapshot:
-    return Snapshot(
-        now=kw.pop("now", NOW),
-        gpus=tuple(gpus),
-        work=work,
-        trainer=Trainer(phase=phase, wait_left_s=wait_left_s),
-        profile=PROFILE,
-        costs=COSTS,
-        **kw,
-    )
+    return factories.snapshot(gpus, work, PROFILE, now=kw.pop("now", NOW), phase=phase, wait_left_s=wait_left_s, **kw)
 
 
 def kinds(plan: Plan | None) -> set[MoveKind]:
