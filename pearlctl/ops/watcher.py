@@ -21,6 +21,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pearlctl.backends import Backend
 from pearlctl.slurm.records import JobPhase, JobRecord
@@ -150,7 +151,10 @@ class _Mover:
             )
             self.gpus_down(GpuState.GONE)
             return
-        # RUNNING
+        self._apply_running(rec, state, facts)
+
+    def _apply_running(self, rec: JobRecord, state: A, facts: dict[str, Any]) -> None:
+        """Follow a job record in Slurm's RUNNING phase (``apply``'s last case) from the allocation's ``state``."""
         node = node_of(rec, self.alloc.array_index)
         if rec.state.startswith("COMPLETING") and state in (A.RUNNING, A.PREEMPTING):
             # the run is ending (its processes exit). After a preemption Slurm already counts the restart and
@@ -262,13 +266,13 @@ def maybe_sync(store: Store, backend: Backend, run: dict, *, holder: str | None 
     """Sync unless a daemon owns the run or another reader polled within the poll interval."""
     if run["state"] not in (RunState.ACTIVE, RunState.CANCELLING, RunState.SUBMITTING):
         return SyncReport(polled=False)
-    daemon = store.lease(run_lease_name(run["id"]))
+    daemon = store.leases.get(run_lease_name(run["id"]))
     if daemon and daemon["expires_at"] > time.time():
         return SyncReport(polled=False)
     interval = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
     last = run.get("last_poll_at") or 0.0
     if time.time() - last < interval * 0.9:
         return SyncReport(polled=False)
-    if store.acquire_lease(poll_lease_name(run["id"]), holder or holder_id(), interval * 0.9) is None:
+    if store.leases.acquire(poll_lease_name(run["id"]), holder or holder_id(), interval * 0.9) is None:
         return SyncReport(polled=False)
     return sync_run(store, backend, run["id"])
