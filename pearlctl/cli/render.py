@@ -65,7 +65,19 @@ SHOWN_FAILURES = 3  # the latest failed workers whose reasons status shows (a cr
 
 
 def status_tables(doc: dict) -> Group:
-    run = doc["run"]
+    """A run's state document (pearlctl.state.views.run_document) for people: the run's head line, its router,
+    one table each for its pools, allocations and GPUs, its elastic pool, its workers, then one line each for
+    its transitions, the trainer, the rollout and the predictor."""
+    parts = [_head(doc["run"]), *router_parts(doc), _pools_table(doc), _allocations_table(doc), _gpus_table(doc)]
+    parts += elastic_parts(doc.get("elastic"))
+    parts += _workers_parts(doc)
+    parts += _transitions_lines(doc["transitions"])
+    parts += _progress_lines(doc["run"])
+    return Group(*parts)
+
+
+def _head(run: dict) -> Table:
+    """The run's name, id, state, backend, policy and last poll (and a warning when its engine is paced)."""
     head = Table.grid(padding=(0, 2))
     head.add_row(
         Text(f"run {run['name']}", style="bold"),
@@ -78,7 +90,11 @@ def status_tables(doc: dict) -> Group:
     spec = run.get("spec") or {}
     if spec.get("engine") == ServingEngine.PACED:  # never a real run: say so where the run is named
         head.add_row(Text(f"engine paced (no model): timing from {spec.get('engine_profile')}", style="yellow"))
+    return head
 
+
+def _pools_table(doc: dict) -> Table:
+    """One row per pool: its job, partition and size, its role, and how many of its allocations run."""
     pools = Table(title="pools", title_justify="left")
     for col in ("pool", "job", "partition", "nodes x GPUs", "role", "running"):
         pools.add_column(col)
@@ -92,7 +108,11 @@ def status_tables(doc: dict) -> Group:
             p["role"],
             f"{running}/{p['nodes']}",
         )
+    return pools
 
+
+def _allocations_table(doc: dict) -> Table:
+    """One row per allocation: its Slurm id and state, node, restarts, and why it is in its state."""
     allocs = Table(title="allocations", title_justify="left")
     for col in ("allocation", "slurm id", "state", "slurm state", "node", "restarts", "reason", "since"):
         allocs.add_column(col)
@@ -109,7 +129,11 @@ def status_tables(doc: dict) -> Group:
             "" if reason == "None" else reason,
             _when(a.get("updated_at")),
         )
+    return allocs
 
+
+def _gpus_table(doc: dict) -> Table:
+    """One row per GPU still there (not GONE): where it is, its pool, role and state, and whether it is lent."""
     gpus = Table(title="gpus", title_justify="left")
     for col in ("id", "node", "gpu", "pool", "role", "state", "borrowed", "return by"):
         gpus.add_column(col)
@@ -126,8 +150,12 @@ def status_tables(doc: dict) -> Group:
             "yes" if g.get("borrowed") else "",
             _when(g.get("return_deadline")),
         )
+    return gpus
 
-    parts = [head, *router_parts(doc), pools, allocs, gpus, *elastic_parts(doc.get("elastic"))]
+
+def _workers_parts(doc: dict) -> list:
+    """The workers' table and why the latest failed ones failed; a line saying there are none yet otherwise."""
+    parts: list = []
     if doc["workers"]:
         workers = Table(title="workers", title_justify="left")
         for col in ("id", "role", "engine", "state", "url", "weights"):
@@ -154,11 +182,14 @@ def status_tables(doc: dict) -> Group:
             parts.append(Text(f"worker {w['id']} failed: {w['error']}", style="red"))
     else:
         parts.append(Text("workers: none (engines start with the daemon)", style="dim"))
-    running = [t for t in doc["transitions"] if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
-    done = [t for t in doc["transitions"] if t["state"] == "DONE"]
-    parts.append(
-        Text(f"transitions: {len(running)} running, {len(done)} done, {len(doc['transitions'])} in all", style="dim")
-    )
+    return parts
+
+
+def _transitions_lines(transitions: list[dict]) -> list[Text]:
+    """How many transitions run, are done and were made; one line per running one (its step, its deadline)."""
+    running = [t for t in transitions if t["state"] in ("PLANNED", "RUNNING", "ROLLING_BACK")]
+    done = [t for t in transitions if t["state"] == "DONE"]
+    parts = [Text(f"transitions: {len(running)} running, {len(done)} done, {len(transitions)} in all", style="dim")]
     for t in running:
         current = t.get("current_step") or "-"
         deadline = (t.get("detail") or {}).get("return_deadline")
@@ -168,6 +199,12 @@ def status_tables(doc: dict) -> Group:
                 + (f", return by {_when(deadline)}" if deadline else "")
             )
         )
+    return parts
+
+
+def _progress_lines(run: dict) -> list[Text]:
+    """The trainer's last report, the rollout driver's counts and the predictor's correction, each when known."""
+    parts = []
     trainer = run.get(TRAINER_REPORT) or {}
     if trainer:
         parts.append(
@@ -199,7 +236,7 @@ def status_tables(doc: dict) -> Group:
                 f"{shapes} shape(s)); predictions are corrected by it"
             )
         )
-    return Group(*parts)
+    return parts
 
 
 def router_parts(doc: dict) -> list:
