@@ -25,7 +25,7 @@ import pytest
 
 from pearlctl.daemon.transitions import PLANS
 from pearlctl.host.runfiles import read_address
-from pearlctl.state.rows import Transition
+from pearlctl.state.rows import Gpu, Transition
 from pearlctl.state.store import Store
 from tests.conftest import REPO, Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, TINY_MODEL
@@ -140,10 +140,10 @@ class Harness:
     def transitions(self) -> list[Transition]:
         return self.store.transitions(self.run_id)
 
-    def lent(self) -> list[dict]:
+    def lent(self) -> list[Gpu]:
         return [g for g in self.store.gpus(self.run_id) if g.borrowed]
 
-    def parked(self) -> list[dict]:
+    def parked(self) -> list[Gpu]:
         return [g for g in self.store.gpus(self.run_id) if g.worker_id is not None and not g.borrowed]
 
     def settled(self) -> Transition | None:
@@ -169,7 +169,7 @@ class Harness:
         else:
             self.pc("return", RUN, *(["--keep-warm"] if plan == "return_sleep" else []))
 
-    def move(self, plan: str) -> dict:
+    def move(self, plan: str) -> Transition:
         """Run one transition to the end under a daemon without a fault (setting up a precondition)."""
         before = len(self.transitions())
         self.trigger(plan)
@@ -270,7 +270,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
     assert len(live) <= 1, live
 
     if plan.startswith("borrow"):
-        assert len(h.lent()) == 1 and live and live[0]["state"] == "READY" and live[0]["routable"]
+        assert len(h.lent()) == 1 and live and live[0].state == "READY" and live[0].routable
         releases = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
         assert releases == releases_before + 1  # the trainer offloaded once, not twice
     else:  # the trainer has its GPUs back, and the worker is parked asleep or stopped as asked
@@ -279,7 +279,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
         last_release = max(i for i, e in enumerate(events) if e["event"] == "release")
         assert any(e["event"] == "reclaim" and e["ok"] for e in events[last_release:])
         if plan == "return_sleep":
-            assert len(live) == 1 and live[0]["state"] == "SLEEPING" and not live[0]["routable"]
+            assert len(live) == 1 and live[0].state == "SLEEPING" and not live[0].routable
         else:
             assert not live
 

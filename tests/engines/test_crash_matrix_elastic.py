@@ -43,6 +43,7 @@ from pearlctl.api.client import ControlClient
 from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, elastic_view
 from pearlctl.host.runfiles import read_address
 from pearlctl.router import service
+from pearlctl.state.rows import Allocation, Transition, Worker
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec
@@ -124,10 +125,10 @@ class Harness:
     def view(self) -> dict:
         return elastic_view(self.store, self.run_id)
 
-    def elastic(self) -> list[dict]:
+    def elastic(self) -> list[Allocation]:
         return [a for a in self.store.allocations(self.run_id) if a.pool == "elastic"]
 
-    def workers_of(self, alloc_id: int) -> list[dict]:
+    def workers_of(self, alloc_id: int) -> list[Worker]:
         return [w for w in self.store.workers(self.run_id) if w.allocation_id == alloc_id]
 
     def submits(self) -> list[tuple[str, int]]:
@@ -140,7 +141,7 @@ class Harness:
                 out.append((doc["submitted_at"], meta.parent.name, int(doc["first_task"])))
         return [(job, task) for _, job, task in sorted(out)]
 
-    def vllm_starts(self, alloc: dict | None = None) -> int:
+    def vllm_starts(self, alloc: Allocation | None = None) -> int:
         """vLLM processes ever started by agents (of one allocation): one "starting" line per process."""
         pattern = f"vllm-{alloc.job_id}_{alloc.array_index}-*.log" if alloc else "vllm-*.log"
         return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob(pattern))
@@ -184,20 +185,20 @@ class Harness:
             and urls.get(j["entity_id"]) in members
         ]
 
-    def floor_worker(self) -> dict | None:
+    def floor_worker(self) -> Worker | None:
         """The floor task's worker, when it serves (READY and routable)."""
         floor = next(a for a in self.elastic() if a.array_index == 0)
-        ready = [w for w in self.workers_of(floor["id"]) if w.state == "READY" and w.routable]
+        ready = [w for w in self.workers_of(floor.id) if w.state == "READY" and w.routable]
         return ready[0] if len(ready) == 1 else None
 
-    def added_worker(self) -> dict:
+    def added_worker(self) -> Worker:
         """The READY worker of the running added task: the one a shrink takes away (an added task leaves, never
         the floor)."""
         added = [a.id for a in self.elastic() if a.array_index >= 1 and a.state == "RUNNING"]
         (worker,) = [w for w in self.store.workers(self.run_id) if w.allocation_id in added and w.state == "READY"]
         return worker
 
-    def open_transitions(self) -> list[dict]:
+    def open_transitions(self) -> list[Transition]:
         return [t for t in self.store.transitions(self.run_id) if t.state in ("PLANNED", "RUNNING", "ROLLING_BACK")]
 
     def converged(self, size: int) -> bool:
@@ -210,7 +211,7 @@ class Harness:
         for a in self.elastic():
             ready = [w for w in self.workers_of(a.id) if w.state == "READY"]
             if a.state == "RUNNING":
-                if len(ready) != 1 or not ready[0]["routable"] or ready[0]["url"] not in routed:
+                if len(ready) != 1 or not ready[0].routable or ready[0].url not in routed:
                     return False
             elif a.state != "ENDED" or ready:
                 return False
@@ -285,13 +286,13 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
         # what the kill left: exactly the boundary named
         if kind == "grow":
             (row,) = [a for a in h.elastic() if a.id not in before]
-            assert (row["state"], row["job_id"]) == ("REQUESTED", None)
+            assert (row.state, row.job_id) == ("REQUESTED", None)
             submitted = [task for _, task in h.submits()[len(submits_before) :]]
-            assert submitted == ([] if point == "after_intent" else [row["array_index"]])  # sbatch not run, or run
+            assert submitted == ([] if point == "after_intent" else [row.array_index])  # sbatch not run, or run
         else:
             (row,) = [a for a in h.elastic() if a.drain_requested_at is not None and a.state != "ENDED"]
-            assert row["array_index"] >= 1  # an added task leaves, never the floor
-            scancels = [j for j in h.events(row["id"]) if j["event"] == "elastic scancel"]
+            assert row.array_index >= 1  # an added task leaves, never the floor
+            scancels = [j for j in h.events(row.id) if j["event"] == "elastic scancel"]
             assert len(scancels) == (0 if point == "after_intent" else 1)
 
         second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out
@@ -300,10 +301,10 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
         elapsed = time.monotonic() - started
         load.wait_turns(AFTER_TURNS)  # the run's base URL still serves once the new daemon has converged
 
-    row = next(a for a in h.elastic() if a.id == row["id"])
+    row = next(a for a in h.elastic() if a.id == row.id)
     view = h.view()
     journal = h.journal()
-    events = h.events(row["id"])
+    events = h.events(row.id)
     names = [j["event"] for j in events]
     submits = h.submits()
     added = [a for a in h.elastic() if a.array_index >= 1]
@@ -334,15 +335,15 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     # a turn continued on another worker was interrupted on the worker that left and ended on the floor task's,
     # which served throughout (the same worker all along); on a grow no worker leaves, and none was interrupted
     assert all(
-        leaving is not None and o["workers"][0] == leaving["url"] and o["workers"][-1] == floor_worker["url"]
+        leaving is not None and o["workers"][0] == leaving.url and o["workers"][-1] == floor_worker.url
         for o in load.continued()
     ), load.continued()
     # (a busy host can delay the agent's heartbeat past the loss window: LOST for a moment, then READY again)
-    assert wait_for(h.floor_worker, 30)["id"] == floor_worker["id"]
+    assert wait_for(h.floor_worker, 30).id == floor_worker.id
 
     # converged to the size wanted, and the same floor task serves all along, on the vLLM it started first
     assert (view["wanted"], view["size"], view["running"]) == (size, size, size)
-    assert floor["state"] == "RUNNING" and h.vllm_starts(floor) == 1
+    assert floor.state == "RUNNING" and h.vllm_starts(floor) == 1
     # no task submitted twice: one job per grow, ever; no vLLM started twice: one per task, ever
     assert completed["submits"] == expected["submits"] and len(submits) == 1 + len(added)
     assert completed["vllm_starts"] == expected["vllm_starts"]
@@ -351,10 +352,10 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     assert completed["left_ready_while_routed"] == 0, h.left_ready_while_routed()
 
     if kind == "grow":
-        assert row["state"] == "RUNNING" and (row["job_id"], row["array_index"]) == submits[-1]
-        (worker,) = h.workers_of(row["id"])
+        assert row.state == "RUNNING" and (row.job_id, row.array_index) == submits[-1]
+        (worker,) = h.workers_of(row.id)
         assert worker.state == "READY" and worker.routable and h.vllm_starts(row) == 1
-        assert [a.id for a in h.elastic() if a.state == "RUNNING"] == [a.id for a in live_before] + [row["id"]]
+        assert [a.id for a in h.elastic() if a.state == "RUNNING"] == [a.id for a in live_before] + [row.id]
         # the journal: the intent by the dead daemon, then the submit re-issued (its sbatch never ran) or the task
         # it had submitted adopted by the pool's job name — by the new daemon, each once
         assert names[:2] == ["elastic grow", "submitted" if point == "after_intent" else "adopted"], names
@@ -365,11 +366,11 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
         else:
             assert events[1]["data"]["by"] == "job name"
     else:
-        assert row["state"] == "ENDED" and starts_before[row["id"]] == h.vllm_starts(row) == 1
-        workers = h.workers_of(row["id"])
+        assert row.state == "ENDED" and starts_before[row.id] == h.vllm_starts(row) == 1
+        workers = h.workers_of(row.id)
         assert workers and all(w.state == "STOPPED" for w in workers), workers
         assert all(not alive(w.pid) for w in workers if w.pid)  # its engines are gone
-        pid_file = h.state_dir / "local-jobs" / row["job_id"] / f"task-{row['array_index']}.pid"
+        pid_file = h.state_dir / "local-jobs" / row.job_id / f"task-{row.array_index}.pid"
         assert not alive(int(pid_file.read_text().split()[0]))  # the task's process is gone too
         # every worker of it left the router before it left READY (checked above), and the router no longer has it
         assert not {w.url for w in workers} & h.routed()

@@ -34,6 +34,7 @@ import pytest
 from pearlctl.daemon.transitions import PLANS
 from pearlctl.host.runfiles import read_address
 from pearlctl.router.membership import RouterMembership
+from pearlctl.state.rows import Allocation, Gpu, Worker
 from pearlctl.vocabulary import StepKind
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec
@@ -101,15 +102,15 @@ engine_args = { max_model_len = 512 }
 
 
 class MovesHarness(Harness):
-    def allocation(self, task: int) -> dict:
+    def allocation(self, task: int) -> Allocation:
         return next(a for a in self.store.allocations(self.run_id) if a.pool == "rollout" and a.array_index == task)
 
-    def gpu(self) -> dict:
+    def gpu(self) -> Gpu:
         """The GPU the cases move: task 0's."""
         alloc = self.allocation(MOVED).id
         return next(g for g in self.store.gpus(self.run_id) if g.allocation_id == alloc)
 
-    def live_workers(self, task: int = MOVED) -> list[dict]:
+    def live_workers(self, task: int = MOVED) -> list[Worker]:
         """The live workers of a task (by default the moved GPU's)."""
         alloc = self.allocation(task).id
         return [
@@ -118,7 +119,7 @@ class MovesHarness(Harness):
             if w.allocation_id == alloc and w.state not in ("STOPPED", "LOST", "FAILED")
         ]
 
-    def kept(self) -> dict | None:
+    def kept(self) -> Worker | None:
         """Task 1's worker, when it serves (READY and routable)."""
         live = [w for w in self.live_workers(KEPT) if w.state == "READY" and w.routable]
         return live[0] if len(live) == 1 else None
@@ -252,14 +253,14 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
         assert h.place() == place
         # task 1's worker served all along: the same worker, never moved
         # (a busy host can delay its agent's heartbeat past the loss window: LOST for a moment, then READY again)
-        assert wait_for(h.kept, 30)["id"] == kept["id"], h.live_workers(KEPT)
+        assert wait_for(h.kept, 30).id == kept.id, h.live_workers(KEPT)
         if place in ("ROLLOUT", "PREFILL"):
-            assert live[0]["role"] == place and live[0]["state"] == "READY" and live[0]["routable"]
+            assert live[0].role == place and live[0].state == "READY" and live[0].routable
             # the router routes to the moved worker again, and to task 1's
-            wait_for(lambda: h.routed() == {live[0]["url"], kept["url"]}, 30)
+            wait_for(lambda: h.routed() == {live[0].url, kept.url}, 30)
         else:
-            assert leaving["url"] not in h.routed()  # nothing routed to a retired worker
-            wait_for(lambda: h.routed() == {kept["url"]}, 30)
+            assert leaving.url not in h.routed()  # nothing routed to a retired worker
+            wait_for(lambda: h.routed() == {kept.url}, 30)
             if place == "PARKED":
                 assert [(w.state, w.routable) for w in live] == [("SLEEPING", 0)]
             else:
@@ -278,6 +279,6 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
     # a turn continued on another worker was interrupted on the worker that left and ended on task 1's; where
     # no worker leaves (wake, start), none was interrupted
     assert all(
-        leaving is not None and o["workers"][0] == leaving["url"] and o["workers"][-1] == kept["url"]
+        leaving is not None and o["workers"][0] == leaving.url and o["workers"][-1] == kept.url
         for o in load.continued()
     ), load.continued()

@@ -29,6 +29,7 @@ import pytest
 from pearlctl.api.client import ControlClient
 from pearlctl.host.runfiles import read_address
 from pearlctl.planner import profile as profiles
+from pearlctl.state.rows import Worker
 from pearlctl.state.store import Store
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import local_run_spec
@@ -84,7 +85,7 @@ def run(engine_lock, tmp_path_factory):
         store.close()
 
 
-def serving(store: Store, run_id: str) -> list[dict]:
+def serving(store: Store, run_id: str) -> list[Worker]:
     return [w for w in store.workers(run_id) if w.state == "READY" and w.routable]
 
 
