@@ -41,7 +41,7 @@ def _sync_due(store: Store, run: dict) -> bool:
     """The tests maybe_sync starts with, made on the read-only store: is a poll wanted now?"""
     if run["state"] not in (RunState.ACTIVE, RunState.CANCELLING, RunState.SUBMITTING):
         return False
-    daemon = store.lease(run_lease_name(run["id"]))
+    daemon = store.leases.get(run_lease_name(run["id"]))
     if daemon and daemon["expires_at"] > time.time():
         return False
     interval = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))

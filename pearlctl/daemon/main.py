@@ -155,11 +155,11 @@ class Daemon:
 
     def acquire(self) -> int:
         name = run_lease_name(self.run_id)
-        epoch = self.store.acquire_lease(name, self.holder, self.settings.lease_ttl_s)
+        epoch = self.store.leases.acquire(name, self.holder, self.settings.lease_ttl_s)
         if epoch is None and self._break_dead_holder(name):
-            epoch = self.store.acquire_lease(name, self.holder, self.settings.lease_ttl_s)
+            epoch = self.store.leases.acquire(name, self.holder, self.settings.lease_ttl_s)
         if epoch is None:
-            held = self.store.lease(name) or {}
+            held = self.store.leases.get(name) or {}
             left = max(0.0, float(held.get("expires_at", 0)) - time.time())
             raise DaemonRefused(
                 f"a daemon already runs for run {self.run_id}: {held.get('holder')} (epoch {held.get('epoch')}); "
@@ -173,13 +173,13 @@ class Daemon:
         """A holder on this host whose process is gone (a crashed daemon) need not be waited out: its lease
         is broken at once, so a restart after a crash takes over in well under the lease's TTL. A holder on
         another host is always waited out — its liveness cannot be seen from here."""
-        held = self.store.lease(name)
+        held = self.store.leases.get(name)
         if not held:
             return False
         host, _, pid = str(held["holder"]).rpartition(":")
         if host != socket.gethostname() or not pid.isdigit() or process_alive(int(pid)):
             return False
-        return self.store.break_lease(name, held["holder"], held["epoch"], f"process {pid} on {host} is gone")
+        return self.store.leases.break_held(name, held["holder"], held["epoch"], f"process {pid} on {host} is gone")
 
     def start_server(self, controller: Controller, secret: str) -> str:
         app = build_app(
@@ -229,7 +229,7 @@ class Daemon:
         name = run_lease_name(self.run_id)
         while not self.stopping.wait(every):
             try:
-                if not self.store.renew_lease(name, self.holder, self.epoch, self.settings.lease_ttl_s):
+                if not self.store.leases.renew(name, self.holder, self.epoch, self.settings.lease_ttl_s):
                     if self.stopping.is_set():  # released on the way out, not taken
                         return
                     self.depose(f"lost the lease of run {self.run_id} (epoch {self.epoch}): another daemon took over")
@@ -428,7 +428,7 @@ class Daemon:
             try:
                 data = {"holder": self.holder, **({"router": "stopping"} if stopping_router else {})}
                 self.store.journal_event(self.run_id, "runs", self.run_id, "daemon stopped", data=data, epoch=epoch)
-                self.store.release_lease(run_lease_name(self.run_id), self.holder)
+                self.store.leases.release(run_lease_name(self.run_id), self.holder)
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
                 return

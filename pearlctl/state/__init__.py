@@ -4,6 +4,7 @@
 - ``schema``: the migrations that define the tables.
 - ``db``: opening a database (pragmas, migrations, read-only connections).
 - ``store``: ``Store``, the guarded reads and writes everybody else uses.
+- ``leases``: ``Leases`` (``store.leases``), the named, expiring, epoch-numbered locks that fence writes.
 - ``rows``: the typed rows its readers return (transitions, steps, GPUs, workers, allocations).
 - ``errors``: what a refused write raises (all ``StateError``).
 - ``views``: read-only compositions of state that several readers share (the CLI, the daemon's API).

@@ -44,6 +44,7 @@ from pearlctl.state.errors import (
     StaleEpoch,
     StaleWrite,
 )
+from pearlctl.state.leases import Leases, run_lease_name
 from pearlctl.state.machines import (
     OPEN_TRANSITION_STATES,
     GpuState,
@@ -77,11 +78,6 @@ _JOINED: Mapping[str, str] = {
 # Steps may only be added while their transition is still moving.
 
 
-def run_lease_name(run_id: str) -> str:
-    """The name of the lease whose epoch fences writes to a run."""
-    return f"run:{run_id}"
-
-
 class Store:
     """Typed access to the state database. Open with ``Store.open(path)``; close or use as a context."""
 
@@ -91,6 +87,7 @@ class Store:
         self.readonly = readonly
         self._clock = clock
         self._lock = threading.RLock()
+        self.leases = Leases(self)  # acquire, renew, release, break_held, get (pearlctl/state/leases.py)
         # each commit's wall time is given to this (the daemon's histogram of them), and counted per thread
         # (``commits_on_this_thread``): a commit waits for the disk (synchronous=FULL)
         self.on_commit: Callable[[float], None] | None = None
@@ -1004,84 +1001,6 @@ class Store:
                 "journal_rows": conn.execute("SELECT count(*) FROM journal").fetchone()[0],
             }
 
-    # ------------------------------------------------------------------ leases
-
-    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> int | None:
-        """Take the lease; returns its epoch, or None while another holder's lease is unexpired.
-
-        The same holder re-acquiring an unexpired lease renews it and keeps its epoch. An expired lease
-        (whoever held it) is taken over with epoch + 1, so a holder that lapsed learns it was presumed
-        dead: its old epoch is fenced.
-        """
-        with self._write() as conn:
-            now = self._clock()
-            row = conn.execute("SELECT holder, epoch, expires_at FROM leases WHERE name = ?", (name,)).fetchone()
-            if row is not None and row[2] > now:
-                if row[0] != holder:
-                    return None
-                conn.execute("UPDATE leases SET expires_at = ? WHERE name = ?", (now + ttl_s, name))
-                return int(row[1])
-            epoch = 1 if row is None else int(row[1]) + 1
-            conn.execute(
-                "INSERT INTO leases (name, holder, epoch, expires_at) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, epoch = excluded.epoch,"
-                " expires_at = excluded.expires_at",
-                (name, holder, epoch, now + ttl_s),
-            )
-            previous = None if row is None else row[0]
-            self._journal(
-                conn,
-                now,
-                _lease_run(name),
-                "leases",
-                name,
-                "lease.acquired",
-                epoch=epoch,
-                data={"holder": holder, "previous_holder": previous},
-            )
-            return epoch
-
-    def renew_lease(self, name: str, holder: str, epoch: int, ttl_s: float) -> bool:
-        """Extend an unexpired lease this holder has at this epoch; False if it lapsed or changed hands.
-        Bookkeeping (``_write``): a renewal changes nothing a decision or a cached read derives from."""
-        with self._write(bookkeeping=True) as conn:
-            now = self._clock()
-            renewed = conn.execute(
-                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
-                (now + ttl_s, name, holder, epoch, now),
-            ).rowcount
-            return renewed == 1
-
-    def release_lease(self, name: str, holder: str) -> None:
-        """Expire the lease now if ``holder`` has it. The row (and its epoch) stays, so epochs only grow."""
-        with self._write() as conn:
-            now = self._clock()
-            released = conn.execute(
-                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND expires_at > ?",
-                (now, name, holder, now),
-            ).rowcount
-            if released:
-                self._journal(conn, now, _lease_run(name), "leases", name, "lease.released", data={"holder": holder})
-
-    def break_lease(self, name: str, holder: str, epoch: int, why: str) -> bool:
-        """Expire the lease now if ``holder`` still has it at ``epoch`` — for a holder known to be dead
-        (its process is gone). Compare-and-set: a lease renewed or taken meanwhile is left alone."""
-        with self._write() as conn:
-            now = self._clock()
-            broken = conn.execute(
-                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
-                (now, name, holder, epoch, now),
-            ).rowcount
-            if broken:
-                self._journal(
-                    conn, now, _lease_run(name), "leases", name, "lease.broken", data={"holder": holder, "why": why}
-                )
-            return broken == 1
-
-    def lease(self, name: str) -> Row | None:
-        rows = self._query("SELECT * FROM leases WHERE name = ?", (name,))
-        return rows[0] if rows else None
-
     # ------------------------------------------------------------------ internals (inside a transaction)
 
     def _cas(
@@ -1237,10 +1156,6 @@ def _with_fields(data: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> d
     if not fields:
         return None if data is None else dict(data)
     return {**(data or {}), "fields": dict(fields)}
-
-
-def _lease_run(name: str) -> str | None:
-    return name.removeprefix("run:") if name.startswith("run:") else None
 
 
 def _plain(value: Any) -> Any:

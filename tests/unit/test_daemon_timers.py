@@ -195,7 +195,7 @@ def test_a_poll_blocking_longer_than_the_lease_ttl_does_not_lose_the_lease(db, m
         time.sleep(12.0 - (time.monotonic() - blocked_at))
         assert r.thread.is_alive() and r.error is None, r.error
         assert not d.stopping.is_set() and d.deposed is None
-        lease = store.lease(run_lease_name(RUN))
+        lease = store.leases.get(run_lease_name(RUN))
         assert lease["epoch"] == d.epoch and lease["holder"] == d.holder and lease["expires_at"] > time.time()
         # renewed every ttl/6 = 0.5 s on its own thread while the poll blocked: ~20 times in 10 s
         assert d.stats.lease_renewals - renewals >= 12, d.stats
@@ -216,8 +216,8 @@ def test_a_deposed_daemon_cannot_write_and_stops(db, monkeypatch):
         wait(lambda: allocation_state(db) == "RUNNING", 10, "the first poll is folded")
         name = run_lease_name(RUN)
         with Store.open(db) as other:  # another daemon takes over: the lease is broken, then taken at epoch + 1
-            assert other.break_lease(name, d.holder, old, "test: presumed dead")
-            new = other.acquire_lease(name, "elsewhere:1", 30.0)
+            assert other.leases.break_held(name, d.holder, old, "test: presumed dead")
+            new = other.leases.acquire(name, "elsewhere:1", 30.0)
             assert new == old + 1
             poll = Poll(frozenset({JOB}), tuple(backend.poll([JOB])))
             # the old epoch is fenced everywhere: the poller's fold and the journal alike
@@ -231,7 +231,7 @@ def test_a_deposed_daemon_cannot_write_and_stops(db, monkeypatch):
             assert not r.thread.is_alive(), "the deposed daemon is still running"
             assert isinstance(r.error, DaemonRefused), r.error
             assert d.deposed and d.stopping.is_set()
-            lease = other.lease(name)
+            lease = other.leases.get(name)
             assert (lease["holder"], lease["epoch"]) == ("elsewhere:1", new)  # it did not take the lease back
             assert "daemon stopped" not in [j["event"] for j in events(db)]  # a deposed daemon writes nothing
 

@@ -45,14 +45,14 @@ def test_a_long_holds_line_says_how_many_commits_of_state_it_made_and_how_long_t
     lock = DecisionLock(slow_s=0.1, clock=clock, commits=store.commits_on_this_thread)
     with lock:
         for i in range(3):
-            store.acquire_lease(f"k{i}", "me", 60)
+            store.leases.acquire(f"k{i}", "me", 60)
         clock.advance(0.3)
     assert len(seen) == 3 and all(s >= 0 for s in seen)
     here = test_a_long_holds_line_says_how_many_commits_of_state_it_made_and_how_long_they_took.__name__
     disk = f"(3 commits of state, {1000 * sum(seen):.0f} ms in them)"
     assert caplog.messages == [f"decision lock held 300 ms by {here} {disk}"]
     # another thread's commits are its own
-    other = threading.Thread(target=lambda: store.acquire_lease("other", "me", 60))
+    other = threading.Thread(target=lambda: store.leases.acquire("other", "me", 60))
     other.start()
     other.join(5)
     assert store.commits_on_this_thread()[0] == 3 and len(seen) == 4

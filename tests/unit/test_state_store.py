@@ -582,7 +582,7 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
         with pytest.raises(ReadOnlyStore):
             reader.update_fields("allocations", allocation_id, node="n")
         with pytest.raises(ReadOnlyStore):
-            reader.acquire_lease("run:x", "me", 10)
+            reader.leases.acquire("run:x", "me", 10)
         with pytest.raises(ReadOnlyStore):
             reader.journal_event(run_id, "runs", run_id, "x")
     ro = connect(path, readonly=True)
@@ -610,24 +610,24 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
 
 def test_lease_acquire_renew_takeover_release(store: Store, clock: FakeClock) -> None:
     name = "daemon"
-    assert store.acquire_lease(name, "a", ttl_s=10) == 1
-    assert store.acquire_lease(name, "b", ttl_s=10) is None
+    assert store.leases.acquire(name, "a", ttl_s=10) == 1
+    assert store.leases.acquire(name, "b", ttl_s=10) is None
     clock.advance(5)
-    assert store.acquire_lease(name, "a", ttl_s=10) == 1  # same holder: renewed, same epoch
-    assert store.lease(name) == {"name": name, "holder": "a", "epoch": 1, "expires_at": 1015.0}
+    assert store.leases.acquire(name, "a", ttl_s=10) == 1  # same holder: renewed, same epoch
+    assert store.leases.get(name) == {"name": name, "holder": "a", "epoch": 1, "expires_at": 1015.0}
     clock.advance(9)
-    assert store.renew_lease(name, "a", 1, ttl_s=10) is True
-    assert store.renew_lease(name, "b", 1, ttl_s=10) is False
-    assert store.renew_lease(name, "a", 0, ttl_s=10) is False
+    assert store.leases.renew(name, "a", 1, ttl_s=10) is True
+    assert store.leases.renew(name, "b", 1, ttl_s=10) is False
+    assert store.leases.renew(name, "a", 0, ttl_s=10) is False
     clock.advance(10)  # expires_at == now: expired
-    assert store.renew_lease(name, "a", 1, ttl_s=10) is False  # lapsed: must acquire again
-    assert store.acquire_lease(name, "b", ttl_s=10) == 2  # takeover bumps the epoch
-    assert store.acquire_lease(name, "a", ttl_s=10) is None
-    store.release_lease(name, "a")  # not the holder: no effect
-    assert store.lease(name)["holder"] == "b" and store.acquire_lease(name, "a", ttl_s=10) is None
-    store.release_lease(name, "b")
-    assert store.acquire_lease(name, "b", ttl_s=10) == 3  # epochs never go back, even for the same holder
-    assert store.lease("nope") is None
+    assert store.leases.renew(name, "a", 1, ttl_s=10) is False  # lapsed: must acquire again
+    assert store.leases.acquire(name, "b", ttl_s=10) == 2  # takeover bumps the epoch
+    assert store.leases.acquire(name, "a", ttl_s=10) is None
+    store.leases.release(name, "a")  # not the holder: no effect
+    assert store.leases.get(name)["holder"] == "b" and store.leases.acquire(name, "a", ttl_s=10) is None
+    store.leases.release(name, "b")
+    assert store.leases.acquire(name, "b", ttl_s=10) == 3  # epochs never go back, even for the same holder
+    assert store.leases.get("nope") is None
     events = [(e["event"], e["epoch"]) for e in store.journal() if e["entity"] == "leases"]
     assert events == [
         ("lease.acquired", 1),
@@ -645,9 +645,9 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     assert store.journal()[-1]["epoch"] == 7
 
     lease = run_lease_name(run_id)
-    old = store.acquire_lease(lease, "daemon-1", ttl_s=30)
+    old = store.leases.acquire(lease, "daemon-1", ttl_s=30)
     clock.advance(31)
-    new = store.acquire_lease(lease, "daemon-2", ttl_s=30)
+    new = store.leases.acquire(lease, "daemon-2", ttl_s=30)
     assert (old, new) == (1, 2)
     before, since = store.allocation(allocation_id), last_journal_id(store)
 

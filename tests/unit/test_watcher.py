@@ -166,7 +166,7 @@ def test_maybe_sync_polls_at_most_once_per_interval_across_holders(store):
 
 def test_no_poll_while_a_daemon_holds_the_run(store):
     backend = RecordedBackend()
-    assert store.acquire_lease("run:r-1", "daemon", 30.0) is not None
+    assert store.leases.acquire("run:r-1", "daemon", 30.0) is not None
     assert not maybe_sync(store, backend, store.get_run("r-1"), holder="shell").polled
     assert backend.polls == 0
 
