@@ -62,23 +62,7 @@ def decide(snapshot: Snapshot) -> Plan | None:
     current = plan.current_target(s)
     keep = plan.make(s, current, why="pearl: return lent GPUs before their deadline")
     if s.work.empty:
-        # Nothing to roll out now: idle rollout and elastic GPUs are brought up for the next batch (when one
-        # was not already, during the last). Lent GPUs go back to the trainer, unless it waits long enough for
-        # them to serve the next batch (``_lend_ahead``).
-        ahead = _lend_ahead(s)
-        target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
-        if current.mode is Mode.COLOCATED:
-            whole = _whole_workers(s, view.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
-            target = replace(
-                target,
-                rollout_gpus=sum(whole.values()),
-                elastic=whole.get(PoolKind.ELASTIC, 0),
-                lend=whole.get(PoolKind.TRAINER, 0),
-            )
-        lent = "lend ahead of the batch" if ahead else "lent GPUs back"
-        why = f"pearl: between batches, {lent}, idle capacity warm"
-        idle = plan.make(s, target, why=why)
-        return None if idle.empty else idle
+        return _between_batches(s, current)
 
     baseline = keep.predicted_s
     if current.lend:
@@ -96,29 +80,8 @@ def decide(snapshot: Snapshot) -> Plan | None:
     dwelling = s.last_change_at is not None and s.now - s.last_change_at < MIN_DWELL_S
     modes = (current.mode,) if dwelling else (Mode.COLOCATED, Mode.DISAGGREGATED)
 
-    # The budgets, counted in whole workers per pool: worker_groups(view.servable(s).budget(...)), from
-    # counts made once per snapshot.
-    workers = view.of(s).workers
-    budgets = (
-        ("rollout pool", workers(elastic=False, borrow=False)),
-        ("+ elastic", workers(elastic=True, borrow=False)),
-        ("+ elastic + warm borrow", workers(elastic=True, borrow=True, warm_borrow_only=True)),
-        ("+ elastic + borrow", workers(elastic=True, borrow=True)),
-    )
     threshold = max(MARGIN_S, MIN_RELATIVE_GAIN * baseline)
-    # The candidates, in the order of the budgets above (a target two budgets share keeps the first's label).
-    candidates: list[tuple[int, str, Choice]] = []
-    tried = set()
-    for label, by_pool in budgets:
-        choice = choose_workers(s, by_pool, modes=modes)
-        if choice is None or choice.target in tried:
-            continue
-        tried.add(choice.target)
-        # The steady prediction bounds the gain (departures and moving only slow a plan down): skip pricing a
-        # plan that could not clear the threshold even for free.
-        if baseline - choice.seconds < threshold:
-            continue
-        candidates.append((len(candidates), label, choice))
+    candidates = _candidates(s, modes, baseline, threshold)
 
     # Each candidate's net gain. The most promising (the fastest steady prediction) is priced first; a later
     # one whose gain with instant moves — which its net gain never exceeds: the delay and the risks are never
@@ -154,6 +117,56 @@ def decide(snapshot: Snapshot) -> Plan | None:
     if grow is not None:
         return grow
     return None if keep.empty else keep
+
+
+def _between_batches(s: Snapshot, current: Target) -> Plan | None:
+    """The plan while there is no work (``decide``'s first case), or None to change nothing."""
+    # Nothing to roll out now: idle rollout and elastic GPUs are brought up for the next batch (when one
+    # was not already, during the last). Lent GPUs go back to the trainer, unless it waits long enough for
+    # them to serve the next batch (``_lend_ahead``).
+    ahead = _lend_ahead(s)
+    target = replace(current, rollout_gpus=current.rollout_gpus - current.lend, lend=0)
+    if current.mode is Mode.COLOCATED:
+        whole = _whole_workers(s, view.may_serve(s, elastic=True, borrow=ahead, warm_borrow_only=True))
+        target = replace(
+            target,
+            rollout_gpus=sum(whole.values()),
+            elastic=whole.get(PoolKind.ELASTIC, 0),
+            lend=whole.get(PoolKind.TRAINER, 0),
+        )
+    lent = "lend ahead of the batch" if ahead else "lent GPUs back"
+    why = f"pearl: between batches, {lent}, idle capacity warm"
+    idle = plan.make(s, target, why=why)
+    return None if idle.empty else idle
+
+
+def _candidates(
+    s: Snapshot, modes: tuple[Mode, ...], baseline: float, threshold: float
+) -> list[tuple[int, str, Choice]]:
+    """The targets worth pricing: the best choice of workers in each budget, each with its index and label."""
+    # The budgets, counted in whole workers per pool: worker_groups(view.servable(s).budget(...)), from
+    # counts made once per snapshot.
+    workers = view.of(s).workers
+    budgets = (
+        ("rollout pool", workers(elastic=False, borrow=False)),
+        ("+ elastic", workers(elastic=True, borrow=False)),
+        ("+ elastic + warm borrow", workers(elastic=True, borrow=True, warm_borrow_only=True)),
+        ("+ elastic + borrow", workers(elastic=True, borrow=True)),
+    )
+    # The candidates, in the order of the budgets above (a target two budgets share keeps the first's label).
+    candidates: list[tuple[int, str, Choice]] = []
+    tried = set()
+    for label, by_pool in budgets:
+        choice = choose_workers(s, by_pool, modes=modes)
+        if choice is None or choice.target in tried:
+            continue
+        tried.add(choice.target)
+        # The steady prediction bounds the gain (departures and moving only slow a plan down): skip pricing a
+        # plan that could not clear the threshold even for free.
+        if baseline - choice.seconds < threshold:
+            continue
+        candidates.append((len(candidates), label, choice))
+    return candidates
 
 
 def _whole_workers(s: Snapshot, gpus: list) -> dict[str, int]:
