@@ -5,6 +5,7 @@
 - ``db``: opening a database (pragmas, migrations, read-only connections).
 - ``store``: ``Store``, the guarded reads and writes everybody else uses.
 - ``leases``: ``Leases`` (``store.leases``), the named, expiring, epoch-numbered locks that fence writes.
+- ``node_gpus``: what a registration or a poll says an allocation's GPUs are, planned (pure) and written.
 - ``rows``: the typed rows its readers return (transitions, steps, GPUs, workers, allocations).
 - ``errors``: what a refused write raises (all ``StateError``).
 - ``views``: read-only compositions of state that several readers share (the CLI, the daemon's API).

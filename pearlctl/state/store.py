@@ -47,13 +47,13 @@ from pearlctl.state.errors import (
 from pearlctl.state.leases import Leases, run_lease_name
 from pearlctl.state.machines import (
     OPEN_TRANSITION_STATES,
-    GpuState,
     PoolKind,
     Role,
     StepKind,
     check_edge,
     machine,
 )
+from pearlctl.state.node_gpus import write_node_gpus
 from pearlctl.state.rows import ROW_TYPES, Allocation, Gpu, Step, Transition, TypedRow, Worker
 from pearlctl.state.schema import JSON_COLUMNS
 
@@ -503,90 +503,7 @@ class Store:
             if owner is None or owner[0] != run_id:
                 raise NotFound(f"run {run_id!r} has no allocation {allocation_id}")
             self._fence(conn, run_id, epoch)
-            now = self._clock()
-            conn.execute("INSERT INTO nodes (run_id, name) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, node))
-            (node_id,) = conn.execute("SELECT id FROM nodes WHERE run_id = ? AND name = ?", (run_id, node)).fetchone()
-            existing = {
-                idx: (gpu_id, state, old_node_id)
-                for gpu_id, idx, state, old_node_id in conn.execute(
-                    "SELECT id, idx, state, node_id FROM gpus WHERE allocation_id = ?", (allocation_id,)
-                )
-            }
-            where = {"node": node, "allocation_id": allocation_id}
-            for idx in sorted(indices):
-                if idx not in existing:
-                    gpu_id = _insert(
-                        conn,
-                        "gpus",
-                        {
-                            "run_id": run_id,
-                            "allocation_id": allocation_id,
-                            "node_id": node_id,
-                            "idx": idx,
-                            "role": role,
-                            "state": machine("gpus").initial,
-                            "version": 1,
-                            "updated_at": now,
-                        },
-                    )
-                    self._journal(
-                        conn,
-                        now,
-                        run_id,
-                        "gpus",
-                        gpu_id,
-                        "gpu.registered",
-                        to_state=GpuState.UP,
-                        epoch=epoch,
-                        data={**where, "idx": idx, "role": role},
-                    )
-                    continue
-                gpu_id, state, old_node_id = existing[idx]
-                columns: dict[str, Any] = {"node_id": node_id} if old_node_id != node_id else {}
-                if state == GpuState.GONE:  # a fresh start: nothing of the GPU's last allocation holds
-                    columns.update(role=role, borrowed=0, return_deadline=None, worker_id=None)
-                if state in (GpuState.GONE, GpuState.LOST):
-                    self._cas(
-                        conn,
-                        "gpus",
-                        gpu_id,
-                        run_id,
-                        expect=state,
-                        to=GpuState.UP,
-                        event="gpu.registered",
-                        epoch=epoch,
-                        data={**where, "idx": idx},
-                        columns=columns,
-                    )
-                elif columns:
-                    conn.execute(
-                        "UPDATE gpus SET node_id = ?, version = version + 1, updated_at = ? WHERE id = ?",
-                        (node_id, now, gpu_id),
-                    )
-                    self._journal(
-                        conn,
-                        now,
-                        run_id,
-                        "gpus",
-                        gpu_id,
-                        "gpu.moved",
-                        epoch=epoch,
-                        data={**where, "idx": idx},
-                    )
-            for idx, (gpu_id, state, _) in existing.items():
-                if idx not in indices and state != GpuState.GONE:
-                    self._cas(
-                        conn,
-                        "gpus",
-                        gpu_id,
-                        run_id,
-                        expect=state,
-                        to=GpuState.GONE,
-                        event="gpu.gone",
-                        epoch=epoch,
-                        data={**where, "idx": idx},
-                        columns={},
-                    )
+            write_node_gpus(self, conn, run_id, allocation_id, node, indices, role, epoch)
 
     def add_worker(
         self,
