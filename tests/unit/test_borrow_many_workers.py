@@ -15,7 +15,8 @@ import pytest
 from pearlctl.planner import profile as profiles
 from pearlctl.state.store import Store
 from tests.conftest import create_trainer_run
-from tests.unit.test_crash_matrix import Clock, SimAgent, SimTrainer, run_until, transitions
+from tests.crash_harness import Clock, SimAgent
+from tests.unit.test_crash_matrix import SimTrainer, run_until, transitions
 
 
 class OneAtATime(SimAgent):

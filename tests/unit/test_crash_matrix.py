@@ -8,77 +8,21 @@ daemon process with real engines.)"""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
 
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
-from pearlctl.daemon.borrowing import Borrowing
-from pearlctl.daemon.controller import Controller
-from pearlctl.daemon.effects import DaemonEffects
-from pearlctl.daemon.transitions import PLANS, Executor
+from pearlctl.daemon.transitions import PLANS
 from pearlctl.state.store import Store
 from tests.conftest import create_trainer_run
+from tests.crash_harness import POINTS, Clock, Daemon, Restarts, SimAgent, crash_once
 
-POINTS = ("before_intent", "after_intent", "after_effect", "after_done")
 # Four transitions in a row: a cold borrow, a return that parks the vLLM worker asleep, a warm borrow that
 # wakes it, and a return that stops it. The daemon dies once, at one step boundary of one of them.
 CYCLES = ("borrow", "return_sleep", "borrow_warm", "return")
 CASES = [(c, k, p) for c in CYCLES for k in PLANS[c] for p in POINTS]
-
-
-class Crash(Exception):
-    pass
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self):
-        return self.t
-
-
-class SimAgent:
-    """An agent: reports its workers, starts what desired state adds (counted), parks and wakes what it
-    asks to sleep or run, stops what it drops."""
-
-    def __init__(self):
-        self.running: dict[str, dict] = {}
-        self.starts: dict[str, int] = {}
-
-    def tick(self, daemon: Daemon) -> None:
-        report = [dict(w) for w in self.running.values()]
-        answer = daemon.controller.agents.heartbeat(
-            parse(bodies.Heartbeat, {"allocation_id": daemon.alloc_id, "workers": report}), daemon.alloc_id
-        )
-        for w in self.running.values():  # what was starting becomes READY; STOPPED ones are gone
-            if w["state"] == "STARTING":
-                w["state"] = "READY"
-        self.running = {k: w for k, w in self.running.items() if w["state"] != "STOPPED"}
-        wanted = {d["key"]: d for d in answer["desired"]}
-        for key, d in wanted.items():
-            w = self.running.get(key)
-            if d["state"] == "SLEEPING":
-                if w is not None:
-                    w["state"] = "SLEEPING"
-            elif w is None:
-                self.starts[key] = self.starts.get(key, 0) + 1
-                self.running[key] = {
-                    "key": key,
-                    "role": d["role"],
-                    "engine": d["engine"],
-                    "gpus": d["gpus"],
-                    "state": "STARTING",
-                    "url": f"http://gpu1:{9000 + len(self.starts)}",
-                }
-            elif w["state"] == "SLEEPING":
-                w["state"] = "READY"  # woken
-        for key, w in self.running.items():
-            if key not in wanted:
-                w["state"] = "STOPPED"
 
 
 class SimTrainer:
@@ -106,16 +50,6 @@ class SimTrainer:
         daemon.controller.trainer.ack(parse(bodies.Ack, {"command_id": cid, "result": self.done[cid]}))
 
 
-class Daemon:
-    def __init__(self, store: Store, alloc_id: int, epoch: int, clock: Clock, crash_at=None):
-        self.alloc_id = alloc_id
-        self.controller = Controller(store, "r", epoch, clock=clock)
-        self.executor = Executor(store, DaemonEffects(store, "r", epoch), run_id="r", epoch=epoch, clock=clock)
-        self.controller.borrowing = self.borrowing = Borrowing(store, self.executor, "r", clock=clock)
-        if crash_at is not None:
-            self.executor.fault = crash_at
-
-
 @pytest.fixture
 def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
@@ -127,25 +61,17 @@ def world(tmp_path: Path):
 
 
 def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=200):
-    epochs = itertools.count(1)
-    daemon = Daemon(store, alloc_id, next(epochs), clock, crash_at)
-    daemon.controller.agents.register(
-        parse(bodies.Register, {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1})
-    )
-    crashes = 0
-    for _ in range(limit):
-        try:
-            trainer.tick(daemon)
-            agent.tick(daemon)
-            with daemon.controller.lock:
-                daemon.borrowing.tick()
-        except Crash:
-            crashes += 1
-            daemon = Daemon(store, alloc_id, next(epochs), clock)  # restarted: nothing in memory survives
-        clock.t += 1.0
-        if done(store):
-            return crashes
-    raise AssertionError("did not converge")
+    """A daemon (restarted at each crash) with the trainer's agent on gpu1, run until ``done(store)``: the
+    number of crashes."""
+    register = {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1}
+    daemon = Restarts(store, alloc_id, clock, register, crash_at=crash_at)
+
+    def tick(d) -> None:
+        trainer.tick(d)
+        agent.tick(d)
+
+    daemon.run_until(tick, lambda: done(store), limit)
+    return daemon.crashes
 
 
 def transitions(store, kind):
@@ -156,14 +82,7 @@ def transitions(store, kind):
 def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point):
     store, alloc_id = world
     clock, agent, trainer = Clock(), SimAgent(), SimTrainer()
-    fired = []
-
-    def crash_at(at, key):
-        tid, _, step_kind = key.split(":")
-        detail = store.transition(int(tid)).detail or {}
-        if not fired and at == point and step_kind == step and detail.get("plan") == cycle:
-            fired.append(key)
-            raise Crash(key)
+    crash_at, fired = crash_once(store, point, step, cycle)
 
     def completed(kind, n):
         return lambda store: sum(t.state == "DONE" for t in transitions(store, kind)) >= n

@@ -17,8 +17,7 @@ from pearlctl.api.bodies import parse
 from pearlctl.daemon.controller import ControlError
 from pearlctl.state.store import Store
 from tests import factories
-from tests.unit.test_crash_matrix import Clock
-from tests.unit.test_crash_matrix_pools import Daemon, SimAgent, SimRouter
+from tests.crash_harness import Clock, Daemon, SimAgent, SimRouter
 
 
 @pytest.fixture
@@ -36,7 +35,7 @@ def world(tmp_path: Path):
         daemon.controller.agents.register(
             parse(bodies.Register, {"job_id": job, "task_id": 0, "node": node, "gpus": [0], "pid": 1})
         )
-    agent = SimAgent(router)
+    agent = SimAgent(router, host="gpu2")
 
     def loop(until) -> None:
         for _ in range(100):
