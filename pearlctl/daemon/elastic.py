@@ -299,84 +299,92 @@ class ElasticPool:
             live_ids = {a.id for a in p.live}
             self._scancelled = {k: v for k, v in self._scancelled.items() if k in live_ids}
             self._out_of_router(p)
-            to_cancel: list[dict] = []
-            if p.run["state"] == RunState.ACTIVE:
-                now = self.clock()
-                bound = float(p.spec.preempt_notice_s)
-                workers = self.store.workers(self.run_id)
-                for a in p.draining:
-                    if a.state == A.REQUESTED or not a.job_id:
-                        continue
-                    sent = self._scancelled.get(a.id)
-                    if a.state == A.LOST and (
-                        sent is not None or self.store.entity_events("allocations", a.id, ["elastic scancel"])
-                    ):
-                        # scancelled, and now gone from squeue, sacct and scontrol: the end that was asked for
-                        self.store.set_state(
-                            "allocations",
-                            a.id,
-                            expect=A.LOST,
-                            expect_version=a.version,
-                            to=A.ENDED,
-                            event="elastic cancelled",
-                            data={"was": "LOST", "why": "gone from Slurm after its scancel"},
-                            epoch=self.epoch,
-                            ended_at=now,
-                        )
-                        continue
-                    if sent is not None and now - sent < RESEND_SCANCEL_S:
-                        continue
-                    if a.state != A.PENDING and self.routed is None:
-                        # UP only: a LOST GPU stays LOST (the controller judges silent agents every tick);
-                        # with a router, _out_of_router does this once the router sends the task nothing
-                        self._gpus(a.id, (G.UP,), G.DRAINING, "elastic drain")
-                    # a PENDING task runs nothing, whatever an agent of its last run left in state
-                    busy = [
-                        w.id
-                        for w in workers
-                        if a.state != A.PENDING and w.allocation_id == a.id and w.state in BUSY_WORKERS
-                    ]
-                    waited = now - a.drain_requested_at
-                    if busy and waited < bound:
-                        continue
-                    why = "drained" if not busy else f"drain took longer than {bound:g}s"
-                    self.store.journal_event(
-                        self.run_id,
-                        "allocations",
-                        a.id,
-                        "elastic scancel",
-                        data={
-                            "why": why,
-                            "slurm_id": f"{a.job_id}_{a.array_index}",
-                            "state": a.state,
-                            "drain_s": round(waited, 3),
-                            "workers_left": busy,
-                            "again": sent is not None,
-                        },
-                        epoch=self.epoch,
-                    )
-                    self._scancelled[a.id] = now
-                    to_cancel.append(a)
+            to_cancel = self._due_for_scancel(p)
         if to_cancel:
-            try:
-                self.backend.cancel_tasks([(a.job_id, int(a.array_index)) for a in to_cancel])
-            except BackendError as exc:
-                with self.lock:
-                    for a in to_cancel:
-                        self._scancelled.pop(a.id, None)
-                    self.store.journal_event(
-                        self.run_id,
-                        "pools",
-                        p.row["id"],
-                        "elastic scancel failed",
-                        data={"error": str(exc), "tasks": [f"{a.job_id}_{a.array_index}" for a in to_cancel]},
-                        epoch=self.epoch,
-                    )
-                raise
-            for a in to_cancel:
-                self.fault("after_effect", f"elastic:{a.id}:SHRINK")  # scancelled; its end not yet seen
+            self._send_scancel(p, to_cancel)
         with self.lock:
             self._note_size(_read(self.store, self.run_id, self.pool))
+
+    def _due_for_scancel(self, p) -> list:
+        """The draining tasks to scancel now (under the lock); ends those already scancelled and gone from Slurm."""
+        to_cancel: list = []
+        if p.run["state"] != RunState.ACTIVE:
+            return to_cancel
+        now = self.clock()
+        bound = float(p.spec.preempt_notice_s)
+        workers = self.store.workers(self.run_id)
+        for a in p.draining:
+            if a.state == A.REQUESTED or not a.job_id:
+                continue
+            sent = self._scancelled.get(a.id)
+            if a.state == A.LOST and (
+                sent is not None or self.store.entity_events("allocations", a.id, ["elastic scancel"])
+            ):
+                # scancelled, and now gone from squeue, sacct and scontrol: the end that was asked for
+                self.store.set_state(
+                    "allocations",
+                    a.id,
+                    expect=A.LOST,
+                    expect_version=a.version,
+                    to=A.ENDED,
+                    event="elastic cancelled",
+                    data={"was": "LOST", "why": "gone from Slurm after its scancel"},
+                    epoch=self.epoch,
+                    ended_at=now,
+                )
+                continue
+            if sent is not None and now - sent < RESEND_SCANCEL_S:
+                continue
+            if a.state != A.PENDING and self.routed is None:
+                # UP only: a LOST GPU stays LOST (the controller judges silent agents every tick);
+                # with a router, _out_of_router does this once the router sends the task nothing
+                self._gpus(a.id, (G.UP,), G.DRAINING, "elastic drain")
+            # a PENDING task runs nothing, whatever an agent of its last run left in state
+            busy = [
+                w.id for w in workers if a.state != A.PENDING and w.allocation_id == a.id and w.state in BUSY_WORKERS
+            ]
+            waited = now - a.drain_requested_at
+            if busy and waited < bound:
+                continue
+            why = "drained" if not busy else f"drain took longer than {bound:g}s"
+            self.store.journal_event(
+                self.run_id,
+                "allocations",
+                a.id,
+                "elastic scancel",
+                data={
+                    "why": why,
+                    "slurm_id": f"{a.job_id}_{a.array_index}",
+                    "state": a.state,
+                    "drain_s": round(waited, 3),
+                    "workers_left": busy,
+                    "again": sent is not None,
+                },
+                epoch=self.epoch,
+            )
+            self._scancelled[a.id] = now
+            to_cancel.append(a)
+        return to_cancel
+
+    def _send_scancel(self, p, to_cancel: list) -> None:
+        """One ``scancel`` for all of ``to_cancel`` (off the lock); on failure forget them and journal it."""
+        try:
+            self.backend.cancel_tasks([(a.job_id, int(a.array_index)) for a in to_cancel])
+        except BackendError as exc:
+            with self.lock:
+                for a in to_cancel:
+                    self._scancelled.pop(a.id, None)
+                self.store.journal_event(
+                    self.run_id,
+                    "pools",
+                    p.row["id"],
+                    "elastic scancel failed",
+                    data={"error": str(exc), "tasks": [f"{a.job_id}_{a.array_index}" for a in to_cancel]},
+                    epoch=self.epoch,
+                )
+            raise
+        for a in to_cancel:
+            self.fault("after_effect", f"elastic:{a.id}:SHRINK")  # scancelled; its end not yet seen
 
     def view(self) -> dict | None:
         return elastic_view(self.store, self.run_id, pool=self.pool, now=self.clock())
