@@ -8,6 +8,7 @@ SQLite state, a fake clock; the event loop is asyncio's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -135,8 +136,9 @@ def test_the_gpu_and_worker_reads_of_a_whole_run_follow_every_write(run, tmp_pat
         other.update_fields("gpus", gpu.id, role="DECODE")
     assert [g.role for g in store.gpus("r") if g.id == gpu.id] == ["DECODE"]
     rows = store.gpus("r")
-    rows[0].role = "scribbled"  # a caller's copy is its own
-    assert store.gpus("r")[0].role != "scribbled"
+    with pytest.raises(dataclasses.FrozenInstanceError):  # rows are values: the cache hands out the same ones
+        rows[0].role = "scribbled"
+    assert store.gpus("r") == rows and "scribbled" not in {g.role for g in rows}
 
 
 def test_an_allocations_fingerprint_is_read_once_while_nothing_changes_and_follows_every_write(run, tmp_path: Path):
