@@ -8,7 +8,9 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import typer
 
@@ -29,6 +31,10 @@ from pearlctl.host import home
 from pearlctl.host.runfiles import read_address
 from pearlctl.ops import launcher
 from pearlctl.vocabulary import HEARTBEAT_S
+
+if TYPE_CHECKING:
+    from pearlctl.daemon.main import DaemonSettings
+    from pearlctl.state.store import Store
 
 
 @app.command()
@@ -66,8 +72,7 @@ def daemon(
     serves, printing its address."""
     with exits():
         from pearlctl.config import slurm_option_problems
-        from pearlctl.daemon.main import Daemon, DaemonRefused, DaemonSettings  # the server: only this command
-        from pearlctl.daemon.main import process_alive as alive
+        from pearlctl.daemon.main import DaemonSettings  # the server: only this command
 
         bad = slurm_option_problems(partition=partition, nodelist=nodelist, time_limit=time_limit)
         if bad:  # --partition/--nodelist/--time are checked like a spec's values, before anything is opened
@@ -82,15 +87,7 @@ def daemon(
                 "--foreground runs this daemon here, unsupervised: drop --supervise/--slurm/--systemd-unit", EXIT_USAGE
             )
         if foreground:
-            logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-            d = Daemon(store, open_backend(run["backend"], state_dir=str(home.state_dir())), run["id"], settings)
-            d.install_signal_handlers()
-            try:
-                d.run()
-            except DaemonRefused as exc:
-                raise fail(str(exc), EXIT_CONFLICT) from None
-            finally:
-                store.close()
+            _serve_here(store, run, settings)
             return
         store.close()
         before = read_address(run["run_dir"]) or {}
@@ -104,66 +101,115 @@ def daemon(
         if supervise or slurm:  # inside a Slurm job the supervisor restarts a crashed daemon in place
             argv = [sys.executable, "-m", "pearlctl.daemon.supervise", "--", *argv]
         if slurm:
-            if run["backend"] != "slurm":
-                raise fail(f"run {run['id']} uses the {run['backend']} backend; --slurm needs a Slurm run", EXIT_USAGE)
-            backend = open_backend("slurm", state_dir=str(home.state_dir()))
-            env = {k: v for k, v in os.environ.items() if k.startswith("PEARL_") and k != "PEARL_FAULT"}
-            env["PEARL_STATE_DIR"] = str(home.state_dir())
-            req = launcher.daemon_request(
-                run, tuple(argv), env=env, partition=partition, nodelist=nodelist, time_limit=time_limit
+            starting = _submit_to_slurm(
+                run, argv, before, partition=partition, nodelist=nodelist, time_limit=time_limit
             )
-            try:
-                job_id = launcher.submit_daemon(backend, req)
-            except launcher.LaunchError as exc:
-                raise fail(str(exc), exc.exit_code) from None
-            log_path = Path(run["run_dir"], "logs", f"daemon-{job_id}.log")
-            err.print(f"submitted the daemon of {run['id']} as Slurm job {job_id} ({req.job_name})")
-
-            def started() -> dict | None:
-                address = read_address(run["run_dir"]) or {}
-                return address if address.get("slurm_job_id") == job_id and address != before else None
-
-            def gone() -> str | None:
-                ended = [r for r in backend.poll([job_id]) if r.phase == "ENDED"]
-                return f"the daemon's job {job_id} ended ({ended[0].state}); see {log_path}" if ended else None
-
         else:
-            log_path = Path(run["run_dir"], "logs", "daemon.log")
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-                )
+            starting = _spawn_detached(run, argv, before, supervise=supervise)
+        _await_address(run, starting, timeout=timeout, json_out=json_out)
 
-            def started() -> dict | None:
-                address = read_address(run["run_dir"]) or {}
-                if address == before or not address.get("pid"):
-                    return None
-                # supervised, the daemon is the supervisor's child: any new address of a live daemon will do
-                return address if address["pid"] == proc.pid or (supervise and alive(address["pid"])) else None
 
-            def gone() -> str | None:
-                if proc.poll() is None:
-                    return None
-                if proc.returncode == EXIT_CONFLICT:
-                    raise fail("the daemon refused to start:\n" + _tail(log_path), EXIT_CONFLICT)
-                return "the daemon exited at start:\n" + _tail(log_path)
+def _serve_here(store: Store, run: dict, settings: DaemonSettings) -> None:
+    """--foreground: this process is the daemon, logging to stderr, until it stops (exit 4 when it may not
+    start or must stop: its lease is held elsewhere or lost, or its control API did not start)."""
+    from pearlctl.daemon.main import Daemon, DaemonRefused
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            address = started()
-            if address:
-                if json_out:
-                    emit_json(address)
-                else:
-                    err.print(f"daemon of {run['id']} running (pid {address['pid']}), log {log_path}")
-                    print(address["url"])
-                return
-            why = gone()
-            if why:
-                raise fail(why, 1)
-            time.sleep(0.2 if not slurm else 1.0)  # --slurm: one squeue a second at most
-        raise fail(f"the daemon did not write its address within {timeout:g}s; see {log_path}", EXIT_TIMEOUT)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    d = Daemon(store, open_backend(run["backend"], state_dir=str(home.state_dir())), run["id"], settings)
+    d.install_signal_handlers()
+    try:
+        d.run()
+    except DaemonRefused as exc:
+        raise fail(str(exc), EXIT_CONFLICT) from None
+    finally:
+        store.close()
+
+
+class _Starting(NamedTuple):
+    """A daemon on its way up, started elsewhere: its log, its new address once it serves (``started``), why it
+    will not (``gone``), and how often to look."""
+
+    log_path: Path
+    started: Callable[[], dict | None]
+    gone: Callable[[], str | None]
+    poll_s: float
+
+
+def _submit_to_slurm(
+    run: dict, argv: list[str], before: dict, *, partition: str | None, nodelist: str | None, time_limit: str | None
+) -> _Starting:
+    """--slurm: the supervised daemon as a small Slurm job; it serves once its job's address is written."""
+    if run["backend"] != "slurm":
+        raise fail(f"run {run['id']} uses the {run['backend']} backend; --slurm needs a Slurm run", EXIT_USAGE)
+    backend = open_backend("slurm", state_dir=str(home.state_dir()))
+    env = {k: v for k, v in os.environ.items() if k.startswith("PEARL_") and k != "PEARL_FAULT"}
+    env["PEARL_STATE_DIR"] = str(home.state_dir())
+    req = launcher.daemon_request(
+        run, tuple(argv), env=env, partition=partition, nodelist=nodelist, time_limit=time_limit
+    )
+    try:
+        job_id = launcher.submit_daemon(backend, req)
+    except launcher.LaunchError as exc:
+        raise fail(str(exc), exc.exit_code) from None
+    log_path = Path(run["run_dir"], "logs", f"daemon-{job_id}.log")
+    err.print(f"submitted the daemon of {run['id']} as Slurm job {job_id} ({req.job_name})")
+
+    def started() -> dict | None:
+        address = read_address(run["run_dir"]) or {}
+        return address if address.get("slurm_job_id") == job_id and address != before else None
+
+    def gone() -> str | None:
+        ended = [r for r in backend.poll([job_id]) if r.phase == "ENDED"]
+        return f"the daemon's job {job_id} ended ({ended[0].state}); see {log_path}" if ended else None
+
+    return _Starting(log_path, started, gone, poll_s=1.0)  # one squeue a second at most
+
+
+def _spawn_detached(run: dict, argv: list[str], before: dict, *, supervise: bool) -> _Starting:
+    """The daemon (or its supervisor) as a process of its own session, logging to logs/daemon.log."""
+    from pearlctl.daemon.main import process_alive as alive
+
+    log_path = Path(run["run_dir"], "logs", "daemon.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def started() -> dict | None:
+        address = read_address(run["run_dir"]) or {}
+        if address == before or not address.get("pid"):
+            return None
+        # supervised, the daemon is the supervisor's child: any new address of a live daemon will do
+        return address if address["pid"] == proc.pid or (supervise and alive(address["pid"])) else None
+
+    def gone() -> str | None:
+        if proc.poll() is None:
+            return None
+        if proc.returncode == EXIT_CONFLICT:
+            raise fail("the daemon refused to start:\n" + _tail(log_path), EXIT_CONFLICT)
+        return "the daemon exited at start:\n" + _tail(log_path)
+
+    return _Starting(log_path, started, gone, poll_s=0.2)
+
+
+def _await_address(run: dict, starting: _Starting, *, timeout: float, json_out: bool) -> None:
+    """Waits until the daemon serves and prints where (exit 1 when it dies first, 124 after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        address = starting.started()
+        if address:
+            if json_out:
+                emit_json(address)
+            else:
+                err.print(f"daemon of {run['id']} running (pid {address['pid']}), log {starting.log_path}")
+                print(address["url"])
+            return
+        why = starting.gone()
+        if why:
+            raise fail(why, 1)
+        time.sleep(starting.poll_s)
+    raise fail(f"the daemon did not write its address within {timeout:g}s; see {starting.log_path}", EXIT_TIMEOUT)
 
 
 def _systemd_unit(run: dict, argv: list[str]) -> str:
