@@ -394,35 +394,7 @@ class Agents(Side):
         routed by its REGISTER / DEREGISTER steps only); ``lent``: the allocation's GPU indices lent now."""
         key, state = report.key, report.state
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
-        worker = next(
-            (w for w in self.store.workers(self.run_id, allocation_id=alloc.id) if w.worker_key == key),
-            None,
-        )
-        replaced = (
-            worker is not None
-            and worker.state not in (W.STOPPED, W.FAILED)
-            and report.pid is not None
-            and worker.pid not in (None, report.pid)
-        )
-        if replaced:
-            # another process under the key (the allocation ran again after a requeue, or its agent restarted
-            # the engine): the row's process is gone — it ends here, and the new process gets a row of its own
-            ended = W.STOPPED if edge_path("workers", worker.state, W.STOPPED) else W.FAILED
-            for step in edge_path("workers", worker.state, ended):
-                self.store.set_state(
-                    "workers",
-                    worker.id,
-                    expect=self.store.worker(worker.id).state,
-                    to=step,
-                    epoch=self.epoch,
-                    event="replaced by a new process",
-                    data={"pid": worker.pid, "new_pid": report.pid},
-                )
-            worker = self.store.worker(worker.id)
-        if worker is not None and worker.state in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
-            # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
-            self.store.update_fields("workers", worker.id, epoch=self.epoch, worker_key=f"{key}#{worker.id}")
-            worker = None
+        worker = self._current_row(alloc, report)
         created = worker is None
         if worker is None:
             if state in (W.STOPPED, W.FAILED):
@@ -474,6 +446,41 @@ class Agents(Side):
             if routable != self.store.worker(worker.id).routable and not (held and routable):
                 self.store.update_fields("workers", worker.id, epoch=self.epoch, routable=routable)
         return moved
+
+    def _current_row(self, alloc: dict, report: bodies.WorkerReport):
+        """The row that ``report`` folds into: ends a row whose process was replaced, archives an ended row
+        that a new process reuses the key of (then None: the caller creates a fresh row)."""
+        key, state = report.key, report.state
+        worker = next(
+            (w for w in self.store.workers(self.run_id, allocation_id=alloc.id) if w.worker_key == key),
+            None,
+        )
+        replaced = (
+            worker is not None
+            and worker.state not in (W.STOPPED, W.FAILED)
+            and report.pid is not None
+            and worker.pid not in (None, report.pid)
+        )
+        if replaced:
+            # another process under the key (the allocation ran again after a requeue, or its agent restarted
+            # the engine): the row's process is gone — it ends here, and the new process gets a row of its own
+            ended = W.STOPPED if edge_path("workers", worker.state, W.STOPPED) else W.FAILED
+            for step in edge_path("workers", worker.state, ended):
+                self.store.set_state(
+                    "workers",
+                    worker.id,
+                    expect=self.store.worker(worker.id).state,
+                    to=step,
+                    epoch=self.epoch,
+                    event="replaced by a new process",
+                    data={"pid": worker.pid, "new_pid": report.pid},
+                )
+            worker = self.store.worker(worker.id)
+        if worker is not None and worker.state in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
+            # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
+            self.store.update_fields("workers", worker.id, epoch=self.epoch, worker_key=f"{key}#{worker.id}")
+            worker = None
+        return worker
 
     def _pool_of(self, alloc: dict) -> dict:
         return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc.pool_id)
