@@ -52,12 +52,6 @@ def simulate(
     ),
 ) -> None:
     """Simulate RL steps of a scenario under one policy or several, and report throughput and costs."""
-    # the simulator (numpy) is imported by the command that runs it, not by every pearlctl command
-    from pearlctl.policies import PolicyError, load_policy
-    from pearlctl.sim import report
-    from pearlctl.sim.compare import SimulationError, compare
-    from pearlctl.sim.scenario import ScenarioError, load
-
     with exits():
         if not sweep:
             sweep_only = {"--seeds": seeds, "--executor": executor, "--partition": partition, "--time": time_limit}
@@ -78,37 +72,72 @@ def simulate(
             raise fail(f"--max-memory must be a number of GiB >= 0 (0: no guard), got {max_memory}", EXIT_USAGE)
         if timeline is not None and timeline.suffix.lower() != ".png":
             raise fail(f"--timeline must name a .png file (got {timeline})", EXIT_USAGE)
-        for name in names:
-            if name == "oracle":
-                continue
-            try:
-                load_policy(name)
-            except PolicyError as exc:
-                raise fail(f"{exc}, oracle", EXIT_USAGE) from None
+        _load_policies(names)
         if sweep:
             _sweep(
                 scenario_paths, names, steps, seed, seeds, executor, partition, time_limit, folder, timeline, json_out
             )
             return
-        try:
-            scenario = load(scenario_paths[0]).with_overrides(steps=steps, seed=seed)
-        except ScenarioError as exc:
-            raise fail(str(exc), EXIT_USAGE) from None
-        try:
-            results = compare(
-                scenario, names, record_timeline=timeline is not None, max_memory=_memory_limit(max_memory, names)
-            )
-        except SimulationError as exc:
-            raise fail(str(exc), EXIT_SIMULATION) from None
-        doc = report.to_json(scenario, results)
-        if timeline is not None:
-            from pearlctl.sim.timeline import write_png
+        _simulate_one(
+            scenario_paths[0],
+            names,
+            steps=steps,
+            seed=seed,
+            timeline=timeline,
+            max_memory=max_memory,
+            json_out=json_out,
+        )
 
-            doc["timeline"] = str(write_png(results, timeline, title=f"{scenario.name} ({scenario.steps} steps)"))
-        if json_out:
-            emit_json(doc)
-            return
-        _render(doc)
+
+def _load_policies(names: list[str]) -> None:
+    """Each name is a policy the daemon could load, or ``oracle``; an unknown one is a usage error naming the
+    known ones."""
+    from pearlctl.policies import PolicyError, load_policy
+
+    for name in names:
+        if name == "oracle":
+            continue
+        try:
+            load_policy(name)
+        except PolicyError as exc:
+            raise fail(f"{exc}, oracle", EXIT_USAGE) from None
+
+
+def _simulate_one(
+    path: Path,
+    names: list[str],
+    *,
+    steps: int | None,
+    seed: int | None,
+    timeline: Path | None,
+    max_memory: float | None,
+    json_out: bool,
+) -> None:
+    """One scenario under each policy, in this process: the report as JSON or a table, the timeline drawn."""
+    # the simulator (numpy) is imported by the command that runs it, not by every pearlctl command
+    from pearlctl.sim import report
+    from pearlctl.sim.compare import SimulationError, compare
+    from pearlctl.sim.scenario import ScenarioError, load
+
+    try:
+        scenario = load(path).with_overrides(steps=steps, seed=seed)
+    except ScenarioError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    try:
+        results = compare(
+            scenario, names, record_timeline=timeline is not None, max_memory=_memory_limit(max_memory, names)
+        )
+    except SimulationError as exc:
+        raise fail(str(exc), EXIT_SIMULATION) from None
+    doc = report.to_json(scenario, results)
+    if timeline is not None:
+        from pearlctl.sim.timeline import write_png
+
+        doc["timeline"] = str(write_png(results, timeline, title=f"{scenario.name} ({scenario.steps} steps)"))
+    if json_out:
+        emit_json(doc)
+        return
+    _render(doc)
 
 
 def _memory_limit(gib: float | None, names: list[str]) -> int | None:
