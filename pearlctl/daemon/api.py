@@ -36,6 +36,7 @@ Routes (JSON in, JSON out):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -52,9 +53,10 @@ from starlette.routing import Route
 
 from pearlctl.api import bodies
 from pearlctl.api.client import ALLOCATION_HEADER, RUN_HEADER
-from pearlctl.daemon.agents import allocation_credential
+from pearlctl.daemon.agents import Agents, allocation_credential
 from pearlctl.daemon.controller import ControlError, Controller
 from pearlctl.daemon.metrics import render as render_metrics
+from pearlctl.daemon.operator import Operator
 from pearlctl.daemon.weights import broadcast_targets
 from pearlctl.state.errors import NotFound, StaleEpoch
 
@@ -134,88 +136,88 @@ def build_app(
     status: Callable[[], dict],
     stats: Callable[[], Any] | None = None,
 ) -> Starlette:
+    """The daemon's app: the routes of this module's docstring, grouped by who calls them — anyone holding the
+    run token reading (health, status, metrics), the agents, the trainer and its rollout driver, the operator."""
     gate = _Gate(secret, controller.run_id)
-
-    def route(
-        path: str,
-        fn: Callable[..., dict],
-        model: type[BaseModel] | None = None,
-        *,
-        method: str = "POST",
-        agent: bool = False,
-        then: Callable[..., Awaitable[dict]] | None = None,
-        fast: Callable[..., Any] | None = None,
-    ) -> Route:
-        """``fn`` runs in a handler thread (the controller is synchronous: SQLite), unless ``fast``, called
-        first in the event loop with the same arguments (it must never block), answers; ``then``, if given, is
-        awaited in the event loop with the same arguments and that result, and answers instead (a long poll's
-        hold)."""
-
-        async def endpoint(request: Request):
-            allocation = None
-            try:
-                allocation = gate.check(request, agent=agent)
-                raw = await gate.body(request)
-                args: list[Any] = []
-                if model is not None:
-                    args.append(_parse(model, raw))
-                if agent:
-                    args.append(allocation)
-                # an agent is alive from its request's arrival to its answer, however long it waits
-                with controller.agents.arrived(allocation) if agent else contextlib.nullcontext():
-                    t0 = time.monotonic()
-                    result = fast(*args) if fast is not None else None
-                    if result is None:
-                        result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
-                    if agent:
-                        controller.agents.heartbeat_seconds.observe(time.monotonic() - t0)
-                    if then is not None:
-                        result = await then(*args, result)
-                return JSONResponse(result)
-            except _Refused as exc:
-                if allocation is not None and exc.status == 422:
-                    controller.agents.refused_report(allocation, str(exc))
-                return JSONResponse({"error": str(exc)}, exc.status)
-            except ControlError as exc:
-                return JSONResponse({"error": str(exc)}, exc.status)
-            except NotFound as exc:
-                return JSONResponse({"error": str(exc)}, 404)
-            except StaleEpoch as exc:  # another daemon holds the lease: this one stops
-                controller.on_deposed(str(exc))
-                return JSONResponse({"error": f"this daemon was deposed ({exc}); ask again"}, 503)
-            except Exception as exc:  # a bug: answer, log, count, never die
-                controller.api_errors += 1
-                log.exception("%s %s failed", request.method, path)
-                return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, 500)
-
-        return Route(path, endpoint, methods=[method])
-
+    route = functools.partial(_route, controller, gate)
     routes = [
-        route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
-        route("/v1/agents/register", controller.agents.register, bodies.Register),
-        route(
-            "/v1/agents/heartbeat",
-            controller.agents.report,
-            bodies.Heartbeat,
-            agent=True,
-            then=controller.agents.hold,
-            fast=controller.agents.remembered,  # a repeated report: from memory, no thread
-        ),
-        route("/v1/status", status, method="GET"),
-        route("/v1/trainer/phase", controller.trainer.report, bodies.TrainerPhase, then=controller.trainer.hold),
-        route("/v1/trainer/ack", controller.trainer.ack, bodies.Ack),
-        route("/v1/borrow", controller.operator.borrow, bodies.Borrow),
-        route("/v1/return", controller.operator.give_back, bodies.ReturnNow),
-        route("/v1/moves", controller.operator.move, bodies.Move),
-        route("/v1/workers", controller.agents.routable_workers, method="GET"),
-        route(
-            "/v1/weights/targets",
-            lambda: {"epoch": controller.epoch, **broadcast_targets(controller.store, controller.run_id)},
-            method="GET",
-        ),
-        route("/v1/rollout/progress", controller.trainer.rollout_progress, bodies.Progress),
-        route("/v1/profile", controller.operator.set_profile, bodies.ProfileBody),
+        *_read_routes(route, controller, gate, status, stats),
+        *_agent_routes(route, controller.agents),
+        *_trainer_routes(route, controller),
+        *_operator_routes(route, controller.operator),
     ]
+    return Starlette(routes=routes)
+
+
+def _route(
+    controller: Controller,
+    gate: _Gate,
+    path: str,
+    fn: Callable[..., dict],
+    model: type[BaseModel] | None = None,
+    *,
+    method: str = "POST",
+    agent: bool = False,
+    then: Callable[..., Awaitable[dict]] | None = None,
+    fast: Callable[..., Any] | None = None,
+) -> Route:
+    """One JSON route: the gate checks the request's credential (an allocation's when ``agent``, which is
+    then passed on last) and body size, the body is parsed into ``model``, and a refusal or failure is
+    answered as this module's docstring says.
+
+    ``fn`` runs in a handler thread (the controller is synchronous: SQLite), unless ``fast``, called
+    first in the event loop with the same arguments (it must never block), answers; ``then``, if given, is
+    awaited in the event loop with the same arguments and that result, and answers instead (a long poll's
+    hold)."""
+
+    async def endpoint(request: Request):
+        allocation = None
+        try:
+            allocation = gate.check(request, agent=agent)
+            raw = await gate.body(request)
+            args: list[Any] = []
+            if model is not None:
+                args.append(_parse(model, raw))
+            if agent:
+                args.append(allocation)
+            # an agent is alive from its request's arrival to its answer, however long it waits
+            with controller.agents.arrived(allocation) if agent else contextlib.nullcontext():
+                t0 = time.monotonic()
+                result = fast(*args) if fast is not None else None
+                if result is None:
+                    result = await anyio.to_thread.run_sync(lambda: fn(*args), limiter=_LIMITER)
+                if agent:
+                    controller.agents.heartbeat_seconds.observe(time.monotonic() - t0)
+                if then is not None:
+                    result = await then(*args, result)
+            return JSONResponse(result)
+        except _Refused as exc:
+            if allocation is not None and exc.status == 422:
+                controller.agents.refused_report(allocation, str(exc))
+            return JSONResponse({"error": str(exc)}, exc.status)
+        except ControlError as exc:
+            return JSONResponse({"error": str(exc)}, exc.status)
+        except NotFound as exc:
+            return JSONResponse({"error": str(exc)}, 404)
+        except StaleEpoch as exc:  # another daemon holds the lease: this one stops
+            controller.on_deposed(str(exc))
+            return JSONResponse({"error": f"this daemon was deposed ({exc}); ask again"}, 503)
+        except Exception as exc:  # a bug: answer, log, count, never die
+            controller.api_errors += 1
+            log.exception("%s %s failed", request.method, path)
+            return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+    return Route(path, endpoint, methods=[method])
+
+
+def _read_routes(
+    route: Callable[..., Route],
+    controller: Controller,
+    gate: _Gate,
+    status: Callable[[], dict],
+    stats: Callable[[], Any] | None,
+) -> list[Route]:
+    """What anyone holding the run token reads: liveness, the state document, the Prometheus metrics."""
 
     async def metrics(request: Request):
         try:
@@ -228,5 +230,51 @@ def build_app(
         )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    routes.append(Route("/metrics", metrics, methods=["GET"]))
-    return Starlette(routes=routes)
+    return [
+        route("/v1/health", lambda: {"ok": True, "epoch": controller.epoch, "run_id": controller.run_id}, method="GET"),
+        route("/v1/status", status, method="GET"),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _agent_routes(route: Callable[..., Route], agents: Agents) -> list[Route]:
+    """The agents' side (pearlctl.daemon.agents): registering, heartbeats, and the READY routable rollout
+    workers it knows of (for rollout clients)."""
+    return [
+        route("/v1/agents/register", agents.register, bodies.Register),
+        route(
+            "/v1/agents/heartbeat",
+            agents.report,
+            bodies.Heartbeat,
+            agent=True,
+            then=agents.hold,
+            fast=agents.remembered,  # a repeated report: from memory, no thread
+        ),
+        route("/v1/workers", agents.routable_workers, method="GET"),
+    ]
+
+
+def _trainer_routes(route: Callable[..., Route], controller: Controller) -> list[Route]:
+    """The trainer's side (pearlctl.daemon.trainer_side): the hook's phase and acks, the rollout driver's
+    progress; and the workers trainer rank 0 broadcasts weights to (pearlctl.daemon.weights)."""
+    trainer = controller.trainer
+    return [
+        route("/v1/trainer/phase", trainer.report, bodies.TrainerPhase, then=trainer.hold),
+        route("/v1/trainer/ack", trainer.ack, bodies.Ack),
+        route(
+            "/v1/weights/targets",
+            lambda: {"epoch": controller.epoch, **broadcast_targets(controller.store, controller.run_id)},
+            method="GET",
+        ),
+        route("/v1/rollout/progress", trainer.rollout_progress, bodies.Progress),
+    ]
+
+
+def _operator_routes(route: Callable[..., Route], operator: Operator) -> list[Route]:
+    """The operator's side (pearlctl.daemon.operator): borrow, return, move, the engine profile."""
+    return [
+        route("/v1/borrow", operator.borrow, bodies.Borrow),
+        route("/v1/return", operator.give_back, bodies.ReturnNow),
+        route("/v1/moves", operator.move, bodies.Move),
+        route("/v1/profile", operator.set_profile, bodies.ProfileBody),
+    ]
