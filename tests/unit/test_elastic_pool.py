@@ -366,9 +366,7 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     for a in (a1, a2):
         evs = events(store, run_id, a.id)
         assert evs.index("elastic drain") < evs.index("elastic scancel") < evs.index("ended")
-    scancel = next(
-        j for j in store.journal(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2.id)
-    )
+    scancel = next(j for j in store.journal(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2.id))
     assert scancel["data"]["why"] == "drained" and scancel["data"]["drain_s"] == 5
     # never below nodes
     pool.resize(0, "again")
