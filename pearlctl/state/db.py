@@ -31,7 +31,8 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,19 @@ def migrate(db: Database, path: str) -> None:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+
+def plain(value: Any) -> Any:
+    """Enum members bind as their value, so a StrEnum stored is the same text as its string."""
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def insert(conn: sqlite3.Connection, table: str, values: Mapping[str, Any]) -> int:
+    """INSERT one row (``values`` by column) on ``conn``; its id. The Store's writes and pearlctl.state.node_gpus
+    share it."""
+    columns = ", ".join(f'"{c}"' for c in values)
+    placeholders = ", ".join("?" * len(values))
+    cursor = conn.execute(
+        f'INSERT INTO "{table}" ({columns}) VALUES ({placeholders})', [plain(v) for v in values.values()]
+    )
+    return int(cursor.lastrowid or 0)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from pearlctl.state.db import insert
 from pearlctl.state.machines import GpuState, machine
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ def write_node_gpus(
     epoch: int | None,
 ) -> None:
     """Apply ``plan_node_gpus`` inside ``store``'s open write transaction ``conn`` (already fenced)."""
-    from pearlctl.state.store import _insert  # the Store's one INSERT helper; store.py imports this module
 
     now = store._clock()
     conn.execute("INSERT INTO nodes (run_id, name) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, node))
@@ -94,7 +94,7 @@ def write_node_gpus(
                 "version": 1,
                 "updated_at": now,
             }
-            gpu_id = _insert(conn, "gpus", values)
+            gpu_id = insert(conn, "gpus", values)
             data["role"] = role
             store._journal(
                 conn, now, run_id, "gpus", gpu_id, "gpu.registered", to_state=GpuState.UP, epoch=epoch, data=data

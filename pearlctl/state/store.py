@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any, Self, TypeVar
 
-from pearlctl.state.db import BUSY_TIMEOUT_MS, Database, connect, schema_version
+from pearlctl.state.db import BUSY_TIMEOUT_MS, Database, connect, insert, plain, schema_version
 from pearlctl.state.errors import (
     DuplicateRun,
     DuplicateStep,
@@ -320,9 +320,9 @@ class Store:
             )
             allocation_state = machine("allocations").initial
             for pool in checked:
-                pool_id = _insert(conn, "pools", {"run_id": run_id, **pool})
+                pool_id = insert(conn, "pools", {"run_id": run_id, **pool})
                 for index in range(pool["nodes"]):
-                    allocation_id = _insert(
+                    allocation_id = insert(
                         conn,
                         "allocations",
                         {
@@ -526,7 +526,7 @@ class Store:
             self._fence(conn, run_id, epoch)
             now = self._clock()
             state = machine("workers").initial
-            worker_id = _insert(
+            worker_id = insert(
                 conn,
                 "workers",
                 {
@@ -584,7 +584,7 @@ class Store:
                 raise InvalidWrite(f"run {run_id!r} has no GPUs with ids {missing}")
             now = self._clock()
             state = machine("transitions").initial
-            transition_id = _insert(
+            transition_id = insert(
                 conn,
                 "transitions",
                 {
@@ -652,7 +652,7 @@ class Store:
                 )
             now = self._clock()
             state = machine("steps").initial
-            step_id = _insert(
+            step_id = insert(
                 conn,
                 "steps",
                 {
@@ -704,7 +704,7 @@ class Store:
                 "SELECT COALESCE(MAX(array_index), -1) + 1 FROM allocations WHERE pool_id = ?", (pool_id,)
             ).fetchone()
             state = machine("allocations").initial
-            allocation_id = _insert(
+            allocation_id = insert(
                 conn,
                 "allocations",
                 {
@@ -971,7 +971,7 @@ class Store:
         epoch: int | None = None,
         data: Mapping[str, Any] | None = None,
     ) -> int:
-        return _insert(
+        return insert(
             conn,
             "journal",
             {
@@ -1024,7 +1024,7 @@ class Store:
             columns = ", ".join(sorted(self._columns[table] - _MANAGED_COLUMNS))
             raise InvalidWrite(f"{table} has no column {', '.join(unknown)}; writable columns: {columns}")
         json_columns = JSON_COLUMNS.get(table, frozenset())
-        return {c: _json(v) if c in json_columns and v is not None else _plain(v) for c, v in fields.items()}
+        return {c: _json(v) if c in json_columns and v is not None else plain(v) for c, v in fields.items()}
 
 
 # ---------------------------------------------------------------------- module helpers
@@ -1043,7 +1043,7 @@ def _check_pool(pool: Mapping[str, Any]) -> dict[str, Any]:
     _check_role(pool["role"])
     if not isinstance(pool["nodes"], int) or pool["nodes"] < 1:
         raise InvalidWrite(f"pool {pool['name']!r}: nodes must be an int >= 1, got {pool['nodes']!r}")
-    return {"partition": None, **{k: _plain(v) for k, v in pool.items()}}
+    return {"partition": None, **{k: plain(v) for k, v in pool.items()}}
 
 
 def _check_role(role: str) -> None:
@@ -1055,15 +1055,6 @@ def _values(states: type[StrEnum]) -> frozenset[str]:
     return frozenset(s.value for s in states)
 
 
-def _insert(conn: sqlite3.Connection, table: str, values: Mapping[str, Any]) -> int:
-    columns = ", ".join(f'"{c}"' for c in values)
-    placeholders = ", ".join("?" * len(values))
-    cursor = conn.execute(
-        f'INSERT INTO "{table}" ({columns}) VALUES ({placeholders})', [_plain(v) for v in values.values()]
-    )
-    return int(cursor.lastrowid or 0)
-
-
 def _current_version(conn: sqlite3.Connection, table: str, row_id: int | str) -> int:
     return int(conn.execute(f'SELECT version FROM "{table}" WHERE id = ?', (row_id,)).fetchone()[0])
 
@@ -1073,11 +1064,6 @@ def _with_fields(data: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> d
     if not fields:
         return None if data is None else dict(data)
     return {**(data or {}), "fields": dict(fields)}
-
-
-def _plain(value: Any) -> Any:
-    """Enum members bind as their value, so a StrEnum stored is the same text as its string."""
-    return value.value if isinstance(value, StrEnum) else value
 
 
 def _json(value: Any) -> str:
