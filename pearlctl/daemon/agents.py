@@ -37,7 +37,7 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, PoolKind, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, PoolKind, Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -595,9 +595,10 @@ class Agents(Side):
             for w in self.store.workers(self.run_id)
             if w.routable and w.state == W.READY and w.url
         ]
-        rollout_roles = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
         moving = [
-            t for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING)) if t.to_role in rollout_roles
+            t
+            for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING))
+            if t.to_role in GENERATION_ROLES
         ]
         joining = 0
         if moving:  # the GPU rows only then: most answers have nothing joining

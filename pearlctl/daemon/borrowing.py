@@ -74,7 +74,7 @@ from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.rows import Transition
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import SERVING_ROLES, PoolKind
+from pearlctl.vocabulary import GENERATION_ROLES, SERVING_ROLES, PoolKind
 
 __all__ = ["Borrowing", "PolicyError", "load_policy"]
 
@@ -693,7 +693,7 @@ def _serves(g: dict) -> bool:
 
 def _serving_workers(gpus, gpus_per_worker: int) -> int:
     """Serving workers among planner GPU slots (whole groups per node and pool, as ``choose`` counts them)."""
-    serving = [g for g in gpus if g.role in (Role.ROLLOUT, Role.PREFILL, Role.DECODE)]
+    serving = [g for g in gpus if g.role in GENERATION_ROLES]
     return sum(worker_groups(serving, gpus_per_worker).values())
 
 
