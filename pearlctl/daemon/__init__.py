@@ -10,6 +10,7 @@ Its lease (one daemon per run, fenced by an epoch that every write and every com
 - ``trainer_side``: the trainer's side — the hook's phase and acks, the rollout driver's progress;
 - ``operator``: the operator's side — borrow, return, move, profile;
 - ``borrowing``: the run's policy, live — whole plans carried out as transitions, lent GPUs returned in time;
+- ``policy_view``: what the policy sees — the planner's snapshot of the run built from state, with its inputs;
 - ``elastic``: growing and shrinking the elastic pool to the number of tasks the policy wants;
 - ``transitions``: the executor of checkpointed role transitions (plans of steps, rollbacks);
 - ``effects``: what each transition step does and how it is proven (``STEPS``);

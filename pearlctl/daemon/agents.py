@@ -548,7 +548,7 @@ class Agents(Side):
                 if g.worker_id is not None and g.role in (Role.TRAIN, Role.IDLE):
                     parked.setdefault(g.worker_id, []).append(g.idx)
         out = []
-        return_s = self.borrowing.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
+        return_s = self.borrowing.inputs.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
             if role == Role.IDLE:
                 continue

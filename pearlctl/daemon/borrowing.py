@@ -15,9 +15,9 @@ plan that turns a whole worker set between colocated and disaggregated keeps all
 throughout, instead of none for a restart's time. The plan's other switches wait PLANNED; when one of
 them fails or rolls back, those still waiting are dropped and the next plan starts from what is.
 
-The policy is a module of ``policies/`` loaded by name (pearlctl.policies), the same one the simulator
-runs: ``decide(snapshot)`` gets a planner ``Snapshot`` built here from state (GPUs by pool and role, the
-rollout driver's progress as ``Work``, the trainer's phase, the run's profile, transition costs measured
+The policy is a module loaded by name (pearlctl.policies), the same one the simulator runs:
+``decide(snapshot)`` gets a planner ``Snapshot`` built from state by pearlctl.daemon.policy_view (GPUs by pool
+and role, the rollout driver's progress as ``Work``, the trainer's phase, the run's profile, transition costs measured
 from the journal) and answers with a ``Plan``.
 
 The return deadline comes from the trainer's own report: when it said it would wait, plus how long it
@@ -53,50 +53,29 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
-from typing import Any
 
+from pearlctl.daemon.policy_view import PolicyInputs, batch_ready, summary, work_from_progress
 from pearlctl.daemon.transitions import BorrowDetail, Executor, PlanKind, ReturnDetail, TransitionDetail, detail_for
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
-from pearlctl.planner.choose import worker_groups
-from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Plan, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, MoveKind, Plan, Role, Snapshot
 from pearlctl.planner.predict import predict
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.policies import PolicyError, load_policy
-from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.rows import Transition
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import GENERATION_ROLES, SERVING_ROLES, PoolKind
+from pearlctl.vocabulary import SERVING_ROLES, PoolKind
 
 __all__ = ["Borrowing", "PolicyError", "load_policy"]
 
 log = logging.getLogger("pearlctl.daemon")
 
-# Before any transition was measured (a CPU vLLM cold start takes ~20 s, a return a few seconds).
-DEFAULT_COSTS = TransitionCosts(start_s=25.0, wake_s=3.0, sleep_s=3.0, stop_s=5.0, offload_s=2.0, reload_s=2.0)
-
-# What a run without a measured profile plans with: it carries the transition costs; its speeds are
-# placeholders, so policies that predict (NEEDS_PROFILE) are refused for such a run.
-UNMEASURED = Profile(
-    name="unmeasured",
-    model="",
-    hardware="",
-    decode=DecodeModel(weights_s=0.01, seq_s=0.0, kv_s_per_token=0.0),
-    prefill_tok_s=1e4,
-    kv_capacity_tokens=10**6,
-    costs=DEFAULT_COSTS,
-)
-
-
-_PD = (Role.PREFILL, Role.DECODE)
 REDECIDE_S = 5.0  # with unchanged inputs, the policy decides again at least this often (see the module doc)
 # A decision made off the lock is carried out when, under the lock again, its inputs are unchanged and it is at
 # most this old (a plan's deadlines carry the slack RETURN_SLACK_S, far above this); else the policy decides
@@ -180,167 +159,30 @@ def describe_moves(planned: Plan | None, gpus: dict[int, dict]) -> list[dict]:
 class Borrowing:
     def __init__(self, store: Store, executor: Executor, run_id: str, *, clock=time.time):
         self.store, self.executor, self.run_id, self.clock = store, executor, run_id, clock
-        # the run's GPU rows, the planner's GPU slots and what is derived from them, kept for one state
-        # generation (``_per_generation``): a tick asks for them several times, and at 4,096 GPUs each read or
-        # rebuild costs milliseconds (read-only: never modified)
-        self._derived: dict[str, tuple[tuple[int, int], Any]] = {}
+        self.inputs = PolicyInputs(store, run_id)  # what the policy sees
         # the inputs of the last decision the tick carried out, and when it was made (``REDECIDE_S``)
         self._decided: tuple[tuple, float] | None = None
         self.decisions = 0  # the policy's decisions in ticks, and the ticks that skipped one (unchanged inputs)
         self.skipped = 0
         self.redecided = 0  # decisions made off the lock whose inputs changed before they could be carried out
 
-    def gpu_rows(self) -> list[dict]:
-        """The run's GPU rows as of now (shared, read-only)."""
-        return self._per_generation("rows", lambda: self.store.gpus(self.run_id))
-
-    def _per_generation(self, what: str, make: Callable[[], Any]) -> Any:
-        """``make()``, kept for one state generation under the name ``what`` (the GPU rows, or something
-        derived from state, which changes only with the generation)."""
-        generation = self.store.generation()
-        hit = self._derived.get(what)
-        if hit is None or hit[0] != generation:
-            hit = self._derived[what] = (generation, make())
-        return hit[1]
-
-    def serving_gpu_ids(self) -> list[int]:
-        """The ids of the GPUs that serve rollouts now, sorted (shared, read-only)."""
-        return self._per_generation(
-            "serving", lambda: sorted(g.id for g in self.gpu_rows() if g.state == G.UP and _serves(g))
-        )
-
-    def serving_workers(self, gpus_per_worker: int) -> int:
-        """Serving workers among the planner's GPU slots now (``_serving_workers``)."""
-        return self._per_generation(
-            f"workers/{gpus_per_worker}", lambda: _serving_workers(self.slots(), gpus_per_worker)
-        )
-
-    def settings(self) -> dict:
-        run = self.store.get_run(self.run_id)
-        return run.get("borrow") or {"policy": run.get("policy") or "never", "max_gpus": None}
-
-    # -- what the policy sees ---------------------------------------------------------------------
-    def profile(self) -> Profile | None:
-        doc = self.store.get_run(self.run_id).get("profile")
-        return profiles.from_dict(doc) if doc else None
-
-    def costs(self, base: TransitionCosts) -> TransitionCosts:
-        """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
-        steps = self.store.recent_steps(self.run_id, state="DONE", per_kind=5)
-        return TransitionCosts(**{**vars(base), **step_costs([s.to_dict() for s in steps], last=5)})
-
-    def cost(self, kind: MoveKind) -> float:
-        """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
-        the sum of its steps' estimates. The deadline rules use it."""
-        latest = self.store.transitions(self.run_id, states=(T.DONE,), kind=kind, last=5)
-        done = [t.updated_at - t.created_at for t in latest]
-        if done:
-            return statistics.median(done)
-        costs = self.costs((self.profile() or UNMEASURED).costs)
-        return costs.borrow_s(warm=False) if kind == MoveKind.BORROW else costs.return_s(park=True)
-
-    def trainer_gpus(self) -> list[dict]:
-        return [g for g in self.gpu_rows() if g.state == G.UP and g.pool == PoolKind.TRAINER]
-
-    def snapshot(self, now: float, settings: dict | None = None) -> Snapshot:
-        """The planner's view of the run now (pure data). ``settings``: borrowing settings to assume."""
-        return self._snapshot(now, settings)[0]
-
-    def _snapshot(self, now: float, settings: dict | None = None) -> tuple[Snapshot, tuple]:
-        """``snapshot`` and its inputs: everything it is built from but the clock (see the module doc; equal
-        inputs and the same ``now`` build equal snapshots)."""
-        run = self.store.get_run(self.run_id)
-        settings = settings or self.settings()
-        trainer = run.get(TRAINER_REPORT) or {}
-        wait = trainer.get("expected_wait_s")
-        # each report's expected wait is what is left at that report (the hook's wait_until counts it down)
-        since = trainer.get("reported_at") or trainer.get("phase_since")
-        left = (since + wait - now) if wait is not None and since else 0.0
-        gpus = self.slots()
-        profile = self.profile() or UNMEASURED
-        work = work_from_progress(run.get(ROLLOUT_PROGRESS) or {})
-        ready = batch_ready(trainer, run.get(ROLLOUT_PROGRESS) or {})
-        if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
-            key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
-            profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
-        transitions = self.store.transitions(self.run_id, last=1)
-        snapshot = Snapshot(
-            now=now,
-            gpus=gpus,
-            work=work,
-            trainer=Trainer(
-                phase=trainer.get("phase"),
-                wait_left_s=left,
-                step_time_s=trainer.get("step_s") or 0.0,
-                wait_known=wait is not None,
-                batch_ready=ready,
-            ),
-            profile=profile,
-            costs=self.costs(profile.costs),
-            mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
-            max_lend=settings.get("max_gpus"),
-            last_change_at=transitions[-1].created_at if transitions else None,
-            last_batch=Work(**(run.get(ROLLOUT_PROGRESS) or {}).get("batch_work") or {}),
-        )
-        # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
-        # from a measured profile only (the placeholder's speeds predict nothing: nothing is lent then)
-        if profile is not UNMEASURED:
-            snapshot = plan.expect_wait(snapshot)
-        # the clock only in ``now`` and the trainer's wait left: the inputs hold the time it waits until instead
-        # (the GPUs: one tuple per state generation, and equal tuples compare element by element)
-        timeless = replace(snapshot, now=0.0, trainer=replace(snapshot.trainer, wait_left_s=0.0))
-        waits_until = (since, wait) if wait is not None and since else None
-        inputs = (timeless, waits_until, sorted(settings.items(), key=lambda kv: kv[0]))
-        return snapshot, inputs
-
-    def slots(self) -> tuple[GpuSlot, ...]:
-        """The planner's view of the run's live GPUs (kept for one state generation)."""
-        return self._per_generation("slots", self._make_slots)
-
-    def _make_slots(self) -> tuple[GpuSlot, ...]:
-        asleep = {w.id for w in self.store.workers(self.run_id) if w.state == "SLEEPING"}
-        gpus = []
-        for g in self.gpu_rows():
-            if g.state != G.UP:
-                continue
-            if g.pool == PoolKind.TRAINER:
-                role = Role.ROLLOUT if g.borrowed else Role.TRAIN
-            else:
-                role = Role(g.role) if g.role in SERVING_ROLES else Role.IDLE
-            gpus.append(
-                GpuSlot(
-                    id=g.id,
-                    node=g.node,
-                    pool=g.pool,
-                    role=role,
-                    parked=role in (Role.TRAIN, Role.IDLE) and g.worker_id in asleep,
-                    borrowed=bool(g.borrowed),
-                    return_deadline=g.return_deadline,
-                )
-            )
-        return tuple(gpus)
-
-    def view(self, now: float, settings: dict | None = None) -> dict:
-        """A summary of the snapshot for people (``borrow --dry-run``)."""
-        return summary(self.snapshot(now, settings))
-
     def decide(self, now: float, settings: dict | None = None):
         """The policy's plan for the run now (None: keep everything as it is). Pure read."""
-        settings = settings or self.settings()
-        return load_policy(settings["policy"]).decide(self.snapshot(now, settings))
+        settings = settings or self.inputs.settings()
+        return load_policy(settings["policy"]).decide(self.inputs.snapshot(now, settings))
 
     def plan_borrow(self, now: float, settings: dict | None = None, *, planned: Plan | None = None) -> dict | None:
         """What a borrow would do now: GPUs, deadline (None: the policy lends nothing). Pure read.
         ``settings``: borrowing settings to assume (``borrow --dry-run``); default: the run's. ``planned``:
         the policy's plan when the caller has it."""
-        settings = settings or self.settings()
-        snapshot = self.snapshot(now, settings)
+        settings = settings or self.inputs.settings()
+        snapshot = self.inputs.snapshot(now, settings)
         if planned is None:
             planned = load_policy(settings["policy"]).decide(snapshot)
         lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
         if not lend:
             return None
-        rows = {g.id: g for g in self.trainer_gpus()}
+        rows = {g.id: g for g in self.inputs.trainer_gpus()}
         chosen = [rows[i] for i in lend if i in rows]
         # warm: a worker sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all woken
         parked = {g.worker_id for g in chosen}
@@ -361,9 +203,9 @@ class Borrowing:
     def whole_plan(self, now: float, settings: dict | None = None) -> dict:
         """Everything the policy's plan would do now — every move, and the transitions the daemon would run
         for them (``borrow --dry-run``). Pure read."""
-        settings = settings or self.settings()
+        settings = settings or self.inputs.settings()
         planned = self.decide(now, settings)
-        rows = {g.id: g for g in self.gpu_rows()}
+        rows = {g.id: g for g in self.inputs.gpu_rows()}
         return {
             "why": planned.why if planned else None,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
@@ -384,8 +226,8 @@ class Borrowing:
         grants them: the pending bound (``pending_timeout_s``) caps what a wait can cost. Once the batch ends
         (no work left) the pool goes back to ``low``: capacity held idle between batches is preemptible
         capacity taken from others, and each batch asks again."""
-        settings = settings or self.settings()
-        snapshot = self.snapshot(now, settings)
+        settings = settings or self.inputs.settings()
+        snapshot = self.inputs.snapshot(now, settings)
         if snapshot.work.empty:
             return low, "no rollout work: the batch ended"
         room = max(high - running, 0)
@@ -405,7 +247,7 @@ class Borrowing:
 
     def _unpark(self) -> None:
         """Keeping workers warm was turned off: parked workers are no longer desired (their agents stop them)."""
-        for g in self.trainer_gpus():
+        for g in self.inputs.trainer_gpus():
             if g.worker_id is not None and not g.borrowed:
                 self.store.update_fields(
                     "gpus",
@@ -454,12 +296,12 @@ class Borrowing:
             if watch is not None:
                 self._save_predictor({**state, "watch": None})
             return
-        serving = self.serving_gpu_ids()
+        serving = self.inputs.serving_gpu_ids()
         if watch is not None and watch["gpus"] == serving:
             return
         profile = profiles.from_dict(doc)
-        snapshot = self.snapshot(at)
-        workers = self.serving_workers(profile.gpus_per_worker)
+        snapshot = self.inputs.snapshot(at)
+        workers = self.inputs.serving_workers(profile.gpus_per_worker)
         prediction = predict(work, plan.current_deployment(snapshot), profile)  # uncorrected
         if not (math.isfinite(prediction.seconds) and math.isfinite(prediction.spread)):
             # nothing serves (every worker gone, the run ending): no prediction to check, nor one JSON can store
@@ -542,7 +384,7 @@ class Borrowing:
                     continue  # one switch at a time: the workers not switching keep serving meanwhile
             deadline = TransitionDetail.of(t).return_deadline
             borrowing = t.kind == MoveKind.BORROW and t.state == T.RUNNING
-            if borrowing and deadline and now >= deadline - self.cost(MoveKind.RETURN):
+            if borrowing and deadline and now >= deadline - self.inputs.cost(MoveKind.RETURN):
                 self.executor.abort(t.id, "return deadline reached during the borrow")
             state = self.executor.advance(t.id)
             if t.kind == MoveKind.RETURN and state == T.DONE:
@@ -558,10 +400,10 @@ class Borrowing:
         the last one carried out (``_decision_due``)."""
         if self.executor.open_transitions():
             return None
-        settings = self.settings()
+        settings = self.inputs.settings()
         if not settings.get("keep_warm", True):
             self._unpark()
-        lent = [g for g in self.trainer_gpus() if g.borrowed]
+        lent = [g for g in self.inputs.trainer_gpus() if g.borrowed]
         why, deadline = None, None
         if lent:
             deadline = min(g.return_deadline or now for g in lent)
@@ -573,11 +415,11 @@ class Borrowing:
                 why = "the trainer is waiting for its GPUs"
             elif batch_ready(trainer, run.get(ROLLOUT_PROGRESS) or {}):
                 why = "the trainer's batch is complete"
-            elif now >= deadline - self.cost(MoveKind.RETURN):
+            elif now >= deadline - self.inputs.cost(MoveKind.RETURN):
                 why = "return deadline"
         if why:
             return _Pending(now, settings, lent, why, deadline)
-        snapshot, inputs = self._snapshot(now, settings)
+        snapshot, inputs = self.inputs._snapshot(now, settings)
         if not self._decision_due(inputs, now, lent):
             self.skipped += 1
             return None
@@ -593,7 +435,7 @@ class Borrowing:
             return True
         if lent:
             deadline = min(g.return_deadline or now for g in lent)
-            return now >= deadline - self.cost(MoveKind.RETURN) - RETURN_SLACK_S - REDECIDE_S
+            return now >= deadline - self.inputs.cost(MoveKind.RETURN) - RETURN_SLACK_S - REDECIDE_S
         return False
 
     def _carry_out(self, now: float, pending: _Pending, planned: Plan | None) -> None:
@@ -619,7 +461,7 @@ class Borrowing:
                 return
         if planned is None or planned.empty:
             return
-        rows = {g.id: g for g in self.gpu_rows()}
+        rows = {g.id: g for g in self.inputs.gpu_rows()}
         for t in transitions_for(planned, rows, keep_warm=keep_warm):
             detail = detail_for(t["kind"], plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
@@ -668,50 +510,3 @@ class Borrowing:
             data={"lateness_s": round(late, 3), **({"by": "agent"} if agent_returns else {})},
             epoch=self.executor.epoch,
         )
-
-
-def summary(s: Snapshot) -> dict:
-    """What a policy sees, in a few numbers for people (``borrow --dry-run``)."""
-    return {
-        "phase": s.trainer.phase,
-        "wait_left_s": s.trainer.wait_left_s,
-        "wait_from": "prediction" if s.trainer.wait_predicted else "trainer report",
-        "idle_gpus": sum(1 for g in s.gpus if g.pool == PoolKind.TRAINER and not g.borrowed),
-        "max_gpus": s.max_lend,
-        "borrow_cost_s": s.costs.borrow_s(warm=False),
-        "warm_borrow_cost_s": s.costs.borrow_s(warm=True),
-        "return_cost_s": s.costs.return_s(park=True),
-        "trajectories_left": s.work.trajectories,
-        "profile": s.profile.name,
-    }
-
-
-def _serves(g: dict) -> bool:
-    """A GPU row that serves rollouts now: a lent trainer GPU, or a rollout/elastic GPU in a serving role."""
-    return bool(g.borrowed) if g.pool == PoolKind.TRAINER else g.role in SERVING_ROLES
-
-
-def _serving_workers(gpus, gpus_per_worker: int) -> int:
-    """Serving workers among planner GPU slots (whole groups per node and pool, as ``choose`` counts them)."""
-    serving = [g for g in gpus if g.role in GENERATION_ROLES]
-    return sum(worker_groups(serving, gpus_per_worker).values())
-
-
-def batch_ready(trainer: dict, rollout: dict) -> bool:
-    """Whether the batch the trainer waits for is complete (``Trainer.batch_ready``): it reports phase
-    "waiting", and the rollout driver's work in flight emptied (``emptied_at``, kept by the controller's
-    ``rollout_progress``) since that wait began. In a synchronous loop that is the batch's end: the trainer
-    takes the batch and trains next. A wait that began after the work emptied is for a batch not launched
-    yet (the trainer reports its next wait at the end of its step): that one may still be lent into."""
-    emptied, since = rollout.get("emptied_at"), trainer.get("phase_since")
-    return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since
-
-
-def work_from_progress(report: dict) -> Work:
-    """The planner's Work from the rollout driver's last progress report: its counts, plus the ``work``
-    details it may send (turns left, tokens per turn, tool latency); empty without a report."""
-    unfinished = sum(int(report.get(k) or 0) for k in ("queued", "generating", "tool_wait"))
-    details = dict(report.get("work") or {})
-    details.setdefault("trajectories", unfinished)
-    details.setdefault("tool_waiting", int(report.get("tool_wait") or 0))
-    return Work(**details)

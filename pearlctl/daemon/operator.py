@@ -36,7 +36,7 @@ class Operator(Side):
             if body.dry_run:
                 now = self.clock()
                 plan = self.borrowing.plan_borrow(now, settings)
-                view = self.borrowing.view(now, settings)
+                view = self.borrowing.inputs.view(now, settings)
                 whole = self.borrowing.whole_plan(now, settings)
                 return {
                     "epoch": self.epoch,

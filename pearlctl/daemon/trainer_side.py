@@ -9,8 +9,8 @@ import time
 from dataclasses import asdict
 
 from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
-from pearlctl.daemon.borrowing import work_from_progress
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
+from pearlctl.daemon.policy_view import work_from_progress
 from pearlctl.daemon.shared import ControlError, Side
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 

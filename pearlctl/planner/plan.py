@@ -74,7 +74,8 @@ def expect_wait(snapshot: Snapshot) -> Snapshot:
     false: it has measured no wait yet): the batch in flight's predicted completion on the GPUs serving now, by
     the predictor and its correction (the profile's ``time_scale``). So the first batch's lending horizon needs
     no hint from the user. Nothing serving, or nothing in flight, predicts no wait (nothing is lent on it). The
-    daemon (``Borrowing.snapshot``) and the simulator (``PolicyView.snapshot``) both build their snapshots through it.
+    daemon (``PolicyInputs.snapshot``) and the simulator (``PolicyView.snapshot``) both build their snapshots
+    through it.
     """
     trainer = snapshot.trainer
     if trainer.wait_known or trainer.phase != "waiting":

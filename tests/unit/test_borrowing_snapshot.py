@@ -8,9 +8,10 @@ import pytest
 
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
-from pearlctl.daemon.borrowing import Borrowing, work_from_progress
+from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import ControlError, Controller
 from pearlctl.daemon.effects import DaemonEffects
+from pearlctl.daemon.policy_view import work_from_progress
 from pearlctl.daemon.transitions import Executor
 from pearlctl.planner.model import Role
 from pearlctl.state.store import Store
@@ -41,7 +42,7 @@ def test_snapshot_reflects_state(daemon):
     store, c = daemon
     waiting(store, 120.0)
     store.update_fields("runs", "r", epoch=None, borrow={"policy": "greedy", "max_gpus": 1})
-    s = c.borrowing.snapshot(NOW)
+    s = c.borrowing.inputs.snapshot(NOW)
     assert [(g.pool, g.role, g.borrowed) for g in s.gpus] == [("trainer", Role.TRAIN, False)] * 2
     assert s.trainer.phase == "waiting" and s.trainer.wait_left_s == pytest.approx(120.0)
     assert s.max_lend == 1 and s.profile.name == "unmeasured" and s.work.empty

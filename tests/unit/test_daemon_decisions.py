@@ -111,7 +111,7 @@ def test_a_lent_gpu_near_its_return_is_decided_on_every_tick(loop):
     assert tick(loop, 10.5) == 1  # far from its return: skipped
     # within REDECIDE_S of when the return must start (the return's running cost and the slack before the
     # deadline): every tick asks the policy, until the tick's own deadline rule returns the GPU
-    start_by = deadline - loop.b.cost("return") - borrowing_module.RETURN_SLACK_S - T0
+    start_by = deadline - loop.b.inputs.cost("return") - borrowing_module.RETURN_SLACK_S - T0
     decided = [tick(loop, t) for t in (start_by - REDECIDE_S + 0.1, start_by - REDECIDE_S + 0.6, start_by)]
     assert decided == [2, 3, 4]
 

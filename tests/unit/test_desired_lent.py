@@ -43,7 +43,7 @@ def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
     assert train == ("train-0", "TRAIN", (0, 1), None, None)
     key, role, gpus, deadline, by = rollout
     assert (key, role, gpus, deadline) == ("rollout-1", "ROLLOUT", (1,), NOW + 60)
-    assert by == round(NOW + 60 - controller.borrowing.cost("return"), 3)
+    assert by == round(NOW + 60 - controller.borrowing.inputs.cost("return"), 3)
 
 
 def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):

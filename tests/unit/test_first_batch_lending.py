@@ -86,7 +86,7 @@ def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when
     waiting(run, T0)
     progress(run, WORK)
     run.clock.now = T0 + 3.0
-    s = run.b.snapshot(run.clock.now)
+    s = run.b.inputs.snapshot(run.clock.now)
     expected = predict(s.work, plan.current_deployment(s), s.profile).seconds
     assert s.trainer.wait_predicted and not s.trainer.wait_known and not s.trainer.batch_ready
     assert s.trainer.wait_left_s == pytest.approx(expected) and expected > 60.0
@@ -104,7 +104,7 @@ def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
     run.c.operator.borrow(parse(bodies.Borrow, {"policy": "greedy"}))
     waiting(run, T0)
     progress(run, WORK)
-    s = run.b.snapshot(T0 + 3.0)
+    s = run.b.inputs.snapshot(T0 + 3.0)
     assert s.profile.name == "unmeasured" and not s.trainer.wait_known and not s.trainer.wait_predicted
     assert s.trainer.wait_left_s == 0.0
     assert run.b.plan_borrow(T0 + 3.0) is None
@@ -130,7 +130,7 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
     assert returns(run) == []  # the batch runs on: the lent GPU serves
     progress(run, None)  # the driver: no work left — the batch the trainer waits for is complete
     assert run.store.get_run("q")["rollout"]["emptied_at"] == T0 + 60.0
-    s = run.b.snapshot(run.clock.now)
+    s = run.b.inputs.snapshot(run.clock.now)
     assert s.trainer.batch_ready and s.trainer.phase == "waiting"
     lent = next(g for g in s.gpus if g.id == gpu.id)
     assert budget.must_return(s, lent) and view.lendable(s) == []
@@ -155,7 +155,7 @@ def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keep
     run.clock.now = T0 + 75.0
     progress(run, None)  # still nothing in flight: the emptying is kept from T0 + 50
     assert run.store.get_run("q")["rollout"]["emptied_at"] == T0 + 50.0
-    assert not run.b.snapshot(run.clock.now).trainer.batch_ready
+    assert not run.b.inputs.snapshot(run.clock.now).trainer.batch_ready
     run.b.tick()
     assert returns(run) == []
     progress(run, WORK)  # batch 2 launched: in flight again
@@ -165,13 +165,13 @@ def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keep
 def test_the_snapshot_keeps_the_latest_batchs_work_as_it_began_for_decisions_between_batches(run):
     """``Snapshot.last_batch``: the driver's first report with work after none; kept while the batch runs down
     and between batches (when ``work`` is empty), replaced when the next batch begins."""
-    assert run.b.snapshot(T0).last_batch.empty  # no batch seen yet
+    assert run.b.inputs.snapshot(T0).last_batch.empty  # no batch seen yet
     progress(run, WORK)
     progress(run, dict(WORK, trajectories=100, turns_left=2))  # the batch runs down
-    s = run.b.snapshot(T0)
+    s = run.b.inputs.snapshot(T0)
     assert s.work.trajectories == 100 and s.last_batch.trajectories == 512 and s.last_batch.turns_left == 8
     progress(run, None)  # between batches: nothing in flight, the batch as it began is kept
-    s = run.b.snapshot(T0)
+    s = run.b.inputs.snapshot(T0)
     assert s.work.empty and s.last_batch.trajectories == 512
     progress(run, dict(WORK, trajectories=256))  # the next batch
-    assert run.b.snapshot(T0).last_batch.trajectories == 256
+    assert run.b.inputs.snapshot(T0).last_batch.trajectories == 256

@@ -163,7 +163,7 @@ def test_a_finished_batch_is_checked_against_its_prediction_and_corrects_the_nex
     done = checks(store)
     assert len(done) == 2 and all(c["ratio"] == pytest.approx(1.3) for c in done)
     report(controller, 32)
-    snap = controller.borrowing.snapshot(clock.now)
+    snap = controller.borrowing.inputs.snapshot(clock.now)
     assert snap.profile.time_scale == pytest.approx(1.3, rel=5e-3)  # the shape seen twice: its ratio
     assert completion_s(snap.work, Deployment(Mode.COLOCATED, decode=2), snap.profile) == pytest.approx(
         snap.profile.time_scale * expected
@@ -273,7 +273,7 @@ def test_the_trainers_wait_counts_down_once_as_the_hook_reports_what_is_left(run
     clock.now += 30.0
     phase(70.0)  # the hook's next poll: 70 s left
     clock.now += 10.0
-    assert controller.borrowing.snapshot(clock.now).trainer.wait_left_s == pytest.approx(60.0)
+    assert controller.borrowing.inputs.snapshot(clock.now).trainer.wait_left_s == pytest.approx(60.0)
 
 
 def test_with_nothing_serving_mid_batch_no_watch_is_kept_and_nothing_fails(run):

@@ -143,7 +143,7 @@ def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(ru
     assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
     for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
         store.set_state("workers", worker, expect=store.worker(worker).state, to=to, event="t")
-    snapshot = controller.borrowing.snapshot(NOW)
+    snapshot = controller.borrowing.inputs.snapshot(NOW)
     slot = next(g for g in snapshot.gpus if g.id == gpu.id)
     assert slot.parked and slot.role == "IDLE"  # the planner sees a wake, not a cold start
 
