@@ -18,7 +18,8 @@ What it guarantees (docs/architecture.md, "State"):
   touching SQLite, and its connection is ``mode=ro`` anyway. Under WAL, readers never block the writer
   and the writer never blocks them.
 
-Reads return plain dicts with JSON columns decoded. One ``Store`` may be shared by threads: a lock
+Reads of transitions, steps, GPUs, workers and allocations return typed rows (pearlctl.state.rows); the other
+tables' reads return dicts; JSON columns are decoded either way. One ``Store`` may be shared by threads: a lock
 serialises its use of the single connection.
 """
 
