@@ -170,18 +170,16 @@ def make_run(slurm_cluster, tmp_path):
     slurm_cluster.cancel_all()
 
 
-def routed_out_before_gone(run: Run, worker: dict, journal: list[dict]) -> tuple[float, float]:
-    """(when the router stopped routing to the worker, when the worker stopped) from the journal."""
+def routed_out_before_gone(run: Run, url: str, worker_id: int, journal: list[dict]) -> tuple[float, float]:
+    """(when the router stopped routing to the worker at ``url``, when the worker stopped) from the journal."""
     removed = next(
-        j["ts"]
-        for j in journal
-        if j["event"] == "router membership" and worker["url"] in (j["data"] or {}).get("removed", [])
+        j["ts"] for j in journal if j["event"] == "router membership" and url in (j["data"] or {}).get("removed", [])
     )
     ended = ("STOPPED", "LOST", "FAILED")
     gone = next(
         j["ts"]
         for j in journal
-        if j["entity"] == "workers" and j["entity_id"] == str(worker["id"]) and j["to_state"] in ended
+        if j["entity"] == "workers" and j["entity_id"] == str(worker_id) and j["to_state"] in ended
     )
     return removed, gone
 
@@ -227,7 +225,7 @@ def test_the_elastic_pool_grows_for_a_batch_and_shrinks_when_it_ends(make_run):
                 w.url in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership"
             )
             if w.state == "STOPPED":
-                removed, gone = routed_out_before_gone(run, w, journal)
+                removed, gone = routed_out_before_gone(run, w.url, w.id, journal)
                 assert removed <= gone, (w, removed, gone)
     left = [a["state"] for a in run.status()["allocations"] if a["pool"] == "elastic" and a["state"] != "ENDED"]
     assert left == ["RUNNING"], left
@@ -289,7 +287,7 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
     print(json.dumps({"partition": partition, "expected": run.expected, "completed": completed,
                       "migrated": stats.get("continued_requests"), "gateway": stats}))  # fmt: skip
     assert completed == run.expected
-    removed, gone = routed_out_before_gone(run, victim_worker, journal)
+    removed, gone = routed_out_before_gone(run, victim_worker["url"], victim_worker["id"], journal)
     if partition == "preempt":
         # with a grace time, the router stopped routing to the preempted worker before it died
         assert removed <= gone, (removed, gone)
@@ -298,9 +296,7 @@ def test_a_preempted_elastic_task_loses_no_episode_and_rejoins_the_router(make_r
         # membership sync, and the gateway retried or continued what it had sent there (nothing was lost)
         assert removed - gone < 2.0, (removed, gone)
     # the requeued task's new worker re-joined the router
-    assert any(
-        back[0]["url"] in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership"
-    )
+    assert any(back[0].url in (j["data"] or {}).get("added", []) for j in journal if j["event"] == "router membership")
     assert stats.get("gave_up", 0) == 0
 
 
