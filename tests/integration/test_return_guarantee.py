@@ -79,11 +79,11 @@ class Run:
 
     def return_cost(self) -> float:
         """The daemon's own running estimate of one return (its deadline rules use the same number)."""
-        from pearlctl.daemon.borrowing import Borrowing
+        from pearlctl.daemon.policy_view import PolicyInputs
 
         with Store.open(self.state_db, readonly=True) as store:
             run_id = store.find_run(self.name)["id"]
-            return Borrowing(store, executor=None, run_id=run_id).cost("return")
+            return PolicyInputs(store, run_id).cost("return")
 
 
 @pytest.fixture
