@@ -139,7 +139,7 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
     assert store.allocation(a2.id).state == "RUNNING"  # still draining: its worker serves
     assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
     assert store.worker(worker).routable == 0
-    assert (f"{a2['job_id']}_2", "RUNNING") in squeue_tasks(slurm_cluster, run_id)
+    assert (f"{a2.job_id}_2", "RUNNING") in squeue_tasks(slurm_cluster, run_id)
     # the agent drains and stops it; the next pass scancels that task alone
     store.set_state("workers", worker, expect="READY", to="DRAINING", event="agent reported")
     store.set_state("workers", worker, expect="DRAINING", to="STOPPED", event="agent reported")
@@ -151,7 +151,7 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
         return tasks if [a.state for a in tasks] == ["RUNNING", "ENDED", "ENDED"] else None
 
     tasks = wait_for(shrunk, 60)
-    assert squeue_tasks(slurm_cluster, run_id) == [(f"{a0['job_id']}_0", "RUNNING")]
+    assert squeue_tasks(slurm_cluster, run_id) == [(f"{a0.job_id}_0", "RUNNING")]
     for a in tasks[1:]:
         assert a.slurm_state.startswith("CANCELLED")
         drained = journal_ts(store, run_id, a.id, "elastic drain")
@@ -212,7 +212,7 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
     grown = journal_ts(store, run_id, retried.id, "elastic grow")
     assert grown >= until  # not one sbatch during the back-off
     assert [j["event"] for j in store.journal(run_id)].count("elastic grow held") == 1
-    assert retried["array_index"] == 2 and retried["state"] == "PENDING"
+    assert retried.array_index == 2 and retried.state == "PENDING"
     view = pc.json("status", "pend")["elastic"]
     assert view["pending"] == 1 and view["running"] == 1 and view["size"] == 2
 
@@ -240,7 +240,7 @@ def test_a_preempted_added_task_is_requeued_and_rejoins_without_a_replacement(la
     ).stdout.strip()  # fmt: skip
     slurm_cluster.wait_job_states(filler, {"RUNNING"}, timeout=30)
     high = slurm_cluster.run(
-        "sbatch", "--parsable", "-p", "high", "-N1", "--gres=gpu:8", f"--nodelist={a1['node']}", "-o", "/dev/null",
+        "sbatch", "--parsable", "-p", "high", "-N1", "--gres=gpu:8", f"--nodelist={a1.node}", "-o", "/dev/null",
         "--wrap", "sleep 600",
     ).stdout.strip()  # fmt: skip
     wait_for(lambda: added("PENDING", 1), 90)  # preempted, then requeued: still one of the pool's tasks
