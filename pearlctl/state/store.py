@@ -76,6 +76,7 @@ _JOINED: Mapping[str, str] = {
     " JOIN allocations a ON a.id = g.allocation_id JOIN pools p ON p.id = a.pool_id",
     "allocations": "SELECT a.*, p.name AS pool FROM allocations a JOIN pools p ON p.id = a.pool_id",
 }
+_JOINED_ID: Mapping[str, str] = {"gpus": "g.id", "allocations": "a.id"}  # the id column under their aliases
 # Steps may only be added while their transition is still moving.
 
 
@@ -760,16 +761,13 @@ class Store:
         ``step``, ... say which), any other's as a dict, JSON decoded; ``NotFound`` if absent."""
         if "id" not in self._columns.get(table, ()):
             raise NotFound(f"no table {table!r} with ids; tables: {', '.join(sorted(self._columns))}")
-        if table in ROW_TYPES:
-            where = f"{table[0]}.id" if table in _JOINED else "id"  # the joined reads alias gpus g, allocations a
-            rows = self._query(
-                f"{_JOINED.get(table, f'SELECT * FROM {table}')} WHERE {where} = ?", (row_id,), table=table
-            )
-        else:
-            rows = self._query(f'SELECT * FROM "{table}" WHERE id = ?', (row_id,), table=table)
+        select = _JOINED.get(table, f'SELECT * FROM "{table}"')
+        key = _JOINED_ID.get(table, "id")
+        rows = self._query(f"{select} WHERE {key} = ?", (row_id,), table=table)
         if not rows:
             raise NotFound(f"{table} has no row {row_id!r}")
-        return ROW_TYPES[table].from_row(rows[0]) if table in ROW_TYPES else rows[0]
+        row_type = ROW_TYPES.get(table)
+        return row_type.from_row(rows[0]) if row_type else rows[0]
 
     def allocation(self, allocation_id: int) -> Allocation:
         return self.get(Allocation.TABLE, allocation_id)
