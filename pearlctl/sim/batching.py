@@ -20,15 +20,42 @@ sequences (up to ``FEW``) are handled element by element with the same arithmeti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from pearlctl.planner.profile import DecodeModel, Profile
 from pearlctl.sim.trajectories import DECODE, FEW, PREFILL, group_starts
 
-if TYPE_CHECKING:
-    from pearlctl.sim.engine import Engine
+
+class BatchedEngine(Protocol):
+    """What ``Batching`` reads and writes of its engine (``pearlctl.sim.engine.Engine``): the window of trajectories in
+    flight, the workers' roles as prefill sees them, the trajectories' arrays a tick advances, the counters, and
+    the engine's own steps at the end of a prefill or a turn."""
+
+    lo: int
+    hi: int
+    w_role: np.ndarray
+    n_prefill: int  # routable PREFILL workers (the shared prefill FIFO runs on them)
+    prefills_own: np.ndarray  # per worker: it prefills its own sequences
+    phase: np.ndarray
+    run_w: np.ndarray
+    ready_at: np.ndarray
+    ctx: np.ndarray
+    dec_left: np.ndarray
+    pf_left: np.ndarray
+    pf_total: np.ndarray
+    pscale: np.ndarray | None
+    dscale: np.ndarray | None
+    stats: dict[str, float]
+
+    def prefilled(self, i) -> None: ...
+
+    def transfer(self, i: np.ndarray, until: np.ndarray) -> None: ...
+
+    def end_turns(self, i: np.ndarray, end: np.ndarray) -> None: ...
+
+    def end_turn(self, i: int, end: float) -> None: ...
 
 
 class Batching:
@@ -39,7 +66,7 @@ class Batching:
         self._itl = vector_itl(profile.decode)
         self._itl_by_batch: tuple[np.ndarray, np.ndarray] | None = None  # (``itl``'s tables)
 
-    def prefill(self, e: Engine, t0: float, avail: float) -> tuple[np.ndarray, bool]:
+    def prefill(self, e: BatchedEngine, t0: float, avail: float) -> tuple[np.ndarray, bool]:
         """Run the prefill queues for ``avail`` seconds from ``t0``: the seconds each worker spent on prefill, and
         whether some sequence still prefills."""
         n_w = len(e.w_role)
@@ -105,7 +132,7 @@ class Batching:
                 left -= doneidx.size
         return p_time, left > 0
 
-    def _prefill_few(self, e: Engine, loc: np.ndarray, w: np.ndarray, budget: float, n_w: int):
+    def _prefill_few(self, e: BatchedEngine, loc: np.ndarray, w: np.ndarray, budget: float, n_w: int):
         """``prefill``'s colocated queues for a few sequences, element by element (the same arithmetic in the same
         order as its vector form): each worker prefills its own FIFO for ``budget`` profile-token-seconds. The
         seconds each worker spent and how many sequences finished."""
@@ -141,7 +168,7 @@ class Batching:
             p_time[k] = x / rate
         return p_time, done
 
-    def decode(self, e: Engine, t0: float, avail: float, p_time: np.ndarray) -> None:
+    def decode(self, e: BatchedEngine, t0: float, avail: float, p_time: np.ndarray) -> None:
         """Decode every worker's batch for what ``avail`` seconds from ``t0`` leave after its prefill (``p_time``);
         a sequence that finishes its turn's response ends its turn then (``Engine.end_turns``)."""
         s = slice(e.lo, e.hi)

@@ -13,8 +13,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 
 from pearlctl.sim.engine import DEFAULT_ROUTER
+from pearlctl.sim.gpus import Schedule
 from pearlctl.sim.oracle import run_oracle
-from pearlctl.sim.run import RunResult, Schedule, make_draws, make_trace, run_policy
+from pearlctl.sim.run import RunResult, make_draws, make_trace, run_policy
 from pearlctl.sim.scenario import Scenario
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pearlctl.planner import correct, plan
 from pearlctl.planner.choose import worker_groups
@@ -21,13 +21,31 @@ from pearlctl.planner.predict import predict
 from pearlctl.planner.profile import Profile
 
 if TYPE_CHECKING:
-    from pearlctl.sim.run import Sim
+    from pearlctl.sim.engine import Engine
+    from pearlctl.sim.gpus import GpuRoles
+    from pearlctl.sim.moves import Moves
+    from pearlctl.sim.snapshot import PolicyView
+
+
+class CorrectionRun(Protocol):
+    """What the ``Correction`` reads of its run (``pearlctl.sim.run.Sim``): the profile and how many GPUs make a
+    worker, whether the engines have work in flight, the batches launched, what the policy sees (``view``: the
+    work, the uncorrected snapshot), whether a plan's switches wait (``moves``), and which GPUs are in
+    transition or serve (``roles``)."""
+
+    profile: Profile
+    gpw: int
+    engine: Engine
+    launched: int
+    view: PolicyView
+    moves: Moves
+    roles: GpuRoles
 
 
 class Correction:
     """``sim``'s predictor correction; ``on`` false: kept off (nothing learned, nothing applied)."""
 
-    def __init__(self, sim: Sim, on: bool):
+    def __init__(self, sim: CorrectionRun, on: bool):
         self.sim = sim
         self.on = on
         self.predictor: dict = {}  # pearlctl.planner.correct's state

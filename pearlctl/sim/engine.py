@@ -5,9 +5,10 @@ Everything is vectorised with numpy over trajectories; one ``Engine`` holds ever
 the phases each goes through) and the engine workers (one per ``gpus_per_worker`` GPUs). The run loop
 (``pearlctl.sim.run``) tells it which workers serve in which role; the engine never decides anything a policy
 could. Its two parts: ``pearlctl.sim.routing`` (which worker a waiting request goes to, and the order its queue
-admits them) and ``pearlctl.sim.batching`` (how far a tick takes each running sequence's prefill and decode); the
-engine itself keeps the trajectories' state and moves them from phase to phase: launches, tool returns,
-admissions, the end of a prefill or a turn, evictions and leaves.
+admits them) and ``pearlctl.sim.batching`` (how far a tick takes each running sequence's prefill and decode),
+each working on the engine through a protocol of its own module that lists what it reads and writes of it
+(``RoutedEngine``, ``BatchedEngine``); the engine itself keeps the trajectories' state and moves them from phase
+to phase: launches, tool returns, admissions, the end of a prefill or a turn, evictions and leaves.
 
 What the model guarantees — it must not flatter any policy:
 

@@ -1,6 +1,6 @@
 """The simulated GPUs (``SimGpu``) and what follows from their roles whenever they change (``GpuRoles``, one per
 ``pearlctl.sim.run.Sim``): which engine worker serves in which role, the GPU-second census by category, the
-timeline and the schedule of roles the oracle replays.
+timeline and the schedule of roles the oracle replays (``Schedule``).
 
 A worker (``gpus_per_worker`` GPUs) serves when all its GPUs are present, in its first GPU's serving role and
 not stopped (in a transition, or drained before a preemption); a preemption notice makes it unroutable (it
@@ -8,24 +8,23 @@ drains). Each GPU counts in one category (``CATEGORIES``): its role, TRAIN split
 computing, and TRANSITION while it is stopped.
 
 Guarantees: the roles and the census change only on events, so they are recomputed only then (the ``Sim``'s
-``_dirty``: a GPU's presence, role, ``busy_until`` or ``abort_at`` changed) or when time passes one of those
+``gpus_changed``: a GPU's presence, role, ``busy_until`` or ``abort_at`` changed) or when time passes one of those
 instants (``next_expiry``); between two refreshes every tick counts the same census.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pearlctl.planner.model import SERVING, Role
-from pearlctl.sim.engine import W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
+from pearlctl.sim.engine import W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT, Engine
 from pearlctl.vocabulary import PoolKind
 
 if TYPE_CHECKING:
-    from pearlctl.sim.run import Schedule, Sim
     from pearlctl.sim.scenario import Cluster
 
 ENGINE_ROLE = {Role.ROLLOUT: W_ROLLOUT, Role.PREFILL: W_PREFILL, Role.DECODE: W_DECODE}
@@ -49,6 +48,29 @@ class SimGpu:
     ends_at: float | None = None
     version: int = 0  # policy weights it holds (a woken parked worker with old weights must sync)
     abort_at: float | None = None  # preemption notice: its worker drains until then, then aborts and stops
+
+
+@dataclass
+class Schedule:
+    """What a run did with its GPUs, as the oracle replays it (pearlctl.sim.oracle, ``ReplayController``): every
+    change of a GPU's role (its target role from the moment its move began; None while the GPU is not granted),
+    and when each of the trainer's steps began its epoch — ``epochs[e]``: the time it had trained ``e`` steps."""
+
+    epochs: list[float] = field(default_factory=lambda: [0.0])
+    changes: list[tuple[float, int, Role | None]] = field(default_factory=list)
+
+
+class RolesRun(Protocol):
+    """What ``GpuRoles`` reads and writes of its run (``pearlctl.sim.run.Sim``): the GPUs and how many make a worker,
+    the engines their roles go to, whether the trainer computes, and whether a GPU's presence, role, ``busy_until``
+    or ``abort_at`` changed since the last refresh (``gpus_changed``: whoever changes one sets it, ``refresh``
+    clears it)."""
+
+    gpus: list[SimGpu]
+    gpw: int
+    engine: Engine
+    training_until: float | None
+    gpus_changed: bool
 
 
 def make_gpus(c: Cluster) -> list[SimGpu]:
@@ -77,7 +99,7 @@ class GpuRoles:
     """``sim``'s GPUs' roles as the engines serve them and the accounting counts them. ``schedule``: where to
     record each change of a GPU's role (None: not recorded); ``record_timeline``: sample the census over time."""
 
-    def __init__(self, sim: Sim, schedule: Schedule | None, record_timeline: bool):
+    def __init__(self, sim: RolesRun, schedule: Schedule | None, record_timeline: bool):
         self.sim = sim
         self.counts: dict[str, int] = {}  # GPUs per category since the last refresh
         self.next_expiry = 0.0  # the first busy_until or abort_at after the last refresh
@@ -100,7 +122,7 @@ class GpuRoles:
         self.next_expiry = min(
             (x for g in self.sim.gpus for x in (g.busy_until, g.abort_at or 0.0) if x > t), default=math.inf
         )
-        self.sim._dirty = False
+        self.sim.gpus_changed = False
         self._state_kept = None
 
     def account(self, t: float, dt: float) -> None:
@@ -122,10 +144,10 @@ class GpuRoles:
     def _state(self, t: float) -> tuple[bool, tuple[int, ...]]:
         """(some present GPU is in transition, the ids of the serving GPUs that are not stopped) at ``t``. Both
         change only when a GPU's presence, role, ``busy_until`` or ``abort_at`` does (each sets the sim's
-        ``_dirty``) or when time passes one of those instants (``next_expiry``: the first after the last
+        ``gpus_changed``) or when time passes one of those instants (``next_expiry``: the first after the last
         ``refresh``), so the answer is kept from the first tick that asks until either happens (``refresh``
         drops it)."""
-        kept, dirty = self._state_kept, self.sim._dirty
+        kept, dirty = self._state_kept, self.sim.gpus_changed
         if kept is not None and not dirty and t < self.next_expiry:
             return kept
         busy, ids = False, []

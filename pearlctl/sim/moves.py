@@ -20,28 +20,48 @@ not match the simulated state are refused and counted by reason (``refusals``).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from pearlctl.planner.model import SERVING, Move, MoveKind, Role
-from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, TransitionCosts
+from pearlctl.planner.model import SERVING, Move, MoveKind, Plan, Role, Snapshot
+from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, Profile, TransitionCosts
 from pearlctl.sim.engine import ABORT_S
 from pearlctl.vocabulary import PoolKind
 from pearlctl.vocabulary import StepKind as K
 
 if TYPE_CHECKING:
     from pearlctl.sim.gpus import SimGpu
-    from pearlctl.sim.run import Sim
+    from pearlctl.sim.scenario import Scenario
+    from pearlctl.sim.snapshot import PolicyView
 
 COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
+
+
+class MovesRun(Protocol):
+    """What ``Moves`` reads and writes of its run (``pearlctl.sim.run.Sim``): the scenario (its seed, weight sync and
+    mismatch) and profile, the policy (``decide``) and what it sees (``view``), the GPUs, the trainer's phase and
+    weights version, and whether the oracle drives the run (``controller`` not None: its GPUs come back
+    instantly); a move counts in ``transitions`` and sets ``gpus_changed``."""
+
+    scenario: Scenario
+    profile: Profile
+    decide: Callable[[Snapshot], Plan | None] | None
+    view: PolicyView
+    gpus: list[SimGpu]
+    controller: object | None
+    training_until: float | None
+    version: int
+    transitions: int
+    gpus_changed: bool
 
 
 class Moves:
     """The moves of ``sim``'s policy: its plans applied, its switches queued, its refusals and forced returns."""
 
-    def __init__(self, sim: Sim):
+    def __init__(self, sim: MovesRun):
         self.sim = sim
         self.plans = 0
         self.forced_returns = 0
@@ -108,7 +128,7 @@ class Moves:
         """The daemon's return guarantee: trainer GPU ``g`` goes back to TRAIN (instantly for the oracle)."""
         sim = self.sim
         if sim.controller is not None:  # the oracle's GPUs come back instantly
-            g.role, g.borrowed, sim._dirty = Role.TRAIN, False, True
+            g.role, g.borrowed, sim.gpus_changed = Role.TRAIN, False, True
             return
         self.forced_returns += 1
         self.apply(Move(g.id, MoveKind.RETURN, g.role, Role.TRAIN, 0.0), t)
@@ -165,7 +185,7 @@ class Moves:
         g.role = to
         g.busy_until = t + cost
         sim.transitions += 1
-        sim._dirty = True
+        sim.gpus_changed = True
         return True
 
     def _true_cost(self, steps: list[tuple[str, float]]) -> float:

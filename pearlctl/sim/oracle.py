@@ -14,7 +14,7 @@ The oracle is the best of a few whole-run *candidates*. Each is a schedule of GP
 The candidates:
 
 1. **Every compared policy's own decisions, replayed** (``ReplayController``): the roles the policy gave each
-   GPU over time (``pearlctl.sim.run.Schedule``), each taken at the moment the policy's move began, at no
+   GPU over time (``pearlctl.sim.gpus.Schedule``), each taken at the moment the policy's move began, at no
    cost. The replay follows the policy's run step by step (``_Follow``): in the trainer's ``e``-th step (its
    epoch: from when it had trained ``e`` steps) it plays the roles the policy had at the same offset into its
    own ``e``-th epoch. A replay pays no move, loses nothing at a leave and never waits for a return, so its
@@ -44,7 +44,8 @@ import numpy as np
 
 from pearlctl.planner.model import SERVING, Role
 from pearlctl.sim.engine import DEFAULT_ROUTER, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
-from pearlctl.sim.run import RunResult, Schedule, Sim, make_draws, make_trace, run_policy
+from pearlctl.sim.gpus import Schedule
+from pearlctl.sim.run import RunResult, Sim, make_draws, make_trace, run_policy
 from pearlctl.vocabulary import PoolKind
 
 REPLAYED = "pearl"  # the policy whose schedule the oracle always replays (and widens)
@@ -71,7 +72,7 @@ def _set_roles(sim: Sim, roles: dict[int, Role]) -> None:
         role = roles.get(g.id, Role.TRAIN if g.pool == PoolKind.TRAINER else Role.IDLE)
         if role != g.role:
             sim.transitions += 1
-            sim._dirty = True
+            sim.gpus_changed = True
         g.role, g.borrowed, g.busy_until, g.parked = role, g.pool == PoolKind.TRAINER and role != Role.TRAIN, 0.0, False
         g.version = sim.version
 

@@ -21,14 +21,11 @@ requests would put it); it is rebuilt when the engine's roles change or a batch 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from pearlctl.sim.trajectories import FEW, group_starts
-
-if TYPE_CHECKING:
-    from pearlctl.sim.engine import Engine
 
 # The router models (Engine's ``router``): the run's router (vllm-router's consistent_hash, Router.route_ring) and
 # the load-balancing model this simulator used before the run's router existed (Router.route_balance).
@@ -36,6 +33,23 @@ ROUTERS = ("consistent_hash", "balance")
 DEFAULT_ROUTER = "consistent_hash"
 BALANCE_ABS = 32  # "balance": sequences above the mean load before a next turn is sent elsewhere
 VIRTUAL_NODES = 160  # "consistent_hash": virtual nodes per worker on the ring (vllm-router's VIRTUAL_NODES_PER_WORKER)
+
+
+class RoutedEngine(Protocol):
+    """What the ``Router`` reads and writes of its engine (``pearlctl.sim.engine.Engine``): the window of
+    trajectories in flight, the number of workers, and the trajectories' arrays routing reads (when each became
+    ready, its context and the turn's decode left) and sets (the worker a request was sent to; ``balance``: KV it
+    gives up on a worker it moves away from)."""
+
+    lo: int
+    hi: int
+    w_role: np.ndarray
+    ready_at: np.ndarray
+    ctx: np.ndarray
+    dec_left: np.ndarray
+    disp_w: np.ndarray
+    kv_w: np.ndarray
+    kv_hold: np.ndarray
 
 
 class Router:
@@ -82,7 +96,7 @@ class Router:
         """Nothing queued and nothing arrived."""
         return not self._arrived and not self._queue.size
 
-    def route_balance(self, e: Engine, q, routable, load, slots, free_kv, need) -> np.ndarray:
+    def route_balance(self, e: RoutedEngine, q, routable, load, slots, free_kv, need) -> np.ndarray:
         """The ``balance`` model (this simulator's before the run's router existed; no real router's rule):
         session affinity with load balance. A next turn goes back to the worker holding its KV unless that
         worker runs more than ``BALANCE_ABS`` sequences above the mean, in which case it goes elsewhere and
@@ -129,7 +143,7 @@ class Router:
             free_kv[w] -= need[j]
         return admitted_w
 
-    def route_ring(self, e: Engine, ready, routable, decode_w, slots, free_kv) -> tuple[np.ndarray, ...]:
+    def route_ring(self, e: RoutedEngine, ready, routable, decode_w, slots, free_kv) -> tuple[np.ndarray, ...]:
         """vllm-router's ``consistent_hash`` policy, the one the run's router uses (pearlctl/router/service.py):
         a request goes to the worker its session hashes to on the ring of the routable workers (``VIRTUAL_NODES``
         virtual nodes each), whatever the loads, and queues there (vLLM's waiting queue, first come first
@@ -179,7 +193,7 @@ class Router:
         i = i[by]
         return i, w[sel][by], self._need[i]
 
-    def _enqueue(self, e: Engine, new: np.ndarray, target: np.ndarray) -> None:
+    def _enqueue(self, e: RoutedEngine, new: np.ndarray, target: np.ndarray) -> None:
         """Put routed requests ``new`` (sorted by ``target``, then ready_at, then index) in their places in the
         queue: at the end of their worker's queue when they became ready after all of it (the usual case), else
         by sorting the whole queue again."""
@@ -212,7 +226,7 @@ class Router:
         merged[old] = queue
         self._queue = merged
 
-    def _ring_lookup(self, e: Engine, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
+    def _ring_lookup(self, e: RoutedEngine, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
         """The worker each session of trajectories ``i`` (in the window) hashes to on the ring of the ``routable``
         workers (looked up for the whole window at once, once per ring and window)."""
         at = self._ring_at

@@ -19,6 +19,12 @@ working on it, do the rest:
 - ``roles`` (``pearlctl.sim.gpus``): the GPUs' roles passed on to the engines, the GPU-second census, the
   timeline and the schedule the oracle replays.
 
+Each part states what it reads and writes of the ``Sim`` as a protocol of its own module (``ViewedRun``,
+``CorrectionRun``, ``MovesRun``, ``RolesRun``), so none imports this module and each can be read and tested with
+no more than its protocol lists. The parts use one another in one direction — ``roles`` below ``view``, below
+``moves``, below ``correction`` — and the view asks the correction and the moves above it only what
+``ViewedCorrection`` and ``ViewedMoves`` say.
+
 Under a model mismatch (the scenario's ``[mismatch]``, pearlctl.sim.scenario.Mismatch) the engines run the
 truth — decode, prefill and tool calls slower or faster than the profile and the workload say — and every move
 takes its true cost (its profile cost times a factor drawn per move), while the policies keep seeing the
@@ -52,7 +58,7 @@ from pearlctl.planner.model import SERVING, Plan, Role, Snapshot, Work
 from pearlctl.sim.availability import Trace, build_trace
 from pearlctl.sim.correction import Correction
 from pearlctl.sim.engine import Engine
-from pearlctl.sim.gpus import GpuRoles, SimGpu, make_gpus
+from pearlctl.sim.gpus import GpuRoles, Schedule, SimGpu, make_gpus
 from pearlctl.sim.moves import Moves
 from pearlctl.sim.routing import DEFAULT_ROUTER
 from pearlctl.sim.scenario import Scenario
@@ -62,16 +68,6 @@ from pearlctl.vocabulary import PoolKind
 
 MAX_SIM_S = 7 * 24 * 3600.0  # a run that has not finished its steps by then is reported as unfinished
 STALL_S = 3600.0  # simulated seconds without decode progress or a train step: the run is stuck
-
-
-@dataclass
-class Schedule:
-    """What a run did with its GPUs, as the oracle replays it (pearlctl.sim.oracle, ``ReplayController``): every
-    change of a GPU's role (its target role from the moment its move began; None while the GPU is not granted),
-    and when each of the trainer's steps began its epoch — ``epochs[e]``: the time it had trained ``e`` steps."""
-
-    epochs: list[float] = field(default_factory=lambda: [0.0])
-    changes: list[tuple[float, int, Role | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -169,9 +165,9 @@ class Sim:
         self.preemptions = 0
         self._presence: tuple[bool, ...] | None = None  # (``presence``)
         # Moves started (by the policy's plans or the oracle's controllers). A GPU's presence, role, busy_until
-        # or abort_at changed since the roles were last refreshed: ``_dirty`` (whoever changes one sets it).
+        # or abort_at changed since the roles were last refreshed: ``gpus_changed`` (whoever changes one sets it).
         self.transitions = 0
-        self._dirty = True
+        self.gpus_changed = True
         # The parts (the module doc), and the schedule ``roles`` records for the oracle's replay.
         self.schedule = Schedule() if record_schedule else None
         self.view = PolicyView(self)
@@ -251,7 +247,7 @@ class Sim:
             # decides every tick (0.5 s), so it reacts to a trainer's report or a grant within one
             self._next_control, self._seen = t + self.scenario.control_interval_s, self._events()
             self.moves.control(t)
-        if self._dirty or t >= self.roles.next_expiry:
+        if self.gpus_changed or t >= self.roles.next_expiry:
             self.roles.refresh(t)
         self.engine.step(t, dt)
         self.roles.account(t, dt)
@@ -268,7 +264,7 @@ class Sim:
                 gpu = self.gpus[g]
                 gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = True, Role.IDLE, False, 0.0, None
                 gpu.abort_at = None
-            self._dirty = True
+            self.gpus_changed = True
             self._presence = None
         while self._ni < len(self._notices) and self._notices[self._ni].notice_at <= t:
             lease = self._notices[self._ni]
@@ -281,7 +277,7 @@ class Sim:
                     self.gpus[g].ends_at = lease.end
                     if not self.engine.free_migration and abort_at < lease.end:
                         self.gpus[g].abort_at = abort_at
-                        self._dirty = True
+                        self.gpus_changed = True
         while self._ei < len(self._ends) and self._ends[self._ei].end <= t:
             lease = self._ends[self._ei]
             self._ei += 1
@@ -293,7 +289,7 @@ class Sim:
                     gpu.present, gpu.role, gpu.parked, gpu.busy_until, gpu.ends_at = False, Role.IDLE, False, 0.0, None
                     gpu.abort_at = None
                     self.preemptions += 1
-                    self._dirty = True
+                    self.gpus_changed = True
                     self._presence = None
 
     def presence(self) -> tuple[bool, ...]:
@@ -321,7 +317,7 @@ class Sim:
             self.trained += 1
             self.training_until = None
             self.waiting_since = t
-            self._dirty = True
+            self.gpus_changed = True
             self.step_times.append(t)
             if self.trained >= self.steps:
                 self._finished_at = t
@@ -357,7 +353,7 @@ class Sim:
                 waited = max(self.completed_at[self.trained] - self.waiting_since, 0.0)
                 self.wait_ema = waited if self.wait_ema is None else 0.7 * self.wait_ema + 0.3 * waited
                 self.training_until = t + tr.train_step_s
-                self._dirty = True
+                self.gpus_changed = True
 
     def _events(self) -> tuple:
         """What a daemon reacts to at once: the trainer's phase and batches, grants, notices, preemptions."""

@@ -16,7 +16,7 @@ policy); a GPU's snapshot slot is kept while its fields are the same objects, wh
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -25,14 +25,58 @@ from pearlctl.planner.model import GpuSlot, Mode, Role, Snapshot, Trainer, Work
 from pearlctl.sim.trajectories import TOOL
 
 if TYPE_CHECKING:
+    from pearlctl.planner.profile import Profile, TransitionCosts
+    from pearlctl.sim.availability import Trace
+    from pearlctl.sim.engine import Engine
     from pearlctl.sim.gpus import SimGpu
-    from pearlctl.sim.run import Sim
+    from pearlctl.sim.scenario import Scenario
+
+
+class ViewedCorrection(Protocol):
+    """What the view asks of the predictor's correction (``pearlctl.sim.correction.Correction``): whether the run
+    keeps one, and the profile a policy plans with for some work on some GPUs."""
+
+    on: bool
+
+    def profile(self, work: Work, gpus) -> Profile: ...
+
+
+class ViewedMoves(Protocol):
+    """What the view asks of the moves (``pearlctl.sim.moves.Moves``): the transition costs a policy plans with,
+    and when a plan last changed a GPU."""
+
+    last_change_at: float | None
+
+    def costs(self) -> TransitionCosts: ...
+
+
+class ViewedRun(Protocol):
+    """What ``PolicyView`` reads of its run (``pearlctl.sim.run.Sim``): the scenario and its profile, the GPUs, the
+    engines' work in flight, the elastic trace, the trainer's phase, measured waits and latest batch, and the
+    correction and the moves that a snapshot's profile and costs come from (read-only: the run's own parts, of
+    which the view needs no more than ``ViewedCorrection`` and ``ViewedMoves`` say)."""
+
+    scenario: Scenario
+    profile: Profile
+    gpus: list[SimGpu]
+    engine: Engine
+    trace: Trace
+    training_until: float | None
+    wait_ema: float | None
+    waiting_since: float
+    last_batch: Work
+
+    @property
+    def correction(self) -> ViewedCorrection: ...
+
+    @property
+    def moves(self) -> ViewedMoves: ...
 
 
 class PolicyView:
     """``sim`` as its policy sees it."""
 
-    def __init__(self, sim: Sim):
+    def __init__(self, sim: ViewedRun):
         self.sim = sim
         wl = sim.scenario.workload
         # What history says about the workload (a live system learns it; the drawn future stays hidden).

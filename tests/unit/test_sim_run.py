@@ -268,7 +268,7 @@ def test_a_worker_that_joined_before_the_launch_takes_first_turns():
         t = 0.0
         while t <= 3.0:
             sim._trainer(t)
-            if sim._dirty or t >= sim.roles.next_expiry:
+            if sim.gpus_changed or t >= sim.roles.next_expiry:
                 sim.roles.refresh(t)
             sim.engine.step(t, sim.scenario.tick_s)
             t += sim.scenario.tick_s
