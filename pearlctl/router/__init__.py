@@ -11,7 +11,8 @@ behind a gateway.
 - ``admin``: the membership changes the admin API makes (add once healthy, remove, sync);
 - ``app``: the gateway's HTTP edge — routes, the credential, sessions, request parsing, answers;
 - ``errors``: how a request fails as its caller sees it (refused, given up, bad request);
-- ``control``: the gateway's control plane, apart from its data plane — its loop, client and thread;
+- ``control``: the gateway's control plane, apart from its data plane — its thread, its socket's routes;
+- ``control_loop``: where a membership call runs and the client it uses, as the gateway's parts hand it over;
 - ``membership``: the gateway's admin API the daemon drives membership with, as typed bodies and a client;
 - ``service``: starting, finding again and stopping a run's router process, and its files;
 - ``__main__``: ``python -m pearlctl.router``, the process (gateway, with vllm-router as its child);

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from pearlctl.router.control import ControlLoop
+from pearlctl.router.control_loop import ControlLoop
 from pearlctl.router.errors import BadRequest
 from pearlctl.router.members import MemberRecord, Members
 from pearlctl.router.membership import WorkerIn, WorkerSet

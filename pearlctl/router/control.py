@@ -1,10 +1,11 @@
-"""The gateway's control plane, apart from its data plane: where membership work runs, and the thread that
-serves it.
+"""The gateway's control plane, apart from its data plane: the thread that serves it, and where membership work
+runs.
 
 Run as a process (pearlctl.router.__main__), the gateway serves ``/health``, ``/pearl/workers`` and
 ``/pearl/stats`` a second time on a socket of their own, served by `ControlPlane` on its own thread and event
 loop, and every membership change (the routers' lists, the PD routers, the workers' ``/health`` checks) runs
-on that loop with its own HTTP client (`ControlLoop`). A synchronous batch of thousands of turns keeps the
+on that loop with its own HTTP client (pearlctl.router.control_loop, ``ControlLoop``: the handle the gateway's
+parts hand that work to, set to this loop once it serves). A synchronous batch of thousands of turns keeps the
 data plane's loop busy for tens of seconds; a membership change or a return's DEREGISTER sent to the control
 socket does not wait behind it. The same routes on the public socket hand their work to the control loop too
 (one owner of membership state). Members are shared between the two threads behind a lock
@@ -21,48 +22,12 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from pearlctl.router.app import build_control_app
 
 if TYPE_CHECKING:
     from pearlctl.router.gateway import Gateway
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
-
-
-class ControlLoop:
-    """Where a membership call runs and the HTTP client it uses. ``loop``: the control plane's, set by
-    `ControlPlane` once it serves; None (the app served in one loop, as in the unit tests): on the caller's
-    loop with the data plane's client."""
-
-    def __init__(self, data_http: httpx.AsyncClient):
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._data_http = data_http
-        self._client: httpx.AsyncClient | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """The client of a membership call: the control plane's own on its loop, else the data plane's."""
-        if self.loop is None or asyncio.get_running_loop() is not self.loop:
-            return self._data_http
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0))
-        return self._client
-
-    async def run(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        """``await fn(*args, **kwargs)`` on the control plane's loop (from the data plane's: handed over and
-        awaited); on this loop when there is no control plane or this is it."""
-        loop = self.loop
-        if loop is None or asyncio.get_running_loop() is loop:
-            return await fn(*args, **kwargs)
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop))
-
-    async def aclose(self) -> None:
-        """Close the control plane's own client (on its loop)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
 
 class ControlPlane:

@@ -9,7 +9,8 @@ The rest of the gateway, by concern (docs/router.md has the whole contract):
 - pearlctl.router.turn: one turn's parts folded into one answer, and what a continuation asks for;
 - pearlctl.router.routing: which vllm-router an attempt goes to, prefill-decode, the routers' lists;
 - pearlctl.router.members and pearlctl.router.admin: the members, their weight versions, their changes;
-- pearlctl.router.control: the control plane's loop and thread, apart from this data plane.
+- pearlctl.router.control and pearlctl.router.control_loop: the control plane's thread, and the loop and
+  client membership work is handed to, apart from this data plane.
 
 Guarantees:
 - **One complete answer.** A single-choice request that a worker interrupts — vLLM's ``finish_reason:
@@ -47,7 +48,7 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from pearlctl.router.admin import MemberAdmin
-from pearlctl.router.control import ControlLoop
+from pearlctl.router.control_loop import ControlLoop
 from pearlctl.router.errors import GiveUp, Refused, is_refusal
 from pearlctl.router.members import Members
 from pearlctl.router.routing import PdLauncher, Routers

@@ -29,16 +29,13 @@ import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
-from pearlctl.router.control import ControlLoop
+from pearlctl.router.control_loop import ControlLoop
 from pearlctl.router.members import Members
 from pearlctl.vocabulary import Role
-
-if TYPE_CHECKING:
-    from pearlctl.router.gateway import GatewayConfig
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
 
@@ -110,6 +107,17 @@ class PdRouter(Protocol):
 PdLauncher = Callable[[PdLists], Awaitable[PdRouter]]
 
 
+class RoutersConfig(Protocol):
+    """What the routers read of the gateway's configuration (pearlctl.router.gateway.GatewayConfig): the regular
+    vllm-router's URL, how long one attempt may take (a retired PD router is stopped once no attempt runs through
+    it, at the latest that long after), and the back-off before launching again a PD router that failed."""
+
+    router_url: str
+    request_timeout_s: float
+    pd_retry_s: float
+    pd_retry_max_s: float
+
+
 class Routers:
     """The two vllm-routers the gateway sends attempts to, and which workers each routes to: the regular one
     at ``config.router_url``, and the PD router serving now (``pd``; those it replaced drain, then stop).
@@ -117,7 +125,7 @@ class Routers:
 
     def __init__(
         self,
-        config: GatewayConfig,
+        config: RoutersConfig,
         members: Members,
         control: ControlLoop,
         stats: dict[str, int],
