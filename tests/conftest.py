@@ -79,7 +79,7 @@ def running_run(store, run_dir: Path, *, pool: str, role: str, nodes: int) -> No
     RUNNING (job 10 + i on node n{i}) with its GPU registered."""
     factories.create_run(store, run_dir, [factories.pool(pool, role, nodes=nodes)])
     for i, a in enumerate(factories.run_all(store)):
-        store.upsert_node_gpus("r", a.id, f"n{i}", [0], role)
+        store.fleet.upsert_node_gpus("r", a.id, f"n{i}", [0], role)
 
 
 def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
@@ -87,7 +87,7 @@ def running_pools(store, run_dir: Path, shapes, *, spec: dict | None = None):
     i-th on node ``n<i>`` as Slurm job ``10 + i``; yields ``(i, allocation, pool name)`` for each, in order."""
     pools = [factories.pool(n, role, nodes=k, gpus_per_node=g) for n, role, k, g in shapes]
     factories.create_run(store, run_dir, pools, spec=spec)
-    names = {p["id"]: p["name"] for p in store.pools("r")}
+    names = {p["id"]: p["name"] for p in store.runs.pools("r")}
     for i, a in enumerate(factories.run_all(store)):
         yield i, a, names[a.pool_id]
 
@@ -113,17 +113,17 @@ def create_serving_run(store, run_dir: Path, *, run_id: str = "q") -> None:
              for name, role, n in (("trainer", "TRAIN", 2), ("rollout", "ROLLOUT", 1))]  # fmt: skip
     factories.create_run(store, run_dir, pools, run_id=run_id)
     placed = [("n1", [0, 1], "TRAIN"), ("n2", [0], "ROLLOUT")]
-    for a, (node, idx, role) in zip(store.allocations(run_id), placed, strict=True):
-        store.upsert_node_gpus(run_id, a.id, node, idx, role)
+    for a, (node, idx, role) in zip(store.fleet.allocations(run_id), placed, strict=True):
+        store.fleet.upsert_node_gpus(run_id, a.id, node, idx, role)
 
 
 def create_trainer_run(store, run_dir: Path, *, job_id: str) -> Allocation:
     """Run "r" (policy greedy) with one trainer allocation of 2 GPUs, submitted as ``job_id`` (PENDING)."""
     pools = [factories.pool("trainer", "TRAIN", gpus_per_node=2)]
     factories.create_run(store, run_dir, pools, spec_path="r.toml", policy="greedy")
-    alloc = store.allocations("r")[0]
+    alloc = store.fleet.allocations("r")[0]
     factories.submit(store, alloc.id, job_id)
-    return store.allocation(alloc.id)
+    return store.fleet.allocation(alloc.id)
 
 
 GRPO_EXAMPLE = REPO / "examples" / "grpo"

@@ -43,7 +43,7 @@ class SimRouter:
         self.urls: set[str] = set()
 
     def sync(self, store: Store) -> None:
-        self.urls = {w.url for w in store.workers("r") if w.routable and w.state == "READY" and w.url}
+        self.urls = {w.url for w in store.fleet.workers("r") if w.routable and w.state == "READY" and w.url}
 
     def view(self) -> set[str]:
         return set(self.urls)
@@ -123,7 +123,7 @@ def crash_once(store: Store, point: str, step: str, plan: str) -> tuple[Callable
 
     def crash_at(at, key):
         tid, _, step_kind = key.split(":")
-        detail = store.transition(int(tid)).detail or {}
+        detail = store.transitions.get(int(tid)).detail or {}
         if not fired and at == point and step_kind == step and detail.get("plan") == plan:
             fired.append(key)
             raise Crash(key)

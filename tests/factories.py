@@ -15,7 +15,7 @@ from pearlctl.planner.profile import DecodeModel, Profile
 
 
 def pool(name: str, role: str, *, nodes: int = 1, gpus_per_node: int = 1, run_id: str = "r", **extra) -> dict:
-    """A pool dict as ``Store.create_run`` takes it: kind = ``name``, no partition, job name ``pearl.<run>.<name>``."""
+    """A pool dict as ``store.runs.create`` takes it: kind = ``name``, no partition, job name ``pearl.<run>.<name>``."""
     return {"name": name, "kind": name, "role": role, "partition": None, "nodes": nodes,
             "gpus_per_node": gpus_per_node, "job_name": f"pearl.{run_id}.{name}", **extra}  # fmt: skip
 
@@ -23,7 +23,7 @@ def pool(name: str, role: str, *, nodes: int = 1, gpus_per_node: int = 1, run_id
 def create_run(store, run_dir: Path, pools: list[dict], *, run_id: str = "r", spec: dict | None = None,
                spec_path: str | None = None, backend: str = "slurm", policy: str = "never") -> None:  # fmt: skip
     """Create run ``run_id`` (named as its id) in ``store`` with ``pools``; its allocations stay REQUESTED."""
-    store.create_run(run_id=run_id, name=run_id, spec=spec or {}, spec_path=spec_path, run_dir=str(run_dir),
+    store.runs.create(run_id=run_id, name=run_id, spec=spec or {}, spec_path=spec_path, run_dir=str(run_dir),
                      backend=backend, policy=policy, pools=pools)  # fmt: skip
 
 
@@ -39,7 +39,7 @@ def start(store, alloc_id: int, node: str) -> None:
 
 def run_all(store, run_id: str = "r") -> list:
     """Walk every allocation of ``run_id`` to RUNNING, the i-th as job ``10 + i`` on node ``n<i>``; returns them."""
-    allocs = store.allocations(run_id)
+    allocs = store.fleet.allocations(run_id)
     for i, a in enumerate(allocs):
         submit(store, a.id, str(10 + i))
         start(store, a.id, f"n{i}")

@@ -29,7 +29,7 @@ def cancel(
             backend = open_backend(run["backend"], state_dir=str(home.state_dir()))
             err.print(f"cancelling {run['id']} ({run['state']})")
             done = launcher.cancel(store, backend, run["id"], timeout=timeout)
-            run = store.get_run(run["id"])
+            run = store.runs.get(run["id"])
         finally:
             store.close()
         _stop_router(run)

@@ -143,12 +143,12 @@ def open_store(readonly: bool = False) -> Store:
 def resolve_run(store: Store, ref: str | None) -> dict:
     """A run by id or name; the newest run when ``ref`` is None."""
     if ref is None:
-        runs = store.list_runs()
+        runs = store.runs.all()
         if not runs:
             raise fail("no runs yet; start one with `pearlctl launch RUN.toml`", EXIT_NOT_FOUND)
         return max(runs, key=lambda r: r["created_at"])
-    run = store.find_run(ref)
+    run = store.runs.find(ref)
     if run is None:
-        known = ", ".join(r["name"] for r in store.list_runs()) or "none"
+        known = ", ".join(r["name"] for r in store.runs.all()) or "none"
         raise fail(f"no run {ref!r}; known runs: {known}", EXIT_NOT_FOUND)
     return run

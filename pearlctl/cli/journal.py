@@ -22,7 +22,7 @@ def journal(
         store = open_store(readonly=True)
         try:
             run = resolve_run(store, run_ref)
-            rows = store.journal(run["id"], since_id=since)
+            rows = store.journal.read(run["id"], since_id=since)
         finally:
             store.close()
         if json_out:

@@ -133,9 +133,9 @@ def logs(
         try:
             run = resolve_run(store, run_ref)
             run_dir = run.get("run_dir") or "."
-            pools = [p["name"] for p in store.pools(run["id"])]
-            allocations = [a.to_dict() for a in store.allocations(run["id"])]  # logfiles reads plain rows
-            workers = [w.to_dict() for w in store.workers(run["id"])]
+            pools = [p["name"] for p in store.runs.pools(run["id"])]
+            allocations = [a.to_dict() for a in store.fleet.allocations(run["id"])]  # logfiles reads plain rows
+            workers = [w.to_dict() for w in store.fleet.workers(run["id"])]
         finally:
             store.close()
 

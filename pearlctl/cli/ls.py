@@ -30,7 +30,7 @@ def ls(
     with exits():
         store = open_store(readonly=True)
         try:
-            runs = sorted(store.list_runs(), key=lambda r: (r["created_at"], r["id"]))
+            runs = sorted(store.runs.all(), key=lambda r: (r["created_at"], r["id"]))
         finally:
             store.close()
         if json_out:

@@ -95,7 +95,7 @@ def move(
 def _wait(store, tid: int, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        state = store.transition(tid).state
+        state = store.transitions.get(tid).state
         if state not in (T.PLANNED, T.RUNNING, T.ROLLING_BACK):
             return state
         if time.monotonic() >= deadline:

@@ -75,9 +75,9 @@ def profile(
         store = open_store(readonly=True)
         try:
             run = resolve_run(store, run_ref)
-            workers = store.workers(run["id"])
-            pool_of = {a.id: a.pool for a in store.allocations(run["id"])}
-            steps = [s.to_dict() for t in store.transitions(run["id"]) for s in store.steps(t.id)]
+            workers = store.fleet.workers(run["id"])
+            pool_of = {a.id: a.pool for a in store.fleet.allocations(run["id"])}
+            steps = [s.to_dict() for t in store.transitions.all(run["id"]) for s in store.transitions.steps(t.id)]
         finally:
             store.close()
         if export_file is not None:

@@ -56,9 +56,9 @@ def _timeline(store: Store, run: dict, path: Path) -> str:
     from pearlctl.ops.timeline import reconstruct
     from pearlctl.sim.timeline import draw
 
-    kinds = {p["name"]: p["kind"] for p in store.pools(run["id"])}
-    gpus = [dict(g.to_dict(), pool_kind=kinds.get(g.pool)) for g in store.gpus(run["id"])]
-    journal = store.journal(run["id"])
+    kinds = {p["name"]: p["kind"] for p in store.runs.pools(run["id"])}
+    gpus = [dict(g.to_dict(), pool_kind=kinds.get(g.pool)) for g in store.fleet.gpus(run["id"])]
+    journal = store.journal.read(run["id"])
     end = time.time()
     if run["state"] in _ENDED:  # when it ended: the journal row that moved it there
         ended = [j["ts"] for j in journal if j["entity"] == "runs" and j["to_state"] == run["state"]]
@@ -76,7 +76,7 @@ def _refresh(store: Store, run: dict, sync: bool, warned: set[str], timeline: Pa
             writer = open_store()
             try:
                 backend = open_backend(run["backend"], state_dir=str(home.state_dir()))
-                maybe_sync(writer, backend, writer.get_run(run["id"]))
+                maybe_sync(writer, backend, writer.runs.get(run["id"]))
             finally:
                 writer.close()
         except Exception as exc:
@@ -116,11 +116,11 @@ def _watch(
                 out.rule(time.strftime("%H:%M:%S"))
                 out.print(status_tables(doc))
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync, warned, timeline)
+            doc = _refresh(store, store.runs.get(run["id"]), sync, warned, timeline)
     with Live(status_tables(doc), console=out, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            doc = _refresh(store, store.get_run(run["id"]), sync, warned, timeline)
+            doc = _refresh(store, store.runs.get(run["id"]), sync, warned, timeline)
             live.update(status_tables(doc))
 
 
@@ -153,8 +153,8 @@ def status(
                 emit_json(doc)
                 return
             if not watch:
-                if run_ref is None and len(store.list_runs()) > 1:
-                    out.print(runs_table(store.list_runs()))
+                if run_ref is None and len(store.runs.all()) > 1:
+                    out.print(runs_table(store.runs.all()))
                 out.print(status_tables(doc))
                 if timeline is not None:
                     out.print(f"timeline: {doc['timeline']}", markup=False)

@@ -147,7 +147,7 @@ class Agents(Side):
         self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
 
     def _allocation(self, job_id: str, task_id: int) -> dict:
-        for a in self.store.allocations(self.run_id):
+        for a in self.store.fleet.allocations(self.run_id):
             if a.job_id == job_id and a.array_index == task_id:
                 return a
         raise ControlError(f"run {self.run_id} has no allocation for job {job_id} task {task_id}", 404)
@@ -177,7 +177,7 @@ class Agents(Side):
                 agent_host=body.host or body.node,
                 agent_seen_at=self.clock(),
             )
-            self.store.upsert_node_gpus(self.run_id, alloc.id, body.node, gpus, pool["role"], epoch=self.epoch)
+            self.store.fleet.upsert_node_gpus(self.run_id, alloc.id, body.node, gpus, pool["role"], epoch=self.epoch)
             return {
                 "allocation_id": alloc.id,
                 "credential": allocation_credential(self.secret, self.run_id, alloc.id),
@@ -187,7 +187,7 @@ class Agents(Side):
 
     def _own_allocation(self, alloc_id: int) -> dict:
         try:
-            alloc = self.store.allocation(alloc_id)
+            alloc = self.store.fleet.allocation(alloc_id)
         except NotFound:
             alloc = None
         if alloc is None or alloc.run_id != self.run_id:
@@ -210,7 +210,7 @@ class Agents(Side):
                 )
 
     def _nodes_of(self, alloc_id: int) -> list[dict]:
-        ids = {g.node_id for g in self.store.gpus(self.run_id, allocation_id=alloc_id)}
+        ids = {g.node_id for g in self.store.fleet.gpus(self.run_id, allocation_id=alloc_id)}
         return [self.store.get("nodes", i) for i in sorted(ids)]
 
     def heartbeat(self, body: bodies.Heartbeat, allocation_id: int) -> dict:
@@ -222,7 +222,7 @@ class Agents(Side):
         published before the answer was made (``hold`` waits from there).
 
         Most heartbeats repeat the allocation's last report to a state that has not changed for it since
-        (``Store.allocation_fingerprint``: its row, GPUs and workers, the open transitions, the weights):
+        (``store.fleet.fingerprint``: its row, GPUs and workers, the open transitions, the weights):
         folding it in again would write nothing and answer the same, so such a heartbeat only notes the time and
         answers from memory — one indexed query, no write. That is what lets one daemon hear 512 agents a
         second while other allocations change. An allocation with lent GPUs is always folded: its answer
@@ -253,7 +253,7 @@ class Agents(Side):
             if any("return_deadline" in w for w in desired):
                 self._answered.pop(alloc_id, None)
             else:
-                self._answered[alloc_id] = (self.store.allocation_fingerprint(alloc_id), report, desired, digest)
+                self._answered[alloc_id] = (self.store.fleet.fingerprint(alloc_id), report, desired, digest)
         if changed:
             self.wake.set()  # a worker moved: a transition step may complete now
         return self._answer(desired, digest), passes
@@ -268,7 +268,7 @@ class Agents(Side):
             return None
         passes = self.long_polls.passes
         key = _report_key(body)
-        if key is None or last[:2] != (self.store.allocation_fingerprint(allocation_id), key):
+        if key is None or last[:2] != (self.store.fleet.fingerprint(allocation_id), key):
             return None
         self.heartbeats["remembered"] += 1  # heard already: on arrival (the API) or by ``report``
         return self._answer(last[2], last[3]), passes
@@ -318,7 +318,7 @@ class Agents(Side):
         self._check_urls(alloc, body)
         # a preemption seen by Slurm (GPUs DRAINING), or the elastic pool asking the task to leave, keeps
         # this allocation's workers out of routing
-        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
+        gpus = self.store.fleet.gpus(self.run_id, allocation_id=alloc_id)
         draining = alloc.drain_requested_at is not None or any(g.state == G.DRAINING for g in gpus)
         moving = self._moving_places(alloc_id, gpus) if body.workers else set()
         lent = {g.idx for g in gpus if g.borrowed}
@@ -361,7 +361,7 @@ class Agents(Side):
     ) -> bool:
         """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
         hit = False
-        for g in self.store.gpus(self.run_id, allocation_id=alloc_id):
+        for g in self.store.fleet.gpus(self.run_id, allocation_id=alloc_id):
             if g.state in from_states:
                 self.store.set_state("gpus", g.id, expect=g.state, to=to, epoch=self.epoch, event=event, data=data)
                 hit = True
@@ -371,7 +371,7 @@ class Agents(Side):
         """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
         requests from now on, before the drain ends and before Slurm's next poll says so."""
         hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
-        for w in self.store.workers(self.run_id, allocation_id=alloc_id):
+        for w in self.store.fleet.workers(self.run_id, allocation_id=alloc_id):
             if w.routable:
                 self.store.update_fields("workers", w.id, epoch=self.epoch, event="agent draining", routable=0)
                 hit = True
@@ -380,7 +380,7 @@ class Agents(Side):
     def _moving_places(self, alloc_id: int, gpus: list[dict]) -> set[tuple[int, int]]:
         """(allocation, GPU index) of the allocation's GPUs (``gpus``, its rows) that an open transition is moving."""
         ids: set[int] = set()
-        for t in self.store.open_transitions(self.run_id):
+        for t in self.store.transitions.open(self.run_id):
             ids.update(t.gpu_ids)
         if not ids:
             return set()
@@ -399,7 +399,7 @@ class Agents(Side):
         if worker is None:
             if state in (W.STOPPED, W.FAILED):
                 return False
-            wid = self.store.add_worker(
+            wid = self.store.fleet.add_worker(
                 run_id=self.run_id,
                 allocation_id=alloc.id,
                 role=report.role,
@@ -408,7 +408,7 @@ class Agents(Side):
                 **fields,
             )
             self.store.update_fields("workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.gpus))
-            worker = self.store.worker(wid)
+            worker = self.store.fleet.worker(wid)
         elif fields:
             self.store.update_fields("workers", worker.id, epoch=self.epoch, **fields)
         current = worker.state
@@ -443,7 +443,7 @@ class Agents(Side):
             # again after a crash serves again, as on a rollout GPU.
             routable = int(current == W.READY and not draining)
             held = any((alloc.id, i) in moving for i in report.gpus)
-            if routable != self.store.worker(worker.id).routable and not (held and routable):
+            if routable != self.store.fleet.worker(worker.id).routable and not (held and routable):
                 self.store.update_fields("workers", worker.id, epoch=self.epoch, routable=routable)
         return moved
 
@@ -452,7 +452,7 @@ class Agents(Side):
         that a new process reuses the key of (then None: the caller creates a fresh row)."""
         key, state = report.key, report.state
         worker = next(
-            (w for w in self.store.workers(self.run_id, allocation_id=alloc.id) if w.worker_key == key),
+            (w for w in self.store.fleet.workers(self.run_id, allocation_id=alloc.id) if w.worker_key == key),
             None,
         )
         replaced = (
@@ -469,13 +469,13 @@ class Agents(Side):
                 self.store.set_state(
                     "workers",
                     worker.id,
-                    expect=self.store.worker(worker.id).state,
+                    expect=self.store.fleet.worker(worker.id).state,
                     to=step,
                     epoch=self.epoch,
                     event="replaced by a new process",
                     data={"pid": worker.pid, "new_pid": report.pid},
                 )
-            worker = self.store.worker(worker.id)
+            worker = self.store.fleet.worker(worker.id)
         if worker is not None and worker.state in (W.STOPPED, W.FAILED) and state not in (W.STOPPED, W.FAILED):
             # a new process under a key whose last one ended (a second borrow, a requeue): archive the old row
             self.store.update_fields("workers", worker.id, epoch=self.epoch, worker_key=f"{key}#{worker.id}")
@@ -483,7 +483,7 @@ class Agents(Side):
         return worker
 
     def _pool_of(self, alloc: dict) -> dict:
-        return next(p for p in self.store.pools(self.run_id) if p["id"] == alloc.pool_id)
+        return next(p for p in self.store.runs.pools(self.run_id) if p["id"] == alloc.pool_id)
 
     def desired(self, alloc_id: int) -> list[DesiredWorker]:
         """The allocation's workers: per role among its live GPUs, a trainer of all of them, and vLLM workers of
@@ -494,20 +494,20 @@ class Agents(Side):
         worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
         asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
         """
-        alloc = self.store.allocation(alloc_id)
-        gpus = self.store.gpus(self.run_id, allocation_id=alloc_id)
-        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.worker(wid))
+        alloc = self.store.fleet.allocation(alloc_id)
+        gpus = self.store.fleet.gpus(self.run_id, allocation_id=alloc_id)
+        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.fleet.worker(wid))
 
     def desired_all(self) -> dict[int, list[DesiredWorker]]:
         """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
         by_alloc: dict[int, list[dict]] = collections.defaultdict(list)
-        for g in self.store.gpus(self.run_id):
+        for g in self.store.fleet.gpus(self.run_id):
             by_alloc[g.allocation_id].append(g)
-        workers = {w.id: w for w in self.store.workers(self.run_id)}
+        workers = {w.id: w for w in self.store.fleet.workers(self.run_id)}
         weights, gpw = self._serving()
         return {
             a.id: self._desired(a, by_alloc.get(a.id, []), weights, gpw, workers.__getitem__)
-            for a in self.store.allocations(self.run_id)
+            for a in self.store.fleet.allocations(self.run_id)
         }
 
     def _serving(self) -> tuple[dict | None, int | None]:
@@ -515,7 +515,7 @@ class Agents(Side):
         ({version, path}), and their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
         the planner plans with, pearlctl.planner.choose; None without a profile: one worker per role per
         allocation, vLLM's tensor parallelism over all of them)."""
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         trainer = run.get(TRAINER_REPORT) or {}
         weights = None
         if trainer.get("weight_version") is not None and trainer.get("weights_path"):
@@ -582,7 +582,7 @@ class Agents(Side):
         RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
         allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
         (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
-        allocations = self.store.allocations(self.run_id, cached=True)  # the times: ours are newer than its
+        allocations = self.store.fleet.allocations(self.run_id, cached=True)  # the times: ours are newer than its
         seen = {a.id: self._seen.get(a.id, a.agent_seen_at) for a in allocations}
         workers = [
             {
@@ -592,17 +592,17 @@ class Agents(Side):
                 "weight_version": w.weight_version,
                 "seen_at": seen.get(w.allocation_id),
             }
-            for w in self.store.workers(self.run_id)
+            for w in self.store.fleet.workers(self.run_id)
             if w.routable and w.state == W.READY and w.url
         ]
         moving = [
             t
-            for t in self.store.transitions(self.run_id, states=(T.PLANNED, T.RUNNING))
+            for t in self.store.transitions.all(self.run_id, states=(T.PLANNED, T.RUNNING))
             if t.to_role in GENERATION_ROLES
         ]
         joining = 0
         if moving:  # the GPU rows only then: most answers have nothing joining
-            alloc_of = {g.id: g.allocation_id for g in self.store.gpus(self.run_id)}
+            alloc_of = {g.id: g.allocation_id for g in self.store.fleet.gpus(self.run_id)}
             joining = len({(alloc_of.get(i), t.to_role) for t in moving for i in t.gpu_ids})
         return {"epoch": self.epoch, "workers": workers, "joining": joining}
 
@@ -643,7 +643,7 @@ class Agents(Side):
             now = self.clock()
             if self._seen_written_at is None or now - self._seen_written_at >= SEEN_WRITE_S:
                 seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
-                self.store.record_agents_seen(self.run_id, seen, epoch=self.epoch)
+                self.store.fleet.record_agents_seen(self.run_id, seen, epoch=self.epoch)
                 self._seen_written.update(seen)
                 self._seen_written_at = now
             gap = 0.0 if self._checked_at is None else now - self._checked_at
@@ -660,7 +660,7 @@ class Agents(Side):
             # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
             # what was written since, or heard since, so the newer time in memory counts; None stays None (never
             # heard from, or reset by a requeue, which changes the rows and so the cache)
-            for alloc in self.store.allocations(self.run_id, cached=True):
+            for alloc in self.store.fleet.allocations(self.run_id, cached=True):
                 seen = alloc.agent_seen_at
                 if seen is not None:
                     seen = max(seen, self._seen.get(alloc.id, seen))
@@ -668,7 +668,7 @@ class Agents(Side):
                 if seen is None or (not gone and (seen > deadline or self.in_flight[alloc.id] > 0)):
                     continue
                 hit = self._move_gpus(alloc.id, (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
-                workers = self.store.workers(self.run_id) if workers is None else workers
+                workers = self.store.fleet.workers(self.run_id) if workers is None else workers
                 for w in workers:
                     if w.allocation_id == alloc.id and w.state not in (W.STOPPED, W.FAILED, W.LOST):
                         self.store.set_state(

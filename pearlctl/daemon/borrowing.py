@@ -259,7 +259,7 @@ class Borrowing:
                 )
 
     def _asleep(self, worker_id: int) -> bool:
-        return self.store.worker(worker_id).state == "SLEEPING"
+        return self.store.fleet.worker(worker_id).state == "SLEEPING"
 
     # -- the predictor, checked --------------------------------------------------------------------
     def check_prediction(self) -> None:
@@ -272,7 +272,7 @@ class Borrowing:
         minus the watch's; when the watch covered enough of the batch (``correct.MIN_COVER``, counted from the
         batch's first report with work), the ratio goes into the run's correction, journaled as
         ``prediction checked``."""
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         doc = run.get("profile")
         report = run.get(ROLLOUT_PROGRESS) or {}
         at = report.get("reported_at")
@@ -407,7 +407,7 @@ class Borrowing:
         why, deadline = None, None
         if lent:
             deadline = min(g.return_deadline or now for g in lent)
-            run = self.store.get_run(self.run_id)
+            run = self.store.runs.get(self.run_id)
             trainer = run.get(TRAINER_REPORT) or {}
             if settings["policy"] == "never":
                 why = "borrowing turned off"
@@ -486,18 +486,18 @@ class Borrowing:
         at = TransitionDetail.of(t).planned_at
         return at is not None and any(
             o.id != t.id and TransitionDetail.of(o).planned_at == at and o.state in (T.FAILED, T.ROLLED_BACK)
-            for o in self.store.transitions(self.run_id, kind=MoveKind.SWITCH)
+            for o in self.store.transitions.all(self.run_id, kind=MoveKind.SWITCH)
         )
 
     def _judge_return(self, t: Transition) -> None:
         deadline = TransitionDetail.of(t).return_deadline
         if deadline is None:
             return
-        finished = self.store.transition(t.id).updated_at
+        finished = self.store.transitions.get(t.id).updated_at
         # the GPUs were back when their agent returned them itself (the daemon was out of reach then)
         agent_returns = [
             float(j["data"]["at"])
-            for j in self.store.journal(self.run_id)
+            for j in self.store.journal.read(self.run_id)
             if j["event"] == "agent returned lent GPUs itself" and (j["data"] or {}).get("deadline") == deadline
         ]
         finished = min([finished, *agent_returns])

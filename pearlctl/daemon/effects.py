@@ -71,13 +71,13 @@ class DaemonEffects:
     # -- helpers ----------------------------------------------------------------------------------
     def _gpus(self, t: Transition) -> list[dict]:
         ids = set(t.gpu_ids)
-        return [g for g in self.store.gpus(self.run_id) if g.id in ids]
+        return [g for g in self.store.fleet.gpus(self.run_id) if g.id in ids]
 
     def _workers_on(self, t: Transition, role: str | None = None) -> list[dict]:
         """The vLLM workers on the transition's GPUs (``role``: only those serving it)."""
         places = {(g.allocation_id, g.idx) for g in self._gpus(t)}
         out = []
-        for w in self.store.workers(self.run_id):
+        for w in self.store.fleet.workers(self.run_id):
             if w.engine != Engine.VLLM or (role is not None and w.role != role):
                 continue
             if any((w.allocation_id, i) in places for i in (w.gpu_idx or [])):
@@ -105,10 +105,10 @@ class DaemonEffects:
         STOP or SLEEP is not proven by that."""
         if w.state in (W.STOPPED, W.FAILED):
             return True
-        return w.state == W.LOST and self.store.allocation(w.allocation_id).state in (A.ENDED, A.LOST)
+        return w.state == W.LOST and self.store.fleet.allocation(w.allocation_id).state in (A.ENDED, A.LOST)
 
     def _ack(self, key: str) -> dict | None:
-        step = self.store.step_by_key(self.run_id, key)
+        step = self.store.transitions.step_by_key(self.run_id, key)
         return (step.detail or {}).get("ack") if step else None
 
     # -- effects --------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class DaemonEffects:
 
     def _verified(self, t: Transition, key: str) -> Outcome:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
-            trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
+            trainer = self.store.runs.get(self.run_id).get(TRAINER_REPORT) or {}
             return _proven(bool(trainer) and not trainer.get("released"))
         live, covered = self._serving(t)  # GPUs brought up: a worker serves on every one
         if not live:
@@ -214,7 +214,7 @@ class DaemonEffects:
         # ... the trainer's latest weights: a worker woken (or started) with older ones reloads them before
         # REGISTER routes anything to it (the agent does on its next heartbeat; a reload that never succeeds
         # fails the step by its timeout, and the transition rolls back)
-        trainer = self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}
+        trainer = self.store.runs.get(self.run_id).get(TRAINER_REPORT) or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
         return _proven(latest is None or all(w.weight_version == str(latest) for w in live))
 
@@ -297,8 +297,8 @@ STEPS: dict[StepKind, StepAction] = {
 
 def pending_trainer_command(store: Store, run_id: str) -> dict:
     """The trainer command the current step of an open transition asks for, or no command."""
-    for t in store.transitions(run_id, states=(T.RUNNING, T.ROLLING_BACK)):
-        for s in sorted(store.steps(t.id), key=lambda s: s.seq):
+    for t in store.transitions.all(run_id, states=(T.RUNNING, T.ROLLING_BACK)):
+        for s in sorted(store.transitions.steps(t.id), key=lambda s: s.seq):
             trainer_step = s.kind in (StepKind.OFFLOAD, StepKind.RELOAD)
             if s.state == S.INTENT and trainer_step and not (s.detail or {}).get("ack"):
                 return {
@@ -309,7 +309,7 @@ def pending_trainer_command(store: Store, run_id: str) -> dict:
 
 
 def record_trainer_ack(store: Store, run_id: str, command_id: str, result: dict, epoch: int | None) -> bool:
-    s = store.step_by_key(run_id, command_id)
+    s = store.transitions.step_by_key(run_id, command_id)
     if s is None:
         return False
     detail = dict(s.detail or {}, ack=result)

@@ -133,11 +133,11 @@ class _Pool:
 
 def _read(store: Store, run_id: str, pool: str) -> _Pool | None:
     """The pool of the run named ``pool``, or None when the run has none."""
-    row = next((p for p in store.pools(run_id) if p["name"] == pool), None)
+    row = next((p for p in store.runs.pools(run_id) if p["name"] == pool), None)
     if row is None:
         return None
-    run = store.get_run(run_id)
-    allocs = [a for a in store.allocations(run_id) if a.pool_id == row["id"]]
+    run = store.runs.get(run_id)
+    allocs = [a for a in store.fleet.allocations(run_id) if a.pool_id == row["id"]]
     return _Pool(run, row, pool_spec_of(run, pool), allocs)
 
 
@@ -178,7 +178,7 @@ class ElasticPool:
 
     @property
     def enabled(self) -> bool:
-        return any(p["name"] == self.pool for p in self.store.pools(self.run_id))
+        return any(p["name"] == self.pool for p in self.store.runs.pools(self.run_id))
 
     # -- what the daemon calls --------------------------------------------------------------------
     def want(self, wanted: int, why: str) -> int | None:
@@ -240,7 +240,7 @@ class ElasticPool:
                 for a in p.serving:
                     if a.state != A.PENDING or a.array_index < p.floor:
                         continue
-                    since = self.store.entered_at("allocations", a.id, A.PENDING) or a.updated_at
+                    since = self.store.journal.entered_at("allocations", a.id, A.PENDING) or a.updated_at
                     if now - since >= bound:
                         overdue.append((a, since))
                 for a, since in overdue:
@@ -312,13 +312,13 @@ class ElasticPool:
             return to_cancel
         now = self.clock()
         bound = float(p.spec.preempt_notice_s)
-        workers = self.store.workers(self.run_id)
+        workers = self.store.fleet.workers(self.run_id)
         for a in p.draining:
             if a.state == A.REQUESTED or not a.job_id:
                 continue
             sent = self._scancelled.get(a.id)
             if a.state == A.LOST and (
-                sent is not None or self.store.entity_events("allocations", a.id, ["elastic scancel"])
+                sent is not None or self.store.journal.entity_events("allocations", a.id, ["elastic scancel"])
             ):
                 # scancelled, and now gone from squeue, sacct and scontrol: the end that was asked for
                 self.store.set_state(
@@ -419,7 +419,7 @@ class ElasticPool:
                     )
                 need = 0
             for _ in range(need):
-                row = self.store.add_allocation(
+                row = self.store.fleet.add_allocation(
                     self.run_id,
                     p.row["id"],
                     event="elastic grow",
@@ -565,7 +565,7 @@ class ElasticPool:
 
     def _unroute(self, alloc_id: int) -> None:
         """The task's workers take no new requests: out of routing in state (the router follows)."""
-        for w in self.store.workers(self.run_id):
+        for w in self.store.fleet.workers(self.run_id):
             if w.allocation_id == alloc_id and w.routable:
                 self.store.update_fields("workers", w.id, epoch=self.epoch, event="elastic drain", routable=0)
 
@@ -580,7 +580,7 @@ class ElasticPool:
         if self.routed is None:
             return
         routed = self.routed()
-        workers = self.store.workers(self.run_id)
+        workers = self.store.fleet.workers(self.run_id)
         for a in p.draining:
             if a.state == A.PENDING:
                 continue
@@ -610,7 +610,7 @@ class ElasticPool:
         return taken
 
     def _gpus(self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str) -> None:
-        for g in self.store.gpus(self.run_id):
+        for g in self.store.fleet.gpus(self.run_id):
             if g.allocation_id == alloc_id and g.state in from_states:
                 self.store.set_state(
                     "gpus",
@@ -661,7 +661,7 @@ class ElasticPool:
             return
         counts = p.counts()
         if self._last_size is None:
-            last = self.store.entity_events("pools", p.row["id"], [SIZE_EVENT], limit=1)
+            last = self.store.journal.entity_events("pools", p.row["id"], [SIZE_EVENT], limit=1)
             self._last_size = {k: (last[0]["data"] or {}).get(k) for k in SIZE_KEYS} if last else {}
         if counts != self._last_size:
             self.store.journal_event(self.run_id, "pools", p.row["id"], SIZE_EVENT, data=counts, epoch=self.epoch)
@@ -691,12 +691,14 @@ def elastic_view(store: Store, run_id: str, *, pool: str = POOL, now: float | No
                 "added": a.array_index >= p.floor,
                 "draining": a.drain_requested_at is not None,
                 "drain_requested_at": a.drain_requested_at,
-                "pending_since": store.entered_at("allocations", a.id, A.PENDING) if a.state == A.PENDING else None,
+                "pending_since": store.journal.entered_at("allocations", a.id, A.PENDING)
+                if a.state == A.PENDING
+                else None,
             }
         )
     history = [
         {"ts": j["ts"], **{k: (j["data"] or {}).get(k) for k in SIZE_KEYS}}
-        for j in store.entity_events("pools", p.row["id"], [SIZE_EVENT], limit=HISTORY_LIMIT)
+        for j in store.journal.entity_events("pools", p.row["id"], [SIZE_EVENT], limit=HISTORY_LIMIT)
     ]
     until = p.row.get("backoff_until")
     return {

@@ -283,7 +283,7 @@ class Daemon:
         t0, cpu0, commits0 = time.monotonic(), time.thread_time(), self.store.commits_on_this_thread()
         marks: list[tuple[str, float]] = []  # (phase, when it ended): a slow tick's log line says where it went
         try:
-            if self.store.get_run(self.run_id)["state"] in RUN_OVER:
+            if self.store.runs.get(self.run_id)["state"] in RUN_OVER:
                 log.warning("run %s is over: the daemon stops", self.run_id)
                 return False
             controller.agents.check_agents()
@@ -348,7 +348,7 @@ class Daemon:
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT (or ``stopping`` is set). Workers are never touched on the way out.
         Raises ``DaemonRefused`` when the lease is held elsewhere or was lost."""
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         poll_s = float(run["spec"].get("poll_interval_s", POLL_INTERVAL_S))
         if self.settings.lease_ttl_s <= SLURM_COMMAND_TIMEOUT_S:
             log.warning(

@@ -88,20 +88,20 @@ class RunCollector:
     def collect(self):
         if self.stats is not None:
             yield from self._daemon()
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         gpus = GaugeMetricFamily(
             "pearl_gpus", "GPUs of the run by role and state", labels=["role", "state", "borrowed"]
         )
         for (role, state, borrowed), n in Counter(
-            (g.role, g.state, str(bool(g.borrowed)).lower()) for g in self.store.gpus(self.run_id)
+            (g.role, g.state, str(bool(g.borrowed)).lower()) for g in self.store.fleet.gpus(self.run_id)
         ).items():
             gpus.add_metric([role, state, borrowed], n)
         yield gpus
         workers = GaugeMetricFamily("pearl_workers", "workers by role and state", labels=["role", "state"])
-        for (role, state), n in Counter((w.role, w.state) for w in self.store.workers(self.run_id)).items():
+        for (role, state), n in Counter((w.role, w.state) for w in self.store.fleet.workers(self.run_id)).items():
             workers.add_metric([role, state], n)
         yield workers
-        transitions = self.store.transitions(self.run_id)
+        transitions = self.store.transitions.all(self.run_id)
         total = CounterMetricFamily("pearl_transitions", "role transitions by kind and state", labels=["kind", "state"])
         for (kind, state), n in Counter((t.kind, t.state) for t in transitions).items():
             total.add_metric([kind, state], n)
@@ -114,7 +114,7 @@ class RunCollector:
             )
             hist.add_metric([kind], buckets, sum(done))
             yield hist
-        events = Counter(j["event"] for j in self.store.journal(self.run_id) if j["entity"] == "transitions")
+        events = Counter(j["event"] for j in self.store.journal.read(self.run_id) if j["entity"] == "transitions")
         yield CounterMetricFamily(
             "pearl_return_deadline_misses",
             "returns that finished after their deadline",

@@ -25,7 +25,7 @@ class Operator(Side):
             module = load_policy(policy)
         except PolicyError as exc:
             raise ControlError(str(exc)) from None
-        if getattr(module, "NEEDS_PROFILE", False) and not self.store.get_run(self.run_id).get("profile"):
+        if getattr(module, "NEEDS_PROFILE", False) and not self.store.runs.get(self.run_id).get("profile"):
             raise ControlError(
                 f"policy {policy} predicts rollout time with the run's engine profile, and run {self.run_id} has "
                 "none: measure one with `pearlctl profile RUN` (a serving worker) or import a file with "
@@ -78,7 +78,7 @@ class Operator(Side):
                     if t.kind == MoveKind.BORROW:
                         self.borrowing.executor.abort(t.id, "pearlctl return --now")
                         aborted.append(t.id)
-            lent = [g.id for g in self.store.gpus(self.run_id) if g.borrowed]
+            lent = [g.id for g in self.store.fleet.gpus(self.run_id) if g.borrowed]
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
     def move(self, body: bodies.Move) -> dict:
@@ -98,7 +98,7 @@ class Operator(Side):
                     "one plan at a time; move again once it ends (`pearlctl status`)",
                     409,
                 )
-            rows = self.store.gpus(self.run_id)
+            rows = self.store.fleet.gpus(self.run_id)
             chosen: list[dict] = []
             for ref in body.gpus:
                 g = self._named_gpu(rows, ref)
@@ -119,7 +119,7 @@ class Operator(Side):
                     raise ControlError(
                         f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
                     )
-                parked = bool(workers) and all(self.store.worker(w).state == W.SLEEPING for w in workers)
+                parked = bool(workers) and all(self.store.fleet.worker(w).state == W.SLEEPING for w in workers)
                 if body.kind == MoveKind.WAKE and not parked:
                     raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
                 if body.kind == MoveKind.START and workers:
@@ -143,7 +143,7 @@ class Operator(Side):
                 to_role=str(to_role),
             )
             self.wake.set()
-            policy = (self.store.get_run(self.run_id).get("borrow") or {}).get("policy") or "never"
+            policy = (self.store.runs.get(self.run_id).get("borrow") or {}).get("policy") or "never"
             return {
                 "epoch": self.epoch,
                 "transition_id": tid,

@@ -53,7 +53,7 @@ class PolicyInputs:
 
     def gpu_rows(self) -> list[dict]:
         """The run's GPU rows as of now (shared, read-only)."""
-        return self._per_generation("rows", lambda: self.store.gpus(self.run_id))
+        return self._per_generation("rows", lambda: self.store.fleet.gpus(self.run_id))
 
     def _per_generation(self, what: str, make: Callable[[], Any]) -> Any:
         """``make()``, kept for one state generation under the name ``what`` (the GPU rows, or something
@@ -77,22 +77,22 @@ class PolicyInputs:
         )
 
     def settings(self) -> dict:
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         return run.get("borrow") or {"policy": run.get("policy") or "never", "max_gpus": None}
 
     def profile(self) -> Profile | None:
-        doc = self.store.get_run(self.run_id).get("profile")
+        doc = self.store.runs.get(self.run_id).get("profile")
         return profiles.from_dict(doc) if doc else None
 
     def costs(self, base: TransitionCosts) -> TransitionCosts:
         """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
-        steps = self.store.recent_steps(self.run_id, state="DONE", per_kind=5)
+        steps = self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=5)
         return TransitionCosts(**{**vars(base), **step_costs([s.to_dict() for s in steps], last=5)})
 
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
         the sum of its steps' estimates. The deadline rules use it."""
-        latest = self.store.transitions(self.run_id, states=(T.DONE,), kind=kind, last=5)
+        latest = self.store.transitions.all(self.run_id, states=(T.DONE,), kind=kind, last=5)
         done = [t.updated_at - t.created_at for t in latest]
         if done:
             return statistics.median(done)
@@ -109,7 +109,7 @@ class PolicyInputs:
     def _snapshot(self, now: float, settings: dict | None = None) -> tuple[Snapshot, tuple]:
         """``snapshot`` and its inputs: everything it is built from but the clock (see the module doc; equal
         inputs and the same ``now`` build equal snapshots)."""
-        run = self.store.get_run(self.run_id)
+        run = self.store.runs.get(self.run_id)
         settings = settings or self.settings()
         trainer = run.get(TRAINER_REPORT) or {}
         wait = trainer.get("expected_wait_s")
@@ -123,7 +123,7 @@ class PolicyInputs:
         if profile is not UNMEASURED:  # predictions corrected by what the run's past batches took
             key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
-        transitions = self.store.transitions(self.run_id, last=1)
+        transitions = self.store.transitions.all(self.run_id, last=1)
         snapshot = Snapshot(
             now=now,
             gpus=gpus,
@@ -158,7 +158,7 @@ class PolicyInputs:
         return self._per_generation("slots", self._make_slots)
 
     def _make_slots(self) -> tuple[GpuSlot, ...]:
-        asleep = {w.id for w in self.store.workers(self.run_id) if w.state == "SLEEPING"}
+        asleep = {w.id for w in self.store.fleet.workers(self.run_id) if w.state == "SLEEPING"}
         gpus = []
         for g in self.gpu_rows():
             if g.state != G.UP:

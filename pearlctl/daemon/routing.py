@@ -52,14 +52,16 @@ def desired_members(store: Store, run_id: str) -> dict[str, str | None]:
     """URL → weight version of every worker the router should send requests to now."""
     return {
         w.url: (str(w.weight_version) if w.weight_version is not None else None)
-        for w in store.workers(run_id)
+        for w in store.fleet.workers(run_id)
         if w.routable and w.state == W.READY and w.url
     }
 
 
 def desired_roles(store: Store, run_id: str, wanted: dict[str, str | None]) -> dict[str, str]:
     """URL → role of the wanted members that prefill or decode (the rest serve colocated, ROLLOUT)."""
-    return {w.url: w.role for w in store.workers(run_id) if w.url in wanted and w.role in (Role.PREFILL, Role.DECODE)}
+    return {
+        w.url: w.role for w in store.fleet.workers(run_id) if w.url in wanted and w.role in (Role.PREFILL, Role.DECODE)
+    }
 
 
 class RouterKeeper:

@@ -26,7 +26,7 @@ class TrainerSide(Side):
         """``phase``, and the long polls' passes published before the command was read (``hold``)."""
         with self.lock:
             passes = self.long_polls.passes
-            run = self.store.get_run(self.run_id)
+            run = self.store.runs.get(self.run_id)
             before = run.get(TRAINER_REPORT) or {}
             now = self.clock()
             report = dict(body.model_dump(mode="json"), reported_at=now)
@@ -74,13 +74,13 @@ class TrainerSide(Side):
     def _again(self, body: bodies.TrainerPhase) -> tuple[dict, int]:
         with self.lock:
             passes = self.long_polls.passes
-            since = (self.store.get_run(self.run_id).get(TRAINER_REPORT) or {}).get("phase_since", self.clock())
+            since = (self.store.runs.get(self.run_id).get(TRAINER_REPORT) or {}).get("phase_since", self.clock())
             return self._answer(body.released, since), passes
 
     def _nothing_lent_or_moving(self) -> bool:
-        if any(g.borrowed for g in self.store.gpus(self.run_id)):
+        if any(g.borrowed for g in self.store.fleet.gpus(self.run_id)):
             return False
-        return not self.store.open_transitions(self.run_id)
+        return not self.store.transitions.open(self.run_id)
 
     def ack(self, body: bodies.Ack) -> dict:
         with self.lock:
@@ -105,7 +105,7 @@ class TrainerSide(Side):
         """The rollout driver's counts (queued, generating, tool_wait, done, tokens): kept for status and
         the planner; throughput is derived from successive reports."""
         with self.lock:
-            run = self.store.get_run(self.run_id)
+            run = self.store.runs.get(self.run_id)
             before = run.get(ROLLOUT_PROGRESS) or {}
             now = self.clock()
             report = body.model_dump(mode="json", exclude={"work"})

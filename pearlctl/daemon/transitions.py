@@ -211,7 +211,7 @@ class Executor:
         if detail is not None and type(detail) is not model:
             raise TypeError(f"a {kind} transition's detail is a {model.__name__}, not a {type(detail).__name__}")
         with self.store.atomic():  # the transition and its detail land together: a plan is never half written
-            tid = self.store.add_transition(
+            tid = self.store.transitions.add(
                 run_id=self.run_id, kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids, epoch=self.epoch
             )
             if detail is not None and detail.to_json():
@@ -219,12 +219,12 @@ class Executor:
         return tid
 
     def open_transitions(self) -> list[Transition]:
-        return self.store.open_transitions(self.run_id)
+        return self.store.transitions.open(self.run_id)
 
     # -- moving -----------------------------------------------------------------------------------
     def _set(self, t: Transition, to: str, event: str, data: dict | None = None) -> Transition:
         self.store.set_state("transitions", t.id, expect=t.state, to=to, epoch=self.epoch, event=event, data=data)
-        return self.store.transition(t.id)
+        return self.store.transitions.get(t.id)
 
     def _steps_for(self, t: Transition) -> list[tuple[int, StepKind]]:
         """The transition's plan (``detail.plan``, default its kind); a rollback runs ``detail.rollback``."""
@@ -235,9 +235,9 @@ class Executor:
     def abort(self, tid: int, why: str) -> None:
         """Stop a running transition that can compensate and roll it back (a borrow's deadline reached,
         operator `return --now`); a PLANNED one is dropped."""
-        t = self.store.transition(tid)
+        t = self.store.transitions.get(tid)
         if t.state == T.RUNNING and t.kind in ROLLBACKS:
-            for step in self.store.steps(tid):  # an effect still pending is superseded, not awaited
+            for step in self.store.transitions.steps(tid):  # an effect still pending is superseded, not awaited
                 if step.state == S.INTENT:
                     self._finish(step, S.FAILED, f"aborted: {why}")
             self._set(t, T.ROLLING_BACK, "rollback", {"why": why})
@@ -246,7 +246,7 @@ class Executor:
 
     def advance(self, tid: int) -> str:
         """Move one transition as far as its probes allow. Returns its state."""
-        t = self.store.transition(tid)
+        t = self.store.transitions.get(tid)
         if t.state == T.PLANNED:
             t = self._set(t, T.RUNNING, "started")
         while t.state in (T.RUNNING, T.ROLLING_BACK):
@@ -265,7 +265,7 @@ class Executor:
 
     def _walk(self, t: Transition) -> Outcome:
         """Go through the steps in order; stop at the first that is not DONE."""
-        existing = {s.seq: s for s in self.store.steps(t.id)}
+        existing = {s.seq: s for s in self.store.transitions.steps(t.id)}
         for seq, kind in self._steps_for(t):
             step = existing.get(seq) or self._intend(t, seq, kind)
             if step.state == S.DONE:
@@ -293,7 +293,7 @@ class Executor:
         """Write the step's INTENT durably, then issue its effect."""
         key = step_key(t.id, seq, kind)
         self.fault("before_intent", key)
-        sid = self.store.add_step(
+        sid = self.store.transitions.add_step(
             transition_id=t.id,
             seq=seq,
             kind=kind,
@@ -304,7 +304,7 @@ class Executor:
         self.fault("after_intent", key)
         self._issue(kind, t, key)
         self.fault("after_effect", key)
-        return self.store.step(sid)
+        return self.store.transitions.step(sid)
 
     def _issue(self, kind: StepKind, t: Transition, key: str, *, again: bool = False) -> None:
         self.effects.do(kind, t, key)

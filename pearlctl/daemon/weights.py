@@ -90,12 +90,12 @@ def select_targets(
 
 def broadcast_targets(store: Store, run_id: str) -> dict:
     """``select_targets`` over the run's current state."""
-    run = store.get_run(run_id)
+    run = store.runs.get(run_id)
     return select_targets(
         spec=run.get("spec") or {},
-        pools=store.pools(run_id),
-        allocations=store.allocations(run_id),
-        gpus=store.gpus(run_id),
-        nodes=store.nodes(run_id),
-        workers=store.workers(run_id),
+        pools=store.runs.pools(run_id),
+        allocations=store.fleet.allocations(run_id),
+        gpus=store.fleet.gpus(run_id),
+        nodes=store.runs.nodes(run_id),
+        workers=store.fleet.workers(run_id),
     )

@@ -231,7 +231,7 @@ def check_state(db: Path) -> list[Check]:
             health = store.health()
             paced = [
                 r
-                for r in store.list_runs()
+                for r in store.runs.all()
                 if (r.get("spec") or {}).get("engine") == ServingEngine.PACED
                 and r["state"] not in ("CANCELLED", "ENDED", "FAILED")
             ]

@@ -178,7 +178,7 @@ def _move_run(
 ) -> None:
     """Move the run to ``to``, compare-and-set on the version just read and on ``expect`` (default: the
     state just read), so a concurrent writer makes this fail loudly (StaleWrite) instead of being undone."""
-    run = store.get_run(run_id)
+    run = store.runs.get(run_id)
     store.set_state(
         "runs", run_id, expect=expect or run["state"], expect_version=run["version"], to=to, event=event, data=data
     )
@@ -217,7 +217,7 @@ def launch(
     spec: RunSpec, store: Store, backend: Backend, *, log: Callable[[str], None] = lambda m: None
 ) -> LaunchResult:
     """Submit every pool of a validated spec; returns the run id and each pool's job id."""
-    existing = store.find_run(spec.name)
+    existing = store.runs.find(spec.name)
     if existing is not None and existing["state"] not in (RunState.CREATED, RunState.SUBMITTING):
         raise LaunchError(
             f"run {spec.name!r} already exists ({existing['id']}, {existing['state']}); "
@@ -236,9 +236,9 @@ def launch(
     ensure_secret(spec.run_dir)  # the run's API token (mode 0600) for the daemon, agents and trainer hook
     if not resuming:
         _create_run(spec, store, backend, run_id, reqs)
-    if store.get_run(run_id)["state"] == RunState.CREATED:
+    if store.runs.get(run_id)["state"] == RunState.CREATED:
         _move_run(store, run_id, expect=RunState.CREATED, to=RunState.SUBMITTING, event="submitting")
-    pools = {p["name"]: p for p in store.pools(run_id)}
+    pools = {p["name"]: p for p in store.runs.pools(run_id)}
     adopted: list[str] = []
     job_ids: dict[str, str] = {}
     try:
@@ -258,7 +258,7 @@ def launch(
                 store.update_fields("pools", pool["id"], event="submitted", data={"job_id": job_id}, job_id=job_id)
                 log(f"submitted pool {req.pool}: job {job_id} ({req.array_size} task(s))")
             job_ids[req.pool] = job_id
-            for alloc in store.allocations(run_id):
+            for alloc in store.fleet.allocations(run_id):
                 if alloc.pool_id == pool["id"] and alloc.state == A.REQUESTED:
                     store.set_state(
                         "allocations",
@@ -280,7 +280,7 @@ def launch(
 
 def _create_run(spec: RunSpec, store: Store, backend: Backend, run_id: str, reqs: list[SubmitRequest]) -> None:
     """Write the run's row and one pool row per job request (the first launch of ``spec``)."""
-    store.create_run(
+    store.runs.create(
         run_id=run_id,
         name=spec.name,
         spec=spec.to_dict(),
@@ -308,7 +308,7 @@ def _abort(store: Store, backend: Backend, run_id: str, job_ids: dict[str, str],
         backend.cancel(list(job_ids.values()))
     except BackendError:
         pass  # reported below through the journal; the allocations are ended either way
-    for alloc in store.allocations(run_id):
+    for alloc in store.fleet.allocations(run_id):
         if alloc.state in (A.REQUESTED, A.PENDING):
             store.set_state(
                 "allocations",
@@ -336,7 +336,7 @@ def wait_running(
     while True:
         sync_run(store, backend, run_id)
         counts: dict[str, int] = {}
-        for alloc in store.allocations(run_id):
+        for alloc in store.fleet.allocations(run_id):
             counts[alloc.state] = counts.get(alloc.state, 0) + 1
         progress(counts)
         if set(counts) == {A.RUNNING}:
@@ -352,22 +352,22 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     Returns True when the run is CANCELLED. False leaves it CANCELLING (Slurm still ending jobs);
     cancelling again picks up from there.
     """
-    run = store.get_run(run_id)
+    run = store.runs.get(run_id)
     if run["state"] in (RunState.CANCELLED, RunState.ENDED, RunState.FAILED):
         return True
     if run["state"] != RunState.CANCELLING:
         _move_run(store, run_id, expect=run["state"], to=RunState.CANCELLING, event="cancel requested")
     # every pool's launch job, and the tasks an elastic pool added (each its own job id, pearlctl.daemon.elastic)
     job_ids = sorted(
-        {p["job_id"] for p in store.pools(run_id) if p["job_id"]}
-        | {a.job_id for a in store.allocations(run_id) if a.job_id and a.state != A.ENDED}
+        {p["job_id"] for p in store.runs.pools(run_id) if p["job_id"]}
+        | {a.job_id for a in store.fleet.allocations(run_id) if a.job_id and a.state != A.ENDED}
     )
     names = [job_name(run_id, DAEMON_POOL)]  # the daemon's job too: SIGTERM stops it cleanly
     # an added task whose job id a crash kept out of state is found by its pool's name
-    names += [p["job_name"] for p in store.pools(run_id) if p["kind"] == PoolKind.ELASTIC]
+    names += [p["job_name"] for p in store.runs.pools(run_id) if p["kind"] == PoolKind.ELASTIC]
     found = [r.job_id for name in names for r in backend.find_by_name(name) if r.phase != "ENDED"]
     backend.cancel(sorted(set(job_ids) | set(found)))
-    for alloc in store.allocations(run_id):
+    for alloc in store.fleet.allocations(run_id):
         if alloc.state == A.REQUESTED:
             store.set_state(
                 "allocations",
@@ -380,7 +380,7 @@ def cancel(store: Store, backend: Backend, run_id: str, *, timeout: float = 60.0
     deadline = time.monotonic() + timeout
     while True:
         sync_run(store, backend, run_id)
-        live = [a for a in store.allocations(run_id) if a.state != A.ENDED]
+        live = [a for a in store.fleet.allocations(run_id) if a.state != A.ENDED]
         if all(a.state == A.LOST for a in live):
             for a in live:  # gone from Slurm after scancel: that is the end we asked for
                 store.set_state(

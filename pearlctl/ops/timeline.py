@@ -102,7 +102,7 @@ def reconstruct(
     journal: Iterable[Mapping[str, Any]], gpus: Iterable[Mapping[str, Any]], *, start: float, end: float
 ) -> RoleTimeline:
     """Each GPU's role over ``[start, end]`` (unix seconds) from the run's journal rows (oldest first, as
-    ``Store.journal`` returns them) and its GPU rows (``Store.gpus``: id, role, state, pool, node, idx; a
+    ``store.journal.read`` returns them) and its GPU rows (``store.fleet.gpus``: id, role, state, pool, node, idx; a
     ``pool_kind`` key, where given, says which GPUs are the trainer's, else a pool named ``trainer``)."""
     end = max(end, start)
     rows = {int(g["id"]): g for g in gpus}

@@ -98,7 +98,7 @@ class _Mover:
     def gpus_down(self, to: GpuState) -> None:
         """UP GPUs go ``to``; when the allocation is over (``GONE``), DRAINING and LOST ones go with them."""
         leaving = (GpuState.UP,) if to != GpuState.GONE else (GpuState.UP, GpuState.DRAINING, GpuState.LOST)
-        for gpu in self.store.gpus(self.run_id):
+        for gpu in self.store.fleet.gpus(self.run_id):
             if gpu.allocation_id == self.alloc.id and gpu.state in leaving:
                 self.store.set_state(
                     "gpus",
@@ -202,7 +202,9 @@ class _Mover:
         if not indices and self.pool["gpus_per_node"]:
             # The backend does not report device indices (local backend): number them 0..n-1.
             indices = list(range(self.pool["gpus_per_node"]))
-        self.store.upsert_node_gpus(self.run_id, self.alloc.id, node, indices, self.pool["role"], epoch=self.epoch)
+        self.store.fleet.upsert_node_gpus(
+            self.run_id, self.alloc.id, node, indices, self.pool["role"], epoch=self.epoch
+        )
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ class Poll:
 def poll_run(store: Store, backend: Backend, run_id: str) -> Poll:
     """One backend poll for every live job of the run. May block on a slow scheduler: the daemon calls it
     without holding any lock."""
-    job_ids = sorted({a.job_id for a in store.allocations(run_id) if a.state in LIVE and a.job_id})
+    job_ids = sorted({a.job_id for a in store.fleet.allocations(run_id) if a.state in LIVE and a.job_id})
     return Poll(frozenset(job_ids), tuple(backend.poll(job_ids)) if job_ids else ())
 
 
@@ -226,9 +228,9 @@ def apply_poll(
     """Fold one poll's answer into state: every allocation is re-read here, so the answer of a poll that
     took long is compared with the state of now, not of when it was sent. Writes are fenced by ``epoch``."""
     now = time.time() if now is None else now
-    pools = {p["id"]: p for p in store.pools(run_id)}
+    pools = {p["id"]: p for p in store.runs.pools(run_id)}
     report = SyncReport(polled=bool(poll.job_ids))
-    for alloc in store.allocations(run_id):
+    for alloc in store.fleet.allocations(run_id):
         # only jobs this poll asked about: one submitted meanwhile is not "vanished" from an older answer
         if alloc.state not in LIVE or alloc.job_id not in poll.job_ids:
             continue
@@ -236,8 +238,8 @@ def apply_poll(
         mover.apply(_record_for(list(poll.records), alloc.job_id, alloc.array_index))
         report.events += mover.events
     store.update_fields("runs", run_id, epoch=epoch, bookkeeping=True, last_poll_at=now)  # derives nothing
-    run = store.get_run(run_id)
-    if run["state"] == RunState.ACTIVE and all(a.state == A.ENDED for a in store.allocations(run_id)):
+    run = store.runs.get(run_id)
+    if run["state"] == RunState.ACTIVE and all(a.state == A.ENDED for a in store.fleet.allocations(run_id)):
         store.set_state(
             "runs",
             run_id,

@@ -3,7 +3,12 @@
 - ``machines``: the state enums and their edge tables (pure).
 - ``schema``: the migrations that define the tables.
 - ``db``: opening a database (pragmas, migrations, read-only connections).
-- ``store``: ``Store``, the guarded reads and writes everybody else uses.
+- ``store``: ``Store``, the guarded reads and writes everybody else uses: its core and its parts.
+- ``core``: the Store's connection, transactions, guarded writes (compare-and-set, journal, fencing) and cache.
+- ``runs``: ``Runs`` (``store.runs``), a run with its pools and nodes.
+- ``fleet``: ``Fleet`` (``store.fleet``), allocations, GPUs, workers and a heartbeat's fingerprint.
+- ``transitions``: ``Transitions`` (``store.transitions``), role transitions and their steps.
+- ``journal``: ``Journal`` (``store.journal``), reading the append-only journal.
 - ``leases``: ``Leases`` (``store.leases``), the named, expiring, epoch-numbered locks that fence writes.
 - ``node_gpus``: what a registration or a poll says an allocation's GPUs are, planned (pure) and written.
 - ``rows``: the typed rows its readers return (transitions, steps, GPUs, workers, allocations).

@@ -2,9 +2,9 @@
 
 ``plan_node_gpus`` is the pure row logic: from the allocation's existing GPU rows and the indices reported
 on a node, the changes to make (register, revive, move, gone). ``write_node_gpus`` applies them inside the
-caller's ``Store`` write transaction, each with its journal row, state changes by compare-and-set
-(``Store._cas``). Idempotent: reporting the same GPUs again plans no change. Reached through
-``Store.upsert_node_gpus``, which validates, fences and opens the transaction.
+caller's write transaction of the Store's core, each with its journal row, state changes by
+compare-and-set (the core's ``_cas``, pearlctl/state/core.py). Idempotent: reporting the same GPUs again plans
+no change. Reached through ``store.fleet.upsert_node_gpus``, which validates, fences and opens the transaction.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from pearlctl.state.core import Core
 from pearlctl.state.db import insert
 from pearlctl.state.machines import GpuState, machine
-
-if TYPE_CHECKING:
-    from pearlctl.state.store import Store
 
 Existing = Mapping[int, tuple[int, str, int]]  # idx -> (gpu id, state, node id)
 
@@ -35,7 +33,7 @@ class GpuChange:
 
 
 def plan_node_gpus(existing: Existing, indices: Sequence[int], node_id: int, role: str) -> list[GpuChange]:
-    """The changes that make the allocation's GPUs ``indices`` on ``node_id`` (see ``Store.upsert_node_gpus``).
+    """The changes that make the allocation's GPUs ``indices`` on ``node_id`` (see ``store.fleet.upsert_node_gpus``).
 
     New indices are registered with ``role``; GONE or LOST ones come back UP (a GONE one, a fresh start, also
     takes ``role`` and is no longer lent nor holds a parked worker); an index reported on another node moves;
@@ -60,7 +58,7 @@ def plan_node_gpus(existing: Existing, indices: Sequence[int], node_id: int, rol
 
 
 def write_node_gpus(
-    store: Store,
+    store: Core,
     conn: sqlite3.Connection,
     run_id: str,
     allocation_id: int,

@@ -84,9 +84,9 @@ def create_run(state_db: str, run_dir: str, agents: int, gpus_per_node: int) -> 
     ]  # fmt: skip
     spec = {"poll_interval_s": 5.0, "router": {"enabled": False}}
     with Store.open(state_db) as store:
-        store.create_run(run_id="load", name="load", spec=spec, spec_path=None, run_dir=run_dir, backend="slurm",
+        store.runs.create(run_id="load", name="load", spec=spec, spec_path=None, run_dir=run_dir, backend="slurm",
                          policy="pearl", pools=pools)  # fmt: skip
-        for i, a in enumerate(store.allocations("load")):
+        for i, a in enumerate(store.fleet.allocations("load")):
             job = "1000" if a.pool == "trainer" else "2000"
             store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
             store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i:04d}")
@@ -143,7 +143,7 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s daemon %(levelname)s %(message)s")
     store = Store.open(state_db)
-    nodes = {(a.job_id, a.array_index): a.node for a in store.allocations("load")}
+    nodes = {(a.job_id, a.array_index): a.node for a in store.fleet.allocations("load")}
     ticks: list[float] = []
     heartbeats: dict = {}
     profiler = cProfile.Profile() if profile else None
@@ -320,7 +320,7 @@ def main() -> int:
                 raise SystemExit(f"the daemon did not start: see {tmp / 'daemon.log'}")
             time.sleep(0.1)
         with Store.open(state_db, readonly=True) as store:
-            allocations = [{**a.to_dict(), "gpus": args.gpus_per_node} for a in store.allocations("load")]
+            allocations = [{**a.to_dict(), "gpus": args.gpus_per_node} for a in store.fleet.allocations("load")]
         agents = Agents(address["url"], read_secret(run_dir), allocations)
         cpu0, _, _ = proc_cpu_rss(proc.pid)
         since, wall = asyncio.run(agents.run(args.warmup, args.seconds))
@@ -330,9 +330,9 @@ def main() -> int:
         proc.wait(timeout=60)
     daemon = json.loads(Path(out).read_text())
     with Store.open(state_db, readonly=True) as store:
-        lost = [j for j in store.journal("load") if j["entity"] == "gpus" and j["to_state"] == "LOST"]
-        lost_gpus = sum(1 for g in store.gpus("load") if g.state == "LOST")
-        gpus = len(store.gpus("load"))
+        lost = [j for j in store.journal.read("load") if j["entity"] == "gpus" and j["to_state"] == "LOST"]
+        lost_gpus = sum(1 for g in store.fleet.gpus("load") if g.state == "LOST")
+        gpus = len(store.fleet.gpus("load"))
     heartbeats = agents.held + agents.plain
     measured = [t for t in daemon["ticks"] if since <= t[0] <= since + wall]  # the measured window only
     ticks, tick_cpu = [t[1] for t in measured], [t[2] for t in measured]

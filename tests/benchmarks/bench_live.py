@@ -201,13 +201,15 @@ class Live:
 
     def run_id(self) -> str:
         with Store.open(self.db, readonly=True) as store:
-            return store.find_run(self.name)["id"]
+            return store.runs.find(self.name)["id"]
 
     def serving(self, pool: str) -> int:
         with Store.open(self.db, readonly=True) as store:
-            rid = store.find_run(self.name)["id"]
-            allocs = {a.id: a.pool for a in store.allocations(rid)}
-            return sum(1 for w in store.workers(rid) if w.state == "READY" and allocs.get(w.allocation_id) == pool)
+            rid = store.runs.find(self.name)["id"]
+            allocs = {a.id: a.pool for a in store.fleet.allocations(rid)}
+            return sum(
+                1 for w in store.fleet.workers(rid) if w.state == "READY" and allocs.get(w.allocation_id) == pool
+            )
 
     def train_events(self) -> list[dict]:
         f = self.run_dir / "trainer" / "train.jsonl"
@@ -368,9 +370,9 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
     end = max(e["ts"] for e in steps)
     metrics = live.metrics()
     with Store.open(live.db, readonly=True) as store:
-        journal = store.journal(run_id)
-        allocations = store.allocations(run_id)
-        transitions = store.transitions(run_id)
+        journal = store.journal.read(run_id)
+        allocations = store.fleet.allocations(run_id)
+        transitions = store.transitions.all(run_id)
     elastic = [a for a in allocations if a.pool == "elastic"]
     out = {
         "policy": policy,

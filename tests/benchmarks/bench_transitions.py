@@ -85,20 +85,20 @@ def first(times: list[tuple[float, str]], state: str, after: float) -> float | N
 
 def analyze(store: Store, run_id: str) -> list[dict]:
     """One row per completed transition: total, the trainer's and vLLM's own time, and the rest."""
-    wt = worker_times(store.journal(run_id))
-    gpus = {g.id: g for g in store.gpus(run_id)}
+    wt = worker_times(store.journal.read(run_id))
+    gpus = {g.id: g for g in store.fleet.gpus(run_id)}
     rows = []
-    for t in store.transitions(run_id):
+    for t in store.transitions.all(run_id):
         if t.state != "DONE":
             continue
         plan = (t.detail or {}).get("plan", t.kind)
-        steps = {s.kind: s for s in store.steps(t.id)}
+        steps = {s.kind: s for s in store.transitions.steps(t.id)}
         begun = min(s.detail["started_at"] for s in steps.values())
         ended = max(s.detail["finished_at"] for s in steps.values())
         places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t.gpu_ids}
         (w,) = [
             w
-            for w in store.workers(run_id)
+            for w in store.fleet.workers(run_id)
             if w.role == "ROLLOUT"
             and any((w.allocation_id, i) in places for i in (w.gpu_idx or []))
             and any(begun - 1 <= ts <= ended + 0.5 for ts, _ in wt.get(w.id, []))

@@ -138,13 +138,13 @@ class Harness:
 
     # -- what state says ----------------------------------------------------------------------------
     def transitions(self) -> list[Transition]:
-        return self.store.transitions(self.run_id)
+        return self.store.transitions.all(self.run_id)
 
     def lent(self) -> list[Gpu]:
-        return [g for g in self.store.gpus(self.run_id) if g.borrowed]
+        return [g for g in self.store.fleet.gpus(self.run_id) if g.borrowed]
 
     def parked(self) -> list[Gpu]:
-        return [g for g in self.store.gpus(self.run_id) if g.worker_id is not None and not g.borrowed]
+        return [g for g in self.store.fleet.gpus(self.run_id) if g.worker_id is not None and not g.borrowed]
 
     def settled(self) -> Transition | None:
         """The last transition once nothing is moving (None while one is open, or before the first)."""
@@ -206,7 +206,7 @@ def harness(request, tmp_path_factory):
     h = Harness(pc, d / "run")
     h.start_daemon()
     # the trainer is up and waiting for its first batch, with the long wait it announced
-    wait_for(lambda: (h.store.get_run(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
+    wait_for(lambda: (h.store.runs.get(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
     yield h
     h.stop_daemon()
     pc("cancel", RUN, check=None)
@@ -242,7 +242,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
     starts_before = h.vllm_starts()
     n_before = len(h.transitions())
     releases_before = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
-    broken_before = sum(j["event"] == "lease.broken" for j in h.store.journal(h.run_id))
+    broken_before = sum(j["event"] == "lease.broken" for j in h.store.journal.read(h.run_id))
 
     first = h.start_daemon(fault)
     h.trigger(plan)
@@ -256,16 +256,16 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
 
     # it converged: the transition the first daemon planned ran to the end, each step journaled once
     assert (t.detail or {}).get("plan", t.kind) == plan and t.state == "DONE", t
-    steps = h.store.steps(t.id)
+    steps = h.store.transitions.steps(t.id)
     assert [(s.seq, s.kind, s.state) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
-    journal = h.store.journal(h.run_id)
+    journal = h.store.journal.read(h.run_id)
     intents = [j for j in journal if j["entity"] == "steps" and j["event"] == "step.intent"]
     keys = [j["data"]["key"] for j in intents if j["data"]["transition_id"] == t.id]
     assert len(keys) == len(set(keys)) == len(PLANS[plan])
 
     # no engine started twice: a cold borrow started exactly one vLLM process, any other case none
     assert h.vllm_starts() - starts_before == (1 if plan == "borrow" else 0)
-    workers = [w for w in h.store.workers(h.run_id) if w.role == "ROLLOUT"]
+    workers = [w for w in h.store.fleet.workers(h.run_id) if w.role == "ROLLOUT"]
     live = [w for w in workers if w.state not in ("STOPPED", "LOST", "FAILED")]
     assert len(live) <= 1, live
 
@@ -274,7 +274,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
         releases = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
         assert releases == releases_before + 1  # the trainer offloaded once, not twice
     else:  # the trainer has its GPUs back, and the worker is parked asleep or stopped as asked
-        assert not h.lent() and not (h.store.get_run(h.run_id).get("trainer") or {}).get("released")
+        assert not h.lent() and not (h.store.runs.get(h.run_id).get("trainer") or {}).get("released")
         events = h.trainer_events()
         last_release = max(i for i, e in enumerate(events) if e["event"] == "release")
         assert any(e["event"] == "reclaim" and e["ok"] for e in events[last_release:])

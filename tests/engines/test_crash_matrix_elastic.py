@@ -126,10 +126,10 @@ class Harness:
         return elastic_view(self.store, self.run_id)
 
     def elastic(self) -> list[Allocation]:
-        return [a for a in self.store.allocations(self.run_id) if a.pool == "elastic"]
+        return [a for a in self.store.fleet.allocations(self.run_id) if a.pool == "elastic"]
 
     def workers_of(self, alloc_id: int) -> list[Worker]:
-        return [w for w in self.store.workers(self.run_id) if w.allocation_id == alloc_id]
+        return [w for w in self.store.fleet.workers(self.run_id) if w.allocation_id == alloc_id]
 
     def submits(self) -> list[tuple[str, int]]:
         """(job id, first task) of every job ever submitted under the pool's name, oldest first: the local
@@ -147,7 +147,7 @@ class Harness:
         return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob(pattern))
 
     def journal(self) -> list[dict]:
-        return self.store.journal(self.run_id)
+        return self.store.journal.read(self.run_id)
 
     def events(self, alloc_id: int) -> list[dict]:
         return [j for j in self.journal() if j["entity"] == "allocations" and j["entity_id"] == str(alloc_id)]
@@ -175,7 +175,7 @@ class Harness:
 
     def left_ready_while_routed(self) -> list[dict]:
         """Workers that left READY (draining, stopping, ...) while the router still routed to them."""
-        urls = {str(w.id): w.url for w in self.store.workers(self.run_id)}
+        urls = {str(w.id): w.url for w in self.store.fleet.workers(self.run_id)}
         return [
             j
             for j, members in self.replay()
@@ -195,11 +195,13 @@ class Harness:
         """The READY worker of the running added task: the one a shrink takes away (an added task leaves, never
         the floor)."""
         added = [a.id for a in self.elastic() if a.array_index >= 1 and a.state == "RUNNING"]
-        (worker,) = [w for w in self.store.workers(self.run_id) if w.allocation_id in added and w.state == "READY"]
+        (worker,) = [
+            w for w in self.store.fleet.workers(self.run_id) if w.allocation_id in added and w.state == "READY"
+        ]
         return worker
 
     def open_transitions(self) -> list[Transition]:
-        return [t for t in self.store.transitions(self.run_id) if t.state in ("PLANNED", "RUNNING", "ROLLING_BACK")]
+        return [t for t in self.store.transitions.all(self.run_id) if t.state in ("PLANNED", "RUNNING", "ROLLING_BACK")]
 
     def converged(self, size: int) -> bool:
         """The pool holds ``size`` tasks as wanted, each with one READY worker the router routes to, every task

@@ -103,19 +103,21 @@ engine_args = { max_model_len = 512 }
 
 class MovesHarness(Harness):
     def allocation(self, task: int) -> Allocation:
-        return next(a for a in self.store.allocations(self.run_id) if a.pool == "rollout" and a.array_index == task)
+        return next(
+            a for a in self.store.fleet.allocations(self.run_id) if a.pool == "rollout" and a.array_index == task
+        )
 
     def gpu(self) -> Gpu:
         """The GPU the cases move: task 0's."""
         alloc = self.allocation(MOVED).id
-        return next(g for g in self.store.gpus(self.run_id) if g.allocation_id == alloc)
+        return next(g for g in self.store.fleet.gpus(self.run_id) if g.allocation_id == alloc)
 
     def live_workers(self, task: int = MOVED) -> list[Worker]:
         """The live workers of a task (by default the moved GPU's)."""
         alloc = self.allocation(task).id
         return [
             w
-            for w in self.store.workers(self.run_id)
+            for w in self.store.fleet.workers(self.run_id)
             if w.allocation_id == alloc and w.state not in ("STOPPED", "LOST", "FAILED")
         ]
 
@@ -231,9 +233,9 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
 
         # it converged: the transition ran to the end, each step journaled once
         assert (t.detail or {}).get("plan") == plan and t.state == "DONE", t
-        steps = h.store.steps(t.id)
+        steps = h.store.transitions.steps(t.id)
         assert [(s.seq, s.kind, s.state) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
-        journal = h.store.journal(h.run_id)
+        journal = h.store.journal.read(h.run_id)
         keys = [
             j["data"]["key"]
             for j in journal

@@ -73,7 +73,7 @@ def run(engine_lock, tmp_path_factory):
     pc("daemon", RUN, "--heartbeat-s", "1")
     store = Store.open(d / "state" / "state.db", readonly=True)
     run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
-    serving = lambda: [w for w in store.workers(run_id) if w.state == "READY" and w.routable]  # noqa: E731
+    serving = lambda: [w for w in store.fleet.workers(run_id) if w.state == "READY" and w.routable]  # noqa: E731
     try:  # the run is cancelled (its daemon and router stop) whatever happens from here on
         wait_for(lambda: len(serving()) == 2, 300)
         yield pc, store, run_id, d / "run"
@@ -86,7 +86,7 @@ def run(engine_lock, tmp_path_factory):
 
 
 def serving(store: Store, run_id: str) -> list[Worker]:
-    return [w for w in store.workers(run_id) if w.state == "READY" and w.routable]
+    return [w for w in store.fleet.workers(run_id) if w.state == "READY" and w.routable]
 
 
 def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_path):
@@ -95,8 +95,8 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
     pc("profile", RUN, "--import", str(tmp_path / "profile.toml"))
     ref = Load(run_dir, prompts=PROMPTS, tokens=TOKENS)
     refs = ref.references()
-    n_before = len(store.transitions(run_id))
-    switches = lambda: [t for t in store.transitions(run_id)[n_before:] if t.kind == "switch"]  # noqa: E731
+    n_before = len(store.transitions.all(run_id))
+    switches = lambda: [t for t in store.transitions.all(run_id)[n_before:] if t.kind == "switch"]  # noqa: E731
     t0 = time.monotonic()
     via_pd, at_once = 0, 0
     with Load(run_dir, prompts=PROMPTS, tokens=TOKENS) as load:
@@ -105,7 +105,7 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
             control.call("POST", "/v1/rollout/progress", {"generating": PD_WORK["trajectories"], "work": PD_WORK})
         planned = pc.json("borrow", RUN, "--policy", "pearl", "--dry-run")["whole_plan"]
         assert sorted((m["kind"], m["to"]) for m in planned["moves"]) == [("switch", "DECODE"), ("switch", "PREFILL")]
-        assert store.transitions(run_id)[n_before:] == []  # a dry run changes nothing
+        assert store.transitions.all(run_id)[n_before:] == []  # a dry run changes nothing
         pc("borrow", RUN, "--policy", "pearl")
         mark = len(load.done)
 
@@ -141,5 +141,5 @@ def test_a_live_pd_switch_decided_by_pearl_under_load_loses_no_turn(run, tmp_pat
         [("ROLLOUT", a, "DONE"), ("ROLLOUT", b, "DONE")] for a, b in (("PREFILL", "DECODE"), ("DECODE", "PREFILL"))
     ), made
     assert [(t.detail or {}).get("policy") for t in made] == ["pearl", "pearl"]
-    journal = store.journal(run_id)
+    journal = store.journal.read(run_id)
     assert sum(j["event"] == "router membership" for j in journal) >= 2 * len(made)  # out, then in, each

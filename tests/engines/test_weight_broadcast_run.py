@@ -116,16 +116,16 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
          "job_name": f"pearl.r.{n}"}
         for n, role, g in (("trainer", "TRAIN", 1), ("rollout", "ROLLOUT", 0))
     ]  # fmt: skip
-    store.create_run(run_id="r", name="bcast", spec=spec.to_dict(), spec_path=None, run_dir=str(run_dir),
+    store.runs.create(run_id="r", name="bcast", spec=spec.to_dict(), spec_path=None, run_dir=str(run_dir),
                      backend="local", policy="never", pools=pools)  # fmt: skip
     alloc = {}
-    for i, a in enumerate(store.allocations("r")):
-        pool = next(p["name"] for p in store.pools("r") if p["id"] == a.pool_id)
+    for i, a in enumerate(store.fleet.allocations("r")):
+        pool = next(p["name"] for p in store.runs.pools("r") if p["id"] == a.pool_id)
         node = "trainer-node" if pool == "trainer" else here
         store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=str(1 + i))
         store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=node)
         alloc[pool] = a.id
-    store.upsert_node_gpus("r", alloc["trainer"], "trainer-node", [0], "TRAIN")
+    store.fleet.upsert_node_gpus("r", alloc["trainer"], "trainer-node", [0], "TRAIN")
     secret = ensure_secret(run_dir)
     controller = Controller(store, "r", None, secret=secret)
     port = free_port()
@@ -136,7 +136,7 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
     worker.start()
     try:
         wait_ready(worker)
-        wid = store.add_worker(run_id="r", allocation_id=alloc["rollout"], role="ROLLOUT", engine="vllm", url=url)
+        wid = store.fleet.add_worker(run_id="r", allocation_id=alloc["rollout"], role="ROLLOUT", engine="vllm", url=url)
         store.set_state("workers", wid, expect="STARTING", to="READY", event="t", routable=1)
         before = greedy(url, str(TINY_MODEL))
 

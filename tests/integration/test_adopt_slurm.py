@@ -56,15 +56,15 @@ def test_relaunch_adopts_the_job_a_crashed_launch_submitted(slurm_cluster, tmp_p
         with pytest.raises(Crash):
             launch(spec, store, crashing)
         (orphan,) = crashing.submitted
-        run = store.find_run("adopt")
+        run = store.runs.find("adopt")
         assert run["state"] == "SUBMITTING"
-        assert {p["name"]: p["job_id"] for p in store.pools(run["id"])} == {"trainer": None, "rollout": None}
+        assert {p["name"]: p["job_id"] for p in store.runs.pools(run["id"])} == {"trainer": None, "rollout": None}
 
         result = launch(spec, store, real)
         assert result.run_id == run["id"]
         assert result.adopted == ["trainer"] and result.job_ids["trainer"] == orphan
-        assert store.get_run(run["id"])["state"] == "ACTIVE"
-        assert {a.state for a in store.allocations(run["id"])} == {"PENDING"}
+        assert store.runs.get(run["id"])["state"] == "ACTIVE"
+        assert {a.state for a in store.fleet.allocations(run["id"])} == {"PENDING"}
 
     names = [r.name for r in SlurmClient().queue() if r.name.startswith(f"pearl.{run['id']}.")]
     trainer_tasks = [n for n in names if n.endswith(".trainer")]

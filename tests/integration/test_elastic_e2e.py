@@ -118,15 +118,15 @@ class Run:
 
     def journal(self) -> list[dict]:
         with Store.open(self.db, readonly=True) as store:
-            return store.journal(self.run_id)
+            return store.journal.read(self.run_id)
 
     def workers(self) -> list[dict]:
         with Store.open(self.db, readonly=True) as store:
-            return store.workers(self.run_id)
+            return store.fleet.workers(self.run_id)
 
     def allocations(self) -> list[dict]:
         with Store.open(self.db, readonly=True) as store:
-            return store.allocations(self.run_id)
+            return store.fleet.allocations(self.run_id)
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ def launched(slurm_cluster, tmp_path, model_dir, request):
     pc = Pearlctl(tmp_path / "state", slurm_cluster.env)
     pc("launch", str(spec), "--wait", "--timeout", "60")
     store = Store.open(tmp_path / "state" / "state.db")
-    run_id = store.find_run(name)["id"]
+    run_id = store.runs.find(name)["id"]
     yield pc, store, run_id
     store.close()
     pc("cancel", name, check=None)
@@ -83,11 +83,11 @@ def launched(slurm_cluster, tmp_path, model_dir, request):
 
 
 def elastic(store, run_id):
-    return [a for a in store.allocations(run_id) if a.pool == "elastic"]
+    return [a for a in store.fleet.allocations(run_id) if a.pool == "elastic"]
 
 
 def journal_ts(store, run_id, alloc_id, event):
-    return next(j["ts"] for j in store.journal(run_id) if j["entity_id"] == str(alloc_id) and j["event"] == event)
+    return next(j["ts"] for j in store.journal.read(run_id) if j["entity_id"] == str(alloc_id) and j["event"] == event)
 
 
 def squeue_tasks(slurm_cluster, run_id):
@@ -115,7 +115,7 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
         return tasks if [a.state for a in tasks] == ["RUNNING"] * 3 else None
 
     a0, a1, a2 = wait_for(all_running, 60)
-    assert "adopted" in [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1.id)]
+    assert "adopted" in [j["event"] for j in store.journal.read(run_id) if j["entity_id"] == str(a1.id)]
     assert squeue_tasks(slurm_cluster, run_id) == sorted(
         [(f"{a.job_id}_{a.array_index}", "RUNNING") for a in (a0, a1, a2)]
     )
@@ -124,7 +124,7 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
     assert "Partition=preempt" in script and "ArrayTaskId=2" in script and f"JobName=pearl.{run_id}.elastic" in script
 
     # an agent on the newest task reports a serving worker: its drain must wait for it
-    worker = store.add_worker(run_id=run_id, allocation_id=a2.id, role="ROLLOUT", engine="vllm")
+    worker = store.fleet.add_worker(run_id=run_id, allocation_id=a2.id, role="ROLLOUT", engine="vllm")
     store.update_fields("workers", worker, worker_key="rollout-0", routable=1)
     store.set_state("workers", worker, expect="STARTING", to="READY", event="agent reported")
 
@@ -132,13 +132,13 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
 
     def ended(alloc_id):
         sync_run(store, backend, run_id)
-        return store.allocation(alloc_id).state == "ENDED"
+        return store.fleet.allocation(alloc_id).state == "ENDED"
 
     wait_for(lambda: ended(a1.id), 30)  # it served nothing: scancelled at once
     pool.reconcile()
-    assert store.allocation(a2.id).state == "RUNNING"  # still draining: its worker serves
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
-    assert store.worker(worker).routable == 0
+    assert store.fleet.allocation(a2.id).state == "RUNNING"  # still draining: its worker serves
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
+    assert store.fleet.worker(worker).routable == 0
     assert (f"{a2.job_id}_2", "RUNNING") in squeue_tasks(slurm_cluster, run_id)
     # the agent drains and stops it; the next pass scancels that task alone
     store.set_state("workers", worker, expect="READY", to="DRAINING", event="agent reported")
@@ -159,7 +159,9 @@ def test_the_pool_grows_from_one_task_to_three_and_shrinks_back_draining_first(l
         assert drained <= scancelled <= journal_ts(store, run_id, a.id, "ended")
         assert a.ended_at >= int(scancelled)  # Slurm's end time (whole seconds) follows the scancel
     # a2 was scancelled only once its worker had stopped
-    stopped = next(j["ts"] for j in store.journal(run_id) if j["entity"] == "workers" and j["to_state"] == "STOPPED")
+    stopped = next(
+        j["ts"] for j in store.journal.read(run_id) if j["entity"] == "workers" and j["to_state"] == "STOPPED"
+    )
     assert journal_ts(store, run_id, a2.id, "elastic scancel") >= stopped
     pool.reconcile()
     view = pool.view()
@@ -189,7 +191,7 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
     def cancelled():
         sync_run(store, backend, run_id)
         pool.reconcile()
-        a = store.allocation(added.id)
+        a = store.fleet.allocation(added.id)
         return a if a.state == "ENDED" else None
 
     a = wait_for(cancelled, 60, every=1)
@@ -198,7 +200,7 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
     timed_out = journal_ts(store, run_id, a.id, "elastic pending timeout")
     assert 10 <= timed_out - submitted <= 10 + 3  # the bound, plus at most a poll interval and a pass
     assert timed_out <= journal_ts(store, run_id, a.id, "elastic scancel")
-    until = store.pools(run_id)[1]["backoff_until"]
+    until = store.runs.pools(run_id)[1]["backoff_until"]
     assert until == pytest.approx(timed_out + 10, abs=0.5)
 
     # backing off: nothing is submitted until it is over, however often the daemon asks
@@ -211,7 +213,7 @@ def test_a_task_pending_past_the_bound_is_cancelled_and_growth_backs_off(launche
     retried = wait_for(retried, 30, every=0.5)
     grown = journal_ts(store, run_id, retried.id, "elastic grow")
     assert grown >= until  # not one sbatch during the back-off
-    assert [j["event"] for j in store.journal(run_id)].count("elastic grow held") == 1
+    assert [j["event"] for j in store.journal.read(run_id)].count("elastic grow held") == 1
     assert retried.array_index == 2 and retried.state == "PENDING"
     view = pc.json("status", "pend")["elastic"]
     assert view["pending"] == 1 and view["running"] == 1 and view["size"] == 2
@@ -232,7 +234,7 @@ def test_a_preempted_added_task_is_requeued_and_rejoins_without_a_replacement(la
 
     a1 = wait_for(lambda: added("RUNNING"), 30)
     # the fourth node is taken; a high-priority job wants the added task's node: Slurm preempts that task
-    busy = {a.node for a in store.allocations(run_id)}
+    busy = {a.node for a in store.fleet.allocations(run_id)}
     free = sorted({"gpu1", "gpu2", "gpu3", "gpu4"} - busy)
     filler = slurm_cluster.run(
         "sbatch", "--parsable", "-p", "debug", "-N1", "--gres=gpu:8", f"--nodelist={free[0]}", "-o", "/dev/null",
@@ -247,7 +249,7 @@ def test_a_preempted_added_task_is_requeued_and_rejoins_without_a_replacement(la
     slurm_cluster.run("scancel", high)
     a1 = wait_for(lambda: added("RUNNING", 1), 90)
     assert len(elastic(store, run_id)) == 2  # no replacement was ever submitted
-    events = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a1.id)]
+    events = [j["event"] for j in store.journal.read(run_id) if j["entity_id"] == str(a1.id)]
     assert [e for e in events if e in ("started", "preempted", "requeued")] == [
         "started",
         "preempted",

@@ -156,7 +156,7 @@ def test_a_real_preemption_shows_up_within_two_poll_intervals(pc, cluster, model
     with Store.open(tmp_path / "state" / "state.db", readonly=True) as store:
         events = [
             j["event"]
-            for j in store.journal(alloc["run_id"])
+            for j in store.journal.read(alloc["run_id"])
             if j["entity"] == "allocations" and str(j["entity_id"]) == str(alloc["id"])
         ]
     assert events[-4:] == ["started", "preempted", "requeued", "started"], events

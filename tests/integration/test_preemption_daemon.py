@@ -90,8 +90,8 @@ def test_preemption_while_agents_heartbeat_at_10hz(run, slurm_cluster):
 
     with Store.open(db, readonly=True) as store:
         run_id = alloc["run_id"]
-        journal = store.journal(run_id)
-        gpus = {g.id for g in store.gpus(run_id) if g.allocation_id == alloc["id"]}
+        journal = store.journal.read(run_id)
+        gpus = {g.id for g in store.fleet.gpus(run_id) if g.allocation_id == alloc["id"]}
     # LOST means lost: nothing of this run was marked LOST, and the daemon never failed a tick
     assert not [j for j in journal if j["to_state"] == "LOST"], [j for j in journal if j["to_state"] == "LOST"]
     assert not [j for j in journal if j["event"] == "tick error"]

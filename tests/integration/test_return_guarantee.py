@@ -82,7 +82,7 @@ class Run:
         from pearlctl.daemon.policy_view import PolicyInputs
 
         with Store.open(self.state_db, readonly=True) as store:
-            run_id = store.find_run(self.name)["id"]
+            run_id = store.runs.find(self.name)["id"]
             return PolicyInputs(store, run_id).cost("return")
 
 

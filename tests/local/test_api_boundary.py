@@ -68,7 +68,7 @@ class LiveRun:
         # the "array tasks": one real process group, as the local backend starts them
         self.task = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         with Store.open(self.db) as store:
-            store.create_run(
+            store.runs.create(
                 run_id=RUN_ID,
                 name=RUN_ID,
                 spec={"poll_interval_s": 1.0, "router": {"enabled": False}},  # the data plane is tested elsewhere
@@ -85,17 +85,17 @@ class LiveRun:
             )  # fmt: skip
             store.set_state("runs", RUN_ID, expect="CREATED", to="SUBMITTING", event="test")
             self.jobs: dict[str, str] = {}
-            for alloc in store.allocations(RUN_ID):
+            for alloc in store.fleet.allocations(RUN_ID):
                 job_id = f"local-{alloc.pool[:4]}{alloc.id:04d}"
                 self._fake_local_job(job_id, f"pearl.{RUN_ID}.{alloc.pool}")
                 store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job_id)
                 # as the watcher folds the first poll of a RUNNING task: node and GPUs (0..n-1 locally)
                 store.set_state("allocations", alloc.id, expect="PENDING", to="RUNNING", event="t", node=NODE)
-                pool = next(p for p in store.pools(RUN_ID) if p["id"] == alloc.pool_id)
-                store.upsert_node_gpus(RUN_ID, alloc.id, NODE, list(range(pool["gpus_per_node"])), pool["role"])
+                pool = next(p for p in store.runs.pools(RUN_ID) if p["id"] == alloc.pool_id)
+                store.fleet.upsert_node_gpus(RUN_ID, alloc.id, NODE, list(range(pool["gpus_per_node"])), pool["role"])
                 self.jobs[alloc.pool] = job_id
             store.set_state("runs", RUN_ID, expect="SUBMITTING", to="ACTIVE", event="test")
-            self.allocations = {a.pool: a for a in store.allocations(RUN_ID)}
+            self.allocations = {a.pool: a for a in store.fleet.allocations(RUN_ID)}
         self.secret = ensure_secret(self.run_dir)
         self.log_path = tmp_path / "daemon.log"
         self.proc: subprocess.Popen | None = None
@@ -224,7 +224,7 @@ def state_bytes(run: LiveRun) -> int:
 
 def gpu_states(run: LiveRun, pool: str) -> set[str]:
     with run.read() as store:
-        return {g.state for g in store.gpus(RUN_ID) if g.pool == pool}
+        return {g.state for g in store.fleet.gpus(RUN_ID) if g.pool == pool}
 
 
 def assert_ticking(run: LiveRun) -> None:
@@ -240,7 +240,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     ok = run.post("/v1/trainer/phase", {"phase": "training", "step": 3, "expected_wait_s": 12.5})
     assert ok.status_code == 200, ok.text
     with run.read() as store:
-        trainer_before = store.get_run(RUN_ID)["trainer"]
+        trainer_before = store.runs.get(RUN_ID)["trainer"]
 
     # a wait that is not a number: 422 naming the field; nothing stored; the loop and the process go on
     bad = run.post("/v1/trainer/phase", {"phase": "waiting", "expected_wait_s": "x"})
@@ -252,7 +252,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     assert run.get("/v1/health").status_code == 200
     assert_ticking(run)
     with run.read() as store:
-        assert store.get_run(RUN_ID)["trainer"] == trainer_before
+        assert store.runs.get(RUN_ID)["trainer"] == trainer_before
 
     # the rollout driver's counts are integers
     for field in ("queued", "tokens"):
@@ -262,7 +262,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     good = run.post("/v1/rollout/progress", {"queued": 4, "generating": 2, "tokens": 1234})
     assert good.status_code == 200, good.text
     with run.read() as store:
-        rollout = store.get_run(RUN_ID)["rollout"]
+        rollout = store.runs.get(RUN_ID)["rollout"]
     assert (rollout["queued"], rollout["generating"], rollout["tokens"]) == (4, 2, 1234)
 
     # registration: a task id that is not an integer, an allocation that does not exist
@@ -285,7 +285,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     bad = run.post("/v1/agents/heartbeat", {"allocation_id": agent["allocation_id"], "wait_s": "x"}, headers=headers)
     assert bad.status_code == 422 and "wait_s" in bad.json()["error"], bad.text
     with run.read() as store:
-        assert store.workers(RUN_ID) == []  # no refused report left a worker behind
+        assert store.fleet.workers(RUN_ID) == []  # no refused report left a worker behind
     # an agent repeats a refused report at every heartbeat: each is counted, each distinct error logged once
     repeated = {"allocation_id": agent["allocation_id"], "workers": [{**worker, "gpus": [0, 0]}]}
     for _ in range(5):
@@ -309,7 +309,7 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
     assert status == 413
     assert state_bytes(run) - before < 1024 * 1024
     with run.read() as store:
-        assert store.get_run(RUN_ID)["trainer"] == trainer_before
+        assert store.runs.get(RUN_ID)["trainer"] == trainer_before
     assert run.alive() and run.api_errors() == 0, run.log()
     assert_ticking(run)
 
@@ -334,7 +334,7 @@ def test_defect5_agent_credentials_are_bound_to_their_allocation_and_node(live_r
         assert status in (401, 403), status
     assert gpu_states(run, "trainer") == {"UP"}
     with run.read() as store:
-        assert not [j for j in store.journal(RUN_ID) if j["event"] == "agent leaving"]
+        assert not [j for j in store.journal.read(RUN_ID) if j["event"] == "agent leaving"]
 
     # a worker whose URL is not on the allocation's node: refused, never routable, never stored
     evil = {"key": "rollout-0", "role": "ROLLOUT", "engine": "vllm", "state": "READY", "gpus": [0]}
@@ -347,8 +347,8 @@ def test_defect5_agent_credentials_are_bound_to_their_allocation_and_node(live_r
     workers = run.get("/v1/workers")
     assert workers.status_code == 200 and workers.json()["workers"] == []
     with run.read() as store:
-        assert not [w for w in store.workers(RUN_ID) if w.url and "evil" in w.url]
-        assert store.workers(RUN_ID) == []
+        assert not [w for w in store.fleet.workers(RUN_ID) if w.url and "evil" in w.url]
+        assert store.fleet.workers(RUN_ID) == []
 
     # the same worker on its own node is accepted and routable: the refusal was about the URL
     evil["url"] = f"http://{NODE}:8000"
@@ -425,14 +425,14 @@ def test_a_worker_key_shaped_like_an_archived_one_is_refused_and_breaks_nothing(
 
     assert report("rollout-0", "READY").status_code == 200
     with run.read() as store:
-        (first,) = [w.id for w in store.workers(RUN_ID) if w.worker_key == "rollout-0"]
+        (first,) = [w.id for w in store.fleet.workers(RUN_ID) if w.worker_key == "rollout-0"]
     assert report("rollout-0", "STOPPED").status_code == 200
     refused = report(f"rollout-0#{first}", "READY")  # a key shaped like an archived one
     assert refused.status_code == 422 and "workers.0.key" in refused.json()["error"]
     again = report("rollout-0", "STARTING")  # a new process under the first key: the old row is archived
     assert again.status_code == 200, f"{again.status_code} {again.text}\n{run.log()}"
     with run.read() as store:
-        states = {w.worker_key: w.state for w in store.workers(RUN_ID)}
+        states = {w.worker_key: w.state for w in store.fleet.workers(RUN_ID)}
     assert states["rollout-0"] == "STARTING" and states[f"rollout-0#{first}"] == "STOPPED"
     assert run.api_errors() == 0
 
@@ -468,7 +468,7 @@ def test_found_a_malformed_engine_profile_is_a_422_and_stores_nothing(live_run):
         answers[why] = resp.status_code
     assert answers == dict.fromkeys(bad, 422), "\n".join(f"{why}: {s}" for why, s in answers.items())
     with run.read() as store:
-        assert store.get_run(RUN_ID)["profile"] is None
+        assert store.runs.get(RUN_ID)["profile"] is None
     assert run.api_errors() == 0
     assert run.post("/v1/profile", {"profile": good}).status_code == 200  # the shipped one is fine
 

@@ -489,7 +489,7 @@ def check_state(run: LiveRun) -> list[str]:
         health = store.health()
         if health["integrity"] != "ok":
             problems.append(f"integrity check: {health['integrity']}")
-        r = store.get_run(RUN_ID)
+        r = store.runs.get(RUN_ID)
         for column in ("spec", "trainer", "rollout", "borrow", "profile"):
             problems += _finite(r.get(column), f"runs.{column}")
         trainer = r.get("trainer")
@@ -547,13 +547,13 @@ def check_state(run: LiveRun) -> list[str]:
             if not (gpus is None or (isinstance(gpus, int) and gpus >= 1)):
                 problems.append(f"borrow.max_gpus = {gpus!r}")
         # a worker's URL names its allocation's node, or the host its agent registered from (api.py's rule)
-        hosts = {a.id: {h.lower() for h in (a.node, a.agent_host) if h} for a in store.allocations(RUN_ID)}
-        for w in store.workers(RUN_ID):
+        hosts = {a.id: {h.lower() for h in (a.node, a.agent_host) if h} for a in store.fleet.allocations(RUN_ID)}
+        for w in store.fleet.workers(RUN_ID):
             if w.url and httpx.URL(w.url).host not in hosts[w.allocation_id]:
                 problems.append(f"worker {w.id} has url {w.url} (not on {hosts[w.allocation_id]})")
             if not (isinstance(w.gpu_idx, list) and all(isinstance(i, int) for i in w.gpu_idx)):
                 problems.append(f"worker {w.id} gpu_idx = {w.gpu_idx!r}")
-        errors = [j for j in store.journal(RUN_ID) if j["event"] in ("tick error", "poll error")]
+        errors = [j for j in store.journal.read(RUN_ID) if j["event"] in ("tick error", "poll error")]
         problems += [f"journaled {j['event']}: {j['data']}" for j in errors]
     return problems
 

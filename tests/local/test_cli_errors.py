@@ -27,7 +27,7 @@ EXIT_USAGE, EXIT_STATE, EXIT_BROKEN_PIPE = 2, 8, 141
 def create_run(state_dir: Path, run_dir: Path, *, nodes: int = 1, active: bool = False) -> None:
     """Run "r" on the local backend: one rollout pool of ``nodes`` allocations, polled every second."""
     with Store.open(state_dir / "state.db") as store:
-        store.create_run(
+        store.runs.create(
             run_id="r",
             name="r",
             spec={"poll_interval_s": 1, "router": {"enabled": False}},
@@ -49,7 +49,7 @@ def create_run(state_dir: Path, run_dir: Path, *, nodes: int = 1, active: bool =
         )
         if active:
             for to in ("SUBMITTING", "ACTIVE"):
-                run = store.get_run("r")
+                run = store.runs.get("r")
                 store.set_state("runs", "r", expect=run["state"], expect_version=run["version"], to=to, event="t")
 
 

@@ -46,7 +46,7 @@ def test_the_elastic_pool_grows_to_three_tasks_and_shrinks_back_on_the_local_bac
             pool = ElasticPool(store, backend, run_id, epoch=None)
             assert pool.resize(3, "the plan wants 3") == 3
             sync_run(store, backend, run_id)
-            tasks = [a for a in store.allocations(run_id) if a.pool == "elastic"]
+            tasks = [a for a in store.fleet.allocations(run_id) if a.pool == "elastic"]
             assert [(a.array_index, a.state) for a in tasks] == [(0, "RUNNING"), (1, "RUNNING"), (2, "RUNNING")]
             assert len({a.job_id for a in tasks}) == 3  # each added task is its own one-task job
             pids = {a.array_index: task_pid(state_dir, a.job_id, a.array_index) for a in tasks}
@@ -60,7 +60,7 @@ def test_the_elastic_pool_grows_to_three_tasks_and_shrinks_back_on_the_local_bac
             assert pool.resize(1, "the batch ended") == 1
             sync_run(store, backend, run_id)
             pool.reconcile()  # as the daemon's Slurm thread does after each poll's fold
-            tasks = [a for a in store.allocations(run_id) if a.pool == "elastic"]
+            tasks = [a for a in store.fleet.allocations(run_id) if a.pool == "elastic"]
             assert [(a.array_index, a.state, a.slurm_state) for a in tasks] == [
                 (0, "RUNNING", "RUNNING"),
                 (1, "ENDED", "CANCELLED"),
@@ -68,7 +68,7 @@ def test_the_elastic_pool_grows_to_three_tasks_and_shrinks_back_on_the_local_bac
             ]
             assert alive(pids[0]) and not alive(pids[1]) and not alive(pids[2])
             for a in tasks[1:]:
-                evs = [j["event"] for j in store.journal(run_id) if j["entity_id"] == str(a.id)]
+                evs = [j["event"] for j in store.journal.read(run_id) if j["entity_id"] == str(a.id)]
                 assert evs.index("elastic drain") < evs.index("elastic scancel") < evs.index("ended"), evs
             sizes = [h["size"] for h in pool.view()["history"]]
             assert sizes[0] == 1 and 3 in sizes and sizes[-1] == 1

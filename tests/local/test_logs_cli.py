@@ -24,7 +24,7 @@ def make_run(state_dir: Path, run_dir: Path, nodes: int = 2) -> None:
     """Run "r" (local backend) with pools trainer (1 task, job 12) and rollout (``nodes`` tasks, job 13)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     with Store.open(state_dir / "state.db") as store:
-        store.create_run(
+        store.runs.create(
             run_id="r",
             name="r",
             spec={},
@@ -45,11 +45,11 @@ def make_run(state_dir: Path, run_dir: Path, nodes: int = 2) -> None:
                 for n, role, k in (("trainer", "TRAIN", 1), ("rollout", "ROLLOUT", nodes))
             ],
         )
-        for alloc in store.allocations("r"):
+        for alloc in store.fleet.allocations("r"):
             job = "12" if alloc.pool == "trainer" else "13"
             store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
-        rollout0 = next(a for a in store.allocations("r") if a.pool == "rollout" and a.array_index == 0)
-        wid = store.add_worker(run_id="r", allocation_id=rollout0.id, role="ROLLOUT", engine="vllm")
+        rollout0 = next(a for a in store.fleet.allocations("r") if a.pool == "rollout" and a.array_index == 0)
+        wid = store.fleet.add_worker(run_id="r", allocation_id=rollout0.id, role="ROLLOUT", engine="vllm")
         store.update_fields("workers", wid, worker_key="rollout-0")
     logs = run_dir / "logs"
     logs.mkdir(parents=True)

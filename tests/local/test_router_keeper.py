@@ -53,15 +53,15 @@ def workers():
 @pytest.fixture
 def world(tmp_path: Path, workers):
     store = Store.open(tmp_path / "s.db")
-    store.create_run(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="local",
+    store.runs.create(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="local",
                      policy="never", pools=[{"name": "rollout", "kind": "rollout", "role": "ROLLOUT",
                                              "partition": None, "nodes": 1, "gpus_per_node": 2,
                                              "job_name": "pearl.r.rollout"}])  # fmt: skip
-    alloc = store.allocations("r")[0]
-    store.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "ROLLOUT")
+    alloc = store.fleet.allocations("r")[0]
+    store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "ROLLOUT")
     ids = []
     for i, url in enumerate(workers):
-        wid = store.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm", url=url)
+        wid = store.fleet.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm", url=url)
         store.update_fields("workers", wid, worker_key=f"rollout-{i}", gpu_idx=[i], routable=1, weight_version="3")
         store.set_state("workers", wid, expect="STARTING", to="READY", event="t")
         ids.append(wid)
@@ -107,15 +107,15 @@ def test_deregister_is_proven_only_when_the_router_no_longer_routes_to_the_worke
     keeper.sync_once()
     effects = DaemonEffects(store, "r", None, router=keeper.routed)
     ex = Executor(store, effects, run_id="r", epoch=None)
-    gpu = next(g for g in store.gpus("r") if g.idx == 0)
+    gpu = next(g for g in store.fleet.gpus("r") if g.idx == 0)
     tid = ex.plan("retire", [gpu.id], from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)
-    step = store.steps(tid)[0]
+    step = store.transitions.steps(tid)[0]
     assert step.kind == "DEREGISTER" and step.state == "INTENT"  # state says so; the router not yet
-    assert not store.worker(ids[0]).routable
+    assert not store.fleet.worker(ids[0]).routable
     keeper.sync_once()
     ex.advance(tid)
-    assert store.steps(tid)[0].state == "DONE"
+    assert store.transitions.steps(tid)[0].state == "DONE"
     assert urls[0] not in keeper.routed()
 
 
@@ -147,14 +147,14 @@ def test_a_deregister_wakes_the_keeper_and_the_routers_answer_wakes_the_control_
     time.sleep(0.3)  # its first pass is done: it waits on the timer
     effects = DaemonEffects(store, "r", None, router=keeper.routed, router_wake=keeper.wake)
     ex = Executor(store, effects, run_id="r", epoch=None)
-    gpu = next(g for g in store.gpus("r") if g.idx == 0)
+    gpu = next(g for g in store.fleet.gpus("r") if g.idx == 0)
     tid = ex.plan("retire", [gpu.id], from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)
-    intent = store.steps(tid)[0]
+    intent = store.transitions.steps(tid)[0]
     assert intent.kind == "DEREGISTER" and intent.state == "INTENT"
     assert changed.wait(10), "the router's changed membership did not wake the control loop"
     ex.advance(tid)
-    done = store.steps(tid)[0]
+    done = store.transitions.steps(tid)[0]
     assert done.state == "DONE" and urls[0] not in keeper.routed()
     assert done.updated_at - intent.updated_at < 5.0  # one round trip to the router, not the 60-s timer
     stopping.set()
@@ -203,17 +203,17 @@ def test_a_deregister_waits_for_a_membership_change_in_flight_that_routes_to_the
             time.sleep(0.02)
         effects = DaemonEffects(store, "r", None, router=keeper.routed, router_may_route=keeper.may_route)
         ex = Executor(store, effects, run_id="r", epoch=None)
-        gpu = next(g for g in store.gpus("r") if g.idx == 0)
+        gpu = next(g for g in store.fleet.gpus("r") if g.idx == 0)
         tid = ex.plan("retire", [gpu.id], from_role="ROLLOUT", to_role="IDLE")
         ex.advance(tid)  # DEREGISTER's effect: state says not routable; the router has not answered the change
         assert urls[0] not in keeper.routed()  # what the router last said: the old probe proved DEREGISTER here
-        assert store.steps(tid)[0].state == "INTENT"
+        assert store.transitions.steps(tid)[0].state == "INTENT"
     finally:
         os.kill(record.pid, signal.SIGCONT)
     syncing.join(30)
     assert urls[0] in keeper.routed()  # the change in flight did route to it again
     ex.advance(tid)
-    assert store.steps(tid)[0].state == "INTENT"
+    assert store.transitions.steps(tid)[0].state == "INTENT"
     keeper.sync_once()  # the next change takes it out: now it is proven
     ex.advance(tid)
-    assert store.steps(tid)[0].state == "DONE" and urls[0] not in keeper.routed()
+    assert store.transitions.steps(tid)[0].state == "DONE" and urls[0] not in keeper.routed()

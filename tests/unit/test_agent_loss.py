@@ -23,7 +23,7 @@ def run(tmp_path: Path):
     clock = FakeClock(T0)
     with Store.open(tmp_path / "s.db", clock=clock) as store:
         running_run(store, tmp_path, pool="trainer", role="TRAIN", nodes=1)
-        (a,) = store.allocations("r")
+        (a,) = store.fleet.allocations("r")
         controller = Controller(store, "r", None, heartbeat_s=HEARTBEAT_S, clock=clock)
         yield store, controller, clock, a.id
 
@@ -33,7 +33,7 @@ def heard(store: Store, alloc: int, clock: FakeClock) -> None:
 
 
 def gpu_state(store: Store) -> str:
-    (g,) = store.gpus("r")
+    (g,) = store.fleet.gpus("r")
     return g.state
 
 
@@ -68,7 +68,7 @@ def test_a_stall_of_the_daemon_is_forgiven_and_a_dead_agent_is_still_found(run):
         if controller.agents.check_agents():
             lost_at = clock.now
     assert lost_at is not None and gpu_state(store) == "LOST"
-    last_heard = store.allocations("r")[0].agent_seen_at
+    last_heard = store.fleet.allocations("r")[0].agent_seen_at
     assert 3.5 + 0.5 < lost_at - last_heard <= 2.0 + 3.5 + 0.5  # found after the forgiven window, not later
 
 
@@ -98,7 +98,7 @@ def test_an_agent_heard_through_the_controller_is_never_lost_while_nothing_else_
         assert controller.agents.check_agents() == []
         clock.now += 0.5
     assert gpu_state(store) == "UP"
-    written = store.allocations("r")[0].agent_seen_at
+    written = store.fleet.allocations("r")[0].agent_seen_at
     assert clock.now - 1.0 - SEEN_WRITE_S <= written <= clock.now - 1.0  # state has it, at most that late
     for _ in range(2):  # then it dies (last heard 1 s ago): found after one window of silence (2 s)
         assert controller.agents.check_agents() == []
@@ -113,16 +113,16 @@ def test_heartbeat_times_reach_state_at_most_every_seen_write_s_and_the_loss_che
     first = clock.now
     controller.agents.heard(alloc)
     controller.agents.check_agents()
-    assert store.allocations("r")[0].agent_seen_at == first  # the first check writes
+    assert store.fleet.allocations("r")[0].agent_seen_at == first  # the first check writes
     while clock.now < first + SEEN_WRITE_S - 0.5:
         clock.now += 0.5
         controller.agents.heard(alloc)
         assert controller.agents.check_agents() == []
-        assert store.allocations("r")[0].agent_seen_at == first  # not again before SEEN_WRITE_S
+        assert store.fleet.allocations("r")[0].agent_seen_at == first  # not again before SEEN_WRITE_S
     clock.now = first + SEEN_WRITE_S
     controller.agents.heard(alloc)
     controller.agents.check_agents()
-    assert store.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S
+    assert store.fleet.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S
     # heard once more (in memory only), then silent: judged from that heartbeat, not state's older time
     last = clock.now + 0.5
     clock.now = last
@@ -132,7 +132,7 @@ def test_heartbeat_times_reach_state_at_most_every_seen_write_s_and_the_loss_che
         clock.now += 0.5
         assert controller.agents.check_agents() == []
     clock.now = last + window - 0.1
-    assert store.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S < clock.now - window
+    assert store.fleet.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S < clock.now - window
     assert controller.agents.check_agents() == []  # state's time alone would have it LOST now
     clock.now = last + window + 0.1
     assert controller.agents.check_agents() == [alloc]

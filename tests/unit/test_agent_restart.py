@@ -135,7 +135,7 @@ def failed(tmp_path):
 
 def test_the_daemon_journals_why_a_worker_failed(failed):
     store, _, _ = failed
-    failed_rows = [j for j in store.journal("r") if j["entity"] == "workers" and j["to_state"] == "FAILED"]
+    failed_rows = [j for j in store.journal.read("r") if j["entity"] == "workers" and j["to_state"] == "FAILED"]
     assert [j["data"]["error"] for j in failed_rows] == [WHY]
 
 

@@ -60,14 +60,14 @@ def test_a_borrow_of_two_gpus_serves_both_workers_parks_each_on_its_gpu_and_wake
         run_until(store, alloc_id, clock, agent, trainer, crash_at=None, done=completed(kind, n // 2 + 1), limit=60)
         last = transitions(store, kind)[-1]
         assert (last.detail or {}).get("plan") == plan and len(last.gpu_ids) == 2
-        workers = [w for w in store.workers("r") if w.role == "ROLLOUT" and w.state not in ("STOPPED",)]
+        workers = [w for w in store.fleet.workers("r") if w.role == "ROLLOUT" and w.state not in ("STOPPED",)]
         if kind == "borrow":  # both serve and are routed, not only the first one up
             assert sorted(w.gpu_idx for w in workers) == [(0,), (1,)]
             assert all(w.state == "READY" and w.routable for w in workers), workers
         else:  # each GPU keeps its own worker, asleep
-            parked = {g.idx: g.worker_id for g in store.gpus("r")}
+            parked = {g.idx: g.worker_id for g in store.fleet.gpus("r")}
             assert {w.gpu_idx[0]: w.id for w in workers} == parked
             assert all(w.state == "SLEEPING" for w in workers)
     # the warm borrow woke both: one start each for two borrows
     assert agent.starts == {"rollout-0": 1, "rollout-1": 1, "train-0": 1}
-    assert all(t.state == "DONE" for t in store.transitions("r"))
+    assert all(t.state == "DONE" for t in store.transitions.all("r"))

@@ -24,7 +24,7 @@ NOW = 1_000_000.0
 def daemon(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
         alloc = create_trainer_run(store, tmp_path, job_id="1")
-        store.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
+        store.fleet.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
         # run "q": the same trainer pool plus a rollout pool of one GPU, for tests that need a serving worker
         create_serving_run(store, tmp_path)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
@@ -57,7 +57,7 @@ def test_greedy_lends_through_the_planner_only_when_the_wait_pays(daemon):
     plan = c.borrowing.plan_borrow(NOW)
     assert plan["plan"] == "borrow" and len(plan["gpu_ids"]) == 1 and plan["return_deadline"] == NOW + 120.0
     c.borrowing.tick()
-    borrows = [t for t in store.transitions("r") if t.kind == "borrow"]
+    borrows = [t for t in store.transitions.all("r") if t.kind == "borrow"]
     assert len(borrows) == 1 and list(borrows[0].gpu_ids) == plan["gpu_ids"]
 
 
@@ -73,14 +73,14 @@ def test_a_malformed_work_report_is_refused_and_changes_nothing(daemon):
         parse(bodies.Progress, {"queued": 1, "work": {"turns": 2}})
     with pytest.raises(bodies.ValidationError, match=r"work.tool_latency_s\n.*greater than or equal to 0"):
         parse(bodies.Progress, {"queued": 1, "work": {"tool_latency_s": -1}})
-    assert store.get_run("r").get("rollout") is None
+    assert store.runs.get("r").get("rollout") is None
 
 
 def test_pearl_needs_a_profile(daemon):
     store, c = daemon
     with pytest.raises(ControlError, match="pearlctl profile RUN"):
         c.operator.borrow(parse(bodies.Borrow, {"policy": "pearl"}))
-    assert store.get_run("r")["policy"] == "greedy"  # unchanged
+    assert store.runs.get("r")["policy"] == "greedy"  # unchanged
 
 
 def test_pearl_runs_live_from_the_stored_profile_and_the_reported_work(daemon):
@@ -121,10 +121,10 @@ def test_a_trainer_released_with_nothing_lent_and_nothing_moving_is_asked_to_rec
     answer = c.trainer.phase(parse(bodies.TrainerPhase, phase))
     assert answer["command"] == "reclaim" and answer["command_id"].startswith("orphan-reclaim:")
     c.trainer.ack(parse(bodies.Ack, {"command_id": answer["command_id"], "result": {"ok": True, "command": "reclaim"}}))
-    assert [j["event"] for j in store.journal("r")][-1] == "trainer reclaimed (orphan)"
+    assert [j["event"] for j in store.journal.read("r")][-1] == "trainer reclaimed (orphan)"
     # not released, or released while a GPU is lent: no such command
     assert c.trainer.phase(parse(bodies.TrainerPhase, dict(phase, released=False)))["command"] is None
-    gpu = next(g for g in store.gpus("r"))
+    gpu = next(g for g in store.fleet.gpus("r"))
     store.update_fields("gpus", gpu.id, borrowed=1, return_deadline=NOW + 60)
     assert c.trainer.phase(parse(bodies.TrainerPhase, phase))["command"] is None
     # an ack for a command nobody issued is still a 404

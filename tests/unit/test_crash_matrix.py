@@ -75,7 +75,7 @@ def run_until(store, alloc_id, clock, agent, trainer, *, crash_at, done, limit=2
 
 
 def transitions(store, kind):
-    return [t for t in store.transitions("r") if t.kind == kind]
+    return [t for t in store.transitions.all("r") if t.kind == kind]
 
 
 @pytest.mark.parametrize("cycle,step,point", CASES, ids=[f"{c}-{k}-{p}" for c, k, p in CASES])
@@ -108,7 +108,7 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
     # converged: two borrows and two returns completed, and nothing is lent or parked any more
     assert [t.state for t in transitions(store, "borrow")] == ["DONE", "DONE"]
     assert [t.state for t in transitions(store, "return")] == ["DONE", "DONE"]
-    gpus = store.gpus("r")
+    gpus = store.fleet.gpus("r")
     assert not any(g.borrowed for g in gpus) and {g.role for g in gpus} == {"TRAIN"}
     assert all(g.worker_id is None for g in gpus)
     # no engine started twice: one vLLM start for two borrows (the second woke it), one trainer worker
@@ -117,6 +117,6 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
     assert [c.split(":")[-1] for c in trainer.carried_out] == ["OFFLOAD", "RELOAD", "OFFLOAD", "RELOAD"]
     assert not trainer.released
     # the journal tells what happened
-    events = [j["event"] for j in store.journal("r")]
+    events = [j["event"] for j in store.journal.read("r")]
     if point in ("after_intent", "after_effect"):
         assert "effect re-issued after restart" in events

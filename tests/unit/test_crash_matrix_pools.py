@@ -35,7 +35,7 @@ CASES = [(plan, k, p) for _, plan, _, _ in CYCLE for k in PLANS[plan] for p in P
 def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
     factories.create_run(store, tmp_path, [factories.pool("rollout", "ROLLOUT")], spec_path="r.toml")
-    alloc = store.allocations("r")[0]
+    alloc = store.fleet.allocations("r")[0]
     factories.submit(store, alloc.id, "8")
     factories.start(store, alloc.id, "gpu2")
     yield store, alloc.id
@@ -56,7 +56,7 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     crash_at, fired = crash_once(store, point, step, plan)
     register = {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1}
     daemon = Restarts(store, alloc_id, clock, register, router=router, crash_at=crash_at)
-    gpu = store.gpus("r")[0].id
+    gpu = store.fleet.gpus("r")[0].id
 
     def tick(d) -> None:
         agent.tick(d)
@@ -66,14 +66,14 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
         daemon.run_until(tick, until)
 
     # the pool's worker comes up at launch (its GPU's default role), routable once READY
-    loop(lambda: any(w.routable for w in store.workers("r")))
+    loop(lambda: any(w.routable for w in store.fleet.workers("r")))
     for kind, cycle_plan, from_role, to_role in CYCLE:
         with daemon.daemon.controller.lock:
             detail = TransitionDetail(plan=PlanKind(cycle_plan))
             tid = daemon.daemon.executor.plan(kind, [gpu], detail=detail, from_role=from_role, to_role=to_role)
-        loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
-        assert store.transition(tid).state == "DONE", cycle_plan
-        assert store.gpu(gpu).role == to_role
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transitions.get(tid).state == "DONE", cycle_plan
+        assert store.fleet.gpu(gpu).role == to_role
     loop(lambda: router.urls)  # the last start's worker is routed to
     assert fired and daemon.crashes == 1, "the crash point was never reached"
 
@@ -83,10 +83,10 @@ def test_daemon_crash_at_every_pool_transition_step_converges(world, plan, step,
     # every worker that drained (for a retire, a switch) had left the router first
     assert agent.drained_while_routed == []
     # converged: one ROLLOUT worker serving and routed, nothing parked
-    live = [w for w in store.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
     assert [(w.role, w.state, w.routable) for w in live] == [("ROLLOUT", "READY", 1)]
-    assert store.gpu(gpu).worker_id is None
-    events = [j["event"] for j in store.journal("r")]
+    assert store.fleet.gpu(gpu).worker_id is None
+    events = [j["event"] for j in store.journal.read("r")]
     assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
 
 

@@ -47,7 +47,7 @@ def loop(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(borrowing_module, "load_policy", lambda name: SimpleNamespace(decide=decide))
     with Store.open(tmp_path / "s.db", clock=clock) as store:
         alloc = create_trainer_run(store, tmp_path, job_id="1")
-        store.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
+        store.fleet.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=clock)
         controller = Controller(store, "r", None, clock=clock)
         controller.borrowing = Borrowing(store, ex, "r", clock=clock)
@@ -88,7 +88,7 @@ def test_a_changed_input_decides(loop):
     assert tick(loop, 2.0) == 3
     loop.store.update_fields("runs", "r", epoch=None, borrow={"policy": "greedy", "max_gpus": 1})
     assert tick(loop, 2.5) == 4
-    gpu = loop.store.gpus("r")[0]
+    gpu = loop.store.fleet.gpus("r")[0]
     loop.store.set_state("gpus", gpu.id, expect=gpu.state, to="LOST", event="agent silent")
     assert tick(loop, 3.0) == 5
     assert tick(loop, 3.5) == 5
@@ -104,7 +104,7 @@ def test_the_clock_alone_decides_again_after_redecide_s(loop):
 
 
 def test_a_lent_gpu_near_its_return_is_decided_on_every_tick(loop):
-    gpu = loop.store.gpus("r")[0]
+    gpu = loop.store.fleet.gpus("r")[0]
     deadline = T0 + 100.0
     loop.store.update_fields("gpus", gpu.id, borrowed=1, return_deadline=deadline)
     assert tick(loop, 10.0) == 1

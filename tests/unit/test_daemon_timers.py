@@ -88,7 +88,7 @@ def db(tmp_path: Path) -> Path:
     """Run "r": one trainer allocation (2 GPUs), submitted as job 100 (PENDING), the run ACTIVE."""
     path = tmp_path / "state.db"
     with Store.open(path) as store:
-        store.create_run(
+        store.runs.create(
             run_id=RUN,
             name=RUN,
             spec={"poll_interval_s": 0.2, "router": {"enabled": False}},  # the data plane has tests of its own
@@ -108,7 +108,7 @@ def db(tmp_path: Path) -> Path:
             ],
         )
         store.set_state("runs", RUN, expect="CREATED", to="SUBMITTING", event="t")
-        alloc = store.allocations(RUN)[0]
+        alloc = store.fleet.allocations(RUN)[0]
         store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=JOB)
         store.set_state("runs", RUN, expect="SUBMITTING", to="ACTIVE", event="t")
     return path
@@ -175,12 +175,12 @@ def wait(fn, timeout: float, what: str, every: float = 0.05):
 
 def events(db: Path, name: str | None = None) -> list[dict]:
     with Store.open(db, readonly=True) as reader:
-        return [j for j in reader.journal(RUN) if name is None or j["event"] == name]
+        return [j for j in reader.journal.read(RUN) if name is None or j["event"] == name]
 
 
 def allocation_state(db: Path) -> str:
     with Store.open(db, readonly=True) as reader:
-        return reader.allocations(RUN)[0].state
+        return reader.fleet.allocations(RUN)[0].state
 
 
 # -- defect 3a ------------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_a_preemption_seen_while_the_agent_heartbeats_at_10hz_does_not_stop_the_
     with running(db, backend, monkeypatch) as (r, store):
         d = r.daemon
         wait(lambda: allocation_state(db) == "RUNNING", 10, "the first poll is folded (started)")
-        alloc_id = store.allocations(RUN)[0].id
+        alloc_id = store.fleet.allocations(RUN)[0].id
         body = bodies.parse(bodies.Heartbeat, {"allocation_id": alloc_id})
         stop, beats, errors = threading.Event(), [], []
 
@@ -271,7 +271,7 @@ def test_a_preemption_seen_while_the_agent_heartbeats_at_10hz_does_not_stop_the_
         assert allocation_state(db) == "PREEMPTING"
         assert [j["event"] for j in events(db) if j["to_state"] == "PREEMPTING"] == ["preempted"]
         with Store.open(db, readonly=True) as reader:
-            assert {g.state for g in reader.gpus(RUN)} == {"DRAINING"}
+            assert {g.state for g in reader.fleet.gpus(RUN)} == {"DRAINING"}
         assert d.stats.poll_errors == 0 and d.stats.tick_errors == 0
         assert not events(db, "tick error") and not events(db, "poll error")
     assert r.error is None

@@ -24,7 +24,7 @@ def trainer(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
         factories.create_run(store, tmp_path, [factories.pool("trainer", "TRAIN", gpus_per_node=2)], policy="greedy")
         (a,) = factories.run_all(store)
-        store.upsert_node_gpus("r", a.id, "n0", [0, 1], "TRAIN")
+        store.fleet.upsert_node_gpus("r", a.id, "n0", [0, 1], "TRAIN")
         controller = Controller(store, "r", None, clock=lambda: NOW)
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
@@ -37,7 +37,7 @@ def view(controller: Controller, alloc_id: int) -> list[tuple]:
 
 def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
     store, controller, alloc = trainer
-    lent = store.gpus("r")[1]
+    lent = store.fleet.gpus("r")[1]
     store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     (rollout, train) = view(controller, alloc)  # by role
     assert train == ("train-0", "TRAIN", (0, 1), None, None)
@@ -48,13 +48,13 @@ def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
 
 def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):
     store, controller, alloc = trainer
-    lent = store.gpus("r")[1]
+    lent = store.fleet.gpus("r")[1]
     store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     # the job preempted and requeued: its GPUs went, and came back with the new allocation's agent
-    for g in store.gpus("r"):
+    for g in store.fleet.gpus("r"):
         store.set_state("gpus", g.id, expect="UP", to="DRAINING", event="t")
         store.set_state("gpus", g.id, expect="DRAINING", to="GONE", event="t")
-    store.upsert_node_gpus("r", alloc, "n1", [0, 1], "TRAIN")
+    store.fleet.upsert_node_gpus("r", alloc, "n1", [0, 1], "TRAIN")
     assert view(controller, alloc) == [("train-0", "TRAIN", (0, 1), None, None)]
     # and were a TRAIN GPU ever flagged lent, the TRAIN worker still gets each GPU once and no deadline
     store.update_fields("gpus", lent.id, borrowed=1, return_deadline=NOW + 60)
@@ -67,8 +67,8 @@ def test_lent_gpus_become_workers_of_the_profiles_tensor_parallel_size(trainer):
     at TP 2 one worker of two of them (the GPU left over serves nothing); the TRAIN worker keeps every GPU.
     Without a profile, one worker of all the lent GPUs."""
     store, controller, alloc = trainer
-    store.upsert_node_gpus("r", alloc, "n0", [0, 1, 2, 3], "TRAIN")
-    for g in store.gpus("r")[1:]:
+    store.fleet.upsert_node_gpus("r", alloc, "n0", [0, 1, 2, 3], "TRAIN")
+    for g in store.fleet.gpus("r")[1:]:
         store.update_fields("gpus", g.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     train = ("train-0", "TRAIN", (0, 1, 2, 3), None, None)
     assert [v[:3] for v in view(controller, alloc)] == [("rollout-1", "ROLLOUT", (1, 2, 3)), train[:3]]

@@ -165,7 +165,7 @@ def pool_of(env, clock) -> ElasticPool:
 
 
 def elastic(store, run_id) -> list[dict]:
-    return [a for a in store.allocations(run_id) if a.pool == "elastic"]
+    return [a for a in store.fleet.allocations(run_id) if a.pool == "elastic"]
 
 
 def states(store, run_id) -> list[tuple[int, str]]:
@@ -174,7 +174,9 @@ def states(store, run_id) -> list[tuple[int, str]]:
 
 def events(store, run_id, alloc_id) -> list[str]:
     return [
-        j["event"] for j in store.journal(run_id) if j["entity"] == "allocations" and j["entity_id"] == str(alloc_id)
+        j["event"]
+        for j in store.journal.read(run_id)
+        if j["entity"] == "allocations" and j["entity_id"] == str(alloc_id)
     ]
 
 
@@ -198,7 +200,7 @@ def test_growth_submits_one_task_arrays_under_the_pool_name_and_never_past_max_n
     rows = elastic(store, run_id)
     assert len({(a.job_id, a.array_index) for a in rows}) == 3 and len({a.job_id for a in rows}) == 3
     assert events(store, run_id, rows[1].id)[:2] == ["elastic grow", "submitted"]
-    wanted = [j for j in store.journal(run_id) if j["event"] == "elastic wanted"]
+    wanted = [j for j in store.journal.read(run_id) if j["event"] == "elastic wanted"]
     assert [(j["data"]["asked"], j["data"]["fields"]["wanted"], j["data"]["why"]) for j in wanted] == [
         (10, 3, "the plan wants 10")
     ]
@@ -221,7 +223,7 @@ def test_a_crash_between_sbatch_and_the_state_write_is_adopted_by_name_never_sub
     assert (row.state, row.job_id) == ("REQUESTED", None)  # ... and state never learned its id
     restarted = pool_of(env, clock)  # a new daemon, at once: the task is found under the pool's job name
     restarted.reconcile()
-    row = store.allocation(row.id)
+    row = store.fleet.allocation(row.id)
     assert row.state == "PENDING" and (row.job_id, 1) in cluster.live()
     assert "adopted" in events(store, run_id, row.id)
     restarted.reconcile()
@@ -251,7 +253,7 @@ def test_max_nodes_counts_tasks_found_by_name_that_state_does_not_know(env, cloc
     pool = pool_of(env, clock)
     pool.resize(3, "grow")
     assert len(cluster.live()) == 3 and len(cluster.scripts) == 3  # only one more: the stray takes a place
-    grow = next(j for j in store.journal(run_id) if j["event"] == "elastic grow")
+    grow = next(j for j in store.journal.read(run_id) if j["event"] == "elastic grow")
     assert grow["data"]["unknown_tasks"] == 1
 
 
@@ -273,9 +275,9 @@ def test_pending_tasks_are_cancelled_after_the_bound_and_growth_backs_off(env, c
     for a in added:  # journaled: the timeout (with how long it pended), then the scancel
         evs = events(store, run_id, a.id)
         assert evs.index("elastic pending timeout") < evs.index("elastic scancel")
-    timeout = next(j for j in store.journal(run_id) if j["event"] == "elastic pending timeout")
+    timeout = next(j for j in store.journal.read(run_id) if j["event"] == "elastic pending timeout")
     assert timeout["data"]["pending_s"] == PENDING_S and timeout["data"]["pending_timeout_s"] == PENDING_S
-    assert store.pools(run_id)[1]["backoff_until"] == clock.t + PENDING_S
+    assert store.runs.pools(run_id)[1]["backoff_until"] == clock.t + PENDING_S
     sync_run(store, cluster, run_id)
     assert states(store, run_id)[1:] == [(1, "ENDED"), (2, "ENDED")]
     # backing off: nothing is submitted while it lasts, and that is journaled once
@@ -283,7 +285,7 @@ def test_pending_tasks_are_cancelled_after_the_bound_and_growth_backs_off(env, c
         clock.t += 10
         pool.reconcile()
     assert len(cluster.scripts) == 4
-    assert [j["event"] for j in store.journal(run_id)].count("elastic grow held") == 1
+    assert [j["event"] for j in store.journal.read(run_id)].count("elastic grow held") == 1
     # after it, growth tries again; a second timeout doubles the back-off
     clock.t += PENDING_S
     pool.reconcile()
@@ -292,7 +294,7 @@ def test_pending_tasks_are_cancelled_after_the_bound_and_growth_backs_off(env, c
     clock.t += PENDING_S
     pool.reconcile()
     assert len(cluster.cancelled_tasks) == 4
-    assert store.pools(run_id)[1]["backoff_s"] == 2 * PENDING_S
+    assert store.runs.pools(run_id)[1]["backoff_s"] == 2 * PENDING_S
     # the launch's task (the pool's floor) is never cancelled for pending, however long it waits
     assert all(index >= NODES for _, index in cluster.cancelled_tasks)
 
@@ -316,19 +318,19 @@ def test_a_started_task_resets_the_back_off_length(env, clock):
     sync_run(store, cluster, run_id)
     clock.t += PENDING_S
     pool.reconcile()
-    assert store.pools(run_id)[1]["backoff_s"] == PENDING_S
+    assert store.runs.pools(run_id)[1]["backoff_s"] == PENDING_S
     clock.t += PENDING_S
     cluster.capacity = 2
     pool.reconcile()  # back-off over: submits again, and this time the task starts
     sync_run(store, cluster, run_id)
     pool.reconcile()
-    assert store.pools(run_id)[1]["backoff_s"] is None
-    assert "elastic back-off reset" in [j["event"] for j in store.journal(run_id)]
+    assert store.runs.pools(run_id)[1]["backoff_s"] is None
+    assert "elastic back-off reset" in [j["event"] for j in store.journal.read(run_id)]
 
 
 def _serve(store, run_id, alloc_id, key="rollout-0") -> int:
     """A READY, routable vLLM worker on the allocation, as its agent's heartbeat would record it."""
-    wid = store.add_worker(run_id=run_id, allocation_id=alloc_id, role="ROLLOUT", engine="vllm")
+    wid = store.fleet.add_worker(run_id=run_id, allocation_id=alloc_id, role="ROLLOUT", engine="vllm")
     store.update_fields("workers", wid, worker_key=key, gpu_idx=[0, 1], routable=1)
     store.set_state("workers", wid, expect="STARTING", to="READY", event="agent reported")
     return wid
@@ -345,11 +347,11 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     assert [w.role for w in controller.agents.desired(a2.id)] == ["ROLLOUT"]
 
     pool.resize(0, "the batch ended")  # clamped to nodes: two tasks go, the newest first
-    assert store.pools(run_id)[1]["wanted"] == NODES
+    assert store.runs.pools(run_id)[1]["wanted"] == NODES
     # a1 serves nothing: scancelled at once; a2 drains: out of routing, GPUs DRAINING, no worker desired
     assert cluster.cancelled_tasks == [(a1.job_id, 1)]
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
-    assert store.worker(worker).routable == 0
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
+    assert store.fleet.worker(worker).routable == 0
     assert controller.agents.desired(a2.id) == []
     clock.t += 5
     pool.reconcile()
@@ -366,7 +368,9 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     for a in (a1, a2):
         evs = events(store, run_id, a.id)
         assert evs.index("elastic drain") < evs.index("elastic scancel") < evs.index("ended")
-    scancel = next(j for j in store.journal(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2.id))
+    scancel = next(
+        j for j in store.journal.read(run_id) if j["event"] == "elastic scancel" and j["entity_id"] == str(a2.id)
+    )
     assert scancel["data"]["why"] == "drained" and scancel["data"]["drain_s"] == 5
     # never below nodes
     pool.resize(0, "again")
@@ -388,7 +392,7 @@ def test_a_drain_that_does_not_finish_is_scancelled_after_the_notice(env, clock)
     clock.t += 1
     pool.reconcile()
     assert cluster.cancelled_tasks == [(a1.job_id, 1)]
-    scancel = next(j for j in store.journal(run_id) if j["event"] == "elastic scancel")
+    scancel = next(j for j in store.journal.read(run_id) if j["event"] == "elastic scancel")
     assert scancel["data"]["why"] == f"drain took longer than {NOTICE_S}s" and scancel["data"]["workers_left"]
 
 
@@ -409,7 +413,7 @@ def test_a_task_with_a_preemption_notice_is_dropped_first_and_a_drain_is_taken_b
     # wanted again before the drain ended: the running one is taken back, nothing is submitted
     pool.resize(2, "grow again")
     assert {a.array_index for a in elastic(store, run_id) if a.drain_requested_at} == {0}
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a2.id} == {"UP"}
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a2.id} == {"UP"}
     assert "elastic undrain" in events(store, run_id, a2.id) and len(cluster.scripts) == 4
 
 
@@ -425,13 +429,13 @@ def test_a_requeued_added_task_rejoins_without_a_replacement(env, clock):
     task.update(state="PENDING", restarts=1, preempt=None)  # Slurm requeued it
     sync_run(store, cluster, run_id)
     pool.reconcile()
-    assert store.allocation(a1.id).state == "PENDING"
+    assert store.fleet.allocation(a1.id).state == "PENDING"
     assert len(cluster.scripts) == 3  # it still counts: no replacement is submitted
     clock.t += 15
     task.update(state="RUNNING", start=clock.t)
     sync_run(store, cluster, run_id)
     pool.reconcile()
-    a1 = store.allocation(a1.id)
+    a1 = store.fleet.allocation(a1.id)
     assert (a1.state, a1.restarts) == ("RUNNING", 1) and len(cluster.scripts) == 3
     assert [e for e in events(store, run_id, a1.id) if e in ("preempted", "requeued", "started")] == [
         "started",
@@ -449,9 +453,9 @@ def test_a_failed_sbatch_ends_its_row_and_backs_off(env, clock):
     pool = pool_of(env, clock)
     pool.resize(3, "grow")
     assert states(store, run_id)[1:] == [(1, "ENDED"), (2, "ENDED")]
-    failed = [j for j in store.journal(run_id) if j["event"] == "elastic submit failed"]
+    failed = [j for j in store.journal.read(run_id) if j["event"] == "elastic submit failed"]
     assert len(failed) == 2 and "QOSMaxSubmitJobPerUserLimit" in failed[0]["data"]["error"]
-    backoff = next(j for j in store.journal(run_id) if j["event"] == "elastic back-off")
+    backoff = next(j for j in store.journal.read(run_id) if j["event"] == "elastic back-off")
     assert "sbatch failed" in backoff["data"]["why"]
     cluster.fail = None
     pool.reconcile()
@@ -486,7 +490,7 @@ def test_a_submit_that_lands_after_a_cancel_is_taken_back(env, clock):
     cluster.submit = submit_while_cancelling
     pool.resize(2, "grow")
     assert cluster.live() == []  # the task submitted after the cancel was cancelled too
-    assert any(j["event"] == "elastic submitted too late" for j in store.journal(run_id))
+    assert any(j["event"] == "elastic submitted too late" for j in store.journal.read(run_id))
 
 
 def test_view_shows_size_wanted_tasks_and_history(env, clock):
@@ -525,13 +529,13 @@ def test_a_pool_without_an_elastic_pool_does_nothing(tmp_path, clock):
 
 def test_grow_request_is_the_pools_launch_request_for_one_task(env):
     store, _, run_id = env
-    req = grow_request(store.get_run(run_id), "elastic", 4)
+    req = grow_request(store.runs.get(run_id), "elastic", 4)
     assert (req.first_task, req.array_size, req.pool, req.partition, req.requeue) == (4, 1, "elastic", "preempt", True)
     assert "#SBATCH --array=4\n" in render_script(req)
     with pytest.raises(ValueError, match="index must be >= 1"):
-        grow_request(store.get_run(run_id), "elastic", 0)
+        grow_request(store.runs.get(run_id), "elastic", 0)
     with pytest.raises(KeyError, match="no pool 'rollout'"):
-        grow_request(store.get_run(run_id), "rollout", 1)
+        grow_request(store.runs.get(run_id), "rollout", 1)
 
 
 class Recorder:
@@ -562,7 +566,7 @@ def test_heartbeat_of_a_drained_agent_keeps_its_gpus_draining(env, clock):
     a1 = elastic(store, run_id)[1]
     _serve(store, run_id, a1.id)
     pool.resize(1, "shrink")
-    for g in store.gpus(run_id):  # the agent went silent, then reports again: the controller's edges
+    for g in store.fleet.gpus(run_id):  # the agent went silent, then reports again: the controller's edges
         if g.allocation_id == a1.id:
             store.set_state("gpus", g.id, expect="DRAINING", to="LOST", event="agent silent")
             store.set_state("gpus", g.id, expect="LOST", to="UP", event="agent reporting again")
@@ -570,7 +574,7 @@ def test_heartbeat_of_a_drained_agent_keeps_its_gpus_draining(env, clock):
     body = bodies.Heartbeat(allocation_id=a1.id, workers=[])
     controller.agents.heartbeat(body, a1.id)
     pool.reconcile()
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
     assert controller.agents.desired(a1.id) == []
 
 
@@ -584,9 +588,9 @@ def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env
     assert cluster.cancelled_tasks == [(a1.job_id, 1)]
     del cluster.tasks[(a1.job_id, 1)]  # purged (MinJobAge) before a poll saw its end, and no sacct
     sync_run(store, cluster, run_id)
-    assert store.allocation(a1.id).state == "LOST"
+    assert store.fleet.allocation(a1.id).state == "LOST"
     pool_of(env, clock).reconcile()  # a restarted daemon knows it from the journal's scancel
-    a1 = store.allocation(a1.id)
+    a1 = store.fleet.allocation(a1.id)
     assert a1.state == "ENDED" and events(store, run_id, a1.id)[-1] == "elastic cancelled"
     pool.resize(2, "grow again")
     assert len(cluster.live()) == 2
@@ -607,8 +611,8 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     pool.resize(1, "the batch ended")
     # out of routing in state at once, but the GPUs stay UP (the worker is still desired) while the router
     # may still send it requests
-    assert store.worker(worker).routable == 0
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
+    assert store.fleet.worker(worker).routable == 0
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
     assert [w.role for w in controller.agents.desired(a1.id)] == ["ROLLOUT"]
     # a heartbeat of the still-READY worker does not make it routable again
     controller.agents.heartbeat(
@@ -617,12 +621,12 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
              "url": "http://gpu3_1:9000"}]}),
         a1.id,
     )  # fmt: skip
-    assert store.worker(worker).routable == 0
+    assert store.fleet.worker(worker).routable == 0
     pool.reconcile()
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
     routed.clear()  # the router removed it
     pool.reconcile()
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
     assert controller.agents.desired(a1.id) == []
 
 
@@ -692,17 +696,17 @@ def test_a_crash_after_the_drain_request_drains_through_the_router_and_scancels_
     with pytest.raises(Crash) as died:
         crashing.resize(1, "the batch ended")
     assert str(died.value) == f"elastic:{a1.id}:SHRINK"
-    assert store.allocation(a1.id).drain_requested_at is not None
-    assert store.worker(worker).routable == 1  # died before taking the workers out of routing
+    assert store.fleet.allocation(a1.id).drain_requested_at is not None
+    assert store.fleet.worker(worker).routable == 1  # died before taking the workers out of routing
 
     restarted = ElasticPool(store, cluster, run_id, epoch=None, clock=clock, routed=lambda: set(routed))
     restarted.reconcile()
     # out of routing in state; the GPUs stay UP (the worker serves on) while the router still routes to it
-    assert store.worker(worker).routable == 0
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
+    assert store.fleet.worker(worker).routable == 0
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
     routed.clear()
     restarted.reconcile()
-    assert {g.state for g in store.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
+    assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
     assert cluster.cancelled_tasks == []  # its worker still runs
     store.set_state("workers", worker, expect="READY", to="STOPPED", event="agent reported")
     restarted.reconcile()
@@ -725,7 +729,7 @@ def test_a_crash_after_the_scancel_is_not_scancelled_again_and_nothing_is_submit
         crashing.resize(1, "the batch ended")  # no worker on it: drained at once, then scancelled
     assert str(died.value) == f"elastic:{a1.id}:SHRINK"
     assert cluster.cancelled_tasks == [(a1.job_id, 1)]
-    assert store.allocation(a1.id).state == "RUNNING"  # the end is not folded yet
+    assert store.fleet.allocation(a1.id).state == "RUNNING"  # the end is not folded yet
     # the next daemon polls first (as its Slurm thread does), then reconciles: the task ended, nothing more
     sync_run(store, cluster, run_id)
     restarted = pool_of(env, clock)
@@ -733,7 +737,7 @@ def test_a_crash_after_the_scancel_is_not_scancelled_again_and_nothing_is_submit
     restarted.reconcile()
     assert cluster.cancelled_tasks == [(a1.job_id, 1)] and len(cluster.scripts) == 3
     assert states(store, run_id) == [(0, "RUNNING"), (1, "ENDED")]
-    assert store.pools(run_id)[1]["wanted"] == 1 and restarted.view()["size"] == 1
+    assert store.runs.pools(run_id)[1]["wanted"] == 1 and restarted.view()["size"] == 1
     evs = events(store, run_id, a1.id)
     assert evs.count("elastic scancel") == 1 and evs.index("elastic scancel") < evs.index("ended")
 

@@ -70,13 +70,13 @@ def progress(run, work: dict | None) -> None:
 
 def lend(run, deadline: float) -> dict:
     """The state a DONE borrow leaves: a trainer GPU lent (serving), due back at ``deadline``."""
-    gpu = next(g for g in run.store.gpus("q") if g.pool == "trainer")
+    gpu = next(g for g in run.store.fleet.gpus("q") if g.pool == "trainer")
     run.store.update_fields("gpus", gpu.id, epoch=None, borrowed=1, return_deadline=deadline)
     return gpu
 
 
 def returns(run) -> list[Transition]:
-    return [t for t in run.store.transitions("q") if t.kind == "return"]
+    return [t for t in run.store.transitions.all("q") if t.kind == "return"]
 
 
 @pytest.mark.parametrize("policy", ["pearl", "greedy"])
@@ -94,7 +94,7 @@ def test_an_unknown_first_wait_is_the_prediction_and_the_borrow_is_due_back_when
     assert borrow is not None and borrow["view"]["wait_from"] == "prediction"
     assert borrow["return_deadline"] == pytest.approx(run.clock.now + expected)
     run.b.tick()  # the daemon plans that borrow, its deadline the same
-    planned = [t for t in run.store.transitions("q") if t.kind == "borrow"]
+    planned = [t for t in run.store.transitions.all("q") if t.kind == "borrow"]
     assert len(planned) == 1 and list(planned[0].gpu_ids) == borrow["gpu_ids"]
     assert planned[0].detail["return_deadline"] == pytest.approx(run.clock.now + expected)
     assert planned[0].detail["wait_from"] == "prediction"
@@ -110,7 +110,7 @@ def test_without_a_measured_profile_an_unknown_wait_lends_nothing(run):
     assert run.b.plan_borrow(T0 + 3.0) is None
     run.clock.now = T0 + 3.0
     run.b.tick()
-    assert run.store.transitions("q") == []
+    assert run.store.transitions.all("q") == []
     # the same batch with a hint from the user (PEARL_FIRST_WAIT_S): lent on the hint
     waiting(run, T0, wait_s=600.0)
     assert run.b.plan_borrow(T0 + 3.0)["return_deadline"] == pytest.approx(T0 + 600.0)
@@ -129,7 +129,7 @@ def test_a_lent_gpu_goes_back_when_the_trainers_batch_is_complete_before_its_dea
     run.b.tick()
     assert returns(run) == []  # the batch runs on: the lent GPU serves
     progress(run, None)  # the driver: no work left — the batch the trainer waits for is complete
-    assert run.store.get_run("q")["rollout"]["emptied_at"] == T0 + 60.0
+    assert run.store.runs.get("q")["rollout"]["emptied_at"] == T0 + 60.0
     s = run.b.inputs.snapshot(run.clock.now)
     assert s.trainer.batch_ready and s.trainer.phase == "waiting"
     lent = next(g for g in s.gpus if g.id == gpu.id)
@@ -150,16 +150,16 @@ def test_a_wait_that_began_after_the_work_emptied_is_for_the_next_batch_and_keep
     run.clock.now = T0 + 50.0
     progress(run, None)  # batch 1 ended at T0 + 50
     waiting(run, T0 + 70.0, wait_s=300.0)  # the trainer trained, and waits for batch 2 from T0 + 70
-    run.store.update_fields("runs", "q", epoch=None, trainer=dict(run.store.get_run("q")["trainer"], step=2))
+    run.store.update_fields("runs", "q", epoch=None, trainer=dict(run.store.runs.get("q")["trainer"], step=2))
     lend(run, T0 + 70.0 + 300.0)
     run.clock.now = T0 + 75.0
     progress(run, None)  # still nothing in flight: the emptying is kept from T0 + 50
-    assert run.store.get_run("q")["rollout"]["emptied_at"] == T0 + 50.0
+    assert run.store.runs.get("q")["rollout"]["emptied_at"] == T0 + 50.0
     assert not run.b.inputs.snapshot(run.clock.now).trainer.batch_ready
     run.b.tick()
     assert returns(run) == []
     progress(run, WORK)  # batch 2 launched: in flight again
-    assert run.store.get_run("q")["rollout"]["emptied_at"] is None
+    assert run.store.runs.get("q")["rollout"]["emptied_at"] is None
 
 
 def test_the_snapshot_keeps_the_latest_batchs_work_as_it_began_for_decisions_between_batches(run):

@@ -30,7 +30,7 @@ def run(tmp_path: Path):
     with Store.open(tmp_path / "s.db", clock=clock) as store:
         running_run(store, tmp_path, pool="rollout", role="ROLLOUT", nodes=3)
         controller = Controller(store, "r", None, heartbeat_s=1.0, clock=clock)
-        yield store, controller, clock, [a.id for a in store.allocations("r")]
+        yield store, controller, clock, [a.id for a in store.fleet.allocations("r")]
 
 
 def beat(controller: Controller, alloc: int, workers: list[dict]) -> dict:
@@ -39,7 +39,7 @@ def beat(controller: Controller, alloc: int, workers: list[dict]) -> dict:
 
 
 def ready(store: Store, alloc: int, answer: dict) -> list[dict]:
-    node = store.allocation(alloc).node
+    node = store.fleet.allocation(alloc).node
     return [
         {**{k: w[k] for k in ("key", "role", "engine", "gpus")}, "state": "READY", "pid": 7, "url": f"http://{node}:80"}
         for w in answer["desired"]
@@ -66,7 +66,7 @@ def test_a_repeated_report_is_answered_from_memory_and_a_change_to_its_allocatio
     assert controller.agents.heartbeats["folded"] == folded
 
     # its own GPU changing does: the answer follows the state at once
-    (gpu,) = store.gpus("r", allocation_id=a)
+    (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, role="IDLE")
     assert beat(controller, a, report)["desired"] == []
     assert controller.agents.heartbeats["folded"] == folded + 1
@@ -81,7 +81,7 @@ def test_a_repeated_report_is_answered_from_memory_and_a_change_to_its_allocatio
 
 def test_an_allocation_with_lent_gpus_is_always_folded(run):
     store, controller, clock, (a, _, _) = run
-    (gpu,) = store.gpus("r", allocation_id=a)
+    (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, borrowed=1, return_deadline=T0 + 60)
     report = ready(store, a, beat(controller, a, []))
     beat(controller, a, report)
@@ -98,16 +98,16 @@ def test_heartbeat_times_are_written_once_per_check_in_one_transaction(run):
     clock.advance(0.4)
     for a in allocs:
         beat(controller, a, [])
-    assert all(x.agent_seen_at is None for x in store.allocations("r"))  # nothing written per heartbeat
+    assert all(x.agent_seen_at is None for x in store.fleet.allocations("r"))  # nothing written per heartbeat
     revision = store.revision
     controller.agents.check_agents()
-    assert [x.agent_seen_at for x in store.allocations("r")] == [T0 + 0.4] * 3
+    assert [x.agent_seen_at for x in store.fleet.allocations("r")] == [T0 + 0.4] * 3
     assert store.revision == revision  # bookkeeping: held long polls are not woken for it
     # an older time never overwrites a newer one, and a requeued (PENDING) task's time is not brought back
-    store.record_agents_seen("r", {allocs[0]: T0})
+    store.fleet.record_agents_seen("r", {allocs[0]: T0})
     store.set_state("allocations", allocs[1], expect="RUNNING", to="PENDING", event="requeued", agent_seen_at=None)
-    store.record_agents_seen("r", {allocs[1]: T0 + 1})
-    seen = {x.id: x.agent_seen_at for x in store.allocations("r")}
+    store.fleet.record_agents_seen("r", {allocs[1]: T0 + 1})
+    seen = {x.id: x.agent_seen_at for x in store.fleet.allocations("r")}
     assert seen[allocs[0]] == T0 + 0.4 and seen[allocs[1]] is None
 
 
@@ -121,44 +121,44 @@ def test_an_agent_whose_request_waits_is_not_lost(run):
         clock.advance(controller.agents.loss_window_s * 3)
         controller.agents.check_agents()
         controller.agents.check_agents()
-    lost = {g.allocation_id for g in store.gpus("r") if g.state == "LOST"}
+    lost = {g.allocation_id for g in store.fleet.gpus("r") if g.state == "LOST"}
     assert lost == {b, c}
 
 
 def test_the_gpu_and_worker_reads_of_a_whole_run_follow_every_write(run, tmp_path: Path):
     store, controller, clock, (a, b, _) = run
-    before = store.gpus("r")
-    assert store.gpus("r") == before
-    (gpu,) = store.gpus("r", allocation_id=a)
+    before = store.fleet.gpus("r")
+    assert store.fleet.gpus("r") == before
+    (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, role="IDLE")  # this connection's write
-    assert [g.role for g in store.gpus("r") if g.id == gpu.id] == ["IDLE"]
+    assert [g.role for g in store.fleet.gpus("r") if g.id == gpu.id] == ["IDLE"]
     with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
         other.update_fields("gpus", gpu.id, role="DECODE")
-    assert [g.role for g in store.gpus("r") if g.id == gpu.id] == ["DECODE"]
-    rows = store.gpus("r")
+    assert [g.role for g in store.fleet.gpus("r") if g.id == gpu.id] == ["DECODE"]
+    rows = store.fleet.gpus("r")
     with pytest.raises(dataclasses.FrozenInstanceError):  # rows are values: the cache hands out the same ones
         rows[0].role = "scribbled"
-    assert store.gpus("r") == rows and "scribbled" not in {g.role for g in rows}
+    assert store.fleet.gpus("r") == rows and "scribbled" not in {g.role for g in rows}
 
 
 def test_an_allocations_fingerprint_is_read_once_while_nothing_changes_and_follows_every_write(run, tmp_path: Path):
-    """``Store.allocation_fingerprint`` (a repeated heartbeat's check, in the event loop): one query for the first
+    """``store.fleet.fingerprint`` (a repeated heartbeat's check, in the event loop): one query for the first
     ask, none while the database is unchanged (its reader's statements counted), a new value after this store's
     write and after another connection's."""
     store, controller, clock, (a, b, _) = run
-    first = store.allocation_fingerprint(a)
-    conn, _lock = store._fingerprint_reader()
+    first = store.fleet.fingerprint(a)
+    conn, _lock = store.fleet._fingerprint_reader()
     selects: list[str] = []
     conn.set_trace_callback(lambda sql: selects.append(sql) if sql.lstrip().startswith("SELECT") else None)
-    assert [store.allocation_fingerprint(a) for _ in range(5)] == [first] * 5 and selects == []
-    (gpu,) = store.gpus("r", allocation_id=a)
+    assert [store.fleet.fingerprint(a) for _ in range(5)] == [first] * 5 and selects == []
+    (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, role="IDLE")  # this connection's write
-    second = store.allocation_fingerprint(a)
+    second = store.fleet.fingerprint(a)
     assert second != first and len(selects) == 1
     with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
         other.update_fields("gpus", gpu.id, role="DECODE")
-    assert store.allocation_fingerprint(a) not in (first, second) and len(selects) == 2
-    assert store.allocation_fingerprint(b) is not None and store.allocation_fingerprint(10**6) is None
+    assert store.fleet.fingerprint(a) not in (first, second) and len(selects) == 2
+    assert store.fleet.fingerprint(b) is not None and store.fleet.fingerprint(10**6) is None
 
 
 # -- long polls in the event loop ---------------------------------------------------------------------------
@@ -209,9 +209,9 @@ def test_notify_publishes_only_when_state_changed(run):
     controller.trainer.rollout_progress(bodies.Progress(queued=3))  # bookkeeping
     controller.agents.notify()
     assert controller.long_polls.passes == passes
-    (gpu,) = store.gpus("r", allocation_id=a)
+    (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, role="IDLE")
     controller.agents.notify()
     assert controller.long_polls.passes == passes + 1
     _, latest = controller.long_polls._latest
-    assert latest[a][0] == [] and set(latest) == {x.id for x in store.allocations("r")}
+    assert latest[a][0] == [] and set(latest) == {x.id for x in store.fleet.allocations("r")}

@@ -24,14 +24,14 @@ def run(tmp_path: Path):
         for i, a, pool in running_pools(store, tmp_path, shapes):
             count = 1 if pool == "elastic" else 2
             role = {"trainer": "TRAIN", "rollout": "ROLLOUT", "elastic": "IDLE"}[pool]
-            store.upsert_node_gpus("r", a.id, f"n{i}", list(range(count)), role)
-            ids = [g.id for g in store.gpus("r") if g.allocation_id == a.id]
+            store.fleet.upsert_node_gpus("r", a.id, f"n{i}", list(range(count)), role)
+            ids = [g.id for g in store.fleet.gpus("r") if g.allocation_id == a.id]
             gpus.setdefault(pool, []).extend(ids)
         yield store, Controller(store, "r", None, clock=lambda: NOW), gpus
 
 
 def plan(store: Store, kind: str, from_role: str, to_role: str, gpu_ids: list[int], *states: str) -> int:
-    tid = store.add_transition(run_id="r", kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids)
+    tid = store.transitions.add(run_id="r", kind=kind, from_role=from_role, to_role=to_role, gpu_ids=gpu_ids)
     current = "PLANNED"
     for to in states:
         store.set_state("transitions", tid, expect=current, to=to, event="t")

@@ -42,15 +42,15 @@ def test_launch_records_intent_then_job_ids(tmp_path):
     with Store.open(tmp_path / "s.db") as store:
         result = launch(spec(tmp_path), store, backend)
         assert result.job_ids == {"trainer": "101", "rollout": "102"}
-        assert store.get_run(result.run_id)["state"] == "ACTIVE"
-        allocs = store.allocations(result.run_id)
+        assert store.runs.get(result.run_id)["state"] == "ACTIVE"
+        allocs = store.fleet.allocations(result.run_id)
         assert sorted((a.pool, a.array_index, a.job_id, a.state) for a in allocs) == [
             ("rollout", 0, "102", "PENDING"),
             ("rollout", 1, "102", "PENDING"),
             ("trainer", 0, "101", "PENDING"),
         ]
         # the journal shows every allocation REQUESTED (intent) before it was submitted
-        created = [j for j in store.journal(result.run_id) if j["entity"] == "allocations"]
+        created = [j for j in store.journal.read(result.run_id) if j["entity"] == "allocations"]
         assert [j["to_state"] for j in created][:3] == ["REQUESTED"] * 3
     assert (tmp_path / "run" / "jobs" / "rollout.sbatch").read_text().count("--array=0-1") == 1
 
@@ -62,9 +62,9 @@ def test_failed_submission_cancels_what_was_submitted_and_ends_consistently(tmp_
             launch(spec(tmp_path), store, backend)
         assert info.value.exit_code == 3 and "QOSMaxGRESPerUser" in str(info.value)
         assert backend.cancelled == ["101"]
-        run = store.find_run("r")
+        run = store.runs.find("r")
         assert run["state"] == "FAILED"
-        assert {a.state for a in store.allocations(run["id"])} == {"ENDED"}
+        assert {a.state for a in store.fleet.allocations(run["id"])} == {"ENDED"}
 
 
 class FailingRunner:

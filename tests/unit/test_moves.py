@@ -25,11 +25,11 @@ def world(tmp_path: Path):
     store = Store.open(tmp_path / "state.db")
     pools = [factories.pool("trainer", "TRAIN"), factories.pool("rollout", "ROLLOUT")]
     factories.create_run(store, tmp_path, pools, spec_path="r.toml")
-    for a, job, node in zip(store.allocations("r"), ("7", "8"), ("gpu1", "gpu2"), strict=True):
+    for a, job, node in zip(store.fleet.allocations("r"), ("7", "8"), ("gpu1", "gpu2"), strict=True):
         factories.submit(store, a.id, job)
         factories.start(store, a.id, node)
     clock, router = Clock(), SimRouter()
-    rollout = next(a for a in store.allocations("r") if a.pool == "rollout")
+    rollout = next(a for a in store.fleet.allocations("r") if a.pool == "rollout")
     daemon = Daemon(store, rollout.id, 1, clock, router)
     for job, node in (("7", "gpu1"), ("8", "gpu2")):
         daemon.controller.agents.register(
@@ -48,7 +48,7 @@ def world(tmp_path: Path):
                 return
         raise AssertionError("did not converge")
 
-    loop(lambda: any(w.routable for w in store.workers("r")))
+    loop(lambda: any(w.routable for w in store.fleet.workers("r")))
     yield store, daemon, agent, loop
     store.close()
 
@@ -69,17 +69,17 @@ def test_a_rollout_gpu_goes_through_every_move_and_back(world):
         ("retire", None, False, "retire", "ROLLOUT", "IDLE"),
         ("start", "DECODE", False, "start", "IDLE", "DECODE"),
     ]
-    gpu = next(g for g in store.gpus("r") if g.pool == "rollout")
+    gpu = next(g for g in store.fleet.gpus("r") if g.pool == "rollout")
     for kind, role, keep_warm, plan, from_role, to_role in cycle:
         answer = move(daemon, kind, "gpu2:0", role=role, keep_warm=keep_warm)
         assert (answer["plan"], answer["from_role"], answer["to_role"]) == (plan, from_role, to_role)
         assert answer["gpus"] == ["gpu2:0"] and answer["policy"] == "never"
         tid = answer["transition_id"]
-        loop(lambda tid=tid: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
-        t = store.transition(tid)
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        t = store.transitions.get(tid)
         assert t.state == "DONE" and t.detail["by"] == "operator", t
-        assert store.gpu(gpu.id).role == to_role
-    loop(lambda: any(w.role == "DECODE" and w.routable for w in store.workers("r")))
+        assert store.fleet.gpu(gpu.id).role == to_role
+    loop(lambda: any(w.role == "DECODE" and w.routable for w in store.fleet.workers("r")))
     # one start per worker a move brought up: the launch's rollout-0, prefill-0 by the first switch, a new
     # rollout-0 by the switch back, none by the wake (it woke the parked one), decode-0 by the start
     assert agent.starts == {"rollout-0": 2, "prefill-0": 1, "decode-0": 1}
@@ -99,25 +99,25 @@ def test_a_rollout_gpu_goes_through_every_move_and_back(world):
 )
 def test_a_move_that_does_not_fit_is_refused_naming_why(world, kind, gpus, role, status, says):
     store, daemon, _, _ = world
-    before = len(store.transitions("r"))
+    before = len(store.transitions.all("r"))
     with pytest.raises(ControlError) as exc:
         move(daemon, kind, *gpus, role=role)
     assert exc.value.status == status and says in str(exc.value), str(exc.value)
-    assert len(store.transitions("r")) == before  # nothing planned
+    assert len(store.transitions.all("r")) == before  # nothing planned
 
 
 def test_wake_needs_a_parked_worker_and_start_refuses_one(world):
     store, daemon, _, loop = world
     tid = move(daemon, "retire", "gpu2:0")["transition_id"]  # stopped, not parked
-    loop(lambda: store.transition(tid).state == "DONE")
+    loop(lambda: store.transitions.get(tid).state == "DONE")
     with pytest.raises(ControlError, match="no worker is parked asleep"):
         move(daemon, "wake", "gpu2:0")
     with pytest.raises(ControlError, match="are IDLE: nothing serves there to retire"):
         move(daemon, "retire", "gpu2:0")
     tid = move(daemon, "start", "gpu2:0")["transition_id"]
-    loop(lambda: store.transition(tid).state == "DONE")
+    loop(lambda: store.transitions.get(tid).state == "DONE")
     tid = move(daemon, "retire", "gpu2:0", keep_warm=True)["transition_id"]
-    loop(lambda: store.transition(tid).state == "DONE")
+    loop(lambda: store.transitions.get(tid).state == "DONE")
     with pytest.raises(ControlError, match="wake it instead"):
         move(daemon, "start", "gpu2:0")
 
@@ -132,18 +132,18 @@ def test_one_plan_at_a_time_a_second_move_is_a_conflict(world):
 
 def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_for_the_id(world):
     store, daemon, _, loop = world
-    rollout = next(g for g in store.gpus("r") if g.pool == "rollout")
-    trainer = next(g for g in store.gpus("r") if g.pool == "trainer")
+    rollout = next(g for g in store.fleet.gpus("r") if g.pool == "rollout")
+    trainer = next(g for g in store.fleet.gpus("r") if g.pool == "trainer")
     answer = move(daemon, "switch", rollout.id, role="DECODE")
     assert answer["gpus"] == ["gpu2:0"] and answer["to_role"] == "DECODE"
-    loop(lambda: store.transition(answer["transition_id"]).state == "DONE")
+    loop(lambda: store.transitions.get(answer["transition_id"]).state == "DONE")
     with pytest.raises(ControlError, match="is a trainer GPU"):
         move(daemon, "retire", trainer.id)
     with pytest.raises(ControlError, match="has no GPU id 999"):
         move(daemon, "retire", 999)
     # a second rollout allocation on the same node and index (as the local backend gives): the name fits both
-    pool_id = store.allocations("r")[1].pool_id
-    extra = store.add_allocation("r", pool_id, event="t")
+    pool_id = store.fleet.allocations("r")[1].pool_id
+    extra = store.fleet.add_allocation("r", pool_id, event="t")
     store.set_state("allocations", extra.id, expect="REQUESTED", to="PENDING", event="t", job_id="9")
     store.set_state("allocations", extra.id, expect="PENDING", to="RUNNING", event="t", node="gpu2")
     daemon.controller.agents.register(

@@ -139,7 +139,7 @@ def tick(controller: Controller) -> None:
 
 
 def checks(store: Store) -> list[dict]:
-    return [j["data"] for j in store.journal("r") if j["event"] == "prediction checked"]
+    return [j["data"] for j in store.journal.read("r") if j["event"] == "prediction checked"]
 
 
 def test_a_finished_batch_is_checked_against_its_prediction_and_corrects_the_next(run):
@@ -149,16 +149,16 @@ def test_a_finished_batch_is_checked_against_its_prediction_and_corrects_the_nex
         t0 = clock.now
         report(controller, 32)
         tick(controller)
-        watch = store.get_run("r")["predictor"]["watch"]
+        watch = store.runs.get("r")["predictor"]["watch"]
         assert watch["since"] == t0 and watch["predicted_s"] == pytest.approx(expected)
         clock.now += 5.0
         report(controller, 20)  # the batch goes on: the watch stays
         tick(controller)
-        assert store.get_run("r")["predictor"]["watch"]["since"] == t0
+        assert store.runs.get("r")["predictor"]["watch"]["since"] == t0
         clock.now = t0 + 1.3 * expected  # the batch took 30% longer than predicted
         report(controller, 0)
         tick(controller)
-        assert store.get_run("r")["predictor"]["watch"] is None
+        assert store.runs.get("r")["predictor"]["watch"] is None
         clock.now += 10.0
     done = checks(store)
     assert len(done) == 2 and all(c["ratio"] == pytest.approx(1.3) for c in done)
@@ -179,7 +179,7 @@ def test_the_watch_keeps_the_spread_its_prediction_expects_and_a_spreading_batch
     t0 = clock.now
     report(controller, 32, **spreading)
     tick(controller)
-    watch = store.get_run("r")["predictor"]["watch"]
+    watch = store.runs.get("r")["predictor"]["watch"]
     assert watch["spread"] == pytest.approx(expected.spread) and watch["predicted_s"] == pytest.approx(expected.seconds)
     clock.now = t0 + 1.3 * expected.seconds
     report(controller, 0)
@@ -196,22 +196,22 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
     store, controller, clock = run
     report(controller, 32)
     tick(controller)
-    first = store.get_run("r")["predictor"]["watch"]
-    gpu = store.gpus("r")[0].id
+    first = store.runs.get("r")["predictor"]["watch"]
+    gpu = store.fleet.gpus("r")[0].id
     retire = TransitionDetail(plan=PlanKind.RETIRE)
     tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     clock.now += 3.0
     report(controller, 30)
     with controller.lock:
         controller.borrowing.check_prediction()
-    assert store.get_run("r")["predictor"]["watch"] is None  # a transition is open: no watch
+    assert store.runs.get("r")["predictor"]["watch"] is None  # a transition is open: no watch
     store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
     store.update_fields("gpus", gpu, role="IDLE")
     clock.now += 2.0
     report(controller, 28)
     with controller.lock:
         controller.borrowing.check_prediction()
-    second = store.get_run("r")["predictor"]["watch"]
+    second = store.runs.get("r")["predictor"]["watch"]
     assert second["since"] == clock.now and len(second["gpus"]) == len(first["gpus"]) - 1
     one_worker = completion_s(Work(**{**WORK, "trajectories": 28}), Deployment(Mode.COLOCATED, decode=1), PROFILE)
     assert second["predicted_s"] == pytest.approx(one_worker)  # the new report, on the GPUs serving now
@@ -226,25 +226,25 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
 def test_a_watch_that_saw_only_the_batchs_tail_teaches_nothing(run):
     store, controller, clock = run
     report(controller, 32)
-    gpu = store.gpus("r")[0].id
+    gpu = store.fleet.gpus("r")[0].id
     retire = TransitionDetail(plan=PlanKind.RETIRE)
     tid = controller.borrowing.executor.plan("retire", [gpu], detail=retire, from_role="ROLLOUT")
     with controller.lock:  # a transition is open from the batch's start: no watch
         controller.borrowing.check_prediction()
-    assert store.get_run("r")["predictor"].get("watch") is None
+    assert store.runs.get("r")["predictor"].get("watch") is None
     clock.now += 30.0
     store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
     store.update_fields("gpus", gpu, role="IDLE")
     report(controller, 4)  # the tail: a watch starts here
     with controller.lock:
         controller.borrowing.check_prediction()
-    assert store.get_run("r")["predictor"]["watch"]["since"] == clock.now
+    assert store.runs.get("r")["predictor"]["watch"]["since"] == clock.now
     clock.now += 5.0
     report(controller, 0)
     with controller.lock:
         controller.borrowing.check_prediction()
     assert checks(store) == []  # 5 s of a 35-s batch: below correct.MIN_COVER
-    assert store.get_run("r")["predictor"]["batch_since"] is None
+    assert store.runs.get("r")["predictor"]["batch_since"] is None
 
 
 def test_status_says_how_far_batches_were_from_their_prediction(run):
@@ -282,11 +282,11 @@ def test_with_nothing_serving_mid_batch_no_watch_is_kept_and_nothing_fails(run):
     store, controller, clock = run
     report(controller, 32)
     tick(controller)
-    assert store.get_run("r")["predictor"]["watch"] is not None
-    for g in store.gpus("r"):
+    assert store.runs.get("r")["predictor"]["watch"] is not None
+    for g in store.fleet.gpus("r"):
         store.update_fields("gpus", g.id, role="IDLE")
     clock.now += 2.0
     report(controller, 30)
     with controller.lock:
         controller.borrowing.check_prediction()  # raised sqlite3.IntegrityError (json_valid) before
-    assert store.get_run("r")["predictor"]["watch"] is None
+    assert store.runs.get("r")["predictor"]["watch"] is None

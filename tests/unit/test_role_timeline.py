@@ -115,16 +115,16 @@ def test_a_real_store_journal_reads_the_same(tmp_path):
     clock = iter(float(t) for t in range(1000, 2000))
     with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
         alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
-        store.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "TRAIN")
-        lent = store.gpus("r")[0].id
-        tid = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[lent])
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "TRAIN")
+        lent = store.fleet.gpus("r")[0].id
+        tid = store.transitions.add(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[lent])
         store.set_state("transitions", tid, expect="PLANNED", to="RUNNING", event="started")
         store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="completed")
-        store.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")  # index 1 went away
-        run = store.get_run("r")
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")  # index 1 went away
+        run = store.runs.get("r")
         tl = reconstruct(
-            store.journal("r"),
-            [g.to_dict() for g in store.gpus("r")],
+            store.journal.read("r"),
+            [g.to_dict() for g in store.fleet.gpus("r")],
             start=run["created_at"],
             end=run["created_at"] + 100,
         )
@@ -163,16 +163,16 @@ def test_a_transitions_steps_journal_every_role_they_give(tmp_path):
     clock = iter(float(t) for t in range(1000, 2000))
     with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
         alloc = create_trainer_run(store, tmp_path / "run", job_id="7")
-        store.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")
-        gid = store.gpus("r")[0].id
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0], "TRAIN")
+        gid = store.fleet.gpus("r")[0].id
         effects = DaemonEffects(store, "r", None)
-        borrow = store.add_transition(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gid])
-        back = store.add_transition(run_id="r", kind="return", from_role="ROLLOUT", to_role="TRAIN", gpu_ids=[gid])
-        effects.do(StepKind.START, store.transition(borrow), f"{borrow}:1:START")
-        effects.do(StepKind.START, store.transition(borrow), f"{borrow}:1:START")  # again: no new row
-        effects.do(StepKind.DRAIN, store.transition(back), f"{back}:1:DRAIN")
-        journal = store.journal("r")
-        run = store.get_run("r")
+        borrow = store.transitions.add(run_id="r", kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gid])
+        back = store.transitions.add(run_id="r", kind="return", from_role="ROLLOUT", to_role="TRAIN", gpu_ids=[gid])
+        effects.do(StepKind.START, store.transitions.get(borrow), f"{borrow}:1:START")
+        effects.do(StepKind.START, store.transitions.get(borrow), f"{borrow}:1:START")  # again: no new row
+        effects.do(StepKind.DRAIN, store.transitions.get(back), f"{back}:1:DRAIN")
+        journal = store.journal.read("r")
+        run = store.runs.get("r")
     roles = [(r["data"]["fields"]["role"], r["data"]["step"]) for r in journal if r["event"] == ROLE_SET]
     assert roles == [("ROLLOUT", f"{borrow}:1:START"), ("TRAIN", f"{back}:1:DRAIN")]
     tl = reconstruct(journal, [], start=run["created_at"], end=run["created_at"] + 100)

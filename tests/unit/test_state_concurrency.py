@@ -28,8 +28,8 @@ def _read_until_stopped(path: str, run_id: str, stop: Event, results: Any) -> No
     try:
         while True:
             try:
-                runs = store.list_runs()
-                allocations = store.allocations(run_id)
+                runs = store.runs.all()
+                allocations = store.fleet.allocations(run_id)
                 assert [r["id"] for r in runs] == [run_id] and len(allocations) == 4
                 versions.append(allocations[0].version)
                 reads += 1
@@ -69,13 +69,13 @@ def _write(path: str, allocation_id: int, writes: int, go: Event, results: Any) 
 
 def _setup(path: Path) -> tuple[str, list[int]]:
     with Store.open(path) as store:
-        store.create_run(
+        store.runs.create(
             run_id="r1", name="concurrency", spec={}, spec_path=None, run_dir=None, backend="local",
             policy=None,
             pools=[{"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "nodes": 4, "gpus_per_node": 1,
                     "job_name": "pearl-concurrency-rollout"}],
         )  # fmt: skip
-        ids = [a.id for a in store.allocations("r1")]
+        ids = [a.id for a in store.fleet.allocations("r1")]
         for allocation_id in ids:
             store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch")
     return "r1", ids
@@ -119,7 +119,7 @@ def test_readers_never_see_locked_while_a_writer_writes(tmp_path: Path) -> None:
     seen = {v for *_, versions in read_results for v in versions}
     assert seen & set(range(3, 2 + WRITES)), "readers never overlapped the writes"
     with Store.open(path, readonly=True) as store:
-        assert store.allocation(ids[0]).version == 2 + WRITES  # created, PENDING, then 200 writes
+        assert store.fleet.allocation(ids[0]).version == 2 + WRITES  # created, PENDING, then 200 writes
 
 
 def test_two_writers_are_serialised_and_both_succeed(tmp_path: Path) -> None:
@@ -139,6 +139,6 @@ def test_two_writers_are_serialised_and_both_succeed(tmp_path: Path) -> None:
             p.join(TIMEOUT_S)
     assert sorted((a, done, errs) for a, done, errs in outcomes) == [(ids[1], 100, []), (ids[2], 100, [])]
     with Store.open(path, readonly=True) as store:
-        assert [store.allocation(ids[i]).version for i in (1, 2)] == [102, 102]
-        flips = [e for e in store.journal(run_id="r1") if e["event"] == "test.flip"]
+        assert [store.fleet.allocation(ids[i]).version for i in (1, 2)] == [102, 102]
+        flips = [e for e in store.journal.read(run_id="r1") if e["event"] == "test.flip"]
         assert len(flips) == 100  # 50 per writer, none lost

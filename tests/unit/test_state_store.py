@@ -52,7 +52,7 @@ _names = itertools.count()
 def new_run(store: Store, *, nodes: int = 1, gpus_per_node: int = 2) -> str:
     n = next(_names)
     run_id = f"run-{n:04d}"
-    store.create_run(
+    store.runs.create(
         run_id=run_id,
         name=f"name-{n:04d}",
         spec={"model": "tiny", "n": n},
@@ -90,21 +90,21 @@ def new_row(store: Store, table: str) -> int | str:
     run_id = new_run(store)
     if table == "runs":
         return run_id
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     if table == "allocations":
         return allocation_id
     if table == "workers":
-        return store.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm")
-    store.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
-    gpu_ids = [g.id for g in store.gpus(run_id)]
+        return store.fleet.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm")
+    store.fleet.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
+    gpu_ids = [g.id for g in store.fleet.gpus(run_id)]
     if table == "gpus":
         return gpu_ids[0]
-    transition_id = store.add_transition(
+    transition_id = store.transitions.add(
         run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=gpu_ids
     )
     if table == "transitions":
         return transition_id
-    return store.add_step(
+    return store.transitions.add_step(
         transition_id=transition_id, seq=0, kind="OFFLOAD", idempotency_key=f"{transition_id}:0:offload"
     )
 
@@ -126,7 +126,7 @@ def row_of(store: Store, table: str, row_id: int | str) -> dict:
 
 
 def last_journal_id(store: Store) -> int:
-    rows = store.journal()
+    rows = store.journal.read()
     return rows[-1]["id"] if rows else 0
 
 
@@ -165,7 +165,7 @@ def test_every_edge_writes_row_and_journal(shared: Store, table: str, old: str, 
     after = row_of(shared, table, row_id)
     assert (after["state"], after["version"]) == (new, before["version"] + 1) and version == after["version"]
     assert after["updated_at"] >= before["updated_at"]
-    (entry,) = shared.journal(since_id=since)
+    (entry,) = shared.journal.read(since_id=since)
     run_id = row_id if table == "runs" else None
     assert entry["entity"] == table and entry["entity_id"] == str(row_id) and entry["event"] == "test.edge"
     assert (entry["from_state"], entry["to_state"]) == (old, new)
@@ -184,7 +184,7 @@ def test_every_non_edge_is_refused_and_writes_nothing(shared: Store, table: str,
 
     assert refused.value.allowed == tuple(str(s) for s in MACHINES[table].next_states(old))
     assert row_of(shared, table, row_id) == before
-    assert shared.journal(since_id=since) == []
+    assert shared.journal.read(since_id=since) == []
 
 
 @pytest.mark.parametrize(("table", "state"), STATES)
@@ -192,7 +192,7 @@ def test_every_state_reachable_through_the_store(shared: Store, table: str, stat
     row_id = row_in(shared, table, state)
     route = path_to(table, state)
     assert row_of(shared, table, row_id)["version"] == len(route)
-    entries = [e for e in shared.journal() if e["entity"] == table and e["entity_id"] == str(row_id)]
+    entries = [e for e in shared.journal.read() if e["entity"] == table and e["entity_id"] == str(row_id)]
     assert [e["to_state"] for e in entries if e["to_state"]] == route  # creation + one row per edge
 
 
@@ -211,7 +211,7 @@ def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: 
             with pytest.raises(IllegalTransition):
                 shared.set_state(table, row_id, expect=state, to=target, event="walk")
     row = row_of(shared, table, row_id)
-    entries = [e for e in shared.journal() if e["entity"] == table and e["entity_id"] == str(row_id)]
+    entries = [e for e in shared.journal.read() if e["entity"] == table and e["entity_id"] == str(row_id)]
     transitions = [e for e in entries if e["to_state"] is not None]
     assert row["state"] == state == transitions[-1]["to_state"]
     assert row["version"] == len(transitions)
@@ -224,9 +224,9 @@ def test_random_walks_keep_the_journal_a_faithful_history(shared: Store, table: 
 
 def test_stale_version_is_refused_and_writes_nothing(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     version = store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch")
-    before, since = store.allocation(allocation_id), last_journal_id(store)
+    before, since = store.fleet.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleWrite) as refused:
         store.set_state(
@@ -237,36 +237,36 @@ def test_stale_version_is_refused_and_writes_nothing(store: Store) -> None:
     err = refused.value
     assert (err.current_state, err.current_version, err.expected_version) == ("PENDING", version, version - 1)
     assert f"PENDING v{version}" in str(err)
-    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
+    assert store.fleet.allocation(allocation_id) == before and store.journal.read(since_id=since) == []
 
 
 def test_wrong_expected_state_is_refused_and_writes_nothing(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
-    before, since = store.allocation(allocation_id), last_journal_id(store)
+    allocation_id = store.fleet.allocations(run_id)[0].id
+    before, since = store.fleet.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleWrite, match="expected RUNNING, but it is REQUESTED v1"):
         store.set_state("allocations", allocation_id, expect="RUNNING", to="ENDED", event="ended")
 
-    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
+    assert store.fleet.allocation(allocation_id) == before and store.journal.read(since_id=since) == []
 
 
 def test_set_state_writes_fields_and_journals_them(store: Store, clock: FakeClock) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     clock.advance(5)
     store.set_state(
         "allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch",
         data={"argv": ["sbatch", "x"]}, job_id="123_0", slurm_state="PENDING",
     )  # fmt: skip
-    row = store.allocations(run_id)[0]
+    row = store.fleet.allocations(run_id)[0]
     assert (row.job_id, row.slurm_state, row.updated_at, row.pool) == (
         "123_0",
         "PENDING",
         1005.0,
         "trainer",
     )
-    assert store.journal()[-1]["data"] == {
+    assert store.journal.read()[-1]["data"] == {
         "argv": ["sbatch", "x"],
         "fields": {"job_id": "123_0", "slurm_state": "PENDING"},
     }
@@ -274,7 +274,7 @@ def test_set_state_writes_fields_and_journals_them(store: Store, clock: FakeCloc
 
 def test_missing_row_and_bad_fields_are_refused(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     with pytest.raises(NotFound):
         store.set_state("allocations", 9999, expect="REQUESTED", to="PENDING", event="x")
     with pytest.raises(InvalidWrite, match="no column nod"):
@@ -286,34 +286,34 @@ def test_missing_row_and_bad_fields_are_refused(store: Store) -> None:
         store.update_fields("journal", 1, event="x")
     with pytest.raises(InvalidWrite):
         store.update_fields("allocations", allocation_id)  # nothing to write
-    assert store.allocation(allocation_id).version == 1
+    assert store.fleet.allocation(allocation_id).version == 1
 
 
 def test_update_fields_bumps_version_and_is_idempotent(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     since = last_journal_id(store)
 
     v = store.update_fields("allocations", allocation_id, event="slurm.seen", job_id="77_0", restarts=1)
     again = store.update_fields("allocations", allocation_id, event="slurm.seen", job_id="77_0", restarts=1)
     quiet = store.update_fields("allocations", allocation_id, node="n9")  # no event: no journal row
-    pool_version = store.update_fields("pools", store.pools(run_id)[0]["id"], job_id="77")
+    pool_version = store.update_fields("pools", store.runs.pools(run_id)[0]["id"], job_id="77")
 
     assert (v, again, quiet, pool_version) == (2, 2, 3, None)
-    row = store.allocation(allocation_id)
+    row = store.fleet.allocation(allocation_id)
     assert (row.job_id, row.restarts, row.node, row.state) == ("77_0", 1, "n9", "REQUESTED")
-    (entry,) = store.journal(since_id=since)
+    (entry,) = store.journal.read(since_id=since)
     assert entry["event"] == "slurm.seen" and entry["data"] == {"fields": {"job_id": "77_0", "restarts": 1}}
-    assert store.pools(run_id)[0]["job_id"] == "77"
+    assert store.runs.pools(run_id)[0]["job_id"] == "77"
     store.update_fields("runs", run_id, last_poll_at=1234.5)
-    assert store.get_run(run_id)["last_poll_at"] == 1234.5
+    assert store.runs.get(run_id)["last_poll_at"] == 1234.5
 
 
 # ---------------------------------------------------------------------------- runs and reads
 
 
 def test_create_run_writes_run_pools_allocations_and_journal(store: Store) -> None:
-    store.create_run(
+    store.runs.create(
         run_id="r1", name="demo", spec={"pools": {"trainer": 2}}, spec_path="/s.toml", run_dir="/rd",
         backend="slurm", policy="cost-aware",
         pools=[
@@ -323,34 +323,34 @@ def test_create_run_writes_run_pools_allocations_and_journal(store: Store) -> No
              "job_name": "pearl-demo-spot", "partition": "preempt"},
         ],
     )  # fmt: skip
-    run = store.get_run("r1")
+    run = store.runs.get("r1")
     assert (run["state"], run["version"], run["spec"], run["backend"]) == (
         "CREATED",
         1,
         {"pools": {"trainer": 2}},
         "slurm",
     )
-    assert store.find_run("demo") == run == store.find_run("r1") and store.find_run("nope") is None
-    assert [r["id"] for r in store.list_runs()] == ["r1"]
-    pools = store.pools("r1")
+    assert store.runs.find("demo") == run == store.runs.find("r1") and store.runs.find("nope") is None
+    assert [r["id"] for r in store.runs.all()] == ["r1"]
+    pools = store.runs.pools("r1")
     assert [(p["name"], p["partition"], p["job_id"]) for p in pools] == [
         ("trainer", None, None),
         ("spot", "preempt", None),
     ]
-    allocations = store.allocations("r1")
+    allocations = store.fleet.allocations("r1")
     assert [(a.pool, a.array_index, a.state, a.version) for a in allocations] == [
         ("trainer", 0, "REQUESTED", 1), ("trainer", 1, "REQUESTED", 1),
         ("spot", 0, "REQUESTED", 1), ("spot", 1, "REQUESTED", 1), ("spot", 2, "REQUESTED", 1),
     ]  # fmt: skip
-    events = [(e["entity"], e["event"], e["to_state"]) for e in store.journal(run_id="r1")]
+    events = [(e["entity"], e["event"], e["to_state"]) for e in store.journal.read(run_id="r1")]
     assert events[0] == ("runs", "run.created", "CREATED")
     assert events[1:] == [("allocations", "allocation.requested", "REQUESTED")] * 5
-    assert len(store.journal(run_id="r1", since_id=2, limit=2)) == 2
+    assert len(store.journal.read(run_id="r1", since_id=2, limit=2)) == 2
 
 
 def test_duplicate_run_and_invalid_pools_write_nothing(store: Store) -> None:
     run_id = new_run(store)
-    name = store.get_run(run_id)["name"]
+    name = store.runs.get(run_id)["name"]
     since = last_journal_id(store)
     pool = {
         "name": "p",
@@ -368,93 +368,97 @@ def test_duplicate_run_and_invalid_pools_write_nothing(store: Store) -> None:
         "policy": None,
     }
     with pytest.raises(DuplicateRun, match=name):
-        store.create_run(run_id="other", name=name, pools=[pool], **common)
+        store.runs.create(run_id="other", name=name, pools=[pool], **common)
     with pytest.raises(DuplicateRun):
-        store.create_run(run_id=run_id, name="fresh", pools=[pool], **common)
+        store.runs.create(run_id=run_id, name="fresh", pools=[pool], **common)
     with pytest.raises(InvalidWrite, match="kind"):
-        store.create_run(run_id="x", name="x", pools=[{**pool, "kind": "spot"}], **common)
+        store.runs.create(run_id="x", name="x", pools=[{**pool, "kind": "spot"}], **common)
     with pytest.raises(InvalidWrite, match="role"):
-        store.create_run(run_id="x", name="x", pools=[{**pool, "role": "TRAINER"}], **common)
+        store.runs.create(run_id="x", name="x", pools=[{**pool, "role": "TRAINER"}], **common)
     with pytest.raises(InvalidWrite, match="missing"):
-        store.create_run(run_id="x", name="x", pools=[{"name": "p"}], **common)
+        store.runs.create(run_id="x", name="x", pools=[{"name": "p"}], **common)
     with pytest.raises(InvalidWrite, match="backend"):
-        store.create_run(run_id="x", name="x", pools=[pool], **{**common, "backend": "k8s"})
-    assert [r["id"] for r in store.list_runs()] == [run_id] and store.journal(since_id=since) == []
+        store.runs.create(run_id="x", name="x", pools=[pool], **{**common, "backend": "k8s"})
+    assert [r["id"] for r in store.runs.all()] == [run_id] and store.journal.read(since_id=since) == []
     with pytest.raises(NotFound):
-        store.get_run("x")
+        store.runs.get("x")
 
 
 def test_workers_transitions_and_steps(store: Store) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
-    store.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
-    gpu_ids = [g.id for g in store.gpus(run_id)]
-    worker_id = store.add_worker(
+    allocation_id = store.fleet.allocations(run_id)[0].id
+    store.fleet.upsert_node_gpus(run_id, allocation_id, "node-a", [0, 1], "TRAIN")
+    gpu_ids = [g.id for g in store.fleet.gpus(run_id)]
+    worker_id = store.fleet.add_worker(
         run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", url="http://n:8000"
     )
-    transition_id = store.add_transition(
+    transition_id = store.transitions.add(
         run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[gpu_ids[1], gpu_ids[0]]
     )
-    step_id = store.add_step(
+    step_id = store.transitions.add_step(
         transition_id=transition_id, seq=0, kind="OFFLOAD", idempotency_key="k0", detail={"ranks": [0, 1]}
     )
-    assert [(w.id, w.state, w.url) for w in store.workers(run_id)] == [(worker_id, "STARTING", "http://n:8000")]
-    (transition,) = store.transitions(run_id)
+    assert [(w.id, w.state, w.url) for w in store.fleet.workers(run_id)] == [(worker_id, "STARTING", "http://n:8000")]
+    (transition,) = store.transitions.all(run_id)
     assert (transition.state, transition.gpu_ids) == ("PLANNED", tuple(sorted(gpu_ids)))
-    assert [(s.id, s.state, s.detail) for s in store.steps(transition_id)] == [(step_id, "INTENT", {"ranks": [0, 1]})]
+    assert [(s.id, s.state, s.detail) for s in store.transitions.steps(transition_id)] == [
+        (step_id, "INTENT", {"ranks": [0, 1]})
+    ]
     store.set_state("steps", step_id, expect="INTENT", to="DONE", event="done", detail={"ranks": [0, 1], "ok": True})
-    assert store.steps(transition_id)[0].detail == {"ranks": [0, 1], "ok": True}
+    assert store.transitions.steps(transition_id)[0].detail == {"ranks": [0, 1], "ok": True}
     with pytest.raises(DuplicateStep):
-        store.add_step(transition_id=transition_id, seq=1, kind="RELOAD", idempotency_key="k0")
+        store.transitions.add_step(transition_id=transition_id, seq=1, kind="RELOAD", idempotency_key="k0")
     with pytest.raises(DuplicateStep):
-        store.add_step(transition_id=transition_id, seq=0, kind="RELOAD", idempotency_key="k1")
+        store.transitions.add_step(transition_id=transition_id, seq=0, kind="RELOAD", idempotency_key="k1")
     with pytest.raises(InvalidWrite, match="step kind"):
-        store.add_step(transition_id=transition_id, seq=1, kind="REBOOT", idempotency_key="k1")
+        store.transitions.add_step(transition_id=transition_id, seq=1, kind="REBOOT", idempotency_key="k1")
     with pytest.raises(InvalidWrite, match="no GPUs"):
-        store.add_transition(run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999])
+        store.transitions.add(run_id=run_id, kind="borrow", from_role="TRAIN", to_role="ROLLOUT", gpu_ids=[999])
     store.set_state("transitions", transition_id, expect="PLANNED", to="RUNNING", event="go")
     store.set_state("transitions", transition_id, expect="RUNNING", to="DONE", event="done")
     with pytest.raises(InvalidWrite, match="DONE"):
-        store.add_step(transition_id=transition_id, seq=1, kind="VERIFY", idempotency_key="k1")
+        store.transitions.add_step(transition_id=transition_id, seq=1, kind="VERIFY", idempotency_key="k1")
 
 
 def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> None:
     runs = [new_run(store), new_run(store)]
     gpu = {}
     for run_id in runs:
-        allocation_id = store.allocations(run_id)[0].id
-        store.upsert_node_gpus(run_id, allocation_id, "node-a", [0], "TRAIN")
-        gpu[run_id] = store.gpus(run_id)[0].id
+        allocation_id = store.fleet.allocations(run_id)[0].id
+        store.fleet.upsert_node_gpus(run_id, allocation_id, "node-a", [0], "TRAIN")
+        gpu[run_id] = store.fleet.gpus(run_id)[0].id
     made: dict[str, list[int]] = {r: [] for r in runs}
     for i in range(8):  # per run: borrow, return, borrow, ... ; every step DONE but the last transition's
         for run_id in runs:
             kind = ("borrow", "return")[i % 2]
             roles = ("TRAIN", "ROLLOUT")[:: 1 if kind == "borrow" else -1]
-            tid = store.add_transition(
+            tid = store.transitions.add(
                 run_id=run_id, kind=kind, from_role=roles[0], to_role=roles[1], gpu_ids=[gpu[run_id]]
             )
             made[run_id].append(tid)
             store.set_state("transitions", tid, expect="PLANNED", to="RUNNING", event="go")
             for seq, step in enumerate(("OFFLOAD", "START") if kind == "borrow" else ("STOP", "RELOAD")):
-                sid = store.add_step(transition_id=tid, seq=seq, kind=step, idempotency_key=f"{run_id}:{tid}:{seq}")
+                sid = store.transitions.add_step(
+                    transition_id=tid, seq=seq, kind=step, idempotency_key=f"{run_id}:{tid}:{seq}"
+                )
                 if i < 7:
                     store.set_state("steps", sid, expect="INTENT", to="DONE", event="done")
             if i < 7:
                 store.set_state("transitions", tid, expect="RUNNING", to="DONE", event="done")
     a, b = runs
-    assert [t.id for t in store.transitions(a)] == made[a]  # the whole history, oldest first
-    assert [t.id for t in store.open_transitions(a)] == made[a][-1:]
-    assert [t.id for t in store.transitions(a, states=("DONE",), kind="borrow", last=2)] == made[a][4:7:2]
-    assert [t.id for t in store.transitions(a, last=3)] == made[a][-3:]
-    assert store.transitions(a, kind="switch") == []
-    step = store.step_by_key(a, f"{a}:{made[a][0]}:1")
+    assert [t.id for t in store.transitions.all(a)] == made[a]  # the whole history, oldest first
+    assert [t.id for t in store.transitions.open(a)] == made[a][-1:]
+    assert [t.id for t in store.transitions.all(a, states=("DONE",), kind="borrow", last=2)] == made[a][4:7:2]
+    assert [t.id for t in store.transitions.all(a, last=3)] == made[a][-3:]
+    assert store.transitions.all(a, kind="switch") == []
+    step = store.transitions.step_by_key(a, f"{a}:{made[a][0]}:1")
     assert (step.transition_id, step.kind) == (made[a][0], "START")
-    assert store.step_by_key(b, f"{a}:{made[a][0]}:1") is None  # another run's key is not this run's step
-    recent = store.recent_steps(a, state="DONE", per_kind=2)
+    assert store.transitions.step_by_key(b, f"{a}:{made[a][0]}:1") is None  # another run's key is not this run's step
+    recent = store.transitions.recent_steps(a, state="DONE", per_kind=2)
     assert [(s.kind, s.transition_id) for s in recent] == sorted(
         [(k, t) for k, ts in (("OFFLOAD", made[a][4:7:2]), ("START", made[a][4:7:2]),
                               ("STOP", made[a][3:6:2]), ("RELOAD", made[a][3:6:2])) for t in ts],
-        key=lambda kt: next(s.id for s in store.steps(kt[1]) if s.kind == kt[0]),
+        key=lambda kt: next(s.id for s in store.transitions.steps(kt[1]) if s.kind == kt[0]),
     )  # fmt: skip
     assert all(s.state == "DONE" for s in recent)
 
@@ -464,47 +468,47 @@ def test_transition_and_step_queries_read_only_what_is_asked(store: Store) -> No
 
 def test_upsert_node_gpus(store: Store) -> None:
     run_id = new_run(store, nodes=2)
-    a0, a1 = (a.id for a in store.allocations(run_id))
-    store.upsert_node_gpus(run_id, a0, "node-a", [0, 1, 2], "TRAIN")
+    a0, a1 = (a.id for a in store.fleet.allocations(run_id))
+    store.fleet.upsert_node_gpus(run_id, a0, "node-a", [0, 1, 2], "TRAIN")
     since = last_journal_id(store)
-    store.upsert_node_gpus(run_id, a0, "node-a", [2, 1, 0], "TRAIN")
-    assert store.journal(since_id=since) == []  # idempotent
+    store.fleet.upsert_node_gpus(run_id, a0, "node-a", [2, 1, 0], "TRAIN")
+    assert store.journal.read(since_id=since) == []  # idempotent
 
     def view() -> list[tuple[Any, ...]]:
-        return [(g.allocation_id, g.node, g.idx, g.state, g.role) for g in store.gpus(run_id)]
+        return [(g.allocation_id, g.node, g.idx, g.state, g.role) for g in store.fleet.gpus(run_id)]
 
-    store.upsert_node_gpus(run_id, a0, "node-a", [0, 1], "TRAIN")  # index 2 disappeared
+    store.fleet.upsert_node_gpus(run_id, a0, "node-a", [0, 1], "TRAIN")  # index 2 disappeared
     assert view() == [
         (a0, "node-a", 0, "UP", "TRAIN"),
         (a0, "node-a", 1, "UP", "TRAIN"),
         (a0, "node-a", 2, "GONE", "TRAIN"),
     ]
 
-    gpu1, gpu2 = store.gpus(run_id)[1:]
+    gpu1, gpu2 = store.fleet.gpus(run_id)[1:]
     store.update_fields("gpus", gpu1.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     store.set_state("gpus", gpu1.id, expect="UP", to="LOST", event="heartbeat.missed")
     # a GPU that went while lent (its job preempted and requeued): the lending ended with the allocation
     store.update_fields("gpus", gpu2.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     # requeued elsewhere: 0 moves, 1 comes back from LOST keeping its borrowed role, 2 comes back fresh
-    store.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
+    store.fleet.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
     assert view() == [
         (a0, "node-b", 0, "UP", "TRAIN"),
         (a0, "node-b", 1, "UP", "ROLLOUT"),
         (a0, "node-b", 2, "UP", "TRAIN"),
     ]
-    lending = [(g.borrowed, g.return_deadline) for g in store.gpus(run_id)]
+    lending = [(g.borrowed, g.return_deadline) for g in store.fleet.gpus(run_id)]
     assert lending == [(0, None), (1, 2000.0), (0, None)]  # the fresh one is no longer lent
-    events = [e["event"] for e in store.journal(since_id=since) if e["entity"] == "gpus"]
+    events = [e["event"] for e in store.journal.read(since_id=since) if e["entity"] == "gpus"]
     assert events.count("gpu.moved") == 1 and events.count("gpu.gone") == 1
 
-    store.upsert_node_gpus(run_id, a1, "node-c", [0], "TRAIN")
-    assert [n["name"] for n in store.nodes(run_id)] == ["node-a", "node-b", "node-c"]
+    store.fleet.upsert_node_gpus(run_id, a1, "node-c", [0], "TRAIN")
+    assert [n["name"] for n in store.runs.nodes(run_id)] == ["node-a", "node-b", "node-c"]
     with pytest.raises(NotFound):
-        store.upsert_node_gpus("run-other", a1, "node-c", [0], "TRAIN")
+        store.fleet.upsert_node_gpus("run-other", a1, "node-c", [0], "TRAIN")
     with pytest.raises(InvalidWrite):
-        store.upsert_node_gpus(run_id, a1, "node-c", [0, 0], "TRAIN")
+        store.fleet.upsert_node_gpus(run_id, a1, "node-c", [0, 0], "TRAIN")
     with pytest.raises(InvalidWrite):
-        store.upsert_node_gpus(run_id, a1, "node-c", [0], "GPU")
+        store.fleet.upsert_node_gpus(run_id, a1, "node-c", [0], "GPU")
 
 
 # ---------------------------------------------------------------------------- the journal, schema, read-only
@@ -512,7 +516,7 @@ def test_upsert_node_gpus(store: Store) -> None:
 
 def test_journal_is_append_only_in_sql(store: Store, tmp_path: Path) -> None:
     journal_id = store.journal_event(None, "daemon", "d1", "daemon.started", data={"pid": 1}, epoch=3)
-    assert store.journal()[-1] == {
+    assert store.journal.read()[-1] == {
         "id": journal_id, "ts": 1000.0, "run_id": None, "entity": "daemon", "entity_id": "d1",
         "event": "daemon.started", "from_state": None, "to_state": None, "epoch": 3, "data": {"pid": 1},
     }  # fmt: skip
@@ -524,7 +528,7 @@ def test_journal_is_append_only_in_sql(store: Store, tmp_path: Path) -> None:
             raw.execute("DELETE FROM journal")
     finally:
         raw.close()
-    assert store.journal()[-1]["event"] == "daemon.started"
+    assert store.journal.read()[-1]["event"] == "daemon.started"
 
 
 def test_connect_sets_pragmas_and_migrates_once(tmp_path: Path) -> None:
@@ -572,11 +576,11 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     with Store.open(path) as writer:
         run_id = new_run(writer)
-        allocation_id = writer.allocations(run_id)[0].id
+        allocation_id = writer.fleet.allocations(run_id)[0].id
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
 
     with Store.open(path, readonly=True) as reader:
-        assert reader.get_run(run_id)["state"] == "CREATED" and len(reader.allocations(run_id)) == 1
+        assert reader.runs.get(run_id)["state"] == "CREATED" and len(reader.fleet.allocations(run_id)) == 1
         with pytest.raises(ReadOnlyStore):
             reader.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="x")
         with pytest.raises(ReadOnlyStore):
@@ -593,7 +597,7 @@ def test_readonly_store_reads_and_never_writes(tmp_path: Path) -> None:
         ro.close()
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
     with Store.open(path, readonly=True) as reader:
-        assert reader.find_run(run_id) is not None
+        assert reader.runs.find(run_id) is not None
         assert reader.health() == {
             "integrity": "ok", "journal_mode": "wal", "schema_version": SCHEMA_VERSION, "runs": 1,
             "journal_rows": 2,
@@ -628,7 +632,7 @@ def test_lease_acquire_renew_takeover_release(store: Store, clock: FakeClock) ->
     store.leases.release(name, "b")
     assert store.leases.acquire(name, "b", ttl_s=10) == 3  # epochs never go back, even for the same holder
     assert store.leases.get("nope") is None
-    events = [(e["event"], e["epoch"]) for e in store.journal() if e["entity"] == "leases"]
+    events = [(e["event"], e["epoch"]) for e in store.journal.read() if e["entity"] == "leases"]
     assert events == [
         ("lease.acquired", 1),
         ("lease.acquired", 2),
@@ -639,17 +643,17 @@ def test_lease_acquire_renew_takeover_release(store: Store, clock: FakeClock) ->
 
 def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     run_id = new_run(store)
-    allocation_id = store.allocations(run_id)[0].id
+    allocation_id = store.fleet.allocations(run_id)[0].id
     # no lease yet: the epoch is only recorded
     store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch", epoch=7)
-    assert store.journal()[-1]["epoch"] == 7
+    assert store.journal.read()[-1]["epoch"] == 7
 
     lease = run_lease_name(run_id)
     old = store.leases.acquire(lease, "daemon-1", ttl_s=30)
     clock.advance(31)
     new = store.leases.acquire(lease, "daemon-2", ttl_s=30)
     assert (old, new) == (1, 2)
-    before, since = store.allocation(allocation_id), last_journal_id(store)
+    before, since = store.fleet.allocation(allocation_id), last_journal_id(store)
 
     with pytest.raises(StaleEpoch, match="epoch 2.*epoch 1") as refused:
         store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=old)
@@ -657,26 +661,26 @@ def test_epoch_fencing(store: Store, clock: FakeClock) -> None:
     with pytest.raises(StaleEpoch):
         store.update_fields("allocations", allocation_id, node="n1", epoch=old)
     with pytest.raises(StaleEpoch):
-        store.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", epoch=old)
+        store.fleet.add_worker(run_id=run_id, allocation_id=allocation_id, role="ROLLOUT", engine="vllm", epoch=old)
     with pytest.raises(StaleEpoch):
-        store.upsert_node_gpus(run_id, allocation_id, "n1", [0], "TRAIN", epoch=old)
-    assert store.allocation(allocation_id) == before and store.journal(since_id=since) == []
+        store.fleet.upsert_node_gpus(run_id, allocation_id, "n1", [0], "TRAIN", epoch=old)
+    assert store.fleet.allocation(allocation_id) == before and store.journal.read(since_id=since) == []
 
     store.set_state("allocations", allocation_id, expect="PENDING", to="RUNNING", event="started", epoch=new)
-    assert store.journal()[-1]["epoch"] == new
+    assert store.journal.read()[-1]["epoch"] == new
 
 
 # -- atomic: several guarded writes, one commit ---------------------------------------------------------------
 def _gpu_states(store: Store, run_id: str) -> list[str]:
-    return [g.state for g in store.gpus(run_id)]
+    return [g.state for g in store.fleet.gpus(run_id)]
 
 
 def test_atomic_commits_its_writes_once_and_together(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "state.db")
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0].id
-    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
-    gpus = store.gpus(run_id)
+    alloc = store.fleet.allocations(run_id)[0].id
+    store.fleet.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    gpus = store.fleet.gpus(run_id)
     outside = Store.open(tmp_path / "state.db", readonly=True)
     commits = store.commits_on_this_thread()[0]
     with store.atomic():
@@ -689,16 +693,16 @@ def test_atomic_commits_its_writes_once_and_together(tmp_path: Path) -> None:
         assert store.commits_on_this_thread()[0] == commits
     assert store.commits_on_this_thread()[0] == commits + 1
     assert _gpu_states(outside, run_id) == ["DRAINING", "DRAINING"]
-    assert [j["event"] for j in store.journal(run_id)][-2:] == ["drain", "drain"]  # each write still journals
+    assert [j["event"] for j in store.journal.read(run_id)][-2:] == ["drain", "drain"]  # each write still journals
     outside.close()
     store.close()
 
 
 def test_a_refused_write_inside_atomic_undoes_only_itself(store: Store) -> None:
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0].id
-    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
-    first, second = store.gpus(run_id)
+    alloc = store.fleet.allocations(run_id)[0].id
+    store.fleet.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    first, second = store.fleet.gpus(run_id)
     with store.atomic():
         store.set_state("gpus", first.id, expect=first.state, to="DRAINING", event="drain")
         with pytest.raises(StaleWrite):
@@ -706,22 +710,24 @@ def test_a_refused_write_inside_atomic_undoes_only_itself(store: Store) -> None:
         with store.atomic():  # a nested block joins the outer one
             store.set_state("gpus", second.id, expect=second.state, to="DRAINING", event="drain")
     assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]
-    assert "gone" not in [j["event"] for j in store.journal(run_id)]
+    assert "gone" not in [j["event"] for j in store.journal.read(run_id)]
 
 
 def test_an_error_leaving_atomic_rolls_every_write_back(store: Store) -> None:
     run_id = new_run(store)
-    alloc = store.allocations(run_id)[0].id
-    store.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
-    before, journal = _gpu_states(store, run_id), len(store.journal(run_id))
+    alloc = store.fleet.allocations(run_id)[0].id
+    store.fleet.upsert_node_gpus(run_id, alloc, "node-a", [0, 1], "TRAIN")
+    before, journal = _gpu_states(store, run_id), len(store.journal.read(run_id))
     with pytest.raises(RuntimeError, match="midway"), store.atomic():
-        for g in store.gpus(run_id):
+        for g in store.fleet.gpus(run_id):
             store.set_state("gpus", g.id, expect=g.state, to="DRAINING", event="drain")
         assert _gpu_states(store, run_id) == ["DRAINING", "DRAINING"]  # read, and cached, inside the block
         raise RuntimeError("midway")
     assert _gpu_states(store, run_id) == before  # not the rows cached inside the rolled-back block
-    assert len(store.journal(run_id)) == journal
-    store.set_state("gpus", store.gpus(run_id)[0].id, expect=before[0], to="DRAINING", event="drain")  # writable again
+    assert len(store.journal.read(run_id)) == journal
+    store.set_state(
+        "gpus", store.fleet.gpus(run_id)[0].id, expect=before[0], to="DRAINING", event="drain"
+    )  # writable again
 
 
 def test_an_atomic_block_that_writes_nothing_is_not_counted_as_a_commit(store: Store) -> None:
@@ -732,4 +738,4 @@ def test_an_atomic_block_that_writes_nothing_is_not_counted_as_a_commit(store: S
         pass
     assert store.commits_on_this_thread()[0] == commits and seen == []
     run_id = new_run(store)  # the store is writable after it
-    assert store.get_run(run_id)["id"] == run_id
+    assert store.runs.get(run_id)["id"] == run_id

@@ -27,16 +27,16 @@ class Script:
 def store(tmp_path: Path):
     with Store.open(tmp_path / "s.db") as s:
         alloc = create_trainer_run(s, tmp_path, job_id="1")
-        s.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
+        s.fleet.upsert_node_gpus("r", alloc.id, "gpu1", [0, 1], "TRAIN")
         yield s
 
 
 def gpu_ids(store):
-    return [g.id for g in store.gpus("r")]
+    return [g.id for g in store.fleet.gpus("r")]
 
 
 def kinds(store, tid):
-    return [(s.seq, s.kind, s.state) for s in sorted(store.steps(tid), key=lambda s: s.seq)]
+    return [(s.seq, s.kind, s.state) for s in sorted(store.transitions.steps(tid), key=lambda s: s.seq)]
 
 
 def test_borrow_runs_its_steps_in_order_each_issued_once(store):
@@ -76,7 +76,7 @@ def test_after_a_crash_intent_steps_are_probed_and_reissued_once_under_the_same_
     restarted.advance(tid)
     restarted.advance(tid)
     assert fx.issued == [f"{tid}:0:OFFLOAD", f"{tid}:0:OFFLOAD"]  # re-issued once by the new process
-    events = [j["event"] for j in store.journal("r") if j["entity"] == "steps"]
+    events = [j["event"] for j in store.journal.read("r") if j["entity"] == "steps"]
     assert "effect re-issued after restart" in events
     fx.answers = {"OFFLOAD": Outcome.DONE}
     restarted.advance(tid)
@@ -117,7 +117,7 @@ def test_a_transitions_detail_is_typed_by_its_kind_and_stored_as_the_fields_set(
     ex = Executor(store, Script(), run_id="r", epoch=None)
     detail = BorrowDetail(plan=PlanKind.BORROW_WARM, rollback=PlanKind.RETURN_SLEEP, return_deadline=5.0)
     tid = ex.plan("borrow", gpu_ids(store), detail=detail)
-    row = store.transition(tid)
+    row = store.transitions.get(tid)
     assert row.detail == {"plan": "borrow_warm", "rollback": "return_sleep", "return_deadline": 5.0}
     assert TransitionDetail.of(row) == detail and TransitionDetail.of(row).plan is PlanKind.BORROW_WARM
     assert current_plan(row) == PLANS["borrow_warm"]
@@ -129,7 +129,7 @@ def test_a_transitions_detail_is_typed_by_its_kind_and_stored_as_the_fields_set(
     )
     start = TransitionDetail.of(replace(row, kind="start", detail={"return_deadline": 7.0, "why": "w"}))
     assert type(start) is TransitionDetail and start == TransitionDetail(why="w") and start.return_deadline is None
-    before = len(store.transitions("r"))
+    before = len(store.transitions.all("r"))
     with pytest.raises(TypeError, match="BorrowDetail"):
         ex.plan("borrow", gpu_ids(store), detail=TransitionDetail(why="untyped"))
-    assert len(store.transitions("r")) == before
+    assert len(store.transitions.all("r")) == before

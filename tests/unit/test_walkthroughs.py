@@ -221,7 +221,7 @@ def world(tmp_path: Path):
     policy loop with policy "never") over a real Store, its agent and router simulated."""
     store = Store.open(tmp_path / "state.db")
     factories.create_run(store, tmp_path, [factories.pool(PoolKind.ROLLOUT, Role.ROLLOUT)], spec_path="r.toml")
-    alloc = store.allocations("r")[0]
+    alloc = store.fleet.allocations("r")[0]
     factories.submit(store, alloc.id, "8")
     factories.start(store, alloc.id, "gpu2")
     router = SimRouter()
@@ -245,7 +245,7 @@ def restart(world, monkeypatch, health: Health) -> int:
     """Follow the walk-through, plan a restart of the pool's GPU and run the daemon until it ends: its id."""
     store, daemon, _, _, loop = world
     follow_transition_walkthrough(monkeypatch, health)
-    gpu = store.gpus("r")[0].id
+    gpu = store.fleet.gpus("r")[0].id
     with daemon.daemon.controller.lock:
         tid = daemon.daemon.executor.plan(
             MoveKind(NEW_KIND),
@@ -254,19 +254,19 @@ def restart(world, monkeypatch, health: Health) -> int:
             from_role=Role.ROLLOUT,
             to_role=Role.ROLLOUT,
         )
-    loop(lambda: store.transition(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+    loop(lambda: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
     return tid
 
 
 def steps(store, tid) -> list[tuple[int, str, str]]:
-    return [(s.seq, s.kind, s.state) for s in sorted(store.steps(tid), key=lambda s: s.seq)]
+    return [(s.seq, s.kind, s.state) for s in sorted(store.transitions.steps(tid), key=lambda s: s.seq)]
 
 
 def test_a_new_transition_kind_added_as_the_walkthrough_says_runs_to_done(world, monkeypatch):
     store, _, agent, router, loop = world
     health = Health()
     tid = restart(world, monkeypatch, health)
-    t = store.transition(tid)
+    t = store.transitions.get(tid)
     assert t.state == "DONE"
     assert steps(store, tid) == [(i, k, "DONE") for i, k in enumerate(_plan())]
     assert health.probed >= 1
@@ -277,9 +277,9 @@ def test_a_new_transition_kind_added_as_the_walkthrough_says_runs_to_done(world,
     assert agent.starts == {"rollout-0": 2}
     assert agent.drained_while_routed == []
     loop(lambda: router.urls)
-    live = [w for w in store.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
     assert [(w.role, w.state, w.routable) for w in live] == [(Role.ROLLOUT, "READY", 1)]
-    assert store.gpus("r")[0].role == Role.ROLLOUT
+    assert store.fleet.gpus("r")[0].role == Role.ROLLOUT
 
 
 def test_a_new_transition_kind_that_fails_rolls_back_as_the_walkthrough_says(world, monkeypatch):
@@ -287,7 +287,7 @@ def test_a_new_transition_kind_that_fails_rolls_back_as_the_walkthrough_says(wor
     health = Health()
     health.answer = Outcome.FAILED
     tid = restart(world, monkeypatch, health)
-    assert store.transition(tid).state == "ROLLED_BACK"
+    assert store.transitions.get(tid).state == "ROLLED_BACK"
     plan, rollback = _plan(), transitions.PLANS[PlanKind.RETIRE]
     health_at = plan.index(StepKind(NEW_STEP))
     assert steps(store, tid) == [
@@ -296,8 +296,8 @@ def test_a_new_transition_kind_that_fails_rolls_back_as_the_walkthrough_says(wor
         *((transitions.ROLLBACK_SEQ + i, k, "DONE") for i, k in enumerate(rollback)),
     ]
     # never routed again: the GPU is IDLE with nothing running on it
-    assert store.gpus("r")[0].role == Role.IDLE
-    assert not [w for w in store.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    assert store.fleet.gpus("r")[0].role == Role.IDLE
+    assert not [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
     assert not router.urls and agent.drained_while_routed == []
 
 
@@ -329,7 +329,7 @@ def test_a_walkthrough_that_leaves_out_a_place_fails_the_test(world, monkeypatch
     error, match = WITHOUT[left_out[1]]
     with pytest.raises(error, match=match):
         tid = restart(world, monkeypatch, health)
-        state = world[0].transition(tid).state
+        state = world[0].transitions.get(tid).state
         assert state == "ROLLED_BACK", state
 
 

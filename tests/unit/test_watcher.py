@@ -26,7 +26,7 @@ class RecordedBackend:
 @pytest.fixture
 def store(tmp_path: Path):
     with Store.open(tmp_path / "state.db") as s:
-        s.create_run(
+        s.runs.create(
             run_id="r-1",
             name="r",
             spec={"poll_interval_s": 5},
@@ -46,11 +46,11 @@ def store(tmp_path: Path):
                 }
             ],
         )
-        run = s.get_run("r-1")
+        run = s.runs.get("r-1")
         s.set_state("runs", "r-1", expect="CREATED", to="SUBMITTING", event="t", expect_version=run["version"])
-        for a in s.allocations("r-1"):
+        for a in s.fleet.allocations("r-1"):
             s.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="submitted", job_id="100")
-        run = s.get_run("r-1")
+        run = s.runs.get("r-1")
         s.set_state("runs", "r-1", expect="SUBMITTING", to="ACTIVE", event="t", expect_version=run["version"])
         yield s
 
@@ -60,11 +60,11 @@ def rec(task, state, **kw):
 
 
 def states(store):
-    return [a.state for a in sorted(store.allocations("r-1"), key=lambda a: a.array_index)]
+    return [a.state for a in sorted(store.fleet.allocations("r-1"), key=lambda a: a.array_index)]
 
 
 def events(store):
-    return [(j["entity"], j["event"], j["to_state"]) for j in store.journal("r-1") if j["entity"] == "allocations"]
+    return [(j["entity"], j["event"], j["to_state"]) for j in store.journal.read("r-1") if j["entity"] == "allocations"]
 
 
 def test_pending_range_then_running_registers_nodes_and_gpus(store):
@@ -74,14 +74,14 @@ def test_pending_range_then_running_registers_nodes_and_gpus(store):
     ]
     sync_run(store, backend, "r-1")
     assert states(store) == ["PENDING", "PENDING"]
-    assert {a.reason for a in store.allocations("r-1")} == {"Resources"}
+    assert {a.reason for a in store.fleet.allocations("r-1")} == {"Resources"}
     backend.records = [
         rec(0, "RUNNING", nodes=("gpu1",), gpus={"gpu1": (2, 3)}, start_time=1000.0),
         rec(1, "RUNNING", nodes=("gpu2",), gpus={"gpu2": (0, 1)}, start_time=1000.0),
     ]
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING"]
-    gpus = {(g.node, g.idx): (g.role, g.state) for g in store.gpus("r-1")}
+    gpus = {(g.node, g.idx): (g.role, g.state) for g in store.fleet.gpus("r-1")}
     assert gpus == {
         ("gpu1", 2): ("ROLLOUT", "UP"),
         ("gpu1", 3): ("ROLLOUT", "UP"),
@@ -100,14 +100,14 @@ def test_preemption_is_recorded_as_preempting_then_requeued_then_running(store):
     backend.records[1] = rec(1, "RUNNING", nodes=("gpu2",), start_time=1000.0, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "PREEMPTING"]
-    assert [g.state for g in store.gpus("r-1") if g.node == "gpu2"] == ["DRAINING", "DRAINING"]
+    assert [g.state for g in store.fleet.gpus("r-1") if g.node == "gpu2"] == ["DRAINING", "DRAINING"]
     backend.records[1] = rec(1, "PENDING", reason="BeginTime", restarts=1, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "PENDING"]
     backend.records[1] = rec(1, "RUNNING", nodes=("gpu3",), start_time=1030.0, restarts=1, preempt_time=1010.0)
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING"]
-    a1 = [a for a in store.allocations("r-1") if a.array_index == 1][0]
+    a1 = [a for a in store.fleet.allocations("r-1") if a.array_index == 1][0]
     assert a1.restarts == 1 and a1.node == "gpu3"
     assert [e for e in events(store) if e[1] in ("preempted", "requeued", "started")][-3:] == [
         ("allocations", "preempted", "PREEMPTING"),
@@ -138,11 +138,11 @@ def test_vanished_jobs_become_lost_and_ended_jobs_end_the_run(store):
     backend.records = [rec(1, "COMPLETED")]
     sync_run(store, backend, "r-1")
     assert states(store) == ["LOST", "ENDED"]
-    assert [g.state for g in store.gpus("r-1") if g.node == "gpu1"] == ["LOST", "LOST"]
+    assert [g.state for g in store.fleet.gpus("r-1") if g.node == "gpu1"] == ["LOST", "LOST"]
     backend.records = [rec(0, "FAILED"), rec(1, "COMPLETED")]
     sync_run(store, backend, "r-1")
     assert states(store) == ["ENDED", "ENDED"]
-    assert store.get_run("r-1")["state"] == "ENDED"
+    assert store.runs.get("r-1")["state"] == "ENDED"
 
 
 def test_unknown_slurm_state_is_kept_not_crashed_on(store):
@@ -158,16 +158,16 @@ def test_unknown_slurm_state_is_kept_not_crashed_on(store):
 def test_maybe_sync_polls_at_most_once_per_interval_across_holders(store):
     backend = RecordedBackend()
     backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",))]
-    assert maybe_sync(store, backend, store.get_run("r-1"), holder="shell-a").polled
+    assert maybe_sync(store, backend, store.runs.get("r-1"), holder="shell-a").polled
     for holder in ("shell-a", "shell-b", "shell-c"):
-        assert not maybe_sync(store, backend, store.get_run("r-1"), holder=holder).polled
+        assert not maybe_sync(store, backend, store.runs.get("r-1"), holder=holder).polled
     assert backend.polls == 1
 
 
 def test_no_poll_while_a_daemon_holds_the_run(store):
     backend = RecordedBackend()
     assert store.leases.acquire("run:r-1", "daemon", 30.0) is not None
-    assert not maybe_sync(store, backend, store.get_run("r-1"), holder="shell").polled
+    assert not maybe_sync(store, backend, store.runs.get("r-1"), holder="shell").polled
     assert backend.polls == 0
 
 
@@ -175,8 +175,8 @@ def test_a_task_added_to_a_pool_is_polled_and_folded_like_a_launched_one(store):
     """An elastic pool's added task is its own one-task array (job 200, task 2): the same poll asks about it,
     a pending record of it (one task, or a range) fits it, its preemption and requeue are recorded, and
     cancelling it alone leaves the launched tasks running."""
-    pool_id = store.pools("r-1")[0]["id"]
-    added = store.add_allocation("r-1", pool_id, event="elastic grow", data={"why": "test"})
+    pool_id = store.runs.pools("r-1")[0]["id"]
+    added = store.fleet.add_allocation("r-1", pool_id, event="elastic grow", data={"why": "test"})
     assert added.array_index == 2 and added.state == "REQUESTED"
     store.set_state("allocations", added.id, expect="REQUESTED", to="PENDING", event="submitted", job_id="200")
     backend = RecordedBackend()
@@ -191,19 +191,19 @@ def test_a_task_added_to_a_pool_is_polled_and_folded_like_a_launched_one(store):
     backend.records = [*launched, task2("RUNNING", nodes=("gpu3",), gpus={"gpu3": (0, 1)}, start_time=1010.0)]
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING", "RUNNING"]
-    assert sorted(g.idx for g in store.gpus("r-1") if g.allocation_id == added.id) == [0, 1]
+    assert sorted(g.idx for g in store.fleet.gpus("r-1") if g.allocation_id == added.id) == [0, 1]
     backend.records[2] = task2("RUNNING", nodes=("gpu3",), start_time=1010.0, preempt_time=1020.0)
     sync_run(store, backend, "r-1")
     backend.records[2] = task2("PENDING", reason="BeginTime", restarts=1)
     sync_run(store, backend, "r-1")
     backend.records[2] = task2("RUNNING", nodes=("gpu4",), start_time=1050.0, restarts=1)
     sync_run(store, backend, "r-1")
-    a2 = store.allocation(added.id)
+    a2 = store.fleet.allocation(added.id)
     assert (a2.state, a2.node, a2.restarts) == ("RUNNING", "gpu4", 1)
     backend.records[2] = task2("CANCELLED")
     sync_run(store, backend, "r-1")
     assert states(store) == ["RUNNING", "RUNNING", "ENDED"]
-    assert store.get_run("r-1")["state"] == "ACTIVE"
+    assert store.runs.get("r-1")["state"] == "ACTIVE"
     assert [e[1] for e in events(store) if e[1] in ("started", "preempted", "requeued", "ended")][-5:] == [
         "started",
         "preempted",
@@ -217,16 +217,16 @@ def test_a_pending_task_cancelled_before_it_ran_ends_instead_of_vanishing(store)
     """Slurm 22.05 (measured on the bundled cluster): `scancel 200_2` of a one-task array that never ran
     leaves squeue a record of the whole job (no task id, empty task string, CANCELLED), and sacct shows
     it as `200_[2]`. Both end the task."""
-    pool_id = store.pools("r-1")[0]["id"]
+    pool_id = store.runs.pools("r-1")[0]["id"]
     for job_id, record in (
         ("200", JobRecord(job_id="200", array_task_id=None, state="CANCELLED", source="squeue")),
         ("201", JobRecord(job_id="201", array_task_id=None, state="CANCELLED", pending_tasks=(3,), source="sacct")),
     ):
-        added = store.add_allocation("r-1", pool_id)
+        added = store.fleet.add_allocation("r-1", pool_id)
         store.set_state("allocations", added.id, expect="REQUESTED", to="PENDING", event="submitted", job_id=job_id)
         backend = RecordedBackend()
         backend.records = [rec(0, "RUNNING", nodes=("gpu1",)), rec(1, "RUNNING", nodes=("gpu2",)), record]
         sync_run(store, backend, "r-1")
-        a = store.allocation(added.id)
+        a = store.fleet.allocation(added.id)
         assert (a.state, a.slurm_state) == ("ENDED", "CANCELLED"), a
     assert states(store) == ["RUNNING", "RUNNING", "ENDED", "ENDED"]

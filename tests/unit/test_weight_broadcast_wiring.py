@@ -119,9 +119,11 @@ def state(tmp_path: Path):
         workers: dict[str, int] = {}
         for i, a, pool in running_pools(store, tmp_path, shapes, spec=spec):
             if pool == "trainer":
-                store.upsert_node_gpus("r", a.id, "n0", [0], "TRAIN")
+                store.fleet.upsert_node_gpus("r", a.id, "n0", [0], "TRAIN")
             role = "ROLLOUT"
-            wid = store.add_worker(run_id="r", allocation_id=a.id, role=role, engine="vllm", url=f"http://n{i}:80")
+            wid = store.fleet.add_worker(
+                run_id="r", allocation_id=a.id, role=role, engine="vllm", url=f"http://n{i}:80"
+            )
             store.set_state("workers", wid, expect="STARTING", to="READY", event="t", routable=1)
             workers[f"{pool}{i}"] = wid
         yield store, workers
@@ -146,7 +148,7 @@ def test_nodes_that_share_a_host_are_told_apart_by_node_name_as_their_stores_are
     has its own node-local store (keyed by node name), so a worker on another node is still a target; the agent's
     host counts only for an allocation with no node name."""
     store, workers = state
-    allocations = {a.id: a for a in store.allocations("r")}
+    allocations = {a.id: a for a in store.fleet.allocations("r")}
     for a in allocations.values():
         store.update_fields("allocations", a.id, agent_host="same-machine")
     assert [t["id"] for t in broadcast_targets(store, "r")["workers"]] == [workers["rollout1"], workers["rollout2"]]

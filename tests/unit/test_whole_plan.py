@@ -44,7 +44,7 @@ def run(tmp_path: Path, monkeypatch):
         factories.create_run(store, tmp_path, pools, policy="scripted")
         store.update_fields("runs", "r", borrow={"policy": "scripted", "max_gpus": None, "keep_warm": True})
         for i, a in enumerate(factories.run_all(store)):
-            store.upsert_node_gpus("r", a.id, f"n{i}", [0], "ROLLOUT")
+            store.fleet.upsert_node_gpus("r", a.id, f"n{i}", [0], "ROLLOUT")
         ex = Executor(store, DaemonEffects(store, "r", None), run_id="r", epoch=None, clock=lambda: NOW)
         controller = Controller(store, "r", None, clock=lambda: NOW)
         controller.borrowing = Borrowing(store, ex, "r", clock=lambda: NOW)
@@ -55,10 +55,10 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     store, controller = run
     with controller.lock:
         controller.borrowing.tick()
-    made = store.transitions("r")
-    pools = {a.id: a.pool_id for a in store.allocations("r")}
-    names = {p["id"]: p["name"] for p in store.pools("r")}
-    gpus = {g.id: g for g in store.gpus("r")}
+    made = store.transitions.all("r")
+    pools = {a.id: a.pool_id for a in store.fleet.allocations("r")}
+    names = {p["id"]: p["name"] for p in store.runs.pools("r")}
+    gpus = {g.id: g for g in store.fleet.gpus("r")}
     seen = sorted(
         (t.kind, (t.detail or {}).get("plan"), names[pools[gpus[t.gpu_ids[0]].allocation_id]],
          t.from_role, t.to_role, len(t.gpu_ids))
@@ -75,13 +75,13 @@ def test_the_daemon_runs_every_move_of_the_plan_as_a_transition(run):
     assert all(t.state == "PLANNED" for t in made)
     with controller.lock:
         controller.borrowing.tick()  # the next tick starts the retire and one switch; the other switch waits
-    states = {(t.kind, t.state) for t in store.transitions("r")}
+    states = {(t.kind, t.state) for t in store.transitions.all("r")}
     assert states == {("retire", "DONE"), ("switch", "RUNNING"), ("switch", "PLANNED")}, states  # no worker: done
-    assert len(store.transitions("r")) == 3  # and plans nothing new while they move
+    assert len(store.transitions.all("r")) == 3  # and plans nothing new while they move
 
 
 def _switches(store: Store) -> list[Transition]:
-    return sorted((t for t in store.transitions("r") if t.kind == "switch"), key=lambda t: t.id)
+    return sorted((t for t in store.transitions.all("r") if t.kind == "switch"), key=lambda t: t.id)
 
 
 def test_a_plans_switches_run_one_at_a_time_so_the_other_workers_keep_serving(run):
@@ -110,9 +110,9 @@ def test_when_a_switch_of_a_plan_fails_its_waiting_switches_are_dropped(run):
     store.set_state("transitions", first.id, expect="RUNNING", to="FAILED", event="test: a step was held")
     with controller.lock:
         controller.borrowing.tick()
-    dropped = store.transition(second.id)
-    assert dropped.state == "ROLLED_BACK" and store.steps(second.id) == []  # never started
-    why = [j for j in store.journal("r") if j["entity"] == "transitions" and j["entity_id"] == str(second.id)]
+    dropped = store.transitions.get(second.id)
+    assert dropped.state == "ROLLED_BACK" and store.transitions.steps(second.id) == []  # never started
+    why = [j for j in store.journal.read("r") if j["entity"] == "transitions" and j["entity_id"] == str(second.id)]
     assert any("earlier switch of its plan" in str(j["data"]) for j in why), why
 
 
@@ -123,26 +123,26 @@ def test_dry_run_prints_the_whole_plan_and_changes_nothing(run):
     assert sorted(m["kind"] for m in whole["moves"]) == ["retire", "switch", "switch"]
     assert sorted(t["plan"] for t in whole["transitions"]) == ["retire_sleep", "switch", "switch"]
     assert whole["why"].startswith("scripted")
-    assert store.transitions("r") == []
+    assert store.transitions.all("r") == []
 
 
 def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(run):
     store, controller = run
-    alloc = store.allocations("r")[0]
-    gpu = next(g for g in store.gpus("r") if g.allocation_id == alloc.id)
-    worker = store.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm")
+    alloc = store.fleet.allocations("r")[0]
+    gpu = next(g for g in store.fleet.gpus("r") if g.allocation_id == alloc.id)
+    worker = store.fleet.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm")
     store.update_fields("workers", worker, worker_key="rollout-0", gpu_idx=[0], url="http://n0:9000")
     store.set_state("workers", worker, expect="STARTING", to="READY", event="t")
     ex = controller.borrowing.executor
     detail = TransitionDetail(plan=PlanKind.RETIRE_SLEEP)
     tid = ex.plan("retire", [gpu.id], detail=detail, from_role="ROLLOUT", to_role="IDLE")
     ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
-    assert store.gpu(gpu.id).role == "IDLE"
-    assert store.gpu(gpu.id).worker_id == worker
+    assert store.fleet.gpu(gpu.id).role == "IDLE"
+    assert store.fleet.gpu(gpu.id).worker_id == worker
     desired = controller.agents.desired(alloc.id)
     assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
     for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
-        store.set_state("workers", worker, expect=store.worker(worker).state, to=to, event="t")
+        store.set_state("workers", worker, expect=store.fleet.worker(worker).state, to=to, event="t")
     snapshot = controller.borrowing.inputs.snapshot(NOW)
     slot = next(g for g in snapshot.gpus if g.id == gpu.id)
     assert slot.parked and slot.role == "IDLE"  # the planner sees a wake, not a cold start
@@ -163,7 +163,7 @@ def test_the_elastic_pool_is_sized_by_the_policys_what_if_plan(run, policy, work
     settings = {"policy": policy, "max_gpus": None, "keep_warm": True}
     got, why = controller.borrowing.elastic_wanted(NOW, running=1, low=1, high=3, gpus_per_node=1, settings=settings)
     assert got == wanted, why
-    assert store.transitions("r") == []  # a what-if changes nothing
+    assert store.transitions.all("r") == []  # a what-if changes nothing
 
 
 def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
@@ -171,7 +171,7 @@ def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
     process gone with the old run) ends, and the new process is a new worker — never taken for the old one
     'still serving'."""
     store, controller = run
-    alloc = store.allocations("r")[0]
+    alloc = store.fleet.allocations("r")[0]
 
     def report(pid: int, state: str) -> None:
         body = {"allocation_id": alloc.id, "workers": [
@@ -180,18 +180,18 @@ def test_a_new_process_under_a_known_worker_key_gets_a_row_of_its_own(run):
         controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc.id)
 
     report(100, "READY")
-    old = next(w for w in store.workers("r") if w.worker_key == "rollout-0")
+    old = next(w for w in store.fleet.workers("r") if w.worker_key == "rollout-0")
     store.set_state("workers", old.id, expect="READY", to="LOST", event="agent silent")
     report(200, "STARTING")
-    rows = {w.id: w for w in store.workers("r")}
+    rows = {w.id: w for w in store.fleet.workers("r")}
     assert rows[old.id].state == "STOPPED" and rows[old.id].worker_key == f"rollout-0#{old.id}"
     new = next(w for w in rows.values() if w.worker_key == "rollout-0")
     assert new.id != old.id and new.pid == 200 and new.state == "STARTING"
-    events = [j["event"] for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(old.id)]
+    events = [j["event"] for j in store.journal.read("r") if j["entity"] == "workers" and j["entity_id"] == str(old.id)]
     assert "replaced by a new process" in events
     # the same process reporting again (a daemon restart, an agent back after a pause) keeps its row
     report(200, "READY")
-    assert next(w for w in store.workers("r") if w.worker_key == "rollout-0").id == new.id
+    assert next(w for w in store.fleet.workers("r") if w.worker_key == "rollout-0").id == new.id
 
 
 def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_reports(run):
@@ -199,7 +199,7 @@ def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_re
     the worker LOST; the agent's next report (same process, still starting) brings it back to STARTING —
     not an 'unexpected report' on every heartbeat until the worker is READY."""
     store, controller = run
-    alloc = store.allocations("r")[0]
+    alloc = store.fleet.allocations("r")[0]
 
     def report(state: str) -> None:
         body = {"allocation_id": alloc.id, "workers": [
@@ -208,11 +208,11 @@ def test_a_worker_judged_lost_while_starting_is_starting_again_when_its_agent_re
         controller.agents.heartbeat(parse(bodies.Heartbeat, body), alloc.id)
 
     report("STARTING")
-    worker = next(w for w in store.workers("r") if w.worker_key == "rollout-0")
+    worker = next(w for w in store.fleet.workers("r") if w.worker_key == "rollout-0")
     store.set_state("workers", worker.id, expect="STARTING", to="LOST", event="agent silent")
     report("STARTING")
-    assert store.worker(worker.id).state == "STARTING"
+    assert store.fleet.worker(worker.id).state == "STARTING"
     report("READY")
-    assert store.worker(worker.id).state == "READY"
-    mine = [j for j in store.journal("r") if j["entity"] == "workers" and j["entity_id"] == str(worker.id)]
+    assert store.fleet.worker(worker.id).state == "READY"
+    mine = [j for j in store.journal.read("r") if j["entity"] == "workers" and j["entity_id"] == str(worker.id)]
     assert "unexpected report" not in [j["event"] for j in mine]
