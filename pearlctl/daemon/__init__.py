@@ -6,7 +6,9 @@ Its lease (one daemon per run, fenced by an epoch that every write and every com
 - ``api``: the authenticated HTTP control API agents, the trainer hook and the CLI talk to;
 - ``controller``: the controller — the shared state and the three sides below, one per caller;
 - ``shared``: the state the sides share (store, epoch, clock, decision lock, long polls) and their base class;
-- ``agents``: the agents' side — registrations, heartbeats, reported and desired workers, agent loss;
+- ``agents``: the agents' side — registrations, heartbeats and the workers they report, folded into state;
+- ``desired``: the workers each allocation should run, derived from state and published to held long polls;
+- ``liveness``: when each agent was last heard from, the loss window, and a silent agent's GPUs and workers LOST;
 - ``trainer_side``: the trainer's side — the hook's phase and acks, the rollout driver's progress;
 - ``operator``: the operator's side — borrow, return, move, profile;
 - ``borrowing``: the run's policy, live — whole plans carried out as transitions, lent GPUs returned in time;

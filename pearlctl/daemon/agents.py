@@ -1,11 +1,11 @@
-"""The agents' side of the controller: what the daemon knows about agents and workers, and the desired state
-it hands back.
+"""The agents' side of the controller: what agents report, and how it is folded into state.
 
 Agents register once per process (``register``) and then heartbeat (``heartbeat``) with the workers
-they actually run. The controller records that truth in state, answers with the workers the
-allocation should run (derived from its GPUs' roles), and marks an agent's GPUs and workers LOST when
-its heartbeats stop for ``lost_after`` heartbeat intervals. Every write carries the daemon's lease
-epoch, so a deposed daemon cannot write; every answer carries it, so agents can ignore an older one.
+they actually run. The controller records that truth in state and answers with the workers the
+allocation should run (pearlctl.daemon.desired); a heartbeat that repeats its allocation's last report to
+unchanged state is answered from memory (``remembered``). When each agent was heard, and the loss of a silent
+one, are pearlctl.daemon.liveness's. Every write carries the daemon's lease epoch, so a deposed daemon cannot
+write; every answer carries it, so agents can ignore an older one.
 
 Every method takes a typed, validated body (pearlctl.api.bodies); what an agent may do is bounded by
 its allocation credential: it reports for its own allocation only, and its workers' URLs must name its
@@ -17,34 +17,25 @@ return is journaled here.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import hmac
-import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pearlctl.api import bodies
+from pearlctl.daemon.desired import Desired, desired_hash
+from pearlctl.daemon.liveness import Liveness, move_gpus
 from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.shared import ControlError, Side
-from pearlctl.planner.model import MoveKind
 from pearlctl.state.errors import NotFound
 from pearlctl.state.machines import MACHINES
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
-from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, PoolKind, Role
+from pearlctl.vocabulary import GENERATION_ROLES, Engine, PoolKind
 
 log = logging.getLogger("pearlctl.daemon")
-
-# Agents' heartbeat times reach state (``agent_seen_at``: status, a successor daemon, which gives agents a
-# takeover grace anyway) at most this often; the loss check reads them from memory. At 512 agents a write
-# every tick was a quarter of a tick that decided nothing (docs/benchmarks.md).
-SEEN_WRITE_S = 5.0
 
 
 def allocation_credential(secret: str, run_id: str, allocation_id: int) -> str:
@@ -76,61 +67,14 @@ def _report_key(body: bodies.Heartbeat) -> str | None:
     return None if body.self_returns else body.model_dump_json(include={"workers", "draining"})
 
 
-def desired_hash(desired: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def tensor_parallel_groups(idx: list[int], gpus_per_worker: int | None) -> list[list[int]]:
-    """The vLLM workers one role's GPUs of an allocation form: consecutive groups of ``gpus_per_worker`` in
-    index order, as many whole ones as there are (the planner's count, pearlctl.planner.choose.worker_groups:
-    every GPU set it hands a role yields that many workers); GPUs left over serve nothing. ``None``: one worker
-    of all of them."""
-    ordered = sorted(idx)
-    if gpus_per_worker is None:
-        return [ordered]
-    whole = len(ordered) - len(ordered) % gpus_per_worker
-    return [ordered[k : k + gpus_per_worker] for k in range(0, whole, gpus_per_worker)]
-
-
-@dataclass(frozen=True)
-class DesiredWorker:
-    key: str  # stable per allocation: "<role>-<first gpu>"
-    role: str
-    engine: str
-    gpus: tuple[int, ...]
-    state: str  # "RUNNING" | "SLEEPING" | "STOPPED"
-
-    weights: dict | None = None  # vLLM workers: the trainer's latest export to serve {version, path}
-    # a worker on lent trainer GPUs: when the trainer needs them back, and when the return must start so
-    # that it is back in time; the agent returns them itself if the daemon is unreachable by return_by
-    return_deadline: float | None = None
-    return_by: float | None = None
-
-    def as_dict(self) -> dict:
-        doc = {
-            "weights": self.weights,
-            "key": self.key,
-            "role": self.role,
-            "engine": self.engine,
-            "gpus": list(self.gpus),
-            "state": self.state,
-        }
-        if self.return_deadline is not None:
-            doc.update(return_deadline=self.return_deadline, return_by=self.return_by)
-        return doc
-
-
 class Agents(Side):
     """The agents' side: registrations, heartbeats (folded into state, answered with desired workers, held as
-    long polls), the routable workers the rollout driver asks for, and agent loss."""
+    long polls) and the routable workers the rollout driver asks for. ``liveness`` hears the agents;
+    ``desired`` says what they should run."""
 
-    def __init__(self, shared) -> None:
+    def __init__(self, shared, liveness: Liveness, desired: Desired) -> None:
         super().__init__(shared)
-        # allocation -> when its agent was last heard from: the loss check reads it here; it reaches state (for
-        # status and a successor daemon) at most every SEEN_WRITE_S in one transaction, not once per heartbeat
-        self._seen: dict[int, float] = {}
-        self._seen_written: dict[int, float] = {}
-        self._seen_written_at: float | None = None
+        self.liveness, self.desired = liveness, desired
         # heartbeats answered from memory (the same report to the same state) and folded into state: /metrics
         self.heartbeats: collections.Counter[str] = collections.Counter()
         # each heartbeat's handling, from its arrival to its answer (a long poll's hold left out): /metrics
@@ -138,13 +82,8 @@ class Agents(Side):
             "pearl_daemon_heartbeat_duration_seconds", "agent heartbeat handling, arrival to answer (hold left out)"
         )
         self._refused: dict[int, str] = {}  # allocation -> the last error its refused report got (logged once)
-        self._notified: tuple[int, int] | None = None  # the store's generation when long polls were last woken
         # allocation -> (its state's fingerprint, its report, desired workers, their hash) of its last fold
         self._answered: dict[int, tuple[tuple | None, str | None, list[dict], str]] = {}
-        self.in_flight: collections.Counter[int] = collections.Counter()  # allocation -> requests not answered
-        self._grace_from = self.clock()  # agents are judged only ``takeover_grace_s`` after this (``published``)
-        self._checked_at: float | None = None  # when check_agents last ran (a long gap: the daemon was held up)
-        self._held_up = (0.0, 0.0)  # (until when, by how long) silence is forgiven after the daemon was held up
 
     def _allocation(self, job_id: str, task_id: int) -> dict:
         for a in self.store.fleet.allocations(self.run_id):
@@ -235,7 +174,7 @@ class Agents(Side):
                 403,
             )
         alloc_id = allocation_id
-        self.heard(alloc_id)
+        self.liveness.heard(alloc_id)
         remembered = self.remembered(body, alloc_id)
         if remembered is not None:
             return remembered
@@ -273,10 +212,6 @@ class Agents(Side):
         self.heartbeats["remembered"] += 1  # heard already: on arrival (the API) or by ``report``
         return self._answer(last[2], last[3]), passes
 
-    def heard(self, allocation_id: int) -> None:
-        """The allocation's agent was heard from just now (no lock: one dict assignment)."""
-        self._seen[allocation_id] = self.clock()
-
     def refused_report(self, allocation_id: int, error: str) -> None:
         """An agent's report was refused as invalid (422, naming the field): a bug in that agent or in what
         this daemon told it, and the agent will send the same again. Counted (``/metrics``: heartbeats,
@@ -286,19 +221,6 @@ class Agents(Side):
         if self._refused.get(allocation_id) != error:
             self._refused[allocation_id] = error
             log.error("refused a report of allocation %s's agent (it will repeat it): %s", allocation_id, error)
-
-    @contextlib.contextmanager
-    def arrived(self, allocation_id: int):
-        """An agent's request arrived (its credential proved who sent it) and is answered within: the agent is
-        alive all the while, however long the request waits for a handler thread, the lock or a long poll's
-        change — the control API wraps every agent request in it."""
-        self.heard(allocation_id)
-        self.in_flight[allocation_id] += 1
-        try:
-            yield
-        finally:
-            self.in_flight[allocation_id] -= 1
-            self.heard(allocation_id)
 
     async def hold(self, body: bodies.Heartbeat, allocation_id: int, reported: tuple[dict, int]) -> dict:
         """Long poll: an agent that sent the ``desired_hash`` of its last answer and ``wait_s`` is held (in the
@@ -337,13 +259,13 @@ class Agents(Side):
             # The agent is going away (scancel, end of the allocation or of its grace time): its GPUs
             # leave with it from this moment, whatever Slurm says a poll later.
             # GONE, not LOST: nothing about them is unknown
-            self._move_gpus(alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
+            move_gpus(self, alloc_id, (G.UP, G.DRAINING, G.LOST), G.GONE, "agent leaving")
             return [], True
         if body.draining:
             changed.append(self._drain(alloc_id))
         else:
-            self._move_gpus(alloc_id, (G.LOST,), G.UP, "agent reporting again")
-        return [w.as_dict() for w in self.desired(alloc_id)], any(changed)
+            move_gpus(self, alloc_id, (G.LOST,), G.UP, "agent reporting again")
+        return [w.as_dict() for w in self.desired.of(alloc_id)], any(changed)
 
     def _answer(self, desired: list[dict], digest: str | None) -> dict:
         return {
@@ -356,21 +278,10 @@ class Agents(Side):
             "loop_age_s": round(max(0.0, self.clock() - self.loop_at), 3),
         }
 
-    def _move_gpus(
-        self, alloc_id: int, from_states: tuple[G, ...], to: G, event: str, data: dict | None = None
-    ) -> bool:
-        """Every GPU of the allocation in one of ``from_states`` goes ``to`` (journaled); whether any moved."""
-        hit = False
-        for g in self.store.fleet.gpus(self.run_id, allocation_id=alloc_id):
-            if g.state in from_states:
-                self.store.set_state("gpus", g.id, expect=g.state, to=to, epoch=self.epoch, event=event, data=data)
-                hit = True
-        return hit
-
     def _drain(self, alloc_id: int) -> bool:
         """A preemption notice reached the agent: its GPUs are leaving and its workers take no new
         requests from now on, before the drain ends and before Slurm's next poll says so."""
-        hit = self._move_gpus(alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
+        hit = move_gpus(self, alloc_id, (G.UP, G.LOST), G.DRAINING, "agent draining")
         for w in self.store.fleet.workers(self.run_id, allocation_id=alloc_id):
             if w.routable:
                 self.store.update_fields("workers", w.id, epoch=self.epoch, event="agent draining", routable=0)
@@ -485,95 +396,6 @@ class Agents(Side):
     def _pool_of(self, alloc: dict) -> dict:
         return next(p for p in self.store.runs.pools(self.run_id) if p["id"] == alloc.pool_id)
 
-    def desired(self, alloc_id: int) -> list[DesiredWorker]:
-        """The allocation's workers: per role among its live GPUs, a trainer of all of them, and vLLM workers of
-        the run's ``gpus_per_worker`` each (``tensor_parallel_groups``); none while the allocation is not RUNNING.
-
-        A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
-        (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
-        worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
-        asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
-        """
-        alloc = self.store.fleet.allocation(alloc_id)
-        gpus = self.store.fleet.gpus(self.run_id, allocation_id=alloc_id)
-        return self._desired(alloc, gpus, *self._serving(), lambda wid: self.store.fleet.worker(wid))
-
-    def desired_all(self) -> dict[int, list[DesiredWorker]]:
-        """``desired`` of every allocation of the run, from one read of its GPUs and workers."""
-        by_alloc: dict[int, list[dict]] = collections.defaultdict(list)
-        for g in self.store.fleet.gpus(self.run_id):
-            by_alloc[g.allocation_id].append(g)
-        workers = {w.id: w for w in self.store.fleet.workers(self.run_id)}
-        weights, gpw = self._serving()
-        return {
-            a.id: self._desired(a, by_alloc.get(a.id, []), weights, gpw, workers.__getitem__)
-            for a in self.store.fleet.allocations(self.run_id)
-        }
-
-    def _serving(self) -> tuple[dict | None, int | None]:
-        """From one read of the run: the trainer's latest weight export that vLLM workers should serve
-        ({version, path}), and their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
-        the planner plans with, pearlctl.planner.choose; None without a profile: one worker per role per
-        allocation, vLLM's tensor parallelism over all of them)."""
-        run = self.store.runs.get(self.run_id)
-        trainer = run.get(TRAINER_REPORT) or {}
-        weights = None
-        if trainer.get("weight_version") is not None and trainer.get("weights_path"):
-            weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
-        profile = run.get("profile")
-        return weights, (int(profile.get("gpus_per_worker") or 1) if profile else None)
-
-    def _desired(
-        self,
-        alloc: dict,
-        gpus: list[dict],
-        weights: dict | None,
-        gpus_per_worker: int | None,
-        worker: Callable[[int], dict],
-    ) -> list[DesiredWorker]:
-        if alloc.state not in (A.RUNNING,):
-            return []
-        by_role: dict[str, list[int]] = {}
-        parked: dict[int, list[int]] = {}  # worker id -> GPUs where a returned vLLM worker sleeps
-        deadlines: dict[str, float] = {}  # role -> the earliest return deadline of its lent GPUs
-        for g in gpus:
-            if g.state == G.UP:
-                by_role.setdefault(g.role, []).append(g.idx)
-                # lent: serving another role (a TRAIN GPU is its trainer's whatever its flag says: its agent
-                # must never be handed a trainer's GPUs twice, nor a deadline to stop the trainer by)
-                if g.borrowed and g.role != Role.TRAIN:
-                    by_role.setdefault(Role.TRAIN, []).append(g.idx)
-                    if g.return_deadline is not None:
-                        deadlines[g.role] = min(deadlines.get(g.role, g.return_deadline), g.return_deadline)
-                if g.worker_id is not None and g.role in (Role.TRAIN, Role.IDLE):
-                    parked.setdefault(g.worker_id, []).append(g.idx)
-        out = []
-        return_s = self.borrowing.inputs.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
-        for role, idx in sorted(by_role.items()):
-            if role == Role.IDLE:
-                continue
-            engine = ENGINE_FOR_ROLE[Role(role)]
-            deadline = deadlines.get(role)
-            groups = [sorted(idx)] if engine != Engine.VLLM else tensor_parallel_groups(idx, gpus_per_worker)
-            out.extend(
-                DesiredWorker(
-                    f"{role.lower()}-{group[0]}",
-                    role,
-                    engine,
-                    tuple(group),
-                    "RUNNING",
-                    weights if engine == Engine.VLLM else None,
-                    return_deadline=deadline,
-                    return_by=None if deadline is None else round(deadline - return_s, 3),
-                )
-                for group in groups
-            )
-        for wid, idx in sorted(parked.items()):
-            w = worker(wid)
-            if w.state not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
-                out.append(DesiredWorker(w.worker_key, w.role, w.engine, tuple(sorted(idx)), "SLEEPING"))
-        return out
-
     def routable_workers(self) -> dict:
         """READY, registered rollout workers: where rollout clients may send requests now. ``seen_at``: when
         the worker's agent last reported (a client that saw a worker fail trusts it again after that).
@@ -583,7 +405,7 @@ class Agents(Side):
         allocation and role as ``desired`` runs them. A driver about to launch a batch waits a little for them
         (pearlctl/router/client.py, RolloutClient.wait_for_joining)."""
         allocations = self.store.fleet.allocations(self.run_id, cached=True)  # the times: ours are newer than its
-        seen = {a.id: self._seen.get(a.id, a.agent_seen_at) for a in allocations}
+        seen = {a.id: self.liveness.heard_at(a) for a in allocations}
         workers = [
             {
                 "id": w.id,
@@ -605,94 +427,3 @@ class Agents(Side):
             alloc_of = {g.id: g.allocation_id for g in self.store.fleet.gpus(self.run_id)}
             joining = len({(alloc_of.get(i), t.to_role) for t in moving for i in t.gpu_ids})
         return {"epoch": self.epoch, "workers": workers, "joining": joining}
-
-    @property
-    def loss_window_s(self) -> float:
-        """How long an agent may be silent before its GPUs and workers are LOST: ``lost_after`` heartbeat
-        intervals, but never under ``MIN_LOSS_WINDOW_S`` — at 10 Hz, two intervals are 0.2 s, less than a busy
-        host's scheduling hiccup, and LOST must mean lost, not late."""
-        return max(self.lost_after * self.heartbeat_s, bodies.MIN_LOSS_WINDOW_S)
-
-    def published(self) -> None:
-        """The daemon's address is in the run directory now: agents can find it from here on."""
-        self._grace_from = self.clock()
-
-    @property
-    def takeover_grace_s(self) -> float:
-        """How long a daemon that just started waits before it judges agents: one loss window from when its
-        address was published, plus the heartbeat interval an agent waits between failed attempts."""
-        return self.loss_window_s + self.heartbeat_s
-
-    def check_agents(self) -> list[int]:
-        """Mark GPUs and workers of silent agents LOST; returns the allocation ids marked.
-
-        A daemon that just started gives agents ``takeover_grace_s`` to find it: their last heartbeat went
-        to the daemon before, so its age says nothing yet (judging them at once would, after every restart,
-        mark live workers LOST and plan around them — a parked worker passed over for a cold start). The
-        time counts from the address's publication, not the controller's creation: before it, no agent can
-        reach this daemon (the router's start or adoption comes first).
-
-        A stall of the daemon itself is forgiven the same way: when this check comes more than half a loss
-        window after the last one (a starved host, a long collection, a slow disk under a commit; no longer a
-        policy decision, which is made with the decision lock released), the agents' heartbeats may have
-        stalled with it, so for one loss window from then an agent may be silent that much longer. LOST means
-        lost, not unheard by a daemon that was not listening; a dead agent is still found, a loss window plus
-        the stall later."""
-        with self.lock, self.store.atomic():  # facts only, no effect between them: one commit for all
-            # heartbeats note their time without the lock: read a copy, never swap the dict under them
-            now = self.clock()
-            if self._seen_written_at is None or now - self._seen_written_at >= SEEN_WRITE_S:
-                seen = {a: t for a, t in list(self._seen.items()) if t != self._seen_written.get(a)}
-                self.store.fleet.record_agents_seen(self.run_id, seen, epoch=self.epoch)
-                self._seen_written.update(seen)
-                self._seen_written_at = now
-            gap = 0.0 if self._checked_at is None else now - self._checked_at
-            self._checked_at = now
-            if gap > self.loss_window_s / 2:
-                log.warning("agent loss checked %.1fs after the last check: their silence is forgiven that long", gap)
-                self._held_up = (now + self.loss_window_s, gap)
-            if now - self._grace_from < self.takeover_grace_s:
-                return []
-            until, held = self._held_up
-            deadline = now - self.loss_window_s - (held if now < until else 0.0)
-            marked = []
-            workers: list[dict] | None = None  # read when an agent is found silent, not every tick
-            # cached rows (no 512-row read per tick while nothing changed): their agent_seen_at may be older than
-            # what was written since, or heard since, so the newer time in memory counts; None stays None (never
-            # heard from, or reset by a requeue, which changes the rows and so the cache)
-            for alloc in self.store.fleet.allocations(self.run_id, cached=True):
-                seen = alloc.agent_seen_at
-                if seen is not None:
-                    seen = max(seen, self._seen.get(alloc.id, seen))
-                gone = alloc.state in (A.ENDED, A.LOST)
-                if seen is None or (not gone and (seen > deadline or self.in_flight[alloc.id] > 0)):
-                    continue
-                hit = self._move_gpus(alloc.id, (G.UP, G.DRAINING), G.LOST, "agent silent", {"last_seen": seen})
-                workers = self.store.fleet.workers(self.run_id) if workers is None else workers
-                for w in workers:
-                    if w.allocation_id == alloc.id and w.state not in (W.STOPPED, W.FAILED, W.LOST):
-                        self.store.set_state(
-                            "workers",
-                            w.id,
-                            expect=w.state,
-                            to=W.LOST,
-                            epoch=self.epoch,
-                            event="agent silent",
-                            data={"last_seen": seen},
-                        )
-                        hit = True
-                if hit:
-                    marked.append(alloc.id)
-            return marked
-
-    def notify(self) -> None:
-        """Desired state may have changed: if state changed since the last call (``Store.generation``), every
-        allocation's desired workers are computed in one pass and published to the held long polls, which
-        answer those whose allocation's desired workers changed (pearlctl.daemon.longpoll)."""
-        with self.lock:
-            generation = self.store.generation()
-            if generation == self._notified:
-                return
-            self._notified = generation
-            desired = {a: [w.as_dict() for w in ws] for a, ws in self.desired_all().items()}
-            self.long_polls.publish({a: (d, desired_hash(d)) for a, d in desired.items()})

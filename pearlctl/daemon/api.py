@@ -181,7 +181,7 @@ def _route(
             if agent:
                 args.append(allocation)
             # an agent is alive from its request's arrival to its answer, however long it waits
-            with controller.agents.arrived(allocation) if agent else contextlib.nullcontext():
+            with controller.liveness.arrived(allocation) if agent else contextlib.nullcontext():
                 t0 = time.monotonic()
                 result = fast(*args) if fast is not None else None
                 if result is None:

@@ -286,7 +286,7 @@ class Daemon:
             if self.store.runs.get(self.run_id)["state"] in RUN_OVER:
                 log.warning("run %s is over: the daemon stops", self.run_id)
                 return False
-            controller.agents.check_agents()
+            controller.liveness.check_agents()
             marks.append(("check_agents", time.monotonic()))
             borrowing.tick(controller.lock, mark=lambda phase: marks.append((phase, time.monotonic())))
             self._recovered("tick")
@@ -306,7 +306,7 @@ class Daemon:
             (n0, s0), (n1, s1) = commits0, self.store.commits_on_this_thread()
             commits = (n1 - n0, s1 - s0)
             self.stats.slow_tick_log.note(took, lambda: self._tick_line(took, cpu, commits, t0, marks))
-        controller.agents.notify()  # desired state may have changed: long-polling agents look now
+        controller.desired.notify()  # desired state may have changed: long-polling agents look now
         return True
 
     @staticmethod
@@ -479,7 +479,7 @@ class Daemon:
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),  # set when it runs as `pearlctl daemon --slurm`
             },
         )
-        controller.agents.published()  # agents find it from now: their loss is judged from here
+        controller.liveness.published()  # agents find it from now: their loss is judged from here
         log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
         elastic = ElasticPool(
             self.store,

@@ -150,11 +150,12 @@ def test_a_worker_on_a_node_without_a_trainer_rank_serves_the_version_the_traine
         sent = hook.last_export["broadcast"]
         print(f"\nbroadcast: {sent}")
         assert sent["sent"] is True and sent["workers"] == 1, sent
-        assert controller.agents._serving()[0] is None  # not yet published: the worker got it before any agent was told
+        # not yet published: the worker got it before any agent was told
+        assert controller.desired._serving()[0] is None
 
         # the next report publishes it; the agent's desired worker names it; the worker adopts it, no reload
         hook.phase("waiting", step=1)
-        weights = controller.agents._serving()[0]  # what every desired vLLM worker carries (Agents._desired)
+        weights = controller.desired._serving()[0]  # what every desired vLLM worker carries (Desired._from_rows)
         assert weights == {"version": "1", "path": str(run_dir / "weights" / "1")}
         with caplog.at_level(logging.WARNING, logger="pearlctl.agent"):
             worker.sync_weights(weights)

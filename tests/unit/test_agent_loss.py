@@ -1,4 +1,4 @@
-"""When the daemon judges an agent LOST (pearlctl/daemon/agents.py, ``check_agents``): after one loss window of
+"""When the daemon judges an agent LOST (pearlctl/daemon/liveness.py, ``check_agents``): after one loss window of
 silence, but never in the grace after the daemon's address was published (agents must find a new daemon first),
 and with a stall of the daemon itself forgiven (its checks came late, so heartbeats may have waited on it) — while
 an agent that really died is still found. A real SQLite state, a fake clock."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.agents import SEEN_WRITE_S
 from pearlctl.daemon.controller import Controller
+from pearlctl.daemon.liveness import SEEN_WRITE_S
 from pearlctl.state.store import Store
 from tests.conftest import FakeClock, running_run
 
@@ -41,31 +41,31 @@ def test_no_agent_is_judged_before_a_loss_window_and_a_heartbeat_after_the_addre
     store, controller, clock, alloc = run
     heard(store, alloc, clock)  # its last heartbeat went to the daemon before
     clock.now += 30  # the new daemon took 30 s to start its router and publish its address
-    controller.agents.published()
+    controller.liveness.published()
     for _ in range(5):  # 2.5 s: inside the 3-s grace, the agent's 32-s silence says nothing yet
         clock.now += 0.5
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
     clock.now += 0.5
-    assert controller.agents.check_agents() == [alloc] and gpu_state(store) == "LOST"
+    assert controller.liveness.check_agents() == [alloc] and gpu_state(store) == "LOST"
 
 
 def test_a_stall_of_the_daemon_is_forgiven_and_a_dead_agent_is_still_found(run):
     store, controller, clock, alloc = run
-    controller.agents.published()
+    controller.liveness.published()
     clock.now += 5  # past the grace, checked every 0.5 s, the agent heard every second
     for i in range(8):
         if i % 2 == 0:
             heard(store, alloc, clock)
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
         clock.now += 0.5
     heard(store, alloc, clock)
     clock.now += 3.5  # the daemon was held up 3.5 s (a slow tick): the agent's heartbeats waited on it
-    assert controller.agents.check_agents() == [] and gpu_state(store) == "UP"
+    assert controller.liveness.check_agents() == [] and gpu_state(store) == "UP"
     # the agent is dead from here: nothing is heard, and it is found once its silence passes window + stall
     lost_at = None
     while lost_at is None and clock.now < T0 + 60:
         clock.now += 0.5
-        if controller.agents.check_agents():
+        if controller.liveness.check_agents():
             lost_at = clock.now
     assert lost_at is not None and gpu_state(store) == "LOST"
     last_heard = store.fleet.allocations("r")[0].agent_seen_at
@@ -74,14 +74,14 @@ def test_a_stall_of_the_daemon_is_forgiven_and_a_dead_agent_is_still_found(run):
 
 def test_without_a_stall_an_agent_silent_past_the_window_is_lost_at_the_next_check(run):
     store, controller, clock, alloc = run
-    controller.agents.published()
+    controller.liveness.published()
     clock.now += 5
     heard(store, alloc, clock)
     for _ in range(3):  # up to 1.5 s of silence: inside the 2-s window
         clock.now += 0.5
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
     clock.now += 0.5  # 2 s: a whole window of silence
-    assert controller.agents.check_agents() == [alloc]
+    assert controller.liveness.check_agents() == [alloc]
 
 
 def test_an_agent_heard_through_the_controller_is_never_lost_while_nothing_else_changes(run):
@@ -89,50 +89,50 @@ def test_an_agent_heard_through_the_controller_is_never_lost_while_nothing_else_
     times are bookkeeping, written each check without such a change. The times it judges by must be the ones
     just written, not the cached ones: an agent heard every second for a minute is never LOST."""
     store, controller, clock, alloc = run
-    controller.agents.published()
+    controller.liveness.published()
     clock.now += 5
     for _ in range(120):
-        controller.agents.heard(alloc)
-        assert controller.agents.check_agents() == []
+        controller.liveness.heard(alloc)
+        assert controller.liveness.check_agents() == []
         clock.now += 0.5
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
         clock.now += 0.5
     assert gpu_state(store) == "UP"
     written = store.fleet.allocations("r")[0].agent_seen_at
     assert clock.now - 1.0 - SEEN_WRITE_S <= written <= clock.now - 1.0  # state has it, at most that late
     for _ in range(2):  # then it dies (last heard 1 s ago): found after one window of silence (2 s)
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
         clock.now += 0.5
-    assert controller.agents.check_agents() == [alloc]
+    assert controller.liveness.check_agents() == [alloc]
 
 
 def test_heartbeat_times_reach_state_at_most_every_seen_write_s_and_the_loss_check_reads_memory(run):
     store, controller, clock, alloc = run
-    controller.agents.published()
+    controller.liveness.published()
     clock.now += 5
     first = clock.now
-    controller.agents.heard(alloc)
-    controller.agents.check_agents()
+    controller.liveness.heard(alloc)
+    controller.liveness.check_agents()
     assert store.fleet.allocations("r")[0].agent_seen_at == first  # the first check writes
     while clock.now < first + SEEN_WRITE_S - 0.5:
         clock.now += 0.5
-        controller.agents.heard(alloc)
-        assert controller.agents.check_agents() == []
+        controller.liveness.heard(alloc)
+        assert controller.liveness.check_agents() == []
         assert store.fleet.allocations("r")[0].agent_seen_at == first  # not again before SEEN_WRITE_S
     clock.now = first + SEEN_WRITE_S
-    controller.agents.heard(alloc)
-    controller.agents.check_agents()
+    controller.liveness.heard(alloc)
+    controller.liveness.check_agents()
     assert store.fleet.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S
     # heard once more (in memory only), then silent: judged from that heartbeat, not state's older time
     last = clock.now + 0.5
     clock.now = last
-    controller.agents.heard(alloc)
-    window = controller.agents.loss_window_s
+    controller.liveness.heard(alloc)
+    window = controller.liveness.loss_window_s
     while clock.now + 0.5 < last + window:  # checks half a second apart (no stall of the daemon to forgive)
         clock.now += 0.5
-        assert controller.agents.check_agents() == []
+        assert controller.liveness.check_agents() == []
     clock.now = last + window - 0.1
     assert store.fleet.allocations("r")[0].agent_seen_at == first + SEEN_WRITE_S < clock.now - window
-    assert controller.agents.check_agents() == []  # state's time alone would have it LOST now
+    assert controller.liveness.check_agents() == []  # state's time alone would have it LOST now
     clock.now = last + window + 0.1
-    assert controller.agents.check_agents() == [alloc]
+    assert controller.liveness.check_agents() == [alloc]

@@ -1,5 +1,5 @@
 """What the daemon tells a trainer allocation's agent to run while one of its GPUs is lent
-(pearlctl.daemon.agents.Agents.desired), against a real SQLite state: the TRAIN worker keeps every
+(pearlctl.daemon.desired.Desired.of), against a real SQLite state: the TRAIN worker keeps every
 GPU of the allocation, once each and with no deadline; the vLLM worker on the lent GPU carries the deadline
 and ``return_by``. A requeued job's GPUs that went while lent come back as the trainer's alone."""
 
@@ -32,7 +32,7 @@ def trainer(tmp_path: Path):
 
 
 def view(controller: Controller, alloc_id: int) -> list[tuple]:
-    return [(d.key, d.role, d.gpus, d.return_deadline, d.return_by) for d in controller.agents.desired(alloc_id)]
+    return [(d.key, d.role, d.gpus, d.return_deadline, d.return_by) for d in controller.desired.of(alloc_id)]
 
 
 def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):

@@ -344,7 +344,7 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     a0, a1, a2 = elastic(store, run_id)
     worker = _serve(store, run_id, a2.id)
     controller = Controller(store, run_id, 0)
-    assert [w.role for w in controller.agents.desired(a2.id)] == ["ROLLOUT"]
+    assert [w.role for w in controller.desired.of(a2.id)] == ["ROLLOUT"]
 
     pool.resize(0, "the batch ended")  # clamped to nodes: two tasks go, the newest first
     assert store.runs.pools(run_id)[1]["wanted"] == NODES
@@ -352,7 +352,7 @@ def test_shrink_drains_before_scancel_and_never_below_nodes(env, clock):
     assert cluster.cancelled_tasks == [(a1.job_id, 1)]
     assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a2.id} == {"DRAINING"}
     assert store.fleet.worker(worker).routable == 0
-    assert controller.agents.desired(a2.id) == []
+    assert controller.desired.of(a2.id) == []
     clock.t += 5
     pool.reconcile()
     assert (a2.job_id, 2) not in cluster.cancelled_tasks  # its worker still serves
@@ -575,7 +575,7 @@ def test_heartbeat_of_a_drained_agent_keeps_its_gpus_draining(env, clock):
     controller.agents.heartbeat(body, a1.id)
     pool.reconcile()
     assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
-    assert controller.agents.desired(a1.id) == []
+    assert controller.desired.of(a1.id) == []
 
 
 def test_a_scancelled_task_that_vanishes_from_slurm_ends_and_frees_its_place(env, clock):
@@ -613,7 +613,7 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     # may still send it requests
     assert store.fleet.worker(worker).routable == 0
     assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"UP"}
-    assert [w.role for w in controller.agents.desired(a1.id)] == ["ROLLOUT"]
+    assert [w.role for w in controller.desired.of(a1.id)] == ["ROLLOUT"]
     # a heartbeat of the still-READY worker does not make it routable again
     controller.agents.heartbeat(
         parse(bodies.Heartbeat, {"allocation_id": a1.id, "workers": [
@@ -627,7 +627,7 @@ def test_with_a_router_a_leaving_tasks_workers_drain_only_once_the_router_no_lon
     routed.clear()  # the router removed it
     pool.reconcile()
     assert {g.state for g in store.fleet.gpus(run_id) if g.allocation_id == a1.id} == {"DRAINING"}
-    assert controller.agents.desired(a1.id) == []
+    assert controller.desired.of(a1.id) == []
 
 
 # -- the fault hook: a daemon that dies where a grow's or a shrink's effect is in doubt --------------------

@@ -1,9 +1,9 @@
-"""What lets one daemon hear 512 agents a second (pearlctl/daemon/agents.py, pearlctl/daemon/longpoll.py,
-pearlctl/state/store.py): a heartbeat that repeats its last report to unchanged state is answered from memory,
-and any change to what its answer derives from is folded in again; heartbeat times are written once per check,
-in one transaction; a held long poll is answered early only when its own allocation's desired workers change,
-and never misses a change made between its answer and its hold; an agent whose request waits is alive. A real
-SQLite state, a fake clock; the event loop is asyncio's."""
+"""What lets one daemon hear 512 agents a second (pearlctl/daemon/agents.py, pearlctl/daemon/liveness.py,
+pearlctl/daemon/desired.py, pearlctl/daemon/longpoll.py, pearlctl/state/store.py): a heartbeat that repeats its
+last report to unchanged state is answered from memory, and any change to what its answer derives from is folded
+in again; heartbeat times are written once per check, in one transaction; a held long poll is answered early only
+when its own allocation's desired workers change, and never misses a change made between its answer and its
+hold; an agent whose request waits is alive. A real SQLite state, a fake clock; the event loop is asyncio's."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_heartbeat_times_are_written_once_per_check_in_one_transaction(run):
         beat(controller, a, [])
     assert all(x.agent_seen_at is None for x in store.fleet.allocations("r"))  # nothing written per heartbeat
     revision = store.revision
-    controller.agents.check_agents()
+    controller.liveness.check_agents()
     assert [x.agent_seen_at for x in store.fleet.allocations("r")] == [T0 + 0.4] * 3
     assert store.revision == revision  # bookkeeping: held long polls are not woken for it
     # an older time never overwrites a newer one, and a requeued (PENDING) task's time is not brought back
@@ -115,12 +115,12 @@ def test_an_agent_whose_request_waits_is_not_lost(run):
     store, controller, clock, (a, b, c) = run
     for x in (a, b, c):
         beat(controller, x, [])
-    controller.agents.published()
-    clock.advance(controller.agents.takeover_grace_s + 1)
-    with controller.agents.arrived(a):  # a's heartbeat waits for a thread, the lock or a change, for a long time
-        clock.advance(controller.agents.loss_window_s * 3)
-        controller.agents.check_agents()
-        controller.agents.check_agents()
+    controller.liveness.published()
+    clock.advance(controller.liveness.takeover_grace_s + 1)
+    with controller.liveness.arrived(a):  # a's heartbeat waits for a thread, the lock or a change, for a long time
+        clock.advance(controller.liveness.loss_window_s * 3)
+        controller.liveness.check_agents()
+        controller.liveness.check_agents()
     lost = {g.allocation_id for g in store.fleet.gpus("r") if g.state == "LOST"}
     assert lost == {b, c}
 
@@ -203,15 +203,15 @@ def test_a_change_published_between_an_answer_and_its_hold_is_not_missed():
 
 def test_notify_publishes_only_when_state_changed(run):
     store, controller, clock, (a, _, _) = run
-    controller.agents.notify()
+    controller.desired.notify()
     passes = controller.long_polls.passes
-    controller.agents.notify()
+    controller.desired.notify()
     controller.trainer.rollout_progress(bodies.Progress(queued=3))  # bookkeeping
-    controller.agents.notify()
+    controller.desired.notify()
     assert controller.long_polls.passes == passes
     (gpu,) = store.fleet.gpus("r", allocation_id=a)
     store.update_fields("gpus", gpu.id, role="IDLE")
-    controller.agents.notify()
+    controller.desired.notify()
     assert controller.long_polls.passes == passes + 1
     _, latest = controller.long_polls._latest
     assert latest[a][0] == [] and set(latest) == {x.id for x in store.fleet.allocations("r")}

@@ -139,7 +139,7 @@ def test_a_retired_rollout_worker_is_parked_asleep_and_woken_by_the_next_plan(ru
     ex.advance(tid)  # DEREGISTER done at once (no router); DRAIN issued: the GPU is IDLE, the worker parked
     assert store.fleet.gpu(gpu.id).role == "IDLE"
     assert store.fleet.gpu(gpu.id).worker_id == worker
-    desired = controller.agents.desired(alloc.id)
+    desired = controller.desired.of(alloc.id)
     assert [(d.key, d.state) for d in desired] == [("rollout-0", "SLEEPING")]
     for to in ("DRAINING", "SLEEPING"):  # its agent drains it and puts it to sleep
         store.set_state("workers", worker, expect=store.fleet.worker(worker).state, to=to, event="t")
