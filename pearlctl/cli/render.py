@@ -255,7 +255,7 @@ def router_parts(doc: dict) -> list:
 
 
 def elastic_parts(view: dict | None) -> list:
-    """The elastic pool's section (pearlctl.daemon.elastic.elastic_view): its size now, wanted and bounds,
+    """The elastic pool's section (pearlctl.daemon.elastic_state.elastic_view): its size now, wanted and bounds,
     its live tasks, and how its size changed lately. Nothing for a run without an elastic pool."""
     if not view:
         return []

@@ -25,7 +25,7 @@ from pearlctl.backends import open_backend
 from pearlctl.cli.app import app
 from pearlctl.cli.common import EXIT_USAGE, emit_json, emit_json_line, err, exits, fail, open_store, out, resolve_run
 from pearlctl.cli.render import runs_table, status_tables
-from pearlctl.daemon.elastic import elastic_view
+from pearlctl.daemon.elastic_state import elastic_view
 from pearlctl.host import home
 from pearlctl.ops.watcher import maybe_sync
 from pearlctl.router.service import view as router_view

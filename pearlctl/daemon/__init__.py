@@ -13,7 +13,9 @@ Its lease (one daemon per run, fenced by an epoch that every write and every com
 - ``operator``: the operator's side — borrow, return, move, profile;
 - ``borrowing``: the run's policy, live — whole plans carried out as transitions, lent GPUs returned in time;
 - ``policy_view``: what the policy sees — the planner's snapshot of the run built from state, with its inputs;
-- ``elastic``: growing and shrinking the elastic pool to the number of tasks the policy wants;
+- ``elastic``: growing and shrinking the elastic pool to the number of tasks the policy wants (its driver; shrink);
+- ``elastic_grow``: the elastic pool's growth — intent-first sbatch, adoption after a crash, pending bound, back-off;
+- ``elastic_state``: the elastic pool as state holds it — its snapshot, its size history, ``elastic_view`` for status;
 - ``transitions``: the executor of checkpointed role transitions (plans of steps, rollbacks);
 - ``effects``: what each transition step does and how it is proven (``STEPS``);
 - ``routing``: the run's router (gateway + vllm-router), started or adopted, its membership kept;

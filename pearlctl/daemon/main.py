@@ -39,7 +39,8 @@ from pearlctl.daemon.api import build_app
 from pearlctl.daemon.borrowing import Borrowing
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
-from pearlctl.daemon.elastic import ElasticPool, elastic_view
+from pearlctl.daemon.elastic import ElasticPool
+from pearlctl.daemon.elastic_state import elastic_view
 from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.slowlog import SlowLog

@@ -40,7 +40,8 @@ import pytest
 
 from pearlctl.api import bodies
 from pearlctl.api.client import ControlClient
-from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, elastic_view
+from pearlctl.daemon.elastic_grow import SUBMIT_SETTLE_S
+from pearlctl.daemon.elastic_state import elastic_view
 from pearlctl.host.runfiles import read_address
 from pearlctl.router import service
 from pearlctl.state.rows import Allocation, Transition, Worker

@@ -14,7 +14,9 @@ from pearlctl.api.bodies import parse
 from pearlctl.backends import BackendError
 from pearlctl.config import parse_spec
 from pearlctl.daemon.controller import Controller
-from pearlctl.daemon.elastic import SUBMIT_SETTLE_S, ElasticPool, elastic_view
+from pearlctl.daemon.elastic import ElasticPool
+from pearlctl.daemon.elastic_grow import SUBMIT_SETTLE_S
+from pearlctl.daemon.elastic_state import elastic_view
 from pearlctl.ops.launcher import cancel, grow_request, launch
 from pearlctl.ops.watcher import sync_run
 from pearlctl.slurm.client import SlurmClient
