@@ -198,11 +198,11 @@ class Agents:
         return h
 
     async def agent(self, session, alloc: dict, measuring: asyncio.Event) -> None:
-        body = {"job_id": alloc.job_id, "task_id": alloc.array_index, "node": alloc.node,
-                "gpus": list(range(alloc["gpus"])), "pid": 1000 + alloc.id}  # fmt: skip
+        body = {"job_id": alloc["job_id"], "task_id": alloc["array_index"], "node": alloc["node"],
+                "gpus": list(range(alloc["gpus"])), "pid": 1000 + alloc["id"]}  # fmt: skip
         async with session.post(f"{self.url}/v1/agents/register", json=body, headers=self.headers()) as r:
             if r.status != 200:
-                self.errors.append(f"register {alloc.id}: {r.status} {await r.text()}")
+                self.errors.append(f"register {alloc['id']}: {r.status} {await r.text()}")
                 return
             reg = await r.json()
         aid, headers = reg["allocation_id"], self.headers(reg["credential"], reg["allocation_id"])
@@ -236,9 +236,9 @@ class Agents:
                     self.woken += 1
             digest = answer["desired_hash"]
             new = [
-                {"key": w["key"], "role": w.role, "engine": w.engine, "gpus": w["gpus"],
-                 "state": "READY" if w.state == "RUNNING" else w.state, "pid": 10_000 + aid,
-                 **({"url": f"http://{alloc.node}:8000"} if w.engine == "vllm" else {})}
+                {"key": w["key"], "role": w["role"], "engine": w["engine"], "gpus": w["gpus"],
+                 "state": "READY" if w["state"] == "RUNNING" else w["state"], "pid": 10_000 + aid,
+                 **({"url": f"http://{alloc['node']}:8000"} if w["engine"] == "vllm" else {})}
                 for w in answer["desired"]
             ]  # fmt: skip
             if new != report:
@@ -274,6 +274,9 @@ class Agents:
             self.stop.set()
             wall = time.monotonic() - started
             await asyncio.wait(tasks, timeout=2 * HEARTBEAT_S + 5)
+            for task in tasks:  # an agent that died is an error of the benchmark, never a quiet agent less
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    self.errors.append(f"agent task failed: {type(task.exception()).__name__}: {task.exception()}")
             return since, wall
 
 
