@@ -551,7 +551,7 @@ def check_state(run: LiveRun) -> list[str]:
         for w in store.fleet.workers(RUN_ID):
             if w.url and httpx.URL(w.url).host not in hosts[w.allocation_id]:
                 problems.append(f"worker {w.id} has url {w.url} (not on {hosts[w.allocation_id]})")
-            if not (isinstance(w.gpu_idx, list) and all(isinstance(i, int) for i in w.gpu_idx)):
+            if not (isinstance(w.gpu_idx, tuple) and all(isinstance(i, int) for i in w.gpu_idx)):
                 problems.append(f"worker {w.id} gpu_idx = {w.gpu_idx!r}")
         errors = [j for j in store.journal.read(RUN_ID) if j["event"] in ("tick error", "poll error")]
         problems += [f"journaled {j['event']}: {j['data']}" for j in errors]
