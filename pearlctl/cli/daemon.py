@@ -80,7 +80,12 @@ def daemon(
         store = open_store()
         run = resolve_run(store, run_ref)
         settings = DaemonSettings(
-            host=host, port=port, advertise=advertise, heartbeat_s=heartbeat_s, lease_ttl_s=lease_ttl_s
+            host=host,
+            port=port,
+            advertise=advertise,
+            heartbeat_s=heartbeat_s,
+            lease_ttl_s=lease_ttl_s,
+            own_process=foreground,  # the daemon's own process: the detached, supervised and Slurm ones too
         )
         if foreground and (supervise or systemd_unit or slurm):
             raise fail(

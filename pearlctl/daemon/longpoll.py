@@ -12,6 +12,9 @@ The trainer, which waits with nothing to do, is held until the next pass (``next
 change of state), then looks again, so that a command for it (offload, reload) reaches it in milliseconds
 rather than at its next poll.
 
+A hold's deadline is a timer that answers it, not a timeout raised into it: most holds end at their deadline
+(hundreds a second at 512 agents), and an exception's traceback is a reference cycle only the collector frees.
+
 Guarantees:
 - a held request ends by its deadline, answered with what it holds if nothing changed;
 - no change is missed between an answer and its hold: each answer is stamped with the number of
@@ -71,11 +74,11 @@ class LongPolls:
         future = self.loop.create_future()
         entry = (digest, future)
         self._held[alloc_id].append(entry)
+        deadline = self.loop.call_later(wait_s, _settle, future, None)
         try:
-            return await asyncio.wait_for(future, wait_s)
-        except TimeoutError:
-            return None
+            return await future
         finally:
+            deadline.cancel()
             waiting = self._held[alloc_id]
             waiting.remove(entry)
             if not waiting:
@@ -88,12 +91,18 @@ class LongPolls:
             return True
         future = self.loop.create_future()
         self._any.add(future)
+        deadline = self.loop.call_later(wait_s, _settle, future, None)
         try:
             if self.passes > after_pass:  # published between the check and the registration
                 return True
-            await asyncio.wait_for(future, wait_s)
-            return True
-        except TimeoutError:
+            await future
             return self.passes > after_pass
         finally:
+            deadline.cancel()
             self._any.discard(future)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    """Answer a held request with ``result`` unless something answered it first (a hold's deadline)."""
+    if not future.done():
+        future.set_result(result)

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import select
@@ -103,6 +104,28 @@ class DaemonSettings:
     lost_after: float = 2.0  # heartbeat intervals without news before an agent's GPUs are LOST
     lease_ttl_s: float = 45.0  # > SLURM_COMMAND_TIMEOUT_S; renewed every lease_ttl_s / 6 on its own thread
     tick_s: float = 0.5
+    # this process is the daemon's own (``pearlctl daemon --foreground``): after its first tick, its heap is
+    # settled for the collector (``settle_heap``); never in a process that only hosts a daemon (the tests)
+    own_process: bool = False
+
+
+# CPython's cyclic collector, set for a daemon that holds every agent's long poll for a heartbeat interval. A
+# held request's objects live that long; with the default middle generation (collected every 10 young
+# collections: about every 0.4 s under 512 agents' heartbeats) they were promoted to the old one, and every
+# collection of the old generation walks the whole heap with the GIL held: the event loop stood still for
+# 110 ms, a few times a minute, at 4,096 GPUs (docs/benchmarks.md, "One daemon, 4,096 GPUs"). Collected every
+# 100 young collections, the middle generation holds them until they are freed.
+GC_THRESHOLDS = (700, 100, 10)
+
+
+def settle_heap() -> None:
+    """Once the daemon runs (its modules imported, its first tick done): collect, freeze what is alive (the
+    modules, the run's configuration: ``gc.freeze``, never walked by a collection again) and set
+    ``GC_THRESHOLDS``. For the daemon's own process only: what is frozen and later dropped in a cycle is never
+    collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 @dataclass
@@ -379,6 +402,8 @@ class Daemon:
                 if not self._tick(controller, borrowing):
                     over = True
                     break
+                if self.settings.own_process and self.stats.ticks == 1:
+                    settle_heap()
                 controller.wake.wait(self.settings.tick_s)  # a report or an ack cuts the wait short
                 controller.wake.clear()
         finally:

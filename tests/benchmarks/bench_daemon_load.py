@@ -12,16 +12,22 @@ In this process, 512 fake agents — one per allocation, over real HTTP on loopb
 heartbeat with long polls (held up to the heartbeat interval, 1 s), so each one sends about one heartbeat
 a second. A rollout driver reports the batch's progress every second.
 
+The daemon runs as ``pearlctl daemon --foreground`` runs it (``own_process``: its heap settled for the
+collector after its first tick, pearlctl/daemon/main.py ``settle_heap``). The fake agents run in one process
+on uvloop, with the daemon's collector settings: their own pauses would otherwise be counted as the daemon's.
+
 Measured:
 - heartbeat latency: a long poll answered unchanged was held for the interval it asked for, so its latency
   is its round trip minus that hold; a heartbeat that was not held (its report changed something) counts
-  its whole round trip;
+  its whole round trip; beside it, the same in the daemon (from the request's arrival in the app to its
+  answer, less the hold), so that the agents' process's share shows;
+- the daemon's collector pauses (``gc.callbacks``), by generation;
 - the control loop's tick durations (recorded by the daemon process, written at its exit);
 - agents falsely LOST (every agent heartbeats throughout, so any LOST GPU is false), from the state;
 - the daemon's RSS (peak) and CPU (seconds of user+system per second of wall time).
 
 Targets (issue: one daemon for 4,096 GPUs; named constants below with their reasons): no agent falsely LOST;
-tick p99 < 100 ms; heartbeat p99 < 200 ms; no failed request or tick. ``--check`` exits 1 when one is missed,
+tick p99 < 100 ms; heartbeat p99 < 50 ms; no failed request or tick. ``--check`` exits 1 when one is missed,
 ``--target NAME=VALUE`` moves one, ``--write-docs`` writes the table into docs/benchmarks.md.
 
     python tests/benchmarks/bench_daemon_load.py [--agents 512] [--gpus-per-node 8] [--seconds 120]
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -44,21 +51,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from pearlctl.daemon.main import GC_THRESHOLDS  # noqa: E402
 from tests.benchmarks import _targets  # noqa: E402
 
 HEARTBEAT_S = 1.0
 TRAINER_SHARE = 8  # one allocation in 8 is the trainer's
 DOC = REPO / "docs" / "benchmarks.md"
-# The targets (issue "one daemon for 4,096 GPUs"; docs/benchmarks.md). A tick is when the daemon reacts — a
-# lent GPU's return before the trainer's deadline, a worker's desired state — so its p99 under 100 ms; a
-# heartbeat's p99 under 200 ms, a fifth of the 1-s interval, so that a slow answer never nears the loss window
-# (two intervals); every agent heartbeats throughout, so any LOST GPU is false, and no request may fail.
+# The targets (issues "one daemon for 4,096 GPUs" and "a house a newcomer can live in"; docs/benchmarks.md). A
+# tick is when the daemon reacts — a lent GPU's return before the trainer's deadline, a worker's desired state —
+# so its p99 under 100 ms; a heartbeat never waits for a decision (the policy decides off the lock), so its p99
+# under 50 ms, a twentieth of the 1-s interval; every agent heartbeats throughout, so any LOST GPU is false, and no
+# request may fail.
 TICK_P99_MS = 100.0
-HEARTBEAT_P99_MS = 200.0
+HEARTBEAT_P99_MS = 50.0
 TARGETS = [
     _targets.Target("false_lost", 0, "", "no agent falsely LOST: every agent heartbeats throughout"),
     _targets.Target("tick_p99_ms", TICK_P99_MS, "ms", "control-loop tick p99: the daemon reacts in its ticks"),
-    _targets.Target("heartbeat_p99_ms", HEARTBEAT_P99_MS, "ms", "heartbeat p99: a fifth of the 1-s interval"),
+    _targets.Target("heartbeat_p99_ms", HEARTBEAT_P99_MS, "ms", "heartbeat p99: a twentieth of the 1-s interval"),
     _targets.Target("errors", 0, "", "no failed request, no failed tick"),
 ]
 
@@ -136,6 +145,7 @@ class AllRunning:
 
 def daemon_main(state_db: str, out: str, profile: str | None = None, profile_after_s: float = 0.0) -> None:
     import cProfile
+    import gc
     import logging
 
     from pearlctl.daemon.main import Daemon, DaemonSettings
@@ -148,6 +158,35 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
     heartbeats: dict = {}
     profiler = cProfile.Profile() if profile else None
     profile_from = time.monotonic() + profile_after_s  # the measured window: registrations are not the steady state
+
+    import pearlctl.daemon.main as daemon_module
+
+    served: list[tuple[float, float]] = []  # (when, seconds from a heartbeat's arrival in the app to its answer)
+    build_app = daemon_module.build_app
+
+    def timed_app(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+
+        async def timed(scope, receive, send):
+            if scope["type"] != "http" or scope["path"] != "/v1/agents/heartbeat":
+                return await app(scope, receive, send)
+            t = time.perf_counter()
+            await app(scope, receive, send)
+            served.append((time.time(), time.perf_counter() - t))
+
+        return timed
+
+    daemon_module.build_app = timed_app
+    pauses: list[tuple[float, int, float]] = []  # (when, generation, seconds) of each collection
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((time.time(), info["generation"], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(on_gc)
 
     class Timed(Daemon):
         def _tick(self, controller, borrowing):
@@ -162,7 +201,9 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
             finally:  # (when it started, wall seconds, the tick thread's CPU seconds)
                 ticks.append((time.time(), time.perf_counter() - t0, time.thread_time() - c0))
 
-    settings = DaemonSettings(host="127.0.0.1", advertise="127.0.0.1", heartbeat_s=HEARTBEAT_S, tick_s=0.5)
+    settings = DaemonSettings(
+        host="127.0.0.1", advertise="127.0.0.1", heartbeat_s=HEARTBEAT_S, tick_s=0.5, own_process=True
+    )
     daemon = Timed(store, AllRunning(nodes), "load", settings)
     daemon.install_signal_handlers()
     try:
@@ -172,7 +213,7 @@ def daemon_main(state_db: str, out: str, profile: str | None = None, profile_aft
         policy = heartbeats.get("borrowing")
         doc = {"ticks": ticks, "tick_errors": daemon.stats.tick_errors, "heartbeats": heartbeats.get("counts", {}),
                "passes": passes, "decisions": getattr(policy, "decisions", None),
-               "skipped": getattr(policy, "skipped", None)}  # fmt: skip
+               "skipped": getattr(policy, "skipped", None), "served": served, "gc": pauses}  # fmt: skip
         Path(out).write_text(json.dumps(doc))
         if profiler is not None:
             profiler.dump_stats(profile)
@@ -268,6 +309,9 @@ class Agents:
             tasks = [asyncio.create_task(self.agent(session, a, measuring)) for a in self.allocations]
             tasks.append(asyncio.create_task(self.rollout_driver(session, measuring)))
             await asyncio.sleep(warmup_s)
+            gc.collect()  # the agents' process as the daemon's: warm-up garbage gone, the rest frozen
+            gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
             measuring.set()
             started, since = time.monotonic(), time.time()
             await asyncio.sleep(seconds)
@@ -326,7 +370,9 @@ def main() -> int:
             allocations = [{**a.to_dict(), "gpus": args.gpus_per_node} for a in store.fleet.allocations("load")]
         agents = Agents(address["url"], read_secret(run_dir), allocations)
         cpu0, _, _ = proc_cpu_rss(proc.pid)
-        since, wall = asyncio.run(agents.run(args.warmup, args.seconds))
+        import uvloop
+
+        since, wall = uvloop.run(agents.run(args.warmup, args.seconds))
         cpu1, rss, peak = proc_cpu_rss(proc.pid)
     finally:
         proc.terminate()
@@ -339,6 +385,10 @@ def main() -> int:
     heartbeats = agents.held + agents.plain
     measured = [t for t in daemon["ticks"] if since <= t[0] <= since + wall]  # the measured window only
     ticks, tick_cpu = [t[1] for t in measured], [t[2] for t in measured]
+    window = [x for x in daemon["served"] if since <= x[0] <= since + wall]
+    # held: answered after half the interval or more (its hold is the whole interval, by the daemon's clock)
+    in_daemon = [max(0.0, took - HEARTBEAT_S) if took >= HEARTBEAT_S / 2 else took for _, took in window]
+    pauses = [x for x in daemon["gc"] if since <= x[0] <= since + wall]
     ms = 1000.0
     lines = [
         f"run: {len(allocations)} agents, {gpus} GPUs, heartbeat {HEARTBEAT_S:g} s (long polls), {wall:.0f} s "
@@ -351,6 +401,7 @@ def main() -> int:
         ("heartbeat (all)", heartbeats),
         ("heartbeat held (round trip − hold)", agents.held),
         ("heartbeat not held (round trip)", agents.plain),
+        ("heartbeat in the daemon (arrival to answer − hold)", in_daemon),
         ("rollout progress report", agents.progress),
         ("control-loop tick", ticks),
         ("control-loop tick: its thread's CPU", tick_cpu),
@@ -372,6 +423,13 @@ def main() -> int:
         f"unchanged); daemon: CPU {cores:.2f} cores (user+system), RSS {rss / mib:.0f} MiB (peak {peak / mib:.0f} "
         f"MiB); tick errors: {daemon['tick_errors']}; GPUs LOST now: {lost_gpus}; LOST events: {len(lost)}",
     ]
+    for generation in (0, 1, 2):
+        took = [x[2] for x in pauses if x[1] == generation]
+        if took:
+            lines.append(
+                f"the daemon's collections of generation {generation}: {len(took)}, longest {max(took) * ms:.1f} ms, "
+                f"{sum(took) * ms:.0f} ms in all"
+            )
     print("\n".join(lines))
     print(f"the daemon's heartbeats (whole run): {dict(daemon['heartbeats'])}; long-poll passes: {daemon['passes']}")
     for e in agents.errors[:5]:
