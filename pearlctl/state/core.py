@@ -44,7 +44,7 @@ from pearlctl.state.errors import (
     StaleEpoch,
     StaleWrite,
 )
-from pearlctl.state.machines import Role, check_edge
+from pearlctl.state.machines import Role, check_edge, machine
 from pearlctl.state.rows import ROW_TYPES, TypedRow
 from pearlctl.state.schema import JSON_COLUMNS
 
@@ -382,6 +382,25 @@ class Core:
             )
         self._journal(conn, now, run_id, table, row_id, event, from_state=expect, to_state=to, epoch=epoch, data=data)
         return int(updated[0][0])
+
+    def _create(
+        self,
+        conn: sqlite3.Connection,
+        table: str,
+        run_id: str,
+        columns: Mapping[str, Any],
+        event: str,
+        *,
+        now: float,
+        epoch: int | None = None,
+        data: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Insert a row of ``table`` in its machine's initial state, at version 1, with its journal row (``event``,
+        to that state): the one way the parts create a row. Returns its id."""
+        state = machine(table).initial
+        row_id = insert(conn, table, {**columns, "state": state, "version": 1, "updated_at": now})
+        self._journal(conn, now, run_id, table, row_id, event, to_state=state, epoch=epoch, data=data)
+        return row_id
 
     def _journal(
         self,

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pearlctl.state.core import JOINED_SELECT, Core, check_role
-from pearlctl.state.db import BUSY_TIMEOUT_MS, insert
+from pearlctl.state.db import BUSY_TIMEOUT_MS
 from pearlctl.state.errors import InvalidWrite, NotFound
-from pearlctl.state.machines import OPEN_TRANSITION_STATES, machine
+from pearlctl.state.machines import OPEN_TRANSITION_STATES
 from pearlctl.state.node_gpus import write_node_gpus
 from pearlctl.state.rows import Allocation, Gpu, Worker
 
@@ -107,27 +107,13 @@ class Fleet:
             (index,) = conn.execute(
                 "SELECT COALESCE(MAX(array_index), -1) + 1 FROM allocations WHERE pool_id = ?", (pool_id,)
             ).fetchone()
-            state = machine("allocations").initial
-            allocation_id = insert(
+            allocation_id = self._core._create(
                 conn,
                 "allocations",
-                {
-                    "run_id": run_id,
-                    "pool_id": pool_id,
-                    "array_index": index,
-                    "state": state,
-                    "version": 1,
-                    "updated_at": now,
-                },
-            )
-            self._core._journal(
-                conn,
-                now,
                 run_id,
-                "allocations",
-                allocation_id,
+                {"run_id": run_id, "pool_id": pool_id, "array_index": index},
                 event,
-                to_state=state,
+                now=now,
                 epoch=epoch,
                 data={**(data or {}), "pool": owner[1], "array_index": index},
             )
@@ -153,35 +139,24 @@ class Fleet:
                 raise NotFound(f"run {run_id!r} has no allocation {allocation_id}")
             self._core._fence(conn, run_id, epoch)
             now = self._core._clock()
-            state = machine("workers").initial
-            worker_id = insert(
+            return self._core._create(
                 conn,
                 "workers",
+                run_id,
                 {
                     "run_id": run_id,
                     "allocation_id": allocation_id,
                     "role": role,
                     "engine": engine,
-                    "state": state,
-                    "version": 1,
                     "url": url,
                     "pid": pid,
                     "weight_version": weight_version,
-                    "updated_at": now,
                 },
-            )
-            self._core._journal(
-                conn,
-                now,
-                run_id,
-                "workers",
-                worker_id,
                 "worker.created",
-                to_state=state,
+                now=now,
                 epoch=epoch,
                 data={"allocation_id": allocation_id, "role": role, "engine": engine},
             )
-            return worker_id
 
     def upsert_node_gpus(
         self,

@@ -65,30 +65,16 @@ class Runs:
                 to_state=run_state,
                 data={"name": name, "backend": backend, "pools": [p["name"] for p in checked]},
             )
-            allocation_state = machine("allocations").initial
             for pool in checked:
                 pool_id = insert(conn, "pools", {"run_id": run_id, **pool})
                 for index in range(pool["nodes"]):
-                    allocation_id = insert(
+                    self._core._create(
                         conn,
                         "allocations",
-                        {
-                            "run_id": run_id,
-                            "pool_id": pool_id,
-                            "array_index": index,
-                            "state": allocation_state,
-                            "version": 1,
-                            "updated_at": now,
-                        },
-                    )
-                    self._core._journal(
-                        conn,
-                        now,
                         run_id,
-                        "allocations",
-                        allocation_id,
+                        {"run_id": run_id, "pool_id": pool_id, "array_index": index},
                         "allocation.requested",
-                        to_state=allocation_state,
+                        now=now,
                         data={"pool": pool["name"], "array_index": index},
                     )
 

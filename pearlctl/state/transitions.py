@@ -12,9 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pearlctl.state.core import Core, check_role, encode_json, values
-from pearlctl.state.db import insert
 from pearlctl.state.errors import DuplicateStep, InvalidWrite, NotFound
-from pearlctl.state.machines import OPEN_TRANSITION_STATES, StepKind, machine
+from pearlctl.state.machines import OPEN_TRANSITION_STATES, StepKind
 from pearlctl.state.rows import Step, Transition
 
 
@@ -76,34 +75,23 @@ class Transitions:
             if missing := [i for i in ids if i not in known]:
                 raise InvalidWrite(f"run {run_id!r} has no GPUs with ids {missing}")
             now = self._core._clock()
-            state = machine("transitions").initial
-            transition_id = insert(
+            return self._core._create(
                 conn,
                 "transitions",
+                run_id,
                 {
                     "run_id": run_id,
                     "kind": kind,
                     "from_role": from_role,
                     "to_role": to_role,
                     "gpu_ids": encode_json(ids),
-                    "state": state,
-                    "version": 1,
                     "created_at": now,
-                    "updated_at": now,
                 },
-            )
-            self._core._journal(
-                conn,
-                now,
-                run_id,
-                "transitions",
-                transition_id,
                 "transition.planned",
-                to_state=state,
+                now=now,
                 epoch=epoch,
                 data={"kind": kind, "from_role": from_role, "to_role": to_role, "gpu_ids": ids},
             )
-            return transition_id
 
     def steps(self, transition_id: int) -> list[Step]:
         return self._core._typed(Step, "SELECT * FROM steps WHERE transition_id = ? ORDER BY seq", (transition_id,))
@@ -171,30 +159,19 @@ class Transitions:
                     f"(asked: key {idempotency_key!r}, seq {seq} of transition {transition_id})"
                 )
             now = self._core._clock()
-            state = machine("steps").initial
-            step_id = insert(
+            return self._core._create(
                 conn,
                 "steps",
+                run_id,
                 {
                     "transition_id": transition_id,
                     "seq": seq,
                     "kind": kind,
                     "idempotency_key": idempotency_key,
-                    "state": state,
-                    "version": 1,
                     "detail": None if detail is None else encode_json(detail),
-                    "updated_at": now,
                 },
-            )
-            self._core._journal(
-                conn,
-                now,
-                run_id,
-                "steps",
-                step_id,
                 "step.intent",
-                to_state=state,
+                now=now,
                 epoch=epoch,
                 data={"transition_id": transition_id, "seq": seq, "kind": kind, "key": idempotency_key},
             )
-            return step_id
