@@ -15,6 +15,8 @@ tmp_path); the one fake is the backend, at the seam the watcher polls through (`
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -331,3 +333,27 @@ def test_a_slow_tick_is_logged_with_its_phases_and_its_threads_cpu(db, monkeypat
     assert " commits of state, " in line and line.endswith(" ms in them)"), line  # what of it was the disk
     counted = next(s for s in d.stats.tick_cpu.collect()[0].samples if s.name.endswith("_count"))
     assert counted.value >= ticks
+
+
+# -- the collector ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("own_process", [True, False])
+def test_the_daemons_own_process_settles_its_heap_once_from_its_control_loop(db, monkeypatch, own_process):
+    """``pearlctl daemon --foreground`` (``own_process``) settles the collector once, from its control loop after
+    its first tick; a daemon hosted by another process (these tests) leaves that process's collector alone."""
+    settled: list[str] = []  # the thread each call came from (the stand-in keeps this process's collector as is)
+    monkeypatch.setattr(daemon_main, "settle_heap", lambda: settled.append(threading.current_thread().name))
+    with running(db, FakeBackend(), monkeypatch, own_process=own_process) as (r, _store):
+        wait(lambda: r.daemon.stats.ticks >= 5, 10, "five ticks")
+    assert settled == (["test-daemon"] if own_process else [])
+
+
+def test_settle_heap_freezes_what_is_alive_and_sets_the_daemons_thresholds():
+    """In a fresh interpreter (the test process's collector is left alone): after ``settle_heap`` the objects
+    alive are frozen and the thresholds are ``GC_THRESHOLDS``."""
+    code = (
+        "import gc; from pearlctl.daemon.main import GC_THRESHOLDS, settle_heap; "
+        "assert gc.get_freeze_count() == 0; settle_heap(); "
+        "print(gc.get_freeze_count() > 1000, gc.get_threshold() == GC_THRESHOLDS)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True"], out
