@@ -10,25 +10,23 @@ The kill is ``PEARL_FAULT=POINT:SEQ:KIND`` (pearlctl.daemon.main.fault_from_env)
 them: a borrow case leaves a GPU lent for the return case after it; a test that finds its precondition missing (a GPU
 lent or not, a worker parked or not) sets it up first without a fault. The pool transitions (retire, wake, switch,
 start) have their own matrix: tests/engines/test_crash_matrix_moves.py; elastic growth and shrink:
-tests/engines/test_crash_matrix_elastic.py.
+tests/engines/test_crash_matrix_elastic.py. The three share their harness (the run launched, the daemon killed and
+started again, what state says): tests/engines/crash_harness.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 from pearlctl.daemon.transitions import PLANS
-from pearlctl.host.runfiles import read_address
-from pearlctl.state.rows import Gpu, Transition
-from pearlctl.state.store import Store
-from tests.conftest import REPO, Pearlctl, alive, wait_for
+from pearlctl.state.rows import Gpu
+from tests.conftest import REPO, wait_for
 from tests.engines.conftest import PACED_RUN, TINY_MODEL
+from tests.engines.crash_harness import Harness
 
 # Where a restarted daemon cannot know whether a step's effect happened: its INTENT is durable and its effect was
 # issued, with no DONE. (After the intent and before the effect, the new daemon re-issues an effect that never
@@ -38,10 +36,6 @@ from tests.engines.conftest import PACED_RUN, TINY_MODEL
 # the agent and trainer simulated; here real engines prove that no process is started twice.
 POINT = "after_effect"
 RUN = "crash"
-# The killed daemon's lease must still be unexpired when the next one starts, so that the takeover shows it broken
-# (the holder's process is gone), not waited out: with a 30-s TTL a loaded machine (the kill, then the new
-# daemon's imports) let it lapse first, and there was nothing left to break.
-LEASE_TTL_S = "120"
 # (plan, step kind) in the order they run: every step kind of the four plans once (VERIFY is a probe: no effect),
 # each where its effect does something real — OFFLOAD/RELOAD the trainer's, START/WAKE/SLEEP/STOP an engine's,
 # REGISTER/DEREGISTER the router's, DRAIN the agent's. The effect code of a step kind is the same in every plan.
@@ -115,47 +109,14 @@ gpus_per_node = 0
 """
 
 
-class Harness:
-    def __init__(self, pc: Pearlctl, run_dir: Path):
-        self.pc, self.run_dir = pc, run_dir
-        self.store = Store.open(Path(pc.env["PEARL_STATE_DIR"]) / "state.db", readonly=True)
-        self.run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
-
-    # -- the daemon ---------------------------------------------------------------------------------
-    def start_daemon(self, fault: str | None = None) -> dict:
-        self.stop_daemon()
-        env = {k: v for k, v in self.pc.env.items() if k != "PEARL_FAULT"}
-        if fault:
-            env["PEARL_FAULT"] = fault
-        pc = Pearlctl(self.pc.env["PEARL_STATE_DIR"], env)
-        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", LEASE_TTL_S, "--json").stdout)
-
-    def stop_daemon(self) -> None:
-        address = read_address(self.run_dir)
-        if address and alive(address["pid"]):
-            os.kill(address["pid"], signal.SIGTERM)
-            wait_for(lambda: not alive(address["pid"]), 30, every=0.1)
-
-    # -- what state says ----------------------------------------------------------------------------
-    def transitions(self) -> list[Transition]:
-        return self.store.transitions.all(self.run_id)
+class BorrowHarness(Harness):
+    """The run of the borrow matrix: its lent and parked GPUs, its trainer's events, its borrows and returns."""
 
     def lent(self) -> list[Gpu]:
         return [g for g in self.store.fleet.gpus(self.run_id) if g.borrowed]
 
     def parked(self) -> list[Gpu]:
         return [g for g in self.store.fleet.gpus(self.run_id) if g.worker_id is not None and not g.borrowed]
-
-    def settled(self) -> Transition | None:
-        """The last transition once nothing is moving (None while one is open, or before the first)."""
-        ts = self.transitions()
-        if any(t.state in ("PLANNED", "RUNNING", "ROLLING_BACK") for t in ts):
-            return None
-        return ts[-1] if ts else None
-
-    def vllm_starts(self) -> int:
-        """vLLM processes ever started by the agent: one "starting" line per process in its logs."""
-        return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob("vllm-*.log"))
 
     def trainer_events(self) -> list[dict]:
         path = self.run_dir / "trainer" / "train.jsonl"
@@ -169,16 +130,9 @@ class Harness:
         else:
             self.pc("return", RUN, *(["--keep-warm"] if plan == "return_sleep" else []))
 
-    def move(self, plan: str) -> Transition:
-        """Run one transition to the end under a daemon without a fault (setting up a precondition)."""
-        before = len(self.transitions())
-        self.trigger(plan)
-        return wait_for(lambda: len(self.transitions()) > before and self.settled(), 180)
-
     def ensure(self, plan: str) -> None:
         """Bring the run where a transition of ``plan`` is what happens next."""
-        address = read_address(self.run_dir)
-        if address is None or not alive(address["pid"]):
+        if not self.daemon_alive():
             self.start_daemon()
         wants_parked = plan == "borrow_warm"
         if plan in ("borrow", "borrow_warm"):
@@ -196,21 +150,10 @@ class Harness:
 def harness(request, tmp_path_factory):
     """The run, its daemon and its trainer waiting: lent GPUs serve with vLLM (under the engine lock), or
     (``request.param == "paced"``) the paced engine."""
-    paced = getattr(request, "param", "vllm") == "paced"
-    if not paced:
-        request.getfixturevalue("engine_lock")
-    d = tmp_path_factory.mktemp("crash-paced" if paced else "crash")
-    (d / "run.toml").write_text(spec(d, paced))
-    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
-    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
-    h = Harness(pc, d / "run")
-    h.start_daemon()
-    # the trainer is up and waiting for its first batch, with the long wait it announced
-    wait_for(lambda: (h.store.runs.get(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
-    yield h
-    h.stop_daemon()
-    pc("cancel", RUN, check=None)
-    h.store.close()
+    with BorrowHarness.launched(request, tmp_path_factory, RUN, spec, "crash") as h:
+        # the trainer is up and waiting for its first batch, with the long wait it announced
+        wait_for(lambda: (h.store.runs.get(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
+        yield h
 
 
 def test_the_kills_cover_every_step_kind_with_an_effect():
@@ -246,8 +189,7 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
 
     first = h.start_daemon(fault)
     h.trigger(plan)
-    wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
-    log = (h.run_dir / "logs" / "daemon.log").read_text()
+    log = h.killed(first)  # the fault killed it
     assert f"PEARL_FAULT {fault}: SIGKILL" in log
 
     second = h.start_daemon()  # takes over at once: the dead holder's lease is broken, not waited out

@@ -24,14 +24,13 @@ The daemon wants a second task while the rollout driver reports queued work (``P
 ``PEARL_FAULT=POINT:GROW`` or ``POINT:SHRINK`` (pearlctl.daemon.main.fault_from_env). The cases are chained: a grow
 leaves two tasks for the shrink after it, a shrink one task for the next grow; a case whose precondition is
 missing sets it up first without a fault. The state-level version of the same crashes, with every write checked,
-is in tests/unit/test_elastic_pool.py.
+is in tests/unit/test_elastic_pool.py. The harness (the run launched, the daemon killed and started again, what
+state says) is the one the engine crash matrices share, tests/engines/crash_harness.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,14 +41,11 @@ from pearlctl.api import bodies
 from pearlctl.api.client import ControlClient
 from pearlctl.daemon.elastic_grow import SUBMIT_SETTLE_S
 from pearlctl.daemon.elastic_state import elastic_view
-from pearlctl.host.runfiles import read_address
-from pearlctl.router import service
-from pearlctl.state.rows import Allocation, Transition, Worker
-from pearlctl.state.store import Store
+from pearlctl.state.rows import Allocation, Worker
 from tests.conftest import Pearlctl, alive, wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec
+from tests.engines.crash_harness import Harness
 from tests.engines.load import Load, prompts
-from tests.engines.test_crash_matrix_daemon import LEASE_TTL_S
 
 RUN = "ecrash"
 # (what the daemon does when it is killed, where): ordered so that one case leaves what the next one needs
@@ -88,32 +84,13 @@ engine_args = { max_model_len = 512 }
     return local_run_spec(d, RUN, pools, poll_interval_s=1, run_extra=extra)
 
 
-class Harness:
-    def __init__(self, pc: Pearlctl, run_dir: Path):
-        self.pc, self.run_dir = pc, run_dir
-        self.state_dir = Path(pc.env["PEARL_STATE_DIR"])
-        self.store = Store.open(self.state_dir / "state.db", readonly=True)
-        self.run_id = pc.json("status", RUN, "--no-sync")["run"]["id"]
+class ElasticHarness(Harness):
+    """The run of the elastic matrix: its pool as state, the journal and the local backend's job dirs say, the
+    router's members as the journal replays them, the work the rollout driver reports."""
+
+    def __init__(self, pc: Pearlctl, run_dir: Path, run: str):
+        super().__init__(pc, run_dir, run)
         self.job_name = f"pearl.{self.run_id}.elastic"
-
-    # -- the daemon ---------------------------------------------------------------------------------
-    def start_daemon(self, fault: str | None = None) -> dict:
-        self.stop_daemon()
-        env = {k: v for k, v in self.pc.env.items() if k != "PEARL_FAULT"}
-        if fault:
-            env["PEARL_FAULT"] = fault
-        pc = Pearlctl(self.state_dir, env)
-        return json.loads(pc("daemon", RUN, "--heartbeat-s", "1", "--lease-ttl-s", LEASE_TTL_S, "--json").stdout)
-
-    def stop_daemon(self) -> None:
-        address = read_address(self.run_dir)
-        if address and alive(address["pid"]):
-            os.kill(address["pid"], signal.SIGTERM)
-            wait_for(lambda: not alive(address["pid"]), 30, every=0.1)
-
-    def daemon_alive(self) -> bool:
-        address = read_address(self.run_dir)
-        return bool(address and alive(address["pid"]))
 
     def report(self, size: int) -> None:
         """What the rollout driver reports: queued work (the daemon wants every elastic task), or none left (it
@@ -141,14 +118,6 @@ class Harness:
             if doc["name"] == self.job_name:
                 out.append((doc["submitted_at"], meta.parent.name, int(doc["first_task"])))
         return [(job, task) for _, job, task in sorted(out)]
-
-    def vllm_starts(self, alloc: Allocation | None = None) -> int:
-        """vLLM processes ever started by agents (of one allocation): one "starting" line per process."""
-        pattern = f"vllm-{alloc.job_id}_{alloc.array_index}-*.log" if alloc else "vllm-*.log"
-        return sum(p.read_text().count("# pearlctl: starting") for p in (self.run_dir / "logs").glob(pattern))
-
-    def journal(self) -> list[dict]:
-        return self.store.journal.read(self.run_id)
 
     def events(self, alloc_id: int) -> list[dict]:
         return [j for j in self.journal() if j["entity"] == "allocations" and j["entity_id"] == str(alloc_id)]
@@ -201,9 +170,6 @@ class Harness:
         ]
         return worker
 
-    def open_transitions(self) -> list[Transition]:
-        return [t for t in self.store.transitions.all(self.run_id) if t.state in ("PLANNED", "RUNNING", "ROLLING_BACK")]
-
     def converged(self, size: int) -> bool:
         """The pool holds ``size`` tasks as wanted, each with one READY worker the router routes to, every task
         that left has ended with its workers stopped, and nothing is moving."""
@@ -225,25 +191,9 @@ class Harness:
 def harness(request, tmp_path_factory):
     """The run, its daemon and its floor task serving: on vLLM (under the engine lock), or (``request.param ==
     "paced"``) the paced engine."""
-    paced = getattr(request, "param", "vllm") == "paced"
-    if not paced:
-        request.getfixturevalue("engine_lock")
-    d = tmp_path_factory.mktemp("ecrash-paced" if paced else "ecrash")
-    (d / "run.toml").write_text(spec(d, paced))
-    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
-    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
-    h = Harness(pc, d / "run")
-    try:
-        h.start_daemon()
+    with ElasticHarness.launched(request, tmp_path_factory, RUN, spec, "ecrash") as h:
         wait_for(lambda: h.converged(1), CONVERGE_S, every=1)  # the floor task serves through the router
         yield h
-    finally:
-        h.stop_daemon()
-        pc("cancel", RUN, check=None)
-        record = service.read_record(h.run_dir)
-        if record is not None:  # the run's router outlives its daemons by design: stopped here, with the run
-            service.stop(record, run_dir=h.run_dir)
-        h.store.close()
 
 
 @pytest.mark.parametrize(
@@ -282,8 +232,7 @@ def test_daemon_killed_at_an_elastic_boundary_converges(harness, case):
     with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=THREADS) as load:
         load.wait_turns(THREADS)  # the load runs before the pool is told to change
         h.report(size)
-        wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
-        log = (h.run_dir / "logs" / "daemon.log").read_text()
+        log = h.killed(first)  # the fault killed it
         assert log.count(f"PEARL_FAULT {fault}: SIGKILL") == 1, log[-3000:]
 
         # what the kill left: exactly the boundary named

@@ -32,14 +32,14 @@ from pathlib import Path
 import pytest
 
 from pearlctl.daemon.transitions import PLANS
-from pearlctl.host.runfiles import read_address
 from pearlctl.router.membership import RouterMembership
 from pearlctl.state.rows import Allocation, Gpu, Worker
 from pearlctl.vocabulary import StepKind
-from tests.conftest import Pearlctl, alive, wait_for
+from tests.conftest import wait_for
 from tests.engines.conftest import PACED_RUN, local_run_spec
+from tests.engines.crash_harness import Harness
 from tests.engines.load import Load, prompts
-from tests.engines.test_crash_matrix_daemon import RUN, Harness
+from tests.engines.test_crash_matrix_daemon import RUN
 
 POINT = "after_effect"
 MOVED, KEPT = 0, 1  # the rollout task whose GPU the cases move, and the one whose worker serves throughout
@@ -102,6 +102,9 @@ engine_args = { max_model_len = 512 }
 
 
 class MovesHarness(Harness):
+    """The run of the pool-transition matrix: the moved GPU and where it is, the tasks' workers, the router's
+    members, the moves."""
+
     def allocation(self, task: int) -> Allocation:
         return next(
             a for a in self.store.fleet.allocations(self.run_id) if a.pool == "rollout" and a.array_index == task
@@ -142,8 +145,7 @@ class MovesHarness(Harness):
         self.pc("move", RUN, args[0], str(self.gpu().id), *args[1:])
 
     def ensure(self, plan: str) -> None:
-        address = read_address(self.run_dir)
-        if address is None or not alive(address["pid"]):
+        if not self.daemon_alive():
             self.start_daemon()
         want = MOVES[plan][1]
         for _ in range(len(CYCLE)):
@@ -159,23 +161,10 @@ class MovesHarness(Harness):
 def harness(request, tmp_path_factory):
     """The run, its daemon and both tasks' workers serving: on vLLM (under the engine lock), or (``request.param ==
     "paced"``) the paced engine."""
-    paced = getattr(request, "param", "vllm") == "paced"
-    if not paced:
-        request.getfixturevalue("engine_lock")
-    d = tmp_path_factory.mktemp("moves-paced" if paced else "moves")
-    (d / "run.toml").write_text(spec(d, paced))
-    pc = Pearlctl(d / "state", {"CUDA_VISIBLE_DEVICES": "0,1"})  # the local backend's (stand-in) GPUs
-    pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
-    h = MovesHarness(pc, d / "run")
-    try:  # the run is cancelled (its router stops with it) whatever happens from here on
-        h.start_daemon()
+    with MovesHarness.launched(request, tmp_path_factory, RUN, spec, "moves") as h:
         serves = lambda task: any(w.routable and w.state == "READY" for w in h.live_workers(task))  # noqa: E731
         wait_for(lambda: serves(MOVED) and serves(KEPT), 300)
         yield h
-    finally:
-        h.stop_daemon()
-        pc("cancel", RUN, check=None)
-        h.store.close()
 
 
 def test_the_cases_cover_every_effect_step_of_every_pool_transition():
@@ -224,8 +213,7 @@ def test_daemon_killed_after_a_pool_step_converges(harness, case):
     with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=THREADS) as load:
         load.wait_turns(THREADS)  # the load runs before the move starts
         h.trigger(plan)
-        wait_for(lambda: not alive(first["pid"]), 120, every=0.1)  # the fault killed it
-        assert f"PEARL_FAULT {fault}: SIGKILL" in (h.run_dir / "logs" / "daemon.log").read_text()
+        assert f"PEARL_FAULT {fault}: SIGKILL" in h.killed(first)  # the fault killed it
 
         second = h.start_daemon()
         assert second["epoch"] > first["epoch"]
