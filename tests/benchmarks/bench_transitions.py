@@ -95,7 +95,7 @@ def analyze(store: Store, run_id: str) -> list[dict]:
         steps = {s.kind: s for s in store.transitions.steps(t.id)}
         begun = min(s.detail["started_at"] for s in steps.values())
         ended = max(s.detail["finished_at"] for s in steps.values())
-        places = {(gpus[g]["allocation_id"], gpus[g]["idx"]) for g in t.gpu_ids}
+        places = {(gpus[g].allocation_id, gpus[g].idx) for g in t.gpu_ids}
         (w,) = [
             w
             for w in store.fleet.workers(run_id)
