@@ -214,7 +214,12 @@ def _await_address(run: dict, starting: _Starting, *, timeout: float, json_out: 
         if why:
             raise fail(why, 1)
         time.sleep(starting.poll_s)
-    raise fail(f"the daemon did not write its address within {timeout:g}s; see {starting.log_path}", EXIT_TIMEOUT)
+    tail = _tail(starting.log_path)
+    raise fail(
+        f"the daemon did not write its address within {timeout:g}s; see {starting.log_path}"
+        + (f", which ends:\n{tail}" if tail else ""),
+        EXIT_TIMEOUT,
+    )
 
 
 def _systemd_unit(run: dict, argv: list[str]) -> str:

@@ -468,7 +468,10 @@ class Daemon:
 
     def _start(self, run: dict, epoch: int, poll_s: float):
         """Everything the control loop needs, with the lease already held and renewed: the controller, the
-        control API, the router, the executor; the threads to start."""
+        control API, the router, the executor; the threads to start. The address is written as soon as the API
+        serves; the router's gateway (three processes to start, seconds on a loaded head node) is started or
+        adopted after it, still before the control loop runs."""
+        t0 = time.monotonic()
         self.store.journal_event(
             self.run_id, "runs", self.run_id, "daemon started", data={"holder": self.holder}, epoch=epoch
         )
@@ -482,7 +485,7 @@ class Daemon:
             on_deposed=self.depose,
         )
         self.url = self.start_server(controller, controller.secret)
-        router = self._router(run, controller, epoch)
+        router = self._router(run, controller, epoch)  # not started yet: see below
         effects = DaemonEffects(
             self.store,
             self.run_id,
@@ -506,7 +509,15 @@ class Daemon:
             },
         )
         controller.liveness.published()  # agents find it from now: their loss is judged from here
-        log.warning("daemon for %s serving on %s (epoch %s)", self.run_id, self.url, epoch)
+        log.warning(
+            "daemon for %s serving on %s (epoch %s), %.1fs after taking the lease",
+            self.run_id,
+            self.url,
+            epoch,
+            time.monotonic() - t0,
+        )
+        if router is not None:
+            self._sync_router(router)
         elastic = ElasticPool(
             self.store,
             self.backend,
@@ -536,9 +547,8 @@ class Daemon:
         return controller, borrowing, router, threads
 
     def _router(self, run: dict, controller: Controller, epoch: int) -> RouterKeeper | None:
-        """The run's router keeper (None when the spec turns the router off), with its gateway started or
-        adopted and synced once before the control loop runs; a failure here is journaled and retried by
-        the router thread, never fatal."""
+        """The run's router keeper (None when the spec turns the router off); its gateway is not touched yet
+        (``_sync_router``)."""
         spec = run["spec"].get("router") or {}
         if not spec.get("enabled", True):
             return None
@@ -558,11 +568,17 @@ class Daemon:
             policy=str(spec.get("policy", "consistent_hash")),
             advertise=urlsplit(self.url).hostname if self.url else None,
         )
+        return keeper
+
+    def _sync_router(self, keeper: RouterKeeper) -> None:
+        """The gateway started or adopted and synced once, before the control loop runs; a failure here is
+        journaled and retried by the router thread, never fatal."""
+        t0 = time.monotonic()
         try:
             keeper.sync_once()
         except Exception as exc:
             self._journal_error("router", exc)
-        return keeper
+        log.warning("router: %s in %.1fs", keeper.base_url or "not serving yet", time.monotonic() - t0)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT stop the daemon (call from the main thread, before ``run``). Besides the Python-level
