@@ -307,6 +307,9 @@ class Agents(Side):
         fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
         worker = self._current_row(alloc, report)
         created = worker is None
+        # a fact that changed moves the worker too: VERIFY waits for the trainer's weights, which a worker that
+        # reloads them reports with no change of state
+        facts_moved = not created and any(getattr(worker, k) != v for k, v in fields.items())
         if worker is None:
             if state in (W.STOPPED, W.FAILED):
                 return False
@@ -320,10 +323,13 @@ class Agents(Side):
             )
             self.store.update_fields("workers", wid, epoch=self.epoch, worker_key=key, gpu_idx=list(report.gpus))
             worker = self.store.fleet.worker(wid)
-        elif fields:
-            self.store.update_fields("workers", worker.id, epoch=self.epoch, **fields)
+        elif facts_moved:
+            version = fields.get("weight_version")
+            loaded = version is not None and version != worker.weight_version  # journaled: when it began to serve it
+            event, data = ("serving weights", {"version": version}) if loaded else (None, None)
+            self.store.update_fields("workers", worker.id, epoch=self.epoch, event=event, data=data, **fields)
         current = worker.state
-        moved = created or current != state
+        moved = created or facts_moved or current != state
         if current != state:
             path = edge_path("workers", current, state)
             if not path:
@@ -347,8 +353,9 @@ class Agents(Side):
                 )
                 current = step
         on_lent = not lent.isdisjoint(report.gpus)
-        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
-            # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
+        policy = report.engine == Engine.VLLM and report.role in GENERATION_ROLES  # a judge takes no rollout
+        if policy and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
+            # a worker of a rollout/elastic pool, or on trainer GPUs lent now, takes traffic while READY
             # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
             # again after a crash serves again, as on a rollout GPU.

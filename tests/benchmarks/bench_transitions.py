@@ -6,14 +6,16 @@ It runs the tiny run for real on the bundled Slurm cluster (DeepSpeed trainer wi
 vLLM rollout worker), with borrowing under the greedy policy and the reference rollout driver, then reads
 every completed transition from state:
 
-- borrow (cold) = OFFLOAD (trainer ``offload_states``) + START/VERIFY (vLLM process start to healthy) + REGISTER
-- borrow_warm = OFFLOAD + WAKE/VERIFY (the vLLM worker parked on the GPU wakes up) + REGISTER
+- borrow (cold) = OFFLOAD (trainer ``offload_states``) + START/VERIFY (vLLM process start to healthy, serving the
+  trainer's latest weights) + REGISTER
+- borrow_warm = OFFLOAD + WAKE/VERIFY (the vLLM worker parked on the GPU wakes up and reloads newer weights) +
+  REGISTER
 - return_sleep = DEREGISTER + DRAIN/SLEEP (vLLM drains and sleeps) + RELOAD (``reload_states``) + VERIFY
 - return (``pearlctl return``, or ``--stop-on-return``) = … DRAIN/STOP (vLLM drains and exits) …
 
 Engine time is what the engines report or what their process took (OFFLOAD/RELOAD: the trainer's slowest
-rank; vLLM: from the worker's first report to READY, from DRAINING to STOPPED). pearlctl's overhead is
-the rest: writing intents and journal rows, propagating desired state to the agent, probing.
+rank; vLLM: from the worker's first report to READY with the latest weights, from DRAINING to STOPPED).
+pearlctl's overhead is the rest: writing intents and journal rows, propagating desired state to the agent, probing.
 
 The targets (named constants below, with their reasons): pearlctl's overhead, a warm borrow against a cold
 one, and a return that parks the worker. ``--check`` exits 1 when one is missed (or a kind of transition was
@@ -70,13 +72,25 @@ def sh(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess
     return proc
 
 
+WEIGHTS = "WEIGHTS"  # not a state: when a worker began to serve a version of the weights ("serving weights")
+
+
 def worker_times(journal: list[dict]) -> dict[int, list[tuple[float, str]]]:
-    """Per worker: (time, state) for its creation and every state it was reported in."""
+    """Per worker: (time, state) for its creation and every state it was reported in, and (time, ``WEIGHTS``)
+    for every version of the weights it began to serve."""
     out: dict[int, list[tuple[float, str]]] = {}
     for j in journal:
-        if j["entity"] == "workers" and j["to_state"]:
-            out.setdefault(int(j["entity_id"]), []).append((j["ts"], j["to_state"]))
+        if j["entity"] == "workers" and (j["to_state"] or j["event"] == "serving weights"):
+            out.setdefault(int(j["entity_id"]), []).append((j["ts"], j["to_state"] or WEIGHTS))
     return out
+
+
+def serving(times: list[tuple[float, str]], after: float, until: float) -> float | None:
+    """When the worker serves after ``after``: READY, or later, the trainer's latest weights loaded before
+    ``until`` (a woken or started worker with older ones reloads them before VERIFY passes: vLLM's time too)."""
+    ready = first(times, "READY", after)
+    loaded = [ts for ts, st in times if st == WEIGHTS and after <= ts <= until]
+    return max([ready, *loaded]) if ready is not None else None
 
 
 def first(times: list[tuple[float, str]], state: str, after: float) -> float | None:
@@ -106,12 +120,13 @@ def analyze(store: Store, run_id: str) -> list[dict]:
         times = wt[w.id]
         if t.kind == "borrow":
             trainer_s = steps["OFFLOAD"].detail["ack"]["max_rank_s"]
-            if plan == "borrow":  # cold: process start (first report) to healthy
-                vllm_s = first(times, "READY", begun) - first(times, "STARTING", begun - 1)
-            else:  # warm: from the WAKE step's intent to the worker READY (wake_up + resume; this window
-                # also holds the few ms it takes desired state to reach the agent, counted as engine here)
+            if plan == "borrow":  # cold: process start (first report) to serving the latest weights
+                vllm_s = serving(times, begun, ended) - first(times, "STARTING", begun - 1)
+            else:  # warm: from the WAKE step's intent to the worker serving the latest weights (wake_up, resume,
+                # a reload of newer weights; this window also holds the few ms it takes desired state to reach
+                # the agent, counted as engine here)
                 wake = steps["WAKE"].detail["started_at"]
-                vllm_s = first(times, "READY", wake) - wake
+                vllm_s = serving(times, wake, ended) - wake
         else:
             trainer_s = steps["RELOAD"].detail["ack"]["max_rank_s"]
             end_state = "STOPPED" if plan == "return" else "SLEEPING"
