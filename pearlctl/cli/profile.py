@@ -24,7 +24,7 @@ from pearlctl.cli.common import (
 )
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.planner import profile as profiles
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import GENERATION_ROLES
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -119,12 +119,15 @@ def profile(
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
     from pearlctl.ops import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
 
-    serving = [w for w in workers if w.state == "READY" and w.url and w.role != Role.TRAIN]
+    # the policy's profile: measured on a worker serving the policy (a judge's model is another)
+    serving = [w for w in workers if w.state == "READY" and w.url and w.role in GENERATION_ROLES]
     if worker:
         serving = [w for w in serving if worker in (w.url, w.worker_key)]
     if not serving:
         known = ", ".join(f"{w.worker_key} ({w.url}, {w.state})" for w in workers if w.url) or "none"
-        raise fail(f"no serving vLLM worker {worker or ''} in run {run['id']}; workers: {known}", EXIT_NOT_FOUND)
+        raise fail(
+            f"no vLLM worker {worker or ''} serving the policy in run {run['id']}; workers: {known}", EXIT_NOT_FOUND
+        )
     w = serving[0]
     try:
         model = httpx.get(w.url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -21,7 +21,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, Engine, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, Role
 
 
 def desired_hash(desired: list[dict]) -> str:
@@ -153,7 +153,7 @@ class Desired(Side):
                     engine,
                     tuple(group),
                     "RUNNING",
-                    weights if engine == Engine.VLLM else None,
+                    weights if role in GENERATION_ROLES else None,  # a judge keeps its own model
                     return_deadline=deadline,
                     return_by=None if deadline is None else round(deadline - return_s, 3),
                 )

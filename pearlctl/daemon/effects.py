@@ -38,7 +38,7 @@ from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.rows import Transition
 from pearlctl.state.schema import TRAINER_REPORT
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import SERVING_ROLES, Engine, PoolKind, Role, StepKind
+from pearlctl.vocabulary import GENERATION_ROLES, SERVING_ROLES, Engine, PoolKind, Role, StepKind
 
 GONE_WORKER = (W.STOPPED, W.FAILED, W.LOST)
 # the journal row of a step's write of a GPU's role (with the fields written): a GPU's roles over time are read
@@ -216,7 +216,8 @@ class DaemonEffects:
         # fails the step by its timeout, and the transition rolls back)
         trainer = self.store.runs.get(self.run_id).get(TRAINER_REPORT) or {}
         latest = trainer.get("weight_version") if trainer.get("weights_path") else None
-        return _proven(latest is None or all(w.weight_version == str(latest) for w in live))
+        policy = [w for w in live if w.role in GENERATION_ROLES]  # a judge keeps its own model
+        return _proven(latest is None or all(w.weight_version == str(latest) for w in policy))
 
     def _registered(self, t: Transition, key: str) -> Outcome:
         """Recorded in state, and — where the run has a router — carried out by it: the router routes to every

@@ -202,8 +202,9 @@ def summary(s: Snapshot) -> dict:
 
 
 def _serves(g: dict) -> bool:
-    """A GPU row that serves rollouts now: a lent trainer GPU, or a rollout/elastic GPU in a serving role."""
-    return bool(g.borrowed) if g.pool == PoolKind.TRAINER else g.role in SERVING_ROLES
+    """A GPU row that serves rollouts now: a lent trainer GPU, or a rollout/elastic GPU in a role that serves the
+    policy (a judge's does not)."""
+    return bool(g.borrowed) if g.pool == PoolKind.TRAINER else g.role in GENERATION_ROLES
 
 
 def _serving_workers(gpus, gpus_per_worker: int) -> int:

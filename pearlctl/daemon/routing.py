@@ -33,7 +33,7 @@ from pearlctl.router import service
 from pearlctl.router.membership import MembershipError, RouterMembership
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -49,11 +49,12 @@ ADD_WAIT_S = 5.0  # a READY worker answers /health at once; one that does not is
 
 
 def desired_members(store: Store, run_id: str) -> dict[str, str | None]:
-    """URL → weight version of every worker the router should send requests to now."""
+    """URL → weight version of every worker the router should send requests to now: READY, routable and serving
+    the policy (a generative reward model's worker never gets a rollout's turn)."""
     return {
         w.url: (str(w.weight_version) if w.weight_version is not None else None)
         for w in store.fleet.workers(run_id)
-        if w.routable and w.state == W.READY and w.url
+        if w.routable and w.state == W.READY and w.url and w.role in GENERATION_ROLES
     }
 
 
