@@ -4,9 +4,11 @@
 A byte-level BPE tokenizer (vocab 2048, ChatML chat template, eos <|im_end|>) trained on generated
 text, and a randomly initialised Llama (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32 — the
 CPU attention backend needs head_dim >= 32), saved in HF format. Deterministic for a seed; a second
-seed gives a "new policy" with the same shapes for weight-reload tests.
+seed gives a "new policy" with the same shapes for weight-reload tests. ``--judge`` builds the tiny judge (a
+generative reward model) instead: the same tokenizer, another shape (hidden 64, 1 layer, 2 heads), so that the
+policy's weights loaded into it, or its into the policy, fail rather than serve.
 
-    python scripts/build-tiny-model.py OUT_DIR [--seed 0]
+    python scripts/build-tiny-model.py OUT_DIR [--seed 0] [--judge]
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build(out: Path, seed: int) -> None:
+# the model's shape: the policy's, and the judge's (it must differ: a mix-up of the two fails)
+SHAPES = {
+    "policy": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "judge": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2},
+}
+
+
+def build(out: Path, seed: int, shape: str = "policy") -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -59,10 +68,7 @@ def build(out: Path, seed: int) -> None:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(fast),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **SHAPES[shape],
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=1024,
@@ -77,15 +83,16 @@ def build(out: Path, seed: int) -> None:
     model.save_pretrained(out, safe_serialization=True)
     fast.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"tiny model: {n} parameters, seed {seed}, in {out}")
+    print(f"tiny {shape} model: {n} parameters, seed {seed}, in {out}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--judge", action="store_true", help="the tiny judge's shape, not the policy's")
     args = ap.parse_args()
-    build(args.out, args.seed)
+    build(args.out, args.seed, "judge" if args.judge else "policy")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def _pool_spec(kind: str, pool: Pool) -> PoolSpec:
     fields = pool.model_dump()
     for key in ("command", "train_command"):
         fields[key] = tuple(fields[key]) if fields[key] else None
+    fields["model"] = str(fields["model"]) if fields["model"] is not None else None
     return PoolSpec(name=kind, **fields)
 
 

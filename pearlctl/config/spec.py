@@ -40,6 +40,7 @@ class PoolSpec:
     env: dict[str, str] = field(default_factory=dict)
     # vLLM pools: how a new weight version reaches workers on nodes without a trainer rank (WEIGHT_PATHS)
     weights: str = "disk"
+    model: str | None = None  # a reward pool's judge model (None: the run's model)
 
     @property
     def role(self) -> str:

@@ -212,12 +212,34 @@ ONLY_IN: dict[str, tuple[tuple[str, ...], str]] = {
         "only an elastic pool adds tasks that may wait in the queue; remove it or move it to [pools.elastic]",
     ),
     "train_command": ((PoolKind.TRAINER,), "only the trainer pool runs a training command; move it to [pools.trainer]"),
+    "model": (
+        (PoolKind.REWARD,),
+        "only a reward pool serves a model of its own (its judge); the other pools serve [run] model: remove it",
+    ),
     "weights": (
         v.WEIGHTS_POOLS,
         f"only the pools whose vLLM workers serve the trainer's weights ({', '.join(v.WEIGHTS_POOLS)}) take it; "
         "remove it",
     ),
 }
+
+
+def _model_here(model: Path, info: ValidationInfo, where: str) -> Path:
+    """A model directory (``where`` names its key): one missing on this host is a warning only with
+    ``model_on_this_host=False`` (it may exist only on the compute nodes); a real launch refuses it."""
+    try:
+        if not model.exists() and not info.context.model_on_this_host:
+            info.context.warnings.append(
+                f"{where}: path {model} does not exist on this host (it may exist only on the compute nodes); "
+                "a real launch refuses it"
+            )
+        elif not model.exists():
+            raise problem(f"path {model} does not exist; give the model directory (HF format)")
+        elif not os.access(model, os.R_OK):
+            raise problem(f"path {model} is not readable")
+    except OSError as exc:
+        raise problem(f"cannot use path {model}: {exc.strerror or exc}") from exc
+    return model
 
 
 # --- the tables --------------------------------------------------------------------------------------------------
@@ -245,21 +267,7 @@ class RunTable(_Table):
     @field_validator("model")
     @classmethod
     def _model_is_here(cls, model: Path, info: ValidationInfo) -> Path:
-        """A model missing on this host is a warning only with ``model_on_this_host=False``: it may exist only on
-        the compute nodes; a real launch refuses it."""
-        try:
-            if not model.exists() and not info.context.model_on_this_host:
-                info.context.warnings.append(
-                    f"run.model: path {model} does not exist on this host (it may exist only on the compute nodes); "
-                    "a real launch refuses it"
-                )
-            elif not model.exists():
-                raise problem(f"path {model} does not exist; give the model directory (HF format)")
-            elif not os.access(model, os.R_OK):
-                raise problem(f"path {model} is not readable")
-        except OSError as exc:
-            raise problem(f"cannot use path {model}: {exc.strerror or exc}") from exc
-        return model
+        return _model_here(model, info, "run.model")
 
     @field_validator("run_dir")
     @classmethod
@@ -335,6 +343,7 @@ class Pool(_Table):
     engine_args: EngineArgs = {}
     env: Env = {}
     weights: WeightPath = "disk"
+    model: SpecPath | None = None  # a reward pool's judge (default: [run] model)
 
     @field_validator(*ONLY_IN, mode="before")
     @classmethod
@@ -343,6 +352,11 @@ class Pool(_Table):
         if cls.kind not in kinds:
             raise problem(refusal)
         return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_here(cls, model: Path | None, info: ValidationInfo) -> Path | None:
+        return None if model is None else _model_here(model, info, f"pools.{cls.kind}.model")
 
     @field_validator("max_nodes")
     @classmethod

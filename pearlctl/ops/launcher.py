@@ -89,7 +89,10 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
             for p in pools
         ]
     engine = {"engine": spec.engine, "engine_profile": str(spec.engine_profile) if spec.engine_profile else None}
-    return [_pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=str(spec.model), **engine) for p in pools]
+    return [
+        _pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=p.model or str(spec.model), **engine)
+        for p in pools
+    ]
 
 
 def _pool_request(
@@ -162,11 +165,12 @@ def grow_request(run: dict, pool: str, task_index: int) -> SubmitRequest:
     task is ``task_index`` (``--array=K``), so state keys it ``(its job id, K)`` like every other task."""
     if task_index < 1:
         raise ValueError(f"an added task's index must be >= 1 (index 0 is the launch's), got {task_index}")
+    spec = pool_spec_of(run, pool)
     return _pool_request(
-        pool_spec_of(run, pool),
+        spec,
         run_id=run["id"],
         run_dir=run["run_dir"],
-        model=str(run["spec"].get("model", "")),
+        model=spec.model or str(run["spec"].get("model", "")),
         first_task=task_index,
         engine=run["spec"].get("engine") or "vllm",  # a run launched before the key existed ran vLLM
         engine_profile=run["spec"].get("engine_profile"),

@@ -7,6 +7,11 @@ Each version the trainer exports reaches the worker over a gloo group from train
 tensors received, its agent says it serves the version from the broadcast with no reload, and vLLM's disk reload
 never ran. The trainer trains every step, and every step after the first is generated on the previous step's
 weights. (The node-local store is keyed by Slurm node name, so the cluster's nodes, one machine, are told apart.)
+
+Beside them a reward pool serves a judge (a generative reward model: the tiny judge, examples/models/tiny-judge,
+shaped unlike the policy) with vLLM, and it is never the policy's: it serves its own model, no version of the
+trainer's weights reaches it (by broadcast or reload), it is neither routable nor a member of the run's router, and
+none of the policy's turns reaches it (its vLLM counted no request).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from pearlctl.router import service
 from tests.conftest import REPO, wait_for
 from tests.integration.conftest import spec_run
 from tests.integration.test_borrow_e2e import ROLLOUT_POOL
@@ -30,13 +37,25 @@ pytestmark = pytest.mark.timeout(900)
 STEPS = 3
 
 
+JUDGE = REPO / "examples" / "models" / "tiny-judge"
+REWARD_POOL = f"""
+[pools.reward]
+partition = "debug"
+nodes = 1
+gpus_per_node = 1
+exclude = "gpu1"
+model = "{JUDGE}"
+engine_args = {{ max_model_len = 512 }}
+"""
+
+
 def spec_text(run_dir: Path) -> str:
     return borrow_spec(
         run_dir,
         name="bcast",
         steps=STEPS,
         trainer_pool='partition = "debug"\nexclude = "gpu[2-4]"',
-        generation_pools=ROLLOUT_POOL + 'weights = "broadcast"\nexclude = "gpu1"\n',
+        generation_pools=ROLLOUT_POOL + 'weights = "broadcast"\nexclude = "gpu1"\n' + REWARD_POOL,
     )
 
 
@@ -50,7 +69,7 @@ def lines(run_dir: Path, pattern: str, needle: str) -> list[str]:
     return [x for p in sorted((run_dir / "logs").glob(pattern)) for x in p.read_text().splitlines() if needle in x]
 
 
-def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadcast(bcast):
+def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadcast_and_a_judge_none(bcast):
     pc, d = bcast
     run_dir = d / "run"
     pc("launch", str(d / "run.toml"), "--wait", "--timeout", "60")
@@ -79,10 +98,11 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
         for e in steps
         if (e.get("broadcast") or {}).get("sent") and e["broadcast"]["workers"] == 1
     }
-    served = {}
+    served, servers = {}, set()
     for step in range(1, STEPS + 1):
         groups = [json.loads(x) for x in (run_dir / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()]
         served[step] = {s["weight_version"] for g in groups for s in g["served_by"]}
+        servers |= {s["worker"] for g in groups for s in g["served_by"]}
     for step in range(2, STEPS + 1):
         assert served[step] == {str(step - 1)}, served
     versions = {str(v) for v in range(1, STEPS)}
@@ -94,4 +114,19 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     from_broadcast = lines(run_dir, "rollout-*.log", "from the trainer's broadcast (no reload)")
     assert {m.group(1) for x in from_broadcast if (m := re.search(r"now serves weights (\S+) from", x))} >= versions
     assert not lines(run_dir, "vllm-*rollout*.log", "Reloading weights inplace")  # vLLM never read a checkpoint
+
+    # the judge beside them: its own model, no policy weights, no policy traffic
+    (judge,) = [w for w in pc.json("status", "bcast")["workers"] if w["role"] == "REWARD"]
+    assert judge["state"] == "READY" and judge["weight_version"] is None and not judge["routable"], judge
+    models = httpx.get(judge["url"] + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [str(JUDGE)], models
+    assert not lines(run_dir, "vllm-*reward*.log", "Reloading weights inplace")
+    assert not lines(run_dir, "vllm-*reward*.log", "over gloo")
+    assert not lines(run_dir, "reward-*.log", "now serves weights")
+    assert servers and judge["url"] not in servers, servers
+    record, key = service.read_record(run_dir), service.read_key(run_dir)
+    members = httpx.get(record.url + "/pearl/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert judge["url"] not in {m["url"] for m in members.json()["workers"]}, members.text
+    metrics = httpx.get(judge["url"] + "/metrics", timeout=10).text
+    assert sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M)) == 0
     print(json.dumps({"nodes": nodes, "sent": sent, "served": {k: sorted(v) for k, v in served.items()}}))
