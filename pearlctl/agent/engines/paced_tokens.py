@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 FIRST_PRINTABLE, PRINTABLE = 32, 95  # generated ids: printable ASCII, one character each
-PRIME_IDS = 32  # the prompt's last ids a request's text stream starts from (Decoder): a character is 4 bytes at most
 MIN_STANDALONE = 64  # fewer standalone ids than this (Vocab): every id is generated, and stepped through the stream
 
 
@@ -125,9 +124,10 @@ class Decoder:
         if vocab.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
 
-            # primed with the prompt's last ids, as vLLM's incremental detokenizer starts a few ids back: priming
-            # with all of them makes the first step decode the whole prompt
-            self.stream = DecodeStream(ids=list(prompt[-PRIME_IDS:]), skip_special_tokens=True)
+            # primed with the whole prompt, as vLLM's incremental detokenizer is (``DecodeStream(ids=...)`` prefills
+            # without decoding it): a prompt that ends in part of a character, even before many special ids, gives
+            # the first generated id's text that part too
+            self.stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
 
     def pieces(self, ids: list[int]) -> list[str]:
         """The text each of these next ids adds (empty for an id that completes no character yet)."""
