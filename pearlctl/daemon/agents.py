@@ -353,9 +353,9 @@ class Agents(Side):
                 )
                 current = step
         on_lent = not lent.isdisjoint(report.gpus)
-        policy = report.engine == Engine.VLLM and report.role in GENERATION_ROLES  # a judge takes no rollout
-        if policy and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
-            # a worker of a rollout/elastic pool, or on trainer GPUs lent now, takes traffic while READY
+        if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
+            # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
+            # (a judge's, REWARD, only requests naming its model: the run's router keeps it apart)
             # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
             # again after a crash serves again, as on a rollout GPU.
@@ -404,7 +404,8 @@ class Agents(Side):
         return next(p for p in self.store.runs.pools(self.run_id) if p["id"] == alloc.pool_id)
 
     def routable_workers(self) -> dict:
-        """READY, registered rollout workers: where rollout clients may send requests now. ``seen_at``: when
+        """READY, registered rollout workers (the policy's: never a judge): where rollout clients may send requests
+        now. ``seen_at``: when
         the worker's agent last reported (a client that saw a worker fail trusts it again after that).
 
         ``joining``: how many workers are on their way to serving rollouts — the GPUs of open (PLANNED or
@@ -422,7 +423,7 @@ class Agents(Side):
                 "seen_at": seen.get(w.allocation_id),
             }
             for w in self.store.fleet.workers(self.run_id)
-            if w.routable and w.state == W.READY and w.url
+            if w.routable and w.state == W.READY and w.url and w.role in GENERATION_ROLES
         ]
         moving = [
             t

@@ -33,7 +33,7 @@ from pearlctl.router import service
 from pearlctl.router.membership import MembershipError, RouterMembership
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import GENERATION_ROLES, Role
+from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -46,23 +46,23 @@ MEMBERSHIP_TIMEOUT_S = 30.0
 CHECK_PROCESS_S = 2.0  # how often the gateway's process and health are checked
 REFRESH_S = 5.0  # how often membership is re-read even when nothing changed (a router restarted by the gateway)
 ADD_WAIT_S = 5.0  # a READY worker answers /health at once; one that does not is retried next sync
+ROUTED_APART = (Role.PREFILL, Role.DECODE, Role.REWARD)  # the roles the router is told (the rest: ROLLOUT)
 
 
 def desired_members(store: Store, run_id: str) -> dict[str, str | None]:
-    """URL → weight version of every worker the router should send requests to now: READY, routable and serving
-    the policy (a generative reward model's worker never gets a rollout's turn)."""
+    """URL → weight version of every worker the router should send requests to now: READY and routable (a judge
+    too: the router routes it apart, ``desired_roles``)."""
     return {
         w.url: (str(w.weight_version) if w.weight_version is not None else None)
         for w in store.fleet.workers(run_id)
-        if w.routable and w.state == W.READY and w.url and w.role in GENERATION_ROLES
+        if w.routable and w.state == W.READY and w.url
     }
 
 
 def desired_roles(store: Store, run_id: str, wanted: dict[str, str | None]) -> dict[str, str]:
-    """URL → role of the wanted members that prefill or decode (the rest serve colocated, ROLLOUT)."""
-    return {
-        w.url: w.role for w in store.fleet.workers(run_id) if w.url in wanted and w.role in (Role.PREFILL, Role.DECODE)
-    }
+    """URL → role of the wanted members that prefill or decode, or judge (REWARD: only requests naming its model
+    reach it, never a rollout's); the rest serve colocated, ROLLOUT."""
+    return {w.url: w.role for w in store.fleet.workers(run_id) if w.url in wanted and w.role in ROUTED_APART}
 
 
 class RouterKeeper:

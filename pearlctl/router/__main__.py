@@ -255,13 +255,14 @@ class RouterChild:
 
 
 class PdRouterChild:
-    """A `RouterChild` in PD mode as the gateway sees a PD router (pearlctl.router.routing.PdRouter)."""
+    """A `RouterChild` started on the control plane as the gateway sees it: in PD mode a PD router
+    (pearlctl.router.routing.PdRouter), without ``lists`` the judge router (pearlctl.router.routing.JudgeRouter)."""
 
-    def __init__(self, child: RouterChild, lists: PdLists):
+    def __init__(self, child: RouterChild, lists: PdLists | None):
         self.child, self.url, self.lists = child, child.url, lists
 
     @classmethod
-    async def launch(cls, args: argparse.Namespace, lists: PdLists) -> PdRouterChild:
+    async def launch(cls, args: argparse.Namespace, lists: PdLists | None) -> PdRouterChild:
         """Start one and return it once it answers ``/liveness`` (in PD mode 0.1.17 answers only after every
         listed worker's ``/health``); RuntimeError, with nothing left running, otherwise. Runs on the
         control plane's thread (pearlctl.router.control.ControlPlane), which lives as long as the gateway
@@ -269,7 +270,7 @@ class PdRouterChild:
         child = RouterChild(args, pd=lists)
         child.start()
         try:
-            await child.wait_ready(PD_READY_S)
+            await child.wait_ready(PD_READY_S if lists is not None else ROUTER_READY_S)
         except RuntimeError:
             await asyncio.to_thread(child.stop)
             raise
@@ -338,7 +339,11 @@ def _gateway(args: argparse.Namespace, key: str, router: RouterChild) -> Gateway
     config = GatewayConfig(
         key=key, router_url=router.url, retry_for_s=args.retry_for_s, request_timeout_s=args.request_timeout_s
     )
-    return Gateway(config, pd_launcher=lambda lists: PdRouterChild.launch(args, lists))
+    return Gateway(
+        config,
+        pd_launcher=lambda lists: PdRouterChild.launch(args, lists),
+        judge_launcher=lambda: PdRouterChild.launch(args, None),
+    )
 
 
 def _public_server(gateway: Gateway) -> uvicorn.Server:

@@ -24,6 +24,7 @@ from pearlctl.router.errors import BadRequest
 from pearlctl.router.members import MemberRecord, Members
 from pearlctl.router.membership import WorkerIn, WorkerSet
 from pearlctl.router.routing import Routers
+from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
 
@@ -162,16 +163,22 @@ class MemberAdmin:
         }
 
     async def member_docs(self) -> list[dict]:
-        """The members, each with ``router`` (``regular`` or ``pd``: which vllm-router routes to it),
+        """The members, each with ``router`` (``regular``, ``pd`` or ``judge``: which vllm-router routes to it),
         ``routed`` and ``healthy`` as that router lists it (both left out when it does not answer)."""
         listed = await self.routers.router_workers()
         seen = {str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None
         pd, pd_seen = await self.routers.pd_listing()
         in_pd = pd.lists.urls() if pd is not None else frozenset()
+        judged = await self.routers.judge_listing() if self.routers.judge is not None else None
         out = []
         for m in self.members.members():
             doc = m.doc()
-            if m.url in in_pd:
+            if m.role == Role.REWARD:
+                doc["router"] = "judge"
+                if judged is not None or self.routers.judge is None:
+                    doc["routed"] = judged is not None and m.url in judged
+                    doc["healthy"] = bool((judged or {}).get(m.url, {}).get("is_healthy"))
+            elif m.url in in_pd:
                 doc["router"] = "pd"
                 if pd is not None and not pd.alive():
                     doc["routed"] = doc["healthy"] = False

@@ -44,6 +44,7 @@ from starlette.routing import Route
 from pearlctl.router.errors import BadRequest, GiveUp, Refused, error
 from pearlctl.router.membership import WORKERS_PATH, ValidationError, WorkerIn, WorkerRef, WorkerSet, describe
 from pearlctl.router.turn import Turn
+from pearlctl.vocabulary import Role
 
 if TYPE_CHECKING:
     from pearlctl.router.gateway import Gateway
@@ -225,8 +226,9 @@ class Routes:
         return exc.response()
 
     async def models(self, request: Request) -> Response:
-        """The model list, as the serving router answers it; when the router cannot (down, or no worker
-        it counts healthy yet, as right after a membership change), as the first member worker that does."""
+        """The model list, as the serving router answers it, with the judges' models after the policy's; when the
+        router cannot (down, or no worker it counts healthy yet, as right after a membership change), as the first
+        of the policy's member workers that does."""
         refused = self.check_key(request)
         if refused is not None:
             return refused
@@ -237,8 +239,9 @@ class Routes:
         except httpx.HTTPError as exc:
             resp, failure = None, (503, f"does not answer ({type(exc).__name__}: {exc})")
         if failure is None and resp is not None:
-            return Response(resp.content, 200, media_type="application/json")
-        for url in self.gateway.members.urls():
+            return Response(await self._with_judges(resp.content), 200, media_type="application/json")
+        policy = sorted(u for u, role in self.gateway.members.roles().items() if role != Role.REWARD)
+        for url in policy:  # the policy's list comes first: a judge's would name its model to rollout clients
             try:
                 direct = await http.get(url + "/v1/models", timeout=10.0)
             except httpx.HTTPError:
@@ -249,6 +252,26 @@ class Routes:
         if resp is None:
             return error(503, f"the router {text}, nor does any member worker", "router_unavailable")
         return error(status if status >= 400 else 502, f"the router answered {status}: {text}", "upstream_error")
+
+    async def _with_judges(self, listed: bytes) -> bytes:
+        """A router's model list with the judge router's models appended (those not in it already); the list
+        as it was when there is no judge router, when it names no model of the policy (rollout clients take the
+        first model listed), or when either list cannot be read."""
+        judge = self.gateway.routers.judge
+        if judge is None or not judge.alive():
+            return listed
+        try:
+            doc = orjson.loads(listed)
+            if not doc["data"]:
+                return listed
+            resp = await self.gateway.http.get(judge.url + "/v1/models", timeout=10.0)
+            extra = orjson.loads(resp.content)["data"] if resp.status_code == 200 else []
+            data = doc["data"]
+            have = {e.get("id") for e in data if isinstance(e, dict)}
+            data.extend(e for e in extra if isinstance(e, dict) and e.get("id") not in have)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return listed
+        return orjson.dumps(doc)
 
     async def health(self, request: Request) -> Response:
         doc, status = await self.gateway.control.run(self.gateway.routers.health_doc)

@@ -51,7 +51,7 @@ from pearlctl.router.admin import MemberAdmin
 from pearlctl.router.control_loop import ControlLoop
 from pearlctl.router.errors import GiveUp, Refused, is_refusal
 from pearlctl.router.members import Members
-from pearlctl.router.routing import PdLauncher, Routers
+from pearlctl.router.routing import JudgeLauncher, PdLauncher, Routers
 from pearlctl.router.text import TextMirror, Tokenizers, mirrorable
 from pearlctl.router.turn import Turn, sse
 
@@ -79,6 +79,12 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     pd_retry_s: float = 2.0  # the first wait before launching a PD router again for lists that failed (doubling)
     pd_retry_max_s: float = 60.0
+
+
+def _model(body: dict) -> str | None:
+    """The model a request names (a judge's goes to the judge router: pearlctl.router.routing)."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
 
 
 class _StreamBroke(Exception):
@@ -109,6 +115,7 @@ class Gateway:
         *,
         http: httpx.AsyncClient | None = None,
         pd_launcher: PdLauncher | None = None,
+        judge_launcher: JudgeLauncher | None = None,
     ):
         self.config = config
         # The data plane's upstream client: httpx's API (its exceptions, its MockTransport in the unit tests) over
@@ -136,6 +143,7 @@ class Gateway:
                 "unauthorized",
                 "attempts_regular",
                 "attempts_pd",
+                "attempts_judge",
             )
         }
         # where a non-streamed turn's time went, summed over the completed ones: from its arrival to its answer,
@@ -146,7 +154,7 @@ class Gateway:
         # The control plane's loop (pearlctl.router.control): membership runs there, with its own client; until
         # a control plane serves, on the caller's loop with the data plane's client (the unit tests).
         self.control = ControlLoop(self.http)
-        self.routers = Routers(config, self.members, self.control, self.stats, pd_launcher)
+        self.routers = Routers(config, self.members, self.control, self.stats, pd_launcher, judge_launcher)
         self.admin = MemberAdmin(self.members, self.routers, self.control)
         self.tokenizers = Tokenizers()  # for the text of continued turns (pearlctl.router.text)
         self._model_roots: dict[str, str] = {}  # served model name -> its directory (``root`` in /v1/models)
@@ -193,7 +201,7 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _open_stream(self, session: str | None, path: str, body: dict, headers: dict[str, str]):
-        with self.routers.through(session) as base:
+        with self.routers.through(session, _model(body)) as base:
             async with self.http.stream("POST", base + path, content=orjson.dumps(body), headers=headers) as resp:
                 yield resp
 
@@ -249,7 +257,7 @@ class Gateway:
             since = self.members.mark()
             try:
                 sent = time.monotonic()
-                with self.routers.through(turn.session) as base:
+                with self.routers.through(turn.session, _model(body)) as base:
                     resp = await self.http.post(base + path, content=orjson.dumps(body), headers=headers)
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
@@ -261,7 +269,8 @@ class Gateway:
                     raise Refused(resp.status_code, resp.content, resp.headers.get("content-type"))
                 turn.failed(f"HTTP {resp.status_code} from the router: {resp.text[:300]}")
                 continue
-            who = self.members.attribute(since, resp.headers.get(VERSION_HEADER), resp.headers.get(WORKER_HEADER))
+            stated = (resp.headers.get(VERSION_HEADER), resp.headers.get(WORKER_HEADER))
+            who = self.members.attribute(since, *stated, judge=self.routers.for_judge(_model(turn.body)))
             if not turn.continuable:
                 try:
                     doc = orjson.loads(resp.content)
@@ -373,7 +382,8 @@ class Gateway:
     def _end_of_part(self, turn: Turn, part: _Part) -> list[bytes] | None:
         """After a streamed part: the stream's last events when the turn ends (finished, or it cannot go on
         without repeating what the caller has); None when it goes on (`Turn.interrupted`)."""
-        turn.add_part(part.tokens, part.finish, self.members.attribute(part.since, *part.stated))
+        judge = self.routers.for_judge(_model(turn.body))
+        turn.add_part(part.tokens, part.finish, self.members.attribute(part.since, *part.stated, judge=judge))
         if part.finish is not None and part.finish != "abort":
             turn.emitted = True
             return [*(sse(out) for out in turn.final_chunks(part.last_chunk, part.finish)), sse("[DONE]")]

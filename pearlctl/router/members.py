@@ -48,12 +48,15 @@ class Members:
         self._lock = threading.RLock()
         self.by_url: dict[str, MemberRecord] = {}
         self.change = 0
-        self._states: deque[tuple[int, frozenset, frozenset]] = deque([(0, frozenset(), frozenset())], self.HISTORY)
+        # each state: the change, and each member's (url, weight version, whether it is a judge)
+        self._states: deque[tuple[int, frozenset[tuple[str, str | None, bool]]]] = deque(
+            [(0, frozenset())], self.HISTORY
+        )
 
     def _changed(self) -> None:
         self.change += 1
-        versions = frozenset(m.weight_version for m in self.by_url.values())
-        self._states.append((self.change, versions, frozenset(self.by_url)))
+        members = frozenset((m.url, m.weight_version, m.role == Role.REWARD) for m in self.by_url.values())
+        self._states.append((self.change, members))
 
     def set(self, url: str, version: str | None, role: str = Role.ROLLOUT) -> tuple[MemberRecord, bool, bool]:
         """Add, re-version or re-role; returns (member, added, version or role changed)."""
@@ -95,8 +98,11 @@ class Members:
     def mark(self) -> int:
         return self.change
 
-    def attribute(self, since: int, header_version: str | None, header_worker: str | None) -> dict:
-        """Who served a part that ran from membership change ``since`` until now."""
+    def attribute(
+        self, since: int, header_version: str | None, header_worker: str | None, *, judge: bool = False
+    ) -> dict:
+        """Who served a part that ran from membership change ``since`` until now: one of the policy's members, or
+        (``judge``: the request named a judge's model) one of the judges."""
         if header_version:
             out = {"weight_version": header_version, "version_from": "worker"}
             if header_worker:
@@ -107,14 +113,12 @@ class Members:
         versions: set = set()
         urls: set = set()
         oldest = states[0][0]
-        for change, vs, us in states:
-            if change >= since:
-                versions |= vs
-                urls |= us
-        if since < oldest:  # history too short for this part: every state kept is a candidate
-            for _, vs, us in states:
-                versions |= vs
-                urls |= us
+        for change, members in states:
+            if change >= since or since < oldest:  # history too short for this part: every state kept is a candidate
+                for url, version, judged in members:
+                    if judged == judge:
+                        versions.add(version)
+                        urls.add(url)
         out: dict[str, Any] = {}
         if header_worker:  # the worker said who it is, though not which weights (vLLM's label was never set)
             out["worker"] = header_worker

@@ -11,8 +11,9 @@ credential as its OpenAI-compatible routes (``Authorization: Bearer <router key>
 
 A worker's ``role`` says how it serves: ``ROLLOUT`` (the default: colocated prefill and decode, what every
 member was before roles existed), ``PREFILL`` or ``DECODE`` (one half of a disaggregated pair, with vLLM's KV
-transfer). The gateway routes a request through a prefill and a decode member when it has at least one of
-each, else to a colocated one; a lone half serves whole requests (docs/router.md, "Prefill-decode").
+transfer), ``REWARD`` (a judge: only requests naming its model reach it, through a router of its own). The
+gateway routes a request through a prefill and a decode member when it has at least one of each, else to a
+colocated one; a lone half serves whole requests (docs/router.md, "Prefill-decode").
 
 Guarantees:
 - The bodies are parsed at the gateway's edge into these models (strict, unknown fields refused), and
@@ -42,7 +43,7 @@ import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from pearlctl.router import service
-from pearlctl.vocabulary import GENERATION_ROLES, Role
+from pearlctl.vocabulary import SERVING_ROLES, Role
 
 __all__ = [
     "MAX_WORKERS",
@@ -81,9 +82,10 @@ WorkerUrl = Annotated[str, Field(max_length=300), AfterValidator(_worker_url)]
 # the vocabulary of pearlctl.api.bodies.Name: what an agent reports as a worker's weight version
 Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")]
 WaitSeconds = Annotated[float, Field(ge=0, le=600, allow_inf_nan=False)]
-# how a member serves (pearlctl.vocabulary.GENERATION_ROLES: the serving roles the router routes to), as plain
-# str: WorkerRole is Literal["ROLLOUT", "PREFILL", "DECODE"], its 422s naming the values as a body spells them
-ROLES: tuple[str, ...] = tuple(str(r) for r in GENERATION_ROLES)
+# how a member serves (pearlctl.vocabulary.SERVING_ROLES: the policy's roles, and REWARD, a judge, routed apart),
+# as plain str: WorkerRole is Literal["ROLLOUT", "PREFILL", "DECODE", "REWARD"], its 422s naming the values as a
+# body spells them
+ROLES: tuple[str, ...] = tuple(str(r) for r in Role if r in SERVING_ROLES)
 WorkerRole = Literal[ROLES]
 
 

@@ -1,6 +1,13 @@
-"""Which vllm-router serves an attempt, and keeping both vllm-routers' worker lists what the members say:
-the regular one (for the gateway's whole life) and, for prefill-decode, a PD router started and retired as
-the pairs change.
+"""Which vllm-router serves an attempt, and keeping the vllm-routers' worker lists what the members say:
+the regular one (for the gateway's whole life), for prefill-decode a PD router started and retired as the
+pairs change, and for a generative reward model a judge router started with the first REWARD member.
+
+Guarantees (**the judge**):
+- REWARD members (a reward pool's judges) are routed by the judge router only, never by the regular or a PD
+  router: no policy turn reaches a judge. A request whose ``model`` is a model a judge serves (learned from
+  each judge's ``/v1/models`` when it joins, and remembered) goes to the judge router, every other request to
+  the policy's routers. While no judge router serves, a judge request's attempt fails as a connection error
+  would (the gateway retries it within its retry window), so it never reaches a policy worker.
 
 Guarantees (**prefill-decode**):
 - Members have a role (ROLLOUT, PREFILL, DECODE). While there is at least one PREFILL and one DECODE member,
@@ -39,6 +46,8 @@ from pearlctl.vocabulary import Role
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
 
+PD_ROLES = (Role.PREFILL, Role.DECODE)
+
 
 @dataclass(frozen=True)
 class PdLists:
@@ -65,9 +74,14 @@ def pd_lists(roles: Mapping[str, str]) -> PdLists | None:
 def regular_members(roles: Mapping[str, str], serving: PdLists | None) -> set[str]:
     """The members the regular-mode vllm-router routes to: every ROLLOUT member, and every PREFILL or DECODE
     member that no PD router serves (a lone half of a pair, or both while the PD router is down): a vLLM
-    server with a KV connector still serves whole requests, prefilling locally."""
+    server with a KV connector still serves whole requests, prefilling locally. Never a judge (REWARD)."""
     in_pd = serving.urls() if serving is not None else frozenset()
-    return {u for u, r in roles.items() if r == Role.ROLLOUT or u not in in_pd}
+    return {u for u, r in roles.items() if r == Role.ROLLOUT or (r in PD_ROLES and u not in in_pd)}
+
+
+def judge_members(roles: Mapping[str, str]) -> set[str]:
+    """The members the judge router routes to: the REWARD ones."""
+    return {u for u, r in roles.items() if r == Role.REWARD}
 
 
 def pd_share(regular: int, serving: PdLists | None) -> float:
@@ -107,6 +121,21 @@ class PdRouter(Protocol):
 PdLauncher = Callable[[PdLists], Awaitable[PdRouter]]
 
 
+class JudgeRouter(Protocol):
+    """A running vllm-router in regular mode for the judges (``python -m pearlctl.router`` starts it as a child
+    with the first REWARD member); its workers are added and removed like the regular router's."""
+
+    url: str
+
+    def alive(self) -> bool: ...
+
+    async def stop(self) -> None: ...
+
+
+# starts a judge router and returns it once it answers; raises (any exception) when it cannot
+JudgeLauncher = Callable[[], Awaitable[JudgeRouter]]
+
+
 class RoutersConfig(Protocol):
     """What the routers read of the gateway's configuration (pearlctl.router.gateway.GatewayConfig): the regular
     vllm-router's URL, how long one attempt may take (a retired PD router is stopped once no attempt runs through
@@ -118,10 +147,16 @@ class RoutersConfig(Protocol):
     pd_retry_max_s: float
 
 
+class NoJudgeRouter(httpx.ConnectError):
+    """A judge's request while no judge router serves: the attempt fails as if the router could not be reached
+    (the gateway retries it), never sent to the policy's routers."""
+
+
 class Routers:
-    """The two vllm-routers the gateway sends attempts to, and which workers each routes to: the regular one
-    at ``config.router_url``, and the PD router serving now (``pd``; those it replaced drain, then stop).
-    ``stats`` is the gateway's counters (``attempts_regular``, ``attempts_pd``)."""
+    """The vllm-routers the gateway sends attempts to, and which workers each routes to: the regular one at
+    ``config.router_url``, the PD router serving now (``pd``; those it replaced drain, then stop), and the judge
+    router (``judge``, with the first REWARD member). ``stats`` is the gateway's counters (``attempts_regular``,
+    ``attempts_pd``, ``attempts_judge``)."""
 
     def __init__(
         self,
@@ -130,6 +165,7 @@ class Routers:
         control: ControlLoop,
         stats: dict[str, int],
         pd_launcher: PdLauncher | None = None,
+        judge_launcher: JudgeLauncher | None = None,
     ):
         self.config, self.members, self.control, self.stats = config, members, control, stats
         self.router = config.router_url.rstrip("/")  # vllm-router in regular mode, for the gateway's whole life
@@ -143,22 +179,42 @@ class Routers:
         self._draining: list[PdRouter] = []
         self._pd_failed: tuple[PdLists, float, float] | None = None  # lists, when, back-off
         self.pd_info: dict[str, Any] = {"launches": 0, "failures": 0, "retired": 0, "last_launch_s": None}
+        # the judge: without a launcher no judge router runs and REWARD members are routed by nothing
+        self.judge_launcher = judge_launcher
+        self.judge: JudgeRouter | None = None
+        self._judged: set[str] = set()  # what the gateway has put into the judge router
+        self.judge_models: set[str] = set()  # the models judges serve (a request naming one is a judge's)
+        self._judge_failed: tuple[float, float] | None = None  # when a launch failed, back-off
+        self.judge_info: dict[str, Any] = {"launches": 0, "failures": 0}
 
     # -- the data plane: where an attempt goes ------------------------------------------------------
-    def upstream(self, session: str | None) -> str:
-        """The vllm-router one attempt goes to: the PD router for the sessions its share of the workers
-        covers (`pd_share`, `choose_pd`), else the regular one."""
+    def for_judge(self, model: str | None) -> bool:
+        """Whether a request naming ``model`` is a judge's (it goes to the judge router)."""
+        return model is not None and model in self.judge_models
+
+    def upstream(self, session: str | None, model: str | None = None) -> str:
+        """The vllm-router one attempt goes to: the judge router for a model a judge serves (`NoJudgeRouter`
+        while none serves), else the PD router for the sessions its share of the workers covers (`pd_share`,
+        `choose_pd`), else the regular one."""
+        if self.for_judge(model):
+            judge = self.judge
+            if judge is None or not judge.alive():
+                raise NoJudgeRouter(f"no judge router serves model {model!r} now")
+            return judge.url
         pd = self.pd
         if pd is None or not pd.alive():
             return self.router
         return pd.url if choose_pd(session, pd_share(len(self._regular), pd.lists)) else self.router
 
     @contextlib.contextmanager
-    def through(self, session: str | None) -> Iterator[str]:
-        """Pick the upstream of one attempt and count the attempt as running through it while it runs (a PD
-        router that no longer gets new requests is stopped only once none runs through it)."""
-        base = self.upstream(session)
-        self.stats["attempts_regular" if base == self.router else "attempts_pd"] += 1
+    def through(self, session: str | None, model: str | None = None) -> Iterator[str]:
+        """Pick the upstream of one attempt (``model``: the request's) and count the attempt as running through
+        it while it runs (a PD router that no longer gets new requests is stopped only once none runs through
+        it)."""
+        base = self.upstream(session, model)
+        judge = self.judge
+        kind = "regular" if base == self.router else "judge" if judge is not None and base == judge.url else "pd"
+        self.stats[f"attempts_{kind}"] += 1
         self._inflight[base] += 1
         try:
             yield base
@@ -185,6 +241,12 @@ class Routers:
         workers = doc.get("workers") if isinstance(doc, dict) else None
         return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else None
 
+    async def judge_listing(self) -> dict[str, dict] | None:
+        """The judge router's workers by URL (None: no judge router, or it does not answer)."""
+        judge = self.judge
+        listed = await self.router_workers(judge.url) if judge is not None and judge.alive() else None
+        return {str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None
+
     async def pd_listing(self) -> tuple[PdRouter | None, dict[str, dict] | None]:
         """The serving PD router and its workers by URL (None: no PD router, or it does not answer)."""
         pd = self.pd
@@ -209,8 +271,13 @@ class Routers:
                 "healthy_decode": len(healthy_pd & set(pd.lists.decode)),
             }
             ready_pairs = bool(healthy_pd & set(pd.lists.prefill)) and bool(healthy_pd & set(pd.lists.decode))
+        judge = self.judge
+        judge_doc = {**self.judge_info, "router": judge.url if judge is not None else None}
+        judge_doc.update(up=judge is not None and judge.alive(), members=len(self._judged))
+        judge_doc["models"] = sorted(self.judge_models)
         if listed is None:
-            return {"ok": False, "router": "down", "members": len(self.members.by_url), "pd": pd_doc}, 503
+            doc = {"ok": False, "router": "down", "members": len(self.members.by_url), "pd": pd_doc, "judge": judge_doc}
+            return doc, 503
         healthy = sum(1 for w in listed if w.get("is_healthy"))
         return (
             {
@@ -221,15 +288,17 @@ class Routers:
                 "healthy_workers": healthy,
                 "has_workers": healthy > 0 or ready_pairs,
                 "pd": pd_doc,
+                "judge": judge_doc,
             },
             200,
         )
 
     # -- changing them (on the control plane's loop) ----------------------------------------------------
-    async def _call(self, what: str, url: str, timeout: float) -> str | None:
-        """POST the regular vllm-router's /add_worker or /remove_worker; None on success, else why not."""
+    async def _call(self, what: str, url: str, timeout: float, router: str | None = None) -> str | None:
+        """POST the regular vllm-router's (or ``router``'s) /add_worker or /remove_worker; None on success, else
+        why not."""
         try:
-            resp = await self.control.http.post(f"{self.router}/{what}", params={"url": url}, timeout=timeout)
+            resp = await self.control.http.post(f"{router or self.router}/{what}", params={"url": url}, timeout=timeout)
         except httpx.HTTPError as exc:
             return f"the router did not answer {what} ({type(exc).__name__}: {exc})"
         if resp.status_code == 200 or (what == "add_worker" and "already exists" in resp.text):
@@ -347,7 +416,74 @@ class Routers:
                     self._regular.discard(url)
                 else:
                     stuck[url] = why
+            await self._reconcile_judges(judge_members(roles), forced, failed, stuck, wait_s)
             return failed, stuck
+
+    async def _reconcile_judges(
+        self, judges: set[str], forced: set[str], failed: dict[str, str], stuck: dict[str, str], wait_s: float
+    ) -> None:
+        """The judge router routes to exactly ``judges``: started with the first (and again if it exited, its
+        members put back), each judge's models learned as it joins; what could not be added goes to ``failed``,
+        what could not be taken out to ``stuck``."""
+        judge = self.judge
+        if judge is not None and not judge.alive():
+            self._judged = set()  # a router that exited routes to nothing: the next one is given every judge
+        if judges and (judge is None or not judge.alive()):
+            new = await self._launch_judge()
+            if new is None:
+                failed.update({u: "no judge router could be started" for u in judges})
+                return
+            if judge is not None:
+                await judge.stop()
+            self.judge = judge = new
+        if judge is None or not judge.alive():
+            return
+        for url in sorted(judges):
+            if url in self._judged and url not in forced:
+                continue
+            why = await self._call("add_worker", url, timeout=max(5.0, wait_s) + 5.0, router=judge.url)
+            if why is None:
+                self._judged.add(url)
+                self.judge_models |= await self._served_models(url)
+            else:
+                failed[url] = why
+        for url in sorted(self._judged - judges):
+            why = await self._call("remove_worker", url, timeout=10.0, router=judge.url)
+            if why is None:
+                self._judged.discard(url)
+            else:
+                stuck[url] = why
+
+    async def _served_models(self, url: str) -> set[str]:
+        """The model ids a worker serves (its ``/v1/models``); none when it does not answer."""
+        try:
+            doc = (await self.control.http.get(url + "/v1/models", timeout=5.0)).json()
+        except (httpx.HTTPError, ValueError):
+            return set()
+        entries = doc.get("data") if isinstance(doc, dict) else None
+        return {e["id"] for e in entries or [] if isinstance(e, dict) and isinstance(e.get("id"), str)}
+
+    async def _launch_judge(self) -> JudgeRouter | None:
+        """A judge router, ready; None when none can be had now: no launcher, a launch failed less than its
+        back-off ago, or this one failed (counted, logged, backed off as a PD router's is)."""
+        if self.judge_launcher is None:
+            return None
+        failed = self._judge_failed
+        if failed is not None and time.monotonic() < failed[0] + failed[1]:
+            return None
+        try:
+            judge = await self.judge_launcher()
+        except Exception as exc:
+            backoff = min(self.config.pd_retry_max_s, failed[1] * 2) if failed else self.config.pd_retry_s
+            self._judge_failed = (time.monotonic(), backoff)
+            self.judge_info["failures"] += 1
+            self.judge_info["last_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log.error("no judge router (%s): next try in %.1f s", self.judge_info["last_error"], backoff)
+            return None
+        self._judge_failed = None
+        self.judge_info["launches"] += 1
+        log.info("judge router %s ready", judge.url)
+        return judge
 
     async def reregister(self) -> list[str]:
         """Put the regular members back into a regular vllm-router that lost them (restarted); returns the URLs
@@ -361,24 +497,28 @@ class Routers:
     async def check_pd(self) -> None:
         """Called now and then (pearlctl.router.__main__): a PD router that exited is replaced (its workers
         serve through the regular router meanwhile), and lists whose PD router could not be started are tried
-        again once their back-off has passed (`_launch_pd`)."""
+        again once their back-off has passed (`_launch_pd`); so is a judge router (`_launch_judge`)."""
         await self.control.run(self._check_pd)
 
     async def _check_pd(self) -> None:
-        pd = self.pd
+        pd, judge = self.pd, self.judge
+        roles = self.members.roles()
+        judge_down = bool(judge_members(roles)) and (judge is None or not judge.alive())
+        if judge is not None and not judge.alive():
+            log.error("judge router %s exited: starting another", judge.url)
         if pd is not None and not pd.alive():
             log.error("PD router %s exited: starting another", pd.url)
-        elif pd is not None or pd_lists(self.members.roles()) is None:
-            return  # the PD router runs (`reconcile` keeps its lists right), or none is wanted
+        elif not judge_down and (pd is not None or pd_lists(roles) is None):
+            return  # the PD router runs (`reconcile` keeps its lists right), or none is wanted; so does the judge's
         await self.reconcile()
 
     async def close(self) -> None:
         """On the control plane's loop: stop every PD router (the one serving and those still draining)."""
         for task in list(self._retiring):
             task.cancel()
-        routers = [self.pd] if self.pd is not None else []
+        routers = [r for r in (self.pd, self.judge) if r is not None]
         routers += self._draining
-        self.pd = None
+        self.pd = self.judge = None
         for router in routers:
             with contextlib.suppress(Exception):
                 await router.stop()

@@ -10,8 +10,9 @@ weights. (The node-local store is keyed by Slurm node name, so the cluster's nod
 
 Beside them a reward pool serves a judge (a generative reward model: the tiny judge, examples/models/tiny-judge,
 shaped unlike the policy) with vLLM, and it is never the policy's: it serves its own model, no version of the
-trainer's weights reaches it (by broadcast or reload), it is neither routable nor a member of the run's router, and
-none of the policy's turns reaches it (its vLLM counted no request).
+trainer's weights reaches it (by broadcast or reload), and none of the policy's turns reaches it. Through the
+run's one endpoint, which lists both models, the requests naming the judge's model, and only those, are answered
+by it (its vLLM counts exactly them).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def bcast(slurm_cluster, tmp_path):
         yield run
 
 
+def judged(url: str) -> float:
+    """The requests a vLLM server finished (``vllm:request_success_total``, every finish reason)."""
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
 def lines(run_dir: Path, pattern: str, needle: str) -> list[str]:
     return [x for p in sorted((run_dir / "logs").glob(pattern)) for x in p.read_text().splitlines() if needle in x]
 
@@ -115,18 +122,24 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     assert {m.group(1) for x in from_broadcast if (m := re.search(r"now serves weights (\S+) from", x))} >= versions
     assert not lines(run_dir, "vllm-*rollout*.log", "Reloading weights inplace")  # vLLM never read a checkpoint
 
-    # the judge beside them: its own model, no policy weights, no policy traffic
+    # the judge beside them: its own model, no policy weights, no policy traffic; called by its model's name
     (judge,) = [w for w in pc.json("status", "bcast")["workers"] if w["role"] == "REWARD"]
-    assert judge["state"] == "READY" and judge["weight_version"] is None and not judge["routable"], judge
+    assert judge["state"] == "READY" and judge["weight_version"] is None, judge
     models = httpx.get(judge["url"] + "/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == [str(JUDGE)], models
     assert not lines(run_dir, "vllm-*reward*.log", "Reloading weights inplace")
     assert not lines(run_dir, "vllm-*reward*.log", "over gloo")
     assert not lines(run_dir, "reward-*.log", "now serves weights")
     assert servers and judge["url"] not in servers, servers
-    record, key = service.read_record(run_dir), service.read_key(run_dir)
-    members = httpx.get(record.url + "/pearl/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-    assert judge["url"] not in {m["url"] for m in members.json()["workers"]}, members.text
-    metrics = httpx.get(judge["url"] + "/metrics", timeout=10).text
-    assert sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M)) == 0
+    assert judged(judge["url"]) == 0  # no rollout turn reached it
+    record, auth = service.read_record(run_dir), {"Authorization": f"Bearer {service.read_key(run_dir)}"}
+    members = httpx.get(record.url + "/pearl/workers", headers=auth, timeout=10).json()["workers"]
+    assert {m["url"]: m["router"] for m in members}[judge["url"]] == "judge", members
+    listed = httpx.get(record.url + "/v1/models", headers=auth, timeout=10).json()["data"]
+    assert str(JUDGE) in [m["id"] for m in listed] and len(listed) == 2, listed
+    asked = {"model": str(JUDGE), "prompt": "Is 2 + 2 = 4? Answer yes or no:", "max_tokens": 4, "temperature": 0}
+    for _ in range(3):
+        answer = httpx.post(record.url + "/v1/completions", json=asked, headers=auth, timeout=60)
+        assert answer.status_code == 200 and answer.json()["model"] == str(JUDGE), answer.text
+    assert judged(judge["url"]) == 3  # the judge answered exactly the requests naming it
     print(json.dumps({"nodes": nodes, "sent": sent, "served": {k: sorted(v) for k, v in served.items()}}))

@@ -99,6 +99,34 @@ class Launcher:
         return pd
 
 
+class FakeJudge:
+    """A judge router the fake judge launcher "started": a vllm-router in regular mode with its own workers."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.routed: set[str] = set()
+        self.dead = False
+        self.stopped = False
+
+    def alive(self) -> bool:
+        return not (self.stopped or self.dead)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class JudgeLauncher:
+    def __init__(self, upstream: Upstream):
+        self.upstream = upstream
+        self.launched: list[FakeJudge] = []
+
+    async def __call__(self) -> FakeJudge:
+        judge = FakeJudge(f"http://judge-router-{len(self.launched) + 1}:9200")
+        self.launched.append(judge)
+        self.upstream.judge_routers[judge.url] = judge
+        return judge
+
+
 class Upstream:
     """vllm-router and its workers. ``script``: one entry per generation request, consumed in order —
     None (served whole), ("abort", k), ("break", k), ("hold", k, event, then) (a stream: k tokens, then it
@@ -110,6 +138,7 @@ class Upstream:
         self.requests: list[tuple[str, dict, dict]] = []
         self.via: list[str] = []  # which router each generation request went to
         self.pd_routers: dict[str, FakePd] = {}
+        self.judge_routers: dict[str, FakeJudge] = {}  # judge workers' hosts start with "judge": they serve "judge"
         self.router_calls: list[tuple[str, str]] = []
         self.routed: set[str] = set()
         self.unhealthy: set[str] = set()
@@ -127,7 +156,19 @@ class Upstream:
         origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         path = request.url.path
         pd = self.pd_routers.get(origin)
-        if pd is not None:
+        judge = self.judge_routers.get(origin)
+        if judge is not None:
+            if not judge.alive():
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            if path in ("/add_worker", "/remove_worker"):
+                url = request.url.params["url"]
+                (judge.routed.add if path == "/add_worker" else judge.routed.discard)(url)
+                return httpx.Response(200, text="ok")
+            if path == "/workers":
+                return httpx.Response(200, json={"workers": [{"url": u, "is_healthy": True} for u in judge.routed]})
+            if path == "/v1/models":
+                return httpx.Response(200, json={"object": "list", "data": [{"id": "judge"}]})
+        elif pd is not None:
             if not pd.alive():
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
             if path in ("/add_worker", "/remove_worker"):  # as 0.1.17 in PD mode
@@ -140,12 +181,13 @@ class Upstream:
             if origin in self.unhealthy:
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
             if path == "/v1/models":
-                entry = {"id": "tiny", "from": origin, **({"root": self.root} if self.root else {})}
+                model = "judge" if request.url.host.startswith("judge") else "tiny"
+                entry = {"id": model, "from": origin, **({"root": self.root} if self.root else {})}
                 return httpx.Response(200, json={"object": "list", "data": [entry]})
             return httpx.Response(200, json={})
         elif self.router_down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-        if path in ("/add_worker", "/remove_worker"):
+        if judge is None and path in ("/add_worker", "/remove_worker"):  # a judge router's: above
             url = request.url.params["url"]
             self.router_calls.append((path, url))
             if path == "/add_worker":
@@ -316,17 +358,23 @@ class Upstream:
 
 
 def run(
-    scenario: Callable[[Gateway, httpx.AsyncClient, Upstream], Awaitable[None]], *, pd: bool = False, **config: Any
+    scenario: Callable[[Gateway, httpx.AsyncClient, Upstream], Awaitable[None]],
+    *,
+    pd: bool = False,
+    judge: bool = False,
+    **config: Any,
 ) -> Upstream:
     """Run ``scenario`` against a fresh gateway whose upstream is a fresh `Upstream` (``pd``: with the fake
-    PD-router launcher, ``gateway.routers.pd_launcher``)."""
+    PD-router launcher, ``gateway.routers.pd_launcher``; ``judge``: with the fake judge-router launcher)."""
     upstream = Upstream()
 
     async def main() -> None:
         http = httpx.AsyncClient(transport=httpx.MockTransport(upstream.handle))
         cfg = {"retry_for_s": 5.0, "backoff_s": 0.001, "backoff_max_s": 0.01, **config}
         launcher = Launcher(upstream) if pd else None
-        gateway = Gateway(GatewayConfig(key=KEY, router_url=ROUTER, **cfg), http=http, pd_launcher=launcher)
+        judges = JudgeLauncher(upstream) if judge else None
+        config_ = GatewayConfig(key=KEY, router_url=ROUTER, **cfg)
+        gateway = Gateway(config_, http=http, pd_launcher=launcher, judge_launcher=judges)
         app = build_app(gateway)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
             await scenario(gateway, client, upstream)
@@ -1173,3 +1221,52 @@ def test_found_a_body_with_infinity_is_a_400_not_a_500() -> None:
         assert r.status_code == 200, r.text
 
     run(scenario)
+
+
+# -- the judge ------------------------------------------------------------------------------------------
+J1 = "http://judge-w1:8000"
+
+
+def test_a_judge_is_routed_apart_by_its_model_and_no_policy_turn_reaches_it() -> None:
+    """A REWARD member joins a judge router started for it, never the policy's; a request naming the model the
+    judge serves goes there, every other to the policy's router; /v1/models lists both. With the judge router
+    gone a judge's request is retried, never sent to the policy's router, and served once the router is back
+    (the next check starts another and puts the judge back); a judge that leaves is taken out of it."""
+
+    async def scenario(gw, client, up):
+        assert (await add(client, W1)).status_code == 200
+        assert (await add(client, J1, version=None, role="REWARD")).status_code == 200
+        [judge] = gw.routers.judge_launcher.launched
+        assert up.routed == {W1} and judge.routed == {J1} and gw.routers.judge_models == {"judge"}
+        served = {}
+        for model in ("tiny", "judge", None):
+            body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+            r = await client.post("/v1/completions", json=body, headers=AUTH)
+            assert r.status_code == 200
+            served[model] = r.json()["pearl"]["parts"][0]
+        assert up.via == [ROUTER, judge.url, ROUTER]
+        # each part attributed among its own router's members: the policy's version, the judge (no version)
+        assert served["tiny"]["weight_version"] == served[None]["weight_version"] == "7"
+        assert served["tiny"]["worker"] == W1 and served["judge"]["worker"] == J1
+        models = (await client.get("/v1/models", headers=AUTH)).json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "judge"]
+        up.router_down = True  # the list from a member instead: a policy worker's, never a judge's
+        assert [m["id"] for m in (await client.get("/v1/models", headers=AUTH)).json()["data"]] == ["tiny"]
+        up.router_down = False
+        docs = {d["url"]: d for d in (await client.get("/pearl/workers", headers=AUTH)).json()["workers"]}
+        assert (docs[J1]["router"], docs[J1]["routed"], docs[W1]["router"]) == ("judge", True, "regular")
+
+        judge.dead = True
+        body = {"model": "judge", "prompt": "hi", "max_tokens": 2}
+        gone = await client.post("/v1/completions", json=body, headers={**AUTH, "X-Pearl-Retry-For-S": "0.2"})
+        assert gone.status_code == 503 and up.via == [ROUTER, judge.url, ROUTER]  # retried, never elsewhere
+        await gw.routers.check_pd()
+        [_, again] = gw.routers.judge_launcher.launched
+        assert again.routed == {J1} and judge.stopped
+        assert (await client.post("/v1/completions", json=body, headers=AUTH)).status_code == 200
+        assert up.via[-1] == again.url and gw.stats["attempts_judge"] == 2
+
+        await client.delete("/pearl/workers", params={"url": J1}, headers=AUTH)
+        assert again.routed == set() and up.routed == {W1}
+
+    run(scenario, judge=True)

@@ -2,10 +2,11 @@
 own objects.
 
 A reward pool's worker (a generative reward model, role REWARD) is never treated as one of the policy's workers:
-it is not routable and not a member of the policy's router even when flagged routable, it is never handed the
-trainer's weights, VERIFY does not wait for it to serve them, and the planner does not count its GPU as rollout
-capacity. Each assertion is made beside a rollout worker that is treated as the policy's, so a rule that ignored
-roles fails here. And a report whose only news is the weights a worker now serves wakes the control loop."""
+it joins the run's router as a judge (REWARD, routed apart: pearlctl.router.routing), never as a rollout worker,
+and is not among the workers rollout clients are given; it is never handed the trainer's weights, VERIFY does not
+wait for it to serve them, and the planner does not count its GPU as rollout capacity. Each assertion is made
+beside a rollout worker that is treated as the policy's, so a rule that ignored roles fails here. And a report
+whose only news is the weights a worker now serves wakes the control loop."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pearlctl.api import bodies
 from pearlctl.daemon.controller import Controller
 from pearlctl.daemon.effects import DaemonEffects
 from pearlctl.daemon.policy_view import _serves
-from pearlctl.daemon.routing import desired_members
+from pearlctl.daemon.routing import desired_members, desired_roles
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import Engine, Role
 from tests import factories
@@ -64,16 +65,14 @@ def test_only_the_policys_workers_are_handed_the_trainers_weights(run):
     assert (judge.role, judge.weights) == ("REWARD", None)
 
 
-def test_a_ready_judge_is_not_routable_and_never_a_member_of_the_policys_router(run):
+def test_a_ready_judge_joins_the_router_as_a_judge_and_never_reaches_rollout_clients(run):
     store, controller, rollout, reward = run
     report(controller, rollout, "ROLLOUT", "http://n-rollout:8000", "7")
     report(controller, reward, "REWARD", "http://n-reward:8000")
-    by_role = {w.role: w for w in store.fleet.workers("r")}
-    assert by_role["ROLLOUT"].routable and not by_role["REWARD"].routable
-    assert desired_members(store, "r") == {"http://n-rollout:8000": "7"}
-    # flagged routable by anything else, it is still not the policy router's
-    store.update_fields("workers", by_role["REWARD"].id, routable=1)
-    assert desired_members(store, "r") == {"http://n-rollout:8000": "7"}
+    wanted = desired_members(store, "r")
+    assert wanted == {"http://n-rollout:8000": "7", "http://n-reward:8000": None}
+    assert desired_roles(store, "r", wanted) == {"http://n-reward:8000": "REWARD"}  # the rollout worker: ROLLOUT
+    assert [w["url"] for w in controller.agents.routable_workers()["workers"]] == ["http://n-rollout:8000"]
 
 
 def test_verify_of_gpus_brought_up_as_judges_does_not_wait_for_the_policys_weights(run):
