@@ -4,10 +4,11 @@ pairs change, and for a generative reward model a judge router started with the 
 
 Guarantees (**the judge**):
 - REWARD members (a reward pool's judges) are routed by the judge router only, never by the regular or a PD
-  router: no policy turn reaches a judge. A request whose ``model`` is a model a judge serves (learned from
-  each judge's ``/v1/models`` when it joins, and remembered) goes to the judge router, every other request to
-  the policy's routers. While no judge router serves, a judge request's attempt fails as a connection error
-  would (the gateway retries it within its retry window), so it never reaches a policy worker.
+  router: no policy turn reaches a judge. A request whose ``model`` is a model a judge serves and the policy's
+  workers do not (learned from each member's ``/v1/models`` when it joins, and remembered) goes to the judge
+  router, every other request to the policy's routers. While no judge router serves, a judge request's attempt
+  fails as a connection error would (the gateway retries it within its retry window), so it never reaches a
+  policy worker.
 
 Guarantees (**prefill-decode**):
 - Members have a role (ROLLOUT, PREFILL, DECODE). While there is at least one PREFILL and one DECODE member,
@@ -183,14 +184,18 @@ class Routers:
         self.judge_launcher = judge_launcher
         self.judge: JudgeRouter | None = None
         self._judged: set[str] = set()  # what the gateway has put into the judge router
-        self.judge_models: set[str] = set()  # the models judges serve (a request naming one is a judge's)
+        self.judge_models: set[str] = set()  # the models judges serve (a request naming one is a judge's) ...
+        self.policy_models: set[str] = set()  # ... unless the policy's workers serve it too: then it is the policy's
+        self._models_read: set[str] = set()  # the members whose /v1/models was read
         self._judge_failed: tuple[float, float] | None = None  # when a launch failed, back-off
         self.judge_info: dict[str, Any] = {"launches": 0, "failures": 0}
 
     # -- the data plane: where an attempt goes ------------------------------------------------------
     def for_judge(self, model: str | None) -> bool:
-        """Whether a request naming ``model`` is a judge's (it goes to the judge router)."""
-        return model is not None and model in self.judge_models
+        """Whether a request naming ``model`` is a judge's (it goes to the judge router): a model judges serve and
+        the policy's workers do not (a judge of the policy's own model, under the same name, is never called by
+        name: policy turns are never sent to it)."""
+        return model is not None and model in self.judge_models and model not in self.policy_models
 
     def upstream(self, session: str | None, model: str | None = None) -> str:
         """The vllm-router one attempt goes to: the judge router for a model a judge serves (`NoJudgeRouter`
@@ -416,7 +421,12 @@ class Routers:
                     self._regular.discard(url)
                 else:
                     stuck[url] = why
-            await self._reconcile_judges(judge_members(roles), forced, failed, stuck, wait_s)
+            judges = judge_members(roles)
+            self._models_read &= set(roles)
+            for url in sorted(set(roles) - judges - self._models_read):  # what the policy serves: never a judge's
+                self.policy_models |= await self._served_models(url)
+                self._models_read.add(url)
+            await self._reconcile_judges(judges, forced, failed, stuck, wait_s)
             return failed, stuck
 
     async def _reconcile_judges(
@@ -455,7 +465,8 @@ class Routers:
                 stuck[url] = why
 
     async def _served_models(self, url: str) -> set[str]:
-        """The model ids a worker serves (its ``/v1/models``); none when it does not answer."""
+        """The model ids a worker serves (its ``/v1/models``); none when it does not answer (a member that joined
+        answered ``/health``: its list is read once)."""
         try:
             doc = (await self.control.http.get(url + "/v1/models", timeout=5.0)).json()
         except (httpx.HTTPError, ValueError):

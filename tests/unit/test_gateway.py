@@ -1270,3 +1270,19 @@ def test_a_judge_is_routed_apart_by_its_model_and_no_policy_turn_reaches_it() ->
         assert again.routed == set() and up.routed == {W1}
 
     run(scenario, judge=True)
+
+
+def test_a_judge_of_the_policys_own_model_name_is_never_sent_the_policys_turns() -> None:
+    """A reward pool with no model of its own serves the policy's model under the policy's name: a request naming it
+    is the policy's and goes to the policy's router, never to the judge router (the judge is routed there, apart)."""
+
+    async def scenario(gw, client, up):
+        judge_url = "http://w3:8000"  # the fake's workers on hosts not named judge* serve "tiny", the policy's model
+        assert (await add(client, W1)).status_code == 200
+        assert (await add(client, judge_url, version=None, role="REWARD")).status_code == 200
+        [judge] = gw.routers.judge_launcher.launched
+        assert judge.routed == {judge_url} and up.routed == {W1}
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200 and up.via == [ROUTER] and gw.stats["attempts_judge"] == 0
+
+    run(scenario, judge=True)
