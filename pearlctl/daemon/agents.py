@@ -355,10 +355,10 @@ class Agents(Side):
         on_lent = not lent.isdisjoint(report.gpus)
         if report.engine == Engine.VLLM and (self._pool_of(alloc)["name"] != PoolKind.TRAINER or on_lent):
             # a worker of a rollout/elastic/reward pool, or on trainer GPUs lent now, takes traffic while READY
-            # (a judge's, REWARD, only requests naming its model: the run's router keeps it apart)
             # (and not draining for a preemption) — unless a transition moves its GPUs: then its REGISTER and
             # DEREGISTER steps decide (this may only take it out). So a worker that a lent GPU's agent started
-            # again after a crash serves again, as on a rollout GPU.
+            # again after a crash serves again, as on a rollout GPU. A judge (REWARD) takes only the requests that
+            # name its model: the run's router keeps it apart (pearlctl/router/routing.py).
             routable = int(current == W.READY and not draining)
             held = any((alloc.id, i) in moving for i in report.gpus)
             if routable != self.store.fleet.worker(worker.id).routable and not (held and routable):
@@ -404,9 +404,9 @@ class Agents(Side):
         return next(p for p in self.store.runs.pools(self.run_id) if p["id"] == alloc.pool_id)
 
     def routable_workers(self) -> dict:
-        """READY, registered rollout workers (the policy's: never a judge): where rollout clients may send requests
-        now. ``seen_at``: when
-        the worker's agent last reported (a client that saw a worker fail trusts it again after that).
+        """READY, registered rollout workers (the policy's, never a judge): where rollout clients may send requests
+        now. ``seen_at``: when the worker's agent last reported (a client that saw a worker fail trusts it again
+        after that).
 
         ``joining``: how many workers are on their way to serving rollouts — the GPUs of open (PLANNED or
         RUNNING) transitions to ROLLOUT, PREFILL or DECODE (a borrow, start, wake or switch), one worker per
