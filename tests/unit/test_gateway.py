@@ -99,20 +99,12 @@ class Launcher:
         return pd
 
 
-class FakeJudge:
+class FakeJudge(FakePd):
     """A judge router the fake judge launcher "started": a vllm-router in regular mode with its own workers."""
 
     def __init__(self, url: str):
-        self.url = url
+        super().__init__(url, PdLists((), ()))
         self.routed: set[str] = set()
-        self.dead = False
-        self.stopped = False
-
-    def alive(self) -> bool:
-        return not (self.stopped or self.dead)
-
-    async def stop(self) -> None:
-        self.stopped = True
 
 
 class JudgeLauncher:
