@@ -169,7 +169,7 @@ class MemberAdmin:
         seen = {str(w.get("url", "")).rstrip("/"): w for w in listed} if listed is not None else None
         pd, pd_seen = await self.routers.pd_listing()
         in_pd = pd.lists.urls() if pd is not None else frozenset()
-        judged = await self.routers.judge_listing() if self.routers.judge is not None else None
+        judged = await self.routers.judge_listing()
         out = []
         for m in self.members.members():
             doc = m.doc()

@@ -43,11 +43,9 @@ import httpx
 
 from pearlctl.router.control_loop import ControlLoop
 from pearlctl.router.members import Members
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import GENERATION_ROLES, Role
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
-
-PD_ROLES = (Role.PREFILL, Role.DECODE)
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def regular_members(roles: Mapping[str, str], serving: PdLists | None) -> set[st
     member that no PD router serves (a lone half of a pair, or both while the PD router is down): a vLLM
     server with a KV connector still serves whole requests, prefilling locally. Never a judge (REWARD)."""
     in_pd = serving.urls() if serving is not None else frozenset()
-    return {u for u, r in roles.items() if r == Role.ROLLOUT or (r in PD_ROLES and u not in in_pd)}
+    return {u for u, r in roles.items() if r in GENERATION_ROLES and u not in in_pd}
 
 
 def judge_members(roles: Mapping[str, str]) -> set[str]:
@@ -423,7 +421,9 @@ class Routers:
                     stuck[url] = why
             judges = judge_members(roles)
             self._models_read &= set(roles)
-            for url in sorted(set(roles) - judges - self._models_read):  # what the policy serves: never a judge's
+            # what the policy serves is never a judge's: read only while there are judges (a run without one asks
+            # no member for its models), each policy member once
+            for url in sorted(set(roles) - judges - self._models_read) if judges else ():
                 self.policy_models |= await self._served_models(url)
                 self._models_read.add(url)
             await self._reconcile_judges(judges, forced, failed, stuck, wait_s)
