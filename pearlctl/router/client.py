@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -48,6 +48,7 @@ from pearlctl.router import service
 from pearlctl.router.app import RETRY_FOR_HEADER, SESSION_HEADER
 
 log = logging.getLogger("pearlctl.router")
+_T = TypeVar("_T")
 
 URL_ENV, KEY_ENV = "PEARL_ROUTER_URL", "PEARL_ROUTER_KEY"
 RETRIED_STATUSES = (502, 503, 504)  # the gateway unreachable behind a proxy, or it gave up: ask again
@@ -299,7 +300,9 @@ class RolloutClient:
             self.counts[key] += delta
 
     # -- requests ---------------------------------------------------------------------------------
-    def _attempt(self, session: str, body: dict, left_s: float, attempt: int) -> Completion:
+    def _post(self, session: str, body: dict, left_s: float, attempt: int, counted: bool) -> dict:
+        """One attempt: the gateway's answer as a JSON object (`_Retry` / `_Refused` as the gateway's status
+        says). ``counted``: a rollout turn (counted as ``generating`` while in flight; a judge's request is not)."""
         try:
             url, key = self.endpoint(fresh=attempt > 1 and self._given_url is None)
             headers = {
@@ -308,7 +311,8 @@ class RolloutClient:
                 RETRY_FOR_HEADER: f"{max(0.0, left_s):.3f}",
             }
             body = {"model": self.model(), **body}
-            self.count("generating")
+            if counted:
+                self.count("generating")
             try:
                 # orjson both ways: a turn's body and answer carry the context's token ids (thousands of them),
                 # and the standard library's json took most of a rollout thread's time for them
@@ -318,7 +322,8 @@ class RolloutClient:
                     headers={**headers, "Content-Type": "application/json"},
                 )
             finally:
-                self.count("generating", -1)
+                if counted:
+                    self.count("generating", -1)
         except httpx.HTTPError as exc:
             raise _Retry(f"the router gateway does not answer: {type(exc).__name__}: {exc}") from exc
         if resp.status_code in RETRIED_STATUSES:
@@ -327,6 +332,15 @@ class RolloutClient:
             raise _Refused(f"HTTP {resp.status_code}: {_message(resp)}")
         try:
             doc = orjson.loads(resp.content)
+        except ValueError as exc:
+            raise _Retry(f"an unreadable answer from the gateway ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(doc, dict):
+            raise _Retry(f"an unreadable answer from the gateway (a JSON {type(doc).__name__}, not an object)")
+        return doc
+
+    def _attempt(self, session: str, body: dict, left_s: float, attempt: int) -> Completion:
+        doc = self._post(session, body, left_s, attempt, counted=True)
+        try:
             choice = doc["choices"][0]
             text, reason = str(choice["text"]), choice.get("finish_reason")
             ids = [int(t) for t in choice.get("token_ids") or []]
@@ -381,6 +395,17 @@ class RolloutClient:
             "stop": stop or [],
             "return_token_ids": True,
         }
+        return self._retrying(session, lambda left, n: self._attempt(session, body, left, n))
+
+    def request(self, session: str, body: Mapping[str, Any]) -> dict:
+        """Any ``/v1/completions`` request (``body``; its ``model`` names the model, default the first listed)
+        and the gateway's answer as it is, retried and bounded as a turn (`TurnFailed`, `TurnRefused`); not
+        counted as rollout progress. A judge's requests (pearlctl.router.judge) go this way."""
+        return self._retrying(session, lambda left, n: self._post(session, dict(body), left, n, counted=False))
+
+    def _retrying(self, session: str, attempt: Callable[[float, int], _T]) -> _T:
+        """``attempt(seconds left, attempt number)`` until it answers: retried while it raises `_Retry`, for up
+        to ``retry_for_s`` (then `TurnFailed`); `_Refused` is `TurnRefused` at once."""
         started = self._clock()
 
         def before_sleep(rs: RetryCallState) -> None:
@@ -407,11 +432,10 @@ class RolloutClient:
         )
         n = 0
         try:
-            for attempt in retrying:
-                n = attempt.retry_state.attempt_number
-                with attempt:
-                    left = self.retry_for_s - (self._clock() - started)
-                    return self._attempt(session, body, left, n)
+            for attempt_ in retrying:
+                n = attempt_.retry_state.attempt_number
+                with attempt_:
+                    return attempt(self.retry_for_s - (self._clock() - started), n)
         except RetryError as err:
             last = err.last_attempt.exception()
             raise TurnFailed(session, self._clock() - started, err.last_attempt.attempt_number, last) from last

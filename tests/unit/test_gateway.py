@@ -1278,3 +1278,24 @@ def test_a_judge_of_the_policys_own_model_name_is_never_sent_the_policys_turns()
         assert r.status_code == 200 and up.via == [ROUTER] and gw.stats["attempts_judge"] == 0
 
     run(scenario, judge=True)
+
+
+def test_a_judges_structured_output_request_interrupted_is_sent_again_whole_to_a_judge_and_answered_once() -> None:
+    """A critique forced into a score line (vLLM's ``structured_outputs``) cannot be continued from token ids (its
+    grammar's state is not in them): a judge worker that aborts it is answered by sending it again whole, to the
+    judge router again, never to the policy's; the caller gets one answer (pearlctl.router.judge relies on it:
+    the request carries its seed, so the second is the same request)."""
+    body = {"model": "judge", "prompt": "Critique:", "max_tokens": 4, "seed": 7, "structured_outputs": {"regex": "x"}}
+
+    async def scenario(gw, client, up):
+        await add(client, W1)
+        await add(client, J1, version=None, role="REWARD")
+        [judge] = gw.routers.judge_launcher.launched
+        up.script = [("abort", 2)]
+        doc = (await client.post("/v1/completions", json=body, headers=AUTH)).json()
+        assert len(doc["choices"]) == 1 and doc["choices"][0]["finish_reason"] == "length"
+        assert doc["pearl"]["restarted"] == 1 and doc["pearl"]["not_continuable"] == "structured_outputs"
+        assert up.via == [judge.url, judge.url]
+
+    up = run(scenario, judge=True)
+    assert [b for _, b, _ in up.requests] == [body, body]  # the same request twice, whole
