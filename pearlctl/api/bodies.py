@@ -245,6 +245,16 @@ class ProfileBody(Body):
 _WORK_FIELDS = frozenset(Work.__dataclass_fields__)
 
 
+class JudgeQueue(Body):
+    """The judge queue (pearlctl.router.judge.Queue): trajectories waiting for a verdict, being judged, judged,
+    and judge answers that gave none."""
+
+    waiting: Count = 0
+    judging: Count = 0
+    done: Count = 0
+    failed: Count = 0
+
+
 class Progress(Body):
     step: Annotated[int, Field(ge=0, le=10**12)] | None = None
     queued: Count | None = None
@@ -253,6 +263,7 @@ class Progress(Body):
     done: Count | None = None
     tokens: Count | None = None
     work: dict[str, Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False, strict=False)]] | None = None
+    judge: JudgeQueue | None = None  # a run whose driver scores with a judge: its queue
 
     @field_validator("work")
     @classmethod

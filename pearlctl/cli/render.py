@@ -227,6 +227,16 @@ def _progress_lines(run: dict) -> list[Text]:
                 + (f"; {rate} tok/s between the driver's last two reports" if rate is not None else "")
             )
         )
+    judge = rollout.get("judge") or {}
+    if judge:  # pearlctl.router.judge's queue, as the driver reports it
+        rate = judge.get("verdicts_per_s")
+        parts.append(
+            Text(
+                f"judge: waiting {judge.get('waiting')}, judging {judge.get('judging')}, done {judge.get('done')}, "
+                f"failed {judge.get('failed')}"
+                + (f"; {rate} verdicts/s between the driver's last two reports" if rate is not None else "")
+            )
+        )
     overall = ((run.get("predictor") or {}).get("all")) or {}
     if overall:  # pearlctl.planner.correct: measured / predicted batch time, what predictions are scaled by
         shapes = len((run.get("predictor") or {}).get("shapes") or {})

@@ -28,7 +28,8 @@ Routes (JSON in, JSON out):
   POST /v1/return              {now?, keep_warm?}: turn borrowing off; lent GPUs go back
   GET  /v1/workers             READY, routable rollout workers (for rollout clients)
   GET  /v1/weights/targets     the workers trainer rank 0 broadcasts each version to (pearlctl.daemon.weights)
-  POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens
+  POST /v1/rollout/progress    the rollout driver's counts: queued, generating, tool_wait, done, tokens; and
+                               its judge queue (judge: waiting, judging, done, failed) when it has a judge
   POST /v1/profile             store the run's engine profile
   GET  /metrics                Prometheus text format (pearlctl.daemon.metrics)
 """

@@ -136,6 +136,22 @@ class RunCollector:
         for state in ("queued", "generating", "tool_wait", "done"):
             episodes.add_metric([state], rollout.get(state) or 0)
         yield episodes
+        judge = rollout.get("judge") or {}
+        if judge:  # a run whose driver scores with a judge (pearlctl.router.judge)
+            queue = GaugeMetricFamily(
+                "pearl_judge_trajectories",
+                "the judge queue: trajectories waiting for a verdict, being judged, judged; failed: judge answers "
+                "without a verdict (each retried)",
+                labels=["state"],
+            )
+            for state in ("waiting", "judging", "done", "failed"):
+                queue.add_metric([state], judge.get(state) or 0)
+            yield queue
+            yield GaugeMetricFamily(
+                "pearl_judge_verdicts_per_second",
+                "verdicts per second between the driver's last two progress reports",
+                value=judge.get("verdicts_per_s") or 0,
+            )
 
 
 def render(store: Store, run_id: str, stats=None, controller=None) -> bytes:

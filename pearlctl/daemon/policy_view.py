@@ -17,7 +17,7 @@ from typing import Any
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.choose import worker_groups
-from pearlctl.planner.model import GpuSlot, Mode, MoveKind, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, Judging, Mode, MoveKind, Role, Snapshot, Trainer, Work
 from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
@@ -141,6 +141,7 @@ class PolicyInputs:
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1].created_at if transitions else None,
             last_batch=Work(**(run.get(ROLLOUT_PROGRESS) or {}).get("batch_work") or {}),
+            judging=judging_from_progress(run.get(ROLLOUT_PROGRESS) or {}),
         )
         # a trainer that reported no expected wait (none measured yet): the planner's prediction of the batch,
         # from a measured profile only (the placeholder's speeds predict nothing: nothing is lent then)
@@ -221,6 +222,12 @@ def batch_ready(trainer: dict, rollout: dict) -> bool:
     yet (the trainer reports its next wait at the end of its step): that one may still be lent into."""
     emptied, since = rollout.get("emptied_at"), trainer.get("phase_since")
     return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since
+
+
+def judging_from_progress(report: dict) -> Judging:
+    """The planner's Judging (the judge's queue) from the rollout driver's last report; empty without a judge."""
+    judge = report.get("judge") or {}
+    return Judging(**{k: judge[k] for k in ("waiting", "judging", "done", "failed", "verdicts_per_s") if k in judge})
 
 
 def work_from_progress(report: dict) -> Work:

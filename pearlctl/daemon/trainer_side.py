@@ -102,8 +102,9 @@ class TrainerSide(Side):
             return {"epoch": self.epoch, "ok": True}
 
     def rollout_progress(self, body: bodies.Progress) -> dict:
-        """The rollout driver's counts (queued, generating, tool_wait, done, tokens): kept for status and
-        the planner; throughput is derived from successive reports."""
+        """The rollout driver's counts (queued, generating, tool_wait, done, tokens) and its judge queue (waiting,
+        judging, done, failed), when it scores with a judge: kept for status, /metrics and the planner; tokens and
+        verdicts per second are derived from successive reports."""
         with self.lock:
             run = self.store.runs.get(self.run_id)
             before = run.get(ROLLOUT_PROGRESS) or {}
@@ -128,6 +129,9 @@ class TrainerSide(Side):
             last_tokens, last_at = before.get("tokens"), before.get("reported_at")
             if isinstance(last_tokens, int) and body.tokens is not None and last_at and now > last_at:
                 report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)
+            judged_before = (before.get("judge") or {}).get("done")
+            if body.judge is not None and isinstance(judged_before, int) and last_at and now > last_at:
+                report["judge"]["verdicts_per_s"] = round((body.judge.done - judged_before) / (now - last_at), 2)
             # bookkeeping: no agent's desired workers derive from it (held long polls are not woken)
             self.store.update_fields("runs", self.run_id, epoch=self.epoch, bookkeeping=True, rollout=report)
             return {"epoch": self.epoch}

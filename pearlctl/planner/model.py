@@ -85,6 +85,24 @@ class Deployment:
 
 
 @dataclass(frozen=True)
+class Judging:
+    """The judge queue (a generative reward model's, pearlctl.router.judge), as the rollout driver reports it:
+    finished trajectories waiting for a verdict, being judged, judged, and judge answers that gave no verdict
+    (each retried). Empty for a run without a judge."""
+
+    waiting: int = 0
+    judging: int = 0
+    done: int = 0
+    failed: int = 0
+    verdicts_per_s: float = 0.0  # between the driver's last two reports
+
+    @property
+    def backlog(self) -> int:
+        """Trajectories without their verdict yet: the judge's demand."""
+        return self.waiting + self.judging
+
+
+@dataclass(frozen=True)
 class Snapshot:
     now: float
     gpus: tuple[GpuSlot, ...]
@@ -100,6 +118,7 @@ class Snapshot:
     # the latest batch's work as it began (its first report with work after none): what the next batch is
     # expected to hold, for a decision made between batches, when ``work`` is empty; empty before any batch
     last_batch: Work = Work()
+    judging: Judging = Judging()  # the judge's demand (its queue); empty without a judge
     extra: dict = field(default_factory=dict)  # what a simulator's oracle may know (never set live)
 
     def by_pool(self, pool: str) -> list[GpuSlot]:

@@ -285,14 +285,17 @@ class RolloutClient:
             self._sleep(min(poll_s, join_wait_s - waited))
         return 0.0
 
-    def report_progress(self, step: int | None = None, work: dict | None = None) -> None:
+    def report_progress(self, step: int | None = None, work: dict | None = None, judge: dict | None = None) -> None:
         """Send the counts, and ``work`` — the remaining batch as the planner's Work fields (turns left,
-        tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it.
+        tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it; and
+        ``judge``, the judge queue (pearlctl.router.judge.Queue.counts), when it scores with a judge.
         Never raises: progress is advice."""
         with self._lock:
             body = dict(self.counts, step=step)
         if work is not None:
             body["work"] = work
+        if judge is not None:
+            body["judge"] = judge
         self._daemon("POST", "/v1/rollout/progress", body)
 
     def count(self, key: str, delta: int = 1) -> None:

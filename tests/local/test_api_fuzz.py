@@ -248,6 +248,9 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "done": counts,
             "tokens": counts,
             "work": st.dictionaries(st.sampled_from(WORK_FIELDS), st.floats(0, 1e6), max_size=4),
+            "judge": st.fixed_dictionaries(
+                {}, optional={"waiting": counts, "judging": counts, "done": counts, "failed": counts}
+            ),
         },
         # with every optional key set, so that mutations reach each of them too
         "profile": {

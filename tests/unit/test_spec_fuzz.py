@@ -99,6 +99,8 @@ def good_pool(kind: str, paced: bool = False) -> dict:
         ),
         "env": st.dictionaries(ident, printable, max_size=3),
     }
+    if kind == "reward":  # the judge's own model (its path is checked as [run] model's)
+        pool["model"] = st.sampled_from(["m", "judge", "/models/judge-8b"])
     if kind == "trainer":
         pool["train_command"] = st.lists(
             st.one_of(st.sampled_from(["{python}", "{repo}/t.py", "--out={run_dir}", "{model}"]), word),
