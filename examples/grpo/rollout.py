@@ -24,6 +24,15 @@ and for people the episode's text and the worker and weight version of its last 
 by rename, and reports progress to the daemon (queued / generating / tool_wait / done, tokens). Run next
 to train.py with ``--rollouts file:OUT``.
 
+``--reward judge`` scores each trajectory with the run's judge (the ``reward`` pool's model, a generative reward
+model: pearlctl.router.judge) as soon as its episode finishes, while the step's other episodes run: a verdict
+probability P(yes) (``--judge-mode verdict``, the default) or a critique with a parsed score (``critique``). The
+batch's rewards are the verdicts, and each group records which judge scored each trajectory (``judged_by``: model,
+worker, weight version). Each trajectory is judged once; a verdict that cannot be had (an unparseable critique
+after its retries, a judge that does not answer within ``--retry-for-s``) fails the step, never scores it zero.
+The judge queue (waiting, judging, done, failed) goes to the daemon with the progress. The rule (``--reward
+rule``) stays the default.
+
 A failed turn never loses the step: the client retries it on other workers, with back-off, for up to
 ``--retry-for-s`` (and continues a turn a draining worker aborted). A step is written whole or not at
 all: an episode that still cannot complete within that bound stops the driver with a ``rollout step
@@ -40,16 +49,17 @@ import random
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from token_batch import Group, Part, Sampled, trajectory_from_turns, turn_version, write_batch  # noqa: E402
+from token_batch import Group, Judged, Part, Sampled, trajectory_from_turns, turn_version, write_batch  # noqa: E402
 from train import sum_reward  # noqa: E402  (the same rule the synthetic source uses)
 
 from pearlctl.router.client import JOIN_WAIT_S, Completion, RolloutClient, TurnFailed  # noqa: E402
+from pearlctl.router.judge import JudgeClient, JudgeError, Mode, Verdict  # noqa: E402
 
 USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # ChatML, as the workers' chat template
 TOOL = "\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"  # after the assistant's <|im_end|>
@@ -75,23 +85,56 @@ class Encoder:
             return [int(t) for t in self.tok(text, add_special_tokens=False)["input_ids"]]
 
 
-def model_root(client: RolloutClient, wait_s: float, poll_s: float = 1.0) -> str | None:
-    """The model directory the workers serve, as vLLM's ``/v1/models`` says (``root``), asked through the
-    gateway until it answers or ``wait_s`` has passed (the run's gateway or workers may still be starting);
-    None if it never says."""
+def listed_models(client: RolloutClient, wait_s: float, poll_s: float = 1.0) -> list[dict]:
+    """The models the run's gateway lists (vLLM's ``/v1/models`` entries: the policy's first, then the judge's),
+    asked until it lists some or ``wait_s`` has passed (the run's gateway or workers may still be starting); []
+    if it never does."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             url, key = client.endpoint()
             resp = httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
-            root = resp.json()["data"][0].get("root") if resp.status_code == 200 else None
-            if isinstance(root, str) and root:
-                return root
+            if resp.status_code == 200:
+                entries = [e for e in resp.json()["data"] if isinstance(e, dict) and isinstance(e.get("id"), str)]
+                if entries:
+                    return entries
         except Exception:  # noqa: BLE001 — no gateway record yet, no answer, an answer of another shape: ask again
             pass
         if time.monotonic() >= deadline:
-            return None
+            return []
         time.sleep(poll_s)
+
+
+def model_root(client: RolloutClient, wait_s: float) -> str | None:
+    """The model directory the policy's workers serve, as vLLM's ``/v1/models`` says (``root``); None if the
+    gateway never says within ``wait_s``."""
+    listed = listed_models(client, wait_s)
+    root = listed[0].get("root") if listed else None
+    return root if isinstance(root, str) and root else None
+
+
+def judge_model(args, client: RolloutClient) -> str:
+    """``--judge-model``, else ``$PEARL_JUDGE_MODEL``, else the one model the gateway lists besides the policy's
+    (the first); exits 2 saying so when that is not one model."""
+    named = args.judge_model or os.environ.get("PEARL_JUDGE_MODEL")
+    if named:
+        return named
+    models = [e["id"] for e in listed_models(client, args.weights_timeout_s)]
+    if len(models) == 2:
+        return models[1]
+    print(
+        json.dumps(
+            {
+                "event": "no judge",
+                "listed": models,
+                "hint": "--reward judge needs the run's judge: a [pools.reward] pool serving its model; pass "
+                "--judge-model NAME (or set PEARL_JUDGE_MODEL) when the gateway lists other than the policy's "
+                "model and one judge",
+            }
+        ),
+        flush=True,
+    )
+    raise SystemExit(2)
 
 
 def load_tokenizer(args, client: RolloutClient) -> Encoder:
@@ -259,14 +302,51 @@ class Remaining:
 
 
 class StepFailed(Exception):
-    """An episode of the step could not complete: the step is not written."""
+    """An episode of the step could not complete, or its verdict could not be had: the step is not written."""
+
+
+class Judging:
+    """The step's verdicts: each trajectory is sent to the judge as soon as its episode finishes (``pool``: the
+    judge's threads, beside the episodes'), and judged once."""
+
+    def __init__(self, judge: JudgeClient, pool: ThreadPoolExecutor):
+        self.judge, self.pool = judge, pool
+        self.lock = threading.Lock()
+        self.pending: dict[str, Future] = {}
+
+    def submit(self, session: str, task: str, answer: str) -> None:
+        with self.lock:
+            if session in self.pending:  # an episode's trajectory is judged once
+                raise StepFailed(f"trajectory {session} was sent to the judge twice")
+            self.judge.enqueue()
+            self.pending[session] = self.pool.submit(self.judge.score, session, task, answer)
+
+    def collect(self, step: int) -> dict[str, Verdict]:
+        """Every verdict of the step (waiting for those in flight), and nothing left for the next step;
+        `StepFailed` naming the trajectory whose verdict could not be had."""
+        with self.lock:
+            pending, self.pending = self.pending, {}
+        verdicts = {}
+        for session, future in pending.items():
+            try:
+                verdicts[session] = future.result()
+            except (JudgeError, TurnFailed) as exc:
+                raise StepFailed(f"step {step}: the verdict on {session} failed: {exc}") from exc
+        return verdicts
 
 
 def run_step(
-    client: RolloutClient, encode: Encoder, step: int, args, pool: ThreadPoolExecutor, remaining: Remaining
+    client: RolloutClient,
+    encode: Encoder,
+    step: int,
+    args,
+    pool: ThreadPoolExecutor,
+    remaining: Remaining,
+    judging: Judging | None = None,
 ) -> list[Group]:
     """Every episode of the step, grouped by prompt; `StepFailed` as soon as one episode fails (its turn
-    exhausted the client's retry bound), with the episodes not started yet cancelled."""
+    exhausted the client's retry bound), with the episodes not started yet cancelled. ``judging``: each
+    finished episode is scored by the judge at once, and its verdict is its reward."""
     rng = random.Random(args.seed * 100_003 + step)
     problems = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(args.prompts)]
     client.count("queued", args.prompts * args.group_size)
@@ -285,7 +365,9 @@ def run_step(
                     raise StepFailed(f"step {step}: episode {session} failed: {exc}") from exc
                 remaining.finish(session)
                 client.count("done")
-                return p, result
+                if judging is not None:
+                    judging.submit(session, result["prompt"], result["completion"])
+                return p, session, result
 
             futures.append(pool.submit(job))
     _, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -297,10 +379,15 @@ def run_step(
         if isinstance(exc, StepFailed):
             raise exc
         raise StepFailed(f"step {step}: an episode failed: {exc!r}") from exc
+    verdicts = judging.collect(step) if judging is not None else {}
     groups: dict[int, list[dict]] = {}
     for f in futures:
-        p, result = f.result()
+        p, session, result = f.result()
+        if judging is not None:
+            result["reward"], result["judged"] = verdicts[session].score, verdicts.pop(session).record()
         groups.setdefault(p, []).append(result)
+    if verdicts:  # a verdict on no trajectory of this step
+        raise StepFailed(f"step {step}: verdicts on trajectories the step has not: {sorted(verdicts)}")
     if sorted(groups) != list(range(args.prompts)) or any(len(e) != args.group_size for e in groups.values()):
         raise StepFailed(f"step {step}: incomplete batch {[len(e) for _, e in sorted(groups.items())]}")
     return [
@@ -310,6 +397,7 @@ def run_step(
             trajectories=tuple(e["trajectory"] for e in eps),
             completions=tuple(e["completion"] for e in eps),
             served_by=tuple({"worker": e["worker"], "weight_version": e["weight_version"]} for e in eps),
+            judged_by=tuple(Judged(**e["judged"]) for e in eps) if judging is not None else None,
         )
         for _, eps in sorted(groups.items())
     ]
@@ -354,6 +442,23 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's tokenizer directory, for the environment's text (default: $PEARL_MODEL, else the "
         "model directory the workers serve, from the gateway's /v1/models)",
     )
+    ap.add_argument(
+        "--reward",
+        choices=("rule", "judge"),
+        default="rule",
+        help="rule: the sum rule (train.sum_reward); judge: the run's judge scores each trajectory as it finishes",
+    )
+    ap.add_argument("--judge-model", default=None, help="the judge's model name (default: the one the gateway lists)")
+    ap.add_argument("--judge-mode", choices=[str(m) for m in Mode], default=str(Mode.VERDICT))
+    ap.add_argument("--judge-concurrency", type=int, default=4, help="verdicts asked for at once")
+    ap.add_argument(
+        "--judge-attempts", type=int, default=3, help="critique: answers asked for before an unreadable score fails"
+    )
+    ap.add_argument(
+        "--judge-constrained",
+        action="store_true",
+        help="critique: a structured-output regex that makes every critique end in a score line",
+    )
     ap.add_argument("--tool-latency-s", type=float, default=0.3, help="mean latency of one tool call")
     ap.add_argument("--tool-latency-dist", choices=("exp", "fixed"), default="exp")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -387,19 +492,33 @@ def main(argv: list[str] | None = None) -> int:
 
     remaining = Remaining(args)
     encode = load_tokenizer(args, client)
+    judge = None
+    if args.reward == "judge":
+        judge = JudgeClient(
+            client,
+            judge_model(args, client),
+            mode=Mode(args.judge_mode),
+            attempts=args.judge_attempts,
+            constrained=args.judge_constrained,
+            seed=args.seed,
+        )
+
+    def queue() -> dict | None:
+        return judge.queue.counts() if judge is not None else None
 
     def progress():
         while not stop.wait(1.0):
-            client.report_progress(work=remaining.work())
+            client.report_progress(work=remaining.work(), judge=queue())
 
     threading.Thread(target=progress, daemon=True).start()
-    with ThreadPoolExecutor(args.concurrency) as pool:
+    with ThreadPoolExecutor(args.concurrency) as pool, ThreadPoolExecutor(args.judge_concurrency) as judge_pool:
+        judging = Judging(judge, judge_pool) if judge is not None else None
         for step in range(args.first_step, args.first_step + args.steps):
             version = str(step - 1) if args.on_policy and step > 1 else None
             wait_for_workers(client, version, args.weights_timeout_s, args.join_wait_s)
             t0, started_at = time.monotonic(), time.time()
             try:
-                groups = run_step(client, encode, step, args, pool, remaining)
+                groups = run_step(client, encode, step, args, pool, remaining, judging)
             except StepFailed as exc:
                 print(json.dumps({"event": "rollout step failed", "step": step, "error": str(exc)}), flush=True)
                 sys.stderr.flush()
@@ -407,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 # episodes, which may retry for up to --retry-for-s more (a pool's threads are joined at exit)
                 os._exit(1)
             write_batch(args.out, step, groups)
-            client.report_progress(step, work=remaining.work())
+            client.report_progress(step, work=remaining.work(), judge=queue())
             rewards = [r for g in groups for r in g.rewards]
             versions = sorted({t.weight_version or "?" for g in groups for tr in g.trajectories for t in tr.turns})
             print(
@@ -420,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
                         "reward_mean": round(sum(rewards) / len(rewards), 4),
                         "tokens": client.counts["tokens"],
                         "weight_versions": versions,
+                        "reward": args.reward,
+                        "judged": sum(len(g.judged_by or ()) for g in groups),
+                        **(
+                            {"judge_models": sorted({j.model for g in groups for j in g.judged_by or ()})}
+                            if judge
+                            else {}
+                        ),
                     }
                 ),
                 flush=True,

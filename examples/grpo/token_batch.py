@@ -12,7 +12,8 @@ Guarantees:
   `BatchError` naming the file, the line and the field (``line 3: trajectories.1.mask: ...``): a malformed
   line is never a ``KeyError`` or a crash deep in the loss.
 - **Invariants checked**, not assumed: ``len(mask) == len(completion_ids)``; ``len(logprobs)`` equals the
-  number of mask-1 tokens; the turns' spans (``start``, ``tokens``) are in order, do not overlap, lie inside
+  number of mask-1 tokens; a group scored by a judge has one verdict (``judged_by``) per trajectory, and each
+  reward is its verdict's score; the turns' spans (``start``, ``tokens``) are in order, do not overlap, lie inside
   ``completion_ids`` and cover exactly the mask-1 positions; a turn's ``parts`` (when given) add up to its
   tokens; logprobs are finite and at most 0; token ids are non-negative integers; one reward per trajectory.
 - **Built the same way by every source.** `trajectory_from_turns` assembles a trajectory from the segments of
@@ -27,7 +28,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -104,14 +105,27 @@ class Trajectory(_Model):
         return self
 
 
+class Judged(_Model):
+    """Which judge scored a trajectory (a generative reward model: pearlctl.router.judge), and its score."""
+
+    mode: Literal["verdict", "critique"]
+    model: str  # the judge's model, as requests name it
+    worker: str | None = None  # the judge worker that answered
+    weight_version: str | None = None  # the judge's weights as the gateway tagged them (None: as loaded)
+    score: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    requests: Annotated[int, Field(ge=1)]  # judge requests it took (critiques retried for a readable score)
+
+
 class Group(_Model):
-    """A GRPO group: one prompt, one trajectory and one reward per sampled episode."""
+    """A GRPO group: one prompt, one trajectory and one reward per sampled episode; with a judge, per trajectory
+    the verdict that is its reward."""
 
     prompt: str  # for people and the reward rule; the loss uses ``prompt_ids``
     rewards: Annotated[tuple[Annotated[float, Field(allow_inf_nan=False)], ...], Field(min_length=1)]
     trajectories: Annotated[tuple[Trajectory, ...], Field(min_length=1)]
     completions: tuple[str, ...] | None = None  # the episodes as text, for people and logs
     served_by: tuple[dict, ...] | None = None  # per trajectory: worker and weight version of its last turn
+    judged_by: tuple[Judged, ...] | None = None  # per trajectory, when a judge scored them: its verdict
 
     @model_validator(mode="after")
     def _one_reward_each(self) -> Group:
@@ -119,6 +133,12 @@ class Group(_Model):
             raise ValueError(f"{len(self.rewards)} reward(s) for {len(self.trajectories)} trajectories")
         if self.completions is not None and len(self.completions) != len(self.trajectories):
             raise ValueError(f"{len(self.completions)} completion text(s) for {len(self.trajectories)} trajectories")
+        if self.judged_by is not None:
+            if len(self.judged_by) != len(self.trajectories):
+                raise ValueError(f"{len(self.judged_by)} verdict(s) for {len(self.trajectories)} trajectories")
+            for i, (reward, judged) in enumerate(zip(self.rewards, self.judged_by, strict=True)):
+                if reward != judged.score:
+                    raise ValueError(f"rewards.{i} is {reward}, but the judge scored that trajectory {judged.score}")
         return self
 
 

@@ -16,5 +16,6 @@ behind a gateway.
 - ``membership``: the gateway's admin API the daemon drives membership with, as typed bodies and a client;
 - ``service``: starting, finding again and stopping a run's router process, and its files;
 - ``__main__``: ``python -m pearlctl.router``, the process (gateway, with vllm-router as its child);
-- ``client``: a thin rollout client of the gateway for agent loops.
+- ``client``: a thin rollout client of the gateway for agent loops;
+- ``judge``: scoring finished trajectories with the run's judge through the gateway (verdict or critique).
 """

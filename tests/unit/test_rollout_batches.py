@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pearlctl.router.client import Completion
+from pearlctl.router.judge import CANDIDATES, RUBRIC, VERDICT_PROMPT, JudgeClient, Mode, p_first
 from tests.conftest import GRPO_EXAMPLE as GRPO
 from tests.conftest import REPO, CharTokenizer, load_example
 
@@ -61,6 +63,10 @@ def group_doc() -> dict:
         trajectories=(two_turns(), two_turns("3", "4")),
         completions=("3", "no"),
         served_by=({"worker": "http://a", "weight_version": "3"}, {"worker": None, "weight_version": "4"}),
+        judged_by=(
+            tb.Judged(mode="verdict", model="judge", worker="http://j", score=1.0, requests=1),
+            tb.Judged(mode="critique", model="judge", score=0.0, requests=2),
+        ),
     )
     return json.loads(tb.dump_group(g))
 
@@ -143,6 +149,14 @@ MALFORMED = [
         "parts add up to 2 token(s), the turn has 3",
     ),
     ("a completion text short", lambda d: d["completions"].pop(), "1 completion text(s) for 2 trajectories"),
+    ("a verdict short", lambda d: d["judged_by"].pop(), "1 verdict(s) for 2 trajectories"),
+    (
+        "a reward not its verdict",
+        _set(("rewards", 1), 0.5),
+        "rewards.1 is 0.5, but the judge scored that trajectory 0.0",
+    ),
+    ("a score above 1", _set(("judged_by", 0, "score"), 1.5), "judged_by.0.score: Input should be less than or equal"),
+    ("an unknown mode", _set(("judged_by", 0, "mode"), "vibes"), "judged_by.0.mode: Input should be 'verdict' or"),
 ]
 
 
@@ -414,6 +428,75 @@ def test_a_step_of_the_driver_is_a_batch_the_trainer_parses(tmp_path: Path) -> N
     parsed = tb.read_batch(path)
     assert parsed == groups and [len(g.trajectories) for g in parsed] == [3, 3]
     assert all(s["weight_version"] == "5" for g in parsed for s in g.served_by)  # as before, for tools that read it
+
+
+class JudgedClient(ScriptedClient):
+    """Also answers the judge's verdict requests (``request``): P(yes) from the prompt logprobs of the two
+    candidates, ``-len(task)/10`` for yes and ``-1`` for no, so each trajectory's verdict is its own; records the
+    trajectories judged. ``refuse``: the critique it answers has no score."""
+
+    def __init__(self, answers, refuse: bool = False):
+        super().__init__(answers)
+        self.judged: list[str] = []
+        self.refuse = refuse
+        self.lock = threading.Lock()
+
+    def complete(self, *a, **kw):
+        with self.lock:
+            return super().complete(*a, **kw)
+
+    def request(self, session: str, body: dict) -> dict:
+        with self.lock:
+            self.judged.append(session.removeprefix("judge-"))
+        if self.refuse:
+            return {"choices": [{"index": 0, "text": "no idea"}]}
+        yes = -len(body["prompt"][0]) / 100
+        choices = []
+        for i, logprob in enumerate((yes, -1.0)):
+            ids = [1, 2, 3 + i]
+            choices.append(
+                {"index": i, "prompt_token_ids": ids, "prompt_logprobs": [None, {"2": -0.1}, {str(3 + i): logprob}]}
+            )
+        return {
+            "choices": choices,
+            "pearl": {"parts": [{"tokens": 1, "worker": "http://judge", "weight_version": None}]},
+        }
+
+
+def run_judged_step(client: JudgedClient, args, mode: Mode = Mode.VERDICT) -> list:
+    judge = JudgeClient(client, "tiny-judge", mode=mode, attempts=2)  # type: ignore[arg-type]
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(2) as judge_pool:
+        judging = driver.Judging(judge, judge_pool)
+        groups = driver.run_step(
+            client, driver.Encoder(CharTokenizer()), 1, args, pool, driver.Remaining(args), judging
+        )
+    assert judge.queue.counts() == {"waiting": 0, "judging": 0, "done": len(client.judged), "failed": 0}
+    return groups
+
+
+def test_with_a_judge_each_trajectory_is_judged_once_and_its_verdict_is_its_reward(tmp_path: Path) -> None:
+    args = SimpleNamespace(**{**vars(ARGS), "prompts": 2, "group_size": 3})
+    client = JudgedClient([([50, 2], [-0.1, -0.2], []), ([60], [-1.0], [])] * 6)
+    groups = run_judged_step(client, args)
+    sessions = [f"s1-p{p}-g{g}" for p in range(2) for g in range(3)]
+    assert sorted(client.judged) == sessions  # every trajectory, once
+    for g in groups:
+        assert len(g.judged_by) == 3 and all(
+            j.model == "tiny-judge" and j.worker == "http://judge" for j in g.judged_by
+        )
+        assert g.rewards == tuple(j.score for j in g.judged_by)
+        asked = [VERDICT_PROMPT.format(task=g.prompt, answer=c, rubric=RUBRIC) + CANDIDATES[0] for c in g.completions]
+        assert g.rewards == tuple(p_first(-len(a) / 100, -1.0) for a in asked)  # the judge's verdict, not the rule's
+    assert tb.read_batch(tb.write_batch(tmp_path, 1, groups)) == groups
+
+
+def test_a_verdict_that_cannot_be_had_fails_the_step_naming_the_trajectory() -> None:
+    args = SimpleNamespace(**{**vars(ARGS), "prompts": 1, "group_size": 2})
+    client = JudgedClient([([50, 2], [-0.1, -0.2], []), ([60], [-1.0], [])] * 2, refuse=True)
+    with pytest.raises(
+        driver.StepFailed, match=r"step 1: the verdict on s1-p0-g\d failed: trajectory s1-p0-g\d: no score"
+    ):
+        run_judged_step(client, args, Mode.CRITIQUE)
 
 
 # -- the synthetic source ------------------------------------------------------------------------------
