@@ -85,23 +85,23 @@ class Encoder:
             return [int(t) for t in self.tok(text, add_special_tokens=False)["input_ids"]]
 
 
-def listed_models(client: RolloutClient, wait_s: float, poll_s: float = 1.0) -> list[dict]:
+def listed_models(client: RolloutClient, wait_s: float, at_least: int = 1, poll_s: float = 1.0) -> list[dict]:
     """The models the run's gateway lists (vLLM's ``/v1/models`` entries: the policy's first, then the judge's),
-    asked until it lists some or ``wait_s`` has passed (the run's gateway or workers may still be starting); []
-    if it never does."""
-    deadline = time.monotonic() + wait_s
+    asked until it lists ``at_least`` or ``wait_s`` has passed (the run's gateway or workers may still be
+    starting): the last list it gave ([] if none)."""
+    deadline, entries = time.monotonic() + wait_s, []
     while True:
         try:
             url, key = client.endpoint()
             resp = httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
             if resp.status_code == 200:
                 entries = [e for e in resp.json()["data"] if isinstance(e, dict) and isinstance(e.get("id"), str)]
-                if entries:
+                if len(entries) >= at_least:
                     return entries
         except Exception:  # noqa: BLE001 — no gateway record yet, no answer, an answer of another shape: ask again
             pass
         if time.monotonic() >= deadline:
-            return []
+            return entries
         time.sleep(poll_s)
 
 
@@ -115,11 +115,11 @@ def model_root(client: RolloutClient, wait_s: float) -> str | None:
 
 def judge_model(args, client: RolloutClient) -> str:
     """``--judge-model``, else ``$PEARL_JUDGE_MODEL``, else the one model the gateway lists besides the policy's
-    (the first); exits 2 saying so when that is not one model."""
+    (the first), waiting for the judge's workers to serve; exits 2 saying so when that is not one model."""
     named = args.judge_model or os.environ.get("PEARL_JUDGE_MODEL")
     if named:
         return named
-    models = [e["id"] for e in listed_models(client, args.weights_timeout_s)]
+    models = [e["id"] for e in listed_models(client, args.weights_timeout_s, at_least=2)]
     if len(models) == 2:
         return models[1]
     print(

@@ -10,9 +10,13 @@ weights. (The node-local store is keyed by Slurm node name, so the cluster's nod
 
 Beside them a reward pool serves a judge (a generative reward model: the tiny judge, examples/models/tiny-judge,
 shaped unlike the policy) with vLLM, and it is never the policy's: it serves its own model, no version of the
-trainer's weights reaches it (by broadcast or reload), and none of the policy's turns reaches it. Through the
-run's one endpoint, which lists both models, the requests naming the judge's model, and only those, are answered
-by it (its vLLM counts exactly them).
+trainer's weights reaches it (by broadcast or reload), and none of the policy's turns reaches it. The driver runs
+with ``--reward judge``: each trajectory is scored by the judge through the run's one endpoint (which lists both
+models) as it finishes, once: trajectories expected = judged = trained, and the judge's vLLM counts exactly the
+verdicts' requests. The daemon kept the judge queue (status). Through the same endpoint the judge's two scoring
+modes answer for real (pearlctl.router.judge): a verdict's logprobs are the judge model's own (checked against
+transformers on the same weights), a constrained critique ends in a readable score, and an unconstrained one from
+this random-weight judge is an error naming its trajectory, never a score.
 """
 
 from __future__ import annotations
@@ -76,6 +80,59 @@ def lines(run_dir: Path, pattern: str, needle: str) -> list[str]:
     return [x for p in sorted((run_dir / "logs").glob(pattern)) for x in p.read_text().splitlines() if needle in x]
 
 
+def scoring_modes_answer_for_real(run_dir: Path, judge_url: str) -> None:
+    """The judge's client against the real judge through the run's gateway (pearlctl.router.judge)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pearlctl.router.client import RolloutClient
+    from pearlctl.router.judge import (
+        CANDIDATES,
+        RUBRIC,
+        VERDICT_PROMPT,
+        JudgeClient,
+        Mode,
+        VerdictUnparsed,
+        candidate_logprobs,
+        p_first,
+    )
+
+    with RolloutClient(str(run_dir), None, model=str(JUDGE), retry_for_s=60) as client:
+        # a verdict: the logprobs it is made of are the judge model's own, position by position
+        task, answer = "17 + 25 =", "42"
+        verdict = JudgeClient(client, str(JUDGE)).score("s9-p0-g0", task, answer)
+        asked = VERDICT_PROMPT.format(task=task, answer=answer, rubric=RUBRIC)
+        body = {
+            "prompt": [asked + c for c in CANDIDATES],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        }
+        doc = client.request("check", body)
+        yes, no = candidate_logprobs(doc["choices"])
+        assert verdict.score == pytest.approx(p_first(yes, no), abs=1e-3) and verdict.worker == judge_url  # the same
+        tok, model = (
+            AutoTokenizer.from_pretrained(JUDGE),
+            AutoModelForCausalLM.from_pretrained(JUDGE, dtype=torch.float32),
+        )
+        expected, pair = [], [c["prompt_token_ids"] for c in doc["choices"]]
+        common = next(i for i, (a, b) in enumerate(zip(*pair, strict=False)) if a != b)  # where the candidates begin
+        for choice in sorted(doc["choices"], key=lambda c: c["index"]):
+            ids = choice["prompt_token_ids"]
+            assert ids == tok(asked + CANDIDATES[choice["index"]])["input_ids"]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+            expected.append(sum(logp[i - 1, ids[i]].item() for i in range(common, len(ids))))
+        assert yes == pytest.approx(expected[0], abs=0.05) and no == pytest.approx(expected[1], abs=0.05)  # bf16
+        # a critique forced to end in a score line is scored; left free, this random judge writes none: an error
+        critique = JudgeClient(client, str(JUDGE), mode=Mode.CRITIQUE, constrained=True, max_tokens=24)
+        scored = critique.score("s9-p0-g1", task, answer)
+        assert 0 <= scored.score <= 1 and scored.requests == 1 and "Score: " in scored.text, scored
+        free = JudgeClient(client, str(JUDGE), mode=Mode.CRITIQUE, attempts=2, max_tokens=16)
+        with pytest.raises(VerdictUnparsed, match="trajectory s9-p0-g2: no score could be read in 2 critique"):
+            free.score("s9-p0-g2", task, answer)
+
+
 def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadcast_and_a_judge_none(bcast):
     pc, d = bcast
     run_dir = d / "run"
@@ -87,7 +144,7 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     driver = subprocess.run(
         [sys.executable, str(REPO / "examples/grpo/rollout.py"), "--run-dir", str(run_dir), "--run-id",
          doc["run"]["id"], "--out", str(run_dir / "rollouts"), "--steps", str(STEPS), "--prompts", "4",
-         "--group-size", "4", "--concurrency", "4"],
+         "--group-size", "4", "--concurrency", "4", "--reward", "judge"],
         capture_output=True, text=True, timeout=600, env=pc.env,
     )  # fmt: skip
     assert driver.returncode == 0, driver.stderr[-3000:]
@@ -98,6 +155,10 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     assert all(math.isfinite(e["loss"]) for e in steps)
+    # --reward judge: every trajectory judged once, as it finished, by the judge; trained on with its verdict
+    rolled = [json.loads(x) for x in driver.stdout.splitlines() if '"rollout step"' in x]
+    assert [(e["step"], e["judged"], e["judge_models"]) for e in rolled] == [(s, 16, [str(JUDGE)]) for s in range(1, 4)]
+    assert [(e["trajectories"], e["judged"]) for e in steps] == [(16, 16)] * STEPS  # expected = judged = trained
 
     # every version the rollout worker served after the first step came over gloo from trainer rank 0
     sent = {  # what trainer rank 0's export says it broadcast with each version (the example trainer's step event)
@@ -105,11 +166,12 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
         for e in steps
         if (e.get("broadcast") or {}).get("sent") and e["broadcast"]["workers"] == 1
     }
-    served, servers = {}, set()
+    served, servers, verdicts = {}, set(), []
     for step in range(1, STEPS + 1):
         groups = [json.loads(x) for x in (run_dir / "rollouts" / f"step-{step:06d}.jsonl").read_text().splitlines()]
         served[step] = {s["weight_version"] for g in groups for s in g["served_by"]}
         servers |= {s["worker"] for g in groups for s in g["served_by"]}
+        verdicts += [(r, j) for g in groups for r, j in zip(g["rewards"], g["judged_by"], strict=True)]
     for step in range(2, STEPS + 1):
         assert served[step] == {str(step - 1)}, served
     versions = {str(v) for v in range(1, STEPS)}
@@ -131,7 +193,16 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     assert not lines(run_dir, "vllm-*reward*.log", "over gloo")
     assert not lines(run_dir, "reward-*.log", "now serves weights")
     assert servers and judge["url"] not in servers, servers
-    assert judged(judge["url"]) == 0  # no rollout turn reached it
+    assert len(verdicts) == 16 * STEPS and all(r == j["score"] and 0 < r < 1 for r, j in verdicts), verdicts
+    assert {(j["mode"], j["model"], j["worker"], j["weight_version"]) for _, j in verdicts} == {
+        ("verdict", str(JUDGE), judge["url"], None)
+    }
+    # its vLLM finished the verdicts' requests and nothing else (a verdict asks for two prompts: two requests in vLLM)
+    assert judged(judge["url"]) == 2 * len(verdicts)
+    queue = pc.json("status", "bcast")["run"]["rollout"]["judge"]
+    assert {k: queue[k] for k in ("waiting", "judging", "done", "failed")} == {
+        "waiting": 0, "judging": 0, "done": 16 * STEPS, "failed": 0
+    }  # fmt: skip
     record, auth = service.read_record(run_dir), {"Authorization": f"Bearer {service.read_key(run_dir)}"}
     members = httpx.get(record.url + "/pearl/workers", headers=auth, timeout=10).json()["workers"]
     assert {m["url"]: m["router"] for m in members}[judge["url"]] == "judge", members
@@ -141,5 +212,6 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     for _ in range(3):
         answer = httpx.post(record.url + "/v1/completions", json=asked, headers=auth, timeout=60)
         assert answer.status_code == 200 and answer.json()["model"] == str(JUDGE), answer.text
-    assert judged(judge["url"]) == 3  # the judge answered exactly the requests naming it
+    assert judged(judge["url"]) == 2 * len(verdicts) + 3  # the judge answered exactly the requests naming it
+    scoring_modes_answer_for_real(run_dir, judge["url"])
     print(json.dumps({"nodes": nodes, "sent": sent, "served": {k: sorted(v) for k, v in served.items()}}))
