@@ -68,8 +68,9 @@ DEFAULT_ROLE: dict[PoolKind, Role] = {
 # Roles whose workers generate rollouts: colocated, or a disaggregated pair's halves (the roles the router routes
 # to; REWARD is served too, but scores rollouts), in the order reports and commands list them.
 GENERATION_ROLES: tuple[Role, ...] = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
-# Roles served by a vLLM server.
-SERVING_ROLES: frozenset[Role] = frozenset({Role.ROLLOUT, Role.PREFILL, Role.DECODE, Role.REWARD})
+# Roles served by a vLLM server, in the order commands list them: the policy's, then the judge's.
+SERVED_ROLES: tuple[Role, ...] = (*GENERATION_ROLES, Role.REWARD)
+SERVING_ROLES: frozenset[Role] = frozenset(SERVED_ROLES)
 # Which engine serves which role (IDLE runs nothing).
 ENGINE_FOR_ROLE: dict[Role, Engine] = {Role.TRAIN: Engine.DEEPSPEED, **{r: Engine.VLLM for r in SERVING_ROLES}}
 

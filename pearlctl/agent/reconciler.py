@@ -78,14 +78,18 @@ class Reconciler:
     def _make(self, want: dict) -> WorkerHandle | None:
         gpus = tuple(want["gpus"])
         if want["engine"] == "vllm":
-            args = json.loads(self.env.get("PEARL_ENGINE_ARGS") or "{}")
+            # the model and engine args of this allocation's pool, unless the daemon names others: a role whose model
+            # is not the pool's (a judge on a rollout GPU, the policy on a reward pool's: pearlctl.daemon.desired)
+            args = want.get("engine_args")
+            if not isinstance(args, dict):
+                args = json.loads(self.env.get("PEARL_ENGINE_ARGS") or "{}")
             return VllmWorker(
                 want["key"],
                 want["role"],
                 gpus,
                 self.me,
                 self.run_dir,
-                self.env["PEARL_MODEL"],
+                want.get("model") or self.env["PEARL_MODEL"],
                 args,
                 paced_profile=self.env.get("PEARL_ENGINE_PROFILE")
                 if self.env.get("PEARL_ENGINE") == ServingEngine.PACED

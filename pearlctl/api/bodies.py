@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pearlctl.planner.model import Work
-from pearlctl.vocabulary import Engine, Role
+from pearlctl.vocabulary import SERVED_ROLES, Engine, Role
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -217,8 +217,8 @@ class GpuId(Body):
     id: Id
 
 
-# the roles a rollout or elastic GPU can be brought up in by a move
-ServingRole = Literal[Role.ROLLOUT, Role.PREFILL, Role.DECODE]
+# the roles a rollout or elastic GPU can be brought up in by a move: the policy's, or the judge's
+ServingRole = Literal[SERVED_ROLES]  # (a tuple subscript is the same as listing its values)
 
 
 class Move(Body):

@@ -1,6 +1,6 @@
-"""`pearlctl move RUN KIND GPU...`: an operator's move of rollout or elastic GPUs — start or wake a worker on
-them, retire it, or switch it to another role (prefill, decode, colocated rollout). The run's daemon carries
-it out as a journaled transition, exactly as it carries out a policy's move."""
+"""`pearlctl move RUN KIND GPU...`: an operator's move of rollout, elastic or reward GPUs — start or wake a worker
+on them, retire it, or switch it to another role (prefill, decode, colocated rollout, or the judge: REWARD). The
+run's daemon carries it out as a journaled transition, exactly as it carries out a policy's move."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from pearlctl.cli.common import (
 )
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.state.machines import TransitionState as T
-from pearlctl.vocabulary import GENERATION_ROLES
+from pearlctl.vocabulary import SERVED_ROLES
 
 KINDS = ("start", "wake", "retire", "switch")
-ROLES = GENERATION_ROLES
+ROLES = SERVED_ROLES
 
 
 def _gpu_ref(text: str) -> dict:
@@ -47,7 +47,9 @@ def move(
     kind: str = typer.Argument(..., metavar="KIND", help="start, wake, retire or switch."),
     gpus: list[str] = typer.Argument(..., metavar="GPU...", help="GPUs as NODE:INDEX or id (`pearlctl status`)."),
     role: str = typer.Option(
-        None, "--role", help="start, wake, switch: serve as ROLLOUT (default), PREFILL or DECODE."
+        None,
+        "--role",
+        help="start, wake, switch: serve as ROLLOUT (default), PREFILL or DECODE, or REWARD (the run's judge).",
     ),
     keep_warm: bool = typer.Option(False, "--keep-warm", help="retire: park the worker asleep instead of stopping it."),
     wait: bool = typer.Option(False, "--wait", help="Wait until the transition ends."),

@@ -21,7 +21,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, PoolKind, Role
 
 
 def desired_hash(desired: list[dict]) -> str:
@@ -50,6 +50,10 @@ class DesiredWorker:
     state: str  # "RUNNING" | "SLEEPING" | "STOPPED"
 
     weights: dict | None = None  # vLLM workers: the trainer's latest export to serve {version, path}
+    # vLLM workers of a role whose model is not their pool's (``foreign_engine``): the model and engine args to
+    # serve instead of the agent's own (a judge on a rollout GPU, the policy on a reward pool's GPU)
+    model: str | None = None
+    engine_args: dict | None = None
     # a worker on lent trainer GPUs: when the trainer needs them back, and when the return must start so
     # that it is back in time; the agent returns them itself if the daemon is unreachable by return_by
     return_deadline: float | None = None
@@ -66,7 +70,25 @@ class DesiredWorker:
         }
         if self.return_deadline is not None:
             doc.update(return_deadline=self.return_deadline, return_by=self.return_by)
+        if self.model is not None:
+            doc.update(model=self.model, engine_args=self.engine_args or {})
         return doc
+
+
+def foreign_engine(spec: dict, pool: str, role: str) -> tuple[str, dict] | None:
+    """The model and engine args a vLLM worker of ``role`` on a GPU of ``pool`` serves when they are not that pool's
+    own (its agent's ``PEARL_MODEL`` and ``PEARL_ENGINE_ARGS``, set when the pool was launched): a judge (REWARD)
+    off the reward pool serves the reward pool's model (the run's, when it names none) with the reward pool's
+    engine args; a policy worker on a reward pool's GPU serves the run's model with the rollout pool's engine args
+    (the elastic pool's, without one). None: the pool's own. ``spec``: the run's stored spec (RunSpec.to_dict)."""
+    pools = spec.get("pools") or {}
+    if role == Role.REWARD and pool != PoolKind.REWARD:
+        judge = pools.get(PoolKind.REWARD) or {}
+        return str(judge.get("model") or spec.get("model")), dict(judge.get("engine_args") or {})
+    if role in GENERATION_ROLES and pool == PoolKind.REWARD:
+        home = pools.get(PoolKind.ROLLOUT) or pools.get(PoolKind.ELASTIC) or {}
+        return str(spec.get("model")), dict(home.get("engine_args") or {})
+    return None
 
 
 class Desired(Side):
@@ -95,24 +117,24 @@ class Desired(Side):
         for g in self.store.fleet.gpus(self.run_id):
             by_alloc[g.allocation_id].append(g)
         workers = {w.id: w for w in self.store.fleet.workers(self.run_id)}
-        weights, gpw = self._serving()
+        weights, gpw, spec = self._serving()
         return {
-            a.id: self._from_rows(a, by_alloc.get(a.id, []), weights, gpw, workers.__getitem__)
+            a.id: self._from_rows(a, by_alloc.get(a.id, []), weights, gpw, spec, workers.__getitem__)
             for a in self.store.fleet.allocations(self.run_id)
         }
 
-    def _serving(self) -> tuple[dict | None, int | None]:
+    def _serving(self) -> tuple[dict | None, int | None, dict]:
         """From one read of the run: the trainer's latest weight export that vLLM workers should serve
-        ({version, path}), and their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
+        ({version, path}), their tensor-parallel size, the engine profile's ``gpus_per_worker`` (the worker
         the planner plans with, pearlctl.planner.choose; None without a profile: one worker per role per
-        allocation, vLLM's tensor parallelism over all of them)."""
+        allocation, vLLM's tensor parallelism over all of them), and the run's spec (``foreign_engine``)."""
         run = self.store.runs.get(self.run_id)
         trainer = run.get(TRAINER_REPORT) or {}
         weights = None
         if trainer.get("weight_version") is not None and trainer.get("weights_path"):
             weights = {"version": str(trainer["weight_version"]), "path": trainer["weights_path"]}
         profile = run.get("profile")
-        return weights, (int(profile.get("gpus_per_worker") or 1) if profile else None)
+        return weights, (int(profile.get("gpus_per_worker") or 1) if profile else None), run.get("spec") or {}
 
     def _from_rows(
         self,
@@ -120,6 +142,7 @@ class Desired(Side):
         gpus: list[dict],
         weights: dict | None,
         gpus_per_worker: int | None,
+        spec: dict,
         worker: Callable[[int], dict],
     ) -> list[DesiredWorker]:
         if alloc.state not in (A.RUNNING,):
@@ -145,6 +168,7 @@ class Desired(Side):
                 continue
             engine = ENGINE_FOR_ROLE[Role(role)]
             deadline = deadlines.get(role)
+            model, engine_args = foreign_engine(spec, alloc.pool, role) or (None, None)
             groups = [sorted(idx)] if engine != Engine.VLLM else tensor_parallel_groups(idx, gpus_per_worker)
             out.extend(
                 DesiredWorker(
@@ -156,13 +180,26 @@ class Desired(Side):
                     weights if role in GENERATION_ROLES else None,  # a judge keeps its own model
                     return_deadline=deadline,
                     return_by=None if deadline is None else round(deadline - return_s, 3),
+                    model=model,
+                    engine_args=engine_args,
                 )
                 for group in groups
             )
         for wid, idx in sorted(parked.items()):
             w = worker(wid)
             if w.state not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
-                out.append(DesiredWorker(w.worker_key, w.role, w.engine, tuple(sorted(idx)), "SLEEPING"))
+                model, engine_args = foreign_engine(spec, alloc.pool, w.role) or (None, None)
+                out.append(
+                    DesiredWorker(
+                        w.worker_key,
+                        w.role,
+                        w.engine,
+                        tuple(sorted(idx)),
+                        "SLEEPING",
+                        model=model,
+                        engine_args=engine_args,
+                    )
+                )
         return out
 
     def notify(self) -> None:

@@ -82,8 +82,9 @@ class Operator(Side):
             return {"epoch": self.epoch, "aborted": aborted, "lent_gpus": lent}
 
     def move(self, body: bodies.Move) -> dict:
-        """An operator's move (``pearlctl move``): start, wake, retire or switch named rollout or elastic GPUs,
-        carried out as a journaled transition exactly like a policy's move. The GPUs of a worker move
+        """An operator's move (``pearlctl move``): start, wake, retire or switch named rollout, elastic or reward
+        GPUs, carried out as a journaled transition exactly like a policy's move (a switch to or from REWARD shifts
+        a GPU between the policy and the run's judge: pearlctl.daemon.desired.foreign_engine). The GPUs of a worker move
         together (naming one names its worker's others). Refused, naming what is wrong, while another
         transition is open, for trainer GPUs (those move with borrow and return), for GPUs that are not UP,
         that span allocations or roles, or whose role does not fit the move. A policy that is on plans again
@@ -114,6 +115,13 @@ class Operator(Side):
             role, names = chosen[0].role, ", ".join(f"{g.node}:{g.idx}" for g in chosen)
             serving = role in SERVING_ROLES
             target = str(body.role or Role.ROLLOUT)
+            pools = (self.store.runs.get(self.run_id).get("spec") or {}).get("pools") or {}
+            if target == Role.REWARD and body.kind != MoveKind.RETIRE and PoolKind.REWARD not in pools:
+                raise ControlError(
+                    f"run {self.run_id} has no judge: a GPU serves REWARD with the reward pool's model; add "
+                    "[pools.reward] with its model to the run spec",
+                    422,
+                )
             if body.kind in (MoveKind.START, MoveKind.WAKE):
                 if serving:
                     raise ControlError(

@@ -151,3 +151,31 @@ def test_gpus_are_named_by_node_and_index_or_by_id_and_an_ambiguous_name_asks_fo
     )
     with pytest.raises(ControlError, match="fits several GPUs: id .* name one by its id"):
         move(daemon, "retire", "gpu2:0")
+
+
+def test_a_rollout_gpu_shifts_to_the_judge_and_back_and_only_a_run_with_a_judge_may(world):
+    """A switch to REWARD needs the run's judge (a reward pool and its model): refused by name without one, and
+    nothing planned. With one, the rollout GPU serves the judge's model (its agent is told the model, which is not
+    its pool's) in a worker of role REWARD, and a switch back serves the policy again with its own pool's model;
+    each is one transition carried out to DONE, and the GPU's role change is journaled by the step that made it."""
+    store, daemon, agent, loop = world
+    with pytest.raises(ControlError, match=r"run r has no judge: .*add \[pools.reward\] with its model") as err:
+        move(daemon, "switch", "gpu2:0", role="REWARD")
+    assert err.value.status == 422 and store.transitions.all("r") == []
+    spec = {"model": "/m/policy", "pools": {"reward": {"model": "/m/judge", "engine_args": {"max_model_len": 64}}}}
+    store.update_fields("runs", "r", spec=spec)
+    rollout = next(a for a in store.fleet.allocations("r") if a.pool == "rollout").id
+    gpu = next(g for g in store.fleet.gpus("r") if g.pool == "rollout")
+    for role, model in (("REWARD", "/m/judge"), ("ROLLOUT", None)):
+        answer = move(daemon, "switch", "gpu2:0", role=role)
+        assert (answer["plan"], answer["to_role"]) == ("switch", role)
+        tid = answer["transition_id"]
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transitions.get(tid).state == "DONE"
+        assert store.fleet.gpu(gpu.id).role == role
+        (want,) = daemon.controller.desired.of(rollout)
+        assert (want.role, want.model) == (role, model)
+        serving = [w for w in store.fleet.workers("r") if w.allocation_id == rollout and w.state == "READY"]
+        assert [(w.role, w.routable) for w in serving] == [(role, 1)]
+        roles = [j for j in store.journal.read("r") if j["entity"] == "gpus" and str(j["entity_id"]) == str(gpu.id)]
+        assert roles and roles[-1]["data"]["step"].startswith(f"{tid}:")  # the role change is journaled by its step

@@ -116,3 +116,41 @@ def test_a_worker_that_reports_new_weights_wakes_the_control_loop_and_is_journal
     (worker,) = [w for w in store.fleet.workers("r") if w.role == "ROLLOUT"]
     loaded = store.journal.entity_events("workers", worker.id, ["serving weights"])
     assert [e["data"]["version"] for e in loaded] == ["7"]
+
+
+# -- a GPU shifted between the policy and the judge --------------------------------------------------------------
+SPEC = {
+    "model": "/m/policy",
+    "pools": {
+        "rollout": {"engine_args": {"max_model_len": 4096}},
+        "reward": {"model": "/m/judge", "engine_args": {"max_model_len": 8192}},
+    },
+}
+
+
+def shifted_run(store: Store, tmp_path: Path, spec: dict) -> tuple[int, int]:
+    pools = [factories.pool("rollout", "ROLLOUT", nodes=2), factories.pool("reward", "REWARD")]
+    factories.create_run(store, tmp_path, pools, spec=spec)
+    first, second, reward = factories.run_all(store)
+    store.fleet.upsert_node_gpus("r", first.id, "n0", [0], "ROLLOUT")
+    store.fleet.upsert_node_gpus("r", second.id, "n1", [0], "REWARD")  # a rollout GPU shifted to the judge
+    store.fleet.upsert_node_gpus("r", reward.id, "n2", [0], "ROLLOUT")  # the judge's GPU shifted to the policy
+    return first.id, second.id, reward.id
+
+
+def test_a_shifted_gpu_serves_the_other_roles_model_with_that_pools_engine_args(tmp_path: Path):
+    """A judge on a rollout pool's GPU serves the reward pool's model with its engine args, and the policy on the
+    reward pool's GPU the run's model with the rollout pool's: the agent of each allocation is told (its own
+    PEARL_MODEL is its pool's). A worker in its own pool's role is told nothing new (its desired state is as
+    before: no model key)."""
+    with Store.open(tmp_path / "s.db", clock=lambda: NOW) as store:
+        first, second, reward = shifted_run(store, tmp_path, SPEC)
+        controller = Controller(store, "r", None, clock=lambda: NOW)
+        (own,) = controller.desired.of(first)
+        (judge,) = controller.desired.of(second)
+        (policy,) = controller.desired.of(reward)
+        assert (own.model, own.engine_args, "model" in own.as_dict()) == (None, None, False)
+        assert (judge.role, judge.model, judge.engine_args) == ("REWARD", "/m/judge", {"max_model_len": 8192})
+        assert judge.as_dict()["model"] == "/m/judge" and judge.weights is None  # never the policy's weights
+        assert (policy.role, policy.model, policy.engine_args) == ("ROLLOUT", "/m/policy", {"max_model_len": 4096})
+        assert controller.desired.all()[second] == [judge]
