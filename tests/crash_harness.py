@@ -58,6 +58,7 @@ class SimAgent:
         self.router, self.host = router, host
         self.running: dict[str, dict] = {}
         self.starts: dict[str, int] = {}
+        self.models: dict[str, str | None] = {}  # key -> the model its last start was told to serve (None: the pool's)
         self.drained_while_routed: list[str] = []
 
     def tick(self, daemon: Daemon) -> None:
@@ -78,6 +79,7 @@ class SimAgent:
                     w["state"] = "SLEEPING"
             elif w is None:
                 self.starts[key] = self.starts.get(key, 0) + 1
+                self.models[key] = d.get("model")
                 self.running[key] = {
                     "key": key,
                     "role": d["role"],
@@ -116,14 +118,19 @@ class Daemon:
             self.executor.fault = crash_at
 
 
-def crash_once(store: Store, point: str, step: str, plan: str) -> tuple[Callable, list[str]]:
-    """A fault hook that raises ``Crash`` the first time step ``step`` of a ``plan`` transition reaches
-    ``point``, and the list of keys it fired at (empty until it does)."""
+def crash_once(
+    store: Store, point: str, step: str, plan: str, to_role: str | None = None
+) -> tuple[Callable, list[str]]:
+    """A fault hook that raises ``Crash`` the first time step ``step`` of a ``plan`` transition (toward ``to_role``,
+    when given) reaches ``point``, and the list of keys it fired at (empty until it does)."""
     fired: list[str] = []
 
     def crash_at(at, key):
         tid, _, step_kind = key.split(":")
-        detail = store.transitions.get(int(tid)).detail or {}
+        t = store.transitions.get(int(tid))
+        detail = t.detail or {}
+        if to_role is not None and t.to_role != to_role:
+            return
         if not fired and at == point and step_kind == step and detail.get("plan") == plan:
             fired.append(key)
             raise Crash(key)

@@ -96,3 +96,46 @@ def test_every_plan_kind_is_crashed_at_every_step_boundary_by_one_of_the_matrice
     from tests.unit.test_crash_matrix import CYCLES
 
     assert {*CYCLES, *(plan for _, plan, _, _ in CYCLE)} == set(PlanKind)
+
+
+# A rollout GPU shifted to the run's judge and back (a switch to REWARD, and from it): every step boundary of each
+# direction. The judge's worker is told the reward pool's model; the policy's, after, its pool's own.
+SHIFTS = (("ROLLOUT", "REWARD"), ("REWARD", "ROLLOUT"))
+SHIFT_CASES = [(to, k, p) for _, to in SHIFTS for k in PLANS[PlanKind.SWITCH] for p in POINTS]
+JUDGE_SPEC = {"model": "/m/policy", "pools": {"rollout": {}, "reward": {"model": "/m/judge"}}}
+
+
+@pytest.mark.parametrize("to_role,step,point", SHIFT_CASES, ids=[f"to_{t}-{k}-{p}" for t, k, p in SHIFT_CASES])
+def test_daemon_crash_at_every_step_of_a_shift_between_the_policy_and_the_judge_converges(world, to_role, step, point):
+    store, alloc_id = world
+    store.update_fields("runs", "r", spec=JUDGE_SPEC)
+    clock, router = Clock(), SimRouter()
+    agent = SimAgent(router, host="gpu2")
+    crash_at, fired = crash_once(store, point, step, "switch", to_role)
+    register = {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1}
+    daemon = Restarts(store, alloc_id, clock, register, router=router, crash_at=crash_at)
+    gpu = store.fleet.gpus("r")[0].id
+
+    def loop(until) -> None:
+        daemon.run_until(lambda d: (agent.tick(d), router.sync(store)), until)
+
+    loop(lambda: any(w.routable for w in store.fleet.workers("r")))
+    for from_role, to in SHIFTS:
+        with daemon.daemon.controller.lock:
+            detail = TransitionDetail(plan=PlanKind.SWITCH)
+            tid = daemon.daemon.executor.plan("switch", [gpu], detail=detail, from_role=from_role, to_role=to)
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transitions.get(tid).state == "DONE", to
+        assert store.fleet.gpu(gpu).role == to
+    loop(lambda: router.urls)
+    assert fired and daemon.crashes == 1, "the crash point was never reached"
+
+    # no engine started twice: the policy's worker at launch and after the shift back, the judge's once, with the
+    # judge's model (the rollout pool's agent serves the policy's of its own)
+    assert agent.starts == {"rollout-0": 2, "reward-0": 1}
+    assert agent.models == {"rollout-0": None, "reward-0": "/m/judge"}
+    assert agent.drained_while_routed == []
+    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    assert [(w.role, w.state, w.routable) for w in live] == [("ROLLOUT", "READY", 1)]
+    events = [j["event"] for j in store.journal.read("r")]
+    assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
