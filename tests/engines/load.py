@@ -26,15 +26,18 @@ def prompts(n: int = 4, repeat: int = 6) -> list[str]:
 
 class Load:
     """``threads`` client threads sending greedy completions of ``tokens`` tokens (``ignore_eos``) through
-    the run's base URL until stopped; use as a context manager."""
+    the run's base URL until stopped, naming ``model`` (default: the first the gateway lists, the policy's; a
+    judge's name sends them to the run's judge); use as a context manager."""
 
-    def __init__(self, run_dir: Path, *, prompts: list[str], tokens: int, threads: int = 4):
+    def __init__(self, run_dir: Path, *, prompts: list[str], tokens: int, threads: int = 4, model: str | None = None):
         record = service.read_record(run_dir)
         self.base, self.key = record.base_url, service.read_key(run_dir)
         self.prompts, self.tokens = prompts, tokens
-        models = httpx.get(self.base + "/models", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
-        assert models.status_code == 200, models.text
-        self.model = models.json()["data"][0]["id"]
+        if model is None:
+            models = httpx.get(self.base + "/models", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
+            assert models.status_code == 200, models.text
+            model = models.json()["data"][0]["id"]
+        self.model = model
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.sent = 0

@@ -1,0 +1,175 @@
+"""Crash matrix of the shifts between the policy and the judge on the real daemon process: a rollout GPU switched to
+the run's judge (REWARD: a generative reward model, the reward pool's model) and back, with the daemon SIGKILLed once
+the effect of each step that acts on the engine or the agent (DRAIN, STOP, START) was issued, in both directions
+(the router's steps are killed in tests/engines/test_crash_matrix_daemon.py; every step boundary of both directions
+is crashed by the state-level matrix, tests/unit/test_crash_matrix_pools.py).
+
+The run, on the local backend with the paced engine in vLLM's place (docs/paced.md: what is checked is the daemon's,
+the agent's and the gateway's; so it runs beside the suite's chains, not in them, tests/conftest.py): a rollout pool
+of two tasks of one (stand-in) GPU each — task 0's GPU shifts, task 1's serves the policy throughout — and a reward
+pool of one task whose judge serves throughout. Two loads run through the run's one base URL from before the shift
+until after the new daemon converged: the policy's turns and the judge's requests (by the judge's model name). A new
+daemon takes over the same state; the test checks that it converges (the transition DONE, each step journaled once,
+the effect re-issued), that one engine was started (the shifted GPU's, with the other role's model: its /v1/models
+says which), that the gateway routes the shifted worker in its new role's router, that no policy turn and no judge
+request was lost or answered twice (sent = completed, none failed), that no policy turn ever reached a judge nor a
+judge request a policy worker, and that what was in flight on the leaving worker when its drain ended (requests
+outlast its 0.2-s drain) was continued on the worker of its role that stayed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pearlctl.daemon.transitions import PLANS, PlanKind
+from pearlctl.router import service
+from pearlctl.state.rows import Allocation, Worker
+from pearlctl.vocabulary import StepKind
+from tests.conftest import REPO, wait_for
+from tests.engines.conftest import PACED_RUN, TINY_MODEL, local_run_spec
+from tests.engines.crash_harness import Harness
+from tests.engines.load import Load, prompts
+
+RUN = "shifts"
+POINT = "after_effect"
+JUDGE = REPO / "examples" / "models" / "tiny-judge"
+MOVED, KEPT = 0, 1  # the rollout task whose GPU shifts, and the one whose worker serves the policy throughout
+SHIFTS = {"REWARD": "ROLLOUT", "ROLLOUT": "REWARD"}  # to -> from
+KILLED = (StepKind.DRAIN, StepKind.STOP, StepKind.START)  # the steps whose effect is the engine's or the agent's
+CASES = [(to, seq, kind) for to in SHIFTS for seq, kind in enumerate(PLANS[PlanKind.SWITCH]) if kind in KILLED]
+PROMPTS = prompts(4, repeat=2)
+TOKENS = 300  # about 1.2 s a request on the paced profile: far longer than the leaving worker's drain
+
+
+def spec(d: Path, paced: bool) -> str:
+    assert paced, "the shift matrix runs on the paced engine"
+    pools = f"""
+[pools.rollout]                # two tasks of one GPU each: task 0's GPU shifts, task 1's serves the policy
+nodes = 2
+gpus_per_node = 1
+env = {{ PEARL_DRAIN_TIMEOUT_S = "0.2" }}  # a leaving worker's agent aborts what still runs after 0.2 s
+
+[pools.reward]                 # the judge, serving throughout
+nodes = 1
+gpus_per_node = 1
+model = "{JUDGE}"
+"""
+    return local_run_spec(d, RUN, pools, run_extra=PACED_RUN)
+
+
+class ShiftHarness(Harness):
+    def allocation(self, pool: str, task: int = 0) -> Allocation:
+        return next(a for a in self.store.fleet.allocations(self.run_id) if a.pool == pool and a.array_index == task)
+
+    def gpu(self):
+        alloc = self.allocation("rollout", MOVED).id
+        return next(g for g in self.store.fleet.gpus(self.run_id) if g.allocation_id == alloc)
+
+    def live_workers(self, pool: str = "rollout", task: int = MOVED) -> list[Worker]:
+        alloc = self.allocation(pool, task).id
+        return [
+            w
+            for w in self.store.fleet.workers(self.run_id)
+            if w.allocation_id == alloc and w.state not in ("STOPPED", "LOST", "FAILED")
+        ]
+
+    def serving(self, pool: str, task: int = 0) -> Worker | None:
+        live = [w for w in self.live_workers(pool, task) if w.state == "READY" and w.routable]
+        return live[0] if len(live) == 1 else None
+
+    def members(self) -> dict[str, str]:
+        """The gateway's members: URL -> the router it routes them in ("regular", "judge", ...)."""
+        record, key = service.read_record(self.run_dir), service.read_key(self.run_dir)
+        doc = httpx.get(record.url + "/pearl/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+        return {m["url"]: m.get("router") for m in doc["workers"] if m.get("routed", True)}
+
+    def trigger(self, to: str) -> None:
+        self.pc("move", RUN, "switch", str(self.gpu().id), "--role", to)
+
+    def ensure(self, start: str) -> None:
+        if not self.daemon_alive():
+            self.start_daemon()
+        if self.gpu().role != start:
+            self.move(start)
+
+
+@pytest.fixture(scope="module")
+def harness(request, tmp_path_factory):
+    with ShiftHarness.launched(request, tmp_path_factory, RUN, spec, "shifts") as h:
+        wait_for(lambda: h.serving("rollout", MOVED) and h.serving("rollout", KEPT) and h.serving("reward"), 120)
+        # the gateway routes the judge (it knows the judge's model: a request naming it before would be the policy's)
+        wait_for(lambda: h.members().get(h.serving("reward").url) == "judge", 60)
+        yield h
+
+
+def models_of(url: str) -> list[str]:
+    return [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+
+
+@pytest.mark.parametrize(
+    ("harness", "case"),
+    [pytest.param("paced", c, id=f"paced-to_{c[0]}-{c[1]}{c[2]}") for c in CASES],
+    indirect=["harness"],
+    scope="module",
+)
+def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges_and_loses_nothing(harness, case):
+    h = harness
+    to, seq, kind = case
+    h.ensure(SHIFTS[to])
+    fault = f"{POINT}:{seq}:{kind}"
+    starts_before, n_before = h.vllm_starts(), len(h.transitions())
+    kept, judge = h.serving("rollout", KEPT), h.serving("reward")
+    assert kept is not None and judge is not None
+    (leaving,) = h.live_workers()
+
+    first = h.start_daemon(fault)
+    with (
+        Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=2) as policy,
+        Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=2, model=str(JUDGE)) as judging,
+    ):
+        policy.wait_turns(2)
+        judging.wait_turns(1)
+        h.trigger(to)
+        assert f"PEARL_FAULT {fault}: SIGKILL" in h.killed(first)
+        second = h.start_daemon()
+        assert second["epoch"] > first["epoch"]
+        t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
+
+        assert (t.detail or {}).get("plan") == "switch" and t.state == "DONE" and t.to_role == to, t
+        steps = h.store.transitions.steps(t.id)
+        assert [(s.seq, s.kind, s.state) for s in steps] == [
+            (i, k, "DONE") for i, k in enumerate(PLANS[PlanKind.SWITCH])
+        ]
+        journal = h.store.journal.read(h.run_id)
+        key = f"{t.id}:{seq}:{kind}"
+        assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
+
+        # one engine started: the shifted GPU's, serving the other role's model, routed in that role's router
+        assert h.vllm_starts() - starts_before == 1
+        (moved,) = h.live_workers()
+        assert (moved.role, moved.state, moved.routable) == (to, "READY", 1)
+        assert models_of(moved.url) == [str(JUDGE) if to == "REWARD" else str(TINY_MODEL)]
+        router = "judge" if to == "REWARD" else "regular"
+        wait_for(lambda: h.members().get(moved.url) == router, 30)
+        assert h.members().get(leaving.url) is None  # the worker that left is in no router
+        assert wait_for(lambda: h.serving("rollout", KEPT), 30).id == kept.id
+        assert h.serving("reward").id == judge.id
+        policy.wait_turns(1)  # both roles still answer through the run's base URL
+        judging.wait_turns(1)
+
+    print(f"\nto {to}, killed {POINT} {seq}:{kind}: policy {policy.counts()}; judge {judging.counts()}")
+    # nothing lost, nothing answered twice: every turn and every judge request sent completed once
+    assert policy.errors == [] and policy.sent == len(policy.done), policy.counts()
+    assert judging.errors == [] and judging.sent == len(judging.done), judging.counts()
+    # each role's requests reached that role's workers only
+    judges = {judge.url} | ({moved.url} if to == "REWARD" else {leaving.url})
+    assert not {w for o in policy.done for w in o["workers"]} & judges
+    assert {w for o in judging.done for w in o["workers"]} <= judges
+    # what was in flight on the GPU that left its role was continued on the role's worker that stayed
+    stayed = {"ROLLOUT": kept.url, "REWARD": judge.url}[SHIFTS[to]]
+    interrupted = policy.continued() if to == "REWARD" else judging.continued()
+    assert all(o["workers"][0] == leaving.url and o["workers"][-1] == stayed for o in interrupted), interrupted
+    assert not (judging.continued() if to == "REWARD" else policy.continued())  # nothing left the other role
