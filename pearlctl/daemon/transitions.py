@@ -254,7 +254,7 @@ class Executor:
             if outcome is Outcome.PENDING:
                 break
             if outcome is Outcome.DONE:
-                t = self._set(t, T.DONE if t.state == T.RUNNING else T.ROLLED_BACK, "completed")
+                t = self._set(t, T.DONE if t.state == T.RUNNING else T.ROLLED_BACK, "completed", self._cost(t))
             elif outcome is Outcome.HELD:
                 t = self._set(t, T.FAILED, "held: a step's effect could not be proven")
             elif t.state == T.RUNNING and t.kind in ROLLBACKS:
@@ -262,6 +262,20 @@ class Executor:
             else:
                 t = self._set(t, T.FAILED, "failed")  # a failed return or rollback needs a person
         return t.state
+
+    def _cost(self, t: Transition) -> dict:
+        """What a transition that ends cost, for its journal row: the seconds from its first step's intent to now,
+        and each step's (intent to DONE or FAILED; a step still open counts to now)."""
+        now = self.clock()
+        steps = sorted(self.store.transitions.steps(t.id), key=lambda s: s.seq)
+        spans = {}
+        for s in steps:
+            detail = s.detail or {}
+            started = detail.get("started_at")
+            if isinstance(started, int | float):
+                spans[f"{s.seq}:{s.kind}"] = round(float(detail.get("finished_at", now)) - started, 3)
+        first = min((s.detail or {}).get("started_at", now) for s in steps) if steps else now
+        return {"seconds": round(now - first, 3), "steps": spans}
 
     def _walk(self, t: Transition) -> Outcome:
         """Go through the steps in order; stop at the first that is not DONE."""

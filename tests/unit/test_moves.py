@@ -8,6 +8,7 @@ simulated at their seams (tests/unit/test_crash_matrix_pools.py: SimAgent, SimRo
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from pearlctl.api import bodies
 from pearlctl.api.bodies import parse
 from pearlctl.daemon.controller import ControlError
+from pearlctl.daemon.transitions import PLANS, PlanKind
 from pearlctl.state.store import Store
 from tests import factories
 from tests.crash_harness import Clock, Daemon, SimAgent, SimRouter
@@ -177,5 +179,20 @@ def test_a_rollout_gpu_shifts_to_the_judge_and_back_and_only_a_run_with_a_judge_
         assert (want.role, want.model) == (role, model)
         serving = [w for w in store.fleet.workers("r") if w.allocation_id == rollout and w.state == "READY"]
         assert [(w.role, w.routable) for w in serving] == [(role, 1)]
-        roles = [j for j in store.journal.read("r") if j["entity"] == "gpus" and str(j["entity_id"]) == str(gpu.id)]
+        journal = store.journal.read("r")
+        roles = [j for j in journal if j["entity"] == "gpus" and str(j["entity_id"]) == str(gpu.id)]
         assert roles and roles[-1]["data"]["step"].startswith(f"{tid}:")  # the role change is journaled by its step
+        # what the shift cost: its completion's row has its seconds and each step's
+        (done,) = [
+            j
+            for j in journal
+            if j["entity"] == "transitions" and j["entity_id"] == str(tid) and j["to_state"] == "DONE"
+        ]
+        assert list(done["data"]["steps"]) == [f"{i}:{k}" for i, k in enumerate(PLANS[PlanKind.SWITCH])]
+        assert done["data"]["seconds"] >= max(done["data"]["steps"].values()) > 0
+    # the timeline rebuilt from the journal draws the GPU as the judge between the two shifts
+    from pearlctl.ops.timeline import reconstruct
+
+    gpus = [dict(g.to_dict()) for g in store.fleet.gpus("r")]
+    spans = reconstruct(store.journal.read("r"), gpus, start=0.0, end=time.time()).gpus[gpu.id]
+    assert [s.category for s in spans if s.category != "TRANSITION"][-3:] == ["ROLLOUT", "REWARD", "ROLLOUT"]
