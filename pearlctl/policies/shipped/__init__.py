@@ -8,4 +8,6 @@ Modules:
 - ``elastic`` — the elastic baseline: the rollout pool plus every elastic GPU granted now; never borrows.
 - ``greedy`` — lends every idle trainer GPU whenever the trainer's wait fits a borrow and its return.
 - ``pearl`` — elastic capacity, borrowed trainer GPUs and adaptive prefill–decode, with cost-aware gating.
+- ``pivot`` — pearl, and shifts of rollout GPUs to the run's judge (a generative reward model) and back when the
+  verdicts' demand makes them pay.
 """

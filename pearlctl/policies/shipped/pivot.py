@@ -1,0 +1,146 @@
+"""Policy `pivot`: pearl's plan for the policy's GPUs, and shifts of rollout GPUs to the run's judge (a generative
+reward model, role REWARD) and back when the verdicts' demand makes it pay (docs/planner.md, "The judge").
+
+`pearl` is extended, not copied: its plan (borrowing, elastic capacity, prefill–decode) comes first, and a shift is
+weighed only when pearl moves nothing, so the two never plan the same GPU (pearl does not plan a GPU serving the
+judge). One shift per decision, one GPU: the daemon runs one transition at a time, and the next decision sees its
+effect.
+
+The batch ends when its last trajectory is judged. With R rollout GPUs and J judges:
+
+    E(R, J) = max(T_roll(R), T_judge(J))
+    T_roll  = the rollout's predicted completion (the planner's timeline, moving time included)
+    T_judge = c + max(0, D - J·r·c) / (J'·r)     (J' judges once a shift of cost c is done; D = the judge's demand)
+
+``D`` is every trajectory without a verdict: those waiting for one or being judged (``Snapshot.judging``) and
+those still rolling out (``Work.trajectories``), each of which will need one. ``r`` is one judge's verdicts per
+second, measured: the driver's rate over the judges serving, taken only while trajectories wait for a judge (a
+judge with nothing waiting is not running at its capacity, so its rate says nothing of it). Without such a
+measure nothing shifts to the judge (no hint, no made-up rate).
+
+- **Rollout → judge**: one ROLLOUT GPU of the rollout or elastic pool (the one whose allocation ends last) becomes a
+  judge when E with it judging, its switch's cost included, beats E now by ``pearl.MARGIN_S`` and
+  ``pearl.MIN_RELATIVE_GAIN`` of E now: verdicts back up while rollout has little left.
+- **Judge → rollout**: a rollout or elastic pool's GPU serving the judge goes back when nothing waits for a verdict
+  and it is not needed to keep up — the judges left would judge D within the rollout's time — or when there is no
+  rollout work at all (between batches the next batch needs rollout first; its verdicts come only as its
+  trajectories finish). The reward pool's own judges never move.
+
+Loaded by name (pearlctl.policies.load_policy); pure.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pearlctl.planner import plan, view
+from pearlctl.planner.model import Move, MoveKind, Plan, Role, Snapshot
+from pearlctl.policies.shipped import pearl
+from pearlctl.vocabulary import GENERATION_POOLS
+
+NAME = "pivot"
+NEEDS_PROFILE = True  # pearl's predictions need the run's engine profile
+
+
+def decide(snapshot: Snapshot) -> Plan | None:
+    planned = pearl.decide(snapshot)
+    if planned is not None and planned.moves:
+        return planned
+    return _shift(snapshot) or planned
+
+
+def judge_rate(s: Snapshot) -> float | None:
+    """One judge's verdicts per second, when measured at its capacity (trajectories waiting for a verdict while it
+    judged); None otherwise."""
+    judges = len(_judges(s))
+    q = s.judging
+    if judges == 0 or q.waiting <= 0 or q.verdicts_per_s <= 0:
+        return None
+    return q.verdicts_per_s / judges
+
+
+def judge_end_s(demand: float, judges: int, after: int, rate: float, cost_s: float) -> float:
+    """Seconds until ``demand`` verdicts are given by ``judges`` judging now, ``after`` of them once a shift of
+    ``cost_s`` is done (a leaving judge stops at once; a new one serves after the shift)."""
+    if demand <= 0:
+        return 0.0
+    if after > judges:
+        if judges * rate * cost_s >= demand:
+            return _over(demand, judges * rate)
+        return cost_s + _over(demand - judges * rate * cost_s, after * rate)
+    return _over(demand, after * rate)
+
+
+def _over(amount: float, per_s: float) -> float:
+    return amount / per_s if per_s > 0 else math.inf
+
+
+def _shift(s: Snapshot) -> Plan | None:
+    if s.profile.gpus_per_worker != 1:  # a shift moves one GPU: tensor-parallel workers are not split
+        return None
+    judges = _judges(s)
+    movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=_keep_order)  # the reward pool's stay
+    demand = s.judging.backlog + s.work.trajectories
+    rate = judge_rate(s)
+    v = view.of(s)
+    if movable and s.judging.waiting == 0:
+        g = movable[0]
+        back = v.move(g, MoveKind.SWITCH, Role.ROLLOUT)
+        if not _paid(s, back):
+            return None
+        if s.work.empty and s.judging.backlog == 0:
+            return _plan(s, back, "pivot: nothing to judge, the judge goes back to rollout for the next batch")
+        roll_now = plan.timeline_s(s, ())
+        roll_back = plan.timeline_s(s, (back,))
+        kept = len(judges) - 1
+        # the judges left keep up: they judge the demand within the rollout's time (rate unknown while none
+        # waits: measured by the verdicts given so far per judge, a lower bound of their capacity)
+        seen = s.judging.verdicts_per_s / len(judges) if s.judging.verdicts_per_s > 0 else None
+        keeps_up = kept > 0 and seen is not None and demand / (kept * seen) <= roll_back
+        if keeps_up and roll_back + _threshold(roll_now) <= roll_now:
+            return _plan(s, back, "pivot: verdicts keep up, a judge goes back to rollout")
+        return None
+    if rate is None or (s.work.empty and s.judging.backlog == 0):
+        return None
+    candidates = sorted(
+        (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
+        key=_keep_order,
+    )
+    if len(candidates) <= 1:  # rollout keeps a GPU
+        return None
+    there = v.move(candidates[0], MoveKind.SWITCH, Role.REWARD)
+    if not _paid(s, there):
+        return None
+    now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
+    after = max(plan.timeline_s(s, (there,)), judge_end_s(demand, len(judges), len(judges) + 1, rate, there.cost_s))
+    if after + _threshold(now) <= now:
+        why = (
+            f"pivot: verdicts back up ({s.judging.waiting} waiting), a rollout GPU judges: {now:.1f} s -> {after:.1f} s"
+        )
+        return _plan(s, there, why)
+    return None
+
+
+def _keep_order(g) -> tuple:
+    """The order GPUs are shifted in: the rollout pool's before the elastic pool's (an elastic GPU may be
+    preempted: it judges least), then the one whose allocation ends last, then by id."""
+    return (g.pool != GENERATION_POOLS[0], -(g.ends_at if g.ends_at is not None else math.inf), g.id)
+
+
+def _paid(s: Snapshot, move: Move) -> bool:
+    """No shift sooner after the last plan than twice a shift's cost: a GPU that just moved pays for its move
+    before it moves again (shifts do not flap with a demand that swings)."""
+    return s.last_change_at is None or s.now - s.last_change_at >= 2 * move.cost_s
+
+
+def _threshold(seconds: float) -> float:
+    return max(pearl.MARGIN_S, pearl.MIN_RELATIVE_GAIN * seconds) if math.isfinite(seconds) else pearl.MARGIN_S
+
+
+def _judges(s: Snapshot) -> list:
+    return [g for g in s.gpus if g.role == Role.REWARD]
+
+
+def _plan(s: Snapshot, move: Move, why: str) -> Plan:
+    current = plan.current_target(s)
+    return plan.make(s, current, why=why, planned=(move,))

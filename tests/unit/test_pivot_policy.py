@@ -1,0 +1,128 @@
+"""Policy `pivot` (pearlctl/policies/shipped/pivot.py): pearl's plan first, then one shift of a rollout GPU to the
+judge when verdicts back up and it pays, and back when the judges keep up or nothing is left to judge.
+
+Snapshots are built by hand (the planner's own types); the prediction is the planner's. Each rule is checked
+beside the case it must not fire in, so a rule that ignored its condition fails here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pearlctl.planner.model import GpuSlot, Judging, MoveKind, Role, Work
+from pearlctl.planner.profile import TransitionCosts
+from pearlctl.policies import load_policy
+from tests import factories
+
+NOW = 10_000.0
+COSTS = TransitionCosts(role_switch_s=5.0)
+PROFILE = factories.profile(
+    "pivot-test",
+    decode={"weights_s": 0.005, "seq_s": 2e-5, "kv_s_per_token": 4e-8},
+    prefill_tok_s=20_000,
+    kv_capacity_tokens=200_000,
+    costs=COSTS,
+)
+pivot = load_policy("pivot")
+pearl = load_policy("pearl")
+# the tail of a batch: a few stragglers left, each a turn or two
+TAIL = Work(trajectories=4, turns_left=1, decode_tokens_per_turn=100, context_tokens=1_000, tool_latency_s=0.5)
+# a batch in full swing: rollout is what bounds it
+BUSY = Work(trajectories=256, turns_left=4, decode_tokens_per_turn=400, context_tokens=4_000, tool_latency_s=1)
+
+
+def gpus(rollout: int = 4, judging: int = 0, reward: int = 1) -> list[GpuSlot]:
+    out = [GpuSlot(id=i, node=f"r{i}", pool="rollout", role=Role.ROLLOUT) for i in range(rollout)]
+    out += [GpuSlot(id=10 + i, node=f"j{i}", pool="rollout", role=Role.REWARD) for i in range(judging)]
+    out += [GpuSlot(id=20 + i, node=f"w{i}", pool="reward", role=Role.REWARD) for i in range(reward)]
+    return out
+
+
+def snapshot(slots, work: Work, judging: Judging, last_change_at: float | None = None):
+    return factories.snapshot(
+        slots, work, PROFILE, now=NOW, phase="waiting", wait_left_s=0.0, judging=judging, last_change_at=last_change_at
+    )
+
+
+def test_verdicts_backing_up_in_the_batchs_tail_shift_a_rollout_gpu_to_the_judge() -> None:
+    """200 trajectories wait for one judge at 2 verdicts/s (100 s) while rollout has seconds left: a second judge
+    halves it, its 5-s switch included; the shift is one SWITCH of a rollout GPU to REWARD."""
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    planned = pivot.decide(snapshot(gpus(), TAIL, backed_up))
+    assert planned is not None and pearl.decide(snapshot(gpus(), TAIL, backed_up)) is None
+    (move,) = planned.moves
+    assert (move.kind, move.from_role, move.to_role) == (MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD)
+    assert move.gpu in range(4) and move.cost_s == COSTS.role_switch_s
+    assert "verdicts back up" in planned.why
+
+
+@pytest.mark.parametrize(
+    ("why", "work", "judging"),
+    [
+        ("the judge keeps up: nothing waits", TAIL, Judging(waiting=0, judging=4, done=50, verdicts_per_s=2.0)),
+        ("no measured rate", TAIL, Judging(waiting=200, judging=4, done=0, verdicts_per_s=0.0)),
+        ("rollout bounds the batch", BUSY, Judging(waiting=3, judging=1, done=10, verdicts_per_s=50.0)),
+        ("a backlog the shift cannot beat", TAIL, Judging(waiting=2, judging=1, done=10, verdicts_per_s=2.0)),
+    ],
+)
+def test_no_shift_to_the_judge_where_it_does_not_pay(why, work, judging) -> None:
+    assert pivot.decide(snapshot(gpus(), work, judging)) == pearl.decide(snapshot(gpus(), work, judging)), why
+
+
+def test_rollout_keeps_a_gpu_and_a_just_moved_gpu_pays_for_its_move_first() -> None:
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    assert pivot.decide(snapshot(gpus(rollout=1), TAIL, backed_up)) is None
+    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * COSTS.role_switch_s + 1)) is None
+    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * COSTS.role_switch_s)) is not None
+
+
+def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_pools_never() -> None:
+    done = Judging(waiting=0, judging=0, done=300, verdicts_per_s=0.0)
+    planned = pivot.decide(snapshot(gpus(judging=1), Work(), done))
+    (move,) = planned.moves
+    assert (move.gpu, move.from_role, move.to_role) == (10, Role.REWARD, Role.ROLLOUT)
+    assert pivot.decide(snapshot(gpus(judging=0), Work(), done)) == pearl.decide(snapshot(gpus(), Work(), done))
+
+
+def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gains() -> None:
+    """Rollout is busy again and two judges give 10 verdicts/s with nothing waiting: one of them keeps up with the
+    demand within the rollout's time, so the shifted one serves rollout again; with a demand one judge cannot
+    judge in that time it stays."""
+    keeping_up = Judging(waiting=0, judging=2, done=400, verdicts_per_s=10.0)
+    planned = pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, keeping_up))
+    assert planned is not None and [(m.gpu, m.to_role) for m in planned.moves] == [(10, Role.ROLLOUT)]
+    slow = Judging(waiting=0, judging=2, done=400, verdicts_per_s=0.2)
+    assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, slow)) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(0, 3),
+    st.integers(0, 2),
+    st.builds(
+        Judging,
+        waiting=st.integers(0, 5_000),
+        judging=st.integers(0, 64),
+        done=st.integers(0, 10_000),
+        verdicts_per_s=st.floats(0, 100, allow_nan=False),
+    ),
+    st.sampled_from([Work(), TAIL, BUSY]),
+)
+def test_any_plan_pivot_makes_is_one_legal_shift_or_pearls(rollout, judging, reward, queue, work) -> None:
+    """Whatever the snapshot: pivot's plan is pearl's, or one SWITCH between ROLLOUT and REWARD of a rollout-pool
+    GPU, never the reward pool's, never the last rollout GPU, and priced finite."""
+    s = snapshot(gpus(rollout, judging, reward), work, queue)
+    planned = pivot.decide(s)
+    if planned is None or planned == pearl.decide(s):
+        return
+    (move,) = planned.moves
+    assert move.kind == MoveKind.SWITCH and {move.from_role, move.to_role} == {Role.ROLLOUT, Role.REWARD}
+    moved = next(g for g in s.gpus if g.id == move.gpu)
+    assert moved.pool == "rollout" and moved.role == move.from_role
+    if move.to_role == Role.REWARD:
+        assert rollout >= 2 and queue.waiting > 0
+    assert math.isfinite(planned.predicted_s)
