@@ -3,7 +3,9 @@
 Roles, pool kinds, step kinds and engines are used by the run spec, state, the planner, the daemon, the
 agent and the simulator. Each is a ``StrEnum`` here and nowhere else, so a new role (a generative reward
 model, say) is added in one place and every layer sees it. The values are the strings stored in state
-and sent over the control API.
+and sent over the control API. So are the groups of roles and pools the code asks about (which generate
+rollouts, which are served, which rest): no other module lists roles or pools by hand, and
+tests/unit/test_vocabulary_literals.py fails if one does.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ DEFAULT_ROLE: dict[PoolKind, Role] = {
 # Roles whose workers generate rollouts: colocated, or a disaggregated pair's halves (the roles the router routes
 # to; REWARD is served too, but scores rollouts), in the order reports and commands list them.
 GENERATION_ROLES: tuple[Role, ...] = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+# The halves of a disaggregated (prefill–decode) deployment.
+PD_ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)
+# Roles of a GPU that serves nothing: its trainer's, or none. A vLLM worker may sleep parked on such a GPU.
+RESTING_ROLES: tuple[Role, ...] = (Role.TRAIN, Role.IDLE)
 # Roles served by a vLLM server, in the order commands list them: the policy's, then the judge's.
 SERVED_ROLES: tuple[Role, ...] = (*GENERATION_ROLES, Role.REWARD)
 SERVING_ROLES: frozenset[Role] = frozenset(SERVED_ROLES)

@@ -21,7 +21,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, PoolKind, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, RESTING_ROLES, Engine, PoolKind, Role
 
 
 def desired_hash(desired: list[dict]) -> str:
@@ -159,7 +159,7 @@ class Desired(Side):
                     by_role.setdefault(Role.TRAIN, []).append(g.idx)
                     if g.return_deadline is not None:
                         deadlines[g.role] = min(deadlines.get(g.role, g.return_deadline), g.return_deadline)
-                if g.worker_id is not None and g.role in (Role.TRAIN, Role.IDLE):
+                if g.worker_id is not None and g.role in RESTING_ROLES:
                     parked.setdefault(g.worker_id, []).append(g.idx)
         out = []
         return_s = self.borrowing.inputs.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0

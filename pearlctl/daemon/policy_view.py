@@ -23,7 +23,7 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import GENERATION_ROLES, SERVING_ROLES, PoolKind
+from pearlctl.vocabulary import GENERATION_ROLES, PD_ROLES, RESTING_ROLES, SERVING_ROLES, PoolKind
 
 # Before any transition was measured (a CPU vLLM cold start takes ~20 s, a return a few seconds).
 DEFAULT_COSTS = TransitionCosts(start_s=25.0, wake_s=3.0, sleep_s=3.0, stop_s=5.0, offload_s=2.0, reload_s=2.0)
@@ -41,7 +41,7 @@ UNMEASURED = Profile(
 )
 
 
-_PD = (Role.PREFILL, Role.DECODE)
+_PD = PD_ROLES
 
 
 class PolicyInputs:
@@ -174,7 +174,7 @@ class PolicyInputs:
                     node=g.node,
                     pool=g.pool,
                     role=role,
-                    parked=role in (Role.TRAIN, Role.IDLE) and g.worker_id in asleep,
+                    parked=role in RESTING_ROLES and g.worker_id in asleep,
                     borrowed=bool(g.borrowed),
                     return_deadline=g.return_deadline,
                 )

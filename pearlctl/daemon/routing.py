@@ -33,7 +33,7 @@ from pearlctl.router import service
 from pearlctl.router.membership import MembershipError, RouterMembership
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import PD_ROLES, Role
 
 log = logging.getLogger("pearlctl.daemon")
 
@@ -46,7 +46,7 @@ MEMBERSHIP_TIMEOUT_S = 30.0
 CHECK_PROCESS_S = 2.0  # how often the gateway's process and health are checked
 REFRESH_S = 5.0  # how often membership is re-read even when nothing changed (a router restarted by the gateway)
 ADD_WAIT_S = 5.0  # a READY worker answers /health at once; one that does not is retried next sync
-ROUTED_APART = (Role.PREFILL, Role.DECODE, Role.REWARD)  # the roles the router is told (the rest: ROLLOUT)
+ROUTED_APART = (*PD_ROLES, Role.REWARD)  # the roles the router is told (the rest: ROLLOUT)
 
 
 def desired_members(store: Store, run_id: str) -> dict[str, str | None]:

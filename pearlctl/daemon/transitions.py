@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import StepState as S
@@ -91,14 +91,20 @@ ROLLBACKS: dict[MoveKind, PlanKind] = {
     MoveKind.WAKE: _P.RETIRE,
     MoveKind.SWITCH: _P.RETIRE,
 }
-# The roles a transition kind moves GPUs between; None: the move's own (a switch's target role).
-KIND_ROLES: dict[MoveKind, tuple[Role | None, Role | None]] = {
-    MoveKind.BORROW: (Role.TRAIN, Role.ROLLOUT),
-    MoveKind.RETURN: (Role.ROLLOUT, Role.TRAIN),
-    MoveKind.START: (Role.IDLE, None),
-    MoveKind.WAKE: (Role.IDLE, None),
-    MoveKind.RETIRE: (None, Role.IDLE),
-    MoveKind.SWITCH: (None, None),
+class Between(NamedTuple):
+    """The roles a transition kind moves GPUs from and to; None: the move's own (a switch's target role)."""
+
+    from_role: Role | None
+    to_role: Role | None
+
+
+KIND_ROLES: dict[MoveKind, Between] = {
+    MoveKind.BORROW: Between(Role.TRAIN, Role.ROLLOUT),
+    MoveKind.RETURN: Between(Role.ROLLOUT, Role.TRAIN),
+    MoveKind.START: Between(Role.IDLE, None),
+    MoveKind.WAKE: Between(Role.IDLE, None),
+    MoveKind.RETIRE: Between(None, Role.IDLE),
+    MoveKind.SWITCH: Between(None, None),
 }
 ROLLBACK_SEQ = 100  # compensating steps of a rolled-back transition start here
 

@@ -26,12 +26,12 @@ from operator import attrgetter
 
 from pearlctl.planner import view
 from pearlctl.planner.model import GpuSlot, Mode, Move, MoveKind, Role, Snapshot, Target
-from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import GENERATION_ROLES, PoolKind
 
 # the pools whose GPUs may serve rollout: the trainer's lent, and the generation pools (reward GPUs are not
 # planned here)
 POOLS = view.POOLS
-_ROLES = (Role.ROLLOUT, Role.PREFILL, Role.DECODE)
+_ROLES = GENERATION_ROLES
 _ORDER = {
     MoveKind.RETURN: 0,
     MoveKind.RETIRE: 1,

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pearlctl.planner import view
 from pearlctl.planner.diff import POOLS, moves
 from pearlctl.planner.model import SERVING, Deployment, Mode, Move, Plan, Role, Snapshot, Target
-from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import GENERATION_ROLES, PoolKind
 
 _PLANNED_POOLS = frozenset(POOLS)
 _SERVING = frozenset(SERVING)
@@ -284,7 +284,7 @@ class _Fleet:
     def deployment(self) -> Deployment:
         # Mid-transition a fleet may mix roles: with both prefill and decode workers it runs disaggregated
         # (colocated workers take decode work too); otherwise every worker serves whole requests.
-        rollout, prefill, decode = (self.workers[r] for r in (Role.ROLLOUT, Role.PREFILL, Role.DECODE))
+        rollout, prefill, decode = (self.workers[r] for r in GENERATION_ROLES)
         if prefill and decode:
             return Deployment(Mode.DISAGGREGATED, decode=decode + rollout, prefill=prefill)
         return Deployment(Mode.COLOCATED, decode=rollout + prefill + decode)

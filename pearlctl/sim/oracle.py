@@ -46,7 +46,7 @@ from pearlctl.planner.model import SERVING, Role
 from pearlctl.sim.engine import DEFAULT_ROUTER, W_DECODE, W_OFF, W_PREFILL, W_ROLLOUT
 from pearlctl.sim.gpus import Schedule
 from pearlctl.sim.run import RunResult, Sim, make_draws, make_trace, run_policy
-from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import PD_ROLES, PoolKind
 
 REPLAYED = "pearl"  # the policy whose schedule the oracle always replays (and widens)
 WIDENED = "pearl's prefill-decode choices on every GPU"
@@ -233,7 +233,7 @@ def run_oracle(
         schedules[REPLAYED] = pearl.schedule
     results: dict[str, RunResult] = {}  # (ties go to the first: the simplest)
     results[EVERY_GPU] = _sim(scenario, draws, trace, router, FixedController, 0.0).run()
-    if any(role in (Role.PREFILL, Role.DECODE) for _, _, role in schedules[REPLAYED].changes):
+    if any(role in PD_ROLES for _, _, role in schedules[REPLAYED].changes):
         # (a pearl that stayed colocated widens to the candidate above: not played twice)
         results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
     for name, schedule in schedules.items():

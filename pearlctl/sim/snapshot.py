@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pearlctl.planner import plan
-from pearlctl.planner.model import GpuSlot, Mode, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, Mode, Snapshot, Trainer, Work
 from pearlctl.sim.trajectories import TOOL
+from pearlctl.vocabulary import PD_ROLES
 
 if TYPE_CHECKING:
     from pearlctl.planner.profile import Profile, TransitionCosts
@@ -95,7 +96,7 @@ class PolicyView:
         trainer = self.trainer(t)
         deadline = t + trainer.wait_left_s if trainer.phase == "waiting" else t
         gpus = tuple(self._slot(g, deadline) for g in sim.gpus if g.present)
-        disagg = any(g.role in (Role.PREFILL, Role.DECODE) for g in gpus)
+        disagg = any(g.role in PD_ROLES for g in gpus)
         profile = sim.profile
         if corrected and sim.correction.on:  # predictions corrected by what the run's past batches took
             profile = sim.correction.profile(work, gpus)

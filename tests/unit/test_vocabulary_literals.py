@@ -1,7 +1,9 @@
 """Roles and pool kinds are spelled in one place: pearlctl/vocabulary.py. A new role or pool (a generative reward
 model, say) is added there and every layer sees it, which holds only while no other code spells their values
 as string literals (``g.pool == "trainer"``, ``role="ROLLOUT"``): it uses ``PoolKind.TRAINER``, ``Role.ROLLOUT``
-or a vocabulary tuple (``GENERATION_POOLS``, ``GENERATION_ROLES``, ...) instead.
+or a vocabulary tuple (``GENERATION_POOLS``, ``GENERATION_ROLES``, ...) instead; nor does it list them by hand
+(``(Role.PREFILL, Role.DECODE)``): a group of roles or pools is named in the vocabulary and used
+(`test_no_module_but_the_vocabulary_spells_out_a_list_of_roles_or_pools`).
 
 The scan: every string constant in pearlctl/ (the shipped policies included; vocabulary.py aside) equal to a
 ``PoolKind`` or ``Role`` value, outside docstrings and the text of f-strings (comments are not in the AST). A
@@ -89,3 +91,57 @@ def f(x):
     assert literals(source) == [(7, "elastic"), (8, "ROLLOUT"), (8, "trainer")]
     # the same values in docstrings and f-string text only: nothing
     assert literals('"""trainer"""\nlabel = f"ROLLOUT {x}"\n') == []
+
+
+# -- and no list of them spelled out by hand (members or literals): a group is named in the vocabulary -------------
+WORDS = VALUES
+ENUMS = {"Role", "PoolKind"}
+
+
+def _member(node: ast.expr) -> bool:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.value.id in ENUMS
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in WORDS
+
+
+def literal_lists(source: str) -> list[tuple[int, str]]:
+    """(line, the literal) of every collection literal in ``source`` that spells out two or more roles or pools and
+    nothing else (a starred group may join them)."""
+    tree = ast.parse(source)
+    naming = set()  # the right-hand tuples of ``a, b = X, Y``: several names given at once
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            if any(isinstance(t, ast.Tuple) and len(t.elts) == len(node.value.elts) for t in node.targets):
+                naming.add(id(node.value))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Tuple | ast.List | ast.Set) or id(node) in naming:
+            continue
+        members = [e for e in node.elts if not isinstance(e, ast.Starred)]
+        if len(members) >= 2 and all(_member(e) for e in members):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_but_the_vocabulary_spells_out_a_list_of_roles_or_pools() -> None:
+    """A tuple, list or set that spells out two or more roles or pool kinds (``(Role.PREFILL, Role.DECODE)``,
+    ``[PoolKind.ROLLOUT, PoolKind.ELASTIC]``) is a list a new role would have to be added to by hand: the group is
+    named in the vocabulary (``GENERATION_ROLES``, ``PD_ROLES``, ``RESTING_ROLES``, ``SERVED_ROLES``,
+    ``GENERATION_POOLS``, ...) and used. Naming several single constants at once (``a, b = X, Y``) is not a list."""
+    found = [
+        f"{path.relative_to(REPO).as_posix()}:{line}: {text}"
+        for root in SCANNED
+        for path in sorted((REPO / root).rglob("*.py"))
+        if path.relative_to(REPO).as_posix() != VOCABULARY
+        for line, text in literal_lists(path.read_text())
+    ]
+    assert found == [], "roles or pools listed by hand (name the group in pearlctl/vocabulary.py):\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_list_written_by_hand_and_lets_groups_and_single_names_pass() -> None:
+    assert [t for _, t in literal_lists("x = (Role.PREFILL, Role.DECODE)\n")] == ["(Role.PREFILL, Role.DECODE)"]
+    assert literal_lists("ok = role in {'ROLLOUT', 'REWARD'}\n") == [(1, "{'ROLLOUT', 'REWARD'}")]
+    assert literal_lists("y = [PoolKind.ROLLOUT, *more, PoolKind.ELASTIC]\n") != []
+    assert literal_lists("z = (*PD_ROLES, Role.REWARD)\n") == []  # a group and one more: named, not listed
+    assert literal_lists("a, b = PoolKind.ROLLOUT, PoolKind.ELASTIC\n") == []
+    assert literal_lists("w = ('ROLLOUT', 3)\n") == []
