@@ -91,6 +91,8 @@ ROLLBACKS: dict[MoveKind, PlanKind] = {
     MoveKind.WAKE: _P.RETIRE,
     MoveKind.SWITCH: _P.RETIRE,
 }
+
+
 class Between(NamedTuple):
     """The roles a transition kind moves GPUs from and to; None: the move's own (a switch's target role)."""
 
