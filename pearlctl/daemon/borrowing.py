@@ -179,20 +179,25 @@ class Borrowing:
         snapshot = self.inputs.snapshot(now, settings)
         if planned is None:
             planned = load_policy(settings["policy"]).decide(snapshot)
-        lend = [m.gpu for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
-        if not lend:
+        borrows = [m for m in (planned.moves if planned else ()) if m.kind is MoveKind.BORROW]
+        if not borrows:
             return None
+        # one borrow at a time, in one role: the policy's (ROLLOUT) or the judge's (REWARD); the rest at a next plan
+        to_role = borrows[0].to_role
+        lend = [m.gpu for m in borrows if m.to_role == to_role]
         rows = {g.id: g for g in self.inputs.trainer_gpus()}
         chosen = [rows[i] for i in lend if i in rows]
-        # warm: a worker sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all woken
+        # warm: a worker of that role sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all
+        # woken (a parked policy worker is no judge: a borrow to the judge starts one)
         parked = {g.worker_id for g in chosen}
-        warm = bool(parked) and None not in parked and all(self._asleep(w) for w in parked)
+        warm = bool(parked) and None not in parked and all(self._asleep(w, to_role) for w in parked)
         keep_warm = settings.get("keep_warm", True)
         return {
             "gpu_ids": [g.id for g in chosen],
             "gpus": [(g.node, g.idx) for g in chosen],
             "return_deadline": now + snapshot.trainer.wait_left_s,
             "policy": settings["policy"],
+            "to_role": str(to_role),
             "plan": PlanKind.BORROW_WARM if warm else PlanKind.BORROW,
             "rollback": PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN,
             "why": planned.why,
@@ -258,8 +263,10 @@ class Borrowing:
                     worker_id=None,
                 )
 
-    def _asleep(self, worker_id: int) -> bool:
-        return self.store.fleet.worker(worker_id).state == "SLEEPING"
+    def _asleep(self, worker_id: int, role: str | None = None) -> bool:
+        """Whether the worker sleeps (parked), and serves ``role`` when given."""
+        w = self.store.fleet.worker(worker_id)
+        return w.state == "SLEEPING" and (role is None or w.role == role)
 
     # -- the predictor, checked --------------------------------------------------------------------
     def check_prediction(self) -> None:
@@ -456,7 +463,9 @@ class Borrowing:
         if why:
             plan = PlanKind.RETURN_SLEEP if keep_warm else PlanKind.RETURN
             detail = ReturnDetail(plan=plan, why=why, return_deadline=deadline)
-            self.executor.plan(MoveKind.RETURN, [g.id for g in lent], detail=detail)
+            roles = {g.role for g in lent}  # what they serve: the policy's role, or the judge's (one borrow's)
+            from_role = roles.pop() if len(roles) == 1 else None
+            self.executor.plan(MoveKind.RETURN, [g.id for g in lent], detail=detail, from_role=from_role)
             if planned is None:
                 return
         if planned is None or planned.empty:
@@ -471,6 +480,7 @@ class Borrowing:
                 self.executor.plan(
                     MoveKind.BORROW,
                     borrow["gpu_ids"],
+                    to_role=borrow["to_role"],
                     detail=BorrowDetail(
                         plan=borrow["plan"],
                         rollback=borrow["rollback"],

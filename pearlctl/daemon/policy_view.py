@@ -164,8 +164,8 @@ class PolicyInputs:
         for g in self.gpu_rows():
             if g.state != G.UP:
                 continue
-            if g.pool == PoolKind.TRAINER:
-                role = Role.ROLLOUT if g.borrowed else Role.TRAIN
+            if g.pool == PoolKind.TRAINER:  # lent: the role it serves (the policy's, or the judge's); else its trainer's
+                role = (Role(g.role) if g.role in SERVING_ROLES else Role.ROLLOUT) if g.borrowed else Role.TRAIN
             else:
                 role = Role(g.role) if g.role in SERVING_ROLES else Role.IDLE
             gpus.append(
@@ -219,9 +219,11 @@ def batch_ready(trainer: dict, rollout: dict) -> bool:
     "waiting", and the rollout driver's work in flight emptied (``emptied_at``, kept by the controller's
     ``rollout_progress``) since that wait began. In a synchronous loop that is the batch's end: the trainer
     takes the batch and trains next. A wait that began after the work emptied is for a batch not launched
-    yet (the trainer reports its next wait at the end of its step): that one may still be lent into."""
+    yet (the trainer reports its next wait at the end of its step): that one may still be lent into. With a judge,
+    the batch is complete once its last trajectory is judged too: nothing waits for a verdict or is being judged."""
     emptied, since = rollout.get("emptied_at"), trainer.get("phase_since")
-    return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since
+    judged = judging_from_progress(rollout).backlog == 0
+    return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since and judged
 
 
 def judging_from_progress(report: dict) -> Judging:

@@ -27,6 +27,15 @@ PROFILE = factories.profile(
     costs=TransitionCosts(role_switch_s=5.0),
     gpus_per_worker=1,
 )
+# a borrow (offload and a cold start) dearer than nothing but cheaper than a switch, as on this CPU
+LENDING = factories.profile(
+    "pivot-lending",
+    decode={"weights_s": 0.005, "seq_s": 2e-5, "kv_s_per_token": 4e-8},
+    prefill_tok_s=20_000,
+    kv_capacity_tokens=200_000,
+    costs=TransitionCosts(start_s=15.0, stop_s=3.0, offload_s=1.0, role_switch_s=18.0),
+    gpus_per_worker=1,
+)
 TAIL = {"turns_left": 1, "decode_tokens_per_turn": 100, "context_tokens": 1_000, "tool_latency_s": 0.5}
 
 
@@ -94,4 +103,67 @@ def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_
         ("ROLLOUT", "REWARD"),
         ("REWARD", "ROLLOUT"),
     ]
+    store.close()
+
+
+def test_pivot_lends_an_idle_trainer_gpu_to_the_judge_and_the_trainer_gets_it_back(tmp_path: Path):
+    """The trainer waits, its GPU idle: verdicts backing up borrow it for the judge (a BORROW to REWARD: the trainer
+    offloads, its agent starts the judge's model there with the borrow's return deadline), and once nothing waits
+    for a verdict it goes back (a RETURN: the judge drains, the trainer reloads)."""
+    from tests.unit.test_crash_matrix import SimTrainer
+
+    clock, router = Clock(), SimRouter()
+    store = Store.open(tmp_path / "state.db", clock=clock)
+    pools = [
+        factories.pool("trainer", "TRAIN"),
+        factories.pool("rollout", "ROLLOUT", nodes=2),
+        factories.pool("reward", "REWARD"),
+    ]
+    factories.create_run(store, tmp_path, pools, spec=SPEC)
+    allocs = factories.run_all(store)  # the trainer (job 10), two rollout tasks, the judge
+    daemon = Daemon(store, allocs[0].id, 1, clock, router)
+    agents, trainer = [], SimTrainer()
+    for i, a in enumerate(allocs):
+        register = {"job_id": str(10 + i), "task_id": a.array_index, "node": f"n{i}", "gpus": [0], "pid": 1}
+        daemon.controller.agents.register(parse(bodies.Register, register))
+        agents.append((SimpleNamespace(controller=daemon.controller, alloc_id=a.id), SimAgent(router, host=f"n{i}")))
+    store.update_fields("runs", "r", profile=profiles.to_dict(LENDING), borrow={"policy": "pivot", "max_gpus": None})
+    done = iter(range(0, 10_000, 2))
+
+    def loop(until, report) -> None:
+        for _ in range(120):
+            report()
+            trainer.tick(SimpleNamespace(controller=daemon.controller))
+            for view, agent in agents:
+                agent.tick(view)
+            router.sync(store)
+            daemon.borrowing.tick(daemon.controller.lock)
+            clock.t += 1.0
+            if until():
+                return
+        raise AssertionError(f"did not converge: {[(t.kind, t.to_role, t.state) for t in store.transitions.all('r')]}")
+
+    def progress(waiting: int, work: int) -> None:
+        judge = {"waiting": waiting, "judging": 4 if waiting else 0, "done": next(done), "failed": 0}
+        body = {"generating": work, "done": 60, "tokens": 1000, "work": {"trajectories": work, **TAIL}, "judge": judge}
+        daemon.controller.trainer.rollout_progress(parse(bodies.Progress, body))
+
+    def finished(kind: str):
+        ts = [t for t in store.transitions.all("r") if t.kind == kind and t.state == "DONE"]
+        return ts[-1] if ts else None
+
+    loop(lambda: finished("borrow"), lambda: progress(200, 4))
+    lent = finished("borrow")
+    assert lent.to_role == "REWARD" and lent.detail["return_deadline"] is not None
+    (gpu,) = lent.gpu_ids
+    assert store.fleet.gpu(gpu).pool == "trainer" and store.fleet.gpu(gpu).role == "REWARD"
+    judge = [w for w in daemon.controller.desired.of(allocs[0].id) if w.role == "REWARD"]
+    assert [(w.model, w.return_deadline) for w in judge] == [("/m/judge", lent.detail["return_deadline"])]
+    assert trainer.released
+    assert [t.kind for t in store.transitions.all("r")] == ["borrow"]  # lent first: no rollout GPU shifted
+
+    loop(lambda: finished("return"), lambda: progress(0, 2))
+    back = finished("return")
+    assert back.gpu_ids == (gpu,) and back.from_role == "REWARD"
+    assert store.fleet.gpu(gpu).role == "TRAIN" and not store.fleet.gpu(gpu).borrowed and not trainer.released
     store.close()

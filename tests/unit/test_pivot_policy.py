@@ -7,6 +7,7 @@ beside the case it must not fire in, so a rule that ignored its condition fails 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,8 @@ from pearlctl.policies import load_policy
 from tests import factories
 
 NOW = 10_000.0
-COSTS = TransitionCosts(role_switch_s=5.0)
+# a switch stops one engine and starts another: dearer than a borrow's offload and start, as this CPU measures
+COSTS = TransitionCosts(start_s=15.0, stop_s=3.0, offload_s=1.0, role_switch_s=18.0)
 PROFILE = factories.profile(
     "pivot-test",
     decode={"weights_s": 0.005, "seq_s": 2e-5, "kv_s_per_token": 4e-8},
@@ -34,16 +36,30 @@ TAIL = Work(trajectories=4, turns_left=1, decode_tokens_per_turn=100, context_to
 BUSY = Work(trajectories=256, turns_left=4, decode_tokens_per_turn=400, context_tokens=4_000, tool_latency_s=1)
 
 
-def gpus(rollout: int = 4, judging: int = 0, reward: int = 1) -> list[GpuSlot]:
+def gpus(rollout: int = 4, judging: int = 0, reward: int = 1, trainer: int = 0, lent: int = 0) -> list[GpuSlot]:
+    """Rollout GPUs serving the policy, rollout GPUs shifted to the judge, the reward pool's judges, idle trainer
+    GPUs, and trainer GPUs lent to the judge (due back at NOW + 300 s)."""
     out = [GpuSlot(id=i, node=f"r{i}", pool="rollout", role=Role.ROLLOUT) for i in range(rollout)]
+    out += [GpuSlot(id=30 + i, node="t0", pool="trainer", role=Role.TRAIN) for i in range(trainer)]
+    out += [
+        GpuSlot(id=40 + i, node="t0", pool="trainer", role=Role.REWARD, borrowed=True, return_deadline=NOW + 300)
+        for i in range(lent)
+    ]
     out += [GpuSlot(id=10 + i, node=f"j{i}", pool="rollout", role=Role.REWARD) for i in range(judging)]
     out += [GpuSlot(id=20 + i, node=f"w{i}", pool="reward", role=Role.REWARD) for i in range(reward)]
     return out
 
 
-def snapshot(slots, work: Work, judging: Judging, last_change_at: float | None = None):
+def snapshot(slots, work: Work, judging: Judging, last_change_at: float | None = None, wait_left_s: float = 0.0):
     return factories.snapshot(
-        slots, work, PROFILE, now=NOW, phase="waiting", wait_left_s=0.0, judging=judging, last_change_at=last_change_at
+        slots,
+        work,
+        PROFILE,
+        now=NOW,
+        phase="waiting",
+        wait_left_s=wait_left_s,
+        judging=judging,
+        last_change_at=last_change_at,
     )
 
 
@@ -98,11 +114,39 @@ def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gain
     assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, slow)) is None
 
 
+def test_an_idle_trainer_gpu_is_lent_to_the_judge_before_a_rollout_gpu_shifts() -> None:
+    """The trainer waits (its GPUs idle for 300 s): lending one to the judge costs rollout nothing, so verdicts
+    backing up borrow a trainer GPU for the judge (a BORROW to REWARD) rather than shift a rollout GPU; with the
+    trainer's wait too short for a borrow and its return, a rollout GPU shifts instead."""
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    planned = pivot.decide(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=300.0))
+    (move,) = planned.moves
+    assert (move.kind, move.from_role, move.to_role) == (MoveKind.BORROW, Role.TRAIN, Role.REWARD)
+    assert move.gpu in (30, 31) and "a trainer GPU lent to the judge" in planned.why
+    short = pivot.decide(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=20.0))
+    assert [(m.kind, m.to_role) for m in short.moves] == [(MoveKind.SWITCH, Role.REWARD)]
+
+
+def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_nothing_waits_and_pearl_never_takes_it() -> None:
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=3.0)
+    held = snapshot(gpus(trainer=1, lent=1), TAIL, backed_up, wait_left_s=300.0)
+    assert pivot.decide(held) is None  # still needed, not due: kept (pearl does not count it as its own to return)
+    drained = Judging(waiting=0, judging=2, done=250, verdicts_per_s=3.0)
+    (back,) = pivot.decide(snapshot(gpus(trainer=1, lent=1), TAIL, drained, wait_left_s=300.0)).moves
+    assert (back.gpu, back.kind, back.to_role) == (40, MoveKind.RETURN, Role.TRAIN)
+    training = replace(held, trainer=replace(held.trainer, phase="training"))
+    (due,) = pivot.decide(training).moves
+    assert (due.gpu, due.kind) == (40, MoveKind.RETURN)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.integers(1, 6),
     st.integers(0, 3),
     st.integers(0, 2),
+    st.integers(0, 2),
+    st.integers(0, 1),
+    st.floats(0, 1_000),
     st.builds(
         Judging,
         waiting=st.integers(0, 5_000),
@@ -112,17 +156,33 @@ def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gain
     ),
     st.sampled_from([Work(), TAIL, BUSY]),
 )
-def test_any_plan_pivot_makes_is_one_legal_shift_or_pearls(rollout, judging, reward, queue, work) -> None:
-    """Whatever the snapshot: pivot's plan is pearl's, or one SWITCH between ROLLOUT and REWARD of a rollout-pool
-    GPU, never the reward pool's, never the last rollout GPU, and priced finite."""
-    s = snapshot(gpus(rollout, judging, reward), work, queue)
+def test_any_plan_pivot_makes_is_pearls_or_one_legal_move_of_the_judge(
+    rollout, judging, reward, trainer, lent, wait, queue, work
+) -> None:
+    """Whatever the snapshot: pivot's plan is pearl's on the policy's GPUs, or one move of the judge — a SWITCH
+    between ROLLOUT and REWARD of a rollout-pool GPU (never the reward pool's, never the last rollout GPU), a trainer
+    GPU lent to the judge (only while nothing is lent and the trainer waits long enough), or the lent judges
+    returned — priced finite."""
+    s = snapshot(gpus(rollout, judging, reward, trainer, lent), work, queue, wait_left_s=wait)
     planned = pivot.decide(s)
-    if planned is None or planned == pearl.decide(s):
+    judges = {g.id for g in s.gpus if g.role == Role.REWARD}
+    if planned is None:
+        return
+    if not any(m.gpu in judges or m.to_role == Role.REWARD for m in planned.moves):
+        assert planned == pearl.decide(replace(s, gpus=tuple(g for g in s.gpus if g.id not in judges)))
+        return
+    assert math.isfinite(planned.predicted_s)
+    moved = {m.gpu: next(g for g in s.gpus if g.id == m.gpu) for m in planned.moves}
+    if all(m.kind == MoveKind.RETURN for m in planned.moves):
+        assert {g.id for g in moved.values()} == {g.id for g in s.gpus if g.borrowed and g.role == Role.REWARD}
         return
     (move,) = planned.moves
+    g = moved[move.gpu]
+    if move.kind == MoveKind.BORROW:
+        assert move.to_role == Role.REWARD and g.pool == "trainer" and g.role == Role.TRAIN and lent == 0
+        assert queue.waiting > 0 and wait >= move.cost_s
+        return
     assert move.kind == MoveKind.SWITCH and {move.from_role, move.to_role} == {Role.ROLLOUT, Role.REWARD}
-    moved = next(g for g in s.gpus if g.id == move.gpu)
-    assert moved.pool == "rollout" and moved.role == move.from_role
+    assert g.pool == "rollout" and g.role == move.from_role
     if move.to_role == Role.REWARD:
         assert rollout >= 2 and queue.waiting > 0
-    assert math.isfinite(planned.predicted_s)

@@ -32,8 +32,9 @@ Loaded by name (pearlctl.policies.load_policy); pure.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from pearlctl.planner import plan, view
+from pearlctl.planner import budget, plan, view
 from pearlctl.planner.model import Move, MoveKind, Plan, Role, Snapshot
 from pearlctl.policies.shipped import pearl
 from pearlctl.vocabulary import GENERATION_POOLS
@@ -43,10 +44,12 @@ NEEDS_PROFILE = True  # pearl's predictions need the run's engine profile
 
 
 def decide(snapshot: Snapshot) -> Plan | None:
-    planned = pearl.decide(snapshot)
+    # pearl plans the policy's GPUs: the judges are not its (it would count a trainer GPU lent to the judge as one
+    # lent to rollout that no longer pays, and take it back)
+    planned = pearl.decide(replace(snapshot, gpus=tuple(g for g in snapshot.gpus if g.role != Role.REWARD)))
     if planned is not None and planned.moves:
         return planned
-    return _shift(snapshot) or planned
+    return _judge_plan(snapshot) or planned
 
 
 def judge_rate(s: Snapshot) -> float | None:
@@ -75,14 +78,21 @@ def _over(amount: float, per_s: float) -> float:
     return amount / per_s if per_s > 0 else math.inf
 
 
-def _shift(s: Snapshot) -> Plan | None:
+def _judge_plan(s: Snapshot) -> Plan | None:
     if s.profile.gpus_per_worker != 1:  # a shift moves one GPU: tensor-parallel workers are not split
         return None
     judges = _judges(s)
+    v = view.of(s)
+    lent = [g for g in judges if g.borrowed]
+    if lent:  # trainer GPUs lent to the judge go back in time, and once nothing waits for a verdict
+        due = any(budget.must_return(s, g) for g in lent)
+        if due or s.judging.waiting == 0:
+            back = tuple(v.move(g, MoveKind.RETURN, Role.TRAIN) for g in lent)
+            why = "pivot: lent GPUs back from the judge " + ("(due back)" if due else "(nothing waits for a verdict)")
+            return plan.make(s, plan.current_target(s), why=why, planned=back)
+        return None
     movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=_keep_order)  # the reward pool's stay
     demand = s.judging.backlog + s.work.trajectories
-    rate = judge_rate(s)
-    v = view.of(s)
     if movable and s.judging.waiting == 0:
         g = movable[0]
         back = v.move(g, MoveKind.SWITCH, Role.ROLLOUT)
@@ -96,29 +106,40 @@ def _shift(s: Snapshot) -> Plan | None:
         # the judges left keep up: they judge the demand within the rollout's time (rate unknown while none
         # waits: measured by the verdicts given so far per judge, a lower bound of their capacity)
         seen = s.judging.verdicts_per_s / len(judges) if s.judging.verdicts_per_s > 0 else None
-        keeps_up = kept > 0 and seen is not None and demand / (kept * seen) <= roll_back
+        keeps_up = kept > 0 and seen is not None and _over(demand, kept * seen) <= roll_back
         if keeps_up and roll_back + _threshold(roll_now) <= roll_now:
             return _plan(s, back, "pivot: verdicts keep up, a judge goes back to rollout")
         return None
+    rate = judge_rate(s)
     if rate is None or (s.work.empty and s.judging.backlog == 0):
         return None
-    candidates = sorted(
+    now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
+    options = []  # (predicted end, preference, the move, what it is)
+    if not any(g.borrowed for g in s.gpus) and v.lendable:  # one borrow at a time (the daemon's rule)
+        g = v.lendable[0]
+        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=False))
+        if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
+            options.append((_judged_by(s, lend, demand, judges, rate), 0, lend, "a trainer GPU lent to the judge"))
+    rollout = sorted(
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
         key=_keep_order,
     )
-    if len(candidates) <= 1:  # rollout keeps a GPU
+    if len(rollout) > 1:  # rollout keeps a GPU
+        there = v.move(rollout[0], MoveKind.SWITCH, Role.REWARD)
+        options.append((_judged_by(s, there, demand, judges, rate), 1, there, "a rollout GPU judges"))
+    if not options:
         return None
-    there = v.move(candidates[0], MoveKind.SWITCH, Role.REWARD)
-    if not _paid(s, there):
-        return None
-    now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
-    after = max(plan.timeline_s(s, (there,)), judge_end_s(demand, len(judges), len(judges) + 1, rate, there.cost_s))
-    if after + _threshold(now) <= now:
-        why = (
-            f"pivot: verdicts back up ({s.judging.waiting} waiting), a rollout GPU judges: {now:.1f} s -> {after:.1f} s"
-        )
-        return _plan(s, there, why)
+    after, _, move, what = min(options, key=lambda o: (o[0], o[1]))
+    if _paid(s, move) and after + _threshold(now) <= now:
+        why = f"pivot: verdicts back up ({s.judging.waiting} waiting), {what}: {now:.1f} s -> {after:.1f} s"
+        return _plan(s, move, why)
     return None
+
+
+def _judged_by(s: Snapshot, move: Move, demand: float, judges: list, rate: float) -> float:
+    """The batch's predicted end with ``move`` bringing one more judge: the rollout's, and the verdicts'."""
+    n = len(judges)
+    return max(plan.timeline_s(s, (move,)), judge_end_s(demand, n, n + 1, rate, move.cost_s))
 
 
 def _keep_order(g) -> tuple:
