@@ -164,7 +164,7 @@ class PolicyInputs:
         for g in self.gpu_rows():
             if g.state != G.UP:
                 continue
-            if g.pool == PoolKind.TRAINER:  # lent: the role it serves (the policy's, or the judge's); else its trainer's
+            if g.pool == PoolKind.TRAINER:  # lent: the role it serves (the policy's or the judge's); else TRAIN
                 role = (Role(g.role) if g.role in SERVING_ROLES else Role.ROLLOUT) if g.borrowed else Role.TRAIN
             else:
                 role = Role(g.role) if g.role in SERVING_ROLES else Role.IDLE
@@ -223,7 +223,8 @@ def batch_ready(trainer: dict, rollout: dict) -> bool:
     the batch is complete once its last trajectory is judged too: nothing waits for a verdict or is being judged."""
     emptied, since = rollout.get("emptied_at"), trainer.get("phase_since")
     judged = judging_from_progress(rollout).backlog == 0
-    return trainer.get("phase") == "waiting" and emptied is not None and since is not None and emptied >= since and judged
+    began = emptied is not None and since is not None and emptied >= since
+    return trainer.get("phase") == "waiting" and began and judged
 
 
 def judging_from_progress(report: dict) -> Judging:
