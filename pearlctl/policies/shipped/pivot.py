@@ -1,30 +1,37 @@
-"""Policy `pivot`: pearl's plan for the policy's GPUs, and shifts of rollout GPUs to the run's judge (a generative
-reward model, role REWARD) and back when the verdicts' demand makes it pay (docs/planner.md, "The judge").
+"""Policy `pivot`: pearl's plan for the policy's GPUs, and GPUs moved to the run's judge (a generative reward model,
+role REWARD) and back when the verdicts' demand makes it pay: an idle trainer GPU lent to the judge, or a rollout GPU
+shifted to it (docs/planner.md, "The judge").
 
-`pearl` is extended, not copied: its plan (borrowing, elastic capacity, prefill–decode) comes first, and a shift is
-weighed only when pearl moves nothing, so the two never plan the same GPU (pearl does not plan a GPU serving the
-judge). One shift per decision, one GPU: the daemon runs one transition at a time, and the next decision sees its
-effect.
+`pearl` is extended, not copied: it plans the policy's GPUs (borrowing, elastic capacity, prefill–decode) on the
+snapshot without the judges, and its plan comes first; the judge is weighed only when pearl moves nothing, so the
+two never plan the same GPU. One move per decision, one GPU: the daemon runs one transition at a time, and the next
+decision sees its effect.
 
 The batch ends when its last trajectory is judged. With R rollout GPUs and J judges:
 
     E(R, J) = max(T_roll(R), T_judge(J))
     T_roll  = the rollout's predicted completion (the planner's timeline, moving time included)
-    T_judge = c + max(0, D - J·r·c) / (J'·r)     (J' judges once a shift of cost c is done; D = the judge's demand)
+    T_judge = c + max(0, D - J·r·c) / (J'·r)     (J' judges once a move of cost c is done; D = the judge's demand)
 
 ``D`` is every trajectory without a verdict: those waiting for one or being judged (``Snapshot.judging``) and
 those still rolling out (``Work.trajectories``), each of which will need one. ``r`` is one judge's verdicts per
 second, measured: the driver's rate over the judges serving, taken only while trajectories wait for a judge (a
 judge with nothing waiting is not running at its capacity, so its rate says nothing of it). Without such a
-measure nothing shifts to the judge (no hint, no made-up rate).
+measure no GPU moves to the judge (no hint, no made-up rate).
 
-- **Rollout → judge**: one ROLLOUT GPU of the rollout or elastic pool (the one whose allocation ends last) becomes a
-  judge when E with it judging, its switch's cost included, beats E now by ``pearl.MARGIN_S`` and
-  ``pearl.MIN_RELATIVE_GAIN`` of E now: verdicts back up while rollout has little left.
-- **Judge → rollout**: a rollout or elastic pool's GPU serving the judge goes back when nothing waits for a verdict
-  and it is not needed to keep up — the judges left would judge D within the rollout's time — or when there is no
-  rollout work at all (between batches the next batch needs rollout first; its verdicts come only as its
-  trajectories finish). The reward pool's own judges never move.
+- **A GPU to the judge**, when verdicts wait: of an idle trainer GPU lent to the judge (a borrow to REWARD, its
+  cost an offload and a start; only while nothing is lent and the trainer's wait fits the borrow, its return and
+  the slack) and a ROLLOUT GPU of the rollout or elastic pool shifted to it (a switch; the one whose allocation
+  ends last; rollout keeps a GPU), the one with the sooner E, the loan on a tie (it costs rollout nothing), when
+  that E beats E now by ``pearl.MARGIN_S`` and ``pearl.MIN_RELATIVE_GAIN`` of E now.
+- **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
+  its batch complete) or nothing waits for a verdict any more.
+- **A shifted GPU back to rollout** when nothing waits for a verdict and it is not needed to keep up — the judges
+  left would judge D within the rollout's time — or when there is no rollout work at all (between batches the next
+  batch needs rollout first; its verdicts come only as its trajectories finish). The reward pool's own judges never
+  move.
+- No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
+  parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
 Loaded by name (pearlctl.policies.load_policy); pure.
 """
