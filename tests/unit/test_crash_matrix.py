@@ -120,3 +120,43 @@ def test_daemon_crash_at_every_step_boundary_converges(world, cycle, step, point
     events = [j["event"] for j in store.journal.read("r")]
     if point in ("after_intent", "after_effect"):
         assert "effect re-issued after restart" in events
+
+
+# A trainer GPU lent to the run's judge (a borrow to REWARD) and taken back (the return the daemon makes at once with
+# borrowing off): every step boundary of both. The judge's worker is told the judge's model.
+JUDGE_CYCLE = ("borrow", "return_sleep")
+JUDGE_CASES = [(c, k, p) for c in JUDGE_CYCLE for k in PLANS[c] for p in POINTS]
+
+
+@pytest.mark.parametrize("cycle,step,point", JUDGE_CASES, ids=[f"judge-{c}-{k}-{p}" for c, k, p in JUDGE_CASES])
+def test_daemon_crash_at_every_step_of_a_loan_to_the_judge_converges(world, cycle, step, point):
+    from pearlctl.daemon.transitions import BorrowDetail, PlanKind
+
+    store, alloc_id = world
+    store.update_fields(
+        "runs",
+        "r",
+        spec={"model": "/m/policy", "pools": {"trainer": {}, "reward": {"model": "/m/judge"}}},
+        borrow={"policy": "never", "max_gpus": None, "keep_warm": True},  # the daemon returns what is lent at once
+    )
+    clock, agent, trainer = Clock(), SimAgent(), SimTrainer()
+    crash_at, fired = crash_once(store, point, step, cycle)
+    register = {"job_id": "7", "task_id": 0, "node": "gpu1", "gpus": [0, 1], "pid": 1}
+    planner = Restarts(store, alloc_id, clock, register).daemon  # its agent registered: the trainer's GPUs in state
+    gpu = store.fleet.gpus("r")[0].id
+    with planner.controller.lock:
+        detail = BorrowDetail(plan=PlanKind.BORROW, return_deadline=clock.t + 600.0)
+        planner.executor.plan("borrow", [gpu], detail=detail, to_role="REWARD")
+    crashes = run_until(
+        store, alloc_id, clock, agent, trainer, crash_at=crash_at,
+        done=lambda s: [t.state for t in s.transitions.all("r")] == ["DONE", "DONE"],
+    )  # fmt: skip
+    assert fired and crashes == 1, "the crash point was never reached"
+    borrow, back = store.transitions.all("r")
+    assert (borrow.kind, borrow.to_role, back.kind, back.from_role) == ("borrow", "REWARD", "return", "REWARD")
+    # no engine started twice: the judge once, with the judge's model; the trainer's worker once
+    assert agent.starts == {"reward-0": 1, "train-0": 1} and agent.models["reward-0"] == "/m/judge"
+    # the trainer released and reclaimed once, and has its GPUs back
+    assert [c.split(":")[-1] for c in trainer.carried_out] == ["OFFLOAD", "RELOAD"] and not trainer.released
+    g = store.fleet.gpu(gpu)
+    assert (g.role, g.borrowed) == ("TRAIN", 0)
