@@ -175,7 +175,10 @@ class MemberAdmin:
             doc = m.doc()
             if m.role == Role.REWARD:
                 doc["router"] = "judge"
-                if judged is not None or self.routers.judge is None:
+                judge = self.routers.judge
+                if judge is not None and not judge.alive():  # as a dead PD router's: not routed, not healthy
+                    doc["routed"] = doc["healthy"] = False
+                elif judged is not None or judge is None:
                     doc["routed"] = judged is not None and m.url in judged
                     doc["healthy"] = bool((judged or {}).get(m.url, {}).get("is_healthy"))
             elif m.url in in_pd:

@@ -237,7 +237,7 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
                 min_size=1,
                 max_size=3,
             ),
-            "role": st.sampled_from(["ROLLOUT", "PREFILL", "DECODE", "TRAIN"]),
+            "role": st.sampled_from([r.value for r in Role]),  # the served ones and two the move refuses
             "keep_warm": st.booleans(),
         },
         "rollout_progress": {

@@ -105,6 +105,15 @@ def harness(request, tmp_path_factory):
         yield h
 
 
+def running(url: str) -> float:
+    """Requests running on a (paced) engine now, from its /metrics (0 when it does not answer)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+
+
 def models_of(url: str) -> list[str]:
     return [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
 
@@ -173,3 +182,31 @@ def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges
     interrupted = policy.continued() if to == "REWARD" else judging.continued()
     assert all(o["workers"][0] == leaving.url and o["workers"][-1] == stayed for o in interrupted), interrupted
     assert not (judging.continued() if to == "REWARD" else policy.continued())  # nothing left the other role
+
+
+def test_a_judge_worker_killed_mid_request_loses_no_judge_request_and_answers_none_twice(harness):
+    """The fault run of a judge: with two judges serving (the reward pool's, and the rollout GPU shifted to the judge),
+    the reward pool's judge process is SIGKILLed while judge requests are in flight on it. Every judge request sent
+    is answered once: what the killed judge was generating is continued (or sent again whole) on the other judge by
+    the gateway, never lost and never answered twice; the agent starts the killed judge again."""
+    import os
+    import signal
+
+    h = harness
+    h.ensure("REWARD")
+    judge, shifted = h.serving("reward"), h.serving("rollout", MOVED)
+    assert judge is not None and shifted is not None and shifted.role == "REWARD"
+    wait_for(lambda: h.members().get(shifted.url) == "judge" and h.members().get(judge.url) == "judge", 30)
+    with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=3, model=str(JUDGE)) as judging:
+        judging.wait_turns(2)
+        wait_for(lambda: running(judge.url) > 0, 30, every=0.05)  # a request in flight on it
+        os.kill(judge.pid, signal.SIGKILL)
+        judging.wait_turns(6)
+        again = wait_for(lambda: (w := h.serving("reward")) is not None and w.id != judge.id and w, 120)
+        judging.wait_turns(1)
+    print(f"\njudge killed mid-request: {judging.counts()}")
+    assert judging.errors == [] and judging.sent == len(judging.done), judging.counts()
+    assert {w for o in judging.done for w in o["workers"]} <= {judge.url, shifted.url, again.url}
+    # what was in flight on the killed judge ended on the other one
+    moved = [o for o in judging.done if judge.url in o["workers"] and o["workers"][-1] != judge.url]
+    assert moved and all(o["workers"][-1] in (shifted.url, again.url) for o in moved), judging.done

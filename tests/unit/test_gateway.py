@@ -1249,6 +1249,8 @@ def test_a_judge_is_routed_apart_by_its_model_and_no_policy_turn_reaches_it() ->
         assert (docs[J1]["router"], docs[J1]["routed"], docs[W1]["router"]) == ("judge", True, "regular")
 
         judge.dead = True
+        dead = {d["url"]: d for d in (await client.get("/pearl/workers", headers=AUTH)).json()["workers"]}
+        assert (dead[J1]["routed"], dead[J1]["healthy"]) == (False, False)  # as a dead PD router's members
         body = {"model": "judge", "prompt": "hi", "max_tokens": 2}
         gone = await client.post("/v1/completions", json=body, headers={**AUTH, "X-Pearl-Retry-For-S": "0.2"})
         assert gone.status_code == 503 and up.via == [ROUTER, judge.url, ROUTER]  # retried, never elsewhere
