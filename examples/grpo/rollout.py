@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--judge-attempts", type=int, default=3, help="critique: answers asked for before an unreadable score fails"
     )
+    ap.add_argument("--judge-max-tokens", type=int, default=64, help="critique: the most tokens a critique may take")
     ap.add_argument(
         "--judge-constrained",
         action="store_true",
@@ -498,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             client,
             judge_model(args, client),
             mode=Mode(args.judge_mode),
+            max_tokens=args.judge_max_tokens,
             attempts=args.judge_attempts,
             constrained=args.judge_constrained,
             seed=args.seed,

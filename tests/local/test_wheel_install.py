@@ -154,7 +154,9 @@ def test_a_wheel_installed_in_a_clean_venv_runs_doctor_and_simulate_with_its_shi
     }
     assert checks["policies"]["status"] == "ok"
     shipped_policies = shipped / "policies" / "shipped"
-    assert checks["policies"]["detail"] == f"elastic, greedy, never, pearl, static in {shipped_policies}"
+    names = sorted(f.stem for f in (REPO / "pearlctl" / "policies" / "shipped").glob("*.py") if f.stem != "__init__")
+    assert checks["policies"]["detail"] == f"{', '.join(names)} in {shipped_policies}"  # every one the repo ships
+    assert "pivot" in names
     assert checks["slurm"]["status"] == "warn"  # not on PATH
     assert checks["state file"]["status"] == "ok"
     for engine in ("vllm", "deepspeed", "torch"):  # the cpu extra is not installed
