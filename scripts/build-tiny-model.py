@@ -42,6 +42,9 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 SHAPES = {
     "policy": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4},
     "judge": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2},
+    # a judge slow enough on a CPU for its verdicts to back up behind a tiny rollout (tests/benchmarks/
+    # bench_judge_live.py): about 26M parameters
+    "judge-large": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 16},
 }
 
 
@@ -91,8 +94,9 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", action="store_true", help="the tiny judge's shape, not the policy's")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="any shape by name (--judge is --shape judge)")
     args = ap.parse_args()
-    build(args.out, args.seed, "judge" if args.judge else "policy")
+    build(args.out, args.seed, args.shape or ("judge" if args.judge else "policy"))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ model) — under the ``pivot`` policy, the reference driver scoring every trajec
 critiques forced into a score line). Not a test: it prints what happened and counts expected against completed;
 ``--check`` exits 1 when a count is off. docs/benchmarks.md ("The judge live") keeps its output.
 
-The judge is made the batch's tail on purpose, so that the daemon has a reason to move GPUs to it: it takes one
-critique at a time (``max_num_seqs = 1``) and writes up to ``--critique-tokens`` tokens each. Whether ``pivot``
+The judge is made the batch's tail on purpose, so that the daemon has a reason to move GPUs to it: a larger tiny judge
+(``scripts/build-tiny-model.py --shape judge-large``, about 26M parameters), one critique at a time
+(``max_num_seqs = 1``), up to ``--critique-tokens`` tokens each. Whether ``pivot``
 then lends the trainer's idle GPU to the judge or shifts a rollout GPU (or neither) is its own decision, from the
 verdicts per second it measured and the engine profile (measured first with ``pearlctl profile``); the run prints
 each transition with its reason and its cost. On two cores the engines share the CPU, so a second judge does not
@@ -26,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,15 +38,15 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl.host.runfiles import read_address  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
+from tests.benchmarks import _runs  # noqa: E402
 
-TINY, JUDGE = REPO / "examples" / "models" / "tiny", REPO / "examples" / "models" / "tiny-judge"
+TINY = REPO / "examples" / "models" / "tiny"
 CLUSTER = "/tmp/pearl-bench-judge"
 ENV = '{ OMP_NUM_THREADS = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind" }'
 
 
-def spec(run_dir: Path, steps: int) -> str:
+def spec(run_dir: Path, steps: int, judge: Path) -> str:
     py = sys.executable
     train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              str(REPO / "examples/grpo/train.py"), "--model", str(TINY), "--steps", str(steps),
@@ -78,7 +78,7 @@ engine_args = {{ max_model_len = 512 }}
 partition = "debug"
 nodes = 1
 gpus_per_node = 1
-model = "{JUDGE}"
+model = "{judge}"
 env = {ENV}
 engine_args = {{ max_model_len = 1024, max_num_seqs = 1 }}
 """
@@ -111,7 +111,10 @@ def main() -> int:
         raise SystemExit(f"the cluster did not come up:\n{up.stderr}")
     env["SLURM_CONF"] = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
     run_dir = work / "run"
-    (work / "run.toml").write_text(spec(run_dir, args.steps))
+    judge = work / "judge"  # the large tiny judge (scripts/build-tiny-model.py --shape judge-large)
+    build = [sys.executable, str(REPO / "scripts/build-tiny-model.py"), str(judge), "--shape", "judge-large"]
+    subprocess.run(build, check=True, capture_output=True, env=env)
+    (work / "run.toml").write_text(spec(run_dir, args.steps, judge))
     pearl = [sys.executable, "-m", "pearlctl"]
 
     def pc(*argv: str) -> str:
@@ -173,7 +176,7 @@ def main() -> int:
         judge_workers = {v["worker"] for v in verdicts}
         if len(verdicts) != per_step * args.steps:
             problems.append(f"{len(verdicts)} verdicts recorded for {per_step * args.steps} trajectories")
-        if {v["model"] for v in verdicts} != {str(JUDGE)} or any(v["weight_version"] for v in verdicts):
+        if {v["model"] for v in verdicts} != {str(judge)} or any(v["weight_version"] for v in verdicts):
             problems.append("a verdict from another model than the judge's, or a judge serving policy weights")
         if servers & (judges | judge_workers):
             problems.append(f"policy turns served by a judge: {servers & (judges | judge_workers)}")
@@ -197,12 +200,7 @@ def main() -> int:
         print(f"wall time of the rollout and training: {wall:.0f} s")
         print("problems: " + ("; ".join(problems) if problems else "none"))
     finally:
-        address = read_address(run_dir)
-        if address:
-            try:
-                os.kill(address["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _runs.stop_daemon(run_dir)
         subprocess.run([*pearl, "cancel", "judged"], capture_output=True, env=env)
         if not args.keep:
             subprocess.run(

@@ -42,7 +42,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ from pearlctl.planner import profile as profiles  # noqa: E402
 from pearlctl.router import service as router_service  # noqa: E402
 from pearlctl.sim import run as simrun  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
-from tests.benchmarks import live_driver  # noqa: E402
+from tests.benchmarks import _runs, live_driver  # noqa: E402
 
 CLUSTER_DIR = "/tmp/pearl-live"
 GRACE_S = 10.0  # the preempt partition's GraceTime (scripts/localslurm.py): Slurm's notice of a preemption
@@ -399,12 +398,7 @@ def run_live(args, scenario, policy: str, cluster: Cluster, work: Path, profile_
     }
     out["turn_seconds"] = turn_seconds(run_dir)
     live.pc("cancel", live.name, check=False)
-    address = read_address(run_dir)
-    if address:
-        try:
-            os.kill(address["pid"], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _runs.stop_daemon(run_dir)
     return out
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,10 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl.host.runfiles import read_address  # noqa: E402
 from pearlctl.router import service  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
-from tests.benchmarks import _targets  # noqa: E402
+from tests.benchmarks import _runs, _targets  # noqa: E402
 from tests.benchmarks.bench_transitions import first, worker_times  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -199,12 +197,7 @@ def main() -> int:
                 "medians:\n\n" + table(rows) + f"\n\nTargets: {_targets.summary_line(results)}.",
             )
     finally:
-        address = read_address(run_dir)
-        if address:
-            try:
-                os.kill(address["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _runs.stop_daemon(run_dir)
         subprocess.run([*pearl, "cancel", "shifts"], capture_output=True, env=env)
         record = service.read_record(run_dir)
         if record is not None:

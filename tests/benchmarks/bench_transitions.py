@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,9 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pearlctl.host.runfiles import read_address  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
-from tests.benchmarks import _targets  # noqa: E402
+from tests.benchmarks import _runs, _targets  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 # pearlctl's own share of a transition (its median per kind, the largest of the kinds): the design's aim
@@ -265,12 +263,7 @@ def main() -> int:
                 + f"\n\nTargets: {held}.",
             )
     finally:
-        address = read_address(run_dir)
-        if address:
-            try:
-                os.kill(address["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _runs.stop_daemon(run_dir)
         sh(*pearl, "cancel", "bench", env=env, check=False)
         if not args.keep:
             sh(

@@ -39,64 +39,83 @@ LENDING = factories.profile(
 TAIL = {"turns_left": 1, "decode_tokens_per_turn": 100, "context_tokens": 1_000, "tool_latency_s": 0.5}
 
 
-def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_when_all_is_judged(tmp_path: Path):
-    clock, router = Clock(), SimRouter()
-    store = Store.open(tmp_path / "state.db", clock=clock)  # one clock: pivot reads when the last plan was made
-    pools = [factories.pool("rollout", "ROLLOUT", nodes=2), factories.pool("reward", "REWARD")]
-    factories.create_run(store, tmp_path, pools, spec=SPEC)
-    allocs = factories.run_all(store)  # jobs 10, 11 (rollout tasks) and 12 (the judge) on nodes n0, n1, n2
-    daemon = Daemon(store, allocs[0].id, 1, clock, router)
-    agents = []
-    for i, a in enumerate(allocs):
-        register = {"job_id": str(10 + i), "task_id": a.array_index, "node": f"n{i}", "gpus": [0], "pid": 1}
-        daemon.controller.agents.register(parse(bodies.Register, register))
-        agents.append((SimpleNamespace(controller=daemon.controller, alloc_id=a.id), SimAgent(router, host=f"n{i}")))
-    store.update_fields("runs", "r", profile=profiles.to_dict(PROFILE), borrow={"policy": "pivot", "max_gpus": None})
+class World:
+    """Run "r" of ``pools`` under pivot with ``profile``, every allocation RUNNING (the i-th as job ``10 + i`` on node
+    ``n<i>``) with a simulated agent each, the daemon's objects on one fake clock (the store's too: pivot reads when
+    the last plan was made), and ``trainer``, a simulated trainer hook, when the run has one."""
 
-    def loop(until, report=lambda: None) -> None:
+    def __init__(self, tmp_path: Path, pools: list[dict], profile, trainer=None):
+        self.clock, self.router, self.trainer = Clock(), SimRouter(), trainer
+        self.store = Store.open(tmp_path / "state.db", clock=self.clock)
+        factories.create_run(self.store, tmp_path, pools, spec=SPEC)
+        self.allocs = factories.run_all(self.store)
+        self.daemon = Daemon(self.store, self.allocs[0].id, 1, self.clock, self.router)
+        self.agents = []
+        for i, a in enumerate(self.allocs):
+            register = {"job_id": str(10 + i), "task_id": a.array_index, "node": f"n{i}", "gpus": [0], "pid": 1}
+            self.daemon.controller.agents.register(parse(bodies.Register, register))
+            view = SimpleNamespace(controller=self.daemon.controller, alloc_id=a.id)
+            self.agents.append((view, SimAgent(self.router, host=f"n{i}")))
+        borrow = {"policy": "pivot", "max_gpus": None}
+        self.store.update_fields("runs", "r", profile=profiles.to_dict(profile), borrow=borrow)
+
+    def loop(self, until, report=lambda: None) -> None:
+        """Each simulated second: the driver's ``report``, the trainer, the agents, the router, the control loop."""
         for _ in range(120):
             report()
-            for view, agent in agents:
+            if self.trainer is not None:
+                self.trainer.tick(SimpleNamespace(controller=self.daemon.controller))
+            for view, agent in self.agents:
                 agent.tick(view)
-            router.sync(store)
-            daemon.borrowing.tick(daemon.controller.lock)
-            clock.t += 1.0
+            self.router.sync(self.store)
+            self.daemon.borrowing.tick(self.daemon.controller.lock)
+            self.clock.t += 1.0
             if until():
                 return
-        raise AssertionError(f"did not converge: {[(t.kind, t.to_role, t.state) for t in store.transitions.all('r')]}")
+        moved = [(t.kind, t.to_role, t.state) for t in self.store.transitions.all("r")]
+        raise AssertionError(f"did not converge: {moved}")
 
-    serving = lambda: sum(w.routable for w in store.fleet.workers("r"))  # noqa: E731
-    loop(lambda: serving() == 3)
+    def progress(self, body: dict) -> None:
+        self.daemon.controller.trainer.rollout_progress(parse(bodies.Progress, body))
+
+    def finished(self, kind: str, to_role: str | None = None):
+        """The latest DONE transition of ``kind`` (toward ``to_role``), or None."""
+        ts = [
+            t
+            for t in self.store.transitions.all("r")
+            if t.kind == kind and t.state == "DONE" and (to_role is None or t.to_role == to_role)
+        ]
+        return ts[-1] if ts else None
+
+
+def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_when_all_is_judged(tmp_path: Path):
+    w = World(tmp_path, [factories.pool("rollout", "ROLLOUT", nodes=2), factories.pool("reward", "REWARD")], PROFILE)
+    store = w.store
+    w.loop(lambda: sum(x.routable for x in store.fleet.workers("r")) == 3)
     assert store.transitions.all("r") == []  # nothing to judge: nothing shifts
 
     done = iter(range(0, 10_000, 2))  # two verdicts a second, 200 waiting: one judge needs 100 s
 
     def backed_up() -> None:
         judge = {"waiting": 200, "judging": 4, "done": next(done), "failed": 0}
-        progress = {"generating": 4, "done": 60, "tokens": 1000, "work": {"trajectories": 4, **TAIL}, "judge": judge}
-        daemon.controller.trainer.rollout_progress(parse(bodies.Progress, progress))
+        w.progress({"generating": 4, "done": 60, "tokens": 1000, "work": {"trajectories": 4, **TAIL}, "judge": judge})
 
-    def shifted(to: str):
-        ts = [t for t in store.transitions.all("r") if t.to_role == to and t.state == "DONE"]
-        return ts[-1] if ts else None
-
-    loop(lambda: shifted("REWARD"), backed_up)
-    there = shifted("REWARD")
-    assert there.kind == "switch" and there.from_role == "ROLLOUT" and "verdicts back up" in there.detail["why"]
+    w.loop(lambda: w.finished("switch", "REWARD"), backed_up)
+    there = w.finished("switch", "REWARD")
+    assert there.from_role == "ROLLOUT" and "verdicts back up" in there.detail["why"]
     (gpu,) = there.gpu_ids
     moved = store.fleet.gpu(gpu)
     assert moved.pool == "rollout" and moved.role == "REWARD"
-    (want,) = daemon.controller.desired.of(moved.allocation_id)
+    (want,) = w.daemon.controller.desired.of(moved.allocation_id)
     assert (want.role, want.model) == ("REWARD", "/m/judge")
     assert len(store.transitions.all("r")) == 1  # one shift: the next decision saw the judge and held
 
     def all_judged() -> None:
         judge = {"waiting": 0, "judging": 0, "done": 264, "failed": 0}
-        progress = {"generating": 0, "done": 64, "tokens": 1200, "work": {"trajectories": 0}, "judge": judge}
-        daemon.controller.trainer.rollout_progress(parse(bodies.Progress, progress))
+        w.progress({"generating": 0, "done": 64, "tokens": 1200, "work": {"trajectories": 0}, "judge": judge})
 
-    loop(lambda: shifted("ROLLOUT"), all_judged)
-    back = shifted("ROLLOUT")
+    w.loop(lambda: w.finished("switch", "ROLLOUT"), all_judged)
+    back = w.finished("switch", "ROLLOUT")
     assert back.gpu_ids == (gpu,) and "nothing to judge" in back.detail["why"]
     assert store.fleet.gpu(gpu).role == "ROLLOUT"
     assert [(t.from_role, t.to_role) for t in store.transitions.all("r")] == [
@@ -112,58 +131,33 @@ def test_pivot_lends_an_idle_trainer_gpu_to_the_judge_and_the_trainer_gets_it_ba
     for a verdict it goes back (a RETURN: the judge drains, the trainer reloads)."""
     from tests.unit.test_crash_matrix import SimTrainer
 
-    clock, router = Clock(), SimRouter()
-    store = Store.open(tmp_path / "state.db", clock=clock)
     pools = [
         factories.pool("trainer", "TRAIN"),
         factories.pool("rollout", "ROLLOUT", nodes=2),
         factories.pool("reward", "REWARD"),
     ]
-    factories.create_run(store, tmp_path, pools, spec=SPEC)
-    allocs = factories.run_all(store)  # the trainer (job 10), two rollout tasks, the judge
-    daemon = Daemon(store, allocs[0].id, 1, clock, router)
-    agents, trainer = [], SimTrainer()
-    for i, a in enumerate(allocs):
-        register = {"job_id": str(10 + i), "task_id": a.array_index, "node": f"n{i}", "gpus": [0], "pid": 1}
-        daemon.controller.agents.register(parse(bodies.Register, register))
-        agents.append((SimpleNamespace(controller=daemon.controller, alloc_id=a.id), SimAgent(router, host=f"n{i}")))
-    store.update_fields("runs", "r", profile=profiles.to_dict(LENDING), borrow={"policy": "pivot", "max_gpus": None})
+    w = World(tmp_path, pools, LENDING, trainer=SimTrainer())  # the trainer (job 10), two rollout tasks, the judge
+    store, trainer = w.store, w.trainer
     done = iter(range(0, 10_000, 2))
-
-    def loop(until, report) -> None:
-        for _ in range(120):
-            report()
-            trainer.tick(SimpleNamespace(controller=daemon.controller))
-            for view, agent in agents:
-                agent.tick(view)
-            router.sync(store)
-            daemon.borrowing.tick(daemon.controller.lock)
-            clock.t += 1.0
-            if until():
-                return
-        raise AssertionError(f"did not converge: {[(t.kind, t.to_role, t.state) for t in store.transitions.all('r')]}")
 
     def progress(waiting: int, work: int) -> None:
         judge = {"waiting": waiting, "judging": 4 if waiting else 0, "done": next(done), "failed": 0}
-        body = {"generating": work, "done": 60, "tokens": 1000, "work": {"trajectories": work, **TAIL}, "judge": judge}
-        daemon.controller.trainer.rollout_progress(parse(bodies.Progress, body))
+        w.progress(
+            {"generating": work, "done": 60, "tokens": 1000, "work": {"trajectories": work, **TAIL}, "judge": judge}
+        )
 
-    def finished(kind: str):
-        ts = [t for t in store.transitions.all("r") if t.kind == kind and t.state == "DONE"]
-        return ts[-1] if ts else None
-
-    loop(lambda: finished("borrow"), lambda: progress(200, 4))
-    lent = finished("borrow")
+    w.loop(lambda: w.finished("borrow"), lambda: progress(200, 4))
+    lent = w.finished("borrow")
     assert lent.to_role == "REWARD" and lent.detail["return_deadline"] is not None
     (gpu,) = lent.gpu_ids
     assert store.fleet.gpu(gpu).pool == "trainer" and store.fleet.gpu(gpu).role == "REWARD"
-    judge = [w for w in daemon.controller.desired.of(allocs[0].id) if w.role == "REWARD"]
-    assert [(w.model, w.return_deadline) for w in judge] == [("/m/judge", lent.detail["return_deadline"])]
+    judge = [x for x in w.daemon.controller.desired.of(w.allocs[0].id) if x.role == "REWARD"]
+    assert [(x.model, x.return_deadline) for x in judge] == [("/m/judge", lent.detail["return_deadline"])]
     assert trainer.released
     assert [t.kind for t in store.transitions.all("r")] == ["borrow"]  # lent first: no rollout GPU shifted
 
-    loop(lambda: finished("return"), lambda: progress(0, 2))
-    back = finished("return")
+    w.loop(lambda: w.finished("return"), lambda: progress(0, 2))
+    back = w.finished("return")
     assert back.gpu_ids == (gpu,) and back.from_role == "REWARD"
     assert store.fleet.gpu(gpu).role == "TRAIN" and not store.fleet.gpu(gpu).borrowed and not trainer.released
     store.close()
