@@ -485,6 +485,7 @@ class Borrowing:
                         plan=borrow["plan"],
                         rollback=borrow["rollback"],
                         policy=borrow["policy"],
+                        why=borrow["why"],  # the policy's reason, as its other transitions carry it
                         return_deadline=borrow["return_deadline"],
                         wait_from=borrow["view"]["wait_from"],  # the deadline's wait: the trainer's, or predicted
                     ),

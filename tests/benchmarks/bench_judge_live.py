@@ -85,8 +85,11 @@ engine_args = {{ max_model_len = 1024, max_num_seqs = 1 }}
 
 
 def finished(url: str) -> float:
-    """Requests a vLLM server finished (every finish reason), from its /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """Requests a vLLM server finished (every finish reason), from its /metrics (0 when it does not answer)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
@@ -165,7 +168,8 @@ def main() -> int:
             problems.append(f"{len(rolled)} steps rolled out and {len(trained)} trained of {args.steps}")
 
         status = json.loads(pc("status", "judged", "--json"))
-        judges = {w["url"] for w in status["workers"] if w["role"] == "REWARD" and w["url"]}
+        judges = {w["url"] for w in status["workers"] if w["role"] == "REWARD" and w["url"]}  # every judge worker
+        live = {w["url"] for w in status["workers"] if w["role"] == "REWARD" and w["url"] and w["state"] == "READY"}
         verdicts, servers, requests = [], set(), 0
         for step in range(1, args.steps + 1):
             path = run_dir / "rollouts" / f"step-{step:06d}.jsonl"
@@ -182,7 +186,7 @@ def main() -> int:
             problems.append(f"policy turns served by a judge: {servers & (judges | judge_workers)}")
         # what the judge workers' vLLM finished: the verdicts' requests (live judges only: a shifted one that left
         # took its count with it)
-        counted = sum(finished(u) for u in judges)
+        counted = sum(finished(u) for u in live)
         print(f"verdicts {len(verdicts)} from {len(judge_workers)} judge worker(s), {requests} judge request(s); "
               f"live judges' vLLM finished {counted:.0f}")  # fmt: skip
 
