@@ -527,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                 # nothing of this step was written; exit now rather than wait for the step's other
                 # episodes, which may retry for up to --retry-for-s more (a pool's threads are joined at exit)
                 os._exit(1)
-            write_batch(args.out, step, groups)
+            # the daemon hears that the step is rolled out and judged before the trainer can read it: lent GPUs
+            # start back while the batch is written, not once the trainer already waits for them
             client.report_progress(step, work=remaining.work(), judge=queue())
+            write_batch(args.out, step, groups)
             rewards = [r for g in groups for r in g.rewards]
             versions = sorted({t.weight_version or "?" for g in groups for tr in g.trajectories for t in tr.turns})
             print(

@@ -184,6 +184,7 @@ def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges
     assert not (judging.continued() if to == "REWARD" else policy.continued())  # nothing left the other role
 
 
+@pytest.mark.parametrize("harness", ["paced"], indirect=True, scope="module")  # the matrix's run, after its cases
 def test_a_judge_worker_killed_mid_request_loses_no_judge_request_and_answers_none_twice(harness):
     """The fault run of a judge: with two judges serving (the reward pool's, and the rollout GPU shifted to the judge),
     the reward pool's judge process is SIGKILLed while judge requests are in flight on it. Every judge request sent
