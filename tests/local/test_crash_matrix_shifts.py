@@ -81,8 +81,12 @@ class ShiftHarness(Harness):
         return live[0] if len(live) == 1 else None
 
     def members(self) -> dict[str, str]:
-        """The gateway's members: URL -> the router it routes them in ("regular", "judge", ...)."""
-        record, key = service.read_record(self.run_dir), service.read_key(self.run_dir)
+        """The gateway's members: URL -> the router it routes them in ("regular", "judge", ...); none before the
+        daemon started the gateway."""
+        record = service.read_record(self.run_dir)
+        if record is None:
+            return {}
+        key = service.read_key(self.run_dir)
         doc = httpx.get(record.url + "/pearl/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
         return {m["url"]: m.get("router") for m in doc["workers"] if m.get("routed", True)}
 
@@ -101,7 +105,7 @@ def harness(request, tmp_path_factory):
     with ShiftHarness.launched(request, tmp_path_factory, RUN, spec, "shifts") as h:
         wait_for(lambda: h.serving("rollout", MOVED) and h.serving("rollout", KEPT) and h.serving("reward"), 120)
         # the gateway routes the judge (it knows the judge's model: a request naming it before would be the policy's)
-        wait_for(lambda: h.members().get(h.serving("reward").url) == "judge", 60)
+        wait_for(lambda: (w := h.serving("reward")) is not None and h.members().get(w.url) == "judge", 60)
         yield h
 
 
