@@ -159,7 +159,7 @@ class PolicyInputs:
         return self._per_generation("slots", self._make_slots)
 
     def _make_slots(self) -> tuple[GpuSlot, ...]:
-        asleep = {w.id for w in self.store.fleet.workers(self.run_id) if w.state == "SLEEPING"}
+        asleep = {w.id: w.role for w in self.store.fleet.workers(self.run_id) if w.state == "SLEEPING"}
         gpus = []
         for g in self.gpu_rows():
             if g.state != G.UP:
@@ -174,7 +174,9 @@ class PolicyInputs:
                     node=g.node,
                     pool=g.pool,
                     role=role,
-                    parked=role in RESTING_ROLES and g.worker_id in asleep,
+                    # a parked worker wakes for its own role only: the policy's, or the judge's
+                    parked=role in RESTING_ROLES and asleep.get(g.worker_id) in GENERATION_ROLES,
+                    parked_judge=role in RESTING_ROLES and asleep.get(g.worker_id) == Role.REWARD,
                     borrowed=bool(g.borrowed),
                     return_deadline=g.return_deadline,
                 )

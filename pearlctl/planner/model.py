@@ -30,7 +30,8 @@ class GpuSlot:
     node: str
     pool: str  # trainer | rollout | elastic | reward
     role: Role
-    parked: bool = False  # a vLLM worker sleeps here: a wake, not a cold start, brings it back
+    parked: bool = False  # a vLLM worker of the policy sleeps here: a wake, not a cold start, brings it back
+    parked_judge: bool = False  # the judge's vLLM worker sleeps here: a loan to the judge wakes it (policy pivot)
     borrowed: bool = False  # a trainer GPU lent to a rollout role
     return_deadline: float | None = None  # borrowed: when the trainer needs it back (absolute seconds)
     ends_at: float | None = None  # the allocation's known end (elastic: preemption notice), absolute seconds

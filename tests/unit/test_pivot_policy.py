@@ -127,6 +127,16 @@ def test_an_idle_trainer_gpu_is_lent_to_the_judge_before_a_rollout_gpu_shifts() 
     assert [(m.kind, m.to_role) for m in short.moves] == [(MoveKind.SWITCH, Role.REWARD)]
 
 
+def test_a_loan_wakes_a_judge_parked_on_a_trainer_gpu_and_is_priced_as_a_wake() -> None:
+    """After a loan's return parked the judge asleep on a trainer GPU, the next loan takes that GPU and is priced as a
+    warm borrow (offload and wake), not a cold start: a loan then pays for a backlog a cold one would not."""
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    slots = gpus(trainer=2)
+    slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in slots]
+    (move,) = pivot.decide(snapshot(slots, TAIL, backed_up, wait_left_s=300.0)).moves
+    assert (move.gpu, move.kind, move.cost_s) == (31, MoveKind.BORROW, COSTS.borrow_s(warm=True))
+
+
 def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_nothing_waits_and_pearl_never_takes_it() -> None:
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=3.0)
     held = snapshot(gpus(trainer=1, lent=1), TAIL, backed_up, wait_left_s=300.0)

@@ -19,11 +19,12 @@ second, measured: the driver's rate over the judges serving, taken only while tr
 judge with nothing waiting is not running at its capacity, so its rate says nothing of it). Without such a
 measure no GPU moves to the judge (no hint, no made-up rate).
 
-- **A GPU to the judge**, when verdicts wait: of an idle trainer GPU lent to the judge (a borrow to REWARD, its
-  cost an offload and a start; only while nothing is lent and the trainer's wait fits the borrow, its return and
-  the slack) and a ROLLOUT GPU of the rollout or elastic pool shifted to it (a switch; the one whose allocation
-  ends last; rollout keeps a GPU), the one with the sooner E, the loan on a tie (it costs rollout nothing), when
-  that E beats E now by ``pearl.MARGIN_S`` and ``pearl.MIN_RELATIVE_GAIN`` of E now.
+- **A GPU to the judge**, when verdicts wait: of an idle trainer GPU lent to the judge (a borrow to REWARD, its cost
+  an offload and a start, or a wake where the judge sleeps parked from an earlier loan; only while nothing is lent
+  and the trainer's wait fits the borrow, its return and the slack) and a ROLLOUT GPU of the rollout or elastic pool
+  shifted to it (a switch; the one whose allocation ends last; rollout keeps a GPU), the one with the sooner E, the
+  loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S`` and
+  ``pearl.MIN_RELATIVE_GAIN`` of E now.
 - **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
   its batch complete) or nothing waits for a verdict any more.
 - **A shifted GPU back to rollout** when nothing waits for a verdict and it is not needed to keep up — the judges
@@ -123,8 +124,8 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
     options = []  # (predicted end, preference, the move, what it is)
     if not any(g.borrowed for g in s.gpus) and v.lendable:  # one borrow at a time (the daemon's rule)
-        g = v.lendable[0]
-        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=False))
+        g = min(v.lendable, key=lambda g: not g.parked_judge)  # a judge parked there wakes: a warm loan
+        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=g.parked_judge))
         if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
             options.append((_judged_by(s, lend, demand, judges, rate), 0, lend, "a trainer GPU lent to the judge"))
     rollout = sorted(
