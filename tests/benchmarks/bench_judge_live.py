@@ -120,11 +120,7 @@ def main() -> int:
     (work / "run.toml").write_text(spec(run_dir, args.steps, judge))
     pearl = [sys.executable, "-m", "pearlctl"]
 
-    def pc(*argv: str) -> str:
-        proc = subprocess.run([*pearl, *argv], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"pearlctl {' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}")
-        return proc.stdout
+    pc = _runs.pearlctl(env)
 
     problems: list[str] = []
     try:

@@ -163,11 +163,7 @@ def main() -> int:
     env = dict(os.environ, PEARL_STATE_DIR=str(work / "state"), CUDA_VISIBLE_DEVICES="0")
     pearl = [sys.executable, "-m", "pearlctl"]
 
-    def sh(*argv: str) -> str:
-        proc = subprocess.run([*pearl, *argv], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"pearlctl {' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}")
-        return proc.stdout
+    sh = _runs.pearlctl(env)
 
     run_dir = work / "run"
     try:
