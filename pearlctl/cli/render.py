@@ -229,7 +229,7 @@ def _progress_lines(run: dict) -> list[Text]:
         )
     judge = rollout.get("judge") or {}
     if judge:  # pearlctl.router.judge's queue, as the driver reports it
-        rate = judge.get("verdicts_per_s")
+        rate = rollout.get("verdicts_per_s")
         parts.append(
             Text(
                 f"judge: waiting {judge.get('waiting')}, judging {judge.get('judging')}, done {judge.get('done')}, "

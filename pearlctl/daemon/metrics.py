@@ -150,7 +150,7 @@ class RunCollector:
             yield GaugeMetricFamily(
                 "pearl_judge_verdicts_per_second",
                 "verdicts per second between the driver's last two progress reports",
-                value=judge.get("verdicts_per_s") or 0,
+                value=rollout.get("verdicts_per_s") or 0,
             )
 
 

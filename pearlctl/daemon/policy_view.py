@@ -232,7 +232,9 @@ def batch_ready(trainer: dict, rollout: dict) -> bool:
 def judging_from_progress(report: dict) -> Judging:
     """The planner's Judging (the judge's queue) from the rollout driver's last report; empty without a judge."""
     judge = report.get("judge") or {}
-    return Judging(**{k: judge[k] for k in ("waiting", "judging", "done", "failed", "verdicts_per_s") if k in judge})
+    rate = report.get("verdicts_per_s") if judge else None  # kept beside the driver's report (trainer_side)
+    fields = {k: judge[k] for k in ("waiting", "judging", "done", "failed") if k in judge}
+    return Judging(**fields, **({"verdicts_per_s": rate} if rate is not None else {}))
 
 
 def work_from_progress(report: dict) -> Work:

@@ -131,7 +131,8 @@ class TrainerSide(Side):
                 report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)
             judged_before = (before.get("judge") or {}).get("done")
             if body.judge is not None and isinstance(judged_before, int) and last_at and now > last_at:
-                report["judge"]["verdicts_per_s"] = round((body.judge.done - judged_before) / (now - last_at), 2)
+                # beside the driver's report, which is stored as it was sent (a Progress), as tokens_per_s is
+                report["verdicts_per_s"] = round((body.judge.done - judged_before) / (now - last_at), 2)
             # bookkeeping: no agent's desired workers derive from it (held long polls are not woken)
             self.store.update_fields("runs", self.run_id, epoch=self.epoch, bookkeeping=True, rollout=report)
             return {"epoch": self.epoch}

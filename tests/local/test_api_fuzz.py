@@ -512,7 +512,7 @@ def check_state(run: LiveRun) -> list[str]:
         if rollout is not None:
             # the daemon's own fields beside the driver's report: when it came, its rate, when the work emptied,
             # the batch's work as it began (a planner Work, or None)
-            own = ("reported_at", "tokens_per_s", "emptied_at", "batch_work")
+            own = ("reported_at", "tokens_per_s", "verdicts_per_s", "emptied_at", "batch_work")
             doc = {k: v for k, v in rollout.items() if k not in own}
             emptied = rollout.get("emptied_at")
             if not (emptied is None or (isinstance(emptied, (int, float)) and math.isfinite(emptied))):
@@ -530,7 +530,7 @@ def check_state(run: LiveRun) -> list[str]:
             tokens = rollout.get("tokens")
             if not (tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool))):
                 problems.append(f"rollout.tokens = {tokens!r}")
-            for k in ("reported_at", "tokens_per_s"):
+            for k in ("reported_at", "tokens_per_s", "verdicts_per_s"):
                 v = rollout.get(k)
                 if k in rollout and not (isinstance(v, (int, float)) and math.isfinite(v)):
                     problems.append(f"rollout.{k} = {v!r}")

@@ -56,7 +56,8 @@ def test_the_judge_queue_is_kept_shown_exported_and_given_to_the_planner(tmp_pat
         doc = run_document(store, "r")
         snapshot = PolicyInputs(store, "r").snapshot(clock.now)
         exported = metrics.render(store, "r").decode()
-    assert doc["run"]["rollout"]["judge"] == {**judge, "done": 13, "verdicts_per_s": 2.0}
+    assert doc["run"]["rollout"]["judge"] == {**judge, "done": 13} and doc["run"]["rollout"]["verdicts_per_s"] == 2.0
+    bodies.parse(bodies.Progress, {k: doc["run"]["rollout"][k] for k in ("done", "judge")})  # stored as it was sent
     assert snapshot.judging == Judging(waiting=5, judging=2, done=13, failed=1, verdicts_per_s=2.0)
     assert snapshot.judging.backlog == 7
     console = Console(width=300, record=True)
