@@ -354,8 +354,7 @@ class RolloutClient:
                 logprobs = [None if v is None else float(v) for v in lp["token_logprobs"]]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise _Retry(f"an unreadable answer from the gateway ({type(exc).__name__}: {exc})") from exc
-        pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
-        parts = [p for p in pearl.get("parts") or [] if isinstance(p, dict)]
+        pearl, parts = pearl_record(doc)
         last = parts[-1] if parts else {}
         timing = pearl.get("timing") if isinstance(pearl.get("timing"), dict) else {}
         span = (timing.get("received"), timing.get("answered"))
@@ -445,6 +444,13 @@ class RolloutClient:
         except _Refused as err:
             raise TurnRefused(session, self._clock() - started, n, err) from err
         raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
+
+
+def pearl_record(doc: dict) -> tuple[dict, list[dict]]:
+    """The gateway's ``pearl`` record of an answer (pearlctl.router.turn: parts, continuations, attempts) and its
+    parts, each the tokens one worker made with the weights it served; empty when the answer carries none."""
+    pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
+    return pearl, [p for p in pearl.get("parts") or [] if isinstance(p, dict)]
 
 
 def _message(resp: httpx.Response) -> str:

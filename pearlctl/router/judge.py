@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pearlctl.router.client import RolloutClient
+from pearlctl.router.client import RolloutClient, pearl_record
 
 VERDICT_PROMPT = "Task: {task}\nAnswer: {answer}\nQuestion: {rubric} Reply yes or no.\nReply:"
 CANDIDATES = (" yes", " no")  # appended to the verdict prompt: P(yes) against P(no)
@@ -280,8 +280,7 @@ def score_regex(scale: int, max_tokens: int) -> str:
 
 def _served_by(doc: dict) -> tuple[str | None, str | None]:
     """(worker, weight version) of the part that answered, as the gateway's ``pearl`` record tags it."""
-    pearl = doc.get("pearl") if isinstance(doc.get("pearl"), dict) else {}
-    parts = [p for p in pearl.get("parts") or [] if isinstance(p, dict)]
+    _, parts = pearl_record(doc)
     last = parts[-1] if parts else {}
     worker, version = last.get("worker"), last.get("weight_version")
     return (worker if isinstance(worker, str) else None, version if isinstance(version, str) else None)

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pearlctl.agent.engines.vllm_endpoints import parse_metrics
 from pearlctl.daemon.transitions import PLANS, PlanKind
 from pearlctl.router import service
 from pearlctl.state.rows import Allocation, Worker
@@ -111,12 +112,13 @@ def harness(request, tmp_path_factory):
 
 
 def running(url: str) -> float:
-    """Requests running on a (paced) engine now, from its /metrics (0 when it does not answer)."""
+    """Requests running on a (paced) engine now, from its /metrics as the agent reads them (0 when it does not
+    answer)."""
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return 0.0
-    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+    return parse_metrics(text).get("num_requests_running", 0)
 
 
 def models_of(url: str) -> list[str]:
