@@ -54,7 +54,9 @@ NEEDS_PROFILE = True  # pearl's predictions need the run's engine profile
 def decide(snapshot: Snapshot) -> Plan | None:
     # pearl plans the policy's GPUs: the judges are not its (it would count a trainer GPU lent to the judge as one
     # lent to rollout that no longer pays, and take it back)
-    planned = pearl.decide(replace(snapshot, gpus=tuple(g for g in snapshot.gpus if g.role != Role.REWARD)))
+    policy_side = tuple(g for g in snapshot.gpus if g.role != Role.REWARD)
+    # (the snapshot itself when no GPU judges: its view, built once per snapshot, is pearl's and the judge's)
+    planned = pearl.decide(snapshot if len(policy_side) == len(snapshot.gpus) else replace(snapshot, gpus=policy_side))
     if planned is not None and planned.moves:
         return planned
     return _judge_plan(snapshot) or planned
