@@ -8,6 +8,15 @@ Guarantees:
   previous version and role.
 - A set (`MemberAdmin.sync`) is health-checked concurrently and changes the routers once for the whole set.
 - A worker removed or re-added while it was awaited is answered 409, never added behind the caller's back.
+- **A join rebalances queues.** vllm-router's ``consistent_hash`` sends each request to its session's worker at
+  once, where it waits in vLLM's queue even after a worker joins the ring: a worker that joins mid-batch would
+  get only new sessions and next turns while older workers hold a queue. So when workers join the regular
+  router, every older member whose ``/metrics`` shows requests waiting is asked to abort the gateway's
+  continuable attempts (``/abort_requests`` by their ids: a request that cannot be continued is never aborted
+  here); the gateway continues each through the router on the new ring, so the sessions that now hash to a
+  joined worker go there, and the others go back to their worker, whose prefix cache holds their context.
+  Members with no queue are left alone. It runs beside the admin call, never fails it, and is counted in the
+  gateway's stats (``rebalances``, ``rebalance_aborts``).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpx
 
@@ -29,13 +38,27 @@ from pearlctl.vocabulary import Role
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
 
 
+WAITING_METRIC = "vllm:num_requests_waiting"  # vLLM's gauge of the requests in a server's queue
+
+
 class MemberAdmin:
     """The membership changes of the admin API, over the members and the routers that route to them."""
 
-    def __init__(self, members: Members, routers: Routers, control: ControlLoop):
+    def __init__(
+        self,
+        members: Members,
+        routers: Routers,
+        control: ControlLoop,
+        upstream_ids: Callable[[], list[str]] = list,
+        stats: dict[str, int] | None = None,
+    ):
         self.members, self.routers, self.control = members, routers, control
+        self.upstream_ids = upstream_ids  # the gateway's continuable attempts upstream, by engine request id
+        self.stats = stats if stats is not None else {}
+        self.stats.update(rebalances=0, rebalance_aborts=0)
         self._wanted: dict[str, int] = {}  # url -> the latest add's ticket (a remove withdraws it)
         self._ticket = 0
+        self._rebalancing: set[asyncio.Task] = set()
 
     async def _wait_healthy(self, url: str, wait_s: float) -> str | None:
         """None once ``url``/health answers 200 within ``wait_s``; else why not."""
@@ -82,7 +105,13 @@ class MemberAdmin:
                 before[w.url] = self.members.by_url.get(w.url)
                 member, added, changed = self.members.set(w.url, w.weight_version, w.role)
                 results[w.url] = (200, {"worker": member.doc(), "added": added, "updated": changed})
+        regular = self.routers.regular()
         failed, stuck = await self.routers.reconcile(force=before, gone=gone, wait_s=wait_s)
+        now = self.routers.regular()
+        if now - regular and now & regular:
+            task = asyncio.get_running_loop().create_task(self.rebalance(sorted(now & regular)))
+            self._rebalancing.add(task)
+            task.add_done_callback(self._rebalancing.discard)
         undone: list[str] = []
         for url, why in failed.items():
             if url not in before or self._wanted.get(url) != tickets[url]:
@@ -111,6 +140,57 @@ class MemberAdmin:
                     m.weight_version,
                 )
         return results, stuck
+
+    async def rebalance(self, older: list[str]) -> int:
+        """Workers joined the regular router: each of the ``older`` members with requests waiting aborts the
+        gateway's continuable attempts (the module doc). Returns how many members were asked."""
+        ids = self.upstream_ids()
+        if not ids:
+            return 0
+        waiting = await asyncio.gather(*(self._waiting(url) for url in older))
+        queued = [url for url, n in zip(older, waiting, strict=True) if n > 0]
+        if not queued:
+            return 0
+        done = await asyncio.gather(*(self._abort(url, ids) for url in queued))
+        self.stats["rebalances"] += 1
+        self.stats["rebalance_aborts"] += sum(done)
+        log.info(
+            "rebalance after a join: %d of %d older members had a queue (%d waiting); their continuable requests "
+            "were aborted to be continued on the new ring",
+            len(queued),
+            len(older),
+            sum(waiting),
+        )
+        return len(queued)
+
+    async def _waiting(self, url: str) -> float:
+        """Requests waiting in ``url``'s queue (vLLM's ``vllm:num_requests_waiting``); 0 when it cannot be read."""
+        try:
+            resp = await self.control.http.get(url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return 0.0
+        if resp.status_code != 200:
+            return 0.0
+        total = 0.0
+        for line in resp.text.splitlines():
+            if line.startswith(WAITING_METRIC):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (ValueError, IndexError):
+                    continue
+        return total
+
+    async def _abort(self, url: str, ids: list[str]) -> int:
+        """Ask ``url`` to abort the requests ``ids`` (those it does not hold are no-ops); 1 when it answered."""
+        try:
+            resp = await self.control.http.post(url + "/abort_requests", json={"request_ids": ids}, timeout=5.0)
+        except httpx.HTTPError as exc:
+            log.warning("rebalance: %s/abort_requests failed (%s)", url, type(exc).__name__)
+            return 0
+        if resp.status_code != 200:
+            log.warning("rebalance: %s/abort_requests answered HTTP %d", url, resp.status_code)
+            return 0
+        return 1
 
     async def add(self, worker: WorkerIn) -> tuple[int, dict]:
         """Add one worker (or change its version or role); (HTTP status, answer)."""

@@ -37,8 +37,11 @@ import contextlib
 import json
 import logging
 import random
+import threading
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -155,7 +158,12 @@ class Gateway:
         # a control plane serves, on the caller's loop with the data plane's client (the unit tests).
         self.control = ControlLoop(self.http)
         self.routers = Routers(config, self.members, self.control, self.stats, pd_launcher, judge_launcher)
-        self.admin = MemberAdmin(self.members, self.routers, self.control)
+        # The engine request ids of the continuable attempts upstream now: a join's rebalance aborts them by id
+        # (pearlctl.router.admin), and each is continued on the new ring. Added and removed on the data plane's
+        # loop, read on the control plane's.
+        self._upstream: Counter[str] = Counter()  # (a caller's X-Request-Id may name several)
+        self._upstream_lock = threading.Lock()
+        self.admin = MemberAdmin(self.members, self.routers, self.control, self.upstream_ids, self.stats)
         self.tokenizers = Tokenizers()  # for the text of continued turns (pearlctl.router.text)
         self._model_roots: dict[str, str] = {}  # served model name -> its directory (``root`` in /v1/models)
         self._unmirrored: set[tuple[str, str]] = set()  # why a model's continued turns keep vLLM's text: said once each
@@ -178,6 +186,34 @@ class Gateway:
         self.stats["continuations"] += turn.continued
         self.stats["continued_requests"] += 1 if turn.continued else 0
         self.stats["restarted"] += turn.restarted
+
+    def upstream_ids(self) -> list[str]:
+        """The engine request ids of the continuable attempts upstream now (a copy)."""
+        with self._upstream_lock:
+            return list(self._upstream)
+
+    @contextlib.contextmanager
+    def _upstream_id(self, turn: Turn, path: str, body: dict, headers: dict[str, str]) -> Iterator[None]:
+        """An attempt of a continuable turn carries a request id (vLLM's ``request_id``: the caller's
+        ``X-Request-Id`` when it sent one, which vLLM prefers, else one of the gateway's), kept while the attempt is
+        upstream under the name vLLM 0.32 gives it (``cmpl-<id>-0`` for a completion's one prompt,
+        ``chatcmpl-<id>`` for a chat turn), so that a join's rebalance aborts exactly these: an abort of a request
+        that cannot be continued would lose its work."""
+        if not turn.continuable:
+            yield
+            return
+        given = headers.get("x-request-id") or f"pearl-{uuid.uuid4().hex}"
+        body["request_id"] = given
+        rid = f"chatcmpl-{given}" if path.endswith("/chat/completions") else f"cmpl-{given}-0"
+        with self._upstream_lock:
+            self._upstream[rid] += 1
+        try:
+            yield
+        finally:
+            with self._upstream_lock:
+                self._upstream[rid] -= 1
+                if not self._upstream[rid]:
+                    del self._upstream[rid]
 
     # -- attempts ---------------------------------------------------------------------------------
     async def before_attempt(self, turn: Turn) -> None:
@@ -257,7 +293,10 @@ class Gateway:
             since = self.members.mark()
             try:
                 sent = time.monotonic()
-                with self.routers.through(turn.session, _model(body)) as base:
+                with (
+                    self._upstream_id(turn, path, body, headers),
+                    self.routers.through(turn.session, _model(body)) as base,
+                ):
                     resp = await self.http.post(base + path, content=orjson.dumps(body), headers=headers)
             except httpx.HTTPError as exc:
                 turn.failed(f"{type(exc).__name__}: {exc}".strip())
@@ -319,11 +358,12 @@ class Gateway:
             turn.attempts += 1
             part = _Part(since=self.members.mark())
             try:
-                async with contextlib.aclosing(
-                    self._stream_part(turn, part, path, body, headers, continuation)
-                ) as events:
-                    async for event in events:
-                        yield event
+                with self._upstream_id(turn, path, body, headers):
+                    async with contextlib.aclosing(
+                        self._stream_part(turn, part, path, body, headers, continuation)
+                    ) as events:
+                        async for event in events:
+                            yield event
             except Refused as exc:
                 if not turn.emitted:
                     raise

@@ -188,6 +188,10 @@ class Routers:
         self._judge_failed: tuple[float, float] | None = None  # when a launch failed, back-off
         self.judge_info: dict[str, Any] = {"launches": 0, "failures": 0}
 
+    def regular(self) -> frozenset[str]:
+        """The workers the gateway has put into the regular vllm-router (a copy)."""
+        return frozenset(self._regular)
+
     # -- the data plane: where an attempt goes ------------------------------------------------------
     def for_judge(self, model: str | None) -> bool:
         """Whether a request naming ``model`` is a judge's (it goes to the judge router): a model judges serve and

@@ -31,6 +31,11 @@ What the model guarantees — it must not flatter any policy:
 - **The router is the run's router** (``router="consistent_hash"``, the default; ``pearlctl.sim.routing``):
   vllm-router's ``consistent_hash`` policy on the session id; a next turn finds its KV unless the ring changed.
   ``router="balance"`` is the model this simulator used before the run's router existed, kept for comparison.
+- **A join rebalances queues, as the gateway does** (``Engine._rebalance``; pearlctl/router/admin.py): when
+  colocated workers join the ring, each older colocated worker with requests waiting in its queue has what it
+  decodes and what waits there aborted and sent again through the router ``ABORT_S`` later; the sessions that
+  now hash to a joined worker go there and re-prefill their context, the others return to their worker, whose
+  prefix cache holds theirs. Workers with no queue are left alone.
 - **Decode grows less than linearly with batch, and prefill shares the worker in colocated mode**
   (``pearlctl.sim.batching``): the planner's own decode model; PREFILL workers and a KV transfer when
   disaggregated.
@@ -149,6 +154,9 @@ class Engine:
         # killed (hard kill: the turn retried, lost_tokens gone); leave_recompute_tokens: context re-prefilled
         # because a leaving or draining worker held its KV (included in recompute_tokens)
         self.stats |= {"requeued": 0, "aborted": 0, "killed": 0, "lost_tokens": 0.0, "leave_recompute_tokens": 0.0}
+        # rebalanced: decoding sequences the gateway's rebalance at a join aborted and sent again; of them moved
+        # to a joined worker (``_rebalance``)
+        self.stats |= {"rebalanced": 0, "moved": 0}
 
     # -- control ----------------------------------------------------------------------------------
 
@@ -178,9 +186,51 @@ class Engine:
         if changed.size:
             hard = np.zeros(len(roles), bool) if killed is None else np.asarray(killed, bool)
             self._evict_workers(changed, t, hard)
+        was = self._routable & (self.w_role == W_ROLLOUT)
         self.w_role = roles.copy()
         self.w_admit = np.ones(len(roles), bool) if routable is None else np.asarray(routable, bool).copy()
         self._roles_changed()
+        joined = self._routable & (roles == W_ROLLOUT) & ~was
+        if self.router.ring and np.count_nonzero(joined) and np.count_nonzero(was & self._routable):
+            self._rebalance(was & self._routable, t)
+
+    def _rebalance(self, old: np.ndarray, t: float) -> None:
+        """Workers joined the ring (the gateway's rebalance, pearlctl/router/admin.py): the ``old`` colocated
+        workers abort what they decode and what waits in their queues, and the gateway sends it all again through
+        the router, ``ABORT_S`` later, on the new ring. A session that now hashes to a joined worker goes there and
+        re-prefills its context (a decode with every token it generated); the others go back to their worker,
+        where vLLM's prefix cache holds their context (nothing to prefill), behind what was already waiting there.
+        A sequence in prefill keeps its place (its computed blocks are cached either way)."""
+        s = slice(self.lo, self.hi)
+        ph, run_w, disp_w = self.phase[s], self.run_w[s], self.disp_w[s]
+        queued = (ph == WAIT) & (disp_w >= 0) & old[np.maximum(disp_w, 0)]
+        if not np.count_nonzero(queued):
+            return
+        old = old & (np.bincount(disp_w[queued], minlength=len(old)) > 0)  # the workers with a waiting queue
+        decoding = (ph == DECODE) & old[np.maximum(run_w, 0)] & (run_w >= 0)
+        queued &= old[np.maximum(disp_w, 0)]
+        i = np.flatnonzero(decoding | queued) + self.lo
+        if not i.size:
+            return
+        run = self.run_w[i]
+        dec = run >= 0
+        owner = self.router.ring_owner(self, i, self._routable)
+        moves = i[dec & (owner != run)]
+        stays = i[dec & (owner == run)]
+        self.stats["rebalanced"] += int(np.count_nonzero(dec))
+        self.stats["moved"] += int(moves.size)
+        if not self.free_migration:  # the oracle's world: a session's KV follows it (``_admit``)
+            self.orphaned[moves] = True
+            self.kv_w[moves] = -1
+        self.kv_hold[i[dec]] = 0.0
+        self.new_tok[stays] = 0  # in the prefix cache
+        self.phase[i[dec]] = WAIT
+        self.run_w[i] = -1
+        self.disp_w[i] = -1
+        again = t if self.free_migration else t + ABORT_S
+        self.ready_at[i] = np.maximum(self.ready_at[i], again)
+        self._admit_wake = min(self._admit_wake, again)
+        self._admit_dirty = True
 
     def _roles_changed(self) -> None:
         """What the tick reads of the roles, kept until they change (``n_prefill`` and ``prefills_own``: by

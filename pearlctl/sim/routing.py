@@ -6,8 +6,9 @@ Two models (``ROUTERS``):
 - ``consistent_hash`` (the default): the run's router, vllm-router's ``consistent_hash`` policy on the session id,
   as pearlctl/router/service.py starts it. A request goes to the worker its session hashes to on the ring of the
   routable workers, whatever the loads, and queues there (vLLM's per-worker waiting queue) even if the ring
-  changes meanwhile; a next turn therefore finds its KV unless the ring changed (a worker joined or left), and
-  then re-prefills on its new worker. Running decodes never move.
+  changes meanwhile, unless the gateway's rebalance at a join sends it again (``Engine._rebalance``); a next
+  turn therefore finds its KV unless the ring changed (a worker joined or left), and then re-prefills on its new
+  worker. Running decodes move only in that rebalance.
 - ``balance``: the model this simulator used before the run's router existed (one waiting queue; session
   affinity unless a worker runs ``BALANCE_ABS`` sequences above the mean; new prompts to the worker with the most
   free KV), kept to compare with earlier results.
@@ -148,8 +149,9 @@ class Router:
         a request goes to the worker its session hashes to on the ring of the routable workers (``VIRTUAL_NODES``
         virtual nodes each), whatever the loads, and queues there (vLLM's waiting queue, first come first
         served: the first that does not fit blocks the ones behind it) while that worker serves (``decode_w``) —
-        even if the ring changes meanwhile. When a worker joins, the sessions that now hash to it move at their
-        next turn and re-prefill there; when one leaves, its sessions go to the ring's next owners. ``ready``: the
+        even if the ring changes meanwhile (a queue the gateway rebalances at a join is routed again: the engine
+        clears those requests' ``disp_w``). When a worker joins, the other sessions that now hash to it move at
+        their next turn and re-prefill there; when one leaves, its sessions go to the ring's next owners. ``ready``: the
         window's ready waiting requests (a mask; None: those queued and the arrivals since). Returns the admitted
         requests (in index order), their workers and needs.
 
@@ -168,9 +170,9 @@ class Router:
         if new.size:
             d = e.disp_w[new]
             if d.max() < 0:
-                target = self._ring_lookup(e, new, routable)
+                target = self.ring_owner(e, new, routable)
             else:
-                target = np.where((d >= 0) & decode_w[np.maximum(d, 0)], d, self._ring_lookup(e, new, routable))
+                target = np.where((d >= 0) & decode_w[np.maximum(d, 0)], d, self.ring_owner(e, new, routable))
             e.disp_w[new] = target
             self._need[new] = e.ctx[new] + e.dec_left[new]
             self._queued[new] = True
@@ -226,7 +228,7 @@ class Router:
         merged[old] = queue
         self._queue = merged
 
-    def _ring_lookup(self, e: RoutedEngine, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
+    def ring_owner(self, e: RoutedEngine, i: np.ndarray, routable: np.ndarray) -> np.ndarray:
         """The worker each session of trajectories ``i`` (in the window) hashes to on the ring of the ``routable``
         workers (looked up for the whole window at once, once per ring and window)."""
         at = self._ring_at

@@ -247,6 +247,31 @@ def test_b_a_drained_worker_aborts_and_the_turns_continue_exactly(
     members.add(a.url, "1")
 
 
+def test_b2_an_abort_by_the_gateways_request_ids_ends_exactly_those_requests(servers: dict[str, VllmServer]) -> None:
+    """What a join's rebalance relies on (pearlctl/router/admin.py): vLLM 0.32 knows a request whose body says
+    ``request_id: X`` as ``cmpl-X-0`` (a completion's one prompt) or ``chatcmpl-X`` (a chat turn), the names the
+    gateway keeps for its continuable attempts; ``/abort_requests`` with those ids ends exactly those requests
+    (an id it does not hold is no error), and a request it was not given runs to its end."""
+    a = servers["A"]
+    base = {"model": NAME, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    sent = [
+        ("/v1/completions", {**base, "prompt": PROMPT, "request_id": "pearl-abort-1"}),
+        ("/v1/chat/completions", {**base, "messages": MESSAGES, "request_id": "pearl-abort-2"}),
+        ("/v1/completions", {**base, "prompt": PROMPT, "request_id": "pearl-keep"}),
+    ]
+    before = generated(a)
+    with ThreadPoolExecutor(3) as pool:
+        with held(a):
+            futures = [pool.submit(lambda p, b: httpx.post(a.url + p, json=b, timeout=300).json(), *x) for x in sent]
+        mid_turn(a, before)
+        still_running(a, 3)
+        a.abort_requests(["cmpl-pearl-abort-1-0", "chatcmpl-pearl-abort-2", "cmpl-pearl-not-here-0"])
+        docs = [f.result(timeout=300) for f in futures]
+    assert [d["choices"][0]["finish_reason"] for d in docs] == ["abort", "abort", "length"], docs
+    assert all(0 < d["usage"]["completion_tokens"] < LONG for d in docs[:2])
+    assert docs[2]["usage"]["completion_tokens"] == LONG
+
+
 def greedy_completion_doc(base_url: str, key: str, session: str) -> dict:
     body = {
         "model": NAME,

@@ -140,6 +140,8 @@ class Upstream:
         # text as vLLM makes it: a tokenizers DecodeStream primed with the request's prompt ids (None: detok)
         self.tokenizer: Tokenizer | None = None
         self.root: str | None = None  # the model directory the workers' /v1/models name
+        self.waiting: dict[str, int] = {}  # requests in a worker's queue, as its /metrics says
+        self.aborts: list[tuple[str, list[str]]] = []  # each worker's /abort_requests: (worker, request ids)
 
     def gen_requests(self) -> list[tuple[str, dict, dict]]:
         return self.requests
@@ -176,6 +178,11 @@ class Upstream:
                 model = "judge" if request.url.host.startswith("judge") else "tiny"
                 entry = {"id": model, "from": origin, **({"root": self.root} if self.root else {})}
                 return httpx.Response(200, json={"object": "list", "data": [entry]})
+            if path == "/metrics":
+                n = self.waiting.get(origin, 0)
+                return httpx.Response(200, text=f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {n}.0\n')
+            if path == "/abort_requests":
+                self.aborts.append((origin, json.loads(request.content)["request_ids"]))
             return httpx.Response(200, json={})
         elif self.router_down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -909,6 +916,49 @@ def test_health_says_when_the_router_is_down_and_models_pass_through() -> None:
         assert models.status_code == 503
         assert "router does not answer" in models.json()["error"]["message"]
         assert "nor does any member worker" in models.json()["error"]["message"]
+
+    run(scenario)
+
+
+def test_a_join_aborts_by_id_only_the_continuable_attempts_and_only_on_members_with_a_queue() -> None:
+    """The rebalance at a join (pearlctl.router.admin): an older member with requests waiting is asked to abort
+    the gateway's continuable attempts by their engine ids; an attempt that cannot be continued is never named,
+    and a join while no member has a queue asks nothing."""
+
+    async def scenario(gw, client, up):
+        await add(client, W1)
+        go_on = asyncio.Event()
+        up.script = [("hold", 3, go_on, "abort"), ("hold", 2, go_on, "finish")]
+        body = {"prompt": "xyz", "max_tokens": 9, "stream": True}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "tools": tools}
+        turns = [
+            asyncio.ensure_future(client.post("/v1/completions", json=body, headers=AUTH)),
+            asyncio.ensure_future(client.post("/v1/chat/completions", json=chat, headers=AUTH)),
+        ]
+        while len(up.requests) < 2:
+            await asyncio.sleep(0.01)
+        given = up.requests[0][1]["request_id"]
+        assert given.startswith("pearl-") and "request_id" not in up.requests[1][1]  # only the continuable one
+        assert gw.upstream_ids() == [f"cmpl-{given}-0"]
+        up.waiting[W1] = 3
+        assert (await add(client, W2)).status_code == 200
+        for _ in range(200):
+            if gw.stats["rebalances"]:
+                break
+            await asyncio.sleep(0.01)
+        assert up.aborts == [(W1, [f"cmpl-{given}-0"])] and gw.stats["rebalance_aborts"] == 1
+        go_on.set()
+        first, second = await asyncio.gather(*turns)
+        chunks = [e for e in events(first)[:-1] if e.get("choices")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(detok(t) for t in greedy(list(b"xyz"), 9))
+        assert [e for e in events(first)[:-1] if "pearl" in e][0]["pearl"]["continued"] == 1
+        assert second.status_code == 200 and events(second)[-1] == "[DONE]"
+        assert gw.upstream_ids() == []  # none upstream any more
+        up.waiting.clear()
+        assert (await add(client, "http://w3:8000")).status_code == 200  # a join with no queue anywhere
+        await asyncio.sleep(0.05)
+        assert len(up.aborts) == 1 and gw.stats["rebalances"] == 1
 
     run(scenario)
 

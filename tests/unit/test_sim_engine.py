@@ -18,7 +18,7 @@ from pearlctl.sim import scenario as sc
 from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT, Engine
 from pearlctl.sim.routing import ROUTERS
 from pearlctl.sim.run import Sim
-from pearlctl.sim.trajectories import DECODE, DONE, TOOL, WAIT, Draws
+from pearlctl.sim.trajectories import DECODE, DONE, PREFILL, TOOL, WAIT, Draws
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = load_profile(REPO / "examples/profiles/qwen3-8b-h100.toml")
@@ -275,6 +275,55 @@ def test_the_router_hashes_sessions_and_a_joining_worker_takes_only_the_sessions
     assert 0.1 < moved.mean() < 0.4  # about a quarter of them
     # the moved sessions re-prefilled their context (prompt + first response + tool output) there
     assert e.stats["recompute_tokens"] == pytest.approx(moved.sum() * 300.0)
+
+
+def queued_on_worker_0(n: int, slots: int) -> tuple[Engine, float]:
+    """``n`` one-turn sessions on worker 0 of two, which runs at most ``slots`` of them (the rest wait in its
+    queue), a few hundred tokens into their turn; worker 1 is not serving yet."""
+    profile = replace(DENSE, max_num_seqs=slots)
+    e = Engine(profile, draws(n, prompt=100.0, response=1000.0), 2, 10**6)
+    e.launch(0, n, 0.0)
+    e.set_roles(np.array([W_ROLLOUT, W_OFF]), 0.0)
+    t = 0.0
+    while e.stats["decode_tokens"] < slots * 300:
+        e.step(t, 0.5)
+        t += 0.5
+        assert t < 60
+    return e, t
+
+
+def test_a_join_rebalances_a_queue_the_moved_sessions_re_prefill_and_nothing_is_decoded_twice():
+    n, slots = 40, 8
+    e, t = queued_on_worker_0(n, slots)
+    waiting = np.flatnonzero(e.phase[:n] == WAIT)
+    decoding = np.flatnonzero(e.phase[:n] == DECODE)
+    assert waiting.size == n - slots and decoding.size == slots
+    ctx = e.ctx[:n].copy()
+    e.set_roles(np.array([W_ROLLOUT, W_ROLLOUT]), t)  # worker 1 joins while worker 0 has a queue
+    owner = e.router.ring_owner(e, np.arange(n), np.array([True, True]))
+    assert 0.25 < (owner == 1).mean() < 0.75
+    # worker 0 aborted what it decoded: all of it waits again, for the abort's answers and the re-sends
+    assert (e.phase[:n] == WAIT).all() and e.stats["rebalanced"] == slots
+    assert e.stats["moved"] == np.count_nonzero(owner[decoding] == 1)
+    first = np.full(n, -1)
+    while (first < 0).any():
+        e.step(t, 0.5)
+        t += 0.5
+        first = np.where(first < 0, np.where(e.phase[:n] >= PREFILL, e.run_w[:n], -1), first)
+        assert t < 600
+    assert (first == owner).all()  # every session, queued or decoding, went where the new ring sends it
+    run_to_the_end(e, t, n)
+    # nothing was generated twice; only the moved decodes re-prefilled their context (prompt + generated)
+    assert e.stats["decode_tokens"] == pytest.approx(n * 1000.0)
+    moved = decoding[owner[decoding] == 1]
+    assert e.stats["recompute_tokens"] == pytest.approx(ctx[moved].sum())
+
+
+def test_a_join_leaves_workers_without_a_queue_alone():
+    e, t = queued_on_worker_0(8, 8)  # worker 0 runs every session: no queue
+    run_w = e.run_w[:8].copy()
+    e.set_roles(np.array([W_ROLLOUT, W_ROLLOUT]), t)
+    assert e.stats["rebalanced"] == 0 and (e.phase[:8] == DECODE).all() and (e.run_w[:8] == run_w).all()
 
 
 def test_an_unknown_router_model_is_refused():

@@ -39,6 +39,15 @@ class BadRequest(Exception):
         self.status = status
 
 
+def engine_request_id(kind: str, request: Request, body: dict) -> str:
+    """The id ``/abort_requests`` knows a request by, as vLLM 0.32 names it: the ``X-Request-Id`` header, else the
+    body's ``request_id``, else a random one, prefixed ``chatcmpl-`` (a chat turn) or prefixed ``cmpl-`` and
+    suffixed with the prompt's index ``-0`` (a completion: one prompt)."""
+    given = body.get("request_id")
+    base = request.headers.get("x-request-id") or (given if isinstance(given, str) and given else uuid.uuid4().hex)
+    return f"chatcmpl-{base}" if kind == "chat" else f"cmpl-{base}-0"
+
+
 class PacedApp:
     """The HTTP face of one `PacedEngine`."""
 
@@ -222,8 +231,7 @@ class PacedApp:
             async with self.serial:
                 await asyncio.sleep(profile.request_serial_s)
             await asyncio.sleep(max(profile.request_overhead_s - profile.request_serial_s, 0.0))
-            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            seq = self.engine.submit(rid, prompt, max_tokens, arrived)
+            seq = self.engine.submit(engine_request_id(kind, request, body), prompt, max_tokens, arrived)
             created = int(time.time())
             if opts["stream"]:
                 handed = True  # the stream's generator ends the request and the load

@@ -1,0 +1,121 @@
+"""A worker that joins mid-batch takes its share of a queue at once: the real gateway and vllm-router
+(pearlctl.router) in front of two paced engines (pearlctl.agent.engines.paced, real servers speaking vLLM's API,
+each its own process). Sixteen sessions are sent while one worker serves them four at a time; a second worker
+joins while twelve wait. The gateway's rebalance (pearlctl/router/admin.py) has the first worker abort its
+continuable requests and continues them through the router on the new ring, so the sessions that now hash to the
+second worker finish there. Every answer is the uninterrupted one, token for token, and nothing is lost."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pearlctl.router import service
+from pearlctl.router.membership import RouterMembership
+from tests.conftest import wait_for
+from tests.engines.conftest import PACED_PROFILE
+
+SESSIONS = 16
+SLOTS = 4  # each worker runs at most this many: the rest wait in its queue
+TOKENS = 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def workers(tmp_path: Path):
+    """Two paced engines on loopback, each saying who it is (``X-Pearl-Worker``): their URLs."""
+    procs, urls = [], []
+    for i in range(2):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "pearlctl.agent.engines.paced", "--model", "tiny", "--profile",
+                str(PACED_PROFILE), "--port", str(port), "--max-num-seqs", str(SLOTS)]  # fmt: skip
+        log = open(tmp_path / f"paced-{i}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append((subprocess.Popen(argv, env={**os.environ, "PEARL_WORKER_URL": url}, stdout=log, stderr=log), log))
+        urls.append(url)
+    for url in urls:
+        wait_for(lambda url=url: _ok(url + "/health"), 30, every=0.1)
+    yield urls
+    for proc, log in procs:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _waiting(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=2.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_waiting")
+    )
+
+
+def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_and_every_answer_is_exact(
+    tmp_path: Path, workers
+):
+    w1, w2 = workers
+    record = service.start(str(tmp_path), "127.0.0.1", 0, workers={w1: "1"})
+    try:
+        key = service.read_key(tmp_path)
+        answers: dict[int, dict] = {}
+
+        def turn(i: int) -> None:
+            body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
+            headers = {"Authorization": f"Bearer {key}", "X-Session-ID": f"episode-{i}"}
+            answers[i] = httpx.post(record.base_url + "/completions", json=body, headers=headers, timeout=120).json()
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(SESSIONS)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: _waiting(w1) >= SESSIONS - SLOTS, 30, every=0.05)  # all sent: four run, the rest wait
+        with RouterMembership(record.url, key) as members:
+            members.add(w2, "1")
+        for t in threads:
+            t.join(120)
+        assert sorted(answers) == list(range(SESSIONS))
+        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
+        assert stats["rebalances"] == 1 and stats["rebalance_aborts"] == 1  # one join, one member with a queue
+
+        # the sessions sent before the join that now hash to the joined worker finished there
+        finished_on = {i: a["pearl"]["parts"][-1].get("worker") for i, a in answers.items()}
+        moved = [i for i, w in finished_on.items() if w == w2]
+        assert moved and set(finished_on.values()) == {w1, w2}, finished_on
+        # each was aborted on w1 (from its queue, or mid-decode and then continued) and sent again
+        assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
+
+        # every answer is the uninterrupted one: the same prompt sent straight to a worker, never interrupted
+        for a in answers.values():
+            assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
+        for i in moved[:3] + [i for i in range(SESSIONS) if i not in moved][:3]:
+            body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
+            direct = httpx.post(w2 + "/v1/completions", json=body, timeout=60).json()
+            assert answers[i]["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"], i
+
+        # a join while no member has a queue asks nothing
+        with RouterMembership(record.url, key) as members:
+            members.remove(w2)
+            members.add(w2, "1")
+        time.sleep(0.3)
+        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
+        assert stats["rebalances"] == 1
+    finally:
+        service.stop(record, run_dir=str(tmp_path))
