@@ -102,7 +102,9 @@ class TransitionCosts:
     offload_s: float = 2.0  # trainer releases its GPUs (DeepSpeed offload_states)
     reload_s: float = 2.0  # trainer takes them back (reload_states)
     weight_sync_s: float = 10.0  # new policy weights reach every rollout worker
-    role_switch_s: float = 5.0  # a rollout worker changes role (ROLLOUT <-> PREFILL/DECODE): drain + restart KV config
+    # a rollout worker changes role (ROLLOUT <-> PREFILL/DECODE): drain + restart KV config. A switch between the
+    # policy and the judge is another model: it costs a stop and a start (pearlctl.planner.view, View.move)
+    role_switch_s: float = 5.0
 
     def borrow_s(self, warm: bool) -> float:
         return self.offload_s + (self.wake_s if warm else self.start_s)

@@ -231,6 +231,9 @@ class View:
             elif kind is MoveKind.RETIRE:
                 # an elastic allocation may end, so its worker stops; a rollout worker parks asleep
                 cost = self.s.costs.stop_s if g.pool == _ELASTIC else self.s.costs.sleep_s
+            elif kind is MoveKind.SWITCH and Role.REWARD in (g.role, to):
+                # between the policy and the judge: one model's engine stops and the other's starts cold
+                cost = self.s.costs.stop_s + self.s.costs.start_s
             else:
                 cost = self._cost_by_kind[kind]
             # Move(g.id, kind, g.role, to, cost) without the frozen dataclass's five object.__setattr__ calls

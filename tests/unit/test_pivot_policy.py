@@ -20,7 +20,8 @@ from tests import factories
 
 NOW = 10_000.0
 # a switch stops one engine and starts another: dearer than a borrow's offload and start, as this CPU measures
-COSTS = TransitionCosts(start_s=15.0, stop_s=3.0, offload_s=1.0, role_switch_s=18.0)
+COSTS = TransitionCosts(start_s=15.0, stop_s=3.0, offload_s=1.0, role_switch_s=5.0)
+SHIFT_S = COSTS.stop_s + COSTS.start_s  # a switch between the policy and the judge: a stop and a cold start
 PROFILE = factories.profile(
     "pivot-test",
     decode={"weights_s": 0.005, "seq_s": 2e-5, "kv_s_per_token": 4e-8},
@@ -71,7 +72,7 @@ def test_verdicts_backing_up_in_the_batchs_tail_shift_a_rollout_gpu_to_the_judge
     assert planned is not None and pearl.decide(snapshot(gpus(), TAIL, backed_up)) is None
     (move,) = planned.moves
     assert (move.kind, move.from_role, move.to_role) == (MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD)
-    assert move.gpu in range(4) and move.cost_s == COSTS.role_switch_s
+    assert move.gpu in range(4) and move.cost_s == SHIFT_S
     assert "verdicts back up" in planned.why
 
 
@@ -91,8 +92,8 @@ def test_no_shift_to_the_judge_where_it_does_not_pay(why, work, judging) -> None
 def test_rollout_keeps_a_gpu_and_a_just_moved_gpu_pays_for_its_move_first() -> None:
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
     assert pivot.decide(snapshot(gpus(rollout=1), TAIL, backed_up)) is None
-    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * COSTS.role_switch_s + 1)) is None
-    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * COSTS.role_switch_s)) is not None
+    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * SHIFT_S + 1)) is None
+    assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * SHIFT_S)) is not None
 
 
 def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_pools_never() -> None:
