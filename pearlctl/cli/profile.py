@@ -135,25 +135,28 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise fail(f"worker {w.url} does not answer as a vLLM server: {exc}", 3) from None
     err.print(f"measuring {w.worker_key} at {w.url} (model {model}); this takes a minute or two")
-    with profiling.WorkerProbe(w.url, model) as probe:
-        measurement = profiling.measure(
-            probe,
-            batches=_int_list(batches, "--batches"),
-            contexts=_int_list(contexts, "--contexts"),
-            repeats=repeats,
-            metrics_text=metrics,
-        )
     engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w.allocation_id)) or {}).get("engine_args") or {}
-    return profiling.build_profile(
-        measurement,
-        name=name or f"{run['name']}-{w.worker_key}",
-        model=run["spec"].get("model", model),
-        hardware=f"worker {w.worker_key} of run {run['id']} ({w.url})",
-        costs=profiles.step_costs(steps),
-        max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
-        gpus_per_worker=len(w.gpu_idx or []),
-        source=f"on {w.url}",
-    )
+    try:
+        with profiling.WorkerProbe(w.url, model) as probe:
+            measurement = profiling.measure(
+                probe,
+                batches=_int_list(batches, "--batches"),
+                contexts=_int_list(contexts, "--contexts"),
+                repeats=repeats,
+                metrics_text=metrics,
+            )
+        return profiling.build_profile(
+            measurement,
+            name=name or f"{run['name']}-{w.worker_key}",
+            model=run["spec"].get("model", model),
+            hardware=f"worker {w.worker_key} of run {run['id']} ({w.url})",
+            costs=profiles.step_costs(steps),
+            max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
+            gpus_per_worker=len(w.gpu_idx or []),
+            source=f"on {w.url}",
+        )
+    except profiling.ProfilingError as exc:  # one line, as the --slurm path's: nothing is stored
+        raise fail(f"profiling {w.worker_key} at {w.url}: {exc}", EXIT_USAGE) from None
 
 
 def _measure_on_slurm(run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus):

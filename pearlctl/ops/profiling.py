@@ -72,8 +72,13 @@ def fit_decode(points: Iterable[DecodePoint]) -> DecodeModel:
     """Fit ``itl = weights_s + seq_s*B + kv_s_per_token*B*L`` by least squares with every coefficient kept
     >= 0 (a negative one is dropped and the rest refitted). Needs points at two batch sizes at least."""
     pts = list(points)
-    if len({p.batch for p in pts}) < 2:
-        raise ProfilingError("fitting the decode model needs measurements at two batch sizes at least")
+    sizes = sorted({p.batch for p in pts})
+    if len(sizes) < 2:
+        ran = ", ".join(f"{b:g}" for b in sizes) or "none"
+        raise ProfilingError(
+            f"fitting the decode model needs measurements at two batch sizes at least; the engine ran batch {ran} "
+            "only (requests sent together ran one at a time: measure again on a machine less loaded)"
+        )
     x = np.array([[1.0, p.batch, p.batch * p.context] for p in pts])
     y = np.array([p.itl_s for p in pts])
     active = [0, 1, 2]

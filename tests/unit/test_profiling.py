@@ -41,7 +41,8 @@ def test_fit_keeps_coefficients_non_negative():
 
 
 def test_fit_needs_two_batch_sizes():
-    with pytest.raises(ProfilingError, match="two batch sizes"):
+    # requests sent together that the engine ran one at a time (a loaded machine): said, with what it ran
+    with pytest.raises(ProfilingError, match="two batch sizes at least; the engine ran batch 1 only"):
         fit_decode([DecodePoint(1, 32, 0.01), DecodePoint(1, 256, 0.012)])
 
 
