@@ -90,17 +90,18 @@ def simulate(
 
 
 def _load_policies(names: list[str]) -> None:
-    """Each name is a policy the daemon could load, or ``oracle``; an unknown one is a usage error naming the
-    known ones."""
+    """Each name is a policy the daemon could load, or a baseline the simulator computes (``oracle``,
+    ``disaggregated``); an unknown one is a usage error naming the known ones."""
     from pearlctl.policies import PolicyError, load_policy
+    from pearlctl.sim.compare import BASELINES
 
     for name in names:
-        if name == "oracle":
+        if name in BASELINES:
             continue
         try:
             load_policy(name)
         except PolicyError as exc:
-            raise fail(f"{exc}, oracle", EXIT_USAGE) from None
+            raise fail(f"{exc}, {', '.join(BASELINES)}", EXIT_USAGE) from None
 
 
 def _simulate_one(
@@ -155,13 +156,16 @@ def _memory_limit(gib: float | None, names: list[str]) -> int | None:
 
 def _render(doc: dict) -> None:
     table = Table(title=f"{doc['scenario']}: {doc['steps']} {doc['training']} steps of {doc['batch_size']} samples")
-    for col in ("policy", "samples/s", "steps/h", "transitions", "trainer delay s", "rollout GPU-h", "idle GPU-h"):
+    judged = any("judge" in p for p in doc["policies"].values())
+    cols = ("policy", "samples/s", "steps/h", "transitions", "trainer delay s", "rollout GPU-h")
+    for col in (*cols, *(("judge GPU-h",) if judged else ()), "idle GPU-h"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for name, p in doc["policies"].items():
         by = p["gpu_seconds_by_role"]
         serving = sum(by.get(r, 0.0) for r in GENERATION_ROLES) / 3600
         idle = (by.get(Role.IDLE, 0.0) + by.get("TRAIN_IDLE", 0.0)) / 3600
         label = name if p["finished"] else f"{name} (unfinished)"
+        judging = (f"{by.get(Role.REWARD, 0.0) / 3600:.1f}",) if judged else ()
         table.add_row(
             label,
             f"{p['samples_per_s']:.3f}",
@@ -169,6 +173,7 @@ def _render(doc: dict) -> None:
             str(p["transitions"]),
             f"{p['trainer_delay_s']:.1f}",
             f"{serving:.1f}",
+            *judging,
             f"{idle:.1f}",
         )
     out.print(table)

@@ -234,7 +234,11 @@ def judging_from_progress(report: dict) -> Judging:
     judge = report.get("judge") or {}
     rate = report.get("verdicts_per_s") if judge else None  # kept beside the driver's report (trainer_side)
     fields = {k: judge[k] for k in ("waiting", "judging", "done", "failed") if k in judge}
-    return Judging(**fields, **({"verdicts_per_s": rate} if rate is not None else {}))
+    if rate is not None:
+        fields.update(verdicts_per_s=rate, busy=bool(report.get("judge_busy")))
+    if judge and report.get("judge_capacity_per_judge_s"):
+        fields["capacity_per_judge_s"] = report["judge_capacity_per_judge_s"]
+    return Judging(**fields)
 
 
 def work_from_progress(report: dict) -> Work:

@@ -12,7 +12,9 @@ from pearlctl.api import LOCAL_RETURN_PREFIX, ORPHAN_RECLAIM_PREFIX, bodies
 from pearlctl.daemon.effects import pending_trainer_command, record_trainer_ack
 from pearlctl.daemon.policy_view import work_from_progress
 from pearlctl.daemon.shared import ControlError, Side
+from pearlctl.state.machines import WorkerState
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
+from pearlctl.vocabulary import Role
 
 
 class TrainerSide(Side):
@@ -101,6 +103,26 @@ class TrainerSide(Side):
             self.wake.set()
             return {"epoch": self.epoch, "ok": True}
 
+    def _judge_rate(self, report: dict, before: dict, judge: bodies.JudgeQueue, now: float) -> None:
+        """Beside the driver's judge queue (the report is stored as it was sent, a Progress, as with tokens_per_s):
+        ``verdicts_per_s`` between this report and the last; ``judge_saturated``: every GPU judging had work (verdicts
+        waiting, or at least one in flight per GPU); ``judge_busy``: saturated at both reports, so the rate is the
+        judges' capacity; ``judge_capacity_per_judge_s``: the most verdicts per second per GPU judging that a busy
+        rate showed (Judging, what the planner knows of the judge between batches and early in a batch)."""
+        workers = self.store.fleet.workers(self.run_id)
+        ready = [w for w in workers if w.role == Role.REWARD and w.state == WorkerState.READY]
+        gpus = sum(len(w.gpu_idx or ()) or 1 for w in ready)  # per GPU judging, as policies count judges
+        report["judge_saturated"] = bool(gpus) and (judge.waiting > 0 or judge.judging >= gpus)
+        report["judge_capacity_per_judge_s"] = before.get("judge_capacity_per_judge_s")
+        judged_before, last_at = (before.get("judge") or {}).get("done"), before.get("reported_at")
+        if not isinstance(judged_before, int) or not last_at or now <= last_at:
+            return
+        report["verdicts_per_s"] = rate = round((judge.done - judged_before) / (now - last_at), 2)
+        report["judge_busy"] = busy = bool(before.get("judge_saturated")) and report["judge_saturated"]
+        if busy and rate > 0:
+            seen = round(rate / gpus, 3)
+            report["judge_capacity_per_judge_s"] = max(seen, report["judge_capacity_per_judge_s"] or 0.0)
+
     def rollout_progress(self, body: bodies.Progress) -> dict:
         """The rollout driver's counts (queued, generating, tool_wait, done, tokens) and its judge queue (waiting,
         judging, done, failed), when it scores with a judge: kept for status, /metrics and the planner; tokens and
@@ -129,10 +151,8 @@ class TrainerSide(Side):
             last_tokens, last_at = before.get("tokens"), before.get("reported_at")
             if isinstance(last_tokens, int) and body.tokens is not None and last_at and now > last_at:
                 report["tokens_per_s"] = round((body.tokens - last_tokens) / (now - last_at), 2)
-            judged_before = (before.get("judge") or {}).get("done")
-            if body.judge is not None and isinstance(judged_before, int) and last_at and now > last_at:
-                # beside the driver's report, which is stored as it was sent (a Progress), as tokens_per_s is
-                report["verdicts_per_s"] = round((body.judge.done - judged_before) / (now - last_at), 2)
+            if body.judge is not None:
+                self._judge_rate(report, before, body.judge, now)
             # bookkeeping: no agent's desired workers derive from it (held long polls are not woken)
             self.store.update_fields("runs", self.run_id, epoch=self.epoch, bookkeeping=True, rollout=report)
             return {"epoch": self.epoch}

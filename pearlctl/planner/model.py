@@ -96,6 +96,12 @@ class Judging:
     done: int = 0
     failed: int = 0
     verdicts_per_s: float = 0.0  # between the driver's last two reports
+    # every GPU judging had work at both of those reports (verdicts waiting, or one in flight per GPU): the rate is
+    # the judges' capacity (a rate over a window in which they ran dry says only what was asked of them)
+    busy: bool = False
+    # the most verdicts per second per GPU judging that a ``busy`` report saw (0: never measured): what the judges
+    # can do, kept for the moments nothing waits (between batches) and early in a batch
+    capacity_per_judge_s: float = 0.0
 
     @property
     def backlog(self) -> int:

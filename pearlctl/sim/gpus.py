@@ -42,7 +42,8 @@ class SimGpu:
     pool: str
     role: Role
     present: bool = True  # elastic: granted and not yet preempted
-    parked: bool = False
+    parked: bool = False  # a policy worker sleeps here
+    parked_judge: bool = False  # a judge sleeps here (a trainer GPU lent to the judge and returned)
     borrowed: bool = False
     busy_until: float = 0.0  # in transition until then (does no work)
     ends_at: float | None = None
@@ -74,20 +75,30 @@ class RolesRun(Protocol):
 
 
 def make_gpus(c: Cluster) -> list[SimGpu]:
-    """The cluster's GPUs, numbered trainer, rollout, elastic: the trainer's training, the rollout pool's serving
-    rollouts, the elastic pool's idle and not granted yet."""
+    """The cluster's GPUs, numbered trainer, rollout, elastic, reward: the trainer's training, the rollout pool's
+    serving rollouts, the elastic pool's idle and not granted yet, the reward pool's judging."""
     gpus = []
-    for i in range(c.trainer_gpus + c.rollout_gpus + c.elastic_gpus):
+    generation = c.trainer_gpus + c.rollout_gpus + c.elastic_gpus
+    for i in range(generation + c.reward_gpus):
         if i < c.trainer_gpus:
             pool, role, node = PoolKind.TRAINER, Role.TRAIN, f"t{i // c.gpus_per_node}"
         elif i < c.trainer_gpus + c.rollout_gpus:
             j = i - c.trainer_gpus
             pool, role, node = PoolKind.ROLLOUT, Role.ROLLOUT, f"r{j // c.gpus_per_node}"
-        else:
+        elif i < generation:
             j = i - c.trainer_gpus - c.rollout_gpus
             pool, role, node = PoolKind.ELASTIC, Role.IDLE, f"e{j // c.gpus_per_node}"
+        else:
+            j = i - generation
+            pool, role, node = PoolKind.REWARD, Role.REWARD, f"j{j // c.gpus_per_node}"
         gpus.append(SimGpu(i, node, pool, role, present=pool != PoolKind.ELASTIC))
     return gpus
+
+
+def judge_workers(gpus: list[SimGpu], gpus_per_worker: int, t: float) -> int:
+    """Judge workers serving at ``t``: GPUs judging (role REWARD, present, not in transition), ``gpus_per_worker``
+    of the judge's profile each."""
+    return sum(1 for g in gpus if g.present and g.role == Role.REWARD and not stopped(g, t)) // gpus_per_worker
 
 
 def stopped(g: SimGpu, t: float) -> bool:

@@ -146,20 +146,27 @@ class Moves:
             return self._refuse(move, f"GPU is {g.role.value}, not {move.from_role.value}")
         kind, to = move.kind, move.to_role
         stale = g.version < sim.version
+        judge = sim.scenario.judge
+        jc = judge.profile.costs if judge is not None else c  # the judge's engine: its own profile's costs
         # the move's steps (journal kind, profile seconds); a stale wake also loads the newest weights
         wake = [(K.WAKE, c.wake_s)] + ([(WEIGHT_LOAD, sim.scenario.training.weight_sync_s)] if stale else [])
         if kind == MoveKind.BORROW:
             # The trainer releases a GPU only while it waits for rollouts, never mid-step.
-            if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in SERVING:
+            if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in self._served():
                 return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
-            steps = [(K.OFFLOAD, c.offload_s)] + (wake if g.parked else [(K.START, c.start_s)])
-            g.borrowed, g.parked = True, False
+            if to == Role.REWARD:  # the judge never changes: a parked judge wakes with its weights
+                steps = [(K.OFFLOAD, c.offload_s), (K.WAKE, jc.wake_s) if g.parked_judge else (K.START, jc.start_s)]
+            else:
+                steps = [(K.OFFLOAD, c.offload_s)] + (wake if g.parked else [(K.START, c.start_s)])
+            # one parked worker per GPU: the one of the other role is stopped (live: gpus.worker_id)
+            g.borrowed, g.parked, g.parked_judge = True, False, False
         elif kind == MoveKind.RETURN:
             if g.pool != PoolKind.TRAINER or to != Role.TRAIN:
                 return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
-            # the rollout worker is parked asleep: the next borrow is a wake
-            steps = [(K.SLEEP, c.sleep_s), (K.RELOAD, c.reload_s)]
-            g.borrowed, g.parked = False, True
+            # the worker is parked asleep: the next borrow to its role is a wake
+            judged = g.role == Role.REWARD
+            steps = [(K.SLEEP, jc.sleep_s if judged else c.sleep_s), (K.RELOAD, c.reload_s)]
+            g.borrowed, g.parked, g.parked_judge = False, not judged, judged
         elif kind in (MoveKind.START, MoveKind.WAKE):
             if g.pool == PoolKind.TRAINER or g.role != Role.IDLE or to not in SERVING:
                 return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
@@ -172,14 +179,20 @@ class Moves:
             elastic = g.pool == PoolKind.ELASTIC
             steps, g.parked = ([(K.STOP, c.stop_s)], False) if elastic else ([(K.SLEEP, c.sleep_s)], True)
         elif kind == MoveKind.SWITCH:
-            if g.role not in SERVING or to not in SERVING:
+            if g.role not in self._served() or to not in self._served():
                 return self._refuse(move, "switch between non-serving roles")
-            steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
+            if Role.REWARD in (g.role, to):  # another model: the leaving engine stops, the coming one starts
+                if g.pool == PoolKind.REWARD:
+                    return self._refuse(move, "the reward pool's judges do not move")
+                steps = [(K.STOP, (jc if g.role == Role.REWARD else c).stop_s)]
+                steps.append((K.START, (jc if to == Role.REWARD else c).start_s))
+            else:
+                steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:
             return self._refuse(move, "unknown move kind")
         cost = self._true_cost(steps)
-        if g.role in SERVING:
-            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued elsewhere)
+        if g.role in SERVING or g.role == Role.REWARD:
+            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued or sent again)
         if to in SERVING:
             g.version = sim.version  # a cold start loads the newest weights; a stale wake paid its sync above
         g.role = to
@@ -187,6 +200,10 @@ class Moves:
         sim.transitions += 1
         sim.gpus_changed = True
         return True
+
+    def _served(self) -> tuple[Role, ...]:
+        """The roles a GPU may serve: the policy's, and the judge's in a run with one."""
+        return (*SERVING, Role.REWARD) if self.sim.scenario.judge is not None else tuple(SERVING)
 
     def _true_cost(self, steps: list[tuple[str, float]]) -> float:
         """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one

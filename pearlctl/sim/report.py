@@ -5,11 +5,12 @@ The JSON shape is a contract (``pearlctl simulate --json``; tests and the benchm
 
     {"scenario": str, "steps": int, "seed": int, "mismatch": str,
      "policies": {NAME: {"samples_per_s": float, "steps_per_hour": float, "trainer_delay_s": float,
-                         "transitions": int, "gpu_seconds_by_role": {ROLE: float}, ...more keys}},
+                         "transitions": int, "gpu_seconds_by_role": {ROLE: float}, ...more keys,
+                         "judge": {"verdicts": float, "resent": float, "prefill_tokens": float} (a judge ran)}},
      "ratios": {"pearl/static": float, ...}}
 
-Ratios compare samples per second: every pair with ``pearl`` (``pearl/X``) when pearl ran, else every pair
-with the first policy; ``X/oracle`` for every policy when the oracle ran.
+Ratios compare samples per second: every pair with ``pivot`` (``pivot/X``) when pivot ran (a run with a judge),
+else with ``pearl`` when pearl ran, else with the first policy; ``X/oracle`` for every policy when the oracle ran.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def policy_doc(r: RunResult) -> dict:
             "ratio": None if r.predictor_ratio is None else round(r.predictor_ratio, 4),
         },
         **({"oracle_choice": r.oracle_choice} if r.oracle_choice else {}),  # the oracle's winning candidate
+        **({"chosen": r.chosen} if r.chosen else {}),  # disaggregated's split
+        # a run with a judge: verdicts given, sent again (a judge left), tokens the judges read
+        **({"judge": {k: round(v, 1) for k, v in r.judge.items()}} if r.judge else {}),
     }
 
 
@@ -48,7 +52,7 @@ def ratios(results: dict[str, RunResult]) -> dict[str, float]:
     names = list(results)
     if not names:
         return {}
-    head = "pearl" if "pearl" in results else names[0]
+    head = next((p for p in ("pivot", "pearl") if p in results), names[0])
     out: dict[str, float] = {}
 
     def ratio(a: str, b: str) -> None:

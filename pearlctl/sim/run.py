@@ -58,12 +58,13 @@ from pearlctl.planner.model import SERVING, Plan, Role, Snapshot, Work
 from pearlctl.sim.availability import Trace, build_trace
 from pearlctl.sim.correction import Correction
 from pearlctl.sim.engine import Engine
-from pearlctl.sim.gpus import GpuRoles, Schedule, SimGpu, make_gpus
+from pearlctl.sim.gpus import GpuRoles, Schedule, SimGpu, judge_workers, make_gpus
+from pearlctl.sim.judging import Judges
 from pearlctl.sim.moves import Moves
 from pearlctl.sim.routing import DEFAULT_ROUTER
 from pearlctl.sim.scenario import Scenario
 from pearlctl.sim.snapshot import PolicyView
-from pearlctl.sim.trajectories import Draws, draw, with_mismatch
+from pearlctl.sim.trajectories import DONE, Draws, draw, with_mismatch
 from pearlctl.vocabulary import PoolKind
 
 MAX_SIM_S = 7 * 24 * 3600.0  # a run that has not finished its steps by then is reported as unfinished
@@ -87,6 +88,7 @@ class RunResult:
     gpu_seconds_by_role: dict[str, float]
     batch_rollout_s: list[float]
     engine: dict[str, float]
+    judge: dict[str, float] = field(default_factory=dict)  # the judge's counts (pearlctl.sim.judging); {}: none
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     # the predictor's correction (pearlctl.planner.correct) as the run left it: batches checked, and the
     # overall measured/predicted ratio (None: the correction was off or learned nothing)
@@ -94,6 +96,7 @@ class RunResult:
     predictor_ratio: float | None = None
     schedule: Schedule | None = None  # the GPU roles over time (``record_schedule``), for the oracle's replay
     oracle_choice: str | None = None  # the oracle's winning candidate (pearlctl.sim.oracle)
+    chosen: str | None = None  # what a baseline chose among its runs (pearlctl.sim.compare: disaggregated's split)
 
     @property
     def samples_per_s(self) -> float:
@@ -139,6 +142,13 @@ class Sim:
             free_migration,
             router=router,
         )
+        # The judge (a scenario's [judge]): each finished trajectory is asked for its verdict; a batch is complete
+        # once every verdict is in. ``_asked``: trajectories whose verdict was asked; ``_ask_lo``: all before it were.
+        n = len(self.draws.turns)
+        self.judges = None if scenario.judge is None else Judges(scenario.judge, n, scenario.mismatch, scenario.seed)
+        self._asked = np.zeros(n if self.judges is not None else 0, bool)
+        self._ask_lo = 0
+        self._judge_workers = 0
         self.controller = None  # the oracle sets itself here
         # Trainer and batches.
         self.trained = 0
@@ -198,6 +208,8 @@ class Sim:
         while not self.over and self.now < until - 1e-9:
             # A policy that leaves nothing serving would never finish: give up after an hour without progress.
             done = self.engine.stats["decode_tokens"] + self.trained
+            if self.judges is not None:
+                done += self.judges.stats["verdicts"] + self.judges.stats["prefill_tokens"]
             if done != self._progress:
                 self._progress, self._progress_at = done, self.now
             elif self.now - self._progress_at > STALL_S:
@@ -225,6 +237,7 @@ class Sim:
             gpu_seconds_by_role={k: round(v, 1) for k, v in self.roles.gpu_s.items()},
             batch_rollout_s=[b - a for a, b in zip(self.launched_at, self.completed_at, strict=False)],
             engine={k: float(v) for k, v in self.engine.stats.items()},
+            judge={} if self.judges is None else {k: float(v) for k, v in self.judges.stats.items()},
             timeline=self.roles.timeline,
             predictor_checks=len(self.correction.checks),
             predictor_ratio=(self.correction.predictor.get("all") or {}).get("ratio"),
@@ -249,8 +262,24 @@ class Sim:
             self.moves.control(t)
         if self.gpus_changed or t >= self.roles.next_expiry:
             self.roles.refresh(t)
+            if self.judges is not None:
+                self._judge_workers = judge_workers(self.gpus, self.judges.gpus_per_worker, t)
         self.engine.step(t, dt)
+        if self.judges is not None:
+            self._judge(t, dt)
         self.roles.account(t, dt)
+
+    def _judge(self, t: float, dt: float) -> None:
+        """Ask the verdicts of the trajectories that finished, and advance the judge."""
+        e, lo, hi = self.engine, self._ask_lo, self.engine.hi
+        if hi > lo:
+            new = np.flatnonzero((e.phase[lo:hi] == DONE) & ~self._asked[lo:hi]) + lo
+            if new.size:
+                self._asked[new] = True
+                self.judges.submit(new, e.done_at[new], e.ctx[new])
+                waiting = np.flatnonzero(~self._asked[lo:hi])
+                self._ask_lo = lo + (int(waiting[0]) if waiting.size else hi - lo)
+        self.judges.step(t, dt, self._judge_workers)
 
     # -- elastic capacity ----------------------------------------------------------------------------
 
@@ -307,11 +336,12 @@ class Sim:
     def _trainer(self, t: float) -> None:
         tr = self.scenario.training
         # Batches finishing.
-        while len(self.completed_at) < self.launched and self.engine.all_done(
-            *self._batch_range(len(self.completed_at))
-        ):
+        while len(self.completed_at) < self.launched and self._complete(*self._batch_range(len(self.completed_at))):
             lo, hi = self._batch_range(len(self.completed_at))
-            self.completed_at.append(float(np.nanmax(self.engine.done_at[lo:hi])))
+            end = float(np.nanmax(self.engine.done_at[lo:hi]))
+            if self.judges is not None:
+                end = max(end, float(np.nanmax(self.judges.judged_at[lo:hi])))
+            self.completed_at.append(end)
         # A train step finishing: new weights go to every serving worker (the engines pause meanwhile).
         if self.training_until is not None and t >= self.training_until - 1e-9:
             self.trained += 1
@@ -354,6 +384,10 @@ class Sim:
                 self.wait_ema = waited if self.wait_ema is None else 0.7 * self.wait_ema + 0.3 * waited
                 self.training_until = t + tr.train_step_s
                 self.gpus_changed = True
+
+    def _complete(self, lo: int, hi: int) -> bool:
+        """Batch [lo, hi) is rolled out, and judged when the run has a judge."""
+        return self.engine.all_done(lo, hi) and (self.judges is None or self.judges.all_judged(lo, hi))
 
     def _events(self) -> tuple:
         """What a daemon reacts to at once: the trainer's phase and batches, grants, notices, preemptions."""

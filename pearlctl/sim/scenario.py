@@ -108,6 +108,18 @@ class Cluster:
     rollout_gpus: int
     elastic_gpus: int = 0  # the most elastic GPUs that can be granted at once
     gpus_per_node: int = 8
+    reward_gpus: int = 0  # the reward pool: the judge's from the start ([judge])
+
+
+@dataclass(frozen=True)
+class Judge:
+    """A generative reward model (``[judge]``; pearlctl.sim.judging): its own profile, the rubric around each
+    trajectory it reads, and the tokens of a verdict."""
+
+    profile: Profile
+    profile_path: Path
+    rubric_tokens: int = 0
+    verdict_tokens: int = 1
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,7 @@ class Scenario:
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     mismatch: Mismatch = NO_MISMATCH  # the truth against the belief ([mismatch]; none by default)
+    judge: Judge | None = None  # a generative reward model judges each trajectory ([judge])
 
     def with_overrides(
         self,
@@ -305,7 +318,7 @@ def _mismatch(t: MismatchTable) -> Mismatch:
     return Mismatch(**{k: _perturbation(getattr(t, k), getattr(base, k)) for k in MISMATCH_KINDS})
 
 
-def _build(f: ScenarioFile, profile: Profile, profile_path: Path) -> Scenario:
+def _build(f: ScenarioFile, profile: Profile, profile_path: Path, judge: Judge | None = None) -> Scenario:
     """The ``Scenario`` a valid file describes, with the defaults that follow from other tables filled in."""
     a, wl, tr = f.availability, f.workload, f.training
     cluster = Cluster(**f.cluster.model_dump())
@@ -358,6 +371,7 @@ def _build(f: ScenarioFile, profile: Profile, profile_path: Path) -> Scenario:
         description=str(head.description),
         sources={str(k): str(v) for k, v in f.sources.items()},
         mismatch=_mismatch(f.mismatch),
+        judge=judge,
     )
 
 
@@ -368,9 +382,27 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
     parsed, problems = read(doc, profile, where)
     if unreadable is not None:
         problems.insert(0, f"{where} [scenario] profile: {unreadable}")
+    judge = None
+    if parsed is not None and parsed.judge is not None:
+        judge, why = _load_judge(parsed, base)
+        if why is not None:
+            problems.append(f"{where} [judge] profile: {why}")
     if problems:
         raise ScenarioError(*problems)
-    return _build(parsed, profile, profile_path)
+    return _build(parsed, profile, profile_path, judge)
+
+
+def _load_judge(f: ScenarioFile, base: Path) -> tuple[Judge | None, str | None]:
+    """The ``[judge]`` of a valid file, its profile read (relative to ``base``); or why it cannot be."""
+    t = f.judge
+    path = (base / t.profile).resolve()
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:
+        return None, str(exc)
+    if f.cluster.reward_gpus % profile.gpus_per_worker:
+        return None, f"its gpus_per_worker ({profile.gpus_per_worker}) must divide [cluster] reward_gpus"
+    return Judge(profile, path, t.rubric_tokens, t.verdict_tokens), None
 
 
 def load(path: str | Path) -> Scenario:

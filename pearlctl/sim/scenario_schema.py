@@ -223,6 +223,7 @@ class _Cluster(Table):
     trainer_gpus: AtLeastOne
     rollout_gpus: Count
     elastic_gpus: Count = 0
+    reward_gpus: Count = 0  # the reward pool: judges from the start ([judge])
     gpus_per_node: AtLeastOne = 8
 
     def _problems(self, profile: Profile | None) -> Problems:
@@ -314,6 +315,14 @@ class _Training(Table):
             yield ("staleness",), 'only for mode = "async"'
 
 
+class _Judge(Table):
+    """``[judge]``: a generative reward model that reads each finished trajectory and gives a verdict."""
+
+    profile: str = Field(description="the judge's profile TOML path relative to the scenario file")
+    rubric_tokens: Count = 0  # the rubric and instructions around a trajectory in the judge's prompt
+    verdict_tokens: AtLeastOne = 1  # what the judge generates per verdict (1: a verdict probability)
+
+
 class MismatchTable(Table):
     preset: Preset = "none"
     decode: PerturbationTable | None = None
@@ -331,9 +340,14 @@ class ScenarioFile(Table):
     workload: _Workload
     training: _Training
     mismatch: MismatchTable = MismatchTable()
+    judge: _Judge | None = None
     sources: dict[str, Any] = {}  # free-form citations, as text
 
     def _problems(self, profile: Profile | None) -> Problems:
+        if self.judge is not None and not self.cluster.reward_gpus:
+            yield ("cluster", "reward_gpus"), "must be > 0 with a [judge]: the reward pool serves it from the start"
+        if self.judge is None and self.cluster.reward_gpus:
+            yield ("cluster", "reward_gpus"), "needs a [judge] table: the model the reward pool serves"
         a, elastic = self.availability, self.cluster.elastic_gpus
         if (a.initial_gpus or a.grant_interval_s or a.events) and not elastic:
             yield ("availability",), "grants need [cluster] elastic_gpus > 0"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pearlctl.planner import plan
-from pearlctl.planner.model import GpuSlot, Mode, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, Judging, Mode, Role, Snapshot, Trainer, Work
 from pearlctl.sim.trajectories import TOOL
 from pearlctl.vocabulary import PD_ROLES
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pearlctl.sim.availability import Trace
     from pearlctl.sim.engine import Engine
     from pearlctl.sim.gpus import SimGpu
+    from pearlctl.sim.judging import Judges
     from pearlctl.sim.scenario import Scenario
 
 
@@ -66,6 +67,7 @@ class ViewedRun(Protocol):
     wait_ema: float | None
     waiting_since: float
     last_batch: Work
+    judges: Judges | None
 
     @property
     def correction(self) -> ViewedCorrection: ...
@@ -87,6 +89,9 @@ class PolicyView:
         self.lat_mean, self.lat_p99 = wl.tool_latency_s.summary()
         self._residual_turns = residual_table(wl.turns)
         self._slots: list[GpuSlot | None] = [None] * len(sim.gpus)  # each GPU's last snapshot slot (``_slot``)
+        # the judge queue's last two reports: (when, judged, every GPU judging had work)
+        self._reports: list[tuple[float, int, bool]] = [(0.0, 0, False), (0.0, 0, False)]
+        self._capacity = 0.0  # the most verdicts per second per GPU judging a busy report saw (Judging)
 
     def snapshot(self, t: float, *, corrected: bool = True) -> Snapshot:
         """What the daemon's ``Borrowing.snapshot`` would build from this state. ``corrected``: the profile's
@@ -111,6 +116,7 @@ class PolicyView:
             preempt_per_hour=sim.trace.preempt_per_hour,
             last_change_at=sim.moves.last_change_at,
             last_batch=sim.last_batch,
+            judging=self.judging(t),
         )
         if trainer.wait_known:
             return snapshot
@@ -130,6 +136,7 @@ class PolicyView:
             or kept.borrowed
             or kept.role is not g.role
             or kept.parked is not g.parked
+            or kept.parked_judge is not g.parked_judge
             or kept.ends_at is not g.ends_at
         ):
             kept = GpuSlot(
@@ -138,6 +145,7 @@ class PolicyView:
                 pool=g.pool,
                 role=g.role,
                 parked=g.parked,
+                parked_judge=g.parked_judge,
                 borrowed=g.borrowed,
                 return_deadline=deadline if g.borrowed else None,
                 ends_at=g.ends_at,
@@ -165,6 +173,27 @@ class PolicyView:
         ``PEARL_FIRST_WAIT_S``); ``trainer`` then leaves the wait to the planner's prediction."""
         sim = self.sim
         return max((sim.wait_ema or 0.0) - (t - sim.waiting_since), 0.0)
+
+    def judging(self, t: float) -> Judging:
+        """The judge queue as the rollout driver reports it, with the verdicts per second between its last two
+        reports (one every ``control_interval_s``), whether every GPU judging had work at both (``busy``), and the
+        most a busy rate showed per GPU judging, as the daemon keeps them beside the driver's report
+        (pearlctl/daemon/trainer_side.py)."""
+        judges = self.sim.judges
+        if judges is None:
+            return Judging()
+        waiting, judging, done = judges.counts()
+        reported = t - self._reports[-1][0] >= self.sim.scenario.control_interval_s - 1e-9
+        serving = sum(1 for g in self.sim.gpus if g.present and g.role == Role.REWARD and g.busy_until <= t)
+        if reported:  # saturated: every GPU judging had work (verdicts waiting, or one in flight per GPU)
+            saturated = serving > 0 and (waiting > 0 or judging >= serving)
+            self._reports = [self._reports[-1], (t, done, saturated)]
+        (t0, d0, s0), (t1, d1, s1) = self._reports
+        rate = (d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
+        busy = s0 and s1
+        if reported and busy and rate > 0:  # a judging GPU's capacity (as pivot counts judges)
+            self._capacity = max(self._capacity, rate / serving)
+        return Judging(waiting, judging, done, 0, rate, busy, self._capacity)
 
     def work(self) -> Work:
         """The work in flight as the rollout driver reports it: counts and means, the turns left from history."""

@@ -67,7 +67,7 @@ def snapshot(slots, work: Work, judging: Judging, last_change_at: float | None =
 def test_verdicts_backing_up_in_the_batchs_tail_shift_a_rollout_gpu_to_the_judge() -> None:
     """200 trajectories wait for one judge at 2 verdicts/s (100 s) while rollout has seconds left: a second judge
     halves it, its 5-s switch included; the shift is one SWITCH of a rollout GPU to REWARD."""
-    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     planned = pivot.decide(snapshot(gpus(), TAIL, backed_up))
     assert planned is not None and pearl.decide(snapshot(gpus(), TAIL, backed_up)) is None
     (move,) = planned.moves
@@ -79,10 +79,20 @@ def test_verdicts_backing_up_in_the_batchs_tail_shift_a_rollout_gpu_to_the_judge
 @pytest.mark.parametrize(
     ("why", "work", "judging"),
     [
-        ("the judge keeps up: nothing waits", TAIL, Judging(waiting=0, judging=4, done=50, verdicts_per_s=2.0)),
-        ("no measured rate", TAIL, Judging(waiting=200, judging=4, done=0, verdicts_per_s=0.0)),
-        ("rollout bounds the batch", BUSY, Judging(waiting=3, judging=1, done=10, verdicts_per_s=50.0)),
-        ("a backlog the shift cannot beat", TAIL, Judging(waiting=2, judging=1, done=10, verdicts_per_s=2.0)),
+        (
+            "the judge keeps up: nothing waits",
+            TAIL,
+            Judging(waiting=0, judging=4, done=50, verdicts_per_s=2.0, busy=False),
+        ),
+        ("no measured rate", TAIL, Judging(waiting=200, judging=4, done=0, verdicts_per_s=0.0, busy=True)),
+        # the batch's first verdicts: a rate over a window in which the queue ran dry is not the judges' capacity
+        ("a rate not at capacity", TAIL, Judging(waiting=200, judging=4, done=1, verdicts_per_s=0.2, busy=False)),
+        ("rollout bounds the batch", BUSY, Judging(waiting=3, judging=1, done=10, verdicts_per_s=50.0, busy=True)),
+        (
+            "a backlog the shift cannot beat",
+            TAIL,
+            Judging(waiting=2, judging=1, done=10, verdicts_per_s=2.0, busy=True),
+        ),
     ],
 )
 def test_no_shift_to_the_judge_where_it_does_not_pay(why, work, judging) -> None:
@@ -90,14 +100,14 @@ def test_no_shift_to_the_judge_where_it_does_not_pay(why, work, judging) -> None
 
 
 def test_rollout_keeps_a_gpu_and_a_just_moved_gpu_pays_for_its_move_first() -> None:
-    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     assert pivot.decide(snapshot(gpus(rollout=1), TAIL, backed_up)) is None
     assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * SHIFT_S + 1)) is None
     assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * SHIFT_S)) is not None
 
 
 def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_pools_never() -> None:
-    done = Judging(waiting=0, judging=0, done=300, verdicts_per_s=0.0)
+    done = Judging(waiting=0, judging=0, done=300, verdicts_per_s=0.0, busy=False)
     planned = pivot.decide(snapshot(gpus(judging=1), Work(), done))
     (move,) = planned.moves
     assert (move.gpu, move.from_role, move.to_role) == (10, Role.REWARD, Role.ROLLOUT)
@@ -105,21 +115,23 @@ def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_
 
 
 def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gains() -> None:
-    """Rollout is busy again and two judges give 10 verdicts/s with nothing waiting: one of them keeps up with the
-    demand within the rollout's time, so the shifted one serves rollout again; with a demand one judge cannot
-    judge in that time it stays."""
-    keeping_up = Judging(waiting=0, judging=2, done=400, verdicts_per_s=10.0)
+    """Rollout is busy again and two judges give 10 verdicts/s with nothing waiting and one verdict in flight: one of
+    them keeps up with the demand within the rollout's time, so the shifted one serves rollout again; with a demand
+    one judge cannot judge in that time it stays, and so it does while every judge has a verdict in flight."""
+    keeping_up = Judging(waiting=0, judging=1, done=400, verdicts_per_s=10.0, busy=False)
     planned = pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, keeping_up))
     assert planned is not None and [(m.gpu, m.to_role) for m in planned.moves] == [(10, Role.ROLLOUT)]
-    slow = Judging(waiting=0, judging=2, done=400, verdicts_per_s=0.2)
+    slow = Judging(waiting=0, judging=1, done=400, verdicts_per_s=0.2, busy=False)
     assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, slow)) is None
+    all_busy = replace(keeping_up, judging=2)  # both judges (the reward pool's and the shifted one) have work
+    assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, all_busy)) is None
 
 
 def test_an_idle_trainer_gpu_is_lent_to_the_judge_before_a_rollout_gpu_shifts() -> None:
     """The trainer waits (its GPUs idle for 300 s): lending one to the judge costs rollout nothing, so verdicts
     backing up borrow a trainer GPU for the judge (a BORROW to REWARD) rather than shift a rollout GPU; with the
     trainer's wait too short for a borrow and its return, a rollout GPU shifts instead."""
-    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     planned = pivot.decide(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=300.0))
     (move,) = planned.moves
     assert (move.kind, move.from_role, move.to_role) == (MoveKind.BORROW, Role.TRAIN, Role.REWARD)
@@ -131,18 +143,20 @@ def test_an_idle_trainer_gpu_is_lent_to_the_judge_before_a_rollout_gpu_shifts() 
 def test_a_loan_wakes_a_judge_parked_on_a_trainer_gpu_and_is_priced_as_a_wake() -> None:
     """After a loan's return parked the judge asleep on a trainer GPU, the next loan takes that GPU and is priced as a
     warm borrow (offload and wake), not a cold start: a loan then pays for a backlog a cold one would not."""
-    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     slots = gpus(trainer=2)
     slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in slots]
     (move,) = pivot.decide(snapshot(slots, TAIL, backed_up, wait_left_s=300.0)).moves
     assert (move.gpu, move.kind, move.cost_s) == (31, MoveKind.BORROW, COSTS.borrow_s(warm=True))
 
 
-def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_nothing_waits_and_pearl_never_takes_it() -> None:
-    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=3.0)
+def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_no_verdict_is_owed_and_pearl_never_takes_it():
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=3.0, busy=True)
     held = snapshot(gpus(trainer=1, lent=1), TAIL, backed_up, wait_left_s=300.0)
     assert pivot.decide(held) is None  # still needed, not due: kept (pearl does not count it as its own to return)
-    drained = Judging(waiting=0, judging=2, done=250, verdicts_per_s=3.0)
+    judging = Judging(waiting=0, judging=2, done=250, verdicts_per_s=3.0, busy=False)
+    assert pivot.decide(snapshot(gpus(trainer=1, lent=1), TAIL, judging, wait_left_s=300.0)) is None  # in flight
+    drained = Judging(waiting=0, judging=0, done=252, verdicts_per_s=3.0, busy=False)
     (back,) = pivot.decide(snapshot(gpus(trainer=1, lent=1), TAIL, drained, wait_left_s=300.0)).moves
     assert (back.gpu, back.kind, back.to_role) == (40, MoveKind.RETURN, Role.TRAIN)
     training = replace(held, trainer=replace(held.trainer, phase="training"))
@@ -164,16 +178,17 @@ def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_nothing_wait
         judging=st.integers(0, 64),
         done=st.integers(0, 10_000),
         verdicts_per_s=st.floats(0, 100, allow_nan=False),
+        busy=st.booleans(),
     ),
     st.sampled_from([Work(), TAIL, BUSY]),
 )
-def test_any_plan_pivot_makes_is_pearls_or_one_legal_move_of_the_judge(
+def test_any_plan_pivot_makes_is_pearls_or_legal_moves_of_the_judge(
     rollout, judging, reward, trainer, lent, wait, queue, work
 ) -> None:
-    """Whatever the snapshot: pivot's plan is pearl's on the policy's GPUs, or one move of the judge — a SWITCH
-    between ROLLOUT and REWARD of a rollout-pool GPU (never the reward pool's, never the last rollout GPU), a trainer
-    GPU lent to the judge (only while nothing is lent and the trainer waits long enough), or the lent judges
-    returned — priced finite."""
+    """Whatever the snapshot: pivot's plan is pearl's on the policy's GPUs, or moves of the judge — SWITCHes between
+    ROLLOUT and REWARD of rollout-pool GPUs (never the reward pool's, never the last rollout GPU, at most as many to
+    the judge as judge now), a trainer GPU lent to the judge (only while nothing is lent and the trainer waits long
+    enough), or the lent judges returned — priced finite, and to the judge only on a rate measured busy."""
     s = snapshot(gpus(rollout, judging, reward, trainer, lent), work, queue, wait_left_s=wait)
     planned = pivot.decide(s)
     judges = {g.id for g in s.gpus if g.role == Role.REWARD}
@@ -187,13 +202,18 @@ def test_any_plan_pivot_makes_is_pearls_or_one_legal_move_of_the_judge(
     if all(m.kind == MoveKind.RETURN for m in planned.moves):
         assert {g.id for g in moved.values()} == {g.id for g in s.gpus if g.borrowed and g.role == Role.REWARD}
         return
+    if len(planned.moves) > 1:  # rollout GPUs shifted to the judge at once: at most as many as judge, one left
+        assert all(m.kind == MoveKind.SWITCH and m.to_role == Role.REWARD for m in planned.moves)
+        assert all(moved[m.gpu].pool == "rollout" and moved[m.gpu].role == Role.ROLLOUT for m in planned.moves)
+        assert len(planned.moves) <= min(rollout - 1, len(judges)) and queue.backlog > 0 and queue.busy
+        return
     (move,) = planned.moves
     g = moved[move.gpu]
     if move.kind == MoveKind.BORROW:
         assert move.to_role == Role.REWARD and g.pool == "trainer" and g.role == Role.TRAIN and lent == 0
-        assert queue.waiting > 0 and wait >= move.cost_s
+        assert queue.backlog > 0 and queue.busy and wait >= move.cost_s
         return
     assert move.kind == MoveKind.SWITCH and {move.from_role, move.to_role} == {Role.ROLLOUT, Role.REWARD}
     assert g.pool == "rollout" and g.role == move.from_role
     if move.to_role == Role.REWARD:
-        assert rollout >= 2 and queue.waiting > 0
+        assert rollout >= 2 and queue.backlog > 0 and queue.busy

@@ -1,9 +1,10 @@
 """Every value in a shipped scenario says where it comes from.
 
-The rule, for every ``key = value`` line of every examples/scenarios/*.toml (every table but ``[sources]``, and
-in ``[scenario]`` every key but ``name``, ``description`` and ``profile``): the key's *mark* — the comment on its
-own line (and on the continuation lines of a multi-line value) together with the comment block directly above it
-(the contiguous ``#`` lines right before the key, no blank line between) — must hold at least one of
+The rule, for every ``key = value`` line of every examples/scenarios/**/*.toml (every table but ``[sources]``, in
+``[scenario]`` every key but ``name``, ``description`` and ``profile``, and in ``[judge]`` every key but
+``profile``): the key's *mark* — the comment on its own line (and on the continuation lines of a multi-line
+value) together with the comment block directly above it (the contiguous ``#`` lines right before the key, no
+blank line between) — must hold at least one of
 
 - a citation of docs/sources.md: a bracketed section id such as ``[4a]``, ``[5]`` or ``[4a, 5]``;
 - ``ASSUMPTION`` followed by at least two words saying what is assumed and why;
@@ -22,10 +23,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = sorted((REPO / "examples/scenarios").glob("*.toml"))
+SCENARIOS = sorted((REPO / "examples/scenarios").rglob("*.toml"))  # the GenRM ones in genrm/ too
 SOURCES = REPO / "docs/sources.md"
 
-EXEMPT = {("scenario", "name"), ("scenario", "description"), ("scenario", "profile")}
+EXEMPT = {("scenario", "name"), ("scenario", "description"), ("scenario", "profile"), ("judge", "profile")}
 EXEMPT_TABLES = {"sources"}
 HEADING = re.compile(r"^#{2,3}\s+(\d+[a-z]?)\.\s", re.M)
 CITATION = re.compile(r"\[(\d+[a-z]?(?:\s*,\s*\d+[a-z]?)*)\]")

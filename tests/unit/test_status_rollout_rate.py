@@ -58,7 +58,8 @@ def test_the_judge_queue_is_kept_shown_exported_and_given_to_the_planner(tmp_pat
         exported = metrics.render(store, "r").decode()
     assert doc["run"]["rollout"]["judge"] == {**judge, "done": 13} and doc["run"]["rollout"]["verdicts_per_s"] == 2.0
     bodies.parse(bodies.Progress, {k: doc["run"]["rollout"][k] for k in ("done", "judge")})  # stored as it was sent
-    assert snapshot.judging == Judging(waiting=5, judging=2, done=13, failed=1, verdicts_per_s=2.0)
+    # no judge worker serves in this run: the rate is not the judges' capacity (busy needs every GPU judging busy)
+    assert snapshot.judging == Judging(waiting=5, judging=2, done=13, failed=1, verdicts_per_s=2.0, busy=False)
     assert snapshot.judging.backlog == 7
     console = Console(width=300, record=True)
     console.print(status_tables(doc))
@@ -66,3 +67,33 @@ def test_the_judge_queue_is_kept_shown_exported_and_given_to_the_planner(tmp_pat
     assert 'pearl_judge_trajectories{state="waiting"} 5.0' in exported
     assert 'pearl_judge_trajectories{state="failed"} 1.0' in exported
     assert "pearl_judge_verdicts_per_second 2.0" in exported
+
+
+def test_the_judges_rate_is_their_capacity_only_when_every_gpu_judging_had_work_at_both_reports(tmp_path: Path):
+    """``busy``: every GPU judging (READY reward workers' GPUs) had work — verdicts waiting, or one in flight per GPU
+    — at both reports the rate is from; ``capacity_per_judge_s``: the most a busy rate showed per GPU judging, kept
+    while the judges run dry (between batches)."""
+    from pearlctl.daemon.policy_view import PolicyInputs
+
+    clock = FakeClock(1_000_000.0)
+    with Store.open(tmp_path / "s.db", clock=clock) as store:
+        running_run(store, tmp_path, pool="reward", role="REWARD", nodes=2)
+        for a in store.fleet.allocations("r"):  # two judges, one GPU each, serving
+            wid = store.fleet.add_worker(run_id="r", allocation_id=a.id, role="REWARD", engine="vllm", url=None)
+            store.update_fields("workers", wid, gpu_idx=[0])
+            store.set_state("workers", wid, expect="STARTING", to="READY", event="t")
+        trainer = Controller(store, "r", None, clock=clock).trainer
+
+        def report(waiting: int, judging: int, done: int) -> object:
+            clock.now += 5.0
+            q = {"waiting": waiting, "judging": judging, "done": done, "failed": 0}
+            trainer.rollout_progress(parse(bodies.Progress, {"done": 0, "judge": q}))
+            return PolicyInputs(store, "r").snapshot(clock.now).judging
+
+        report(0, 1, 0)  # one verdict in flight on two judges: one is idle
+        first = report(0, 2, 5)  # both busy now, but not at the report before
+        assert first.verdicts_per_s == 1.0 and not first.busy and first.capacity_per_judge_s == 0.0
+        busy = report(30, 2, 25)  # both busy at both reports: 20 verdicts in 5 s over 2 GPUs
+        assert busy.busy and busy.verdicts_per_s == 4.0 and busy.capacity_per_judge_s == 2.0
+        dry = report(0, 0, 30)  # the queue ran dry: the rate is not the capacity, which is kept
+        assert not dry.busy and dry.verdicts_per_s == 1.0 and dry.capacity_per_judge_s == 2.0

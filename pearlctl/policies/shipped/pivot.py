@@ -4,8 +4,8 @@ shifted to it (docs/planner.md, "The judge").
 
 `pearl` is extended, not copied: it plans the policy's GPUs (borrowing, elastic capacity, prefill–decode) on the
 snapshot without the judges, and its plan comes first; the judge is weighed only when pearl moves nothing, so the
-two never plan the same GPU. One move per decision, one GPU: the daemon runs one transition at a time, and the next
-decision sees its effect.
+two never plan the same GPU. One decision moves one trainer GPU, or several rollout GPUs at once (the daemon runs a
+node's switches as one transition), and the next decision sees its effect.
 
 The batch ends when its last trajectory is judged. With R rollout GPUs and J judges:
 
@@ -14,23 +14,28 @@ The batch ends when its last trajectory is judged. With R rollout GPUs and J jud
     T_judge = c + max(0, D - J·r·c) / (J'·r)     (J' judges once a move of cost c is done; D = the judge's demand)
 
 ``D`` is every trajectory without a verdict: those waiting for one or being judged (``Snapshot.judging``) and
-those still rolling out (``Work.trajectories``), each of which will need one. ``r`` is one judge's verdicts per
-second, measured: the driver's rate over the judges serving, taken only while trajectories wait for a judge (a
-judge with nothing waiting is not running at its capacity, so its rate says nothing of it). Without such a
-measure no GPU moves to the judge (no hint, no made-up rate).
+those still rolling out (``Work.trajectories``), each of which will need one. ``r`` is one judging GPU's verdicts
+per second, measured: the driver's rate, taken only when every GPU judging had work at both reports it is from
+(``Judging.busy``: a judge short of work is not at its capacity, so its rate says nothing of it; early in a batch
+the queue ran dry), and never less than the most a busy rate showed before (``Judging.capacity_per_judge_s``:
+verdicts take their prefill and decode to finish, so the first busy window sees few). Without such a measure no
+GPU moves to the judge (no hint, no made-up rate).
 
-- **A GPU to the judge**, when verdicts wait: of an idle trainer GPU lent to the judge (a borrow to REWARD, its cost
-  an offload and a start, or a wake where the judge sleeps parked from an earlier loan; only while nothing is lent
-  and the trainer's wait fits the borrow, its return and the slack) and a ROLLOUT GPU of the rollout or elastic pool
-  shifted to it (a switch; the one whose allocation ends last; rollout keeps a GPU), the one with the sooner E, the
+- **GPUs to the judge**, when verdicts are owed at a busy rate: of an idle trainer GPU lent to the judge (a borrow
+  to REWARD, its cost an offload and a start, or a wake where the judge sleeps parked from an earlier loan; only
+  while nothing is lent and the trainer's wait fits the borrow, its return and the slack) and k ROLLOUT GPUs of the
+  rollout or elastic pool shifted to it at once (switches, each a stop and a cold start; those whose allocations
+  end last; rollout keeps a GPU; at most as many as judge now, so the judges at most double in one decision; k
+  where the rollout's predicted end and the verdicts' cross, found by bisection), the one with the sooner E, the
   loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S`` and
   ``pearl.MIN_RELATIVE_GAIN`` of E now.
 - **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
-  its batch complete) or nothing waits for a verdict any more.
-- **A shifted GPU back to rollout** when nothing waits for a verdict and it is not needed to keep up — the judges
-  left would judge D within the rollout's time — or when there is no rollout work at all (between batches the next
-  batch needs rollout first; its verdicts come only as its trajectories finish). The reward pool's own judges never
-  move.
+  its batch complete) or no verdict is owed any more.
+- **A shifted GPU back to rollout** when not every judge has work and it is not needed to keep up — the judges
+  left would judge D within the rollout's time — or when there is no rollout work at all and no verdict owed
+  (between batches the next batch needs rollout first), unless a next batch like the last one
+  (``Snapshot.last_batch``) would end later without it — its verdicts at the judges' measured capacity — by more
+  than a move must gain: a judge the batches keep needing stays. The reward pool's own judges never move.
 - No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
   parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
@@ -63,11 +68,11 @@ def decide(snapshot: Snapshot) -> Plan | None:
 
 
 def judge_rate(s: Snapshot) -> float | None:
-    """One judge's verdicts per second, when measured at its capacity (trajectories waiting for a verdict while it
-    judged); None otherwise."""
+    """One judge's verdicts per second, when measured at its capacity (every GPU judging had work at both reports
+    the rate is from, ``Judging.busy``) and verdicts are still owed; None otherwise."""
     judges = len(_judges(s))
     q = s.judging
-    if judges == 0 or q.waiting <= 0 or q.verdicts_per_s <= 0:
+    if judges == 0 or q.backlog <= 0 or q.verdicts_per_s <= 0 or not q.busy:
         return None
     return q.verdicts_per_s / judges
 
@@ -96,19 +101,21 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     lent = [g for g in judges if g.borrowed]
     if lent:  # trainer GPUs lent to the judge go back in time, and once nothing waits for a verdict
         due = any(budget.must_return(s, g) for g in lent)
-        if due or s.judging.waiting == 0:
+        if due or s.judging.backlog == 0:
             back = tuple(v.move(g, MoveKind.RETURN, Role.TRAIN) for g in lent)
             why = "pivot: lent GPUs back from the judge " + ("(due back)" if due else "(nothing waits for a verdict)")
             return plan.make(s, plan.current_target(s), why=why, planned=back)
         return None
     movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=_keep_order)  # the reward pool's stay
     demand = s.judging.backlog + s.work.trajectories
-    if movable and s.judging.waiting == 0:
+    if movable and not (s.judging.waiting or s.judging.judging >= len(judges)):  # the judges are not all busy
         g = movable[0]
         back = v.move(g, MoveKind.SWITCH, Role.ROLLOUT)
         if not _paid(s, back):
             return None
         if s.work.empty and s.judging.backlog == 0:
+            if _needed_next(s, len(judges), back):
+                return None
             return _plan(s, back, "pivot: nothing to judge, the judge goes back to rollout for the next batch")
         roll_now = plan.timeline_s(s, ())
         roll_back = plan.timeline_s(s, (back,))
@@ -123,33 +130,76 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     rate = judge_rate(s)
     if rate is None or (s.work.empty and s.judging.backlog == 0):
         return None
+    # a busy window early in a batch sees few verdicts finish (each takes its prefill and decode): the judges'
+    # capacity is the most they were seen to give
+    rate = max(rate, s.judging.capacity_per_judge_s)
     now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
-    options = []  # (predicted end, preference, the move, what it is)
+    options = []  # (predicted end, preference, the moves, what they are)
     if not any(g.borrowed for g in s.gpus) and v.lendable:  # one borrow at a time (the daemon's rule)
         g = min(v.lendable, key=lambda g: not g.parked_judge)  # a judge parked there wakes: a warm loan
         lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=g.parked_judge))
         if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
-            options.append((_judged_by(s, lend, demand, judges, rate), 0, lend, "a trainer GPU lent to the judge"))
+            end = _judged_by(s, (lend,), demand, len(judges), rate)
+            options.append((end, 0, (lend,), "a trainer GPU lent to the judge"))
     rollout = sorted(
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
         key=_keep_order,
     )
     if len(rollout) > 1:  # rollout keeps a GPU
-        there = v.move(rollout[0], MoveKind.SWITCH, Role.REWARD)
-        options.append((_judged_by(s, there, demand, judges, rate), 1, there, "a rollout GPU judges"))
+        end, there = _best_shift(s, rollout, demand, len(judges), rate)
+        options.append((end, 1, there, f"{len(there)} rollout GPU{'s' if len(there) > 1 else ''} to judge"))
     if not options:
         return None
-    after, _, move, what = min(options, key=lambda o: (o[0], o[1]))
-    if _paid(s, move) and after + _threshold(now) <= now:
+    after, _, moves, what = min(options, key=lambda o: (o[0], o[1]))
+    if _paid(s, moves[0]) and after + _threshold(now) <= now:
         why = f"pivot: verdicts back up ({s.judging.waiting} waiting), {what}: {now:.1f} s -> {after:.1f} s"
-        return _plan(s, move, why)
+        return _plan(s, moves, why)
     return None
 
 
-def _judged_by(s: Snapshot, move: Move, demand: float, judges: list, rate: float) -> float:
-    """The batch's predicted end with ``move`` bringing one more judge: the rollout's, and the verdicts'."""
-    n = len(judges)
-    return max(plan.timeline_s(s, (move,)), judge_end_s(demand, n, n + 1, rate, move.cost_s))
+def _judged_by(s: Snapshot, moves: tuple[Move, ...], demand: float, judges: int, rate: float) -> float:
+    """The batch's predicted end with ``moves`` bringing judges: the rollout's, and the verdicts'."""
+    return max(plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + len(moves), rate, moves[0].cost_s))
+
+
+def _best_shift(s: Snapshot, rollout: list, demand: float, judges: int, rate: float) -> tuple[float, tuple]:
+    """How many of the ``rollout`` GPUs (in shift order; rollout keeps one) to shift to the judge at once, and the
+    batch's predicted end then. Its rollout part grows with the number shifted and its verdicts' part shrinks, so
+    the soonest end is where they cross: found by bisection, a logarithmic number of predictions."""
+    v = view.of(s)
+
+    def shifted(k: int) -> tuple:
+        return tuple(v.move(g, MoveKind.SWITCH, Role.REWARD) for g in rollout[:k])
+
+    def parts(k: int) -> tuple[float, float]:
+        moves = shifted(k)
+        return plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + k, rate, moves[0].cost_s)
+
+    lo, hi = 1, min(len(rollout) - 1, max(judges, 1))  # at most as many as judge now: the judges at most double
+    while lo < hi:  # the fewest shifted for which the verdicts no longer end after the rollout
+        mid = (lo + hi) // 2
+        roll, judged = parts(mid)
+        if judged <= roll:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = min({lo, max(1, lo - 1)}, key=lambda k: (max(parts(k)), k))
+    return max(parts(best)), shifted(best)
+
+
+def _needed_next(s: Snapshot, judges: int, back: Move) -> bool:
+    """Between batches: whether a next batch like the last one (``Snapshot.last_batch``) would end later without
+    the judge ``back`` would return to rollout — its end the later of its rollout and its verdicts at the judges'
+    measured capacity (``Judging.capacity_per_judge_s``) — by more than a move must gain (``_threshold``). Without a
+    measure or a batch seen, it is not needed."""
+    per_judge = s.judging.capacity_per_judge_s
+    if per_judge <= 0 or s.last_batch.empty or judges < 2:
+        return False
+    like = replace(s, work=s.last_batch)
+    verdicts = s.last_batch.trajectories
+    kept = max(plan.timeline_s(like, ()), verdicts / (judges * per_judge))
+    given = max(plan.timeline_s(like, (back,)), verdicts / ((judges - 1) * per_judge))
+    return given - kept > _threshold(kept)  # by as much as a move must gain to be made
 
 
 def _keep_order(g) -> tuple:
@@ -172,6 +222,6 @@ def _judges(s: Snapshot) -> list:
     return [g for g in s.gpus if g.role == Role.REWARD]
 
 
-def _plan(s: Snapshot, move: Move, why: str) -> Plan:
+def _plan(s: Snapshot, moves: Move | tuple[Move, ...], why: str) -> Plan:
     current = plan.current_target(s)
-    return plan.make(s, current, why=why, planned=(move,))
+    return plan.make(s, current, why=why, planned=moves if isinstance(moves, tuple) else (moves,))

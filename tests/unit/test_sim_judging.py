@@ -1,0 +1,198 @@
+"""The simulator's judge (pearlctl.sim.judging) and a run with one (pearlctl.sim.run): one verdict per trajectory,
+asked when it finishes, prefill-heavy on the judge's own profile, a batch complete only once judged, and verdicts
+in flight on a judge that leaves sent again — never lost, never judged twice."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pearlctl.planner.profile import load as load_profile
+from pearlctl.sim import scenario as sc
+from pearlctl.sim.judging import DECODING, JUDGED, PREFILLING, WAITING, Judges
+from pearlctl.sim.run import run_policy
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = load_profile(REPO / "examples/profiles/qwen3-8b-h200.toml")
+
+
+def judges(n: int, *, rubric: int = 0, verdict: int = 1, mismatch=sc.NO_MISMATCH) -> Judges:
+    judge = sc.Judge(PROFILE, REPO / "examples/profiles/qwen3-8b-h200.toml", rubric, verdict)
+    return Judges(judge, n, mismatch, seed=1)
+
+
+def test_a_verdict_is_asked_when_its_trajectory_finishes_and_its_prefill_reads_the_whole_trajectory():
+    j = judges(2, rubric=100)
+    j.submit(np.array([0, 1]), np.array([0.0, 10.0]), np.array([24_000.0 - 100, 48_000.0 - 100]))
+    assert list(j.state) == [WAITING, WAITING]
+    j.step(0.0, 0.5, workers=1)  # trajectory 1's verdict cannot start before it finished
+    assert j.state[0] == PREFILLING and j.state[1] == WAITING
+    t = 0.5
+    while j.state[0] != JUDGED:
+        j.step(t, 0.5, workers=1)
+        t += 0.5
+    # 24,000 tokens (trajectory and rubric) at 24,000 tokens/s, then one token of decode
+    assert j.judged_at[0] == pytest.approx(1.0 + PROFILE.decode.itl(1, 24_000.0), rel=1e-6)
+    while j.state[1] != JUDGED:
+        j.step(t, 0.5, workers=1)
+        t += 0.5
+    assert j.judged_at[1] >= 10.0 + 2.0 and j.stats["verdicts"] == 2
+    assert j.stats["prefill_tokens"] == pytest.approx(72_000.0)
+
+
+def test_a_longer_verdict_decodes_its_tokens_and_more_judges_judge_faster():
+    def time_to_judge(workers: int, verdict: int) -> float:
+        j = judges(64, verdict=verdict)
+        j.submit(np.arange(64), np.zeros(64), np.full(64, 8_000.0))
+        t = 0.0
+        while j.counts()[2] < 64:
+            j.step(t, 0.5, workers)
+            t += 0.5
+            assert t < 3600
+        return float(np.nanmax(j.judged_at))
+
+    assert time_to_judge(2, 1) < 0.6 * time_to_judge(1, 1)
+    assert time_to_judge(1, 256) > time_to_judge(1, 1) + 256 * PROFILE.decode.itl(1, 8_000.0)
+
+
+def test_a_judge_that_leaves_sends_its_share_of_the_verdicts_in_flight_again_and_none_is_lost_or_doubled():
+    j = judges(8)
+    j.submit(np.arange(8), np.zeros(8), np.full(8, 200_000.0))  # long reads: all in flight at once
+    j.step(0.0, 0.5, workers=2)
+    assert j.counts() == (0, 8, 0)
+    j.step(0.5, 0.5, workers=1)  # one of the two judges left: half the verdicts in flight go back to the queue
+    waiting, judging, done = j.counts()
+    assert (waiting, judging, done) == (4, 4, 0) and j.stats["resent"] == 4
+    resent = np.flatnonzero(j.state == WAITING)
+    assert (j.left[resent] == j.tokens[resent]).all() and (j.ready_at[resent] == pytest.approx(1.5))
+    t = 1.0
+    while j.counts()[2] < 8:
+        j.step(t, 0.5, workers=1)
+        t += 0.5
+        assert t < 3600
+    assert (j.state == JUDGED).all() and j.stats["verdicts"] == 8
+    assert not ((j.state == DECODING) | (j.state == PREFILLING)).any()
+
+
+def test_without_a_judge_serving_nothing_is_judged_and_nothing_is_lost():
+    j = judges(4)
+    j.submit(np.arange(4), np.zeros(4), np.full(4, 1_000.0))
+    for k in range(10):
+        j.step(k * 0.5, 0.5, workers=0)
+    assert j.counts() == (4, 0, 0)
+    j.step(5.0, 0.5, workers=1)
+    j.step(5.5, 0.5, workers=1)
+    assert j.counts()[2] == 4
+
+
+def genrm(tmp_path: Path, reward_gpus: int, rubric: int = 400, verdict: int = 1) -> sc.Scenario:
+    """bursty-elastic-8b with a judge of the policy's size on ``reward_gpus`` GPUs."""
+    s = sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml")
+    judge = sc.Judge(s.profile, s.profile_path, rubric, verdict)
+    return replace(s, cluster=replace(s.cluster, reward_gpus=reward_gpus), judge=judge, steps=3)
+
+
+@pytest.mark.parametrize("policy", ["static", "pearl"])
+def test_a_run_with_a_judge_trains_every_step_each_trajectory_judged_once_after_it_finished(tmp_path, policy):
+    s = genrm(tmp_path, 2)
+    r = run_policy(s, policy)
+    assert r.finished and r.steps == 3
+    assert r.judge["verdicts"] == 3 * s.workload.batch_size  # expected = judged = trained
+    assert r.gpu_seconds_by_role["REWARD"] > 0
+
+
+def test_a_batch_waits_for_its_verdicts_so_fewer_judges_make_a_slower_run(tmp_path):
+    one = run_policy(replace(genrm(tmp_path, 1, rubric=20_000), steps=2), "static")
+    eight = run_policy(replace(genrm(tmp_path, 8, rubric=20_000), steps=2), "static")
+    plain = run_policy(
+        replace(genrm(tmp_path, 1), judge=None, steps=2, cluster=replace(genrm(tmp_path, 1).cluster, reward_gpus=0)),
+        "static",
+    )
+    assert one.samples_per_s < eight.samples_per_s <= plain.samples_per_s
+    assert one.judge["verdicts"] == eight.judge["verdicts"] == 2 * 1024 and plain.judge == {}
+
+
+def test_a_judge_needs_a_reward_pool_and_a_reward_pool_needs_a_judge(tmp_path):
+    base = (REPO / "examples/scenarios/bursty-elastic-8b.toml").read_text()
+    profile = (REPO / "examples/profiles/qwen3-8b-h200.toml").as_posix()
+    text = base.replace("../profiles/", f"{REPO.as_posix()}/examples/profiles/")
+    with pytest.raises(sc.ScenarioError, match=r"\[cluster\] reward_gpus: must be > 0 with a \[judge\]"):
+        sc.from_dict(_toml(text + f'\n[judge]\nprofile = "{profile}"\n'), base=tmp_path)
+    with pytest.raises(sc.ScenarioError, match=r"\[cluster\] reward_gpus: needs a \[judge\] table"):
+        sc.from_dict(_toml(text.replace("[cluster]\n", "[cluster]\nreward_gpus = 2\n")), base=tmp_path)
+    with pytest.raises(sc.ScenarioError, match=r"\[judge\] profile: "):
+        bad = text.replace("[cluster]\n", "[cluster]\nreward_gpus = 2\n") + '\n[judge]\nprofile = "nope.toml"\n'
+        sc.from_dict(_toml(bad), base=tmp_path)
+    with pytest.raises(sc.ScenarioError, match=r"\[judge\]: unknown key\(s\) verdicts"):
+        bad = (
+            text.replace("[cluster]\n", "[cluster]\nreward_gpus = 2\n")
+            + f'\n[judge]\nprofile = "{profile}"\nverdicts = 2\n'
+        )
+        sc.from_dict(_toml(bad), base=tmp_path)
+    ok = sc.from_dict(
+        _toml(text.replace("[cluster]\n", "[cluster]\nreward_gpus = 2\n") + f'\n[judge]\nprofile = "{profile}"\n'),
+        base=tmp_path,
+    )
+    assert ok.cluster.reward_gpus == 2 and ok.judge.verdict_tokens == 1 and ok.judge.rubric_tokens == 0
+
+
+def _toml(text: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def judge_bound(tmp_path: Path) -> sc.Scenario:
+    """A run whose batches wait on the judge: one judging GPU reads every trajectory and a 20,000-token rubric."""
+    return replace(genrm(tmp_path, 1, rubric=20_000), steps=2)
+
+
+def test_moves_to_and_from_the_judge_cost_what_its_engine_costs():
+    from pearlctl.planner.model import Move, MoveKind, Role
+    from pearlctl.sim.engine import ABORT_S
+    from pearlctl.sim.run import Sim
+
+    s = genrm(Path("."), 2)
+    judge_costs = replace(PROFILE.costs, start_s=90.0, wake_s=4.0, sleep_s=2.5, stop_s=7.0)
+    s = replace(s, judge=replace(s.judge, profile=replace(PROFILE, costs=judge_costs)))
+    sim = Sim(s, "static", None)
+    c = s.profile.costs
+    rollout = next(g for g in sim.gpus if g.pool == "rollout")
+    reward = next(g for g in sim.gpus if g.pool == "reward")
+    trainer = sim.gpus[0]
+    assert sim.moves.apply(Move(rollout.id, MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD, 0.0), 0.0)
+    assert rollout.role == Role.REWARD and rollout.busy_until == pytest.approx(c.stop_s + 90.0 + ABORT_S)
+    assert not sim.moves.apply(Move(reward.id, MoveKind.SWITCH, Role.REWARD, Role.ROLLOUT, 0.0), 0.0)
+    assert sim.moves.refusals == {"switch: the reward pool's judges do not move": 1}
+    # a trainer GPU lent to the judge: cold, then parked asleep on return, then woken
+    assert sim.moves.apply(Move(trainer.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, 0.0), 0.0)
+    assert trainer.busy_until == pytest.approx(c.offload_s + 90.0)
+    assert sim.moves.apply(Move(trainer.id, MoveKind.RETURN, Role.REWARD, Role.TRAIN, 0.0), 100.0)
+    assert trainer.parked_judge and not trainer.parked
+    assert trainer.busy_until == pytest.approx(100.0 + 2.5 + c.reload_s + ABORT_S)
+    assert sim.moves.apply(Move(trainer.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, 0.0), 200.0)
+    assert trainer.busy_until == pytest.approx(200.0 + c.offload_s + 4.0) and not trainer.parked_judge
+
+
+def test_pivot_shifts_gpus_to_a_judge_that_holds_batches_back_and_beats_the_best_fixed_split(tmp_path):
+    from pearlctl.sim.compare import compare
+
+    s = judge_bound(tmp_path)
+    r = compare(s, ["static", "disaggregated", "pivot"], workers=1)
+    verdicts = s.steps * s.workload.batch_size
+    assert all(x.finished and x.judge["verdicts"] == verdicts for x in r.values())  # expected = judged = trained
+    assert r["pivot"].samples_per_s > r["disaggregated"].samples_per_s > r["static"].samples_per_s
+    assert r["pivot"].transitions > 0 and r["disaggregated"].chosen.endswith("GPUs judging")
+    assert r["pivot"].gpu_seconds_by_role["REWARD"] > r["static"].gpu_seconds_by_role["REWARD"]
+
+
+def test_the_oracle_and_disaggregated_refuse_what_they_cannot_model(tmp_path):
+    from pearlctl.sim.compare import SimulationError, compare
+
+    with pytest.raises(SimulationError, match="the oracle does not model a judge yet"):
+        compare(judge_bound(tmp_path), ["pivot", "oracle"])
+    with pytest.raises(SimulationError, match="has no \\[judge\\]"):
+        compare(sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml"), ["disaggregated"])
