@@ -173,7 +173,7 @@ class MemberAdmin:
             return 0.0
         total = 0.0
         for line in resp.text.splitlines():
-            if line.startswith(WAITING_METRIC):
+            if line.startswith((WAITING_METRIC + "{", WAITING_METRIC + " ")):  # the gauge, not a longer name
                 try:
                     total += float(line.rsplit(" ", 1)[1])
                 except (ValueError, IndexError):

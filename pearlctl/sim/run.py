@@ -36,6 +36,10 @@ router sends it nothing new, it decodes what it runs for the agent's drain windo
 the rest, which is continued elsewhere; a preemption with less notice than that window is a hard kill (the
 running turns are retried from their start). The oracle's GPUs serve to the end and lose nothing.
 
+A scenario with a ``[judge]`` runs a generative reward model beside the policy (``pearlctl.sim.judging``): each
+trajectory's verdict is asked when it finishes, on the judge workers (GPUs in role REWARD), and a batch is complete
+only once every verdict is in.
+
 The rollout driver launches a batch as examples/grpo/rollout.py does: when it is due (synchronous: after the
 weight sync; asynchronous: within the staleness bound), but while workers are joining — GPUs in a transition
 toward a serving role — it waits for them, at most the scenario's ``join_wait_s``, whatever the policy.

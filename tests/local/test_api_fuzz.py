@@ -511,8 +511,17 @@ def check_state(run: LiveRun) -> list[str]:
         rollout = r.get("rollout")
         if rollout is not None:
             # the daemon's own fields beside the driver's report: when it came, its rate, when the work emptied,
-            # the batch's work as it began (a planner Work, or None)
-            own = ("reported_at", "tokens_per_s", "verdicts_per_s", "emptied_at", "batch_work")
+            # the batch's work as it began (a planner Work, or None), and the judges' load and capacity
+            judged = ("judge_saturated", "judge_busy", "judge_capacity_per_judge_s")
+            own = ("reported_at", "tokens_per_s", "verdicts_per_s", "emptied_at", "batch_work", *judged)
+            for k in ("judge_saturated", "judge_busy"):
+                if k in rollout and not isinstance(rollout[k], bool):
+                    problems.append(f"rollout.{k} = {rollout[k]!r}")
+            capacity = rollout.get("judge_capacity_per_judge_s")
+            if not (
+                capacity is None or (isinstance(capacity, (int, float)) and math.isfinite(capacity) and capacity >= 0)
+            ):
+                problems.append(f"rollout.judge_capacity_per_judge_s = {capacity!r}")
             doc = {k: v for k, v in rollout.items() if k not in own}
             emptied = rollout.get("emptied_at")
             if not (emptied is None or (isinstance(emptied, (int, float)) and math.isfinite(emptied))):

@@ -196,3 +196,23 @@ def test_the_oracle_and_disaggregated_refuse_what_they_cannot_model(tmp_path):
         compare(judge_bound(tmp_path), ["pivot", "oracle"])
     with pytest.raises(SimulationError, match="has no \\[judge\\]"):
         compare(sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml"), ["disaggregated"])
+
+
+def test_the_cli_compares_with_the_best_fixed_split_and_reports_the_judge():
+    import json
+    import subprocess
+    import sys
+
+    path = REPO / "examples/scenarios/genrm/genrm-same-size-8b.toml"
+    argv = [sys.executable, "-m", "pearlctl", "simulate", str(path), "--compare", "disaggregated,pivot", "--steps", "1"]
+    proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    batch = doc["batch_size"]
+    assert all(p["judge"]["verdicts"] == batch and p["finished"] for p in doc["policies"].values())
+    assert doc["policies"]["disaggregated"]["chosen"].endswith("of 16 GPUs judging")
+    assert set(doc["ratios"]) == {"pivot/disaggregated"}
+    table = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert table.returncode == 0 and "judge GPU-h" in table.stdout and "pivot/disaggregated" in table.stdout
+    unknown = subprocess.run([*argv[:5], "--policy", "colocated"], capture_output=True, text=True, cwd=REPO)
+    assert unknown.returncode == 2 and "oracle, disaggregated" in unknown.stderr
