@@ -29,6 +29,11 @@ EXTERNAL = {
     "docs/tutorial/retool.md",
     "blog/AReaL_v0_3.md",
     "LongBench/task.md",
+    "genrm_remote/README.md",
+    "docs/nemotron/super3/rl/rlhf.md",
+    "Guide/llm_as_judge_optimization.md",
+    "reward_queue/README.md",
+    "docs/performance-lab/qwen3-32b/h100.md",
 }
 
 
