@@ -8,6 +8,10 @@ GPUs returned when it needs them.
   new plan is made until they all ran — as the daemon does (pearlctl/daemon/borrowing.py).
 - **Leaves are paid.** A move that takes a worker out of serving (return, retire, switch) first aborts what it
   runs — ``ABORT_S`` more than the step's own cost (``pearlctl.sim.engine``: abort and continue).
+- **Moves to and from the judge cost its engine** (a run with a ``[judge]``): a switch between the policy and the
+  judge stops one model's worker and starts the other's (each at its own profile's cost); a trainer GPU lent to the
+  judge offloads and starts it, or wakes a judge parked there by an earlier loan's return; one parked worker per
+  GPU (a loan to one role stops the other's parked worker); the reward pool's own judges never move.
 - **The truth may differ from the profile.** Under a model mismatch every move takes its profile cost times a
   factor drawn per move (in move order: deterministic for a seed); the steps' true durations are journaled and
   the costs a policy plans with are their running estimates (``costs``), as the daemon's.
