@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pearlctl.planner.profile import load as load_profile
 from pearlctl.sim import scenario as sc
@@ -216,3 +218,37 @@ def test_the_cli_compares_with_the_best_fixed_split_and_reports_the_judge():
     assert table.returncode == 0 and "judge GPU-h" in table.stdout and "pivot/disaggregated" in table.stdout
     unknown = subprocess.run([*argv[:5], "--policy", "colocated"], capture_output=True, text=True, cwd=REPO)
     assert unknown.returncode == 2 and "oracle, disaggregated" in unknown.stderr
+
+
+_ANY = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(10**12), max_value=10**12),
+    st.text(max_size=8),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.none(),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(key=st.sampled_from(["rubric_tokens", "verdict_tokens", "reward_gpus", "profile"]), value=_ANY)
+def test_any_judge_key_loads_as_a_valid_value_or_is_refused_by_name(key, value):
+    """The judge's keys, whatever they hold: a scenario that loads has a judge of valid counts; any other is a
+    ScenarioError naming the key (no other exception, no judge of negative or fractional tokens)."""
+    import tomllib
+
+    text = (REPO / "examples/scenarios/genrm/genrm-same-size-8b.toml").read_text()
+    doc = tomllib.loads(text)
+    table, path = ("cluster", ("cluster", "reward_gpus")) if key == "reward_gpus" else ("judge", ("judge", key))
+    if value is None:
+        doc[table].pop(key, None)
+    else:
+        doc[table][key] = value
+    try:
+        s = sc.from_dict(doc, base=REPO / "examples/scenarios/genrm")
+    except sc.ScenarioError as err:
+        assert f"[{path[0]}] {path[1]}" in str(err) or (key == "profile" and "[judge]" in str(err)), str(err)
+        return
+    j = s.judge
+    assert s.cluster.reward_gpus >= 1 and j.rubric_tokens >= 0 and j.verdict_tokens >= 1
+    assert all(type(x) is int for x in (s.cluster.reward_gpus, j.rubric_tokens, j.verdict_tokens))
