@@ -240,8 +240,8 @@ def load(path: str | Path) -> Profile:
     path = Path(path)
     try:
         doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc}") from None
+    except (OSError, ValueError) as exc:  # (ValueError: TOMLDecodeError, or a path no file can have, e.g. a NUL)
+        raise ProfileError(f"cannot read profile {path!s}: {exc}") from None
     return from_dict(doc, where=str(path))
 
 

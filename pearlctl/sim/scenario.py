@@ -293,7 +293,15 @@ def _load_profile(doc: Any, base: Path) -> tuple[Profile | None, Path | None, st
     ref = head.get("profile") if isinstance(head, dict) else None
     if not isinstance(ref, str):
         return None, None, None
-    path = (base / ref).resolve()
+    return _read_profile(ref, base)
+
+
+def _read_profile(ref: str, base: Path) -> tuple[Profile | None, Path | None, str | None]:
+    """The profile at ``ref`` (relative to ``base``) and its path, or why it cannot be read."""
+    try:
+        path = (base / ref).resolve()
+    except (OSError, ValueError) as exc:  # (a NUL in it, a loop of links)
+        return None, None, f"{ref!r} is no file's path ({exc})"
     try:
         return load_profile(path), path, None
     except ProfileError as exc:
@@ -395,11 +403,9 @@ def from_dict(doc: dict, *, base: Path, where: str = "scenario") -> Scenario:
 def _load_judge(f: ScenarioFile, base: Path) -> tuple[Judge | None, str | None]:
     """The ``[judge]`` of a valid file, its profile read (relative to ``base``); or why it cannot be."""
     t = f.judge
-    path = (base / t.profile).resolve()
-    try:
-        profile = load_profile(path)
-    except ProfileError as exc:
-        return None, str(exc)
+    profile, path, why = _read_profile(t.profile, base)
+    if profile is None:
+        return None, why
     if f.cluster.reward_gpus % profile.gpus_per_worker:
         return None, f"its gpus_per_worker ({profile.gpus_per_worker}) must divide [cluster] reward_gpus"
     return Judge(profile, path, t.rubric_tokens, t.verdict_tokens), None

@@ -247,16 +247,18 @@ def test_a_lifetime_mixture_gives_bimodal_lifetimes_with_the_mixtures_mean():
     assert np.mean(single < 500) == pytest.approx(0.116, abs=0.05)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    value=st.one_of(
-        st.floats(allow_nan=True, allow_infinity=True),
-        st.integers(min_value=-(10**12), max_value=10**12),
-        st.text(max_size=8),
-        st.booleans(),
-        st.lists(st.integers(), max_size=2),
-    )
+# any value a TOML key may hold, well formed or not (the scenario keys' fuzz tests)
+ANY_VALUE = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(10**12), max_value=10**12),
+    st.text(max_size=8),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
 )
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=ANY_VALUE)
 def test_any_first_wait_loads_as_a_finite_non_negative_number_or_is_refused_by_name(value):
     doc = base_doc()
     doc["training"]["first_wait_s"] = value
@@ -267,3 +269,10 @@ def test_any_first_wait_loads_as_a_finite_non_negative_number_or_is_refused_by_n
         return
     assert isinstance(value, (int, float)) and not isinstance(value, bool)
     assert got == float(value) and math.isfinite(got) and got >= 0
+
+
+def test_a_profile_path_no_file_can_have_is_refused_by_name():
+    doc = base_doc()
+    doc["scenario"]["profile"] = "bad\x00.toml"
+    with pytest.raises(sc.ScenarioError, match=r"\[scenario\] profile: 'bad\\x00.toml' is no file's path"):
+        load_doc(doc)
