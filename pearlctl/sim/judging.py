@@ -98,12 +98,8 @@ class Judges:
         room = workers * self.max_num_seqs - self._prefilling.size - self._decoding.size
         if room <= 0 or not self._queue.size:
             return
-        ready = self.ready_at[self._queue] <= t
-        if not ready.all():
-            # first come first served among those asked by now (a re-sent one waits for its ABORT_S)
-            head = np.flatnonzero(ready)[:room]
-        else:
-            head = np.arange(min(room, self._queue.size))
+        # first come first served among those asked by now (a re-sent one waits for its ABORT_S)
+        head = np.flatnonzero(self.ready_at[self._queue] <= t)[:room]
         if not head.size:
             return
         taken = self._queue[head]
@@ -126,13 +122,13 @@ class Judges:
         spent = float(cum[n_done - 1]) if n_done else 0.0
         if n_done < i.size:  # the next one gets what is left of the budget
             j = i[n_done]
-            part = max(budget - spent, 0.0)
-            self.left[j] -= part / self.prefill_scale[j]
-            self.stats["prefill_tokens"] += part
+            read = max(budget - spent, 0.0) / self.prefill_scale[j]
+            self.left[j] -= read
+            self.stats["prefill_tokens"] += read
         if not n_done:
             return
         done = i[:n_done]
-        self.stats["prefill_tokens"] += spent
+        self.stats["prefill_tokens"] += float(self.left[done].sum())
         self.left[done] = 0.0
         ends = t + cum[:n_done] / (workers * self.prefill_tok_s)
         decoding = self._decoding.size + n_done

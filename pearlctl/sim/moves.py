@@ -80,6 +80,8 @@ class Moves:
         self._move_rng = np.random.default_rng([sim.scenario.seed, 0x7A11])
         self._journal: dict[str, list[float]] = {}
         self._costs: TransitionCosts | None = None  # (``costs``)
+        # the roles a GPU may serve: the policy's, and the judge's in a run with one
+        self._served = (*SERVING, Role.REWARD) if sim.scenario.judge is not None else tuple(SERVING)
 
     @property
     def switching(self) -> bool:
@@ -156,7 +158,7 @@ class Moves:
         wake = [(K.WAKE, c.wake_s)] + ([(WEIGHT_LOAD, sim.scenario.training.weight_sync_s)] if stale else [])
         if kind == MoveKind.BORROW:
             # The trainer releases a GPU only while it waits for rollouts, never mid-step.
-            if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in self._served():
+            if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in self._served:
                 return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
             if to == Role.REWARD:  # the judge never changes: a parked judge wakes with its weights
                 steps = [(K.OFFLOAD, c.offload_s), (K.WAKE, jc.wake_s) if g.parked_judge else (K.START, jc.start_s)]
@@ -183,7 +185,7 @@ class Moves:
             elastic = g.pool == PoolKind.ELASTIC
             steps, g.parked = ([(K.STOP, c.stop_s)], False) if elastic else ([(K.SLEEP, c.sleep_s)], True)
         elif kind == MoveKind.SWITCH:
-            if g.role not in self._served() or to not in self._served():
+            if g.role not in self._served or to not in self._served:
                 return self._refuse(move, "switch between non-serving roles")
             if Role.REWARD in (g.role, to):  # another model: the leaving engine stops, the coming one starts
                 if g.pool == PoolKind.REWARD:
@@ -204,10 +206,6 @@ class Moves:
         sim.transitions += 1
         sim.gpus_changed = True
         return True
-
-    def _served(self) -> tuple[Role, ...]:
-        """The roles a GPU may serve: the policy's, and the judge's in a run with one."""
-        return (*SERVING, Role.REWARD) if self.sim.scenario.judge is not None else tuple(SERVING)
 
     def _true_cost(self, steps: list[tuple[str, float]]) -> float:
         """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pearlctl.planner import plan
-from pearlctl.planner.model import GpuSlot, Judging, Mode, Role, Snapshot, Trainer, Work
+from pearlctl.planner.model import GpuSlot, Judging, Mode, Snapshot, Trainer, Work
+from pearlctl.sim.gpus import judge_workers
 from pearlctl.sim.trajectories import TOOL
 from pearlctl.vocabulary import PD_ROLES
 
@@ -184,14 +185,14 @@ class PolicyView:
             return Judging()
         waiting, judging, done = judges.counts()
         reported = t - self._reports[-1][0] >= self.sim.scenario.control_interval_s - 1e-9
-        serving = sum(1 for g in self.sim.gpus if g.present and g.role == Role.REWARD and g.busy_until <= t)
+        serving = judge_workers(self.sim.gpus, 1, t) if reported else 0  # GPUs judging (as pivot counts judges)
         if reported:  # saturated: every GPU judging had work (verdicts waiting, or one in flight per GPU)
             saturated = serving > 0 and (waiting > 0 or judging >= serving)
             self._reports = [self._reports[-1], (t, done, saturated)]
         (t0, d0, s0), (t1, d1, s1) = self._reports
         rate = (d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
         busy = s0 and s1
-        if reported and busy and rate > 0:  # a judging GPU's capacity (as pivot counts judges)
+        if reported and busy and rate > 0:  # a judging GPU's capacity
             self._capacity = max(self._capacity, rate / serving)
         return Judging(waiting, judging, done, 0, rate, busy, self._capacity)
 

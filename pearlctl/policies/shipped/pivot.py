@@ -139,7 +139,7 @@ def _judge_plan(s: Snapshot) -> Plan | None:
         g = min(v.lendable, key=lambda g: not g.parked_judge)  # a judge parked there wakes: a warm loan
         lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=g.parked_judge))
         if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
-            end = _judged_by(s, (lend,), demand, len(judges), rate)
+            end = max(_ends(s, (lend,), demand, len(judges), rate))
             options.append((end, 0, (lend,), "a trainer GPU lent to the judge"))
     rollout = sorted(
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
@@ -157,34 +157,36 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     return None
 
 
-def _judged_by(s: Snapshot, moves: tuple[Move, ...], demand: float, judges: int, rate: float) -> float:
-    """The batch's predicted end with ``moves`` bringing judges: the rollout's, and the verdicts'."""
-    return max(plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + len(moves), rate, moves[0].cost_s))
+def _ends(s: Snapshot, moves: tuple[Move, ...], demand: float, judges: int, rate: float) -> tuple[float, float]:
+    """The rollout's and the verdicts' predicted ends with ``moves`` bringing judges (the batch ends at the later)."""
+    return plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + len(moves), rate, moves[0].cost_s)
 
 
 def _best_shift(s: Snapshot, rollout: list, demand: float, judges: int, rate: float) -> tuple[float, tuple]:
     """How many of the ``rollout`` GPUs (in shift order; rollout keeps one) to shift to the judge at once, and the
     batch's predicted end then. Its rollout part grows with the number shifted and its verdicts' part shrinks, so
-    the soonest end is where they cross: found by bisection, a logarithmic number of predictions."""
+    the soonest end is where they cross: found by bisection, a logarithmic number of predictions (each number
+    predicted once)."""
     v = view.of(s)
+    predicted: dict[int, tuple[float, float, tuple]] = {}
 
-    def shifted(k: int) -> tuple:
-        return tuple(v.move(g, MoveKind.SWITCH, Role.REWARD) for g in rollout[:k])
-
-    def parts(k: int) -> tuple[float, float]:
-        moves = shifted(k)
-        return plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + k, rate, moves[0].cost_s)
+    def ends(k: int) -> tuple[float, float, tuple]:
+        if k not in predicted:
+            moves = tuple(v.move(g, MoveKind.SWITCH, Role.REWARD) for g in rollout[:k])
+            predicted[k] = (*_ends(s, moves, demand, judges, rate), moves)
+        return predicted[k]
 
     lo, hi = 1, min(len(rollout) - 1, max(judges, 1))  # at most as many as judge now: the judges at most double
     while lo < hi:  # the fewest shifted for which the verdicts no longer end after the rollout
         mid = (lo + hi) // 2
-        roll, judged = parts(mid)
+        roll, judged, _ = ends(mid)
         if judged <= roll:
             hi = mid
         else:
             lo = mid + 1
-    best = min({lo, max(1, lo - 1)}, key=lambda k: (max(parts(k)), k))
-    return max(parts(best)), shifted(best)
+    best = min({lo, max(1, lo - 1)}, key=lambda k: (max(ends(k)[:2]), k))
+    roll, judged, moves = ends(best)
+    return max(roll, judged), moves
 
 
 def _needed_next(s: Snapshot, judges: int, back: Move) -> bool:
