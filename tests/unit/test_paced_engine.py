@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -166,25 +167,34 @@ def test_a_batch_takes_at_least_what_the_profile_says(client: TestClient) -> Non
 
 def test_a_loop_that_wakes_late_past_a_sequences_end_loses_no_model_time() -> None:
     """A loaded host wakes the engine's loop late; the time it slept past a sequence's end still decodes the rest at
-    the smaller batch's pace. A request of 200 tokens next to one of 5, the loop held 0.5 s after 10 ms, ends when
-    the profile says (5 iterations of two, 195 of one), not 0.5 s later."""
+    the smaller batch's pace. A request of 600 tokens next to one of 5, the loop held 1.5 s in its first wait
+    between tokens, ends when the profile says (5 iterations of two, 595 of one), not 1.5 s later. Measured by the
+    engine's own end time, not when this test looks; a busy machine may wake the loop late again by up to 0.75 s."""
     profile = load(PROFILE)
 
     async def main() -> float:
         engine = PacedEngine(profile, max_num_seqs=8, max_model_len=4096, weights="w", vocab=Vocab("-"))
+        pace, held = engine._pace, []
+
+        async def held_once(seconds: float) -> None:  # the host is busy elsewhere while the engine waits
+            if not held:
+                held.append(seconds)
+                time.sleep(1.5)
+            await pace(seconds)
+
+        engine._pace = held_once
         task = asyncio.get_running_loop().create_task(engine.run())
         engine.submit("short", [1, 2, 3], 5)
-        long = engine.submit("long", [4, 5, 6], 200)
-        asyncio.get_running_loop().call_later(0.01, time.sleep, 0.5)  # the host is busy elsewhere
-        while long.finish is None:
-            await asyncio.sleep(0.002)
-        took = time.monotonic() - long.arrived
+        long = engine.submit("long", [4, 5, 6], 600)
+        while long.ended is None:
+            await asyncio.sleep(0.01)
         task.cancel()
-        return took
+        return long.ended - long.arrived
 
     took = asyncio.run(main())
-    model = 5 * profile.decode.itl(2, 104) + 195 * profile.decode.itl(1, 104)
-    assert model <= took < model + 0.25, (took, model)
+    model = 5 * profile.decode.itl(2, 304) + 595 * profile.decode.itl(1, 304)
+    assert model > 1.5 + 0.5  # the hold ends well before the model does
+    assert model <= took < model + 0.75, (took, model)
 
 
 def test_the_running_batch_is_capped_and_the_rest_wait() -> None:
@@ -293,3 +303,32 @@ def test_the_start_is_counted_from_the_process_exec():
     code = "import time; time.sleep(0.6); from pearlctl.agent.engines.paced import process_age; print(process_age())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert 0.6 <= float(out.stdout) < 30
+
+
+def test_a_prefill_that_wakes_late_hands_the_time_to_the_decode_after_it() -> None:
+    """The loop held 1.5 s in a prefill: the request still ends when the profile says (its prefill, then 600
+    iterations), not 1.5 s later; measured by the engine's own end time."""
+    profile = load(PROFILE)
+
+    async def main() -> float:
+        engine = PacedEngine(profile, max_num_seqs=8, max_model_len=4096, weights="w", vocab=Vocab("-"))
+        real_sleep, held = asyncio.sleep, []
+
+        async def held_once(seconds: float) -> None:  # only the engine's prefill sleeps through asyncio.sleep here
+            if not held:
+                held.append(seconds)
+                time.sleep(1.5)
+            await real_sleep(seconds)
+
+        task = asyncio.get_running_loop().create_task(engine.run())
+        with mock.patch("pearlctl.agent.engines.paced_batch.asyncio.sleep", held_once):
+            long = engine.submit("long", list(range(1, 2001)), 600)
+            while long.ended is None:
+                await real_sleep(0.01)
+        task.cancel()
+        return long.ended - long.arrived
+
+    took = asyncio.run(main())
+    model = 2000 / profile.prefill_tok_s + 600 * profile.decode.itl(1, 2300)
+    assert model > 1.5 + 0.5
+    assert model <= took < model + 0.75, (took, model)

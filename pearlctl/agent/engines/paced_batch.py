@@ -40,6 +40,7 @@ class Seq:
     prefill_left: int = 0
     reserved: int = 0
     finish: str | None = None
+    ended: float | None = None  # the clock when its last token was handed out
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decoder: Decoder | None = None  # made when its text is first asked for
     pieces: list[str] = field(default_factory=list)  # the text of each generated id decoded so far
@@ -212,7 +213,8 @@ class PacedEngine:
         self._trim_cache()
 
     def _finish(self, seq: Seq) -> None:
-        self.e2e_sum += time.monotonic() - seq.arrived
+        seq.ended = time.monotonic()
+        self.e2e_sum += seq.ended - seq.arrived
         self.e2e_count += 1
         self.running.remove(seq)
         self.reserved -= seq.reserved
@@ -238,6 +240,8 @@ class PacedEngine:
             if self.paused or not self.running:
                 if self.draining and not self.running and not self.waiting:
                     self.paused = True
+                if not self.running:
+                    self.carry = 0.0  # an idle engine owes no time to what arrives next
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -250,8 +254,10 @@ class PacedEngine:
                     budget -= n
                     if budget <= 0:
                         break
-                tokens = sum(n for _, n in plan)
-                await asyncio.sleep(tokens / self.profile.prefill_tok_s)
+                want = sum(n for _, n in plan) / self.profile.prefill_tok_s
+                t0 = time.monotonic()
+                await asyncio.sleep(want)
+                self.carry += max(time.monotonic() - t0 - want, 0.0)  # woken late: the decode after gets the time
                 for s, n in plan:
                     s.prefill_left -= n
                 continue
