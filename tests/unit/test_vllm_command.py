@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.agent.engines.vllm import (
+    CPU_ENTRY_POINT,
     ENTRY_POINT,
     PACED_ENTRY_POINT,
     ROLES,
@@ -68,7 +69,7 @@ def test_engine_flags_mapping() -> None:
 
 def test_cpu_rollout_command_is_the_fast_start() -> None:
     argv = server().command()
-    assert argv[:3] == [sys.executable, "-m", ENTRY_POINT]
+    assert argv[:3] == [sys.executable, "-m", CPU_ENTRY_POINT]  # vLLM's server, its engine core forked
     assert flag(argv, "--model") == MODEL
     assert flag(argv, "--host") == "127.0.0.1"
     assert flag(argv, "--port") == "8100"
@@ -95,6 +96,7 @@ def test_cpu_environment() -> None:
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
         "TORCHDYNAMO_DISABLE": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     }
     assert "CUDA_VISIBLE_DEVICES" not in env
 
