@@ -91,7 +91,7 @@ def simulate(
 
 def _load_policies(names: list[str]) -> None:
     """Each name is a policy the daemon could load, or a baseline the simulator computes (``oracle``,
-    ``disaggregated``); an unknown one is a usage error naming the known ones."""
+    ``colocated``, ``disaggregated``); an unknown one is a usage error naming the known ones."""
     from pearlctl.policies import PolicyError, load_policy
     from pearlctl.sim.compare import BASELINES
 

@@ -11,61 +11,31 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
+from pearlctl.sim.baselines import colocated, disaggregated
 from pearlctl.sim.engine import DEFAULT_ROUTER
 from pearlctl.sim.gpus import Schedule
 from pearlctl.sim.oracle import run_oracle
-from pearlctl.sim.run import RunResult, make_draws, make_trace, run_policy
+from pearlctl.sim.run import RunResult, SimulationError, make_draws, make_trace, run_policy
 from pearlctl.sim.scenario import Scenario
 
 # Baselines that are not policies the daemon runs: the simulator computes them (``simulate``).
-BASELINES = ("oracle", "disaggregated")
-SPLITS_MAX = 16  # ``disaggregated`` tries at most this many splits, evenly spaced
+BASELINES = ("oracle", "colocated", "disaggregated")
 
 
 def simulate(scenario: Scenario, policy: str, *, schedules: dict[str, Schedule] | None = None, **kw) -> RunResult:
     """``policy`` on ``scenario``: ``run.run_policy``'s, or for ``oracle`` ``oracle.run_oracle`` (``schedules``:
-    the compared policies' schedules it replays; pearl's is run when missing), or for ``disaggregated``
-    ``disaggregated``'s. ``kw``: ``run_policy``'s (the oracle takes record_timeline, draws, trace and router of
-    them)."""
+    the compared policies' schedules it replays; pearl's is run when missing), or for ``colocated`` and
+    ``disaggregated`` theirs (pearlctl.sim.baselines). ``kw``: ``run_policy``'s (the oracle takes
+    record_timeline, draws, trace and router of them)."""
     if policy == "oracle":
         keep = ("record_timeline", "draws", "trace", "router")
         return run_oracle(scenario, schedules=schedules, **{k: v for k, v in kw.items() if k in keep})
+    if policy == "colocated":
+        return colocated(scenario, **kw)
     if policy == "disaggregated":
         return disaggregated(scenario, **kw)
     return run_policy(scenario, policy, **kw)
-
-
-def disaggregated(scenario: Scenario, **kw) -> RunResult:
-    """The disaggregated baseline of a run with a judge: a fixed split of the rollout and reward pools' GPUs
-    between the policy and the judge, the best one found by a sweep (``static`` on each split, every
-    ``gpus_per_worker`` of the judge's profile, at most ``SPLITS_MAX`` evenly spaced). The trainer keeps its GPUs;
-    elastic GPUs are not used (a fixed allocation). ``RunResult.chosen`` names the split."""
-    if scenario.judge is None:
-        what = "disaggregated splits GPUs between the policy and a judge"
-        raise SimulationError(f"{what}; {scenario.name} has no [judge]")
-    c, step = scenario.cluster, scenario.judge.profile.gpus_per_worker
-    total = c.rollout_gpus + c.reward_gpus
-    splits = list(range(step, total - scenario.profile.gpus_per_worker + 1, step))
-    if not splits:
-        raise SimulationError(f"{scenario.name}: {total} rollout and reward GPUs cannot be split between two models")
-    if len(splits) > SPLITS_MAX:
-        splits = sorted({splits[round(i * (len(splits) - 1) / (SPLITS_MAX - 1))] for i in range(SPLITS_MAX)})
-    kw = {k: v for k, v in kw.items() if k != "record_schedule"}
-    best: RunResult | None = None
-    for judges in splits:
-        split = replace(scenario, cluster=replace(c, rollout_gpus=total - judges, reward_gpus=judges))
-        r = run_policy(split, "static", **kw)
-        if best is None or r.samples_per_s > best.samples_per_s:
-            best, r.chosen = r, f"{judges} of {total} GPUs judging"
-    best.policy = "disaggregated"
-    return best
-
-
-class SimulationError(Exception):
-    """A simulation that could not finish: out of its memory limit, or its process died. One line, naming the
-    policy and the scenario (the CLI prints it as it is)."""
 
 
 def _limit_memory(max_bytes: int | None) -> None:
@@ -106,10 +76,6 @@ def compare(
     ``workers`` processes (default: one per policy, at most one per CPU), each capped at ``max_memory`` bytes.
     The oracle runs last and replays every other policy's schedule (pearlctl.sim.oracle). Results keep the
     given order. A run that fails raises ``SimulationError`` (one line, naming the policy and the scenario)."""
-    if "oracle" in policies and scenario.judge is not None:  # (the oracle's candidates know no judge)
-        raise SimulationError(
-            f"the oracle does not model a judge yet: {scenario.name} has a [judge] (compare the policies without it)"
-        )
     draws, trace = make_draws(scenario), make_trace(scenario)
     kw = {"record_timeline": record_timeline, "draws": draws, "trace": trace, "router": router}
     kw["correction"] = correction

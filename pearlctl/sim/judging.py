@@ -16,6 +16,8 @@ The model, vectorised over verdicts:
 - **A judge that leaves loses its share of the verdicts in flight.** They are sent again whole, ``ABORT_S`` later,
   behind those already waiting (the gateway re-sends a judge's request: one with several prompts or structured
   output cannot be continued), so their prefill starts over. Nothing is judged twice or lost.
+- **The oracle loses nothing** (``free_migration``): the verdicts of a judge that leaves go on where they were,
+  on the judge workers that remain (or when one serves again).
 - **The truth may differ from the profile**: under a model mismatch each verdict's prefill and decode take its
   own factors of the scenario's prefill and decode perturbations (drawn from a stream of their own), as the
   policy's turns do. Policies never see them.
@@ -41,8 +43,9 @@ NONE, WAITING, PREFILLING, DECODING, JUDGED = range(5)
 class Judges:
     """The verdicts of ``n`` trajectories and the judge workers that give them."""
 
-    def __init__(self, judge: Judge, n: int, mismatch: Mismatch, seed: int):
+    def __init__(self, judge: Judge, n: int, mismatch: Mismatch, seed: int, free_migration: bool = False):
         self.judge = judge
+        self.free_migration = free_migration  # the oracle's world: a judge that leaves hands its verdicts over
         p = judge.profile
         self.prefill_tok_s, self.max_num_seqs, self.gpus_per_worker = p.prefill_tok_s, p.max_num_seqs, p.gpus_per_worker
         self.state = np.full(n, NONE, np.int8)
@@ -140,7 +143,10 @@ class Judges:
         self._prefilling = i[n_done:]
 
     def _lose(self, t: float, workers: int) -> None:
-        """Judge workers left: their share of the verdicts in flight is sent again whole, behind the queue."""
+        """Judge workers left: their share of the verdicts in flight is sent again whole, behind the queue (with
+        ``free_migration``, the oracle's, nothing is lost: they go on with what the remaining workers read)."""
+        if self.free_migration:
+            return
         flight = np.concatenate((self._prefilling, self._decoding))
         if not flight.size:
             return

@@ -47,7 +47,7 @@ COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the me
 class MovesRun(Protocol):
     """What ``Moves`` reads and writes of its run (``pearlctl.sim.run.Sim``): the scenario (its seed, weight sync and
     mismatch) and profile, the policy (``decide``) and what it sees (``view``), the GPUs, the trainer's phase and
-    weights version, and whether the oracle drives the run (``controller`` not None: its GPUs come back
+    weights version, and whether the run is in the oracle's world (``free_migration``: its GPUs come back
     instantly); a move counts in ``transitions`` and sets ``gpus_changed``."""
 
     scenario: Scenario
@@ -55,7 +55,7 @@ class MovesRun(Protocol):
     decide: Callable[[Snapshot], Plan | None] | None
     view: PolicyView
     gpus: list[SimGpu]
-    controller: object | None
+    free_migration: bool
     training_until: float | None
     version: int
     transitions: int
@@ -133,7 +133,7 @@ class Moves:
     def force_return(self, g: SimGpu, t: float) -> None:
         """The daemon's return guarantee: trainer GPU ``g`` goes back to TRAIN (instantly for the oracle)."""
         sim = self.sim
-        if sim.controller is not None:  # the oracle's GPUs come back instantly
+        if sim.free_migration:  # the oracle's GPUs come back instantly
             g.role, g.borrowed, sim.gpus_changed = Role.TRAIN, False, True
             return
         self.forced_returns += 1
@@ -196,7 +196,7 @@ class Moves:
                 steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:
             return self._refuse(move, "unknown move kind")
-        cost = self._true_cost(steps)
+        cost = self.true_cost(steps)
         if g.role in SERVING or g.role == Role.REWARD:
             cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued or sent again)
         if to in SERVING:
@@ -207,7 +207,7 @@ class Moves:
         sim.gpus_changed = True
         return True
 
-    def _true_cost(self, steps: list[tuple[str, float]]) -> float:
+    def true_cost(self, steps: list[tuple[str, float]]) -> float:
         """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one
         draw per move, in move order: deterministic for a seed). Each step's true duration is journaled."""
         mm = self.sim.scenario.mismatch.transitions
@@ -223,7 +223,7 @@ class Moves:
     def costs(self) -> TransitionCosts:
         """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
         median of the last 5 journaled steps of each kind, else the profile's). They change only when a step is
-        journaled (``_true_cost``), so they are kept until then."""
+        journaled (``true_cost``), so they are kept until then."""
         if self._costs is None:
             est = {
                 field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])

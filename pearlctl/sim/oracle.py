@@ -26,6 +26,12 @@ The candidates:
    trainer GPU the trainer is not using. (When pearl never left colocated this is candidate 3: played once.)
 3. **Every available GPU serving, colocated** (``FixedController``), from t = 0 to the end.
 
+In a run with a judge (a scenario's ``[judge]``) the candidates are the replays (1.), the judge's roles among the
+replayed ones, and the judge too loses nothing at a leave (pearlctl.sim.judging, ``free_migration``); ``compare``
+passes the schedules of the ``colocated`` and ``disaggregated`` baselines it ran (pearlctl.sim.baselines), so the
+oracle replays every compared deployment at no cost. Candidates 2 and 3 serve the policy alone and would leave
+the verdicts unasked: they are not played.
+
 What holds by construction is the containment: whatever pearl did, the oracle could do at the same moment of
 its run, for free. That the free replay is then at least as fast as pearl itself is the claim the property
 test checks over generated scenarios and seeds (``tests/unit/test_sim_oracle.py``), and the gate on every
@@ -150,12 +156,14 @@ class _Follow:
 
 class ReplayController:
     """A policy's own decisions at no cost (``_Follow``): each GPU takes the role the policy gave it, at the
-    moment the policy's move began. A trainer GPU serves only while the trainer does not need it (it comes back
-    at once when it does), and a GPU the elastic trace has not granted does nothing."""
+    moment the policy's move began (the judge's among them, in a run with one). A trainer GPU serves only while
+    the trainer does not need it (it comes back at once when it does), and a GPU the elastic trace has not
+    granted does nothing."""
 
     def __init__(self, sim: Sim, schedule: Schedule):
         self.plan = _Follow(schedule)
         self._applied: tuple | None = None
+        self.served = (*SERVING, Role.REWARD) if sim.judges is not None else tuple(SERVING)
 
     def control(self, sim: Sim, t: float) -> None:
         self.plan.follow(sim, t)
@@ -167,7 +175,7 @@ class ReplayController:
         roles = {}
         for g in sim.gpus:
             role = self.plan.roles.get(g.id)
-            if role in SERVING and (g.pool != PoolKind.TRAINER or lend):
+            if role in self.served and (g.pool != PoolKind.TRAINER or lend):
                 roles[g.id] = role
         _set_roles(sim, roles)
 
@@ -232,8 +240,9 @@ def run_oracle(
         pearl = run_policy(scenario, REPLAYED, draws=draws, trace=trace, router=router, record_schedule=True)
         schedules[REPLAYED] = pearl.schedule
     results: dict[str, RunResult] = {}  # (ties go to the first: the simplest)
-    results[EVERY_GPU] = _sim(scenario, draws, trace, router, FixedController, 0.0).run()
-    if any(role in PD_ROLES for _, _, role in schedules[REPLAYED].changes):
+    if scenario.judge is None:  # (with a judge, every GPU serving the policy would leave the verdicts unasked)
+        results[EVERY_GPU] = _sim(scenario, draws, trace, router, FixedController, 0.0).run()
+    if scenario.judge is None and any(role in PD_ROLES for _, _, role in schedules[REPLAYED].changes):
         # (a pearl that stayed colocated widens to the candidate above: not played twice)
         results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
     for name, schedule in schedules.items():

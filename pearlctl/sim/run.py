@@ -111,8 +111,14 @@ class RunResult:
         return self.steps / (self.sim_time_s / 3600.0) if self.sim_time_s > 0 else 0.0
 
 
+class SimulationError(Exception):
+    """A simulation that could not finish: out of its memory limit, or its process died, or a baseline asked of a
+    scenario it does not fit. One line, naming the policy and the scenario (the CLI prints it as it is)."""
+
+
 class Sim:
-    """One policy on one scenario. ``controller`` is None for a policy (``decide``) or the oracle."""
+    """One policy on one scenario, or a run a ``controller`` drives (the oracle's candidates, with
+    ``free_migration``: the oracle's world; the colocated baseline)."""
 
     def __init__(
         self,
@@ -138,6 +144,7 @@ class Sim:
         self.trace = trace if trace is not None else make_trace(scenario)
         self.gpw = self.profile.gpus_per_worker
         self.gpus: list[SimGpu] = make_gpus(scenario.cluster)
+        self.free_migration = free_migration
         self.engine = Engine(
             self.profile,
             self.draws,
@@ -149,11 +156,13 @@ class Sim:
         # The judge (a scenario's [judge]): each finished trajectory is asked for its verdict; a batch is complete
         # once every verdict is in. ``_asked``: trajectories whose verdict was asked; ``_ask_lo``: all before it were.
         n = len(self.draws.turns)
-        self.judges = None if scenario.judge is None else Judges(scenario.judge, n, scenario.mismatch, scenario.seed)
+        self.judges = None
+        if scenario.judge is not None:
+            self.judges = Judges(scenario.judge, n, scenario.mismatch, scenario.seed, free_migration)
         self._asked = np.zeros(n if self.judges is not None else 0, bool)
         self._ask_lo = 0
         self._judge_workers = 0
-        self.controller = None  # the oracle sets itself here
+        self.controller = None  # a run no policy drives: the oracle's candidates, the colocated baseline
         # Trainer and batches.
         self.trained = 0
         self.launched = 0

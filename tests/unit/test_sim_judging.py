@@ -192,13 +192,64 @@ def test_pivot_shifts_gpus_to_a_judge_that_holds_batches_back_and_beats_the_best
     assert r["pivot"].gpu_seconds_by_role["REWARD"] > r["static"].gpu_seconds_by_role["REWARD"]
 
 
-def test_the_oracle_and_disaggregated_refuse_what_they_cannot_model(tmp_path):
+def test_colocated_time_shares_every_generation_gpu_and_judges_a_batch_once_its_rollouts_are_done(tmp_path):
+    """Every rollout and reward GPU serves the policy, then the judge, then the policy: no verdict is judged while a
+    trajectory of its batch is still rolling out (the run is synchronous), and each switch costs both models'
+    sleep and wake on every GPU."""
+    from pearlctl.sim.baselines import TimeShared
+    from pearlctl.sim.run import Sim
+
+    s = judge_bound(tmp_path)
+    sim = Sim(s, "colocated", None)
+    sim.controller = TimeShared(sim)
+    r = sim.run()
+    assert r.finished and r.judge["verdicts"] == s.steps * s.workload.batch_size
+    shared = [g for g in sim.gpus if g.pool in ("rollout", "reward")]
+    assert len(shared) == s.cluster.rollout_gpus + s.cluster.reward_gpus
+    for lo in range(0, s.steps * s.workload.batch_size, s.workload.batch_size):
+        hi = lo + s.workload.batch_size
+        assert np.nanmin(sim.judges.judged_at[lo:hi]) > np.nanmax(sim.engine.done_at[lo:hi])
+    # each batch: to the judge and back (the last batch: to the judge only), every shared GPU
+    assert r.transitions == (2 * s.steps - 1) * len(shared)
+    assert r.gpu_seconds_by_role["REWARD"] > 0 and r.gpu_seconds_by_role["TRANSITION"] > 0
+    assert r.trainer_delay_s == 0 and r.forced_returns == 0  # the trainer keeps its GPUs
+
+
+def test_the_oracle_of_a_run_with_a_judge_bounds_every_compared_deployment(tmp_path):
+    """It replays pivot's, colocated's and disaggregated's roles at no cost (the judge's included), and judges every
+    trajectory once."""
+    from pearlctl.sim.compare import compare
+
+    s = judge_bound(tmp_path)
+    r = compare(s, ["colocated", "disaggregated", "pivot", "oracle"], workers=1)
+    verdicts = s.steps * s.workload.batch_size
+    assert all(x.finished and x.judge["verdicts"] == verdicts for x in r.values())
+    best = max(r[p].samples_per_s for p in ("colocated", "disaggregated", "pivot"))
+    assert r["oracle"].samples_per_s >= best
+    assert r["oracle"].oracle_choice.startswith("replay of ")
+
+
+def test_a_split_schedule_is_renumbered_into_the_scenarios_gpus():
+    """The k-th rollout-or-reward GPU of the split is the k-th of the scenario; the trainer's and the elastic GPUs
+    (numbered between the rollout and the reward pools) keep theirs."""
+    from pearlctl.planner.model import Role
+    from pearlctl.sim.baselines import renumbered
+    from pearlctl.sim.gpus import Schedule
+
+    c = sc.Cluster(trainer_gpus=2, rollout_gpus=4, elastic_gpus=3, reward_gpus=1, gpus_per_node=8)
+    split = replace(c, rollout_gpus=2, reward_gpus=3)  # trainer 0-1, rollout 2-3, elastic 4-6, reward 7-9
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    got = renumbered(Schedule(changes=[(0.0, i, Role.IDLE) for i in ids]), split, c)
+    # the scenario: trainer 0-1, rollout 2-5, elastic 6-8, reward 9
+    assert [i for _, i, _ in got.changes] == [0, 1, 2, 3, 6, 7, 8, 4, 5, 9]
+
+
+def test_the_baselines_need_a_judge():
     from pearlctl.sim.compare import SimulationError, compare
 
-    with pytest.raises(SimulationError, match="the oracle does not model a judge yet"):
-        compare(judge_bound(tmp_path), ["pivot", "oracle"])
-    with pytest.raises(SimulationError, match="has no \\[judge\\]"):
-        compare(sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml"), ["disaggregated"])
+    for baseline in ("colocated", "disaggregated"):
+        with pytest.raises(SimulationError, match="has no \\[judge\\]"):
+            compare(sc.load(REPO / "examples/scenarios/bursty-elastic-8b.toml"), [baseline])
 
 
 def test_the_cli_compares_with_the_best_fixed_split_and_reports_the_judge():
@@ -217,8 +268,8 @@ def test_the_cli_compares_with_the_best_fixed_split_and_reports_the_judge():
     assert set(doc["ratios"]) == {"pivot/disaggregated"}
     table = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert table.returncode == 0 and "judge GPU-h" in table.stdout and "pivot/disaggregated" in table.stdout
-    unknown = subprocess.run([*argv[:5], "--policy", "colocated"], capture_output=True, text=True, cwd=REPO)
-    assert unknown.returncode == 2 and "oracle, disaggregated" in unknown.stderr
+    unknown = subprocess.run([*argv[:5], "--policy", "hybrid"], capture_output=True, text=True, cwd=REPO)
+    assert unknown.returncode == 2 and "oracle, colocated, disaggregated" in unknown.stderr
 
 
 _ANY = st.one_of(ANY_VALUE, st.none())  # None: the key left out
