@@ -64,9 +64,8 @@ _SAME = (
     "its few shifts to the judge and back cost more than they gain"
 )
 OPEN: dict[tuple[str, str, str], str] = {
-    **{("genrm-large-judge-8b", m, r): _LARGE for m in MISMATCHES for r in ("pivot/disaggregated", "pivot/oracle")},
+    **{("genrm-large-judge-8b", m, "pivot/disaggregated"): _LARGE for m in MISMATCHES},
     **{("genrm-same-size-8b", m, "pivot/disaggregated"): _SAME for m in MISMATCHES},
-    ("genrm-same-size-8b", "measured", "pivot/oracle"): _SAME,
 }
 PUBLISHED = (
     "Published (arXiv 2610.16866, its abstract only): 1.81–2.05× the throughput of a colocated deployment and "

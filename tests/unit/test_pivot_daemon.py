@@ -37,6 +37,7 @@ LENDING = factories.profile(
     gpus_per_worker=1,
 )
 TAIL = {"turns_left": 1, "decode_tokens_per_turn": 100, "context_tokens": 1_000, "tool_latency_s": 0.5}
+BIG = {"turns_left": 4, "decode_tokens_per_turn": 400, "context_tokens": 4_000, "tool_latency_s": 1}
 
 
 class World:
@@ -95,6 +96,8 @@ def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_
     assert store.transitions.all("r") == []  # nothing to judge: nothing shifts
 
     done = iter(range(0, 10_000, 2))  # two verdicts a second, 200 waiting: one judge needs 100 s
+    # the batch began big (its first report: Snapshot.last_batch), so that a GPU back in rollout pays for the next
+    w.progress({"generating": 256, "done": 0, "tokens": 0, "work": {"trajectories": 256, **BIG}})
 
     def backed_up() -> None:
         judge = {"waiting": 200, "judging": 4, "done": next(done), "failed": 0}

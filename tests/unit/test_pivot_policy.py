@@ -114,6 +114,18 @@ def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_
     assert pivot.decide(snapshot(gpus(judging=0), Work(), done)) == pearl.decide(snapshot(gpus(), Work(), done))
 
 
+def test_between_batches_a_shifted_judge_goes_back_only_when_the_next_batch_gains_more_than_its_move_costs() -> None:
+    """Nothing to judge or roll out: a next batch like the last one (``Snapshot.last_batch``) decides. A big batch on
+    two rollout GPUs ends sooner with a third by more than its 18-s switch: the judge goes back; a batch of a few
+    stragglers gains less than that, and the rollout driver would hold the batch while the worker joins: it stays."""
+    done = Judging(waiting=0, judging=0, done=300)
+    big = replace(snapshot(gpus(rollout=2, judging=1), Work(), done), last_batch=BUSY)
+    planned = pivot.decide(big)
+    assert planned is not None and [(m.gpu, m.to_role) for m in planned.moves] == [(10, Role.ROLLOUT)]
+    small = replace(big, last_batch=TAIL)
+    assert pivot.decide(small) == pearl.decide(small)
+
+
 def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gains() -> None:
     """Rollout is busy again and two judges give 10 verdicts/s with nothing waiting and one verdict in flight: one of
     them keeps up with the demand within the rollout's time, so the shifted one serves rollout again; with a demand

@@ -35,7 +35,9 @@ GPU moves to the judge (no hint, no made-up rate).
   left would judge D within the rollout's time — or when there is no rollout work at all and no verdict owed
   (between batches the next batch needs rollout first), unless a next batch like the last one
   (``Snapshot.last_batch``) would end later without it — its verdicts at the judges' measured capacity — by more
-  than a move must gain: a judge the batches keep needing stays. The reward pool's own judges never move.
+  than a move must gain: a judge the batches keep needing stays; nor unless such a batch's rollout ends sooner with
+  it by more than its move costs (``_back_pays``: the driver holds a due batch while a worker joins, so the move's
+  time may be the batch's). The reward pool's own judges never move.
 - No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
   parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
@@ -114,7 +116,7 @@ def _judge_plan(s: Snapshot) -> Plan | None:
         if not _paid(s, back):
             return None
         if s.work.empty and s.judging.backlog == 0:
-            if _needed_next(s, len(judges), back):
+            if _needed_next(s, len(judges), back) or not _back_pays(s, back):
                 return None
             return _plan(s, back, "pivot: nothing to judge, the judge goes back to rollout for the next batch")
         roll_now = plan.timeline_s(s, ())
@@ -202,6 +204,18 @@ def _needed_next(s: Snapshot, judges: int, back: Move) -> bool:
     kept = max(plan.timeline_s(like, ()), verdicts / (judges * per_judge))
     given = max(plan.timeline_s(like, (back,)), verdicts / ((judges - 1) * per_judge))
     return given - kept > _threshold(kept)  # by as much as a move must gain to be made
+
+
+def _back_pays(s: Snapshot, back: Move) -> bool:
+    """Between batches: whether a judge going back to rollout gains a next batch like the last one
+    (``Snapshot.last_batch``) more than its move costs: the rollout driver holds a due batch while a worker joins
+    (up to its join wait), so the move's time may be the next batch's, and only a rollout shorter by more than it
+    (and by what a move must gain, ``_threshold``) pays. Without a batch seen it pays (nothing says otherwise)."""
+    if s.last_batch.empty:
+        return True
+    like = replace(s, work=s.last_batch)
+    kept = plan.timeline_s(like, (), instant=True)
+    return kept - plan.timeline_s(like, (back,), instant=True) > back.cost_s + _threshold(kept)
 
 
 def _keep_order(g) -> tuple:
