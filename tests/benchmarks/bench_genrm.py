@@ -38,7 +38,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from bench_simulate import DOCS_TOLERANCE, MISMATCHES, commit  # noqa: E402
+from bench_simulate import DOCS_TOLERANCE, MISMATCHES, commit, split_open  # noqa: E402
 
 from pearlctl.sim import report  # noqa: E402
 from pearlctl.sim import scenario as sc  # noqa: E402
@@ -138,16 +138,7 @@ def violations(docs: list[dict]) -> list[tuple[tuple | None, str]]:
 
 def verdict(docs: list[dict]) -> tuple[list[str], list[str]]:
     """(what fails the gate, the open misses it still reports), as bench_simulate's."""
-    missed = violations(docs)
-    keys = {k for k, _ in missed if k is not None}
-    failing = [msg for k, msg in missed if k is None or k not in OPEN]
-    ran = {d["scenario"] for d in docs}
-    failing += [
-        f"{name}, mismatch {m}: {ratio} now holds its target: remove it from OPEN in bench_genrm.py"
-        for (name, m, ratio) in OPEN
-        if name in ran and (name, m, ratio) not in keys
-    ]
-    return failing, [f"{msg} (open: {OPEN[k]})" for k, msg in missed if k is not None and k in OPEN]
+    return split_open(violations(docs), OPEN, {d["scenario"] for d in docs}, "bench_genrm.py")
 
 
 def _numbers(docs: list[dict]) -> dict:

@@ -42,3 +42,21 @@ def test_the_simulator_gate_passes():
 @pytest.mark.timeout(3600)
 def test_the_simulator_gate_with_a_judge_passes():
     gate("tests/benchmarks/bench_genrm.py")
+
+
+def test_a_gate_fails_on_a_miss_not_open_and_on_an_open_entry_that_holds_again():
+    """The rule both gates judge their misses by (bench_simulate.split_open): an open miss is reported, not failed; a
+    miss of a rule that is never open fails; an open entry of a scenario that ran and no longer misses fails (the
+    list only shrinks); one of a scenario that did not run is left alone."""
+    sys.path.insert(0, str(REPO / "tests/benchmarks"))
+    from bench_simulate import split_open
+
+    open_misses = {("a", "none", "pivot/x"): "why a", ("b", "none", "pivot/x"): "why b", ("c", "none", "pivot/x"): "c"}
+    missed = [(("a", "none", "pivot/x"), "a misses x"), (None, "a run did not finish"), (("a", "none", "y"), "a y")]
+    failing, still = split_open(missed, open_misses, {"a", "b"}, "bench.py")
+    assert still == ["a misses x (open: why a)"]
+    assert failing == [
+        "a run did not finish",
+        "a y",
+        "b, mismatch none: pivot/x now holds its target: remove it from OPEN in bench.py",
+    ]
