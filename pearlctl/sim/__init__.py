@@ -15,7 +15,9 @@ simulated time, driving the daemon's own planner and policies.
 - ``moves``: the policy's plans carried out on the simulated GPUs, each move at its true cost;
 - ``gpus``: the simulated GPUs, their roles passed on to the engines, the GPU-second census, the schedule;
 - ``oracle``: the upper bound on the compared policies;
-- ``compare``: policies side by side, or any one by name (the oracle too), each in a process under a memory limit;
+- ``baselines``: the fixed deployments of a run with a judge: ``colocated`` (time-shared), ``disaggregated`` (split);
+- ``compare``: policies side by side, or any one by name (the oracle and the baselines too), each in a process under
+  a memory limit;
 - ``scale``: a scenario at another size and speed, the twin of a live run on paced engines;
 - ``report``: what a simulation reports (throughput, GPU-seconds by role, costs);
 - ``timeline``: a picture of GPU roles over simulated time.

