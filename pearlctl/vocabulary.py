@@ -60,6 +60,9 @@ class Engine(StrEnum):
 POOL_KINDS: tuple[PoolKind, ...] = tuple(PoolKind)
 # Pools whose GPUs generate rollouts.
 GENERATION_POOLS: tuple[PoolKind, ...] = (PoolKind.ROLLOUT, PoolKind.ELASTIC)
+# The fixed pools whose GPUs serve a model (the policy's, the judge's): what a fixed deployment of a run with a
+# judge shares between the two (pearlctl.sim.baselines).
+SERVING_POOLS: tuple[PoolKind, ...] = (PoolKind.ROLLOUT, PoolKind.REWARD)
 # The role a pool's GPUs start in.
 DEFAULT_ROLE: dict[PoolKind, Role] = {
     PoolKind.TRAINER: Role.TRAIN,

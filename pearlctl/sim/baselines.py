@@ -21,11 +21,10 @@ from pearlctl.planner.profile import WEIGHT_LOAD
 from pearlctl.sim.gpus import Schedule, SimGpu
 from pearlctl.sim.run import RunResult, Sim, SimulationError
 from pearlctl.sim.scenario import Cluster, Scenario
-from pearlctl.vocabulary import PoolKind
+from pearlctl.vocabulary import SERVING_POOLS
 from pearlctl.vocabulary import StepKind as K
 
 SPLITS_MAX = 16  # ``disaggregated`` tries at most this many splits, evenly spaced
-GENERATION_POOLS = (PoolKind.ROLLOUT, PoolKind.REWARD)  # the pools whose GPUs the two baselines share out
 
 
 def _needs_judge(scenario: Scenario, what: str) -> None:
@@ -43,7 +42,7 @@ class TimeShared:
     weights as it wakes (``weight_sync_s``)."""
 
     def __init__(self, sim: Sim):
-        self.gpus: list[SimGpu] = [g for g in sim.gpus if g.pool in GENERATION_POOLS]
+        self.gpus: list[SimGpu] = [g for g in sim.gpus if g.pool in SERVING_POOLS]
         for g in self.gpus:  # deployed with the policy awake, the judge asleep beside it
             g.role = Role.ROLLOUT
         sim.gpus_changed = True
