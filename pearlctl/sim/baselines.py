@@ -103,11 +103,12 @@ def disaggregated(scenario: Scenario, *, record_schedule: bool = False, **kw) ->
     for judges in splits:
         split = replace(c, rollout_gpus=total - judges, reward_gpus=judges)
         sim = Sim(replace(scenario, cluster=split), "static", decide, record_schedule=record_schedule, **kw)
-        sim.advance(math.inf if best is None else best[0].sim_time_s + scenario.tick_s)
-        if sim.trained < sim.steps and best is not None:
+        finished = best is not None and best[0].finished
+        sim.advance(best[0].sim_time_s + scenario.tick_s if finished else math.inf)
+        if finished and sim.trained < sim.steps:
             continue  # slower than the best so far
         r = sim.result()
-        if best is None or (r.samples_per_s, -judges) > (best[0].samples_per_s, -best[1]):
+        if best is None or (r.finished, r.samples_per_s, -judges) > (best[0].finished, best[0].samples_per_s, -best[1]):
             best = r, judges
             r.chosen = f"{judges} of {total} GPUs judging"
             if r.schedule is not None:
