@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -349,3 +350,36 @@ def test_the_paced_engine_refuses_vllm_flags_by_name_and_starts_kv_roles_without
     for role in ("PREFILL", "DECODE"):
         argv = paced(role).command()
         assert argv[2] == PACED_ENTRY_POINT and "--kv-transfer-config" not in argv
+
+
+def test_the_cpu_entry_point_keeps_the_fork_vllms_cpu_platform_would_replace(monkeypatch) -> None:
+    """vLLM's CPU platform sets the spawn start method in its config check (a stand-in platform here, as vLLM 0.32's
+    does); after ``keep_start_method`` the check still runs, and the method the environment asked for stays. A
+    platform without the check, or no method asked for, is left alone."""
+    import types
+
+    from pearlctl.agent.engines import vllm_cpu
+
+    seen = []
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            seen.append((cls, vllm_config))
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    fake = types.ModuleType("vllm.platforms.cpu")
+    fake.CpuPlatform = CpuPlatform
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cpu", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.ModuleType("vllm.platforms"))
+    sys.modules["vllm.platforms"].cpu = fake
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert vllm_cpu.keep_start_method()
+    CpuPlatform().check_and_update_config("config")
+    assert seen == [(CpuPlatform, "config")] and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    assert not vllm_cpu.keep_start_method()  # nothing asked for: vLLM decides
+    fake.CpuPlatform = object
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert not vllm_cpu.keep_start_method()  # another vLLM: nothing to keep
