@@ -242,9 +242,9 @@ def run_oracle(
     results: dict[str, RunResult] = {}  # (ties go to the first: the simplest)
     if scenario.judge is None:  # (with a judge, every GPU serving the policy would leave the verdicts unasked)
         results[EVERY_GPU] = _sim(scenario, draws, trace, router, FixedController, 0.0).run()
-    if scenario.judge is None and any(role in PD_ROLES for _, _, role in schedules[REPLAYED].changes):
-        # (a pearl that stayed colocated widens to the candidate above: not played twice)
-        results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
+        if any(role in PD_ROLES for _, _, role in schedules[REPLAYED].changes):
+            # (a pearl that stayed colocated widens to the candidate above: not played twice)
+            results[WIDENED] = _sim(scenario, draws, trace, router, WidenedController, schedules[REPLAYED]).run()
     for name, schedule in schedules.items():
         results[f"replay of {name}"] = _sim(scenario, draws, trace, router, ReplayController, schedule).run()
     label = min(results, key=lambda k: (not results[k].finished, -results[k].samples_per_s))

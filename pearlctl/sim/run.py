@@ -317,7 +317,7 @@ class Sim:
             for g in lease.gpus:
                 if self.gpus[g].present:
                     self.gpus[g].ends_at = lease.end
-                    if not self.engine.free_migration and abort_at < lease.end:
+                    if not self.free_migration and abort_at < lease.end:
                         self.gpus[g].abort_at = abort_at
                         self.gpus_changed = True
         while self._ei < len(self._ends) and self._ends[self._ei].end <= t:

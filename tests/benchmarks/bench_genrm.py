@@ -23,7 +23,6 @@ scenario at one mismatch and seed; tasks go to ``--jobs`` processes (default: on
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import resource
@@ -38,7 +37,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from bench_simulate import DOCS_TOLERANCE, MISMATCHES, commit, split_open  # noqa: E402
+from bench_simulate import DOCS_TOLERANCE, MISMATCHES, commit, documented, results_block, split_open  # noqa: E402
 
 from pearlctl.sim import report  # noqa: E402
 from pearlctl.sim import scenario as sc  # noqa: E402
@@ -71,7 +70,6 @@ PUBLISHED = (
     "Published (arXiv 2610.16866, its abstract only): 1.81–2.05× the throughput of a colocated deployment and "
     "1.50–1.95× that of a disaggregated one (compare pivot/colocated and pivot/disaggregated)."
 )
-_BLOCK_START, _BLOCK_END = "<!-- results\n", "\n-->"
 
 
 def _task(path: Path, mismatch: str, seed: int) -> dict:
@@ -148,10 +146,10 @@ def _numbers(docs: list[dict]) -> dict:
 
 def stale(docs: list[dict]) -> list[str]:
     """Where docs/simulator-genrm.md no longer holds what this run measured."""
-    text = DOCS.read_text() if DOCS.is_file() else ""
-    if _BLOCK_START not in text:
+    block = documented(DOCS)
+    if block is None:
         return [f"{DOCS.relative_to(REPO)} has no results block: rerun with --write-docs"]
-    held = json.loads(text.split(_BLOCK_START, 1)[1].split(_BLOCK_END, 1)[0])["scenarios"]
+    held = block["scenarios"]
     out = []
     for name, f in _numbers(docs).items():
         h = held.get(name, {})
@@ -212,7 +210,7 @@ def write_docs(text: str, docs: list[dict], cmd: str, wall: float, cpu: float, f
         "edit by hand: rerun the command; `--check` (the gate) fails when these numbers no longer hold. How to read "
         'it, and why the numbers differ from the published ones: docs/simulator.md, "The judge".\n\n'
         f"{text}\n\nGate (`--check`): {gate}\n\n{PUBLISHED}\n\n"
-        f"{_BLOCK_START}{json.dumps(numbers, indent=1, sort_keys=True)}{_BLOCK_END}\n"
+        f"{results_block(numbers)}\n"
     )
     print(f"wrote {DOCS.relative_to(REPO)}", file=sys.stderr)
 

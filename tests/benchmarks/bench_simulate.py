@@ -218,12 +218,18 @@ def split_open(
     return failing, still
 
 
-def documented() -> dict | None:
-    """The numbers docs/simulator-results.md holds (its machine-readable block), or None."""
-    if not DOCS.is_file():
+def documented(path: Path = DOCS) -> dict | None:
+    """The numbers a results doc holds (its machine-readable block; docs/simulator-results.md by default), or
+    None."""
+    if not path.is_file():
         return None
-    m = _BLOCK.search(DOCS.read_text())
+    m = _BLOCK.search(path.read_text())
     return json.loads(m.group(1)) if m else None
+
+
+def results_block(numbers: dict) -> str:
+    """The machine-readable block ``documented`` reads."""
+    return f"<!-- results\n{json.dumps(numbers, indent=1, sort_keys=True)}\n-->"
 
 
 def stale(docs: list[dict]) -> list[str]:
@@ -385,7 +391,7 @@ def write_docs(docs: list[dict], cmd: str, wall: float, cpu: float, failing: lis
         f"and transitions each take {m[0]}× what the profile and workload say, with a per-request spread "
         f"(log-sd {m[1]}), from the predictor's error against real runs (docs/planner.md).\n\n"
         f"{table(docs)}\n\nGate (`--check`): {gate}\n\n{REFERENCES}\n\n"
-        f"<!-- results\n{json.dumps(numbers, indent=1, sort_keys=True)}\n-->\n"
+        f"{results_block(numbers)}\n"
     )
     DOCS.write_text(text)
     print(f"wrote {DOCS.relative_to(REPO)}", file=sys.stderr)

@@ -116,7 +116,8 @@ def _judge_plan(s: Snapshot) -> Plan | None:
         if not _paid(s, back):
             return None
         if s.work.empty and s.judging.backlog == 0:
-            if _needed_next(s, len(judges), back) or not _back_pays(s, back):
+            like = None if s.last_batch.empty else replace(s, work=s.last_batch)  # a next batch like the last
+            if _needed_next(like, len(judges), back) or not _back_pays(like, back):
                 return None
             return _plan(s, back, "pivot: nothing to judge, the judge goes back to rollout for the next batch")
         roll_now = plan.timeline_s(s, ())
@@ -191,29 +192,27 @@ def _best_shift(s: Snapshot, rollout: list, demand: float, judges: int, rate: fl
     return max(roll, judged), moves
 
 
-def _needed_next(s: Snapshot, judges: int, back: Move) -> bool:
-    """Between batches: whether a next batch like the last one (``Snapshot.last_batch``) would end later without
-    the judge ``back`` would return to rollout — its end the later of its rollout and its verdicts at the judges'
-    measured capacity (``Judging.capacity_per_judge_s``) — by more than a move must gain (``_threshold``). Without a
-    measure or a batch seen, it is not needed."""
-    per_judge = s.judging.capacity_per_judge_s
-    if per_judge <= 0 or s.last_batch.empty or judges < 2:
+def _needed_next(like: Snapshot | None, judges: int, back: Move) -> bool:
+    """Between batches: whether a next batch like the last one (``like``: the snapshot with ``Snapshot.last_batch``
+    as its work; None when no batch was seen) would end later without the judge ``back`` would return to rollout —
+    its end the later of its rollout and its verdicts at the judges' measured capacity
+    (``Judging.capacity_per_judge_s``) — by more than a move must gain (``_threshold``). Without a measure or a
+    batch seen, it is not needed."""
+    if like is None or like.judging.capacity_per_judge_s <= 0 or judges < 2:
         return False
-    like = replace(s, work=s.last_batch)
-    verdicts = s.last_batch.trajectories
+    per_judge, verdicts = like.judging.capacity_per_judge_s, like.work.trajectories
     kept = max(plan.timeline_s(like, ()), verdicts / (judges * per_judge))
     given = max(plan.timeline_s(like, (back,)), verdicts / ((judges - 1) * per_judge))
     return given - kept > _threshold(kept)  # by as much as a move must gain to be made
 
 
-def _back_pays(s: Snapshot, back: Move) -> bool:
-    """Between batches: whether a judge going back to rollout gains a next batch like the last one
-    (``Snapshot.last_batch``) more than its move costs: the rollout driver holds a due batch while a worker joins
-    (up to its join wait), so the move's time may be the next batch's, and only a rollout shorter by more than it
-    (and by what a move must gain, ``_threshold``) pays. Without a batch seen it pays (nothing says otherwise)."""
-    if s.last_batch.empty:
+def _back_pays(like: Snapshot | None, back: Move) -> bool:
+    """Between batches: whether a judge going back to rollout gains a next batch like the last one (``like``, as
+    ``_needed_next``'s) more than its move costs: the rollout driver holds a due batch while a worker joins (up to
+    its join wait), so the move's time may be the next batch's, and only a rollout shorter by more than it (and by
+    what a move must gain, ``_threshold``) pays. Without a batch seen it pays (nothing says otherwise)."""
+    if like is None:
         return True
-    like = replace(s, work=s.last_batch)
     kept = plan.timeline_s(like, (), instant=True)
     return kept - plan.timeline_s(like, (back,), instant=True) > back.cost_s + _threshold(kept)
 
