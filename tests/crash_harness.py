@@ -50,12 +50,14 @@ class SimRouter:
 
 
 class SimAgent:
-    """An agent on ``host``: reports its workers, starts what desired state adds (counted), parks and wakes
-    what it asks to sleep or run, stops what it drops. With a ``router``, it records any worker it had to
+    """An agent on ``host``: reports its workers, starts what desired state adds (counted; READY a tick later,
+    reporting ``ready_s`` as its cold start if given), parks and wakes what it asks to sleep or run, stops what it
+    drops. With a ``router``, it records any worker it had to
     drain while the router still routed to it."""
 
-    def __init__(self, router: SimRouter | None = None, *, host: str = "gpu1"):
+    def __init__(self, router: SimRouter | None = None, *, host: str = "gpu1", ready_s: float | None = None):
         self.router, self.host = router, host
+        self.ready_s = ready_s  # the cold start a started worker reports once READY, as a real agent measures it
         self.running: dict[str, dict] = {}
         self.starts: dict[str, int] = {}
         self.models: dict[str, str | None] = {}  # key -> the model its last start was told to serve (None: the pool's)
@@ -69,6 +71,8 @@ class SimAgent:
         for w in self.running.values():  # what was starting becomes READY; STOPPED ones are gone
             if w["state"] == "STARTING":
                 w["state"] = "READY"
+                if self.ready_s is not None:
+                    w["ready_s"] = self.ready_s
         self.running = {k: w for k, w in self.running.items() if w["state"] != "STOPPED"}
         wanted = {d["key"]: d for d in answer["desired"]}
         for key, d in wanted.items():

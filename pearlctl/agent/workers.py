@@ -188,7 +188,7 @@ class VllmWorker:
         if self._sleep_state is not None:  # parking or waking: "DRAINING", "SLEEPING" or "WAKING"
             return "SLEEPING" if self._sleep_state == "WAKING" else self._sleep_state
         try:
-            return "READY" if self.server.health() else "STARTING"
+            return "READY" if self.server.is_ready() else "STARTING"
         except Exception:
             return "STARTING"
 
@@ -377,6 +377,7 @@ class VllmWorker:
             "url": self.url,
             "pid": self.server.pid,
             "weight_version": self.weight_version,
+            "ready_s": None if self.server.ready_s is None else round(self.server.ready_s, 3),
         }
 
     def failure(self) -> str:

@@ -122,6 +122,7 @@ class WorkerReport(Body):
     pid: Annotated[int, Field(ge=1, le=2**31)] | None = None
     weight_version: Name | None = None
     error: Text | None = None  # a FAILED worker's exit status and the end of its log (journaled by the daemon)
+    ready_s: Seconds | None = None  # its cold start: from its process's start to its first healthy answer
 
 
 class SelfReturn(Body):

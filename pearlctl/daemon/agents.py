@@ -304,7 +304,7 @@ class Agents(Side):
         Returns whether its state moved. ``moving``: GPUs an open transition moves (their workers are
         routed by its REGISTER / DEREGISTER steps only); ``lent``: the allocation's GPU indices lent now."""
         key, state = report.key, report.state
-        fields = {k: v for k in ("url", "pid", "weight_version") if (v := getattr(report, k)) is not None}
+        fields = {k: v for k in ("url", "pid", "weight_version", "ready_s") if (v := getattr(report, k)) is not None}
         worker = self._current_row(alloc, report)
         created = worker is None
         # a fact that changed moves the worker too: VERIFY waits for the trainer's weights, which a worker that
@@ -327,6 +327,8 @@ class Agents(Side):
             version = fields.get("weight_version")
             loaded = version is not None and version != worker.weight_version  # journaled: when it began to serve it
             event, data = ("serving weights", {"version": version}) if loaded else (None, None)
+            if event is None and fields.get("ready_s") is not None and worker.ready_s is None:
+                event, data = "cold start measured", {"ready_s": fields["ready_s"]}  # a cost, journaled
             self.store.update_fields("workers", worker.id, epoch=self.epoch, event=event, data=data, **fields)
         current = worker.state
         moved = created or facts_moved or current != state

@@ -195,12 +195,13 @@ class DaemonEffects:
         return _proven(all(w.state == W.SLEEPING or self._proven_gone(w) for w in workers))
 
     def _started(self, t: Transition, key: str) -> Outcome:
+        """READY on every GPU (a worker still starting, or missing, is awaited; a failed one restarts): so the
+        step's journaled time is the cold start, the running estimate of ``start_s`` the planner prices a start
+        with (pearlctl.planner.profile.STEP_COSTS)."""
         live, covered = self._serving(t)
-        if covered:
-            return Outcome.DONE
-        if live:
-            return Outcome.PENDING  # some of its GPUs' workers are there: the others come (a failed one restarts)
-        return self._none_up(t)
+        if not live:
+            return self._none_up(t)
+        return _proven(covered and all(w.state == W.READY for w in live))
 
     def _verified(self, t: Transition, key: str) -> Outcome:
         if StepKind.RELOAD in current_plan(t):  # GPUs back to the trainer: it has them again
@@ -273,7 +274,7 @@ STEPS: dict[StepKind, StepAction] = {
         _E._nothing, _E._trainer_acked, "the trainer is asked to release (id: the key)", "acked ok"
     ),
     StepKind.START: StepAction(
-        _E._serve, _E._started, "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "a worker runs"
+        _E._serve, _E._started, "the GPUs take the serving role (trainer GPUs: lent, with a deadline)", "it is READY"
     ),
     StepKind.WAKE: StepAction(_E._serve, _E._woken, "as START; the agent wakes the parked worker", "it is READY"),
     StepKind.VERIFY: StepAction(

@@ -18,7 +18,7 @@ from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Judging, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, step_costs
+from pearlctl.planner.profile import ENGINE_COSTS, DecodeModel, Profile, TransitionCosts, step_costs
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
@@ -85,9 +85,37 @@ class PolicyInputs:
         return profiles.from_dict(doc) if doc else None
 
     def costs(self, base: TransitionCosts) -> TransitionCosts:
-        """Running estimates: the median of the last 5 DONE steps of each kind, else ``base``'s."""
-        steps = self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=5)
-        return TransitionCosts(**{**vars(base), **step_costs([s.to_dict() for s in steps], last=5)})
+        """Running estimates of the policy's engine and the trainer's steps: the median of the last 5 DONE steps of
+        each kind, else ``base``'s; a start never journaled as a step is the median of the last 5 cold starts the
+        policy's workers made (their agents measure them: the workers a launch starts are no transition)."""
+        return self._measured(base)[0]
+
+    def judge_costs(self, base: TransitionCosts) -> TransitionCosts:
+        """``costs`` with the judge's engine's own starts, wakes, sleeps and stops (``Snapshot.judge_costs``:
+        another model than the policy's): its steps' running estimates, else its workers' measured cold starts,
+        else ``base``'s."""
+        return self._measured(base)[1]
+
+    def has_judge(self) -> bool:
+        """Whether the run serves a judge (its spec has ``[pools.reward]``)."""
+        spec = self.store.runs.get(self.run_id).get("spec") or {}
+        return PoolKind.REWARD in (spec.get("pools") or {})
+
+    def _measured(self, base: TransitionCosts) -> tuple[TransitionCosts, TransitionCosts]:
+        steps = [s.to_dict() for s in self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=5)]
+        workers = self.store.fleet.workers(self.run_id)
+
+        def measured(judge: bool) -> dict[str, float]:
+            est = step_costs(steps, last=5, judge=judge)
+            roles = (Role.REWARD,) if judge else GENERATION_ROLES
+            starts = [w.ready_s for w in workers if w.role in roles and w.ready_s is not None]
+            if "start_s" not in est and starts:
+                est["start_s"] = statistics.median(starts[-5:])
+            return est
+
+        policy = TransitionCosts(**{**vars(base), **measured(False)})
+        judge = measured(True)
+        return policy, replace(policy, **{f: judge.get(f, getattr(base, f)) for f in ENGINE_COSTS})
 
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
@@ -124,6 +152,7 @@ class PolicyInputs:
             key = correct.shape(work, self.serving_workers(profile.gpus_per_worker))
             profile = replace(profile, time_scale=correct.factor(run.get("predictor"), key))
         transitions = self.store.transitions.all(self.run_id, last=1)
+        costs, judge_costs = self._measured(profile.costs)
         snapshot = Snapshot(
             now=now,
             gpus=gpus,
@@ -136,7 +165,8 @@ class PolicyInputs:
                 batch_ready=ready,
             ),
             profile=profile,
-            costs=self.costs(profile.costs),
+            costs=costs,
+            judge_costs=judge_costs if self.has_judge() else None,
             mode=Mode.DISAGGREGATED if any(g.role in _PD for g in gpus) else Mode.COLOCATED,
             max_lend=settings.get("max_gpus"),
             last_change_at=transitions[-1].created_at if transitions else None,

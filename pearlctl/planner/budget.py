@@ -31,7 +31,10 @@ RETURN_SLACK_S = 2.0
 
 
 def return_cost_s(snapshot: Snapshot) -> float:
-    return snapshot.costs.return_s(park=True)
+    """Seconds a lent GPU's return takes: its engine parks asleep and the trainer reloads — the slower of the
+    policy's engine and the judge's to park (a lent GPU may serve either; its deadline holds for both)."""
+    sleep_s = max(snapshot.costs.sleep_s, snapshot.engine_costs(Role.REWARD).sleep_s)
+    return sleep_s + snapshot.costs.reload_s
 
 
 def bring_up_s(snapshot: Snapshot, gpu: GpuSlot) -> float:

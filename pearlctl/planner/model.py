@@ -126,7 +126,15 @@ class Snapshot:
     # expected to hold, for a decision made between batches, when ``work`` is empty; empty before any batch
     last_batch: Work = Work()
     judging: Judging = Judging()  # the judge's demand (its queue); empty without a judge
+    # the judge's engine (another model than the policy's): running estimates of its starts, wakes, sleeps and
+    # stops, as ``costs`` are the policy's (``engine_costs``); None: the same as ``costs``
+    judge_costs: TransitionCosts | None = None
     extra: dict = field(default_factory=dict)  # what a simulator's oracle may know (never set live)
+
+    def engine_costs(self, role: Role) -> TransitionCosts:
+        """The transition costs of the engine that serves ``role``: the judge's for REWARD, else the policy's
+        (the trainer's offload and reload are the same in both)."""
+        return self.judge_costs if role == Role.REWARD and self.judge_costs is not None else self.costs
 
     def by_pool(self, pool: str) -> list[GpuSlot]:
         return [g for g in self.gpus if g.pool == pool]

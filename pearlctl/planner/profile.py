@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import statistics
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from pearlctl.vocabulary import StepKind
+from pearlctl.vocabulary import Role, StepKind
 
 
 class ProfileError(ValueError):
@@ -130,14 +131,37 @@ STEP_COSTS: dict[str, str] = {
 }
 
 
-def step_costs(steps: Iterable[dict], *, last: int | None = None) -> dict[str, float]:
+# The steps that act on a serving engine, and which end of their move names it: a start or a wake brings up the
+# engine of the role the GPU goes to, a stop or a sleep ends the one of the role it leaves (the policy's model or
+# the judge's, REWARD). The trainer's offload and reload, and a weight load, are the policy side's.
+ENGINE_END: dict[str, str] = {
+    StepKind.START: "to_role",
+    StepKind.WAKE: "to_role",
+    StepKind.STOP: "from_role",
+    StepKind.SLEEP: "from_role",
+}
+
+
+# the TransitionCosts fields of those steps: the costs that are each engine's own
+ENGINE_COSTS: tuple[str, ...] = tuple(STEP_COSTS[k] for k in ENGINE_END)
+
+
+def judges_step(step: Mapping[str, Any]) -> bool:
+    """Whether a journaled step (with its transition's ``from_role`` and ``to_role``) acted on the judge's engine."""
+    end = ENGINE_END.get(step.get("kind") or "")
+    return end is not None and step.get(end) == Role.REWARD
+
+
+def step_costs(steps: Iterable[dict], *, last: int | None = None, judge: bool | None = None) -> dict[str, float]:
     """Median seconds of each journaled step kind — of its ``last`` DONE steps, or all — keyed by the
-    TransitionCosts field it estimates (only steps with start and finish times count)."""
+    TransitionCosts field it estimates (only steps with start and finish times count). ``judge``: only the
+    steps on the judge's engine (True) or only the others (False, ``judges_step``); None: all."""
     seen: dict[str, list[float]] = {}
     for s in steps:
         d = s.get("detail") or {}
         if s.get("state") == "DONE" and s.get("kind") in STEP_COSTS and "started_at" in d and "finished_at" in d:
-            seen.setdefault(STEP_COSTS[s["kind"]], []).append(d["finished_at"] - d["started_at"])
+            if judge is None or judges_step(s) == judge:
+                seen.setdefault(STEP_COSTS[s["kind"]], []).append(d["finished_at"] - d["started_at"])
     return {k: statistics.median(v[-last:] if last else v) for k, v in seen.items()}
 
 

@@ -233,7 +233,7 @@ class View:
                 cost = self.s.costs.stop_s if g.pool == _ELASTIC else self.s.costs.sleep_s
             elif kind is MoveKind.SWITCH and Role.REWARD in (g.role, to):
                 # between the policy and the judge: one model's engine stops and the other's starts cold
-                cost = self.s.costs.stop_s + self.s.costs.start_s
+                cost = self.s.engine_costs(g.role).stop_s + self.s.engine_costs(to).start_s
             else:
                 cost = self._cost_by_kind[kind]
             # Move(g.id, kind, g.role, to, cost) without the frozen dataclass's five object.__setattr__ calls

@@ -66,7 +66,7 @@ class TimeShared:
             if to == Role.ROLLOUT and g.version < sim.version:
                 steps.append((WEIGHT_LOAD, sim.scenario.training.weight_sync_s))
                 g.version = sim.version
-            g.role, g.busy_until = to, t + sim.moves.true_cost(steps)
+            g.role, g.busy_until = to, t + sim.moves.true_cost(steps, g.role, to)
             sim.transitions += 1
         self.judging = to == Role.REWARD
         sim.gpus_changed = True

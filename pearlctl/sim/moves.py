@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pearlctl.planner.model import SERVING, Move, MoveKind, Plan, Role, Snapshot
-from pearlctl.planner.profile import STEP_COSTS, WEIGHT_LOAD, Profile, TransitionCosts
+from pearlctl.planner.profile import ENGINE_COSTS, STEP_COSTS, WEIGHT_LOAD, Profile, TransitionCosts, judges_step
 from pearlctl.sim.engine import ABORT_S
 from pearlctl.vocabulary import PoolKind
 from pearlctl.vocabulary import StepKind as K
@@ -78,8 +78,9 @@ class Moves:
         # Model mismatch: each move's true duration is its profile cost times a factor drawn per move; the steps'
         # true durations are journaled and the snapshot's costs are their running estimates, as the daemon's.
         self._move_rng = np.random.default_rng([sim.scenario.seed, 0x7A11])
-        self._journal: dict[str, list[float]] = {}
-        self._costs: TransitionCosts | None = None  # (``costs``)
+        # journaled true step durations by (on the judge's engine, step kind) (``judges_step``)
+        self._journal: dict[tuple[bool, str], list[float]] = {}
+        self._costs: tuple[TransitionCosts, TransitionCosts] | None = None  # (``costs``, ``judge_costs``)
         # the roles a GPU may serve: the policy's, and the judge's in a run with one
         self._served = (*SERVING, Role.REWARD) if sim.scenario.judge is not None else tuple(SERVING)
 
@@ -196,7 +197,7 @@ class Moves:
                 steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:
             return self._refuse(move, "unknown move kind")
-        cost = self.true_cost(steps)
+        cost = self.true_cost(steps, g.role, to)
         if g.role in SERVING or g.role == Role.REWARD:
             cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued or sent again)
         if to in SERVING:
@@ -207,30 +208,49 @@ class Moves:
         sim.gpus_changed = True
         return True
 
-    def true_cost(self, steps: list[tuple[str, float]]) -> float:
+    def true_cost(self, steps: list[tuple[str, float]], from_role: Role, to_role: Role) -> float:
         """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one
-        draw per move, in move order: deterministic for a seed). Each step's true duration is journaled."""
+        draw per move, in move order: deterministic for a seed). Each step's true duration is journaled, as the
+        daemon's are, with the roles the move is between (whose engine a step acts on, ``judges_step``)."""
         mm = self.sim.scenario.mismatch.transitions
         f = 1.0 if mm.zero else float(mm.factors(self._move_rng, 1)[0])
         cost = 0.0
         for kind, seconds in steps:
             true_s = seconds * f
-            self._journal.setdefault(kind, []).append(true_s)
+            judged = judges_step({"kind": kind, "from_role": from_role, "to_role": to_role})
+            self._journal.setdefault((judged, kind), []).append(true_s)
             self._costs = None  # (``costs``: estimated again)
             cost += true_s
         return cost
 
     def costs(self) -> TransitionCosts:
-        """The transition costs a policy plans with: the daemon's running estimates (``Borrowing.costs``: the
+        """The transition costs a policy plans with: the daemon's running estimates (``PolicyInputs.costs``: the
         median of the last 5 journaled steps of each kind, else the profile's). They change only when a step is
         journaled (``true_cost``), so they are kept until then."""
+        return self._estimates()[0]
+
+    def judge_costs(self) -> TransitionCosts:
+        """``costs`` with the judge's engine's own estimates (its steps', else its profile's; ``Snapshot.
+        judge_costs``, the daemon's ``PolicyInputs.judge_costs``)."""
+        return self._estimates()[1]
+
+    def _estimates(self) -> tuple[TransitionCosts, TransitionCosts]:
         if self._costs is None:
-            est = {
-                field: statistics.median(self._journal[kind][-COST_ESTIMATE_LAST:])
-                for kind, field in STEP_COSTS.items()
-                if kind in self._journal
-            }
-            self._costs = replace(self.sim.profile.costs, **est) if est else self.sim.profile.costs
+            policy_base = self.sim.profile.costs
+            judge = self.sim.scenario.judge
+            judge_base = judge.profile.costs if judge is not None else policy_base
+
+            def measured(judged: bool) -> dict[str, float]:
+                return {
+                    field: statistics.median(self._journal[(judged, kind)][-COST_ESTIMATE_LAST:])
+                    for kind, field in STEP_COSTS.items()
+                    if (judged, kind) in self._journal
+                }
+
+            policy = replace(policy_base, **measured(False))
+            on_judge = measured(True)
+            judge_costs = replace(policy, **{f: on_judge.get(f, getattr(judge_base, f)) for f in ENGINE_COSTS})
+            self._costs = (policy, judge_costs)
         return self._costs
 
     def _refuse(self, move: Move, why: str) -> bool:

@@ -113,6 +113,7 @@ class PolicyView:
             trainer=trainer,
             profile=profile,
             costs=sim.moves.costs(),
+            judge_costs=sim.moves.judge_costs() if sim.scenario.judge is not None else None,
             mode=Mode.DISAGGREGATED if disagg else Mode.COLOCATED,
             preempt_per_hour=sim.trace.preempt_per_hour,
             last_change_at=sim.moves.last_change_at,

@@ -129,6 +129,7 @@ class Fleet:
         url: str | None = None,
         pid: int | None = None,
         weight_version: str | None = None,
+        ready_s: float | None = None,
         epoch: int | None = None,
     ) -> int:
         """Record a worker (STARTING) on an allocation of the run; returns its id."""
@@ -151,6 +152,7 @@ class Fleet:
                     "url": url,
                     "pid": pid,
                     "weight_version": weight_version,
+                    "ready_s": ready_s,
                 },
                 "worker.created",
                 now=now,

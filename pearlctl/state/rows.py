@@ -86,6 +86,14 @@ class Step(TypedRow):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MoveStep(Step):
+    """A step with its transition's roles (``store.transitions.recent_steps``): whose engine it started or stopped."""
+
+    from_role: Role
+    to_role: Role
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu(TypedRow):
     """A GPU of an allocation: (allocation, device index), on the node the allocation runs on now."""
 
@@ -125,6 +133,7 @@ class Worker(TypedRow):
     worker_key: str | None  # its agent's name for it (unique in its allocation)
     gpu_idx: tuple[int, ...] | None  # the device indices it runs on
     routable: int  # 1 once REGISTER put it in the router
+    ready_s: float | None  # its cold start, as its agent measured it: process start to its first healthy answer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +166,7 @@ class Allocation(TypedRow):
 for _cls, _convert in (
     (Transition, {"from_role": Role, "to_role": Role, "gpu_ids": _tuple, "state": TransitionState}),
     (Step, {"kind": StepKind, "state": StepState}),
+    (MoveStep, {"kind": StepKind, "state": StepState, "from_role": Role, "to_role": Role}),
     (Gpu, {"role": Role, "state": GpuState}),
     (Worker, {"role": Role, "state": WorkerState, "gpu_idx": _tuple}),
     (Allocation, {"state": AllocationState}),

@@ -224,6 +224,12 @@ MIGRATION_8 = """
 CREATE INDEX gpus_by_allocation ON gpus (allocation_id);
 """
 
+# A worker's cold start as its agent measured it (process start to first healthy answer): the daemon's estimate
+# of a start before any START step was journaled (pearlctl.daemon.policy_view, PolicyInputs.costs).
+MIGRATION_9 = """
+ALTER TABLE workers ADD COLUMN ready_s REAL CHECK (ready_s IS NULL OR ready_s >= 0);
+"""
+
 MIGRATIONS: tuple[str, ...] = (
     MIGRATION_1,
     MIGRATION_2,
@@ -233,6 +239,7 @@ MIGRATIONS: tuple[str, ...] = (
     MIGRATION_6,
     MIGRATION_7,
     MIGRATION_8,
+    MIGRATION_9,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

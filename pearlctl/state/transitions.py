@@ -14,7 +14,7 @@ from typing import Any
 from pearlctl.state.core import Core, check_role, encode_json, values
 from pearlctl.state.errors import DuplicateStep, InvalidWrite, NotFound
 from pearlctl.state.machines import OPEN_TRANSITION_STATES, StepKind
-from pearlctl.state.rows import Step, Transition
+from pearlctl.state.rows import MoveStep, Step, Transition
 
 
 class Transitions:
@@ -109,14 +109,16 @@ class Transitions:
         )
         return rows[0] if rows else None
 
-    def recent_steps(self, run_id: str, *, state: str, per_kind: int) -> list[Step]:
-        """The run's latest ``per_kind`` steps in ``state`` of each step kind, oldest first (running
-        estimates of step durations)."""
+    def recent_steps(self, run_id: str, *, state: str, per_kind: int) -> list[MoveStep]:
+        """The run's latest ``per_kind`` steps in ``state`` of each step kind and move (the roles its transition
+        moved between: a start of the judge's engine is not one of the policy's), oldest first, each with those
+        roles (running estimates of step durations)."""
         return self._core._typed(
-            Step,
-            "SELECT * FROM (SELECT steps.*, ROW_NUMBER() OVER (PARTITION BY steps.kind ORDER BY steps.id DESC) AS n "
-            "FROM steps JOIN transitions ON transitions.id = steps.transition_id "
-            "WHERE transitions.run_id = ? AND steps.state = ?) WHERE n <= ? ORDER BY id",
+            MoveStep,
+            "SELECT * FROM (SELECT steps.*, transitions.from_role, transitions.to_role, ROW_NUMBER() OVER"
+            " (PARTITION BY steps.kind, transitions.from_role, transitions.to_role ORDER BY steps.id DESC) AS n"
+            " FROM steps JOIN transitions ON transitions.id = steps.transition_id"
+            " WHERE transitions.run_id = ? AND steps.state = ?) WHERE n <= ? ORDER BY id",
             (run_id, state, per_kind),
         )
 

@@ -213,6 +213,9 @@ def test_daemon_killed_at_step_boundary_converges(harness, case):
 
     if plan.startswith("borrow"):
         assert len(h.lent()) == 1 and live and live[0].state == "READY" and live[0].routable
+        if plan == "borrow":  # its agent measured its cold start (a start's estimate): the START step spans it
+            start = next(s for s in steps if s.kind == "START")
+            assert 0 < live[0].ready_s <= start.detail["finished_at"] - start.detail["started_at"]
         releases = sum(e["event"] == "release" and e["ok"] for e in h.trainer_events())
         assert releases == releases_before + 1  # the trainer offloaded once, not twice
     else:  # the trainer has its GPUs back, and the worker is parked asleep or stopped as asked

@@ -20,6 +20,7 @@ class StartingServer:
 
     def __init__(self):
         self.ready = False
+        self.ready_s: float | None = None
         self.reloads: list[str] = []
         self.version: str | None = None
 
@@ -29,6 +30,11 @@ class StartingServer:
         return True
 
     def health(self) -> bool:
+        return self.ready
+
+    def is_ready(self) -> bool:
+        if self.ready and self.ready_s is None:
+            self.ready_s = 1.0  # its cold start, as the real server measures it
         return self.ready
 
     def reload_weights(self, path: str) -> float:

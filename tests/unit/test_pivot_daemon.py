@@ -56,7 +56,8 @@ class World:
             register = {"job_id": str(10 + i), "task_id": a.array_index, "node": f"n{i}", "gpus": [0], "pid": 1}
             self.daemon.controller.agents.register(parse(bodies.Register, register))
             view = SimpleNamespace(controller=self.daemon.controller, alloc_id=a.id)
-            self.agents.append((view, SimAgent(self.router, host=f"n{i}")))
+            # a worker is READY a tick (a second) after its start, and its agent reports that cold start
+            self.agents.append((view, SimAgent(self.router, host=f"n{i}", ready_s=1.0)))
         borrow = {"policy": "pivot", "max_gpus": None}
         self.store.update_fields("runs", "r", profile=profiles.to_dict(profile), borrow=borrow)
 

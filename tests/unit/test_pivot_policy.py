@@ -162,6 +162,24 @@ def test_a_loan_wakes_a_judge_parked_on_a_trainer_gpu_and_is_priced_as_a_wake() 
     assert (move.gpu, move.kind, move.cost_s) == (31, MoveKind.BORROW, COSTS.borrow_s(warm=True))
 
 
+def test_the_judges_own_engine_costs_price_its_moves() -> None:
+    """The judge is another model: its starts, wakes and stops are its engine's (``Snapshot.judge_costs``), the
+    offload the trainer's. A shift to it costs the policy's stop and the judge's start, a shift back the judge's stop
+    and the policy's start, a loan the offload and the judge's start (or wake, where one sleeps parked)."""
+    judge = replace(COSTS, start_s=25.0, stop_s=7.0, wake_s=9.0)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
+    (there,) = pivot.decide(replace(snapshot(gpus(), TAIL, backed_up), judge_costs=judge)).moves
+    assert (there.kind, there.to_role, there.cost_s) == (MoveKind.SWITCH, Role.REWARD, COSTS.stop_s + judge.start_s)
+    done = Judging(waiting=0, judging=0, done=300)
+    (back,) = pivot.decide(replace(snapshot(gpus(judging=1), Work(), done), judge_costs=judge)).moves
+    assert (back.to_role, back.cost_s) == (Role.ROLLOUT, judge.stop_s + COSTS.start_s)
+    slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in gpus(trainer=2)]
+    for parked, cost in ((slots, COSTS.offload_s + judge.wake_s), (gpus(trainer=2), COSTS.offload_s + judge.start_s)):
+        lent = replace(snapshot(parked, TAIL, backed_up, wait_left_s=300.0), judge_costs=judge)
+        (loan,) = pivot.decide(lent).moves
+        assert (loan.kind, loan.to_role, loan.cost_s) == (MoveKind.BORROW, Role.REWARD, cost)
+
+
 def test_a_trainer_gpu_lent_to_the_judge_goes_back_when_due_or_when_no_verdict_is_owed_and_pearl_never_takes_it():
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=3.0, busy=True)
     held = snapshot(gpus(trainer=1, lent=1), TAIL, backed_up, wait_left_s=300.0)

@@ -66,6 +66,23 @@ def test_step_costs_are_medians_of_done_steps_by_kind():
     assert costs == pytest.approx({"start_s": 20, "wake_s": 1.5, "offload_s": 0.8})
 
 
+def test_step_costs_split_the_judges_engine_from_the_policys():
+    """A start or a wake is the engine of the role a move goes to, a stop or a sleep the one it leaves; an offload
+    and a reload are the trainer's (never the judge's)."""
+
+    def step(kind, seconds, from_role, to_role):
+        detail = {"started_at": 0.0, "finished_at": seconds}
+        return {"kind": kind, "state": "DONE", "detail": detail, "from_role": from_role, "to_role": to_role}
+
+    steps = [step("STOP", 2, "ROLLOUT", "REWARD"), step("START", 30, "ROLLOUT", "REWARD"),
+             step("OFFLOAD", 1, "TRAIN", "REWARD"), step("WAKE", 4, "TRAIN", "REWARD"),
+             step("SLEEP", 3, "REWARD", "TRAIN"), step("RELOAD", 1.5, "REWARD", "TRAIN"),
+             step("START", 10, "IDLE", "ROLLOUT"), step("STOP", 6, "REWARD", "ROLLOUT")]  # fmt: skip
+    assert step_costs(steps, judge=True) == {"start_s": 30, "wake_s": 4, "sleep_s": 3, "stop_s": 6}
+    assert step_costs(steps, judge=False) == {"stop_s": 2, "offload_s": 1, "reload_s": 1.5, "start_s": 10}
+    assert step_costs(steps)["start_s"] == 20  # both engines' (the median of 30 and 10)
+
+
 def _profile(**kw) -> Profile:
     base = dict(
         name="p",

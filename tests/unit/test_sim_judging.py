@@ -178,6 +178,12 @@ def test_moves_to_and_from_the_judge_cost_what_its_engine_costs():
     assert trainer.busy_until == pytest.approx(100.0 + 2.5 + c.reload_s + ABORT_S)
     assert sim.moves.apply(Move(trainer.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, 0.0), 200.0)
     assert trainer.busy_until == pytest.approx(200.0 + c.offload_s + 4.0) and not trainer.parked_judge
+    # the policy plans with each engine's own running estimates, as the daemon's: the judge's starts, wakes and
+    # sleeps are not the policy's, the trainer's offload and reload are both's
+    policy, judge = sim.moves.costs(), sim.moves.judge_costs()
+    assert (policy.start_s, policy.stop_s, policy.wake_s, policy.sleep_s) == (c.start_s, c.stop_s, c.wake_s, c.sleep_s)
+    assert (judge.start_s, judge.wake_s, judge.sleep_s, judge.stop_s) == (90.0, 4.0, 2.5, 7.0)
+    assert judge.offload_s == policy.offload_s == c.offload_s
 
 
 def test_pivot_shifts_gpus_to_a_judge_that_holds_batches_back_and_beats_the_best_fixed_split(tmp_path):

@@ -290,6 +290,14 @@ class VllmServer(VllmEndpoints):
         except OSError as e:
             return f"(no log at {self.log_path}: {e})"
 
+    def is_ready(self) -> bool:
+        """``health()``; the first 200 since `start()` sets ``ready_s``, the server's cold start (process start to
+        that answer: as close to its start as the caller looks)."""
+        healthy = self.health()
+        if healthy and self.ready_s is None and self._t_start is not None:
+            self.ready_s = time.monotonic() - self._t_start
+        return healthy
+
     def wait_ready(self, timeout: float = 120.0) -> float:
         """Block until ``/health`` answers 200; returns the seconds since `start()`. Raises EngineError
         with the log tail if the server exits first or the timeout passes."""
@@ -303,8 +311,8 @@ class VllmServer(VllmEndpoints):
                     f"vLLM server pid {self._proc.pid} exited with code {code} before GET {self.url}/health "
                     f"answered 200; log {self.log_path} ends:\n{self.log_tail()}"
                 )
-            if self.health():
-                self.ready_s = time.monotonic() - self._t_start
+            if self.is_ready():
+                assert self.ready_s is not None
                 return self.ready_s
             if time.monotonic() >= deadline:
                 raise EngineError(

@@ -22,13 +22,14 @@ verdicts take their prefill and decode to finish, so the first busy window sees 
 GPU moves to the judge (no hint, no made-up rate).
 
 - **GPUs to the judge**, when verdicts are owed at a busy rate: of an idle trainer GPU lent to the judge (a borrow
-  to REWARD, its cost an offload and a start, or a wake where the judge sleeps parked from an earlier loan; only
-  while nothing is lent and the trainer's wait fits the borrow, its return and the slack) and k ROLLOUT GPUs of the
-  rollout or elastic pool shifted to it at once (switches, each a stop and a cold start; those whose allocations
-  end last; rollout keeps a GPU; at most as many as judge now, so the judges at most double in one decision; k
-  where the rollout's predicted end and the verdicts' cross, found by bisection), the one with the sooner E, the
-  loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S`` and
-  ``pearl.MIN_RELATIVE_GAIN`` of E now.
+  to REWARD, its cost an offload and the judge's start, or its wake where the judge sleeps parked from an earlier
+  loan; only while nothing is lent and the trainer's wait fits the borrow, its return and the slack) and k ROLLOUT
+  GPUs of the rollout or elastic pool shifted to it at once (switches, each the policy's stop and the judge's cold
+  start; those whose allocations end last; rollout keeps a GPU; at most as many as judge now, so the judges at most
+  double in one decision; k where the rollout's predicted end and the verdicts' cross, found by bisection), the one
+  with the sooner E, the loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S`` and
+  ``pearl.MIN_RELATIVE_GAIN`` of E now. The judge's starts, wakes and stops are its own engine's
+  (``Snapshot.judge_costs``: another model than the policy's).
 - **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
   its batch complete) or no verdict is owed any more.
 - **A shifted GPU back to rollout** when not every judge has work and it is not needed to keep up — the judges
@@ -140,7 +141,9 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     options = []  # (predicted end, preference, the moves, what they are)
     if not any(g.borrowed for g in s.gpus) and v.lendable:  # one borrow at a time (the daemon's rule)
         g = min(v.lendable, key=lambda g: not g.parked_judge)  # a judge parked there wakes: a warm loan
-        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, s.costs.borrow_s(warm=g.parked_judge))
+        judge = s.engine_costs(Role.REWARD)  # the trainer offloads; the judge's engine starts, or wakes
+        cost = s.costs.offload_s + (judge.wake_s if g.parked_judge else judge.start_s)
+        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, cost)
         if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
             end = max(_ends(s, (lend,), demand, len(judges), rate))
             options.append((end, 0, (lend,), "a trainer GPU lent to the judge"))
