@@ -139,15 +139,22 @@ def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gain
     assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, all_busy)) is None
 
 
-def test_an_idle_trainer_gpu_is_lent_to_the_judge_before_a_rollout_gpu_shifts() -> None:
-    """The trainer waits (its GPUs idle for 300 s): lending one to the judge costs rollout nothing, so verdicts
-    backing up borrow a trainer GPU for the judge (a BORROW to REWARD) rather than shift a rollout GPU; with the
-    trainer's wait too short for a borrow and its return, a rollout GPU shifts instead."""
+def test_idle_trainer_gpus_are_lent_to_the_judge_before_a_rollout_gpu_shifts() -> None:
+    """The trainer waits (its GPUs idle for 300 s): lending them to the judge costs rollout nothing, so verdicts
+    backing up borrow trainer GPUs for the judge (BORROWs to REWARD, one loan) rather than shift a rollout GPU — as
+    many as end the batch soonest, and no more than ``max_lend``; with the trainer's wait too short for a borrow and
+    its return, a rollout GPU shifts instead."""
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     planned = pivot.decide(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=300.0))
-    (move,) = planned.moves
-    assert (move.kind, move.from_role, move.to_role) == (MoveKind.BORROW, Role.TRAIN, Role.REWARD)
-    assert move.gpu in (30, 31) and "a trainer GPU lent to the judge" in planned.why
+    assert [(m.gpu, m.kind, m.from_role, m.to_role) for m in planned.moves] == [
+        (g, MoveKind.BORROW, Role.TRAIN, Role.REWARD) for g in (30, 31)
+    ]
+    assert "2 trainer GPUs lent to the judge" in planned.why
+    capped = replace(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=300.0), max_lend=1)
+    assert [m.gpu for m in pivot.decide(capped).moves] == [30]
+    # fewer verdicts owed (22.5 s at one judge): one loan ends them in 19.2 s, each more by less than a move must gain
+    few = Judging(waiting=40, judging=1, done=50, verdicts_per_s=2.0, busy=True)
+    assert [m.gpu for m in pivot.decide(snapshot(gpus(trainer=3), TAIL, few, wait_left_s=300.0)).moves] == [30]
     short = pivot.decide(snapshot(gpus(trainer=2), TAIL, backed_up, wait_left_s=20.0))
     assert [(m.kind, m.to_role) for m in short.moves] == [(MoveKind.SWITCH, Role.REWARD)]
 
@@ -158,7 +165,8 @@ def test_a_loan_wakes_a_judge_parked_on_a_trainer_gpu_and_is_priced_as_a_wake() 
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     slots = gpus(trainer=2)
     slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in slots]
-    (move,) = pivot.decide(snapshot(slots, TAIL, backed_up, wait_left_s=300.0)).moves
+    one = replace(snapshot(slots, TAIL, backed_up, wait_left_s=300.0), max_lend=1)
+    (move,) = pivot.decide(one).moves
     assert (move.gpu, move.kind, move.cost_s) == (31, MoveKind.BORROW, COSTS.borrow_s(warm=True))
 
 
@@ -175,7 +183,7 @@ def test_the_judges_own_engine_costs_price_its_moves() -> None:
     assert (back.to_role, back.cost_s) == (Role.ROLLOUT, judge.stop_s + COSTS.start_s)
     slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in gpus(trainer=2)]
     for parked, cost in ((slots, COSTS.offload_s + judge.wake_s), (gpus(trainer=2), COSTS.offload_s + judge.start_s)):
-        lent = replace(snapshot(parked, TAIL, backed_up, wait_left_s=300.0), judge_costs=judge)
+        lent = replace(snapshot(parked, TAIL, backed_up, wait_left_s=300.0), judge_costs=judge, max_lend=1)
         (loan,) = pivot.decide(lent).moves
         assert (loan.kind, loan.to_role, loan.cost_s) == (MoveKind.BORROW, Role.REWARD, cost)
 
@@ -217,8 +225,8 @@ def test_any_plan_pivot_makes_is_pearls_or_legal_moves_of_the_judge(
 ) -> None:
     """Whatever the snapshot: pivot's plan is pearl's on the policy's GPUs, or moves of the judge — SWITCHes between
     ROLLOUT and REWARD of rollout-pool GPUs (never the reward pool's, never the last rollout GPU, at most as many to
-    the judge as judge now), a trainer GPU lent to the judge (only while nothing is lent and the trainer waits long
-    enough), or the lent judges returned — priced finite, and to the judge only on a rate measured busy."""
+    the judge as judge now), idle trainer GPUs lent to the judge (only while nothing is lent and the trainer waits
+    long enough), or the lent judges returned — priced finite, and to the judge only on a rate measured busy."""
     s = snapshot(gpus(rollout, judging, reward, trainer, lent), work, queue, wait_left_s=wait)
     planned = pivot.decide(s)
     judges = {g.id for g in s.gpus if g.role == Role.REWARD}
@@ -232,6 +240,11 @@ def test_any_plan_pivot_makes_is_pearls_or_legal_moves_of_the_judge(
     if all(m.kind == MoveKind.RETURN for m in planned.moves):
         assert {g.id for g in moved.values()} == {g.id for g in s.gpus if g.borrowed and g.role == Role.REWARD}
         return
+    if all(m.kind == MoveKind.BORROW for m in planned.moves):  # one loan of idle trainer GPUs to the judge
+        assert all(m.to_role == Role.REWARD and moved[m.gpu].pool == "trainer" for m in planned.moves)
+        assert all(moved[m.gpu].role == Role.TRAIN and wait >= m.cost_s for m in planned.moves) and lent == 0
+        assert len(planned.moves) <= trainer and queue.backlog > 0 and queue.busy
+        return
     if len(planned.moves) > 1:  # rollout GPUs shifted to the judge at once: at most as many as judge, one left
         assert all(m.kind == MoveKind.SWITCH and m.to_role == Role.REWARD for m in planned.moves)
         assert all(moved[m.gpu].pool == "rollout" and moved[m.gpu].role == Role.ROLLOUT for m in planned.moves)
@@ -239,10 +252,6 @@ def test_any_plan_pivot_makes_is_pearls_or_legal_moves_of_the_judge(
         return
     (move,) = planned.moves
     g = moved[move.gpu]
-    if move.kind == MoveKind.BORROW:
-        assert move.to_role == Role.REWARD and g.pool == "trainer" and g.role == Role.TRAIN and lent == 0
-        assert queue.backlog > 0 and queue.busy and wait >= move.cost_s
-        return
     assert move.kind == MoveKind.SWITCH and {move.from_role, move.to_role} == {Role.ROLLOUT, Role.REWARD}
     assert g.pool == "rollout" and g.role == move.from_role
     if move.to_role == Role.REWARD:

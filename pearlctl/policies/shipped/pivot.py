@@ -1,11 +1,11 @@
 """Policy `pivot`: pearl's plan for the policy's GPUs, and GPUs moved to the run's judge (a generative reward model,
-role REWARD) and back when the verdicts' demand makes it pay: an idle trainer GPU lent to the judge, or a rollout GPU
+role REWARD) and back when the verdicts' demand makes it pay: idle trainer GPUs lent to the judge, or rollout GPUs
 shifted to it (docs/planner.md, "The judge").
 
 `pearl` is extended, not copied: it plans the policy's GPUs (borrowing, elastic capacity, prefill–decode) on the
 snapshot without the judges, and its plan comes first; the judge is weighed only when pearl moves nothing, so the
-two never plan the same GPU. One decision moves one trainer GPU, or several rollout GPUs at once (the daemon runs a
-node's switches as one transition), and the next decision sees its effect.
+two never plan the same GPU. One decision lends trainer GPUs (one loan) or shifts rollout GPUs, several at once (the
+daemon runs an allocation's moves of one kind as one transition), and the next decision sees its effect.
 
 The batch ends when its last trajectory is judged. With R rollout GPUs and J judges:
 
@@ -21,14 +21,15 @@ the queue ran dry), and never less than the most a busy rate showed before (``Ju
 verdicts take their prefill and decode to finish, so the first busy window sees few). Without such a measure no
 GPU moves to the judge (no hint, no made-up rate).
 
-- **GPUs to the judge**, when verdicts are owed at a busy rate: of an idle trainer GPU lent to the judge (a borrow
-  to REWARD, its cost an offload and the judge's start, or its wake where the judge sleeps parked from an earlier
-  loan; only while nothing is lent and the trainer's wait fits the borrow, its return and the slack) and k ROLLOUT
-  GPUs of the rollout or elastic pool shifted to it at once (switches, each the policy's stop and the judge's cold
-  start; those whose allocations end last; rollout keeps a GPU; at most as many as judge now, so the judges at most
-  double in one decision; k where the rollout's predicted end and the verdicts' cross, found by bisection), the one
-  with the sooner E, the loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S`` and
-  ``pearl.MIN_RELATIVE_GAIN`` of E now. The judge's starts, wakes and stops are its own engine's
+- **GPUs to the judge**, when verdicts are owed at a busy rate: of m idle trainer GPUs lent to the judge (borrows to
+  REWARD, each an offload and the judge's start, or its wake where the judge sleeps parked from an earlier loan,
+  those first; only while nothing is lent and the trainer's wait fits the borrow, its return and the slack; at most
+  ``max_lend``; m the fewest that end the batch within what a move must gain of the soonest any number does) and k
+  ROLLOUT GPUs of the rollout or elastic pool shifted to it at once (switches, each the policy's stop and the judge's
+  cold start; those whose allocations end last; rollout keeps a GPU; at most as many as judge now, so the judges at
+  most double in one decision; k where the rollout's predicted end and the verdicts' cross, found by bisection), the
+  one with the sooner E, the loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S``
+  and ``pearl.MIN_RELATIVE_GAIN`` of E now. The judge's starts, wakes and stops are its own engine's
   (``Snapshot.judge_costs``: another model than the policy's).
 - **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
   its batch complete) or no verdict is owed any more.
@@ -53,7 +54,7 @@ from dataclasses import replace
 from pearlctl.planner import budget, plan, view
 from pearlctl.planner.model import Move, MoveKind, Plan, Role, Snapshot
 from pearlctl.policies.shipped import pearl
-from pearlctl.vocabulary import GENERATION_POOLS
+from pearlctl.vocabulary import GENERATION_POOLS, PoolKind
 
 NAME = "pivot"
 NEEDS_PROFILE = True  # pearl's predictions need the run's engine profile
@@ -139,14 +140,10 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     rate = max(rate, s.judging.capacity_per_judge_s)
     now = max(plan.timeline_s(s, ()), judge_end_s(demand, len(judges), len(judges), rate, 0.0))
     options = []  # (predicted end, preference, the moves, what they are)
-    if not any(g.borrowed for g in s.gpus) and v.lendable:  # one borrow at a time (the daemon's rule)
-        g = min(v.lendable, key=lambda g: not g.parked_judge)  # a judge parked there wakes: a warm loan
-        judge = s.engine_costs(Role.REWARD)  # the trainer offloads; the judge's engine starts, or wakes
-        cost = s.costs.offload_s + (judge.wake_s if g.parked_judge else judge.start_s)
-        lend = Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, cost)
-        if budget.trainer_deadline(s) - s.now >= lend.cost_s + budget.return_cost_s(s) + budget.RETURN_SLACK_S:
-            end = max(_ends(s, (lend,), demand, len(judges), rate))
-            options.append((end, 0, (lend,), "a trainer GPU lent to the judge"))
+    loans = _loans(s) if not any(g.borrowed for g in s.gpus) else []  # one loan at a time (the daemon's rule)
+    if loans:
+        end, lent = _best_loan(s, loans, demand, len(judges), rate)
+        options.append((end, 0, lent, f"{len(lent)} trainer GPU{'s' if len(lent) > 1 else ''} lent to the judge"))
     rollout = sorted(
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
         key=_keep_order,
@@ -166,6 +163,41 @@ def _judge_plan(s: Snapshot) -> Plan | None:
 def _ends(s: Snapshot, moves: tuple[Move, ...], demand: float, judges: int, rate: float) -> tuple[float, float]:
     """The rollout's and the verdicts' predicted ends with ``moves`` bringing judges (the batch ends at the later)."""
     return plan.timeline_s(s, moves), judge_end_s(demand, judges, judges + len(moves), rate, moves[0].cost_s)
+
+
+def _loans(s: Snapshot) -> list[Move]:
+    """The loans of idle trainer GPUs to the judge that may be made now, warm ones first (a judge parked there wakes)
+    and at most ``Snapshot.max_lend``: only while the trainer waits for a batch not complete, each priced at the
+    offload and the judge's start or wake and back with its return and the slack by the trainer's deadline."""
+    if not (s.trainer.phase == "waiting" and not s.trainer.batch_ready):
+        return []
+    judge = s.engine_costs(Role.REWARD)
+    room = budget.trainer_deadline(s) - s.now - budget.return_cost_s(s) - budget.RETURN_SLACK_S
+    idle = sorted(
+        (g for g in s.gpus if g.pool == PoolKind.TRAINER and g.role == Role.TRAIN and not g.borrowed),
+        key=lambda g: not g.parked_judge,
+    )
+    loans = []
+    for g in idle[: s.max_lend]:
+        cost = s.costs.offload_s + (judge.wake_s if g.parked_judge else judge.start_s)
+        if cost <= room:
+            loans.append(Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, cost))
+    return loans
+
+
+def _best_loan(s: Snapshot, loans: list[Move], demand: float, judges: int, rate: float) -> tuple[float, tuple]:
+    """How many of the ``loans`` (in their order) to make at once, and the batch's predicted end then: the fewest
+    that end it within what a move must gain (``_threshold``) of the soonest end any number gives. A loan takes
+    nothing from rollout, so only the verdicts' end moves (each loan serves once the dearest of those made is
+    done)."""
+    roll = plan.timeline_s(s, ())
+    ends = [
+        max(roll, judge_end_s(demand, judges, judges + k, rate, max(m.cost_s for m in loans[:k])))
+        for k in range(1, len(loans) + 1)
+    ]
+    soonest = min(ends)
+    k = next(k for k, end in enumerate(ends, 1) if end <= soonest + _threshold(soonest))
+    return ends[k - 1], tuple(loans[:k])
 
 
 def _best_shift(s: Snapshot, rollout: list, demand: float, judges: int, rate: float) -> tuple[float, tuple]:
