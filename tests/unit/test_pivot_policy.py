@@ -137,6 +137,12 @@ def test_a_shifted_judge_goes_back_when_the_judges_left_keep_up_and_rollout_gain
     assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, slow)) is None
     all_busy = replace(keeping_up, judging=2)  # both judges (the reward pool's and the shifted one) have work
     assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, all_busy)) is None
+    # a batch's start: no verdict given in the last window, but the judges were seen to give 5 a second each
+    starting = Judging(waiting=0, judging=0, done=400, verdicts_per_s=0.0, capacity_per_judge_s=5.0)
+    planned = pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, starting))
+    assert planned is not None and [(m.gpu, m.to_role) for m in planned.moves] == [(10, Role.ROLLOUT)]
+    unmeasured = replace(starting, capacity_per_judge_s=0.0)
+    assert pivot.decide(snapshot(gpus(rollout=2, judging=1), BUSY, unmeasured)) is None
 
 
 def test_idle_trainer_gpus_are_lent_to_the_judge_before_a_rollout_gpu_shifts() -> None:

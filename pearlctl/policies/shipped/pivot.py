@@ -34,8 +34,9 @@ GPU moves to the judge (no hint, no made-up rate).
 - **A lent GPU back from the judge** when it is due (``budget.must_return``: its deadline, the trainer training or
   its batch complete) or no verdict is owed any more.
 - **A shifted GPU back to rollout** when not every judge has work and it is not needed to keep up — the judges
-  left would judge D within the rollout's time — or when there is no rollout work at all and no verdict owed
-  (between batches the next batch needs rollout first), unless a next batch like the last one
+  left would judge D within the rollout's time, at the rate they give now or the capacity a busy window showed,
+  whichever is more (a batch's start has given no verdict yet) — or when there is no rollout work at all and no
+  verdict owed (between batches the next batch needs rollout first), unless a next batch like the last one
   (``Snapshot.last_batch``) would end later without it — its verdicts at the judges' measured capacity — by more
   than a move must gain: a judge the batches keep needing stays; nor unless such a batch's rollout ends sooner with
   it by more than its move costs (``_back_pays``: the driver holds a due batch while a worker joins, so the move's
@@ -126,8 +127,10 @@ def _judge_plan(s: Snapshot) -> Plan | None:
         roll_back = plan.timeline_s(s, (back,))
         kept = len(judges) - 1
         # the judges left keep up: they judge the demand within the rollout's time (rate unknown while none
-        # waits: measured by the verdicts given so far per judge, a lower bound of their capacity)
-        seen = s.judging.verdicts_per_s / len(judges) if s.judging.verdicts_per_s > 0 else None
+        # waits: measured by the verdicts given so far per judge, a lower bound of their capacity, or the most a
+        # busy window showed them give)
+        per_judge = max(s.judging.verdicts_per_s / len(judges), s.judging.capacity_per_judge_s)
+        seen = per_judge if per_judge > 0 else None
         keeps_up = kept > 0 and seen is not None and _over(demand, kept * seen) <= roll_back
         if keeps_up and roll_back + _threshold(roll_now) <= roll_now:
             return _plan(s, back, "pivot: verdicts keep up, a judge goes back to rollout")
