@@ -161,6 +161,7 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "pid": st.integers(1, 2**31),
             "weight_version": names,
             "error": texts,  # a FAILED worker's reason: control characters or over 256 are refused
+            "ready_s": seconds,  # its measured cold start (bad values: tests/unit/test_policy_costs.py)
         },
     )
     self_return = st.fixed_dictionaries(
