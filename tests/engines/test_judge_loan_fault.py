@@ -40,7 +40,7 @@ JUDGE = REPO / "examples" / "models" / "tiny-judge"
 POLICIES = REPO / "tests" / "data" / "policies"
 # the trainer's announced first wait, the loan's deadline: a cold borrow and its return as the daemon prices them
 # before it measured one (offload 2 s and start 25 s, sleep 3 s and reload 2 s, 2 s of slack) fit in it
-WAIT_S = 50
+WAIT_S = 60
 PROMPTS = prompts(4, repeat=2)
 TOKENS = 200  # under a second a request on the paced profile
 
@@ -102,9 +102,9 @@ def test_a_trainer_gpu_lent_to_the_judge_comes_back_by_its_deadline_with_the_dae
     h = harness
     trainer_alloc = next(a.id for a in h.store.fleet.allocations(h.run_id) if a.pool == "trainer")
     (home,) = h.judges()  # the reward pool's judge
+    # lent at once (the trainer's wait counts down from when it began: a loan must fit in what is left)
+    h.pc("borrow", RUN, "--policy", "judge_greedy", "--gpus", "1")
     with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=3, model=str(JUDGE)) as judging:
-        judging.wait_turns(2)
-        h.pc("borrow", RUN, "--policy", "judge_greedy", "--gpus", "1")
         (gpu,) = wait_for(lambda: (lent := h.lent()) and lent[0].role == "REWARD" and lent, 120)
         loaned = wait_for(lambda: next((w for w in h.judges() if w.allocation_id == trainer_alloc), None), 120)
         # the lent judge serves judge requests through the run's base URL
