@@ -1,9 +1,13 @@
-"""The return guarantee's fault run with a trainer GPU judging: an idle trainer GPU lent to the run's judge (a
-generative reward model, REWARD), then the daemon SIGKILLed and kept down. The agent on the trainer's node returns
-the GPU by itself by its deadline (it stops the judge there), the trainer reclaims on its node, and every judge
-request sent through the run's base URL meanwhile is answered once — what the lent judge had in flight is sent
-again (or continued) by the gateway to the reward pool's judge. A new daemon then journals the agent's own return
-and finishes it in state.
+"""A trainer GPU lent to the run's judge (a generative reward model, REWARD) under faults of the daemon, on real
+processes: SIGKILLed once the effect of the loan's START was issued (a new daemon finishes the loan; one judge
+engine started), and — the return guarantee's fault run with a trainer GPU judging — SIGKILLed and kept down while
+the GPU is lent.
+
+The fault run: the daemon SIGKILLed and kept down while an idle trainer GPU judges. The agent on the trainer's
+node returns the GPU by itself by its deadline (it stops the judge there), the trainer reclaims on its node, and
+every judge request sent through the run's base URL meanwhile is answered once — what the lent judge had in flight
+is sent again (or continued) by the gateway to the reward pool's judge. A new daemon then journals the agent's own
+return and finishes it in state.
 
 The run, on the local backend: the real 2-rank DeepSpeed trainer (CPU), waiting for a first batch that never comes
 with a first-wait hint of ``WAIT_S`` (the trainer hook's ``PEARL_FIRST_WAIT_S``: the loan's deadline), no rollout
@@ -28,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.daemon.policy_view import PolicyInputs
+from pearlctl.daemon.transitions import PLANS, PlanKind
 from pearlctl.host.runfiles import read_address
 from pearlctl.state.rows import Gpu, Worker
 from tests.conftest import REPO, alive, wait_for
@@ -90,6 +95,7 @@ class LoanHarness(Harness):
 
 @pytest.fixture
 def harness(request, tmp_path_factory, monkeypatch):
+    """A run of its own per test (its trainer's announced wait is the loans' horizon, and a fault run spends it)."""
     monkeypatch.setenv("PEARL_POLICY_PATH", str(POLICIES))  # the daemon finds judge_greedy there
     with LoanHarness.launched(request, tmp_path_factory, RUN, spec, "judgeloan") as h:
         wait_for(lambda: (h.store.runs.get(h.run_id).get("trainer") or {}).get("phase") == "waiting", 180)
@@ -136,3 +142,37 @@ def test_a_trainer_gpu_lent_to_the_judge_comes_back_by_its_deadline_with_the_dae
     journaled = wait_for(lambda: [j for j in h.journal() if j["event"] == "agent returned lent GPUs itself"], 60)
     assert journaled[0]["data"]["deadline"] == deadline
     wait_for(lambda: not any(g.id == gpu.id and g.borrowed for g in h.store.fleet.gpus(h.run_id)), 60)
+
+
+@pytest.mark.parametrize("harness", ["paced"], indirect=True)
+def test_daemon_killed_after_a_judge_loans_start_converges_with_one_judge_started_and_no_request_lost(harness):
+    """The START of a loan to the judge is the step whose effect is the judge's own (the agent on the trainer's node
+    starts the judge's model on the lent GPU; OFFLOAD, REGISTER and the rest are a borrow's, crashed for a loan to
+    rollout in tests/engines/test_crash_matrix_daemon.py, and for both roles at every step boundary in state,
+    tests/unit/test_crash_matrix_pools.py)."""
+    h = harness
+    seq = list(PLANS[PlanKind.BORROW]).index("START")
+    fault = f"after_effect:{seq}:START"
+    starts_before = h.vllm_starts()
+    (home,) = h.judges()
+    first = h.start_daemon(fault)
+    h.pc("borrow", RUN, "--policy", "judge_greedy", "--gpus", "1")
+    with Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=3, model=str(JUDGE)) as judging:
+        assert f"PEARL_FAULT {fault}: SIGKILL" in h.killed(first)
+        second = h.start_daemon()
+        assert second["epoch"] > first["epoch"]
+        t = wait_for(lambda: h.settled(), 120)
+        assert (t.kind, t.to_role, t.state) == ("borrow", "REWARD", "DONE"), t
+        assert [(s.kind, s.state) for s in h.store.transitions.steps(t.id)] == [
+            (k, "DONE") for k in PLANS[PlanKind.BORROW]
+        ]
+        key = f"{t.id}:{seq}:START"
+        assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in h.journal())
+        trainer_alloc = next(a.id for a in h.store.fleet.allocations(h.run_id) if a.pool == "trainer")
+        loaned = wait_for(lambda: next((w for w in h.judges() if w.allocation_id == trainer_alloc), None), 60)
+        wait_for(lambda: any(loaned.url in o["workers"] for o in judging.done), 60)  # the lent judge serves
+        judging.wait_turns(2)
+    print(f"\nkilled after START's effect: judge requests {judging.counts()}")
+    assert h.vllm_starts() - starts_before == 1  # one judge engine started on the lent GPU, not two
+    assert judging.errors == [] and judging.sent == len(judging.done), judging.counts()
+    assert {w for o in judging.done for w in o["workers"]} <= {home.url, loaned.url}
