@@ -77,7 +77,12 @@ def profile(
             run = resolve_run(store, run_ref)
             workers = store.fleet.workers(run["id"])
             pool_of = {a.id: a.pool for a in store.fleet.allocations(run["id"])}
-            steps = [s.to_dict() for t in store.transitions.all(run["id"]) for s in store.transitions.steps(t.id)]
+            # each step with its transition's roles: the policy's profile takes the policy's engine's costs only
+            steps = [
+                {**s.to_dict(), "from_role": t.from_role, "to_role": t.to_role}
+                for t in store.transitions.all(run["id"])
+                for s in store.transitions.steps(t.id)
+            ]
         finally:
             store.close()
         if export_file is not None:
@@ -129,6 +134,7 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
             f"no vLLM worker {worker or ''} serving the policy in run {run['id']}; workers: {known}", EXIT_NOT_FOUND
         )
     w = serving[0]
+    starts = [x.ready_s for x in workers if x.role in GENERATION_ROLES and x.ready_s is not None]  # cold starts
     try:
         model = httpx.get(w.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         metrics = httpx.get(w.url + "/metrics", timeout=10).text
@@ -150,7 +156,7 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
             name=name or f"{run['name']}-{w.worker_key}",
             model=run["spec"].get("model", model),
             hardware=f"worker {w.worker_key} of run {run['id']} ({w.url})",
-            costs=profiles.step_costs(steps),
+            costs=profiles.measured_costs(steps, starts, judge=False),
             max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
             gpus_per_worker=len(w.gpu_idx or []),
             source=f"on {w.url}",

@@ -18,7 +18,7 @@ from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Judging, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import ENGINE_COSTS, DecodeModel, Profile, TransitionCosts, step_costs
+from pearlctl.planner.profile import ENGINE_COSTS, DecodeModel, Profile, TransitionCosts, measured_costs
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
@@ -106,12 +106,9 @@ class PolicyInputs:
         workers = self.store.fleet.workers(self.run_id)
 
         def measured(judge: bool) -> dict[str, float]:
-            est = step_costs(steps, last=5, judge=judge)
             roles = (Role.REWARD,) if judge else GENERATION_ROLES
             starts = [w.ready_s for w in workers if w.role in roles and w.ready_s is not None]
-            if "start_s" not in est and starts:
-                est["start_s"] = statistics.median(starts[-5:])
-            return est
+            return measured_costs(steps, starts, judge=judge, last=5)
 
         policy = TransitionCosts(**{**vars(base), **measured(False)})
         judge = measured(True)

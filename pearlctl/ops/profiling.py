@@ -22,7 +22,8 @@ What is measured, over the worker's OpenAI-compatible API (requests with token-i
   worker's API server does one request at a time (``request_serial_s``);
 - KV capacity: vLLM's ``vllm:cache_config_info`` (``num_gpu_blocks`` × ``block_size``) from /metrics.
 
-Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind.
+Transition costs are the medians of the journaled step durations (INTENT to DONE) of each kind, on the policy's
+engine (a judge's starts and stops are another model's: each step comes with its transition's roles).
 
 ``pearlctl profile --slurm`` measures no running worker: :func:`profile_on_slurm` submits
 :func:`profile_engine` to a compute node through submitit (pearlctl.slurm.functions); on the node it starts a
@@ -310,7 +311,9 @@ def build_profile(
             "request_overhead_s": f"measured by pearlctl profile {source}",
             "request_serial_s": f"measured by pearlctl profile {source} (a burst of one-token requests)",
             "kv_capacity_tokens": "vllm:cache_config_info (num_gpu_blocks x block_size)",
-            "costs": "medians of the run's journaled steps" if costs else "defaults (no transition journaled yet)",
+            "costs": "medians of the run's journaled steps (a start: its workers' cold starts until one is journaled)"
+            if costs
+            else "defaults (no transition journaled yet)",
         },
     )
 
@@ -432,7 +435,7 @@ def profile_on_slurm(
             contexts=contexts,
             repeats=repeats,
             name=name or f"{run['name']}-{pool_name or 'vllm'}-slurm",
-            costs=step_costs(steps),
+            costs=step_costs(steps, judge=False),
             max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
             log_dir=str(folder),
         )

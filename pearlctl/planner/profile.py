@@ -165,6 +165,19 @@ def step_costs(steps: Iterable[dict], *, last: int | None = None, judge: bool | 
     return {k: statistics.median(v[-last:] if last else v) for k, v in seen.items()}
 
 
+def measured_costs(
+    steps: Iterable[dict], starts: Iterable[float], *, judge: bool, last: int | None = None
+) -> dict[str, float]:
+    """One engine's measured costs: ``step_costs`` of its steps (``judge``: the judge's engine, else the policy's),
+    and a start never journaled as a step priced at the median of the last 5 cold starts its workers made
+    (``starts``, oldest first, as their agents measured them: the workers a launch starts are no transition)."""
+    est = step_costs(steps, last=last, judge=judge)
+    seen = list(starts)
+    if "start_s" not in est and seen:
+        est["start_s"] = statistics.median(seen[-5:])
+    return est
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str

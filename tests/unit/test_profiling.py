@@ -83,6 +83,18 @@ def test_step_costs_split_the_judges_engine_from_the_policys():
     assert step_costs(steps)["start_s"] == 20  # both engines' (the median of 30 and 10)
 
 
+def test_a_start_never_journaled_is_priced_at_the_workers_measured_cold_starts():
+    from pearlctl.planner.profile import measured_costs
+
+    stop = {"kind": "STOP", "state": "DONE", "detail": {"started_at": 0.0, "finished_at": 4.0},
+            "from_role": "ROLLOUT", "to_role": "REWARD"}  # fmt: skip
+    start = {**stop, "kind": "START", "detail": {"started_at": 0.0, "finished_at": 30.0}}
+    starts = [60.0, 9.0, 11.0, 10.0, 12.0, 40.0]  # oldest first: the median of the last five is 11
+    assert measured_costs([stop], starts, judge=False) == {"stop_s": 4.0, "start_s": 11.0}
+    assert measured_costs([stop, start], starts, judge=True) == {"start_s": 30.0}  # the judge's own, journaled
+    assert measured_costs([stop], [], judge=False) == {"stop_s": 4.0}  # nothing measured: the profile's stays
+
+
 def _profile(**kw) -> Profile:
     base = dict(
         name="p",
