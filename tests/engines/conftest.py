@@ -267,6 +267,33 @@ command = {json.dumps(PLACEHOLDER)}
 {pools}"""
 
 
+def waiting_trainer_spec(d: Path, name: str, pools: str, *, first_wait_s: float, paced: bool) -> str:
+    """A run spec on the local backend (``d/run`` its run directory) whose trainer is the real 2-rank DeepSpeed
+    trainer (CPU, the example's) waiting all along for a first batch that never comes (its rollouts' folder is never
+    written), announcing a first wait of ``first_wait_s`` (the trainer hook's ``PEARL_FIRST_WAIT_S``: the horizon
+    its GPUs are lent on — no GPU serves rollout before a borrow, so the daemon has no batch to predict it from);
+    followed by ``pools`` (TOML tables); on the paced engine with ``paced``."""
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             str(REPO / "examples/grpo/train.py"), "--model", str(TINY_MODEL), "--steps", "1",
+             "--out", str(d / "run" / "trainer"), "--rollouts", f"file:{d / 'rollouts'}",
+             "--channel", "daemon"]  # fmt: skip
+    return f"""
+[run]
+name = "{name}"
+model = "{TINY_MODEL}"
+run_dir = "{d / "run"}"
+backend = "local"
+poll_interval_s = 2
+{PACED_RUN if paced else ""}
+[pools.trainer]
+nodes = 1
+gpus_per_node = 2
+env = {{ OMP_NUM_THREADS = "1", PEARL_FIRST_WAIT_S = "{first_wait_s:g}" }}
+train_command = {json.dumps(train)}
+engine_args = {{ max_model_len = 512 }}
+{pools}"""
+
+
 def build_tiny_model(out: Path, seed: int) -> Path:
     """The tiny model with another weight seed (same tokenizer and shapes): a "new policy"."""
     subprocess.run(

@@ -17,15 +17,14 @@ started again, what state says): tests/engines/crash_harness.py.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from pearlctl.daemon.transitions import PLANS
 from pearlctl.state.rows import Gpu
-from tests.conftest import REPO, wait_for
-from tests.engines.conftest import PACED_RUN, TINY_MODEL
+from tests.conftest import wait_for
+from tests.engines.conftest import waiting_trainer_spec
 from tests.engines.crash_harness import Harness
 
 # Where a restarted daemon cannot know whether a step's effect happened: its INTENT is durable and its effect was
@@ -68,45 +67,12 @@ CASES = cases()
 
 
 def spec(d: Path, paced: bool = False) -> str:
-    train = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(REPO / "examples/grpo/train.py"),
-        "--model",
-        str(TINY_MODEL),
-        "--steps",
-        "1",
-        "--out",
-        str(d / "run" / "trainer"),
-        "--rollouts",
-        f"file:{d / 'rollouts'}",  # never written: the trainer waits for its first batch all along
-        "--channel",
-        "daemon",
-    ]
-    return f"""
-[run]
-name = "{RUN}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 2
-{PACED_RUN if paced else ""}
-[pools.trainer]
-nodes = 1
-gpus_per_node = 2
-# PEARL_FIRST_WAIT_S: a hint of the first wait (the trainer hook's): no GPU serves rollout before a borrow here,
-# so the daemon has no batch to predict the wait from
-env = {{ OMP_NUM_THREADS = "1", PEARL_FIRST_WAIT_S = "36000" }}
-train_command = {json.dumps(train)}
-engine_args = {{ max_model_len = 512 }}
+    pools = """
 [pools.rollout]                # no GPU, so no worker: every vLLM here runs on a lent trainer GPU
 nodes = 1
 gpus_per_node = 0
 """
+    return waiting_trainer_spec(d, RUN, pools, first_wait_s=36000, paced=paced)
 
 
 class BorrowHarness(Harness):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from pearlctl.daemon.transitions import PLANS, PlanKind
 from pearlctl.host.runfiles import read_address
 from pearlctl.state.rows import Gpu, Worker
 from tests.conftest import REPO, alive, wait_for
-from tests.engines.conftest import PACED_RUN, TINY_MODEL
+from tests.engines.conftest import waiting_trainer_spec
 from tests.engines.crash_harness import Harness
 from tests.engines.load import Load, prompts
 
@@ -51,24 +50,8 @@ TOKENS = 200  # under a second a request on the paced profile
 
 
 def spec(d: Path, paced: bool) -> str:
-    assert paced, "the judge's loan fault run runs on the paced engine"
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(REPO / "examples/grpo/train.py"), "--model", str(TINY_MODEL), "--steps", "1",
-             "--out", str(d / "run" / "trainer"), "--rollouts", f"file:{d / 'rollouts'}",  # never written
-             "--channel", "daemon"]  # fmt: skip
-    return f"""
-[run]
-name = "{RUN}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 2
-{PACED_RUN}
-[pools.trainer]
-nodes = 1
-gpus_per_node = 2
-env = {{ OMP_NUM_THREADS = "1", PEARL_FIRST_WAIT_S = "{WAIT_S}" }}
-train_command = {json.dumps(train)}
+    assert paced, "the judge's loan fault runs run on the paced engine"
+    pools = f"""
 [pools.rollout]                # no GPU: the judge's loan is the only move
 nodes = 1
 gpus_per_node = 0
@@ -77,6 +60,7 @@ nodes = 1
 gpus_per_node = 1
 model = "{JUDGE}"
 """
+    return waiting_trainer_spec(d, RUN, pools, first_wait_s=WAIT_S, paced=paced)
 
 
 class LoanHarness(Harness):
