@@ -234,6 +234,7 @@ class Move(Body):
 
 class ProfileBody(Body):
     profile: dict[str, Any]
+    judge: bool = False  # the run's judge's profile (its own model), not the policy's
 
     @field_validator("profile")
     @classmethod

@@ -24,7 +24,7 @@ from pearlctl.cli.common import (
 )
 from pearlctl.daemon.client import DaemonRefusal, call
 from pearlctl.planner import profile as profiles
-from pearlctl.vocabulary import GENERATION_ROLES
+from pearlctl.vocabulary import GENERATION_ROLES, PoolKind, Role
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -51,6 +51,11 @@ def profile(
     import_file: Path = typer.Option(None, "--import", help="Store this profile file instead of measuring."),
     export_file: Path = typer.Option(None, "--export", help="Write the run's stored profile to this file; no change."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+    judge: bool = typer.Option(
+        False,
+        "--judge",
+        help="The run's judge's profile (a REWARD worker, its own model): measure, import or export it.",
+    ),
     slurm: bool = typer.Option(
         False, "--slurm", help="Profile on a compute node: a Slurm job starts vLLM for the run's model and measures it."
     ),
@@ -59,8 +64,11 @@ def profile(
     time_limit: str = typer.Option(None, "--time", help="--slurm: the job's time limit (default 30 minutes)."),
     gpus: int = typer.Option(1, "--gpus", min=0, help="--slurm: GPUs the job asks for (--gres=gpu:N)."),
 ) -> None:
-    """Measure a rollout worker (or import a profile file) and store it as the run's profile; --export reads it."""
+    """Measure a rollout worker (or import a profile file) and store it as the run's profile; --export reads it.
+    With --judge, the same for the run's judge (a REWARD worker): its profile is kept apart from the policy's."""
     with exits():
+        if judge and slurm:
+            raise fail("--slurm measures the policy's model; --judge measures a judge serving in the run", EXIT_USAGE)
         if slurm:
             from pearlctl.config import slurm_option_problems
 
@@ -85,11 +93,13 @@ def profile(
             ]
         finally:
             store.close()
+        column, whose = ("judge_profile", "judge's profile") if judge else ("profile", "profile")
         if export_file is not None:
-            if not run.get("profile"):
-                raise fail(f"run {run['id']} has no profile yet; measure one with `pearlctl profile {run['name']}`", 4)
-            export_file.write_text(profiles.dumps(profiles.from_dict(run["profile"])))
-            err.print(f"wrote the profile of {run['id']} to {export_file}")
+            if not run.get(column):
+                again = f"pearlctl profile {run['name']}{' --judge' if judge else ''}"
+                raise fail(f"run {run['id']} has no {whose} yet; measure one with `{again}`", 4)
+            export_file.write_text(profiles.dumps(profiles.from_dict(run[column])))
+            err.print(f"wrote the {whose} of {run['id']} to {export_file}")
             return
         if import_file is not None:
             try:
@@ -101,9 +111,9 @@ def profile(
                 run, steps, batches, contexts, repeats, name, partition, nodelist, time_limit, gpus
             )
         else:
-            prof = _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name)
+            prof = _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name, judge)
         try:
-            call(run, "POST", "/v1/profile", {"profile": profiles.to_dict(prof)})
+            call(run, "POST", "/v1/profile", {"profile": profiles.to_dict(prof), "judge": judge})
         except DaemonRefusal as exc:
             raise fail(f"the daemon refused the profile: {exc}", EXIT_USAGE) from None
         if out_file is not None:
@@ -116,32 +126,32 @@ def profile(
         out.print(
             f"{prof.name}: decode itl = {d.weights_s * 1e3:.3f} ms + {d.seq_s * 1e3:.4f} ms*B"
             f" + {d.kv_s_per_token * 1e6:.4f} us*B*L; prefill {prof.prefill_tok_s:.0f} tok/s;"
-            f" KV {prof.kv_capacity_tokens} tokens (stored for run {run['id']})",
+            f" KV {prof.kv_capacity_tokens} tokens (stored as the {whose} of run {run['id']})",
             markup=False,
         )
 
 
-def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name) -> profiles.Profile:
+def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name, judge) -> profiles.Profile:
     from pearlctl.ops import profiling  # its fit needs numpy: imported by the commands that measure, not by every one
 
-    # the policy's profile: measured on a worker serving the policy (a judge's model is another)
-    serving = [w for w in workers if w.state == "READY" and w.url and w.role in GENERATION_ROLES]
+    # measured on a worker serving the policy, or with --judge the judge (each its own model)
+    roles, what = ((Role.REWARD,), "the judge") if judge else (GENERATION_ROLES, "the policy")
+    serving = [w for w in workers if w.state == "READY" and w.url and w.role in roles]
     if worker:
         serving = [w for w in serving if worker in (w.url, w.worker_key)]
     if not serving:
         known = ", ".join(f"{w.worker_key} ({w.url}, {w.state})" for w in workers if w.url) or "none"
-        raise fail(
-            f"no vLLM worker {worker or ''} serving the policy in run {run['id']}; workers: {known}", EXIT_NOT_FOUND
-        )
+        raise fail(f"no vLLM worker {worker or ''} serving {what} in run {run['id']}; workers: {known}", EXIT_NOT_FOUND)
     w = serving[0]
-    starts = [x.ready_s for x in workers if x.role in GENERATION_ROLES and x.ready_s is not None]  # cold starts
+    starts = [x.ready_s for x in workers if x.role in roles and x.ready_s is not None]  # its engine's cold starts
     try:
         model = httpx.get(w.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         metrics = httpx.get(w.url + "/metrics", timeout=10).text
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise fail(f"worker {w.url} does not answer as a vLLM server: {exc}", 3) from None
     err.print(f"measuring {w.worker_key} at {w.url} (model {model}); this takes a minute or two")
-    engine_args = (run["spec"].get("pools", {}).get(pool_of.get(w.allocation_id)) or {}).get("engine_args") or {}
+    pool = PoolKind.REWARD if judge else pool_of.get(w.allocation_id)  # a judge runs the reward pool's engine args
+    engine_args = (run["spec"].get("pools", {}).get(pool) or {}).get("engine_args") or {}
     try:
         with profiling.WorkerProbe(w.url, model) as probe:
             measurement = profiling.measure(
@@ -154,9 +164,9 @@ def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, n
         return profiling.build_profile(
             measurement,
             name=name or f"{run['name']}-{w.worker_key}",
-            model=run["spec"].get("model", model),
+            model=model if judge else run["spec"].get("model", model),
             hardware=f"worker {w.worker_key} of run {run['id']} ({w.url})",
-            costs=profiles.measured_costs(steps, starts, judge=False),
+            costs=profiles.measured_costs(steps, starts, judge=judge),
             max_num_seqs=int(engine_args.get("max_num_seqs", 256)),
             gpus_per_worker=len(w.gpu_idx or []),
             source=f"on {w.url}",

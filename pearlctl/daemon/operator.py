@@ -186,16 +186,21 @@ class Operator(Side):
         return movable[0]
 
     def set_profile(self, body: bodies.ProfileBody) -> dict:
-        """Store the run's engine profile (``pearlctl profile``): the planner predicts with it."""
+        """Store the run's engine profile (``pearlctl profile``): the planner predicts with it; or, ``judge``, its
+        judge's (``pearlctl profile --judge``: the judge's own engine costs are planned from it)."""
         try:
             profile = profiles.from_dict(body.profile, where="the profile sent")
         except profiles.ProfileError as exc:
             raise ControlError(str(exc), 422) from None
         except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong shape
             raise ControlError(f"the profile sent is malformed: {type(exc).__name__}: {exc}", 422) from None
+        pools = (self.store.runs.get(self.run_id).get("spec") or {}).get("pools") or {}
+        if body.judge and PoolKind.REWARD not in pools:
+            raise ControlError(f"run {self.run_id} has no judge ([pools.reward]): no judge's profile to store", 422)
         with self.lock:
             doc = profiles.to_dict(profile)
+            column, event = ("judge_profile", "judge profile stored") if body.judge else ("profile", "profile stored")
             self.store.update_fields(
-                "runs", self.run_id, epoch=self.epoch, event="profile stored", data={"name": profile.name}, profile=doc
+                "runs", self.run_id, epoch=self.epoch, event=event, data={"name": profile.name}, **{column: doc}
             )
-            return {"epoch": self.epoch, "profile": doc}
+            return {"epoch": self.epoch, "profile": doc, "judge": body.judge}

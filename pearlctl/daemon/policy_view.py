@@ -84,6 +84,11 @@ class PolicyInputs:
         doc = self.store.runs.get(self.run_id).get("profile")
         return profiles.from_dict(doc) if doc else None
 
+    def judge_profile(self) -> Profile | None:
+        """The judge's engine profile (``pearlctl profile --judge``), if one was stored."""
+        doc = self.store.runs.get(self.run_id).get("judge_profile")
+        return profiles.from_dict(doc) if doc else None
+
     def costs(self, base: TransitionCosts) -> TransitionCosts:
         """Running estimates of the policy's engine and the trainer's steps: the median of the last 5 DONE steps of
         each kind, else ``base``'s; a start never journaled as a step is the median of the last 5 cold starts the
@@ -93,7 +98,7 @@ class PolicyInputs:
     def judge_costs(self, base: TransitionCosts) -> TransitionCosts:
         """``costs`` with the judge's engine's own starts, wakes, sleeps and stops (``Snapshot.judge_costs``:
         another model than the policy's): its steps' running estimates, else its workers' measured cold starts,
-        else ``base``'s."""
+        else the judge's profile's (``judge_profile``), else ``base``'s."""
         return self._measured(base)[1]
 
     def has_judge(self) -> bool:
@@ -111,8 +116,9 @@ class PolicyInputs:
             return measured_costs(steps, starts, judge=judge, last=5)
 
         policy = TransitionCosts(**{**vars(base), **measured(False)})
-        judge = measured(True)
-        return policy, replace(policy, **{f: judge.get(f, getattr(base, f)) for f in ENGINE_COSTS})
+        judge, judge_profile = measured(True), self.judge_profile()
+        judge_base = judge_profile.costs if judge_profile is not None else base
+        return policy, replace(policy, **{f: judge.get(f, getattr(judge_base, f)) for f in ENGINE_COSTS})
 
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else

@@ -225,9 +225,11 @@ CREATE INDEX gpus_by_allocation ON gpus (allocation_id);
 """
 
 # A worker's cold start as its agent measured it (process start to first healthy answer): the daemon's estimate
-# of a start before any START step was journaled (pearlctl.daemon.policy_view, PolicyInputs.costs).
+# of a start before any START step was journaled (pearlctl.daemon.policy_view, PolicyInputs.costs); and the
+# judge's own engine profile (`pearlctl profile --judge`), beside the policy's.
 MIGRATION_9 = """
 ALTER TABLE workers ADD COLUMN ready_s REAL CHECK (ready_s IS NULL OR ready_s >= 0);
+ALTER TABLE runs ADD COLUMN judge_profile TEXT CHECK (judge_profile IS NULL OR json_valid(judge_profile));
 """
 
 MIGRATIONS: tuple[str, ...] = (
@@ -251,7 +253,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 TRAINER_REPORT = "trainer"
 ROLLOUT_PROGRESS = "rollout"
 JSON_COLUMNS: Mapping[str, frozenset[str]] = {
-    "runs": frozenset({"spec", TRAINER_REPORT, "borrow", ROLLOUT_PROGRESS, "profile", "predictor"}),
+    "runs": frozenset({"spec", TRAINER_REPORT, "borrow", ROLLOUT_PROGRESS, "profile", "predictor", "judge_profile"}),
     "transitions": frozenset({"gpu_ids", "detail"}),
     "workers": frozenset({"gpu_idx"}),
     "steps": frozenset({"detail"}),

@@ -260,7 +260,8 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
                     "profile": {**PROFILE["profile"], "request_overhead_s": 0.004, "request_serial_s": 0.002},
                     "sources": PROFILE["sources"],
                 }
-            )
+            ),
+            "judge": st.booleans(),  # the judge's profile (refused by name where the run has no judge)
         },
     }
 
@@ -494,7 +495,7 @@ def check_state(run: LiveRun) -> list[str]:
         if health["integrity"] != "ok":
             problems.append(f"integrity check: {health['integrity']}")
         r = store.runs.get(RUN_ID)
-        for column in ("spec", "trainer", "rollout", "borrow", "profile"):
+        for column in ("spec", "trainer", "rollout", "borrow", "profile", "judge_profile"):
             problems += _finite(r.get(column), f"runs.{column}")
         trainer = r.get("trainer")
         if trainer is not None:

@@ -78,3 +78,33 @@ def test_a_worker_report_with_a_bad_cold_start_is_refused_by_name(bad: float):
     report = {"key": "w0", "role": "ROLLOUT", "engine": "vllm", "state": "READY", "ready_s": bad}
     with pytest.raises(ValidationError, match="ready_s"):
         bodies.WorkerReport.model_validate(report)
+
+
+def test_the_judges_profile_is_stored_apart_and_its_costs_are_the_judges_engines_base(tmp_path: Path):
+    """``pearlctl profile --judge`` (POST /v1/profile with ``judge``): stored beside the policy's profile, never in
+    its place; the judge's engine costs not measured yet are its profile's; a run without a judge refuses it."""
+    from pearlctl.api import bodies
+    from pearlctl.daemon.controller import ControlError, Controller
+    from pearlctl.planner import profile as profiles
+
+    def daemon_on(d: Path, spec: dict):
+        d.mkdir(parents=True, exist_ok=True)
+        store = Store.open(d / "state.db")
+        pools = [factories.pool(name, name.upper()) for name in spec["pools"]]
+        factories.create_run(store, d, pools, spec=spec)
+        return Controller(store, "r", None), store
+
+    decode = {"weights_s": 0.01, "seq_s": 0.0, "kv_s_per_token": 0.0}
+    costs = TransitionCosts(start_s=48.0, wake_s=6.0)
+    judge = factories.profile("judge", decode=decode, prefill_tok_s=5e3, kv_capacity_tokens=10**5, costs=costs)
+    controller, store = daemon_on(tmp_path, SPEC)
+    answer = controller.operator.set_profile(bodies.ProfileBody(profile=profiles.to_dict(judge), judge=True))
+    assert answer["judge"] and store.runs.get("r").get("profile") is None
+    inputs = PolicyInputs(store, "r")
+    assert inputs.judge_profile() == judge
+    assert (inputs.judge_costs(BASE).start_s, inputs.judge_costs(BASE).wake_s) == (48.0, 6.0)
+    assert inputs.costs(BASE) == BASE  # the policy's are not the judge's
+
+    alone, _ = daemon_on(tmp_path / "alone", {"model": "/m/policy", "pools": {"rollout": {}}})
+    with pytest.raises(ControlError, match=r"has no judge \(\[pools.reward\]\)"):
+        alone.operator.set_profile(bodies.ProfileBody(profile=profiles.to_dict(judge), judge=True))
