@@ -224,6 +224,9 @@ class WorkerProbe:
             return time.monotonic() - t0
 
 
+RESEND_SERIAL = 3  # times a batch the engine ran one request at a time is sent again (``measure``)
+
+
 def measure(
     probe: WorkerProbe,
     *,
@@ -245,11 +248,18 @@ def measure(
         for b in batches:
             long, seen, offsets = [], [], []
             for _ in range(repeats):
-                offset += 2 * b
+                for attempt in range(1 + RESEND_SERIAL):
+                    offset += 2 * b
+                    before = probe.counters()
+                    took = probe.batch(b, context, m2, offset=offset + b)
+                    ran = engine_decode(before, probe.counters())
+                    # requests sent together that the engine ran one at a time (a loaded host delivered them one
+                    # after another) measured batch 1 again: they are sent again, a few times at most
+                    if b == 1 or ran is None or ran[0] > 1.0 or attempt == RESEND_SERIAL:
+                        break
                 offsets.append(offset)
-                before = probe.counters()
-                long.append(probe.batch(b, context, m2, offset=offset + b))
-                seen.append(engine_decode(before, probe.counters()))
+                long.append(took)
+                seen.append(ran)
             ran = [x for x in seen if x is not None]
             if len(ran) == len(seen):  # what the engine ran: its batch and its inter-token latency
                 batch = statistics.median(x[0] for x in ran)

@@ -204,6 +204,32 @@ def test_measure_takes_the_batch_the_engine_ran_and_the_serial_part_of_the_overh
     assert m.request_overhead_s == pytest.approx(0.05 + 0.004 + 0.001, rel=1e-6)  # + one decode step
 
 
+class _LoadedWorker(_SerialWorker):
+    """Its host is loaded: the first ``serial`` batches of more than one request reach the engine one after another,
+    so it runs them one at a time (batch 1, as its counters say)."""
+
+    def __init__(self, serial: int):
+        super().__init__()
+        self.serial = serial
+
+    def batch(self, batch: int, prompt_tokens: int, max_tokens: int, *, offset: int) -> float:
+        if batch > 1 and self.serial > 0:
+            self.serial -= 1
+            return sum(super(_LoadedWorker, self).batch(1, prompt_tokens, max_tokens, offset=offset + i)
+                       for i in range(batch))  # fmt: skip
+        return super().batch(batch, prompt_tokens, max_tokens, offset=offset)
+
+
+def test_a_batch_the_engine_ran_one_at_a_time_is_sent_again():
+    m = measure(_LoadedWorker(serial=2), batches=(1, 2), contexts=(32,), repeats=1)
+    assert sorted(p.batch for p in m.decode) == [1, 2]  # sent again until it ran together
+    fit_decode(m.decode)  # two batch sizes: the decode model fits
+    always = measure(_LoadedWorker(serial=10**6), batches=(1, 2), contexts=(32,), repeats=1)
+    assert [p.batch for p in always.decode] == [1, 1]  # a few times at most: then what ran is what is kept
+    with pytest.raises(ProfilingError, match="ran batch 1 only"):
+        fit_decode(always.decode)
+
+
 def test_measure_without_engine_metrics_falls_back_to_the_asked_batch():
     probe = _SerialWorker()
     probe._get = lambda path: "# no metrics here\n"
