@@ -18,7 +18,7 @@ from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Judging, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import ENGINE_COSTS, DecodeModel, Profile, TransitionCosts, measured_costs
+from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, judge_engine_costs, measured_costs
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
@@ -118,7 +118,7 @@ class PolicyInputs:
         policy = TransitionCosts(**{**vars(base), **measured(False)})
         judge, judge_profile = measured(True), self.judge_profile()
         judge_base = judge_profile.costs if judge_profile is not None else base
-        return policy, replace(policy, **{f: judge.get(f, getattr(judge_base, f)) for f in ENGINE_COSTS})
+        return policy, judge_engine_costs(policy, judge, judge_base)
 
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else

@@ -146,6 +146,14 @@ ENGINE_END: dict[str, str] = {
 ENGINE_COSTS: tuple[str, ...] = tuple(STEP_COSTS[k] for k in ENGINE_END)
 
 
+def judge_engine_costs(
+    policy: TransitionCosts, measured: Mapping[str, float], base: TransitionCosts
+) -> TransitionCosts:
+    """The judge's engine's costs: ``policy``'s (the trainer's offload and reload are the same for both) with the
+    judge's own start, wake, sleep and stop — ``measured`` (its journaled steps), else ``base``'s (its profile)."""
+    return TransitionCosts(**{**vars(policy), **{f: measured.get(f, getattr(base, f)) for f in ENGINE_COSTS}})
+
+
 def judges_step(step: Mapping[str, Any]) -> bool:
     """Whether a journaled step (with its transition's ``from_role`` and ``to_role``) acted on the judge's engine."""
     end = ENGINE_END.get(step.get("kind") or "")

@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pearlctl.planner.model import SERVING, Move, MoveKind, Plan, Role, Snapshot
-from pearlctl.planner.profile import ENGINE_COSTS, STEP_COSTS, WEIGHT_LOAD, Profile, TransitionCosts, judges_step
+from pearlctl.planner.profile import (
+    STEP_COSTS,
+    WEIGHT_LOAD,
+    Profile,
+    TransitionCosts,
+    judge_engine_costs,
+    judges_step,
+)
 from pearlctl.sim.engine import ABORT_S
 from pearlctl.vocabulary import PoolKind
 from pearlctl.vocabulary import StepKind as K
@@ -248,9 +255,7 @@ class Moves:
                 }
 
             policy = replace(policy_base, **measured(False))
-            on_judge = measured(True)
-            judge_costs = replace(policy, **{f: on_judge.get(f, getattr(judge_base, f)) for f in ENGINE_COSTS})
-            self._costs = (policy, judge_costs)
+            self._costs = (policy, judge_engine_costs(policy, measured(True), judge_base))
         return self._costs
 
     def _refuse(self, move: Move, why: str) -> bool:
