@@ -248,10 +248,17 @@ def still_running(srv, n: int) -> None:
 PLACEHOLDER = [sys.executable, "-c", "import time; time.sleep(36000)"]
 
 
-def local_run_spec(d: Path, name: str, pools: str, *, poll_interval_s: int = 2, run_extra: str = "") -> str:
-    """A run spec on the local backend (``d/run`` its run directory) whose trainer pool is a placeholder task
-    holding one (stand-in) GPU — the trainer is not what these tests are about — followed by ``pools``
-    (TOML tables) and, in ``[run]``, ``run_extra``."""
+def local_run_spec(
+    d: Path, name: str, pools: str, *, poll_interval_s: int = 2, run_extra: str = "", trainer: str | None = None
+) -> str:
+    """A run spec on the local backend (``d/run`` its run directory) whose trainer pool is ``trainer`` (its TOML
+    table), by default a placeholder task holding one (stand-in) GPU — the trainer is not what these tests are
+    about — followed by ``pools`` (TOML tables) and, in ``[run]``, ``run_extra``."""
+    placeholder = f"""
+[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
+nodes = 1
+gpus_per_node = 1
+command = {json.dumps(PLACEHOLDER)}"""
     return f"""
 [run]
 name = "{name}"
@@ -259,39 +266,27 @@ model = "{TINY_MODEL}"
 run_dir = "{d / "run"}"
 backend = "local"
 poll_interval_s = {poll_interval_s}
-{run_extra}
-[pools.trainer]                # not under test: a placeholder task holding the trainer's GPU
-nodes = 1
-gpus_per_node = 1
-command = {json.dumps(PLACEHOLDER)}
+{run_extra}{trainer or placeholder}
 {pools}"""
 
 
 def waiting_trainer_spec(d: Path, name: str, pools: str, *, first_wait_s: float, paced: bool) -> str:
-    """A run spec on the local backend (``d/run`` its run directory) whose trainer is the real 2-rank DeepSpeed
-    trainer (CPU, the example's) waiting all along for a first batch that never comes (its rollouts' folder is never
-    written), announcing a first wait of ``first_wait_s`` (the trainer hook's ``PEARL_FIRST_WAIT_S``: the horizon
-    its GPUs are lent on — no GPU serves rollout before a borrow, so the daemon has no batch to predict it from);
-    followed by ``pools`` (TOML tables); on the paced engine with ``paced``."""
+    """``local_run_spec`` whose trainer is the real 2-rank DeepSpeed trainer (CPU, the example's) waiting all along
+    for a first batch that never comes (its rollouts' folder is never written), announcing a first wait of
+    ``first_wait_s`` (the trainer hook's ``PEARL_FIRST_WAIT_S``: the horizon its GPUs are lent on — no GPU serves
+    rollout before a borrow, so the daemon has no batch to predict it from); on the paced engine with ``paced``."""
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              str(REPO / "examples/grpo/train.py"), "--model", str(TINY_MODEL), "--steps", "1",
              "--out", str(d / "run" / "trainer"), "--rollouts", f"file:{d / 'rollouts'}",
              "--channel", "daemon"]  # fmt: skip
-    return f"""
-[run]
-name = "{name}"
-model = "{TINY_MODEL}"
-run_dir = "{d / "run"}"
-backend = "local"
-poll_interval_s = 2
-{PACED_RUN if paced else ""}
+    trainer = f"""
 [pools.trainer]
 nodes = 1
 gpus_per_node = 2
 env = {{ OMP_NUM_THREADS = "1", PEARL_FIRST_WAIT_S = "{first_wait_s:g}" }}
 train_command = {json.dumps(train)}
-engine_args = {{ max_model_len = 512 }}
-{pools}"""
+engine_args = {{ max_model_len = 512 }}"""
+    return local_run_spec(d, name, pools, run_extra=PACED_RUN if paced else "", trainer=trainer)
 
 
 def build_tiny_model(out: Path, seed: int) -> Path:
