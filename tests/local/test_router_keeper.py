@@ -22,6 +22,7 @@ from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.transitions import Executor
 from pearlctl.router import service
 from pearlctl.state.store import Store
+from tests.conftest import wait_for
 
 
 def _health(request):
@@ -163,6 +164,12 @@ def test_a_deregister_wakes_the_keeper_and_the_routers_answer_wakes_the_control_
     assert not loop.is_alive()
 
 
+def _process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T for stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_gateway_too_busy_to_answer_health_stays_the_runs_and_membership_goes_on(world):
     """A gateway that lives but does not answer /health in time (here: stopped with SIGSTOP; under a batch of
     thousands of turns, slow) is not a gateway to replace: the keeper keeps it (no start is tried, which the
@@ -172,6 +179,8 @@ def test_a_gateway_too_busy_to_answer_health_stays_the_runs_and_membership_goes_
     record = keeper.record
     os.kill(record.pid, signal.SIGSTOP)
     try:
+        # stopped (state "T"), not only signalled: on a busy machine the kernel may not have stopped it yet
+        wait_for(lambda: _process_state(record.pid) == "T", 10, every=0.01)
         keeper._checked_at = 0.0
         assert keeper.ensure_running() is record  # kept, not restarted and no RouterStartError
         store.update_fields("workers", ids[0], routable=0)
