@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
+from pearlctl.daemon.policy_view import has_judge
 from pearlctl.daemon.shared import ControlError, Side
 from pearlctl.daemon.transitions import PlanKind, detail_for
 from pearlctl.planner import profile as profiles
@@ -115,8 +116,11 @@ class Operator(Side):
             role, names = chosen[0].role, ", ".join(f"{g.node}:{g.idx}" for g in chosen)
             serving = role in SERVING_ROLES
             target = str(body.role or Role.ROLLOUT)
-            pools = (self.store.runs.get(self.run_id).get("spec") or {}).get("pools") or {}
-            if target == Role.REWARD and body.kind != MoveKind.RETIRE and PoolKind.REWARD not in pools:
+            if (
+                target == Role.REWARD
+                and body.kind != MoveKind.RETIRE
+                and not has_judge(self.store.runs.get(self.run_id))
+            ):
                 raise ControlError(
                     f"run {self.run_id} has no judge: a GPU serves REWARD with the reward pool's model; add "
                     "[pools.reward] with its model to the run spec",
@@ -194,8 +198,7 @@ class Operator(Side):
             raise ControlError(str(exc), 422) from None
         except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong shape
             raise ControlError(f"the profile sent is malformed: {type(exc).__name__}: {exc}", 422) from None
-        pools = (self.store.runs.get(self.run_id).get("spec") or {}).get("pools") or {}
-        if body.judge and PoolKind.REWARD not in pools:
+        if body.judge and not has_judge(self.store.runs.get(self.run_id)):
             raise ControlError(f"run {self.run_id} has no judge ([pools.reward]): no judge's profile to store", 422)
         with self.lock:
             doc = profiles.to_dict(profile)

@@ -102,9 +102,7 @@ class PolicyInputs:
         return self._measured(base)[1]
 
     def has_judge(self) -> bool:
-        """Whether the run serves a judge (its spec has ``[pools.reward]``)."""
-        spec = self.store.runs.get(self.run_id).get("spec") or {}
-        return PoolKind.REWARD in (spec.get("pools") or {})
+        return has_judge(self.store.runs.get(self.run_id))
 
     def _measured(self, base: TransitionCosts) -> tuple[TransitionCosts, TransitionCosts]:
         steps = [s.to_dict() for s in self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=5)]
@@ -219,6 +217,11 @@ class PolicyInputs:
     def view(self, now: float, settings: dict | None = None) -> dict:
         """A summary of the snapshot for people (``borrow --dry-run``)."""
         return summary(self.snapshot(now, settings))
+
+
+def has_judge(run: dict) -> bool:
+    """Whether the run serves a judge: its stored spec has ``[pools.reward]`` (the judge's model and engine)."""
+    return PoolKind.REWARD in ((run.get("spec") or {}).get("pools") or {})
 
 
 def summary(s: Snapshot) -> dict:

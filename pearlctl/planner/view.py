@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, repeat
@@ -138,13 +138,19 @@ def _split_lent(
     return forced, lent
 
 
-def _may_lend(s: Snapshot, trainer: list[GpuSlot], borrow_by: dict[bool, float], lend_limit: float) -> list[GpuSlot]:
-    """The trainer GPUs that may be lent (``budget``), in snapshot order: only while the trainer waits and its
-    batch is not complete, training GPUs not lent yet whose borrow ends by ``lend_limit``."""
+def may_lend(
+    s: Snapshot, trainer: Iterable[GpuSlot], borrow_s: Callable[[GpuSlot], float], lend_limit: float | None = None
+) -> list[GpuSlot]:
+    """The ``trainer`` GPUs that may be lent (``budget``), in their order: only while the trainer waits and its
+    batch is not complete, training GPUs not lent yet whose borrow (``borrow_s``: to the policy, or to the judge,
+    whose engine is another) ends by ``lend_limit`` — by default the trainer's deadline less a return and the
+    slack, so that it is back in time."""
     if not (s.trainer.phase == "waiting" and not s.trainer.batch_ready):
         return []
+    if lend_limit is None:
+        lend_limit = budget.trainer_deadline(s) - budget.RETURN_SLACK_S - budget.return_cost_s(s)
     now, train = s.now, Role.TRAIN
-    return [g for g in trainer if g.role is train and not g.borrowed and now + borrow_by[g.parked] <= lend_limit]
+    return [g for g in trainer if g.role is train and not g.borrowed and now + borrow_s(g) <= lend_limit]
 
 
 class View:
@@ -189,7 +195,7 @@ class View:
         serving[_TRAINER] = [g for g in trainer if g.role in _SERVING]
         self.serving = serving = {p: serving[p] for p in POOLS}
         self.forced, self._lent = _split_lent(s, serving[_TRAINER], self.lent_due_s, trainer_due)
-        self._lendable = _may_lend(s, trainer, borrow_by, lend_limit)
+        self._lendable = may_lend(s, trainer, lambda g: borrow_by[g.parked], lend_limit)
         self.by_id = by_id = {g.id: g for g in planned}
         # ids are unique in a well-formed snapshot; where they are not, a move applies to every GPU of its id
         self._twins: dict[int, list[GpuSlot]] | None = None

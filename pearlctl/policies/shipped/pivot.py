@@ -171,21 +171,21 @@ def _ends(s: Snapshot, moves: tuple[Move, ...], demand: float, judges: int, rate
 def _loans(s: Snapshot) -> list[Move]:
     """The loans of idle trainer GPUs to the judge that may be made now, warm ones first (a judge parked there wakes)
     and at most ``Snapshot.max_lend``: only while the trainer waits for a batch not complete, each priced at the
-    offload and the judge's start or wake and back with its return and the slack by the trainer's deadline."""
-    if not (s.trainer.phase == "waiting" and not s.trainer.batch_ready):
-        return []
+    offload and the judge's start or wake and back with its return and the slack by the trainer's deadline
+    (``view.may_lend``, the pool rule every loan keeps)."""
     judge = s.engine_costs(Role.REWARD)
-    room = budget.trainer_deadline(s) - s.now - budget.return_cost_s(s) - budget.RETURN_SLACK_S
+
+    def borrow_s(g) -> float:
+        return s.costs.offload_s + (judge.wake_s if g.parked_judge else judge.start_s)
+
     idle = sorted(
         (g for g in s.gpus if g.pool == PoolKind.TRAINER and g.role == Role.TRAIN and not g.borrowed),
         key=lambda g: not g.parked_judge,
     )
-    loans = []
-    for g in idle[: s.max_lend]:
-        cost = s.costs.offload_s + (judge.wake_s if g.parked_judge else judge.start_s)
-        if cost <= room:
-            loans.append(Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, cost))
-    return loans
+    return [
+        Move(g.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, borrow_s(g))
+        for g in view.may_lend(s, idle[: s.max_lend], borrow_s)
+    ]
 
 
 def _best_loan(s: Snapshot, loans: list[Move], demand: float, judges: int, rate: float) -> tuple[float, tuple]:
