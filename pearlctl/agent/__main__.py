@@ -158,7 +158,7 @@ class Agent:
         """Stop every worker (they never outlive the allocation), free the node's weight store, say goodbye."""
         workers = self.workers
         seconds = workers.stop_all(self.grace_s)
-        workers.clear_weight_store()
+        workers.leave_store()
         self.client.heartbeat(workers.report(), leaving=True)
         _log("stop", draining=self.signals.draining.is_set(), stop_s=round(seconds, 3))
         self.client.close()
@@ -175,6 +175,7 @@ def main() -> int:
     _log("start", **me.as_dict(), pid=os.getpid())
 
     agent = Agent(DaemonClient(me, run_dir), Reconciler(me, run_dir, drain_timeout=grace_s), signals, grace_s)
+    agent.workers.join_store()  # the node's weight store, and the models it keeps local (the judge) copied ahead
     threading.Thread(target=agent.watch_returns, name="return-watch", daemon=True).start()
     agent.run()
     agent.leave()

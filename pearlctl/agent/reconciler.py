@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from pearlctl.agent.identity import Identity
-from pearlctl.agent.workers import CommandWorker, VllmWorker, WorkerHandle, weight_store
+from pearlctl.agent.workers import CommandWorker, VllmWorker, WorkerHandle
 from pearlctl.host.runfiles import write_atomic
+from pearlctl.host.weight_store import NodeStore
 from pearlctl.vocabulary import Role, ServingEngine
 
 log = logging.getLogger("pearlctl.agent")
@@ -73,6 +73,7 @@ class Reconciler:
         self.lent: dict[str, dict] = {}  # key -> its desired entry, for workers on lent GPUs (with deadlines)
         self.returned: dict[str, float] = {}  # key -> the deadline of a lending this agent ended itself
         self.self_returns: list[dict] = []  # returns not yet reported to the daemon
+        self.store = NodeStore.for_node(me.run_id, me.node)  # this node's weight store, shared by the run's agents
         self._lock = threading.RLock()
 
     def _make(self, want: dict) -> WorkerHandle | None:
@@ -83,18 +84,20 @@ class Reconciler:
             args = want.get("engine_args")
             if not isinstance(args, dict):
                 args = json.loads(self.env.get("PEARL_ENGINE_ARGS") or "{}")
+            model = want.get("model") or self.env["PEARL_MODEL"]
+            if self.env.get("PEARL_ENGINE") == ServingEngine.PACED:
+                return VllmWorker(
+                    want["key"], want["role"], gpus, self.me, self.run_dir, model, args,
+                    paced_profile=self.env.get("PEARL_ENGINE_PROFILE"),
+                )  # fmt: skip
+            # a model this node's store holds (the judge: ``prefetch``) loads from there, served under its own name
+            local = self.store.model(model)
+            if local is None and want["role"] == Role.REWARD:
+                log.warning("worker %s reads the judge %s from shared disk (not in the store)", want["key"], model)
             return VllmWorker(
-                want["key"],
-                want["role"],
-                gpus,
-                self.me,
-                self.run_dir,
-                want.get("model") or self.env["PEARL_MODEL"],
-                args,
-                paced_profile=self.env.get("PEARL_ENGINE_PROFILE")
-                if self.env.get("PEARL_ENGINE") == ServingEngine.PACED
-                else None,
-            )
+                want["key"], want["role"], gpus, self.me, self.run_dir, str(local or model), args,
+                served_model_name=model if local is not None else None, store=self.store,
+            )  # fmt: skip
         argv = json.loads(self.env.get("PEARL_TRAIN_COMMAND") or "null")
         if not argv:
             return None  # this trainer pool runs no training command under the agent
@@ -108,7 +111,7 @@ class Reconciler:
             {
                 "PEARL_ALLOCATION_GPUS": ",".join(map(str, gpus)),
                 "PEARL_RETURN_FILE": str(self.return_file),
-                "PEARL_WEIGHT_STORE": str(weight_store(self.me)),  # this node's copy of each exported version
+                "PEARL_WEIGHT_STORE": str(self.store.versions),  # this node's copy of each exported version
                 **self.me.rendezvous_env(),  # one trainer across the nodes of a multi-node job
             },
         )
@@ -282,11 +285,37 @@ class Reconciler:
                 if r["state"] in ("STOPPED", "FAILED") and r["key"] in self.retiring:
                     del self.retiring[r["key"]]
 
-    def clear_weight_store(self) -> None:
-        """At the agent's exit: a trainer node's agent frees the run's weight store on its node (shared
-        memory is RAM); its trainer ranks, the only writers, have stopped."""
-        if self.me.role == Role.TRAIN:
-            shutil.rmtree(weight_store(self.me), ignore_errors=True)
+    def join_store(self) -> None:
+        """At the agent's start: this agent uses the node's weight store (it stays while one of the run's agents
+        on the node lives), and copies into it, in the background, the models any of its GPUs may be asked to
+        serve besides its pool's (``PEARL_STORE_MODELS``: the judge), so that a shift loads from the node."""
+        try:
+            self.store.join(os.getpid())
+        except OSError as exc:
+            log.warning("cannot use this node's weight store %s (%s): workers read shared disk", self.store.root, exc)
+            return
+        try:
+            models = [str(m) for m in json.loads(self.env.get("PEARL_STORE_MODELS") or "[]")]
+        except (ValueError, TypeError) as exc:
+            log.warning("PEARL_STORE_MODELS is not a JSON list of models (%s): nothing copied ahead", exc)
+            return
+        if models:
+            threading.Thread(target=self.prefetch, args=(models,), name="store-prefetch", daemon=True).start()
+
+    def prefetch(self, models: list[str]) -> None:
+        for model in models:
+            t0 = time.monotonic()
+            local = self.store.fetch_model(model)
+            if local is not None:
+                log.warning("node store: model %s is at %s (%.1f s)", model, local, time.monotonic() - t0)
+
+    def leave_store(self) -> None:
+        """At the agent's exit (its allocation ends; its workers have stopped): the node's weight store is freed
+        (shared memory is RAM) if no other agent of the run lives on this node."""
+        try:
+            self.store.leave(os.getpid())
+        except OSError as exc:
+            log.warning("cannot leave this node's weight store %s (%s)", self.store.root, exc)
 
     def stop_all(self, drain_timeout: float) -> float:
         """Drain and stop every worker (shutdown); returns the seconds it took."""

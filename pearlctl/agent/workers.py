@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,9 +25,9 @@ from pearlctl.agent.engines.vllm import PacedServer, VllmServer  # at the agent'
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
 from pearlctl.host.processes import die_with_parent
+from pearlctl.host.weight_store import NODE_STORE_KEEP, NodeStore
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
-from pearlctl.trainer.weights import stored_version
 
 log = logging.getLogger("pearlctl.agent")
 
@@ -139,6 +138,8 @@ class VllmWorker:
         engine_args: dict,
         *,
         paced_profile: str | None = None,
+        served_model_name: str | None = None,
+        store: NodeStore | None = None,
     ):
         self.key, self.role, self.gpus = key, role, gpus
         log_path = Path(run_dir, "logs", f"vllm-{me.job_id}_{me.task_id}-{key}.log")
@@ -155,7 +156,7 @@ class VllmWorker:
         self.server = (
             PacedServer(model, profile=paced_profile, **common)
             if paced_profile
-            else VllmServer(model, device=engine_device(), **common)
+            else VllmServer(model, device=engine_device(), served_model_name=served_model_name, **common)
         )
         # the URL this worker is reported under, also stated in its answers' headers (vllm_headers)
         self.server.env["PEARL_WORKER_URL"] = self.url
@@ -166,7 +167,10 @@ class VllmWorker:
         self._park_again = False  # parked again while a wake runs: back to sleep once awake (`unpark`)
         self._reloading = threading.Lock()  # held while a weight sync runs (in the background: `sync_weights_soon`)
         self.weight_version: str | None = None
-        self.store: Path | None = weight_store(me)
+        # this node's weight store (pearlctl.host.weight_store): versions are reloaded from it, and what this
+        # worker's engine uses from it is pinned there while it lives (``_pin``)
+        self.store = store
+        self._model = model
         # started with the pearl_gloo receiver (pearlctl.trainer.broadcast.server_engine_args): the trainer may push
         self.receives_broadcast = (engine_args.get("weight_transfer_config") or {}).get("backend") == BROADCAST_BACKEND
 
@@ -177,6 +181,15 @@ class VllmWorker:
 
     def start(self) -> None:
         self.server.start()
+        if self.store is not None:  # a model loaded from the store (the judge) stays there while this engine lives
+            self._pin(self._model)
+
+    def _pin(self, path: str) -> None:
+        if self.store is not None and self.server.pid is not None:  # (a path outside the store pins nothing)
+            try:
+                self.store.pin(self.server.pid, path)
+            except OSError as exc:  # the store is a cache: a pin that cannot be written costs a later prune's care
+                log.warning("worker %s: cannot pin %s in the node store (%s)", self.key, path, exc)
 
     def state(self) -> str:
         if self._stopped:
@@ -305,11 +318,12 @@ class VllmWorker:
                 )
                 return
             paused = self._end_failed_broadcast()
-        local = self.store / version if self.store is not None else None
-        source, path = "shared disk", weights["path"]
-        if local is not None and stored_version(local) == version:
-            source, path = "node-local store", str(local)
+        # this node's copy: written there by a trainer rank on this node, or copied from the shared-disk export once
+        # for every worker of the node; the export itself when the store cannot hold it
+        local = self.store.fetch_version(version, weights["path"], keep=NODE_STORE_KEEP) if self.store else None
+        source, path = ("node-local store", str(local)) if local is not None else ("shared disk", weights["path"])
         seconds = self.server.reload_weights(path)
+        self._pin(path)
         self.server.set_weight_version(version)
         if paused:  # left paused by a broadcast that failed: it serves again, on the version just reloaded
             self.server.resume()
@@ -368,8 +382,11 @@ class VllmWorker:
                     )
                 except Exception as exc:
                     log.warning("aborting the requests in flight on %s failed: %s", self.key, exc)
+        pid = self.server.pid if self.store is not None else None  # its pin in the node's store goes with it
         self.server.stop(timeout=max(self.STOP_MIN_S, deadline - time.monotonic()))
         self._stopped = True
+        if self.store is not None and pid is not None:
+            self.store.unpin(pid)
 
     def report(self) -> dict:
         return {
@@ -448,13 +465,3 @@ class CommandWorker:
     def failure(self) -> str:
         """Why the command is not running: its exit status and the end of its log."""
         return f"exit {self.proc.returncode if self.proc else None}; {_log_end(self.log_path)}"
-
-
-def weight_store(me: Identity) -> Path:
-    """This node's store of the run's trainer weights (``<version>/``, the export's layout, pearlctl.trainer.
-    weights): shared memory (``/dev/shm``) where the node has it, else the system's temporary directory;
-    ``PEARL_SHM_DIR`` overrides. The trainer's ranks on this node write each version here once (they get it as
-    PEARL_WEIGHT_STORE), and vLLM workers on this node reload from it: no shared-disk round trip. Keyed by
-    node name as well as run, so the nodes of one test machine (several slurmd) keep separate stores."""
-    base = os.environ.get("PEARL_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    return Path(base, "pearl", me.run_id or "run", me.node, "weights")

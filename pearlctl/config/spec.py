@@ -98,3 +98,10 @@ class RunSpec:
             "engine": self.engine,
             "engine_profile": str(self.engine_profile) if self.engine_profile else None,
         }
+
+
+def judge_model(stored: dict[str, Any]) -> str | None:
+    """The model a run's judge serves — its reward pool's, else the run's — from the run's stored spec
+    (``RunSpec.to_dict``); None when the run has no reward pool."""
+    judge = (stored.get("pools") or {}).get(vocabulary.PoolKind.REWARD)
+    return None if judge is None else str(judge.get("model") or stored.get("model"))

@@ -11,10 +11,10 @@ A worker is a target when, and only when:
 - its allocation belongs to a pool whose spec says ``weights = "broadcast"`` (so it was started with the
   receiver; a pool launched before the key existed is ``disk``);
 - none of its allocation's nodes (the allocation's node and its GPUs' nodes: Slurm node names, what the node-local
-  store is keyed by, pearlctl.agent.workers ``weight_store``) runs a trainer rank (a RUNNING or PREEMPTING trainer
-  allocation's nodes): workers there read the node-local store instead. Nodes that share one host (several
-  slurmd on one machine) are told apart, as their stores are; the agent's host counts only where no node name
-  is known.
+  store is keyed by, pearlctl.host.weight_store ``NodeStore.for_node``) runs a trainer rank (a RUNNING or
+  PREEMPTING trainer allocation's nodes): workers there read the trainer's copy in the node-local store instead.
+  Nodes that share one host (several slurmd on one machine) are told apart, as their stores are; the agent's host
+  counts only where no node name is known.
 
 ``select_targets`` is pure (rows in, targets out); ``broadcast_targets`` reads the rows from state. The daemon
 only answers: it neither sends nor records a broadcast, and a worker left out reads the disk as by default.

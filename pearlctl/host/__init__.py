@@ -7,4 +7,6 @@ Modules:
 - ``runfiles`` — the files of a run directory pearlctl reads and writes, and the one atomic (fsyncing) write.
 - ``logfiles`` — where a run's processes write their logs, and reading them as `pearlctl logs` does.
 - ``processes`` — child processes that must not outlive their parent: the one death-signal helper.
+- ``weight_store`` — a node's store of the models its vLLM workers load (policy versions, the judge), in node-local
+  memory, pruned around what live engines use.
 """

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pearlctl.backends import Backend, BackendError
 from pearlctl.config import DEFAULT_PENDING_TIMEOUT_S, PoolSpec, RunSpec, SpecError, SpecProblem
+from pearlctl.config.spec import judge_model
 from pearlctl.host.home import REPO_ROOT, WORKER_SCRIPT
 from pearlctl.host.runfiles import ensure_secret
 from pearlctl.ops.watcher import sync_run
@@ -32,7 +33,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import RunState
 from pearlctl.state.store import Store
 from pearlctl.trainer.broadcast import BROADCAST_ENV, server_engine_args
-from pearlctl.vocabulary import POOL_KINDS, PoolKind, one_job_of_nodes
+from pearlctl.vocabulary import POOL_KINDS, PoolKind, ServingEngine, one_job_of_nodes
 
 POOL_ORDER = tuple(str(k) for k in POOL_KINDS)  # the trainer first
 
@@ -89,10 +90,20 @@ def requests_for(spec: RunSpec, run_id: str) -> list[SubmitRequest]:
             for p in pools
         ]
     engine = {"engine": spec.engine, "engine_profile": str(spec.engine_profile) if spec.engine_profile else None}
+    local = _local_models(spec.to_dict())
     return [
-        _pool_request(p, run_id=run_id, run_dir=str(spec.run_dir), model=p.model or str(spec.model), **engine)
+        _pool_request(
+            p, run_id=run_id, run_dir=str(spec.run_dir), model=p.model or str(spec.model), local_models=local, **engine
+        )
         for p in pools
     ]
+
+
+def _local_models(stored: dict) -> tuple[str, ...]:
+    """The models every node of a run keeps in its weight store (pearlctl.host.weight_store) besides its pool's
+    own: the judge's, when the run has one and serves vLLM (any GPU may shift to judging)."""
+    judge = judge_model(stored)
+    return (judge,) if judge and (stored.get("engine") or ServingEngine.VLLM) == ServingEngine.VLLM else ()
 
 
 def _pool_request(
@@ -104,6 +115,7 @@ def _pool_request(
     first_task: int = 0,
     engine: str = "vllm",
     engine_profile: str | None = None,
+    local_models: tuple[str, ...] = (),
 ) -> SubmitRequest:
     """The submission of ``pool``: all its launch tasks, or (``first_task``) one task added to it. A trainer
     of several nodes is one multi-node job (``gang``): one distributed trainer, started and requeued whole."""
@@ -139,6 +151,7 @@ def _pool_request(
         first_task=first_task,
         engine=engine,
         engine_profile=engine_profile,
+        local_models=local_models,
     )
 
 
@@ -174,6 +187,7 @@ def grow_request(run: dict, pool: str, task_index: int) -> SubmitRequest:
         first_task=task_index,
         engine=run["spec"].get("engine") or "vllm",  # a run launched before the key existed ran vLLM
         engine_profile=run["spec"].get("engine_profile"),
+        local_models=_local_models(run["spec"]),
     )
 
 

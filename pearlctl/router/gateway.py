@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -276,8 +277,11 @@ class Gateway:
             entries = doc.get("data") if isinstance(doc, dict) else None
             for entry in entries if isinstance(entries, list) else []:
                 if isinstance(entry, dict) and (entry.get("id") == model or not model):
-                    root = entry.get("root") or entry.get("id")
-                    if isinstance(root, str) and root:
+                    # a worker that loaded the model from its node's weight store (pearlctl.host.weight_store) names
+                    # a directory of its own node; its served name is then the model's shared directory
+                    names = [n for n in (entry.get("root"), entry.get("id")) if isinstance(n, str) and n]
+                    root = next((n for n in names if os.path.isdir(n)), names[0] if names else None)
+                    if root is not None:
                         self._model_roots[model] = root
                         return root
         return None

@@ -65,6 +65,9 @@ class SubmitRequest:
         ServingEngine.VLLM
     )  # what vLLM workers run: "vllm", or "paced" timed by engine_profile (a profile TOML)
     engine_profile: str | None = None
+    # models the node's weight store keeps local besides the pool's own (the judge, on every node that may serve
+    # it): PEARL_STORE_MODELS, read by the agent (pearlctl.host.weight_store)
+    local_models: tuple[str, ...] = ()
 
     @property
     def job_name(self) -> str:
@@ -165,6 +168,8 @@ def worker_env(req: SubmitRequest) -> dict[str, str]:
     }
     if req.train_command:
         env["PEARL_TRAIN_COMMAND"] = json.dumps(list(req.train_command))
+    if req.local_models:
+        env["PEARL_STORE_MODELS"] = json.dumps(list(req.local_models))
     if req.engine != ServingEngine.VLLM:
         env["PEARL_ENGINE"] = req.engine
         env["PEARL_ENGINE_PROFILE"] = req.engine_profile or ""

@@ -7,11 +7,12 @@
                       and the base model directory's non-weight files (tokenizer, chat template, ...)
     out_dir/LATEST    (LATEST_WEIGHTS_FILE): the latest version's name, one line
 
-Each node's copy (the node-local store): when the node's agent gives the ranks ``PEARL_WEIGHT_STORE`` (a
-directory in shared memory, pearlctl.agent.workers ``weight_store``), local rank 0 of every node writes the
-same layout there too, keeping the newest ``NODE_STORE_KEEP`` versions. vLLM workers on that node reload
-from it, with no shared-disk read; the shared-disk export stays, for workers on other nodes and as the
-fallback. Under ZeRO-3 only rank 0 holds the whole state, so only rank 0's node gets a copy.
+Each node's copy (the node's weight store, pearlctl.host.weight_store): when the node's agent gives the ranks
+``PEARL_WEIGHT_STORE`` (the store's ``weights/`` directory, in shared memory), local rank 0 of every node writes
+the same layout there too, keeping the newest ``NODE_STORE_KEEP`` versions and every version a live worker pins.
+vLLM workers on that node reload from it, with no shared-disk read; the shared-disk export stays, for workers on
+other nodes (their agents copy it into their own node's store once) and as the fallback. Under ZeRO-3 only rank
+0 holds the whole state, so only rank 0's node gets a copy.
 
 Across nodes (opt-in, ``[pools.rollout] weights = "broadcast"``): when the launcher gave the trainer
 ``PEARL_WEIGHTS_BROADCAST=1`` and the hook's channel can name the targets (``DaemonChannel.broadcast_targets``),
@@ -48,11 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from pearlctl.host.runfiles import write_atomic
+from pearlctl.host.weight_store import LATEST_WEIGHTS_FILE as LATEST_WEIGHTS_FILE  # the layout's names, as before
+from pearlctl.host.weight_store import NODE_STORE_KEEP as NODE_STORE_KEEP
+from pearlctl.host.weight_store import WEIGHT_VERSION_FILE as WEIGHT_VERSION_FILE
+from pearlctl.host.weight_store import NodeStore
+from pearlctl.host.weight_store import stored_version as stored_version
 from pearlctl.trainer.broadcast import WeightBroadcaster, broadcast_enabled
-
-WEIGHT_VERSION_FILE = "pearl_weight_version.txt"
-LATEST_WEIGHTS_FILE = "LATEST"
-NODE_STORE_KEEP = 2  # versions a node's shared-memory store keeps: the one being served and the next
 
 # Files of a base model directory that an export copies (tokenizer, chat template, generation config):
 # everything except weights, which the export writes itself.
@@ -130,7 +132,7 @@ class WeightExport:
                 t = time.monotonic()
                 try:
                     _write_version(store, version, tensors, config, base)
-                    _prune(store, keep=NODE_STORE_KEEP)
+                    NodeStore.of_versions(store).prune(keep=NODE_STORE_KEEP)
                 except OSError as exc:  # a full or missing tmpfs: this node's workers read the disk export
                     store_error = f"{type(exc).__name__}: {exc}"
                     store = None
@@ -173,18 +175,10 @@ class WeightExport:
 
 
 def node_store_writer() -> Path | None:
-    """This node's weight store (``PEARL_WEIGHT_STORE``, set by the node's agent: pearlctl.agent.workers,
-    ``weight_store``) when this rank writes it: local rank 0 of each node. None otherwise."""
+    """This node's weight store's versions (``PEARL_WEIGHT_STORE``, set by the node's agent:
+    pearlctl.host.weight_store) when this rank writes them: local rank 0 of each node. None otherwise."""
     store = os.environ.get("PEARL_WEIGHT_STORE")
     return Path(store) if store and os.environ.get("LOCAL_RANK", "0") == "0" else None
-
-
-def stored_version(directory: str | os.PathLike) -> str | None:
-    """The version a finished export directory holds (its ``WEIGHT_VERSION_FILE``), None if it is not one."""
-    try:
-        return (Path(directory) / WEIGHT_VERSION_FILE).read_text().strip() or None
-    except OSError:
-        return None
 
 
 def _write_version(out: Path, version: str, tensors: dict, config: dict, base: Path | None) -> Path:
@@ -210,17 +204,6 @@ def _write_version(out: Path, version: str, tensors: dict, config: dict, base: P
         raise
     write_atomic(out / LATEST_WEIGHTS_FILE, version + "\n", mode=0o644)
     return final
-
-
-def _prune(store: Path, *, keep: int) -> None:
-    """Keep the ``keep`` newest versions of a node's store (by modification time): shared memory is RAM. A
-    worker reloading from an older one has copied it into its own memory already (vLLM maps the file
-    only while loading)."""
-    versions = sorted(
-        (d for d in store.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.stat().st_mtime
-    )
-    for old in versions[:-keep] if keep > 0 else versions:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _config_dtype(config: dict) -> str | None:

@@ -8,8 +8,8 @@ Paths, each from the trainer's tensors in memory to the bytes in the reading pro
   directory, written to a temporary name and renamed) into ``--disk-dir``, then read the way vLLM's
   ``reload_weights`` reads it (safetensors ``safe_open``, every tensor). The read is from the page cache
   unless ``--drop-caches`` (root) empties it first: an NFS or Lustre mount is slower than either.
-- **node-local store**: the same writer into shared memory (``/dev/shm``, pearlctl.agent.workers
-  ``weight_store``), the same reader.
+- **node-local store**: the same writer into shared memory (``/dev/shm``, pearlctl.host.weight_store
+  ``NodeStore``), the same reader.
 - **gloo broadcast**: one tensor of the same size broadcast from a trainer process to a second process over
   torch.distributed's gloo (loopback TCP): the CPU stand-in for the cross-node path (NCCL on GPUs). It is
   measured as a transport only.

@@ -13,10 +13,11 @@ shaped unlike the policy) with vLLM, and it is never the policy's: it serves its
 trainer's weights reaches it (by broadcast or reload), and none of the policy's turns reaches it. The driver runs
 with ``--reward judge``: each trajectory is scored by the judge through the run's one endpoint (which lists both
 models) as it finishes, once: trajectories expected = judged = trained, and the judge's vLLM counts exactly the
-verdicts' requests. The daemon kept the judge queue (status). Through the same endpoint the judge's two scoring
-modes answer for real (pearlctl.router.judge): a verdict's logprobs are the judge model's own (checked against
-transformers on the same weights), a constrained critique ends in a readable score, and an unconstrained one from
-this random-weight judge is an error naming its trajectory, never a score.
+verdicts' requests. The daemon kept the judge queue (status). Every node of the run holds the judge's model in its
+weight store (each pool's agent copied it there as it started: pearlctl.host.weight_store). Through the same
+endpoint the judge's two scoring modes answer for real (pearlctl.router.judge): a verdict's logprobs are the judge
+model's own (checked against transformers on the same weights), a constrained critique ends in a readable score,
+and an unconstrained one from this random-weight judge is an error naming its trajectory, never a score.
 """
 
 from __future__ import annotations
@@ -193,6 +194,11 @@ def test_a_rollout_worker_on_another_node_serves_each_version_the_trainer_broadc
     assert not lines(run_dir, "vllm-*reward*.log", "over gloo")
     assert not lines(run_dir, "reward-*.log", "now serves weights")
     assert servers and judge["url"] not in servers, servers
+    # the judge's model in the weight store of every node of the run (pearlctl.host.weight_store): each pool's agent
+    # copied it there as it started, so a GPU of any pool shifting to the judge loads it from its own node
+    for pool, node in nodes.items():
+        copies = list(Path("/dev/shm/pearl", doc["run"]["id"], node, "models").glob(f"{JUDGE.name}-*/config.json"))
+        assert copies, (pool, node)
     assert len(verdicts) == 16 * STEPS and all(r == j["score"] and 0 < r < 1 for r, j in verdicts), verdicts
     assert {(j["mode"], j["model"], j["worker"], j["weight_version"]) for _, j in verdicts} == {
         ("verdict", str(JUDGE), judge["url"], None)

@@ -157,7 +157,7 @@ def test_a_vllm_workers_stop_overruns_its_budget_by_at_most_the_reconcilers_allo
     from pearlctl.agent.workers import VllmWorker
 
     worker = VllmWorker.__new__(VllmWorker)  # no vLLM process: the server is the seam
-    worker.key, worker.server = "rollout-1", SlowServer()
+    worker.key, worker.server, worker.store = "rollout-1", SlowServer(), None
     t0 = time.monotonic()
     worker.stop(budget)
     took = time.monotonic() - t0

@@ -1,10 +1,11 @@
 """A reward pool's judge model (``[pools.reward] model``, docs/run-spec.md): taken by the reward pool only and
 refused elsewhere by name, checked as ``[run] model`` is (a missing directory refused; a warning only with
 ``launch --dry-run``), and given to the reward pool's jobs as their ``PEARL_MODEL`` — the other pools keep the
-run's model, the trainer's command its ``{model}``."""
+run's model, the trainer's command its ``{model}`` — and to every pool's jobs as a model their nodes keep local."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,13 @@ def test_the_reward_pool_serves_its_judge_and_the_other_pools_the_policy(tmp_pat
     assert env["rollout"]["PEARL_MODEL"] == env["trainer"]["PEARL_MODEL"] == str(tmp_path / "policy")
     (train,) = [r for r in requests_for(spec, "j1-0001") if r.pool == "trainer"]
     assert train.train_command[-1] == str(tmp_path / "policy")
+    # every node may be asked to judge: each keeps the judge in its weight store (pearlctl.host.weight_store)
+    assert {p: json.loads(e["PEARL_STORE_MODELS"]) for p, e in env.items()} == {
+        p: [str(tmp_path / "judge")] for p in env
+    }
+    path = spec_file(tmp_path)
+    path.write_text(path.read_text().split("[pools.reward]")[0])  # a run with no judge keeps no other model
+    assert all("PEARL_STORE_MODELS" not in worker_env(r) for r in requests_for(load_spec(path, ("never",)), "j2"))
 
 
 def test_without_a_model_of_its_own_the_reward_pool_serves_the_runs(tmp_path):

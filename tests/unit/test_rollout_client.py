@@ -502,7 +502,7 @@ def vllm_worker(server: FakeServer, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(workers, "time", SimpleNamespace(monotonic=server.monotonic, sleep=time.sleep))
     w = object.__new__(VllmWorker)  # no real server: only stop() is under test
-    w.key, w.server, w._stopping, w._stopped = "r0", server, False, False
+    w.key, w.server, w._stopping, w._stopped, w.store = "r0", server, False, False, None
     return w
 
 

@@ -293,6 +293,7 @@ class ReloadRecorder:
     def __init__(self):
         self.reloaded: list[str] = []
         self.versions: list[str] = []
+        self.pid = os.getpid()  # a live process: what the worker pins in its node's store is kept
 
     def reload_weights(self, path):
         self.reloaded.append(str(path))
@@ -304,24 +305,37 @@ class ReloadRecorder:
 
 def test_a_worker_reloads_from_its_nodes_store_when_the_version_is_there_else_from_shared_disk(monkeypatch, tmp_path):
     from pearlctl.agent.identity import Identity
-    from pearlctl.agent.workers import VllmWorker, weight_store
+    from pearlctl.agent.reconciler import Reconciler
+    from pearlctl.agent.workers import VllmWorker
 
     monkeypatch.setenv("PEARL_ENGINE_DEVICE", "cpu")
     monkeypatch.setenv("PEARL_SHM_DIR", str(tmp_path / "shm"))
     me = Identity(run_id="r", pool="trainer", role="TRAIN", job_id="7", task_id=1, node="gpu2", gpus=(0, 1), restarts=0)
-    assert weight_store(me) == tmp_path / "shm" / "pearl" / "r" / "gpu2" / "weights"  # per run and node
-    worker = VllmWorker("rollout-0", "ROLLOUT", (1,), me, str(tmp_path), MODEL, {})
+    store = Reconciler(me, str(tmp_path), env={}).store
+    assert store.versions == tmp_path / "shm" / "pearl" / "r" / "gpu2" / "weights"  # per run and node
+    worker = VllmWorker("rollout-0", "ROLLOUT", (1,), me, str(tmp_path), MODEL, {}, store=store)
     worker.server = ReloadRecorder()
     worker.state = lambda: "READY"
     disk = tmp_path / "disk"
-    worker.sync_weights({"version": "3", "path": str(disk / "3")})  # not in the node's store: the disk export
-    (weight_store(me) / "4").mkdir(parents=True)
-    (weight_store(me) / "4" / "pearl_weight_version.txt").write_text("4\n")
+    worker.sync_weights({"version": "3", "path": str(disk / "3")})  # in no whole export: read where it is said to be
+    (store.versions / "4").mkdir(parents=True)
+    (store.versions / "4" / "pearl_weight_version.txt").write_text("4\n")
     worker.sync_weights({"version": "4", "path": str(disk / "4")})  # written on this node: no disk read
-    (weight_store(me) / "5").mkdir()  # a directory still being written has no version file yet
+    (store.versions / "5").mkdir()  # a directory still being written has no version file yet
     worker.sync_weights({"version": "5", "path": str(disk / "5")})
-    assert worker.server.reloaded == [str(disk / "3"), str(weight_store(me) / "4"), str(disk / "5")]
-    assert worker.server.versions == ["3", "4", "5"] and worker.weight_version == "5"
+    (disk / "6").mkdir(parents=True)  # a whole export on shared disk: copied into the node's store once, read there
+    (disk / "6" / "pearl_weight_version.txt").write_text("6\n")
+    (disk / "6" / "model.safetensors").write_bytes(b"w" * 64)
+    worker.sync_weights({"version": "6", "path": str(disk / "6")})
+    assert worker.server.reloaded == [
+        str(disk / "3"),
+        str(store.versions / "4"),
+        str(disk / "5"),
+        str(store.versions / "6"),
+    ]
+    assert worker.server.versions == ["3", "4", "5", "6"] and worker.weight_version == "6"
+    assert (store.versions / "6" / "model.safetensors").read_bytes() == b"w" * 64
+    assert store.pinned() == {store.versions / "6"}  # what the worker serves now stays while it lives
 
 
 # ---- the paced engine ------------------------------------------------------------------------------
