@@ -224,7 +224,8 @@ ServingRole = Literal[SERVED_ROLES]  # (a tuple subscript is the same as listing
 
 class Move(Body):
     """An operator's move of rollout or elastic GPUs (``pearlctl move``): start or wake them in ``role``
-    (default ROLLOUT), retire them (``keep_warm``: park the worker asleep), or switch them to ``role``."""
+    (default ROLLOUT), retire them (``keep_warm``: park the worker asleep), or switch them to ``role`` (between the
+    policy and the judge, ``keep_warm`` parks the leaving worker asleep; one of ``role`` parked there wakes)."""
 
     kind: Literal["start", "wake", "retire", "switch"]
     gpus: Annotated[list[GpuRef | GpuId], Field(min_length=1, max_length=64)]

@@ -51,7 +51,12 @@ def move(
         "--role",
         help="start, wake, switch: serve as ROLLOUT (default), PREFILL or DECODE, or REWARD (the run's judge).",
     ),
-    keep_warm: bool = typer.Option(False, "--keep-warm", help="retire: park the worker asleep instead of stopping it."),
+    keep_warm: bool = typer.Option(
+        False,
+        "--keep-warm",
+        help="retire, or switch between the policy and the judge: park the leaving worker asleep instead of "
+        "stopping it.",
+    ),
     wait: bool = typer.Option(False, "--wait", help="Wait until the transition ends."),
     timeout: float = typer.Option(600.0, "--timeout", help="With --wait: give up waiting after this many seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print the answer as JSON."),

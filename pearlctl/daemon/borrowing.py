@@ -59,7 +59,15 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 from pearlctl.daemon.policy_view import PolicyInputs, batch_ready, summary, work_from_progress
-from pearlctl.daemon.transitions import BorrowDetail, Executor, PlanKind, ReturnDetail, TransitionDetail, detail_for
+from pearlctl.daemon.transitions import (
+    BorrowDetail,
+    Executor,
+    PlanKind,
+    ReturnDetail,
+    TransitionDetail,
+    detail_for,
+    switch_plan,
+)
 from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.budget import RETURN_SLACK_S
@@ -108,10 +116,13 @@ class _Pending:
 _POOL_MOVES = frozenset({MoveKind.START, MoveKind.WAKE, MoveKind.RETIRE, MoveKind.SWITCH})  # not the trainer's
 
 
-def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) -> list[dict]:
+def transitions_for(
+    planned: Plan, gpus: dict[int, dict], *, keep_warm: bool, asleep: Callable[[int | None, str], bool]
+) -> list[dict]:
     """The transitions that carry out the plan's moves on rollout and elastic GPUs (its BORROW and RETURN
     moves are the trainer's: ``Borrowing`` runs those as one borrow or return): moves grouped by allocation,
-    kind and roles, in the planner's order (capacity freed before it is used). ``gpus``: state rows by id."""
+    kind and roles, in the planner's order (capacity freed before it is used). ``gpus``: state rows by id;
+    ``asleep(worker id, role)``: whether that worker sleeps parked and serves the role (a switch wakes it)."""
     groups: dict[tuple, list[int]] = {}
     for m in planned.moves:
         if m.kind not in _POOL_MOVES or m.gpu not in gpus:
@@ -123,6 +134,9 @@ def transitions_for(planned: Plan, gpus: dict[int, dict], *, keep_warm: bool) ->
         plan = PlanKind(kind)
         if kind is MoveKind.RETIRE and keep_warm and pool != PoolKind.ELASTIC:
             plan = PlanKind.RETIRE_SLEEP
+        elif kind is MoveKind.SWITCH:
+            woken = all(asleep(gpus[i].parked_for(to_role), to_role) for i in ids)
+            plan = switch_plan(from_role, to_role, woken=woken, keep_warm=keep_warm)
         out.append(
             {
                 "kind": kind,
@@ -189,8 +203,8 @@ class Borrowing:
         chosen = [rows[i] for i in lend if i in rows]
         # warm: a worker of that role sleeps on every chosen GPU (one per GPU, or per tensor-parallel group), all
         # woken (a parked policy worker is no judge: a borrow to the judge starts one)
-        parked = {g.worker_id for g in chosen}
-        warm = bool(parked) and None not in parked and all(self._asleep(w, to_role) for w in parked)
+        parked = {g.parked_for(to_role) for g in chosen}
+        warm = bool(parked) and all(self._asleep(w, to_role) for w in parked)
         keep_warm = settings.get("keep_warm", True)
         return {
             "gpu_ids": [g.id for g in chosen],
@@ -215,7 +229,11 @@ class Borrowing:
             "why": planned.why if planned else None,
             "predicted_s": [planned.predicted_now_s, planned.predicted_s] if planned else None,
             "moves": describe_moves(planned, rows),
-            "transitions": transitions_for(planned, rows, keep_warm=settings.get("keep_warm", True)) if planned else [],
+            "transitions": transitions_for(
+                planned, rows, keep_warm=settings.get("keep_warm", True), asleep=self._asleep
+            )
+            if planned
+            else [],
         }
 
     def elastic_wanted(
@@ -253,18 +271,21 @@ class Borrowing:
     def _unpark(self) -> None:
         """Keeping workers warm was turned off: parked workers are no longer desired (their agents stop them)."""
         for g in self.inputs.trainer_gpus():
-            if g.worker_id is not None and not g.borrowed:
+            if g.parked and not g.borrowed:
                 self.store.update_fields(
                     "gpus",
                     g.id,
                     epoch=self.executor.epoch,
                     event="unparked",
-                    data={"worker_id": g.worker_id},
+                    data={"worker_ids": list(g.parked)},
                     worker_id=None,
+                    parked_judge_id=None,
                 )
 
-    def _asleep(self, worker_id: int, role: str | None = None) -> bool:
-        """Whether the worker sleeps (parked), and serves ``role`` when given."""
+    def _asleep(self, worker_id: int | None, role: str | None = None) -> bool:
+        """Whether the worker sleeps (parked), and serves ``role`` when given; False for no worker."""
+        if worker_id is None:
+            return False
         w = self.store.fleet.worker(worker_id)
         return w.state == "SLEEPING" and (role is None or w.role == role)
 
@@ -471,7 +492,7 @@ class Borrowing:
         if planned is None or planned.empty:
             return
         rows = {g.id: g for g in self.inputs.gpu_rows()}
-        for t in transitions_for(planned, rows, keep_warm=keep_warm):
+        for t in transitions_for(planned, rows, keep_warm=keep_warm, asleep=self._asleep):
             detail = detail_for(t["kind"], plan=t["plan"], why=t["why"], policy=settings["policy"], planned_at=now)
             self.executor.plan(t["kind"], t["gpu_ids"], detail=detail, from_role=t["from_role"], to_role=t["to_role"])
         if not lent:

@@ -15,13 +15,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pearlctl.config.spec import judge_model
 from pearlctl.daemon.shared import Side
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
 from pearlctl.state.schema import TRAINER_REPORT
-from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, RESTING_ROLES, Engine, PoolKind, Role
+from pearlctl.vocabulary import ENGINE_FOR_ROLE, GENERATION_ROLES, Engine, PoolKind, Role
 
 
 def desired_hash(desired: list[dict]) -> str:
@@ -84,7 +85,7 @@ def foreign_engine(spec: dict, pool: str, role: str) -> tuple[str, dict] | None:
     pools = spec.get("pools") or {}
     if role == Role.REWARD and pool != PoolKind.REWARD:
         judge = pools.get(PoolKind.REWARD) or {}
-        return str(judge.get("model") or spec.get("model")), dict(judge.get("engine_args") or {})
+        return judge_model(spec) or str(spec.get("model")), dict(judge.get("engine_args") or {})
     if role in GENERATION_ROLES and pool == PoolKind.REWARD:
         home = pools.get(PoolKind.ROLLOUT) or pools.get(PoolKind.ELASTIC) or {}
         return str(spec.get("model")), dict(home.get("engine_args") or {})
@@ -104,8 +105,9 @@ class Desired(Side):
 
         A borrowed GPU serves ROLLOUT but still belongs to its trainer: the TRAIN worker keeps running
         (offloaded) across a borrow, so its key and GPU set do not change and it is never restarted. A vLLM
-        worker parked on trainer GPUs after a return, or on IDLE rollout GPUs after a retire, is desired
-        asleep, ready to be woken by the next borrow or wake. IDLE GPUs run nothing else.
+        worker parked on trainer GPUs after a return, on IDLE rollout GPUs after a retire, or on a GPU that
+        shifted to the other model (the policy's or the judge's) is desired asleep, ready to be woken by the next
+        borrow, wake or shift back. IDLE GPUs run nothing else.
         """
         alloc = self.store.fleet.allocation(alloc_id)
         gpus = self.store.fleet.gpus(self.run_id, allocation_id=alloc_id)
@@ -159,8 +161,8 @@ class Desired(Side):
                     by_role.setdefault(Role.TRAIN, []).append(g.idx)
                     if g.return_deadline is not None:
                         deadlines[g.role] = min(deadlines.get(g.role, g.return_deadline), g.return_deadline)
-                if g.worker_id is not None and g.role in RESTING_ROLES:
-                    parked.setdefault(g.worker_id, []).append(g.idx)
+                for wid in g.parked:  # a policy worker and a judge may sleep here, beside what the GPU serves
+                    parked.setdefault(wid, []).append(g.idx)
         out = []
         return_s = self.borrowing.inputs.cost(MoveKind.RETURN) if deadlines and self.borrowing is not None else 0.0
         for role, idx in sorted(by_role.items()):
@@ -185,9 +187,11 @@ class Desired(Side):
                 )
                 for group in groups
             )
+        serving = {d.key for d in out}
         for wid, idx in sorted(parked.items()):
             w = worker(wid)
-            if w.state not in (W.STOPPED, W.FAILED, W.LOST):  # a parked worker that died is simply gone
+            # a parked worker that died is simply gone; one the GPU's role now serves is awake (never twice)
+            if w.state not in (W.STOPPED, W.FAILED, W.LOST) and w.worker_key not in serving:
                 model, engine_args = foreign_engine(spec, alloc.pool, w.role) or (None, None)
                 out.append(
                     DesiredWorker(

@@ -35,7 +35,7 @@ from pearlctl.state.machines import AllocationState as A
 from pearlctl.state.machines import StepState as S
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.machines import WorkerState as W
-from pearlctl.state.rows import Transition
+from pearlctl.state.rows import Transition, Worker, parked_column
 from pearlctl.state.schema import TRAINER_REPORT
 from pearlctl.state.store import Store
 from pearlctl.vocabulary import GENERATION_ROLES, SERVING_ROLES, Engine, PoolKind, Role, StepKind
@@ -128,7 +128,8 @@ class DaemonEffects:
                 role=role,
                 borrowed=int(lent),
                 return_deadline=deadline if lent else None,
-                worker_id=None,
+                # the role's model's parked worker serves (WAKE), or a new one does; the other model's stays parked
+                **{parked_column(role): None},
             )
 
     def _register(self, t: Transition, key: str) -> None:
@@ -148,13 +149,16 @@ class DaemonEffects:
 
     def _leave(self, t: Transition, key: str) -> None:
         """DRAIN: the GPUs leave their serving role — trainer GPUs back to TRAIN, others IDLE; with a SLEEP
-        next, the worker stays parked on the GPUs (desired: asleep)."""
-        parked: dict[tuple[int, int], int] = {}  # (allocation, GPU index) -> the worker parked there
+        next, the leaving worker stays parked on the GPUs (desired: asleep) in its model's place. A worker of the
+        other model parked there stays parked (one GPU holds a parked policy worker and a parked judge)."""
+        parked: dict[tuple[int, int], Worker] = {}  # (allocation, GPU index) -> the leaving worker, parked there
         if StepKind.SLEEP in current_plan(t):
+            kept = {w for g in self._gpus(t) for w in g.parked}
             for w in self._workers_on(t):
-                if w.state not in GONE_WORKER:
-                    parked.update({(w.allocation_id, i): w.id for i in w.gpu_idx or []})
+                if w.state not in GONE_WORKER and w.id not in kept:
+                    parked.update({(w.allocation_id, i): w for i in w.gpu_idx or []})
         for g in self._gpus(t):
+            leaving = parked.get((g.allocation_id, g.idx))
             self.store.update_fields(
                 "gpus",
                 g.id,
@@ -164,7 +168,7 @@ class DaemonEffects:
                 role=Role.TRAIN if g.pool == PoolKind.TRAINER else Role.IDLE,
                 borrowed=0,
                 return_deadline=None,
-                worker_id=parked.get((g.allocation_id, g.idx)),
+                **({parked_column(leaving.role): leaving.id} if leaving is not None else {}),
             )
 
     def _nothing(self, t: Transition, key: str) -> None:
@@ -243,7 +247,8 @@ class DaemonEffects:
         return _proven(all(w.state not in busy for w in self._workers_on(t)))
 
     def _stopped(self, t: Transition, key: str) -> Outcome:
-        return _proven(all(self._proven_gone(w) for w in self._workers_on(t)))
+        kept = {w for g in self._gpus(t) for w in g.parked}  # the other model's parked worker stays
+        return _proven(all(self._proven_gone(w) for w in self._workers_on(t) if w.id not in kept))
 
     # -- the Effects protocol: one table --------------------------------------------------------
     def do(self, kind: StepKind, t: dict, key: str) -> None:

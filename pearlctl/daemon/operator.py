@@ -8,7 +8,7 @@ from pearlctl.api import bodies
 from pearlctl.daemon.borrowing import PolicyError, load_policy
 from pearlctl.daemon.policy_view import has_judge
 from pearlctl.daemon.shared import ControlError, Side
-from pearlctl.daemon.transitions import PlanKind, detail_for
+from pearlctl.daemon.transitions import PlanKind, detail_for, switch_plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import GpuState as G
@@ -108,8 +108,8 @@ class Operator(Side):
                     raise ControlError(f"GPU {g.node}:{g.idx} (id {g.id}) is {g.state}: only UP GPUs move")
                 if g not in chosen:
                     chosen.append(g)
-            workers = {g.worker_id for g in chosen if g.worker_id is not None}
-            chosen += [g for g in rows if g.worker_id in workers and g not in chosen]  # a worker moves whole
+            workers = {w for g in chosen for w in g.parked}
+            chosen += [g for g in rows if workers & set(g.parked) and g not in chosen]  # a worker moves whole
             if len({g.allocation_id for g in chosen}) > 1 or len({g.role for g in chosen}) > 1:
                 named = ", ".join(f"{g.node}:{g.idx} ({g.role}, allocation {g.allocation_id})" for g in chosen)
                 raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
@@ -131,11 +131,10 @@ class Operator(Side):
                     raise ControlError(
                         f"GPUs {names} serve {role}: start and wake bring up IDLE GPUs (retire or switch)"
                     )
-                parked = bool(workers) and all(self.store.fleet.worker(w).state == W.SLEEPING for w in workers)
-                if body.kind == MoveKind.WAKE and not parked:
-                    raise ControlError(f"no worker is parked asleep on GPUs {names}: start one instead")
-                if body.kind == MoveKind.START and workers:
-                    raise ControlError(f"a worker is parked on GPUs {names}: wake it instead")
+                if body.kind == MoveKind.WAKE and not self._woken(chosen, target):
+                    raise ControlError(f"no {target} worker is parked asleep on GPUs {names}: start one instead")
+                if body.kind == MoveKind.START and any(g.parked_for(target) is not None for g in chosen):
+                    raise ControlError(f"a {target} worker is parked on GPUs {names}: wake it instead")
                 from_role, to_role, plan = Role.IDLE, target, PlanKind(body.kind)
             elif not serving:
                 raise ControlError(f"GPUs {names} are {role}: nothing serves there to {body.kind} (start or wake)")
@@ -144,8 +143,10 @@ class Operator(Side):
                 from_role, to_role = role, Role.IDLE
             elif target == role:
                 raise ControlError(f"GPUs {names} already serve {role}: a switch needs another role")
-            else:
-                from_role, to_role, plan = role, target, PlanKind.SWITCH
+            else:  # between the policy and the judge, the leaving worker parks (keep_warm) or the parked one wakes
+                woken = self._woken(chosen, target)
+                from_role, to_role = role, target
+                plan = switch_plan(role, target, woken=woken, keep_warm=body.keep_warm)
             ids = sorted(g.id for g in chosen)
             tid = executor.plan(
                 body.kind,
@@ -166,6 +167,11 @@ class Operator(Side):
                 "to_role": str(to_role),
                 "policy": policy,
             }
+
+    def _woken(self, gpus: list, role: str) -> bool:
+        """Whether a worker that serves ``role`` sleeps parked on every one of ``gpus`` (a move there wakes it)."""
+        workers = [self.store.fleet.worker(w) for g in gpus if (w := g.parked_for(role)) is not None]
+        return len(workers) == len(gpus) and all(w.state == W.SLEEPING and w.role == role for w in workers)
 
     def _named_gpu(self, rows: list[dict], ref: bodies.GpuRef | bodies.GpuId) -> dict:
         """The rollout or elastic GPU ``ref`` names: by id, or by ``node:index`` (a trainer GPU only if that is

@@ -23,7 +23,7 @@ from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import GENERATION_ROLES, PD_ROLES, RESTING_ROLES, SERVING_ROLES, PoolKind
+from pearlctl.vocabulary import GENERATION_ROLES, PD_ROLES, SERVING_ROLES, PoolKind
 
 # Before any transition was measured (a CPU vLLM cold start takes ~20 s, a return a few seconds).
 DEFAULT_COSTS = TransitionCosts(start_s=25.0, wake_s=3.0, sleep_s=3.0, stop_s=5.0, offload_s=2.0, reload_s=2.0)
@@ -205,9 +205,10 @@ class PolicyInputs:
                     node=g.node,
                     pool=g.pool,
                     role=role,
-                    # a parked worker wakes for its own role only: the policy's, or the judge's
-                    parked=role in RESTING_ROLES and asleep.get(g.worker_id) in GENERATION_ROLES,
-                    parked_judge=role in RESTING_ROLES and asleep.get(g.worker_id) == Role.REWARD,
+                    # a parked worker wakes for its own model only: the policy's, or the judge's (a GPU serving
+                    # one may hold the other's asleep, from a shift)
+                    parked=asleep.get(g.worker_id) in GENERATION_ROLES,
+                    parked_judge=asleep.get(g.parked_judge_id) == Role.REWARD,
                     borrowed=bool(g.borrowed),
                     return_deadline=g.return_deadline,
                 )

@@ -11,7 +11,9 @@ INTENT → effect → DONE/FAILED in state (docs/architecture.md). The daemon ca
 - retire (serving → IDLE):  DEREGISTER → DRAIN → STOP, or DEREGISTER → DRAIN → SLEEP to park the worker
   (a rollout-pool GPU may serve again soon; an elastic one may be preempted, so its worker stops)
 - switch (one serving role → another, e.g. ROLLOUT → PREFILL):  DEREGISTER → DRAIN → STOP → START →
-  VERIFY → REGISTER: the worker restarts in its new role (its engine flags differ)
+  VERIFY → REGISTER: the worker restarts in its new role (its engine flags differ). Between the policy's model
+  and the judge's, the leaving worker parks asleep instead of stopping (… → SLEEP → START → …), and where the
+  other model's worker sleeps parked there it wakes (… → SLEEP → WAKE → …): a GPU parks one worker per model
 
 A worker always leaves the router (DEREGISTER) before it drains, so nothing new reaches it; what it still
 runs when its drain ends is aborted and continued elsewhere by the router's gateway (pearlctl.router).
@@ -60,6 +62,8 @@ class PlanKind(StrEnum):
     RETIRE = "retire"  # the worker exits, the GPU is IDLE
     RETIRE_SLEEP = "retire_sleep"  # the worker parks asleep on the IDLE GPU
     SWITCH = "switch"  # restart in a new role
+    SWITCH_SLEEP = "switch_sleep"  # to the other model: the leaving worker parks asleep, a new one starts
+    SWITCH_WAKE = "switch_wake"  # to the other model: the leaving worker parks asleep, the one parked there wakes
 
 
 class Outcome(StrEnum):
@@ -82,6 +86,8 @@ PLANS: dict[PlanKind, tuple[StepKind, ...]] = {
     _P.RETIRE: (_K.DEREGISTER, _K.DRAIN, _K.STOP),
     _P.RETIRE_SLEEP: (_K.DEREGISTER, _K.DRAIN, _K.SLEEP),
     _P.SWITCH: (_K.DEREGISTER, _K.DRAIN, _K.STOP, _K.START, _K.VERIFY, _K.REGISTER),
+    _P.SWITCH_SLEEP: (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.START, _K.VERIFY, _K.REGISTER),
+    _P.SWITCH_WAKE: (_K.DEREGISTER, _K.DRAIN, _K.SLEEP, _K.WAKE, _K.VERIFY, _K.REGISTER),
 }
 # What a failed transition of each kind runs to compensate (``detail.rollback`` overrides). Kinds not
 # listed (return, retire) have nothing to fall back to: a failure there needs a person.
@@ -91,6 +97,17 @@ ROLLBACKS: dict[MoveKind, PlanKind] = {
     MoveKind.WAKE: _P.RETIRE,
     MoveKind.SWITCH: _P.RETIRE,
 }
+
+
+def switch_plan(from_role: str, to_role: str, *, woken: bool, keep_warm: bool) -> PlanKind:
+    """The steps of a switch from ``from_role`` to ``to_role``: between the policy's model and the judge's, the
+    leaving worker parks asleep and, where the coming role's worker sleeps parked on every GPU (``woken``), that
+    one wakes (with workers not kept warm, a switch with nothing to wake restarts, as between roles of one model)."""
+    if Role.REWARD not in (from_role, to_role):
+        return PlanKind.SWITCH  # one model, other engine flags: the worker restarts
+    if woken:
+        return PlanKind.SWITCH_WAKE
+    return PlanKind.SWITCH_SLEEP if keep_warm else PlanKind.SWITCH
 
 
 class Between(NamedTuple):

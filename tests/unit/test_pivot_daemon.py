@@ -110,8 +110,13 @@ def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_
     (gpu,) = there.gpu_ids
     moved = store.fleet.gpu(gpu)
     assert moved.pool == "rollout" and moved.role == "REWARD"
-    (want,) = w.daemon.controller.desired.of(moved.allocation_id)
-    assert (want.role, want.model) == ("REWARD", "/m/judge")
+    # the policy's engine parked asleep on the GPU (workers are kept warm), the judge's started beside it
+    assert there.detail["plan"] == "switch_sleep"
+    want = sorted(w.daemon.controller.desired.of(moved.allocation_id), key=lambda d: d.role)
+    assert [(d.role, d.state, d.model) for d in want] == [
+        ("REWARD", "RUNNING", "/m/judge"),
+        ("ROLLOUT", "SLEEPING", None),
+    ]
     assert len(store.transitions.all("r")) == 1  # one shift: the next decision saw the judge and held
 
     def all_judged() -> None:
@@ -121,7 +126,8 @@ def test_pivot_shifts_a_rollout_gpu_to_the_judge_when_verdicts_back_up_and_back_
     w.loop(lambda: w.finished("switch", "ROLLOUT"), all_judged)
     back = w.finished("switch", "ROLLOUT")
     assert back.gpu_ids == (gpu,) and "nothing to judge" in back.detail["why"]
-    assert store.fleet.gpu(gpu).role == "ROLLOUT"
+    assert back.detail["plan"] == "switch_wake"  # the parked policy worker wakes; the judge parks in its turn
+    assert store.fleet.gpu(gpu).role == "ROLLOUT" and store.fleet.gpu(gpu).parked_judge_id is not None
     assert [(t.from_role, t.to_role) for t in store.transitions.all("r")] == [
         ("ROLLOUT", "REWARD"),
         ("REWARD", "ROLLOUT"),

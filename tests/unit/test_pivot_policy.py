@@ -177,16 +177,25 @@ def test_a_loan_wakes_a_judge_parked_on_a_trainer_gpu_and_is_priced_as_a_wake() 
 
 
 def test_the_judges_own_engine_costs_price_its_moves() -> None:
-    """The judge is another model: its starts, wakes and stops are its engine's (``Snapshot.judge_costs``), the
-    offload the trainer's. A shift to it costs the policy's stop and the judge's start, a shift back the judge's stop
-    and the policy's start, a loan the offload and the judge's start (or wake, where one sleeps parked)."""
-    judge = replace(COSTS, start_s=25.0, stop_s=7.0, wake_s=9.0)
+    """The judge is another model: its starts, wakes, sleeps and stops are its engine's (``Snapshot.judge_costs``),
+    the offload the trainer's. A shift to it costs the policy's sleep (its engine parks on the GPU) and the judge's
+    start, or its wake where a judge sleeps parked there; a shift back the judge's sleep and the policy's start or
+    wake; a loan the offload and the judge's start (or wake, where one sleeps parked)."""
+    judge = replace(COSTS, start_s=25.0, stop_s=7.0, wake_s=9.0, sleep_s=2.5)
     backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
     (there,) = pivot.decide(replace(snapshot(gpus(), TAIL, backed_up), judge_costs=judge)).moves
-    assert (there.kind, there.to_role, there.cost_s) == (MoveKind.SWITCH, Role.REWARD, COSTS.stop_s + judge.start_s)
+    assert (there.kind, there.to_role, there.cost_s) == (MoveKind.SWITCH, Role.REWARD, COSTS.sleep_s + judge.start_s)
+    assert there.gpu != 3
+    warm = [replace(g, parked_judge=True) if g.id == 3 else g for g in gpus()]  # a judge sleeps parked on GPU 3
+    (there,) = pivot.decide(replace(snapshot(warm, TAIL, backed_up), judge_costs=judge)).moves
+    assert (there.gpu, there.to_role, there.cost_s) == (3, Role.REWARD, COSTS.sleep_s + judge.wake_s)  # it goes first
     done = Judging(waiting=0, judging=0, done=300)
     (back,) = pivot.decide(replace(snapshot(gpus(judging=1), Work(), done), judge_costs=judge)).moves
-    assert (back.to_role, back.cost_s) == (Role.ROLLOUT, judge.stop_s + COSTS.start_s)
+    assert (back.to_role, back.cost_s) == (Role.ROLLOUT, judge.sleep_s + COSTS.start_s)
+    parked = [replace(g, parked=True) if g.id == 11 else g for g in gpus(judging=2)]  # the policy sleeps on GPU 11
+    assert pivot.decide(replace(snapshot(gpus(judging=2), Work(), done), judge_costs=judge)).moves[0].gpu != 11
+    (back,) = pivot.decide(replace(snapshot(parked, Work(), done), judge_costs=judge)).moves
+    assert (back.gpu, back.to_role, back.cost_s) == (11, Role.ROLLOUT, judge.sleep_s + COSTS.wake_s)
     slots = [replace(g, parked_judge=True) if g.id == 31 else g for g in gpus(trainer=2)]
     for parked, cost in ((slots, COSTS.offload_s + judge.wake_s), (gpus(trainer=2), COSTS.offload_s + judge.start_s)):
         lent = replace(snapshot(parked, TAIL, backed_up, wait_left_s=300.0), judge_costs=judge, max_lend=1)

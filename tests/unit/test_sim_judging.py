@@ -166,8 +166,19 @@ def test_moves_to_and_from_the_judge_cost_what_its_engine_costs():
     rollout = next(g for g in sim.gpus if g.pool == "rollout")
     reward = next(g for g in sim.gpus if g.pool == "reward")
     trainer = sim.gpus[0]
+    # a rollout GPU shifted to the judge: the policy's engine parks asleep there, the judge's starts cold; back, the
+    # judge parks and the policy wakes (with the newest weights: training moved on meanwhile); to the judge again,
+    # the policy parks and the judge wakes
     assert sim.moves.apply(Move(rollout.id, MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD, 0.0), 0.0)
-    assert rollout.role == Role.REWARD and rollout.busy_until == pytest.approx(c.stop_s + 90.0 + ABORT_S)
+    assert rollout.role == Role.REWARD and rollout.busy_until == pytest.approx(c.sleep_s + 90.0 + ABORT_S)
+    assert rollout.parked and not rollout.parked_judge
+    sim.version += 1
+    assert sim.moves.apply(Move(rollout.id, MoveKind.SWITCH, Role.REWARD, Role.ROLLOUT, 0.0), 100.0)
+    sync = s.training.weight_sync_s
+    assert rollout.busy_until == pytest.approx(100.0 + 2.5 + c.wake_s + sync + ABORT_S) and rollout.parked_judge
+    assert not rollout.parked and rollout.version == sim.version
+    assert sim.moves.apply(Move(rollout.id, MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD, 0.0), 200.0)
+    assert rollout.busy_until == pytest.approx(200.0 + c.sleep_s + 4.0 + ABORT_S) and rollout.parked
     assert not sim.moves.apply(Move(reward.id, MoveKind.SWITCH, Role.REWARD, Role.ROLLOUT, 0.0), 0.0)
     assert sim.moves.refusals == {"switch: the reward pool's judges do not move": 1}
     # a trainer GPU lent to the judge: cold, then parked asleep on return, then woken

@@ -739,3 +739,29 @@ def test_an_atomic_block_that_writes_nothing_is_not_counted_as_a_commit(store: S
     assert store.commits_on_this_thread()[0] == commits and seen == []
     run_id = new_run(store)  # the store is writable after it
     assert store.runs.get(run_id)["id"] == run_id
+
+
+def test_a_judge_parked_by_an_older_pearlctl_moves_to_its_own_place(tmp_path: Path, monkeypatch) -> None:
+    """Schema version 10 parks one worker per model: a judge an older database parked in ``gpus.worker_id`` moves to
+    ``parked_judge_id``; a parked policy worker stays where it was."""
+    from tests import factories
+
+    path = tmp_path / "state.db"
+    monkeypatch.setattr(state_db, "MIGRATIONS", state_db.MIGRATIONS[:9])
+    monkeypatch.setattr(state_db, "SCHEMA_VERSION", 9)
+    with Store.open(path) as old:
+        factories.create_run(old, tmp_path, [factories.pool("rollout", "ROLLOUT", gpus_per_node=2)])
+        alloc = old.fleet.allocations("r")[0]
+        factories.submit(old, alloc.id, "8")
+        factories.start(old, alloc.id, "gpu2")
+        old.fleet.upsert_node_gpus("r", alloc.id, "gpu2", [0, 1], "IDLE")
+        judge = old.fleet.add_worker(run_id="r", allocation_id=alloc.id, role="REWARD", engine="vllm")
+        policy = old.fleet.add_worker(run_id="r", allocation_id=alloc.id, role="ROLLOUT", engine="vllm")
+        g0, g1 = sorted(old.fleet.gpus("r"), key=lambda g: g.idx)
+        old.update_fields("gpus", g0.id, worker_id=judge)
+        old.update_fields("gpus", g1.id, worker_id=policy)
+    monkeypatch.undo()
+    with Store.open(path) as new:
+        g0, g1 = sorted(new.fleet.gpus("r"), key=lambda g: g.idx)
+        assert (g0.worker_id, g0.parked_judge_id, g0.parked_for("REWARD")) == (None, judge, judge)
+        assert (g1.worker_id, g1.parked_judge_id, g1.parked_for("ROLLOUT")) == (policy, None, policy)

@@ -25,8 +25,9 @@ GPU moves to the judge (no hint, no made-up rate).
   REWARD, each an offload and the judge's start, or its wake where the judge sleeps parked from an earlier loan,
   those first; only while nothing is lent and the trainer's wait fits the borrow, its return and the slack; at most
   ``max_lend``; m the fewest that end the batch within what a move must gain of the soonest any number does) and k
-  ROLLOUT GPUs of the rollout or elastic pool shifted to it at once (switches, each the policy's stop and the judge's
-  cold start; those whose allocations end last; rollout keeps a GPU; at most as many as judge now, so the judges at
+  ROLLOUT GPUs of the rollout or elastic pool shifted to it at once (switches, each the policy's engine parked
+  asleep and the judge's woken where it sleeps parked there, else cold-started; those with a parked judge first,
+  then those whose allocations end last; rollout keeps a GPU; at most as many as judge now, so the judges at
   most double in one decision; k where the rollout's predicted end and the verdicts' cross, found by bisection), the
   one with the sooner E, the loan on a tie (it costs rollout nothing), when that E beats E now by ``pearl.MARGIN_S``
   and ``pearl.MIN_RELATIVE_GAIN`` of E now. The judge's starts, wakes and stops are its own engine's
@@ -40,7 +41,8 @@ GPU moves to the judge (no hint, no made-up rate).
   (``Snapshot.last_batch``) would end later without it — its verdicts at the judges' measured capacity — by more
   than a move must gain: a judge the batches keep needing stays; nor unless such a batch's rollout ends sooner with
   it by more than its move costs (``_back_pays``: the driver holds a due batch while a worker joins, so the move's
-  time may be the batch's). The reward pool's own judges never move.
+  time may be the batch's). One with the policy's engine parked asleep goes first. The reward pool's own judges
+  never move.
 - No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
   parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
@@ -111,7 +113,8 @@ def _judge_plan(s: Snapshot) -> Plan | None:
             why = "pivot: lent GPUs back from the judge " + ("(due back)" if due else "(nothing waits for a verdict)")
             return plan.make(s, plan.current_target(s), why=why, planned=back)
         return None
-    movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=_keep_order)  # the reward pool's stay
+    # the reward pool's stay; one with the policy's engine parked asleep goes back first (a wake, not a start)
+    movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=lambda g: (not g.parked, *_keep_order(g)))
     demand = s.judging.backlog + s.work.trajectories
     if movable and not (s.judging.waiting or s.judging.judging >= len(judges)):  # the judges are not all busy
         g = movable[0]
@@ -147,9 +150,9 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     if loans:
         end, lent = _best_loan(s, loans, demand, len(judges), rate)
         options.append((end, 0, lent, f"{len(lent)} trainer GPU{'s' if len(lent) > 1 else ''} lent to the judge"))
-    rollout = sorted(
+    rollout = sorted(  # one with the judge's engine parked asleep first (a wake, not a cold start)
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
-        key=_keep_order,
+        key=lambda g: (not g.parked_judge, *_keep_order(g)),
     )
     if len(rollout) > 1:  # rollout keeps a GPU
         end, there = _best_shift(s, rollout, demand, len(judges), rate)
