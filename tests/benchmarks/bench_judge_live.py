@@ -188,14 +188,15 @@ def main() -> int:
 
         with Store.open(work / "state" / "state.db", readonly=True) as store:
             journal = store.journal.read(run_id)
-            print("transition | from -> to | GPU pool | why | cost (s)")
+            print("transition | plan | from -> to | GPU pool | why | cost (s)")
             for t in store.transitions.all(run_id):
                 done = [j for j in journal if j["entity"] == "transitions" and j["entity_id"] == str(t.id)]
                 cost = next((j["data"].get("seconds") for j in done if j["event"] == "completed"), None)
                 pools = {store.fleet.gpu(g).pool for g in t.gpu_ids}
-                why = (t.detail or {}).get("why")
+                why, plan = (t.detail or {}).get("why"), (t.detail or {}).get("plan")
                 print(
-                    f"{t.kind} ({t.state}) | {t.from_role} -> {t.to_role} | {','.join(sorted(pools))} | {why} | {cost}"
+                    f"{t.kind} ({t.state}) | {plan} | {t.from_role} -> {t.to_role} | {','.join(sorted(pools))} | {why} "
+                    f"| {cost}"
                 )
         print(f"wall time of the rollout and training: {wall:.0f} s")
         print("problems: " + ("; ".join(problems) if problems else "none"))
