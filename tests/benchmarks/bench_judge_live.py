@@ -194,6 +194,10 @@ def main() -> int:
                 cost = next((j["data"].get("seconds") for j in done if j["event"] == "completed"), None)
                 pools = {store.fleet.gpu(g).pool for g in t.gpu_ids}
                 why, plan = (t.detail or {}).get("why"), (t.detail or {}).get("plan")
+                # a return of lent GPUs: whether it was back by its deadline (the daemon journals it)
+                kept = [j for j in done if j["event"] in ("deadline met", "deadline missed")]
+                if kept:
+                    why = f"{why}; {kept[-1]['event']} ({kept[-1]['data']['lateness_s']:+.1f} s)"
                 print(
                     f"{t.kind} ({t.state}) | {plan} | {t.from_role} -> {t.to_role} | {','.join(sorted(pools))} | {why} "
                     f"| {cost}"
