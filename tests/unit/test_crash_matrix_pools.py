@@ -100,47 +100,9 @@ def test_every_plan_kind_is_crashed_at_every_step_boundary_by_one_of_the_matrice
 
 # A rollout GPU shifted to the run's judge and back (a switch to REWARD, and from it): every step boundary of each
 # direction. The judge's worker is told the reward pool's model; the policy's, after, its pool's own.
-SHIFTS = (("ROLLOUT", "REWARD"), ("REWARD", "ROLLOUT"))
-SHIFT_CASES = [(to, k, p) for _, to in SHIFTS for k in PLANS[PlanKind.SWITCH] for p in POINTS]
+SHIFTS = (("ROLLOUT", "REWARD", PlanKind.SWITCH), ("REWARD", "ROLLOUT", PlanKind.SWITCH))
+SHIFT_CASES = [(to, k, p) for _, to, _ in SHIFTS for k in PLANS[PlanKind.SWITCH] for p in POINTS]
 JUDGE_SPEC = {"model": "/m/policy", "pools": {"rollout": {}, "reward": {"model": "/m/judge"}}}
-
-
-@pytest.mark.parametrize("to_role,step,point", SHIFT_CASES, ids=[f"to_{t}-{k}-{p}" for t, k, p in SHIFT_CASES])
-def test_daemon_crash_at_every_step_of_a_shift_between_the_policy_and_the_judge_converges(world, to_role, step, point):
-    store, alloc_id = world
-    store.update_fields("runs", "r", spec=JUDGE_SPEC)
-    clock, router = Clock(), SimRouter()
-    agent = SimAgent(router, host="gpu2")
-    crash_at, fired = crash_once(store, point, step, "switch", to_role)
-    register = {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1}
-    daemon = Restarts(store, alloc_id, clock, register, router=router, crash_at=crash_at)
-    gpu = store.fleet.gpus("r")[0].id
-
-    def loop(until) -> None:
-        daemon.run_until(lambda d: (agent.tick(d), router.sync(store)), until)
-
-    loop(lambda: any(w.routable for w in store.fleet.workers("r")))
-    for from_role, to in SHIFTS:
-        with daemon.daemon.controller.lock:
-            detail = TransitionDetail(plan=PlanKind.SWITCH)
-            tid = daemon.daemon.executor.plan("switch", [gpu], detail=detail, from_role=from_role, to_role=to)
-        loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
-        assert store.transitions.get(tid).state == "DONE", to
-        assert store.fleet.gpu(gpu).role == to
-    loop(lambda: router.urls)
-    assert fired and daemon.crashes == 1, "the crash point was never reached"
-
-    # no engine started twice: the policy's worker at launch and after the shift back, the judge's once, with the
-    # judge's model (the rollout pool's agent serves the policy's of its own)
-    assert agent.starts == {"rollout-0": 2, "reward-0": 1}
-    assert agent.models == {"rollout-0": None, "reward-0": "/m/judge"}
-    assert agent.drained_while_routed == []
-    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
-    assert [(w.role, w.state, w.routable) for w in live] == [("ROLLOUT", "READY", 1)]
-    events = [j["event"] for j in store.journal.read("r")]
-    assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
-
-
 # The same shifts with the leaving engine parked asleep (workers kept warm): the policy parks and the judge starts
 # (switch_sleep), the judge parks and the policy wakes, the policy parks and the judge wakes (switch_wake twice) —
 # one GPU holding a parked policy worker and a parked judge in turn. Every step boundary of both plans.
@@ -154,13 +116,14 @@ PARKED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("plan,step,point", PARKED_CASES, ids=[f"{c}-{k}-{p}" for c, k, p in PARKED_CASES])
-def test_daemon_crash_at_every_step_of_a_shift_that_parks_the_leaving_engine_converges(world, plan, step, point):
+def shifted(world, shifts, crash_at, fired, check=lambda store, gpu, from_role, to: None) -> tuple:
+    """Run ``shifts`` ((from, to, plan) each) on the rollout GPU of a run with a judge, the daemon crashing once where
+    ``crash_at`` says and restarting; each shift DONE with the GPU in its new role (and ``check`` holding). The
+    store and the simulated agent, once the last shift's worker is routed."""
     store, alloc_id = world
     store.update_fields("runs", "r", spec=JUDGE_SPEC)
     clock, router = Clock(), SimRouter()
     agent = SimAgent(router, host="gpu2")
-    crash_at, fired = crash_once(store, point, step, plan)
     register = {"job_id": "8", "task_id": 0, "node": "gpu2", "gpus": [0], "pid": 1}
     daemon = Restarts(store, alloc_id, clock, register, router=router, crash_at=crash_at)
     gpu = store.fleet.gpus("r")[0].id
@@ -169,25 +132,52 @@ def test_daemon_crash_at_every_step_of_a_shift_that_parks_the_leaving_engine_con
         daemon.run_until(lambda d: (agent.tick(d), router.sync(store)), until)
 
     loop(lambda: any(w.routable for w in store.fleet.workers("r")))
-    for from_role, to, shift_plan in PARKED_SHIFTS:
+    for from_role, to, plan in shifts:
         with daemon.daemon.controller.lock:
-            detail = TransitionDetail(plan=shift_plan)
+            detail = TransitionDetail(plan=plan)
             tid = daemon.daemon.executor.plan("switch", [gpu], detail=detail, from_role=from_role, to_role=to)
         loop(lambda tid=tid: store.transitions.get(tid).state in ("DONE", "FAILED", "ROLLED_BACK"))
-        assert store.transitions.get(tid).state == "DONE", shift_plan
-        g = store.fleet.gpu(gpu)
-        parked = store.fleet.worker(g.parked_for(from_role))  # the leaving engine sleeps there, in its model's place
-        assert (g.role, parked.role, parked.state) == (to, from_role, "SLEEPING")
-        assert g.parked_for(to) is None  # the coming one serves: it is no longer parked
+        assert store.transitions.get(tid).state == "DONE", (plan, to)
+        assert store.fleet.gpu(gpu).role == to
+        check(store, gpu, from_role, to)
     loop(lambda: router.urls)
     assert fired and daemon.crashes == 1, "the crash point was never reached"
+    assert agent.drained_while_routed == []  # every worker that drained had left the router first
+    return store, agent
 
+
+def _converged(store, point: str, want: list[tuple]) -> None:
+    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
+    assert sorted((w.role, w.state, w.routable) for w in live) == want
+    events = [j["event"] for j in store.journal.read("r")]
+    assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
+
+
+@pytest.mark.parametrize("to_role,step,point", SHIFT_CASES, ids=[f"to_{t}-{k}-{p}" for t, k, p in SHIFT_CASES])
+def test_daemon_crash_at_every_step_of_a_shift_between_the_policy_and_the_judge_converges(world, to_role, step, point):
+    crash_at, fired = crash_once(world[0], point, step, "switch", to_role)
+    store, agent = shifted(world, SHIFTS, crash_at, fired)
+    # no engine started twice: the policy's worker at launch and after the shift back, the judge's once, with the
+    # judge's model (the rollout pool's agent serves the policy's of its own)
+    assert agent.starts == {"rollout-0": 2, "reward-0": 1}
+    assert agent.models == {"rollout-0": None, "reward-0": "/m/judge"}
+    _converged(store, point, [("ROLLOUT", "READY", 1)])
+
+
+def _parked_beside(store, gpu: int, from_role: str, to: str) -> None:
+    """The leaving engine sleeps on the GPU in its model's place; the coming one serves, no longer parked."""
+    g = store.fleet.gpu(gpu)
+    parked = store.fleet.worker(g.parked_for(from_role))
+    assert (g.role, parked.role, parked.state) == (to, from_role, "SLEEPING")
+    assert g.parked_for(to) is None
+
+
+@pytest.mark.parametrize("plan,step,point", PARKED_CASES, ids=[f"{c}-{k}-{p}" for c, k, p in PARKED_CASES])
+def test_daemon_crash_at_every_step_of_a_shift_that_parks_the_leaving_engine_converges(world, plan, step, point):
+    crash_at, fired = crash_once(world[0], point, step, plan)
+    store, agent = shifted(world, PARKED_SHIFTS, crash_at, fired, check=_parked_beside)
     # no engine started twice: the policy's worker at launch (then parked and woken), the judge's once (then parked
     # and woken); nothing was stopped
     assert agent.starts == {"rollout-0": 1, "reward-0": 1}
     assert agent.models == {"rollout-0": None, "reward-0": "/m/judge"}
-    assert agent.drained_while_routed == []
-    live = [w for w in store.fleet.workers("r") if w.state not in ("STOPPED", "FAILED", "LOST")]
-    assert sorted((w.role, w.state, w.routable) for w in live) == [("REWARD", "READY", 1), ("ROLLOUT", "SLEEPING", 0)]
-    events = [j["event"] for j in store.journal.read("r")]
-    assert "effect re-issued after restart" in events or point in ("before_intent", "after_done")
+    _converged(store, point, [("REWARD", "READY", 1), ("ROLLOUT", "SLEEPING", 0)])
