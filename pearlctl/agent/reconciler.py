@@ -88,7 +88,7 @@ class Reconciler:
             if self.env.get("PEARL_ENGINE") == ServingEngine.PACED:
                 return VllmWorker(
                     want["key"], want["role"], gpus, self.me, self.run_dir, model, args,
-                    paced_profile=self.env.get("PEARL_ENGINE_PROFILE"),
+                    paced_profile=self.env.get("PEARL_ENGINE_PROFILE"), store=self.store,
                 )  # fmt: skip
             # a model this node's store holds (the judge: ``prefetch``) loads from there, served under its own name
             local = self.store.model(model)
