@@ -17,7 +17,8 @@ Guarantees:
 
 - **Never half a model.** Every copy is made under a hidden temporary name and renamed into place, one copier per
   model at a time (a lock file); a reader sees the whole directory or none. A policy version counts only once
-  its version file names it (``stored_version``).
+  its version file names it (``stored_version``). The trainer's export of a version on its node takes no lock:
+  a copy that finds the version put in place meanwhile uses that one.
 - **Pruning never removes a model in use.** ``prune`` keeps the newest ``keep`` versions and every version a live
   engine process has pinned (a worker serving it, or parked with it); a pin whose process is gone is dropped.
   Models of ``models/`` are never pruned: they go with the store.
@@ -161,7 +162,13 @@ class NodeStore:
                 tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
                 try:
                     shutil.copytree(source, tmp, symlinks=False)
-                    os.rename(tmp, final)
+                    try:
+                        os.rename(tmp, final)
+                    except OSError:
+                        # a writer that takes no lock (the trainer's export of the same version on this node) put
+                        # a whole one in place meanwhile: that one serves
+                        if not final.is_dir():
+                            raise
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 return final

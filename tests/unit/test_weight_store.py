@@ -196,3 +196,20 @@ def test_a_judge_starts_from_its_nodes_store_under_its_shared_name_once_the_agen
     assert policy.model == env["PEARL_MODEL"] and policy.served_model_name is None  # not a model the store holds
     agent.leave_store()
     assert not agent.store.root.exists()  # this node's last agent of the run
+
+
+def test_a_version_the_trainer_puts_in_place_while_it_is_copied_is_the_one_used(tmp_path, monkeypatch):
+    """The trainer's export writes its node's store with no lock (a temporary name, then a rename): a worker's copy of
+    the same version from shared disk that finds it in place when its own copy is done uses that whole one, and
+    leaves no half copy (it once fell back to shared disk: the rename of a directory onto a full one fails)."""
+    store = NodeStore(tmp_path / "store")
+    disk = _export(tmp_path / "disk", "5")
+    copy = shutil.copytree
+
+    def trainer_meanwhile(src, dst, **kw):
+        copy(src, dst, **kw)
+        _export(store.versions, "5")  # the trainer's rename lands between this copy and its own rename
+
+    monkeypatch.setattr(shutil, "copytree", trainer_meanwhile)
+    assert store.fetch_version("5", disk, keep=2) == store.versions / "5"
+    assert [p.name for p in store.versions.iterdir() if not p.name.endswith(".lock")] == ["5"]
