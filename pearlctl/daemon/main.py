@@ -46,6 +46,7 @@ from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.slowlog import SlowLog
 from pearlctl.daemon.transitions import Executor
+from pearlctl.host.processes import process_alive as process_alive  # (the CLI and tests import it from here)
 from pearlctl.host.runfiles import ensure_secret, write_address
 from pearlctl.ops.watcher import apply_poll, poll_run
 from pearlctl.router.service import view as router_view
@@ -76,15 +77,6 @@ def fault_from_env(spec: str | None):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return fault
-
-
-def process_alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class DaemonRefused(Exception):

@@ -8,6 +8,9 @@ is resolved in the parent: the child only calls it (the child of a busy process 
 may be on a borrow's critical path). ``then`` runs in the child after it (the agent's: ignore the pool's
 preemption signal). Elsewhere than Linux there is no death signal: the result is ``then`` alone.
 
+``process_alive(pid)``: whether a process runs (and is not a zombie), for the records that name a process by pid
+(the daemon's address file, the node weight store's pins and agents).
+
 The signal is the caller's, with its reason: SIGTERM where the child shuts its own children down on it (vLLM's
 API server stops its engine core), SIGKILL where nothing it runs needs a clean exit (a command's process group,
 vllm-router).
@@ -39,3 +42,12 @@ def die_with_parent(signum: signal.Signals, *, then: Callable[[], None] | None =
             then()
 
     return preexec
+
+
+def process_alive(pid: int) -> bool:
+    """Running and not a zombie (a child that exited and was not reaped yet is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -28,7 +28,7 @@ Guarantees:
 - **Bounded.** A copy is made only if it leaves ``HEADROOM`` of the store's filesystem free (it is RAM): a model
   that does not fit, or a copy that fails, is one log line and the worker reads shared disk, as without a store.
 
-Import-light and below every layer (pearlctl.host): the standard library only.
+Import-light and below every layer (pearlctl.host): the standard library and pearlctl.host only.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from pearlctl.host.processes import process_alive
+from pearlctl.host.runfiles import write_atomic
+
 log = logging.getLogger("pearlctl.store")
 
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"  # in a version's directory: the version it holds, written last
@@ -59,16 +62,6 @@ def stored_version(directory: str | os.PathLike) -> str | None:
         return (Path(directory) / WEIGHT_VERSION_FILE).read_text().strip() or None
     except OSError:
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _size(directory: Path) -> int:
@@ -193,10 +186,7 @@ class NodeStore:
         self.unpin(pid)
         if not Path(path).is_relative_to(self.root):
             return
-        self._pins.mkdir(parents=True, exist_ok=True)
-        tmp = self._pins / f".{pid}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps({"path": str(path)}))
-        os.rename(tmp, self._pins / str(pid))
+        write_atomic(self._pins / str(pid), json.dumps({"path": str(path)}), mode=0o644)
 
     def unpin(self, pid: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -212,7 +202,7 @@ class NodeStore:
                 path = Path(json.loads(f.read_text())["path"])
             except (OSError, ValueError, KeyError, TypeError):
                 path = None
-            if path is not None and _alive(int(f.name)):
+            if path is not None and process_alive(int(f.name)):
                 out.add(path)
             else:
                 with contextlib.suppress(OSError):
@@ -251,7 +241,7 @@ class NodeStore:
             with contextlib.suppress(FileNotFoundError):
                 (self._agents / str(pid)).unlink()
             agents = self._agents.iterdir() if self._agents.is_dir() else ()
-            live = [a for a in agents if a.name.isdigit() and _alive(int(a.name))]
+            live = [a for a in agents if a.name.isdigit() and process_alive(int(a.name))]
             if live:
                 return False
             shutil.rmtree(self.root, ignore_errors=True)
