@@ -25,8 +25,10 @@ Guarantees:
 - **It lives as long as the run's allocations on the node.** The store is removed when the last live agent of
   the run on the node leaves (``leave``); an agent that crashed and was started again in its allocation finds
   it whole (only its dead pins and registration are dropped).
-- **Bounded.** A copy is made only if it leaves ``HEADROOM`` of the store's filesystem free (it is RAM): a model
-  that does not fit, or a copy that fails, is one log line and the worker reads shared disk, as without a store.
+- **Bounded.** A copy is made only if ``HEADROOM`` of the space free on the store's filesystem (it is RAM the
+  engines also need) stays free after it: a copy never takes more than the rest, so copies alone never fill the
+  filesystem, whatever else already uses it. A model that does not fit, or a copy that fails, is one log line and
+  the worker reads shared disk, as without a store.
 
 Import-light and below every layer (pearlctl.host): the standard library and pearlctl.host only.
 """
@@ -53,7 +55,7 @@ log = logging.getLogger("pearlctl.store")
 WEIGHT_VERSION_FILE = "pearl_weight_version.txt"  # in a version's directory: the version it holds, written last
 LATEST_WEIGHTS_FILE = "LATEST"
 NODE_STORE_KEEP = 2  # the policy's versions a store keeps besides pinned ones: the one being served and the next
-HEADROOM = 0.25  # of the store's filesystem left free after any copy: the store is RAM the engines also need
+HEADROOM = 0.25  # of the space free before a copy that stays free after it: the store is RAM the engines also need
 
 
 def stored_version(directory: str | os.PathLike) -> str | None:
@@ -141,10 +143,10 @@ class NodeStore:
                 if final.is_dir():  # another copier finished it while this one waited
                     return final
                 need, usage = _size(source), shutil.disk_usage(final.parent)
-                if need > usage.free - HEADROOM * usage.total:
+                if need > (1 - HEADROOM) * usage.free:
                     log.warning(
-                        "node store %s: %s (%.1f MiB) does not fit (%.1f MiB free, %.0f%% kept free): read from "
-                        "shared disk",
+                        "node store %s: %s (%.1f MiB) does not fit (%.1f MiB free, %.0f%% of it kept free): read "
+                        "from shared disk",
                         self.root,
                         what,
                         need / 2**20,

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -147,13 +148,32 @@ def test_the_store_outlives_an_agents_restart_and_goes_with_the_runs_last_agent_
     assert store.leave(rollout.pid) is True and not store.root.exists()  # the last live agent frees it (RAM)
 
 
+class Usage(NamedTuple):  # shutil.disk_usage's answer
+    total: int
+    used: int
+    free: int
+
+
+def test_the_room_rule_keeps_a_share_of_what_is_free_however_full_the_filesystem_already_is(tmp_path, monkeypatch):
+    """A copy may take three quarters of the space free before it, on an empty or a nearly full filesystem alike
+    (the filesystem's usage is the seam: a real one's fill is the host's)."""
+    judge = _model(tmp_path / "disk", "judge")
+    need = sum(f.stat().st_size for f in judge.iterdir())
+    for total in (10 * need, 10**12):  # the copy's share of the filesystem: large, or a speck of a full one
+        for free, fits in ((need * 4 // 3 + 1, True), (need * 4 // 3 - 1, False)):
+            usage = Usage(total, total - free, free)
+            monkeypatch.setattr(weight_store.shutil, "disk_usage", lambda _path, usage=usage: usage)
+            store = NodeStore(tmp_path / f"store-{total}-{free}")
+            assert (store.fetch_model(judge) is not None) is fits, (total, free)
+
+
 def test_a_model_that_does_not_fit_or_a_failed_copy_is_one_line_and_the_worker_reads_shared_disk(
     tmp_path, monkeypatch, caplog
 ):
     store = NodeStore(tmp_path / "store")
     judge = _model(tmp_path / "disk", "judge")
     caplog.set_level(logging.WARNING, logger="pearlctl.store")
-    monkeypatch.setattr(weight_store, "HEADROOM", 1.0)  # nothing may be copied: the whole filesystem is kept free
+    monkeypatch.setattr(weight_store, "HEADROOM", 1.0)  # nothing may be copied: all that is free is kept free
     assert store.fetch_model(judge) is None
     assert "does not fit" in caplog.text and "read from shared disk" in caplog.text
     monkeypatch.setattr(weight_store, "HEADROOM", 0.0)
