@@ -1,6 +1,6 @@
 """pearlctl's words, defined once (pure: no I/O, no imports of the project).
 
-Roles, pool kinds, step kinds and engines are used by the run spec, state, the planner, the daemon, the
+Roles, pool kinds, move and step kinds and engines are used by the run spec, state, the planner, the daemon, the
 agent and the simulator. Each is a ``StrEnum`` here and nowhere else, so a new role (a generative reward
 model, say) is added in one place and every layer sees it. The values are the strings stored in state
 and sent over the control API. So are the groups of roles and pools the code asks about (which generate
@@ -49,6 +49,18 @@ class StepKind(StrEnum):
     VERIFY = "VERIFY"
 
 
+class MoveKind(StrEnum):
+    """What a transition does to its GPUs (a transition's ``kind``; a plan's moves): each is run by a plan of steps
+    (pearlctl.daemon.transitions)."""
+
+    BORROW = "borrow"  # trainer GPU -> rollout role (offload + start or wake)
+    RETURN = "return"  # lent GPU -> TRAIN (drain + sleep or stop + reload)
+    START = "start"  # idle rollout/elastic GPU -> rollout role (cold start)
+    WAKE = "wake"  # idle GPU with a parked worker -> rollout role
+    RETIRE = "retire"  # rollout role -> IDLE (drain + stop, or sleep when it may come back)
+    SWITCH = "switch"  # one serving role -> another (ROLLOUT <-> PREFILL/DECODE, the policy <-> the judge)
+
+
 class Engine(StrEnum):
     """The engine process a worker runs."""
 
@@ -95,7 +107,7 @@ class ServingEngine(StrEnum):
 
 # Timing defaults every layer shares (the daemon, its agents, the CLI, the run spec), each set here alone.
 HEARTBEAT_S = 2.0  # agents' heartbeat interval (`pearlctl daemon --heartbeat-s`); the daemon tells its agents
-POLL_INTERVAL_S = 5.0  # the Slurm poll interval of a run (`[run] poll_interval_s`)
+POLL_INTERVAL_S = 5.0  # the Slurm poll interval: a run's (`[run] poll_interval_s`), a function's (slurm.functions)
 
 # engine_args the paced engine reads (as its flags); any other is refused, so a vLLM flag is never silently lost
 PACED_ENGINE_ARGS: tuple[str, ...] = ("max_num_seqs", "max_model_len")

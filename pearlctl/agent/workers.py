@@ -24,7 +24,7 @@ from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.engines.vllm import PacedServer, VllmServer  # at the agent's start, not on a borrow's critical path
 from pearlctl.agent.identity import Identity
 from pearlctl.api.bodies import as_text
-from pearlctl.host.processes import die_with_parent
+from pearlctl.host.processes import die_with_parent, signal_group
 from pearlctl.host.weight_store import NODE_STORE_KEEP, NodeStore
 from pearlctl.trainer.broadcast import BACKEND as BROADCAST_BACKEND
 from pearlctl.trainer.broadcast import INFO_RPC as BROADCAST_INFO_RPC
@@ -452,11 +452,11 @@ class CommandWorker:
         self._stopped = True
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # ranks checkpoint on TERM (pearlctl.trainer)
+        signal_group(self.proc.pid, signal.SIGTERM)  # ranks checkpoint on TERM (pearlctl.trainer)
         try:
             self.proc.wait(drain_timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def report(self) -> dict:

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from pearlctl.backends.base import BackendError
+from pearlctl.host.processes import proc_start_ticks, signal_group
 from pearlctl.slurm.parse import PartitionInfo
 from pearlctl.slurm.records import JobRecord
 from pearlctl.slurm.script import SubmitRequest
@@ -39,18 +40,6 @@ NODE = socket.gethostname()
 
 def _visible_gpus() -> list[str]:
     return [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-
-
-def _start_ticks(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (start time); None if gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":
-        return None
-    return fields[19]
 
 
 class LocalBackend:
@@ -111,7 +100,7 @@ class LocalBackend:
                     )
                 except OSError as exc:
                     raise BackendError(f"could not start local task {task} of {req.job_name}: {exc}") from exc
-            ticks = _start_ticks(proc.pid) or "0"
+            ticks = proc_start_ticks(proc.pid) or 0
             (jdir / f"task-{task}.pid").write_text(f"{proc.pid} {ticks}\n")
         return job_id
 
@@ -119,7 +108,7 @@ class LocalBackend:
         jdir = self._job_dir(job_id)
         rc_file = jdir / f"task-{task}.rc"
         pid, ticks = (jdir / f"task-{task}.pid").read_text().split()
-        alive = _start_ticks(int(pid)) == ticks
+        alive = proc_start_ticks(int(pid)) == int(ticks)
         if alive:
             state = "RUNNING"
         elif (jdir / "cancelled").exists() or (jdir / f"task-{task}.cancelled").exists():
@@ -186,19 +175,13 @@ class LocalBackend:
         pids = []
         for pid_file in pid_files:
             pid, ticks = pid_file.read_text().split()
-            if _start_ticks(int(pid)) == ticks:
+            if proc_start_ticks(int(pid)) == int(ticks):
                 pids.append(int(pid))
-                try:
-                    os.killpg(int(pid), signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                signal_group(int(pid), signal.SIGTERM)
         if pids:
             deadline = time.monotonic() + self.kill_wait_s
             while pids and time.monotonic() < deadline:
-                pids = [p for p in pids if _start_ticks(p) is not None]
+                pids = [p for p in pids if proc_start_ticks(p) is not None]
                 time.sleep(0.05)
             for pid in pids:  # KillWait passed, as Slurm would: SIGKILL the group
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                signal_group(pid, signal.SIGKILL)

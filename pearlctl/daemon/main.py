@@ -44,6 +44,7 @@ from pearlctl.daemon.elastic import ElasticPool
 from pearlctl.daemon.elastic_state import elastic_view
 from pearlctl.daemon.metrics import latency_histogram
 from pearlctl.daemon.routing import RouterKeeper
+from pearlctl.daemon.shared import LOST_AFTER
 from pearlctl.daemon.slowlog import SlowLog
 from pearlctl.daemon.transitions import Executor
 from pearlctl.host.processes import process_alive as process_alive  # (the CLI and tests import it from here)
@@ -93,7 +94,7 @@ class DaemonSettings:
     port: int = 0
     advertise: str | None = None  # host name agents use; default: this host's name
     heartbeat_s: float = HEARTBEAT_S
-    lost_after: float = 2.0  # heartbeat intervals without news before an agent's GPUs are LOST
+    lost_after: float = LOST_AFTER  # heartbeat intervals without news before an agent's GPUs are LOST
     lease_ttl_s: float = 45.0  # > SLURM_COMMAND_TIMEOUT_S; renewed every lease_ttl_s / 6 on its own thread
     tick_s: float = 0.5
     # this process is the daemon's own (``pearlctl daemon --foreground``): after its first tick, its heap is

@@ -18,7 +18,14 @@ from pearlctl.planner import correct, plan
 from pearlctl.planner import profile as profiles
 from pearlctl.planner.choose import worker_groups
 from pearlctl.planner.model import GpuSlot, Judging, Mode, MoveKind, Role, Snapshot, Trainer, Work
-from pearlctl.planner.profile import DecodeModel, Profile, TransitionCosts, judge_engine_costs, measured_costs
+from pearlctl.planner.profile import (
+    COST_ESTIMATE_LAST,
+    DecodeModel,
+    Profile,
+    TransitionCosts,
+    judge_engine_costs,
+    measured_costs,
+)
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import TransitionState as T
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
@@ -105,13 +112,14 @@ class PolicyInputs:
         return has_judge(self.store.runs.get(self.run_id))
 
     def _measured(self, base: TransitionCosts) -> tuple[TransitionCosts, TransitionCosts]:
-        steps = [s.to_dict() for s in self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=5)]
+        recent = self.store.transitions.recent_steps(self.run_id, state="DONE", per_kind=COST_ESTIMATE_LAST)
+        steps = [s.to_dict() for s in recent]
         workers = self.store.fleet.workers(self.run_id)
 
         def measured(judge: bool) -> dict[str, float]:
             roles = (Role.REWARD,) if judge else GENERATION_ROLES
             starts = [w.ready_s for w in workers if w.role in roles and w.ready_s is not None]
-            return measured_costs(steps, starts, judge=judge, last=5)
+            return measured_costs(steps, starts, judge=judge, last=COST_ESTIMATE_LAST)
 
         policy = TransitionCosts(**{**vars(base), **measured(False)})
         judge, judge_profile = measured(True), self.judge_profile()
@@ -121,7 +129,7 @@ class PolicyInputs:
     def cost(self, kind: MoveKind) -> float:
         """Running estimate of a whole transition's duration: the median of the last 5 that completed, else
         the sum of its steps' estimates. The deadline rules use it."""
-        latest = self.store.transitions.all(self.run_id, states=(T.DONE,), kind=kind, last=5)
+        latest = self.store.transitions.all(self.run_id, states=(T.DONE,), kind=kind, last=COST_ESTIMATE_LAST)
         done = [t.updated_at - t.created_at for t in latest]
         if done:
             return statistics.median(done)

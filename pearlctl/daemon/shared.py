@@ -21,6 +21,10 @@ from pearlctl.vocabulary import HEARTBEAT_S
 if TYPE_CHECKING:
     from pearlctl.daemon.borrowing import Borrowing
 
+# heartbeat intervals without news before an agent's GPUs are LOST (its loss window: pearlctl.daemon.liveness);
+# the default of ``Shared`` and of ``DaemonSettings``
+LOST_AFTER = 2.0
+
 
 class ControlError(Exception):
     """A request the controller refuses; ``status`` is the HTTP status to answer with."""
@@ -42,7 +46,7 @@ class Shared:
         epoch: int,
         *,
         heartbeat_s: float = HEARTBEAT_S,
-        lost_after: float = 2.0,
+        lost_after: float = LOST_AFTER,
         secret: str = "",
         on_deposed: Callable[[str], None] = lambda why: None,
         clock=time.time,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pearlctl.planner.profile import Profile, TransitionCosts
-from pearlctl.vocabulary import GENERATION_ROLES, Role
+from pearlctl.vocabulary import GENERATION_ROLES, MoveKind, Role
 
 SERVING = GENERATION_ROLES  # the roles the planner serves rollouts with
 
@@ -156,15 +156,6 @@ class Target:
     prefill_gpus: int = 0  # disaggregated: of rollout_gpus, those in PREFILL
     lend: int = 0  # trainer GPUs among rollout_gpus
     elastic: int = 0  # elastic GPUs among rollout_gpus
-
-
-class MoveKind(StrEnum):
-    BORROW = "borrow"  # trainer GPU -> rollout role (offload + start or wake)
-    RETURN = "return"  # lent GPU -> TRAIN (drain + sleep or stop + reload)
-    START = "start"  # idle rollout/elastic GPU -> rollout role (cold start)
-    WAKE = "wake"  # idle GPU with a parked worker -> rollout role
-    RETIRE = "retire"  # rollout role -> IDLE (drain + stop, or sleep when it may come back)
-    SWITCH = "switch"  # one rollout role -> another (ROLLOUT <-> PREFILL/DECODE)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,10 @@ STEP_COSTS: dict[str, str] = {
     StepKind.RELOAD: "reload_s",
     WEIGHT_LOAD: "weight_sync_s",
 }
+# The window of the running cost estimates, the daemon's and the simulator's alike: a cost measured is the median
+# of the last this many durations measured — of a step kind (``step_costs``' ``last``; pearlctl.sim.moves), of an
+# engine's cold starts (``measured_costs``), of a whole transition of a kind (pearlctl.daemon.policy_view)
+COST_ESTIMATE_LAST = 5
 
 
 # The steps that act on a serving engine, and which end of their move names it: a start or a wake brings up the
@@ -182,7 +186,7 @@ def measured_costs(
     est = step_costs(steps, last=last, judge=judge)
     seen = list(starts)
     if "start_s" not in est and seen:
-        est["start_s"] = statistics.median(seen[-5:])
+        est["start_s"] = statistics.median(seen[-COST_ESTIMATE_LAST:])
     return est
 
 

@@ -17,7 +17,7 @@ path: a name sent to the daemon must not make it run an arbitrary file.
 
 Modules:
 
-- ``shipped`` — the shipped policies (never, static, elastic, greedy, pearl), one module each.
+- ``shipped`` — the shipped policies (never, static, elastic, greedy, pearl, pivot), one module each.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from pearlctl.host.processes import group_alive, signal_group
+from pearlctl.host.processes import proc_start_ticks as proc_start_ticks  # (the gateway reads it from here)
 from pearlctl.host.runfiles import control_dir, write_atomic
 from pearlctl.vocabulary import Role
 
@@ -148,20 +150,6 @@ def remove_record(run_dir: str | os.PathLike, pid: int) -> None:
 
 
 # -- processes ----------------------------------------------------------------------------------------
-def proc_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22); None when there is
-    no such live process (a zombie counts as gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces: split after the last ')'
-    fields = raw[raw.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):  # field 3: state
-        return None
-    return int(fields[19])  # field 22
-
-
 def same_process(pid: int, start_ticks: int) -> bool:
     return pid > 0 and proc_start_ticks(pid) == start_ticks
 
@@ -332,28 +320,11 @@ def stop(record: RouterRecord, *, timeout: float = 10.0, run_dir: str | os.PathL
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and same_process(record.pid, record.start_ticks):
         time.sleep(0.05)
-    if _group_alive(record.pid):  # the gateway did not stop in time, or left something of its group behind
-        _killpg(record.pid, signal.SIGKILL)
+    if group_alive(record.pid):  # the gateway did not stop in time, or left something of its group behind
+        signal_group(record.pid, signal.SIGKILL)
     end = time.monotonic() + 5.0
-    while _group_alive(record.pid) and time.monotonic() < end:
+    while group_alive(record.pid) and time.monotonic() < end:
         time.sleep(0.05)
     if run_dir is not None:
         remove_record(run_dir, record.pid)
-    return True
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

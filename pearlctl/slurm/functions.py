@@ -38,9 +38,9 @@ import submitit
 from pearlctl.config import time_limit_seconds
 from pearlctl.slurm.client import SlurmClient, SlurmError
 from pearlctl.slurm.records import JobPhase, phase_of
+from pearlctl.vocabulary import POLL_INTERVAL_S
 
 EXECUTORS = ("auto", "slurm", "local")
-POLL_INTERVAL_S = 5.0
 RESULT_GRACE_S = 15.0  # a task Slurm reports ended may still be writing its result on a slow filesystem
 LOG_TAIL_LINES = 30
 

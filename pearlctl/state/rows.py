@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 from pearlctl.state.machines import AllocationState, GpuState, StepState, TransitionState, WorkerState
-from pearlctl.vocabulary import Role, StepKind
+from pearlctl.vocabulary import MoveKind, Role, StepKind
 
 
 class TypedRow:
@@ -58,7 +58,7 @@ class Transition(TypedRow):
     TABLE: ClassVar[str] = "transitions"
     id: int
     run_id: str
-    kind: str  # a pearlctl.planner.model.MoveKind value
+    kind: MoveKind
     from_role: Role
     to_role: Role
     gpu_ids: tuple[int, ...]  # the GPUs it moves (gpus.id)
@@ -179,7 +179,7 @@ class Allocation(TypedRow):
 
 
 for _cls, _convert in (
-    (Transition, {"from_role": Role, "to_role": Role, "gpu_ids": _tuple, "state": TransitionState}),
+    (Transition, {"kind": MoveKind, "from_role": Role, "to_role": Role, "gpu_ids": _tuple, "state": TransitionState}),
     (Step, {"kind": StepKind, "state": StepState}),
     (MoveStep, {"kind": StepKind, "state": StepState, "from_role": Role, "to_role": Role}),
     (Gpu, {"role": Role, "state": GpuState}),

@@ -32,9 +32,8 @@ import pytest
 from pearlctl.daemon import effects, transitions
 from pearlctl.daemon.effects import DaemonEffects, StepAction
 from pearlctl.daemon.transitions import Outcome, PlanKind, TransitionDetail
-from pearlctl.planner.model import MoveKind
 from pearlctl.state.store import Store
-from pearlctl.vocabulary import PoolKind, Role, StepKind
+from pearlctl.vocabulary import MoveKind, PoolKind, Role, StepKind
 from tests import factories
 from tests.crash_harness import Clock, Restarts, SimAgent, SimRouter
 
@@ -170,7 +169,7 @@ def _plan() -> tuple[StepKind, ...]:
 # Each takes (monkeypatch, health probe); a value is looked up by its string, so a place the walk-through leaves out
 # (the enum member, say) fails where it is first needed.
 REGISTER: dict[tuple[str, str], Callable] = {
-    ("pearlctl/planner/model.py", "MoveKind"): lambda mp, h: add_member(mp, MoveKind, NEW_KIND.upper(), NEW_KIND),
+    ("pearlctl/vocabulary.py", "MoveKind"): lambda mp, h: add_member(mp, MoveKind, NEW_KIND.upper(), NEW_KIND),
     ("pearlctl/daemon/transitions.py", "PlanKind"): lambda mp, h: add_member(mp, PlanKind, NEW_KIND.upper(), NEW_KIND),
     ("pearlctl/vocabulary.py", "StepKind"): lambda mp, h: add_member(mp, StepKind, NEW_STEP, NEW_STEP),
     ("pearlctl/daemon/transitions.py", "PLANS"): lambda mp, h: mp.setitem(

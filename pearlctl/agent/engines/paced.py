@@ -62,6 +62,7 @@ from starlette.applications import Starlette
 from pearlctl.agent.engines.paced_batch import PacedEngine
 from pearlctl.agent.engines.paced_http import PacedApp
 from pearlctl.agent.engines.paced_tokens import Vocab
+from pearlctl.host.processes import proc_start_ticks
 from pearlctl.planner.profile import load as load_profile
 
 log = logging.getLogger("pearlctl.paced")
@@ -104,12 +105,12 @@ def build(args: argparse.Namespace) -> tuple[PacedApp, Starlette]:
 
 def process_age() -> float:
     """Seconds since this process was started (Linux's /proc; 0 where it cannot be read)."""
+    start_ticks = proc_start_ticks(os.getpid())
     try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 0.0
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    return 0.0 if start_ticks is None else max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from pearlctl.agent.engines import EngineError, ignore_preempt_signal
 from pearlctl.agent.engines.vllm_endpoints import VllmEndpoints
-from pearlctl.host.processes import die_with_parent
+from pearlctl.host.processes import die_with_parent, group_alive, signal_group
 from pearlctl.vocabulary import PACED_ENGINE_ARGS, SERVING_ROLES, Role
 
 Device = Literal["auto", "cpu", "gpu"]
@@ -328,19 +328,19 @@ class VllmServer(VllmEndpoints):
         if self._proc is None:
             return None
         pgid = self._proc.pid  # start_new_session: the server leads its own group
-        _killpg(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         try:
             self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        while _group_alive(pgid) and time.monotonic() < deadline:
+        while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _group_alive(pgid) or self._proc.poll() is None:
-            _killpg(pgid, signal.SIGKILL)
+        if group_alive(pgid) or self._proc.poll() is None:
+            signal_group(pgid, signal.SIGKILL)
         self._proc.wait()
         t_end = time.monotonic() + 5
-        while _group_alive(pgid) and time.monotonic() < t_end:
+        while group_alive(pgid) and time.monotonic() < t_end:
             time.sleep(0.05)
         return self._proc.returncode
 
@@ -458,20 +458,3 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
