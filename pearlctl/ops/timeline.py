@@ -5,7 +5,8 @@
 
 What the journal says, and what is made of it:
 
-- ``gpus`` rows: ``gpu.registered`` (``to_state`` UP, ``data.role``) brings a GPU in with its role; any
+- ``gpus`` rows: ``gpu.registered`` (``to_state`` UP, ``data.role``) brings a GPU in with its role, or back
+  from GONE in the role it is given again (its pool's; a LOST one back names none: it keeps its role); any
   other ``to_state`` moves it (GONE: it leaves the picture; UP, DRAINING, LOST: it stays, in its role);
   a field update journaled with ``data.fields.role`` sets its role: every role a transition's steps give a
   GPU is such a row (``role set``, pearlctl.daemon.effects), so a GPU's role is read, never guessed.

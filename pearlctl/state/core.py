@@ -273,6 +273,8 @@ class Core:
         ``bookkeeping``: not counted in ``revision`` (see ``_write``)."""
         if not fields:
             raise InvalidWrite("update_fields needs at least one field; use journal_event to record an event")
+        if table == "gpus" and "role" in fields and event is None:  # the live timeline reads roles from the journal
+            raise InvalidWrite("a GPU's role is written with its journal row: give update_fields an event")
         columns = self._writable(table, fields)
         versioned = "version" in self._columns[table]
         with self._write(bookkeeping=bookkeeping) as conn:

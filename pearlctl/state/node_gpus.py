@@ -3,8 +3,10 @@
 ``plan_node_gpus`` is the pure row logic: from the allocation's existing GPU rows and the indices reported
 on a node, the changes to make (register, revive, move, gone). ``write_node_gpus`` applies them inside the
 caller's write transaction of the Store's core, each with its journal row, state changes by
-compare-and-set (the core's ``_cas``, pearlctl/state/core.py). Idempotent: reporting the same GPUs again plans
-no change. Reached through ``store.fleet.upsert_node_gpus``, which validates, fences and opens the transaction.
+compare-and-set (the core's ``_cas``, pearlctl/state/core.py). A GPU given a role (registered, or back from
+GONE) journals ``gpu.registered`` with that role as ``data.role`` (what pearlctl.ops.timeline reads); a LOST
+one back keeps its role and its row names none. Idempotent: reporting the same GPUs again plans no change.
+Reached through ``store.fleet.upsert_node_gpus``, which validates, fences and opens the transaction.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def write_node_gpus(
             store._journal(conn, now, run_id, "gpus", change.gpu_id, "gpu.moved", epoch=epoch, data=data)
         else:
             to, event = (GpuState.UP, "gpu.registered") if change.kind == "revive" else (GpuState.GONE, "gpu.gone")
+            if "role" in change.columns:  # a GONE GPU back: its row names the role it is given, as a new one's
+                data["role"] = change.columns["role"]
             store._cas(
                 conn,
                 "gpus",

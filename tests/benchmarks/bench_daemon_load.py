@@ -83,22 +83,19 @@ def quantile(values: list[float], q: float) -> float:
 def create_run(state_db: str, run_dir: str, agents: int, gpus_per_node: int) -> None:
     from pearlctl.planner.profile import DecodeModel, Profile, to_dict
     from pearlctl.state.store import Store
+    from tests import factories
 
     trainer = max(1, agents // TRAINER_SHARE)
     pools = [
-        {"name": "trainer", "kind": "trainer", "role": "TRAIN", "partition": None, "nodes": trainer,
-         "gpus_per_node": gpus_per_node, "job_name": "pearl.load.trainer"},
-        {"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "partition": None, "nodes": agents - trainer,
-         "gpus_per_node": gpus_per_node, "job_name": "pearl.load.rollout"},
-    ]  # fmt: skip
+        factories.pool("trainer", "TRAIN", nodes=trainer, gpus_per_node=gpus_per_node, run_id="load"),
+        factories.pool("rollout", "ROLLOUT", nodes=agents - trainer, gpus_per_node=gpus_per_node, run_id="load"),
+    ]
     spec = {"poll_interval_s": 5.0, "router": {"enabled": False}}
     with Store.open(state_db) as store:
-        store.runs.create(run_id="load", name="load", spec=spec, spec_path=None, run_dir=run_dir, backend="slurm",
-                         policy="pearl", pools=pools)  # fmt: skip
+        factories.create_run(store, Path(run_dir), pools, run_id="load", spec=spec, policy="pearl")
         for i, a in enumerate(store.fleet.allocations("load")):
-            job = "1000" if a.pool == "trainer" else "2000"
-            store.set_state("allocations", a.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)
-            store.set_state("allocations", a.id, expect="PENDING", to="RUNNING", event="t", node=f"n{i:04d}")
+            factories.submit(store, a.id, "1000" if a.pool == "trainer" else "2000")
+            factories.start(store, a.id, f"n{i:04d}")
         profile = Profile(
             name="load",
             model="dense-8b",

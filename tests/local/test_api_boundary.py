@@ -41,6 +41,7 @@ import pytest
 from pearlctl.daemon.agents import allocation_credential
 from pearlctl.host.runfiles import ensure_secret, read_address
 from pearlctl.state.store import Store
+from tests import factories
 from tests.conftest import REPO, alive, wait_for
 
 RUN_ID = "bnd"
@@ -68,21 +69,12 @@ class LiveRun:
         # the "array tasks": one real process group, as the local backend starts them
         self.task = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         with Store.open(self.db) as store:
-            store.runs.create(
-                run_id=RUN_ID,
-                name=RUN_ID,
-                spec={"poll_interval_s": 1.0, "router": {"enabled": False}},  # the data plane is tested elsewhere
-                spec_path=None,
-                run_dir=str(self.run_dir),
-                backend="local",
-                policy=policy,
-                pools=[
-                    {"name": "trainer", "kind": "trainer", "role": "TRAIN", "nodes": 1, "gpus_per_node": 2,
-                     "job_name": f"pearl.{RUN_ID}.trainer"},
-                    {"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "nodes": 1, "gpus_per_node": 1,
-                     "job_name": f"pearl.{RUN_ID}.rollout"},
-                ],
-            )  # fmt: skip
+            spec = {"poll_interval_s": 1.0, "router": {"enabled": False}}  # the data plane is tested elsewhere
+            pools = [
+                factories.pool("trainer", "TRAIN", gpus_per_node=2, run_id=RUN_ID),
+                factories.pool("rollout", "ROLLOUT", run_id=RUN_ID),
+            ]
+            factories.create_run(store, self.run_dir, pools, run_id=RUN_ID, spec=spec, backend="local", policy=policy)
             store.set_state("runs", RUN_ID, expect="CREATED", to="SUBMITTING", event="test")
             self.jobs: dict[str, str] = {}
             for alloc in store.fleet.allocations(RUN_ID):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pearlctl.state.store import Store
+from tests import factories
 from tests.conftest import REPO, Pearlctl, assert_quiet_on_broken_pipe, write_spec
 
 EXIT_USAGE, EXIT_STATE, EXIT_BROKEN_PIPE = 2, 8, 141
@@ -27,26 +28,9 @@ EXIT_USAGE, EXIT_STATE, EXIT_BROKEN_PIPE = 2, 8, 141
 def create_run(state_dir: Path, run_dir: Path, *, nodes: int = 1, active: bool = False) -> None:
     """Run "r" on the local backend: one rollout pool of ``nodes`` allocations, polled every second."""
     with Store.open(state_dir / "state.db") as store:
-        store.runs.create(
-            run_id="r",
-            name="r",
-            spec={"poll_interval_s": 1, "router": {"enabled": False}},
-            spec_path="r.toml",
-            run_dir=str(run_dir),
-            backend="local",
-            policy="never",
-            pools=[
-                {
-                    "name": "rollout",
-                    "kind": "rollout",
-                    "role": "ROLLOUT",
-                    "partition": None,
-                    "nodes": nodes,
-                    "gpus_per_node": 0,
-                    "job_name": "pearl.r.rollout",
-                }
-            ],
-        )
+        spec = {"poll_interval_s": 1, "router": {"enabled": False}}
+        pools = [factories.pool("rollout", "ROLLOUT", nodes=nodes, gpus_per_node=0)]
+        factories.create_run(store, run_dir, pools, spec=spec, spec_path="r.toml", backend="local")
         if active:
             for to in ("SUBMITTING", "ACTIVE"):
                 run = store.runs.get("r")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from pearlctl.state.store import Store
+from tests import factories
 from tests.conftest import REPO, assert_quiet_on_broken_pipe, write_spec
 
 EXIT_USAGE, EXIT_NOT_FOUND, EXIT_BROKEN_PIPE = 2, 4, 141
@@ -24,27 +25,11 @@ def make_run(state_dir: Path, run_dir: Path, nodes: int = 2) -> None:
     """Run "r" (local backend) with pools trainer (1 task, job 12) and rollout (``nodes`` tasks, job 13)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     with Store.open(state_dir / "state.db") as store:
-        store.runs.create(
-            run_id="r",
-            name="r",
-            spec={},
-            spec_path="r.toml",
-            run_dir=str(run_dir),
-            backend="local",
-            policy="never",
-            pools=[
-                {
-                    "name": n,
-                    "kind": n,
-                    "role": role,
-                    "partition": None,
-                    "nodes": k,
-                    "gpus_per_node": 0,
-                    "job_name": f"pearl.r.{n}",
-                }  # fmt: skip
-                for n, role, k in (("trainer", "TRAIN", 1), ("rollout", "ROLLOUT", nodes))
-            ],
-        )
+        pools = [
+            factories.pool("trainer", "TRAIN", gpus_per_node=0),
+            factories.pool("rollout", "ROLLOUT", nodes=nodes, gpus_per_node=0),
+        ]
+        factories.create_run(store, run_dir, pools, spec_path="r.toml", backend="local")
         for alloc in store.fleet.allocations("r"):
             job = "12" if alloc.pool == "trainer" else "13"
             store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=job)

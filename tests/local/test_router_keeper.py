@@ -22,6 +22,7 @@ from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.transitions import Executor
 from pearlctl.router import service
 from pearlctl.state.store import Store
+from tests import factories
 from tests.conftest import wait_for
 
 
@@ -54,10 +55,7 @@ def workers():
 @pytest.fixture
 def world(tmp_path: Path, workers):
     store = Store.open(tmp_path / "s.db")
-    store.runs.create(run_id="r", name="r", spec={}, spec_path=None, run_dir=str(tmp_path), backend="local",
-                     policy="never", pools=[{"name": "rollout", "kind": "rollout", "role": "ROLLOUT",
-                                             "partition": None, "nodes": 1, "gpus_per_node": 2,
-                                             "job_name": "pearl.r.rollout"}])  # fmt: skip
+    factories.create_run(store, tmp_path, [factories.pool("rollout", "ROLLOUT", gpus_per_node=2)], backend="local")
     alloc = store.fleet.allocations("r")[0]
     store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0, 1], "ROLLOUT")
     ids = []

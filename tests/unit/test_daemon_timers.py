@@ -33,6 +33,7 @@ from pearlctl.ops.watcher import Poll, apply_poll
 from pearlctl.slurm.records import JobRecord
 from pearlctl.state.errors import StaleEpoch
 from pearlctl.state.store import Store, run_lease_name
+from tests import factories
 
 RUN = "r"
 JOB = "100"
@@ -90,25 +91,9 @@ def db(tmp_path: Path) -> Path:
     """Run "r": one trainer allocation (2 GPUs), submitted as job 100 (PENDING), the run ACTIVE."""
     path = tmp_path / "state.db"
     with Store.open(path) as store:
-        store.runs.create(
-            run_id=RUN,
-            name=RUN,
-            spec={"poll_interval_s": 0.2, "router": {"enabled": False}},  # the data plane has tests of its own
-            spec_path=None,
-            run_dir=str(tmp_path / "run"),
-            backend="local",
-            policy="never",
-            pools=[
-                {
-                    "name": "trainer",
-                    "kind": "trainer",
-                    "role": "TRAIN",
-                    "nodes": 1,
-                    "gpus_per_node": 2,
-                    "job_name": f"pearl.{RUN}.trainer",
-                }
-            ],
-        )
+        spec = {"poll_interval_s": 0.2, "router": {"enabled": False}}  # the data plane has tests of its own
+        pools = [factories.pool("trainer", "TRAIN", gpus_per_node=2, run_id=RUN)]
+        factories.create_run(store, tmp_path / "run", pools, run_id=RUN, spec=spec, backend="local")
         store.set_state("runs", RUN, expect="CREATED", to="SUBMITTING", event="t")
         alloc = store.fleet.allocations(RUN)[0]
         store.set_state("allocations", alloc.id, expect="REQUESTED", to="PENDING", event="t", job_id=JOB)

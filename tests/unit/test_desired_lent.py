@@ -38,7 +38,7 @@ def view(controller: Controller, alloc_id: int) -> list[tuple]:
 def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
     store, controller, alloc = trainer
     lent = store.fleet.gpus("r")[1]
-    store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", lent.id, event="role set", role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     (rollout, train) = view(controller, alloc)  # by role
     assert train == ("train-0", "TRAIN", (0, 1), None, None)
     key, role, gpus, deadline, by = rollout
@@ -49,7 +49,7 @@ def test_a_lent_gpu_is_served_with_its_deadline_and_stays_the_trainers(trainer):
 def test_a_gpu_back_from_a_requeue_while_lent_is_the_trainers_alone(trainer):
     store, controller, alloc = trainer
     lent = store.fleet.gpus("r")[1]
-    store.update_fields("gpus", lent.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+    store.update_fields("gpus", lent.id, event="role set", role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     # the job preempted and requeued: its GPUs went, and came back with the new allocation's agent
     for g in store.fleet.gpus("r"):
         store.set_state("gpus", g.id, expect="UP", to="DRAINING", event="t")
@@ -69,7 +69,7 @@ def test_lent_gpus_become_workers_of_the_profiles_tensor_parallel_size(trainer):
     store, controller, alloc = trainer
     store.fleet.upsert_node_gpus("r", alloc, "n0", [0, 1, 2, 3], "TRAIN")
     for g in store.fleet.gpus("r")[1:]:
-        store.update_fields("gpus", g.id, role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
+        store.update_fields("gpus", g.id, event="role set", role="ROLLOUT", borrowed=1, return_deadline=NOW + 60)
     train = ("train-0", "TRAIN", (0, 1, 2, 3), None, None)
     assert [v[:3] for v in view(controller, alloc)] == [("rollout-1", "ROLLOUT", (1, 2, 3)), train[:3]]
 

@@ -67,12 +67,12 @@ def test_a_repeated_report_is_answered_from_memory_and_a_change_to_its_allocatio
 
     # its own GPU changing does: the answer follows the state at once
     (gpu,) = store.fleet.gpus("r", allocation_id=a)
-    store.update_fields("gpus", gpu.id, role="IDLE")
+    store.update_fields("gpus", gpu.id, event="role set", role="IDLE")
     assert beat(controller, a, report)["desired"] == []
     assert controller.agents.heartbeats["folded"] == folded + 1
 
     # and so does a new weight export (the desired vLLM worker's weights)
-    store.update_fields("gpus", gpu.id, role="ROLLOUT")
+    store.update_fields("gpus", gpu.id, event="role set", role="ROLLOUT")
     beat(controller, a, report)
     store.update_fields("runs", "r", trainer={"weight_version": "7", "weights_path": "/w/7"})
     (worker,) = beat(controller, a, report)["desired"]
@@ -130,10 +130,10 @@ def test_the_gpu_and_worker_reads_of_a_whole_run_follow_every_write(run, tmp_pat
     before = store.fleet.gpus("r")
     assert store.fleet.gpus("r") == before
     (gpu,) = store.fleet.gpus("r", allocation_id=a)
-    store.update_fields("gpus", gpu.id, role="IDLE")  # this connection's write
+    store.update_fields("gpus", gpu.id, event="role set", role="IDLE")  # this connection's write
     assert [g.role for g in store.fleet.gpus("r") if g.id == gpu.id] == ["IDLE"]
     with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
-        other.update_fields("gpus", gpu.id, role="DECODE")
+        other.update_fields("gpus", gpu.id, event="role set", role="DECODE")
     assert [g.role for g in store.fleet.gpus("r") if g.id == gpu.id] == ["DECODE"]
     rows = store.fleet.gpus("r")
     with pytest.raises(dataclasses.FrozenInstanceError):  # rows are values: the cache hands out the same ones
@@ -152,11 +152,11 @@ def test_an_allocations_fingerprint_is_read_once_while_nothing_changes_and_follo
     conn.set_trace_callback(lambda sql: selects.append(sql) if sql.lstrip().startswith("SELECT") else None)
     assert [store.fleet.fingerprint(a) for _ in range(5)] == [first] * 5 and selects == []
     (gpu,) = store.fleet.gpus("r", allocation_id=a)
-    store.update_fields("gpus", gpu.id, role="IDLE")  # this connection's write
+    store.update_fields("gpus", gpu.id, event="role set", role="IDLE")  # this connection's write
     second = store.fleet.fingerprint(a)
     assert second != first and len(selects) == 1
     with Store.open(tmp_path / "s.db", clock=clock) as other:  # another connection's write
-        other.update_fields("gpus", gpu.id, role="DECODE")
+        other.update_fields("gpus", gpu.id, event="role set", role="DECODE")
     assert store.fleet.fingerprint(a) not in (first, second) and len(selects) == 2
     assert store.fleet.fingerprint(b) is not None and store.fleet.fingerprint(10**6) is None
 
@@ -210,7 +210,7 @@ def test_notify_publishes_only_when_state_changed(run):
     controller.desired.notify()
     assert controller.long_polls.passes == passes
     (gpu,) = store.fleet.gpus("r", allocation_id=a)
-    store.update_fields("gpus", gpu.id, role="IDLE")
+    store.update_fields("gpus", gpu.id, event="role set", role="IDLE")
     controller.desired.notify()
     assert controller.long_polls.passes == passes + 1
     _, latest = controller.long_polls._latest

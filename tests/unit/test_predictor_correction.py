@@ -206,7 +206,7 @@ def test_a_change_of_serving_gpus_mid_batch_is_not_counted_as_prediction_error(r
         controller.borrowing.check_prediction()
     assert store.runs.get("r")["predictor"]["watch"] is None  # a transition is open: no watch
     store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
-    store.update_fields("gpus", gpu, role="IDLE")
+    store.update_fields("gpus", gpu, event="role set", role="IDLE")
     clock.now += 2.0
     report(controller, 28)
     with controller.lock:
@@ -234,7 +234,7 @@ def test_a_watch_that_saw_only_the_batchs_tail_teaches_nothing(run):
     assert store.runs.get("r")["predictor"].get("watch") is None
     clock.now += 30.0
     store.set_state("transitions", tid, expect="PLANNED", to="ROLLED_BACK", event="test: dropped")
-    store.update_fields("gpus", gpu, role="IDLE")
+    store.update_fields("gpus", gpu, event="role set", role="IDLE")
     report(controller, 4)  # the tail: a watch starts here
     with controller.lock:
         controller.borrowing.check_prediction()
@@ -284,7 +284,7 @@ def test_with_nothing_serving_mid_batch_no_watch_is_kept_and_nothing_fails(run):
     tick(controller)
     assert store.runs.get("r")["predictor"]["watch"] is not None
     for g in store.fleet.gpus("r"):
-        store.update_fields("gpus", g.id, role="IDLE")
+        store.update_fields("gpus", g.id, event="role set", role="IDLE")
     clock.now += 2.0
     report(controller, 30)
     with controller.lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pearlctl.ops.timeline import CATEGORIES, Span, reconstruct
 from pearlctl.state.store import Store
+from tests import factories
 from tests.conftest import create_trainer_run
 
 TRAINER = {"id": 1, "role": "TRAIN", "state": "UP", "pool": "trainer", "node": "n1", "idx": 0}
@@ -53,13 +54,50 @@ def test_a_trainer_gpu_lent_to_rollout_and_back():
     assert tl.transitions == 2 and tl.labels == {1: "n1:0"}
 
 
-def test_a_gpu_going_gone_leaves_the_picture_and_comes_back_in_its_role():
-    rows = [registered(0, 2, "ROLLOUT"), gpu_state(40, 2, "LOST"), gpu_state(45, 2, "GONE"), registered(60, 2)]
-    tl = reconstruct(rows, [dict(ROLLOUT, state="UP")], start=0, end=100)
-    # LOST keeps its role (its workers may still run); GONE is absent; re-registered without a role: the old one
-    assert tl.gpus[2] == [Span(0, 45, "ROLLOUT"), Span(60, 100, "ROLLOUT")]
+def test_a_gpu_going_gone_leaves_the_picture_and_comes_back_in_its_pools_role(tmp_path):
+    """A GONE GPU back is a fresh start: its ``gpu.registered`` row names the role it is given (its pool's), and
+    the timeline has it in that role from that row on, whatever role a step had given it before. LOST keeps its
+    role (its workers may still run); GONE is absent. Every time is a journal row's, not the wall clock's."""
+    from pearlctl.daemon.effects import ROLE_SET
+
+    clock = iter(float(t) for t in range(1000, 2000))
+    with Store.open(tmp_path / "state.db", clock=lambda: next(clock)) as store:
+        factories.create_run(store, tmp_path / "run", [factories.pool("rollout", "ROLLOUT")])
+        (pool,) = store.runs.pools("r")
+        alloc = store.fleet.allocations("r")[0]
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0], pool["role"])
+        gid = store.fleet.gpus("r")[0].id
+        store.update_fields("gpus", gid, event=ROLE_SET, data={"step": "3:1:START"}, role="PREFILL")  # a switch
+        store.set_state("gpus", gid, expect="UP", to="LOST", event="agent quiet")
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [], pool["role"])  # LOST -> GONE
+        store.fleet.upsert_node_gpus("r", alloc.id, "n1", [0], pool["role"])  # GONE -> UP: back
+        journal = store.journal.read("r")
+        gpus = [g.to_dict() for g in store.fleet.gpus("r")]
+        created = store.runs.get("r")["created_at"]
+    rows = [r for r in journal if r["entity"] == "gpus"]
+    registered_at, role_at, lost_at, gone_at, back_at = (r["ts"] - created for r in rows)
+    assert [(r["event"], r["to_state"]) for r in rows] == [
+        ("gpu.registered", "UP"),
+        (ROLE_SET, None),
+        ("agent quiet", "LOST"),
+        ("gpu.gone", "GONE"),
+        ("gpu.registered", "UP"),
+    ]
+    assert rows[-1]["data"] == {"node": "n1", "allocation_id": alloc.id, "idx": 0, "role": "ROLLOUT"}
+    tl = reconstruct(journal, gpus, start=created, end=created + back_at + 10)
+    assert tl.gpus[gid] == [
+        Span(registered_at, role_at, "ROLLOUT"),
+        Span(role_at, gone_at, "PREFILL"),  # LOST in between: still PREFILL
+        Span(back_at, back_at + 10, "ROLLOUT"),  # back: its pool's role, from its registration row on
+    ]
     samples = dict(tl.samples())
-    assert [samples[t]["ROLLOUT"] for t in (0.0, 45.0, 60.0)] == [1, 0, 1]
+    assert [(samples[t]["ROLLOUT"], samples[t]["PREFILL"]) for t in (registered_at, role_at, gone_at, back_at)] == [
+        (1, 0),
+        (0, 1),
+        (0, 0),
+        (1, 0),
+    ]
+    assert lost_at not in samples  # LOST changes nothing drawn
 
 
 def test_samples_count_gpus_per_category_at_every_change():

@@ -68,13 +68,11 @@ def _write(path: str, allocation_id: int, writes: int, go: Event, results: Any) 
 
 
 def _setup(path: Path) -> tuple[str, list[int]]:
+    from tests import factories  # here, not at the top: the spawned children import this module
+
     with Store.open(path) as store:
-        store.runs.create(
-            run_id="r1", name="concurrency", spec={}, spec_path=None, run_dir=None, backend="local",
-            policy=None,
-            pools=[{"name": "rollout", "kind": "rollout", "role": "ROLLOUT", "nodes": 4, "gpus_per_node": 1,
-                    "job_name": "pearl-concurrency-rollout"}],
-        )  # fmt: skip
+        pools = [factories.pool("rollout", "ROLLOUT", nodes=4, run_id="r1")]
+        factories.create_run(store, path.parent, pools, run_id="r1", backend="local")
         ids = [a.id for a in store.fleet.allocations("r1")]
         for allocation_id in ids:
             store.set_state("allocations", allocation_id, expect="REQUESTED", to="PENDING", event="sbatch")

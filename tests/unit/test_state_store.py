@@ -289,6 +289,20 @@ def test_missing_row_and_bad_fields_are_refused(store: Store) -> None:
     assert store.fleet.allocation(allocation_id).version == 1
 
 
+def test_a_gpus_role_is_never_written_without_its_journal_row(store: Store) -> None:
+    run_id = new_run(store)
+    allocation = store.fleet.allocations(run_id)[0]
+    store.fleet.upsert_node_gpus(run_id, allocation.id, "n1", [0], "ROLLOUT")
+    (gpu,) = store.fleet.gpus(run_id)
+    with pytest.raises(InvalidWrite, match="journal row"):
+        store.update_fields("gpus", gpu.id, role="PREFILL")
+    assert store.fleet.gpus(run_id)[0].role == "ROLLOUT"
+    since = last_journal_id(store)
+    store.update_fields("gpus", gpu.id, event="role set", role="PREFILL")
+    assert store.fleet.gpus(run_id)[0].role == "PREFILL"
+    assert [j["event"] for j in store.journal.read() if j["id"] > since] == ["role set"]
+
+
 def test_update_fields_bumps_version_and_is_idempotent(store: Store) -> None:
     run_id = new_run(store)
     allocation_id = store.fleet.allocations(run_id)[0].id
@@ -485,10 +499,10 @@ def test_upsert_node_gpus(store: Store) -> None:
     ]
 
     gpu1, gpu2 = store.fleet.gpus(run_id)[1:]
-    store.update_fields("gpus", gpu1.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
+    store.update_fields("gpus", gpu1.id, event="role set", role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     store.set_state("gpus", gpu1.id, expect="UP", to="LOST", event="heartbeat.missed")
     # a GPU that went while lent (its job preempted and requeued): the lending ended with the allocation
-    store.update_fields("gpus", gpu2.id, role="ROLLOUT", borrowed=1, return_deadline=2000.0)
+    store.update_fields("gpus", gpu2.id, event="role set", role="ROLLOUT", borrowed=1, return_deadline=2000.0)
     # requeued elsewhere: 0 moves, 1 comes back from LOST keeping its borrowed role, 2 comes back fresh
     store.fleet.upsert_node_gpus(run_id, a0, "node-b", [0, 1, 2], "TRAIN")
     assert view() == [

@@ -7,6 +7,7 @@ import pytest
 from pearlctl.ops.watcher import maybe_sync, sync_run
 from pearlctl.slurm.records import JobRecord
 from pearlctl.state.store import Store
+from tests import factories
 
 
 class RecordedBackend:
@@ -26,26 +27,8 @@ class RecordedBackend:
 @pytest.fixture
 def store(tmp_path: Path):
     with Store.open(tmp_path / "state.db") as s:
-        s.runs.create(
-            run_id="r-1",
-            name="r",
-            spec={"poll_interval_s": 5},
-            spec_path="r.toml",
-            run_dir=str(tmp_path),
-            backend="slurm",
-            policy="never",
-            pools=[
-                {
-                    "name": "elastic",
-                    "kind": "elastic",
-                    "role": "ROLLOUT",
-                    "partition": "preempt",
-                    "nodes": 2,
-                    "gpus_per_node": 2,
-                    "job_name": "pearl.r-1.elastic",
-                }
-            ],
-        )
+        pools = [factories.pool("elastic", "ROLLOUT", nodes=2, gpus_per_node=2, run_id="r-1", partition="preempt")]
+        factories.create_run(s, tmp_path, pools, run_id="r-1", spec={"poll_interval_s": 5}, spec_path="r.toml")
         run = s.runs.get("r-1")
         s.set_state("runs", "r-1", expect="CREATED", to="SUBMITTING", event="t", expect_version=run["version"])
         for a in s.fleet.allocations("r-1"):
