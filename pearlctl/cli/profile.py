@@ -80,19 +80,7 @@ def profile(
                 raise fail("; ".join(str(p) for p in bad), EXIT_USAGE)
         elif partition or nodelist or time_limit or gpus != 1:
             raise fail("--partition, --nodelist, --time and --gpus only go with --slurm", EXIT_USAGE)
-        store = open_store(readonly=True)
-        try:
-            run = resolve_run(store, run_ref)
-            workers = store.fleet.workers(run["id"])
-            pool_of = {a.id: a.pool for a in store.fleet.allocations(run["id"])}
-            # each step with its transition's roles: the policy's profile takes the policy's engine's costs only
-            steps = [
-                {**s.to_dict(), "from_role": t.from_role, "to_role": t.to_role}
-                for t in store.transitions.all(run["id"])
-                for s in store.transitions.steps(t.id)
-            ]
-        finally:
-            store.close()
+        run, workers, pool_of, steps = _read_run(run_ref)
         column, whose = ("judge_profile", "judge's profile") if judge else ("profile", "profile")
         if export_file is not None:
             if not run.get(column):
@@ -129,6 +117,24 @@ def profile(
             f" KV {prof.kv_capacity_tokens} tokens (stored as the {whose} of run {run['id']})",
             markup=False,
         )
+
+
+def _read_run(run_ref: str) -> tuple[dict, list, dict, list[dict]]:
+    """From the state database: the run, its workers, each allocation's pool (by allocation id) and its journaled
+    transition steps, each with its transition's roles (the policy's profile takes the policy's engine's costs only)."""
+    store = open_store(readonly=True)
+    try:
+        run = resolve_run(store, run_ref)
+        workers = store.fleet.workers(run["id"])
+        pool_of = {a.id: a.pool for a in store.fleet.allocations(run["id"])}
+        steps = [
+            {**s.to_dict(), "from_role": t.from_role, "to_role": t.to_role}
+            for t in store.transitions.all(run["id"])
+            for s in store.transitions.steps(t.id)
+        ]
+    finally:
+        store.close()
+    return run, workers, pool_of, steps
 
 
 def _measure(run, workers, pool_of, steps, worker, batches, contexts, repeats, name, judge) -> profiles.Profile:

@@ -100,19 +100,7 @@ class Operator(Side):
                     "one plan at a time; move again once it ends (`pearlctl status`)",
                     409,
                 )
-            rows = self.store.fleet.gpus(self.run_id)
-            chosen: list[dict] = []
-            for ref in body.gpus:
-                g = self._named_gpu(rows, ref)
-                if g.state != G.UP:
-                    raise ControlError(f"GPU {g.node}:{g.idx} (id {g.id}) is {g.state}: only UP GPUs move")
-                if g not in chosen:
-                    chosen.append(g)
-            workers = {w for g in chosen for w in g.parked}
-            chosen += [g for g in rows if workers & set(g.parked) and g not in chosen]  # a worker moves whole
-            if len({g.allocation_id for g in chosen}) > 1 or len({g.role for g in chosen}) > 1:
-                named = ", ".join(f"{g.node}:{g.idx} ({g.role}, allocation {g.allocation_id})" for g in chosen)
-                raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
+            chosen = self._moved_gpus(body.gpus)
             role, names = chosen[0].role, ", ".join(f"{g.node}:{g.idx}" for g in chosen)
             serving = role in SERVING_ROLES
             target = str(body.role or Role.ROLLOUT)
@@ -167,6 +155,24 @@ class Operator(Side):
                 "to_role": str(to_role),
                 "policy": policy,
             }
+
+    def _moved_gpus(self, refs: list[bodies.GpuRef | bodies.GpuId]) -> list[dict]:
+        """The GPUs an operator's move names (``refs``, in their order), each UP, then the other GPUs of their
+        workers (a worker moves whole). Refused unless they are all one allocation's, in one role."""
+        rows = self.store.fleet.gpus(self.run_id)
+        chosen: list[dict] = []
+        for ref in refs:
+            g = self._named_gpu(rows, ref)
+            if g.state != G.UP:
+                raise ControlError(f"GPU {g.node}:{g.idx} (id {g.id}) is {g.state}: only UP GPUs move")
+            if g not in chosen:
+                chosen.append(g)
+        workers = {w for g in chosen for w in g.parked}
+        chosen += [g for g in rows if workers & set(g.parked) and g not in chosen]  # a worker moves whole
+        if len({g.allocation_id for g in chosen}) > 1 or len({g.role for g in chosen}) > 1:
+            named = ", ".join(f"{g.node}:{g.idx} ({g.role}, allocation {g.allocation_id})" for g in chosen)
+            raise ControlError(f"one move is one allocation's GPUs in one role; these differ: {named}")
+        return chosen
 
     def _woken(self, gpus: list, role: str) -> bool:
         """Whether a worker that serves ``role`` sleeps parked on every one of ``gpus`` (a move there wakes it)."""

@@ -8,6 +8,7 @@ simulated time, driving the daemon's own planner and policies.
 - ``engine``: the truth model of the rollout engines, tick by tick;
 - ``routing``: the engines' router: which worker a waiting request goes to, and when its queue admits it;
 - ``batching``: continuous batching on the engine workers: how far a tick takes each prefill and decode;
+- ``migration``: the engines' migrations: the sequences of a worker that leaves, the queues a join rebalances;
 - ``judging``: the truth model of the judge (a generative reward model): one verdict per finished trajectory;
 - ``run``: the RL loop in simulated time, driving a policy as the daemon does;
 - ``snapshot``: what the policy sees of a simulation, as the daemon's snapshot shows it;

@@ -4,11 +4,13 @@ Everything is vectorised with numpy over trajectories; one ``Engine`` holds ever
 (``pearlctl.sim.trajectories``: their work drawn up front from the scenario, so each policy faces the same work;
 the phases each goes through) and the engine workers (one per ``gpus_per_worker`` GPUs). The run loop
 (``pearlctl.sim.run``) tells it which workers serve in which role; the engine never decides anything a policy
-could. Its two parts: ``pearlctl.sim.routing`` (which worker a waiting request goes to, and the order its queue
-admits them) and ``pearlctl.sim.batching`` (how far a tick takes each running sequence's prefill and decode),
-each working on the engine through a protocol of its own module that lists what it reads and writes of it
-(``RoutedEngine``, ``BatchedEngine``); the engine itself keeps the trajectories' state and moves them from phase
-to phase: launches, tool returns, admissions, the end of a prefill or a turn, evictions and leaves.
+could. Its three parts: ``pearlctl.sim.routing`` (which worker a waiting request goes to, and the order its queue
+admits them), ``pearlctl.sim.batching`` (how far a tick takes each running sequence's prefill and decode) and
+``pearlctl.sim.migration`` (what becomes of the sequences of a worker that leaves, and of the queues a join
+rebalances), each working on the engine through a protocol of its own module that lists what it reads and writes
+of it (``RoutedEngine``, ``BatchedEngine``, ``MigratingEngine``); the engine itself keeps the trajectories' state
+and moves them from phase to phase: launches, tool returns, admissions, the end of a prefill or a turn, evictions
+and, through ``migration``, leaves.
 
 What the model guarantees — it must not flatter any policy:
 
@@ -18,24 +20,24 @@ What the model guarantees — it must not flatter any policy:
 - **KV eviction costs recompute.** A tool-waiting sequence keeps its KV on its worker while it fits; when
   admissions need the space, the least recently used are evicted, and an evicted sequence re-prefills its
   whole context when its tool returns.
-- **Migration is abort and continue**, as the live system does it when a worker leaves (the run's gateway,
-  pearlctl/router/gateway.py, continues an aborted turn on another worker from its token ids). A worker that
-  leaves its role (return, retire, switch, preemption) loses its KV. On a *graceful* leave its running
-  sequences are aborted and continued on another worker with every token they generated (prompt + generated
-  so far, the rest of the turn's budget), ``ABORT_S`` later, and re-prefill that whole context there;
-  tool-waiting sequences whose KV it held re-prefill their context on their next turn. On a *hard kill* (a
-  preemption with no notice: nothing answers the abort) the running turn is retried from its start: the
+- **Migration is abort and continue** (``pearlctl.sim.migration``), as the live system does it when a worker
+  leaves (the run's gateway, pearlctl/router/gateway.py, continues an aborted turn on another worker from its
+  token ids). A worker that leaves its role (return, retire, switch, preemption) loses its KV. On a *graceful*
+  leave its running sequences are aborted and continued on another worker with every token they generated
+  (prompt + generated so far, the rest of the turn's budget), ``ABORT_S`` later, and re-prefill that whole
+  context there; tool-waiting sequences whose KV it held re-prefill their context on their next turn. On a *hard
+  kill* (a preemption with no notice: nothing answers the abort) the running turn is retried from its start: the
   tokens generated in that turn are lost (``lost_tokens``) and the context as it was when the turn began is
-  re-prefilled. A draining worker (``routable`` false: a preemption notice came) decodes what it runs but
-  is sent nothing new; next turns whose KV it holds go elsewhere.
+  re-prefilled. A draining worker (``routable`` false: a preemption notice came) decodes what it runs but is
+  sent nothing new; next turns whose KV it holds go elsewhere.
 - **The router is the run's router** (``router="consistent_hash"``, the default; ``pearlctl.sim.routing``):
   vllm-router's ``consistent_hash`` policy on the session id; a next turn finds its KV unless the ring changed.
   ``router="balance"`` is the model this simulator used before the run's router existed, kept for comparison.
-- **A join rebalances queues, as the gateway does** (``Engine._rebalance``; pearlctl/router/admin.py): when
-  colocated workers join the ring, each older colocated worker with requests waiting in its queue has what it
-  decodes and what waits there aborted and sent again through the router ``ABORT_S`` later; the sessions that
-  now hash to a joined worker go there and re-prefill their context, the others return to their worker, whose
-  prefix cache holds theirs. Workers with no queue are left alone.
+- **A join rebalances queues, as the gateway does** (``pearlctl.sim.migration.rebalance``;
+  pearlctl/router/admin.py): when colocated workers join the ring, each older colocated worker with requests
+  waiting in its queue has what it decodes and what waits there aborted and sent again through the router
+  ``ABORT_S`` later; the sessions that now hash to a joined worker go there and re-prefill their context, the
+  others return to their worker, whose prefix cache holds theirs. Workers with no queue are left alone.
 - **Decode grows less than linearly with batch, and prefill shares the worker in colocated mode**
   (``pearlctl.sim.batching``): the planner's own decode model; PREFILL workers and a KV transfer when
   disaggregated.
@@ -61,14 +63,11 @@ from __future__ import annotations
 import numpy as np
 
 from pearlctl.planner.profile import Profile
+from pearlctl.sim import migration
 from pearlctl.sim.batching import Batching
+from pearlctl.sim.migration import ABORT_S as ABORT_S  # (re-exported: the run's moves and judges pay it too)
 from pearlctl.sim.routing import DEFAULT_ROUTER, Router
 from pearlctl.sim.trajectories import DECODE, DONE, FEW, PENDING, PREFILL, TOOL, WAIT, XFER, Draws, group_starts
-
-# ASSUMPTION (not measured): from a leave to its sequences' continuation on another worker — the
-# deregistration reaching the router (a daemon tick, 0.5 s), the abort and its answers, the new requests.
-# A leaving GPU starts its own transition (sleep, stop, switch) only after it too.
-ABORT_S = 1.0
 
 # Worker roles as the engine sees them (OFF: not serving, or in transition).
 W_OFF, W_ROLLOUT, W_PREFILL, W_DECODE = 0, 1, 2, 3
@@ -155,7 +154,7 @@ class Engine:
         # because a leaving or draining worker held its KV (included in recompute_tokens)
         self.stats |= {"requeued": 0, "aborted": 0, "killed": 0, "lost_tokens": 0.0, "leave_recompute_tokens": 0.0}
         # rebalanced: decoding sequences the gateway's rebalance at a join aborted and sent again; of them moved
-        # to a joined worker (``_rebalance``)
+        # to a joined worker (``migration.rebalance``)
         self.stats |= {"rebalanced": 0, "moved": 0}
 
     # -- control ----------------------------------------------------------------------------------
@@ -185,51 +184,18 @@ class Engine:
         changed = np.flatnonzero((roles != self.w_role) & (self.w_role != W_OFF))
         if changed.size:
             hard = np.zeros(len(roles), bool) if killed is None else np.asarray(killed, bool)
-            self._evict_workers(changed, t, hard)
+            self._sent_again(migration.leave(self, changed, t, hard))
         was = self._routable & (self.w_role == W_ROLLOUT)
         self.w_role = roles.copy()
         self.w_admit = np.ones(len(roles), bool) if routable is None else np.asarray(routable, bool).copy()
         self._roles_changed()
         joined = self._routable & (roles == W_ROLLOUT) & ~was
         if self.router.ring and np.count_nonzero(joined) and np.count_nonzero(was & self._routable):
-            self._rebalance(was & self._routable, t)
+            self._sent_again(migration.rebalance(self, was & self._routable, t, self._routable))
 
-    def _rebalance(self, old: np.ndarray, t: float) -> None:
-        """Workers joined the ring (the gateway's rebalance, pearlctl/router/admin.py): the ``old`` colocated
-        workers abort what they decode and what waits in their queues, and the gateway sends it all again through
-        the router, ``ABORT_S`` later, on the new ring. A session that now hashes to a joined worker goes there and
-        re-prefills its context (a decode with every token it generated); the others go back to their worker,
-        where vLLM's prefix cache holds their context (nothing to prefill), behind what was already waiting there.
-        A sequence in prefill keeps its place (its computed blocks are cached either way)."""
-        s = slice(self.lo, self.hi)
-        ph, run_w, disp_w = self.phase[s], self.run_w[s], self.disp_w[s]
-        queued = (ph == WAIT) & (disp_w >= 0) & old[np.maximum(disp_w, 0)]
-        if not np.count_nonzero(queued):
-            return
-        old = old & (np.bincount(disp_w[queued], minlength=len(old)) > 0)  # the workers with a waiting queue
-        decoding = (ph == DECODE) & old[np.maximum(run_w, 0)] & (run_w >= 0)
-        queued &= old[np.maximum(disp_w, 0)]
-        i = np.flatnonzero(decoding | queued) + self.lo
-        if not i.size:
-            return
-        run = self.run_w[i]
-        dec = run >= 0
-        owner = self.router.ring_owner(self, i, self._routable)
-        moves = i[dec & (owner != run)]
-        stays = i[dec & (owner == run)]
-        self.stats["rebalanced"] += int(np.count_nonzero(dec))
-        self.stats["moved"] += int(moves.size)
-        if not self.free_migration:  # the oracle's world: a session's KV follows it (``_admit``)
-            self.orphaned[moves] = True
-            self.kv_w[moves] = -1
-        self.kv_hold[i[dec]] = 0.0
-        self.new_tok[stays] = 0  # in the prefix cache
-        self.phase[i[dec]] = WAIT
-        self.run_w[i] = -1
-        self.disp_w[i] = -1
-        again = t if self.free_migration else t + ABORT_S
-        self.ready_at[i] = np.maximum(self.ready_at[i], again)
-        self._admit_wake = min(self._admit_wake, again)
+    def _sent_again(self, at: float) -> None:
+        """Requests a migration sent again become ready at ``at`` (``inf``: none waits): admission runs again."""
+        self._admit_wake = min(self._admit_wake, at)
         self._admit_dirty = True
 
     def _roles_changed(self) -> None:
@@ -245,50 +211,6 @@ class Engine:
         self.prefills_own = (roles == W_ROLLOUT) | ((roles == W_DECODE) & (self.n_prefill == 0))
         self._admit_dirty = True
         self.router.reset(self._routable)  # routes and rings may change
-
-    def _evict_workers(self, workers: np.ndarray, t: float, hard: np.ndarray) -> None:
-        s = slice(self.lo, self.hi)
-        gone = np.zeros(len(self.w_role), bool)
-        gone[workers] = True
-        ph, run_w, kv_w = self.phase[s], self.run_w[s], self.kv_w[s]
-        running = (ph >= PREFILL) & (ph <= DECODE) & (run_w >= 0)
-        running &= gone[np.maximum(run_w, 0)]
-        holding = (kv_w >= 0) & gone[np.maximum(kv_w, 0)]
-        idx = np.flatnonzero(running) + self.lo
-        held = np.flatnonzero(holding) + self.lo
-        # requests queued at a leaving worker are aborted too (nothing generated): sent again through the router
-        queued = np.flatnonzero((ph == WAIT) & (self.disp_w[s] >= 0) & gone[np.maximum(self.disp_w[s], 0)])
-        queued += self.lo
-        self.disp_w[queued] = -1
-        self.stats["requeued"] += int(idx.size)
-        self.xfer_end[idx] = np.inf  # a KV transfer in flight is lost with its worker
-        if self.free_migration:
-            # The oracle's world: the sequences and their KV move at once; nothing is aborted or lost.
-            self.phase[idx] = WAIT
-            self.run_w[idx] = -1
-            self.migrated[held] = True
-            self.kv_w[held] = -1
-            self.kv_hold[held] = 0.0
-            return
-        # Hard kill: the turn is retried from its start (its generated tokens are lost; a sequence still in
-        # prefill or in a KV transfer has generated none). Graceful: the continuation keeps them all (ctx).
-        killed = idx[hard[self.run_w[idx]]]
-        if killed.size:
-            lost = self.dec_turn[killed] - self.dec_left[killed]
-            self.ctx[killed] -= lost
-            self.dec_left[killed] = self.dec_turn[killed]
-            self.stats["lost_tokens"] += float(lost.sum())
-        self.stats["killed"] += int(killed.size)
-        self.stats["aborted"] += int(idx.size - killed.size)
-        # A sequence whose prefill had not finished still owes its new tokens; the rest is re-prefilled too.
-        self.phase[idx] = WAIT
-        self.run_w[idx] = -1
-        self.ready_at[idx] = t + ABORT_S  # a new request, behind those already waiting
-        self.ready_at[queued] = np.maximum(self.ready_at[queued], t + ABORT_S)
-        self._admit_wake = min(self._admit_wake, t + ABORT_S)
-        self.orphaned[held] = True
-        self.kv_w[held] = -1
-        self.kv_hold[held] = 0.0
 
     # -- the tick -----------------------------------------------------------------------------------
 

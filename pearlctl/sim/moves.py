@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from pearlctl.sim.scenario import Scenario
     from pearlctl.sim.snapshot import PolicyView
 
-COST_ESTIMATE_LAST = 5  # the daemon's running transition-cost estimates: the median of the last 5 steps of a kind
+from pearlctl.planner.profile import COST_ESTIMATE_LAST  # the daemon's running cost estimates' window
 
 
 class MovesRun(Protocol):
@@ -154,11 +154,30 @@ class Moves:
         if not 0 <= move.gpu < len(sim.gpus) or not sim.gpus[move.gpu].present:
             return self._refuse(move, "no such GPU present")
         g = sim.gpus[move.gpu]
-        c = sim.profile.costs
         if g.busy_until > t:
             return self._refuse(move, "GPU in transition")
         if g.role != move.from_role or move.to_role == move.from_role:
             return self._refuse(move, f"GPU is {g.role.value}, not {move.from_role.value}")
+        steps = self._steps(move, g)
+        if isinstance(steps, str):
+            return self._refuse(move, steps)
+        to = move.to_role
+        cost = self.true_cost(steps, g.role, to)
+        if g.role in SERVING or g.role == Role.REWARD:
+            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued or sent again)
+        if to in SERVING:
+            g.version = sim.version  # a cold start loads the newest weights; a stale wake paid its sync above
+        g.role = to
+        g.busy_until = t + cost
+        sim.transitions += 1
+        sim.gpus_changed = True
+        return True
+
+    def _steps(self, move: Move, g: SimGpu) -> list[tuple[str, float]] | str:
+        """The steps of ``move`` on ``g`` (journal kind, profile seconds), with the engines parked on ``g`` and its
+        loan brought up to date; or, the GPU left as it was, why the move does not fit ``g``'s pool and role."""
+        sim = self.sim
+        c = sim.profile.costs
         kind, to = move.kind, move.to_role
         stale = g.version < sim.version
         judge = sim.scenario.judge
@@ -168,7 +187,7 @@ class Moves:
         if kind == MoveKind.BORROW:
             # The trainer releases a GPU only while it waits for rollouts, never mid-step.
             if g.pool != PoolKind.TRAINER or sim.training_until is not None or to not in self._served:
-                return self._refuse(move, "borrow of a non-trainer GPU, to a non-serving role, or mid-step")
+                return "borrow of a non-trainer GPU, to a non-serving role, or mid-step"
             if to == Role.REWARD:  # the judge never changes: a parked judge wakes with its weights
                 steps = [(K.OFFLOAD, c.offload_s), (K.WAKE, jc.wake_s) if g.parked_judge else (K.START, jc.start_s)]
             else:
@@ -182,7 +201,7 @@ class Moves:
                 g.parked = False
         elif kind == MoveKind.RETURN:
             if g.pool != PoolKind.TRAINER or to != Role.TRAIN:
-                return self._refuse(move, "return of a non-trainer GPU or to a role other than TRAIN")
+                return "return of a non-trainer GPU or to a role other than TRAIN"
             # the worker is parked asleep: the next borrow to its role is a wake
             judged = g.role == Role.REWARD
             steps = [(K.SLEEP, jc.sleep_s if judged else c.sleep_s), (K.RELOAD, c.reload_s)]
@@ -193,23 +212,23 @@ class Moves:
                 g.parked = True
         elif kind in (MoveKind.START, MoveKind.WAKE):
             if g.pool == PoolKind.TRAINER or g.role != Role.IDLE or to not in SERVING:
-                return self._refuse(move, "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role")
+                return "start/wake of a trainer GPU, a non-idle GPU, or to a non-serving role"
             steps = wake if g.parked else [(K.START, c.start_s)]  # a WAKE of a GPU with nothing parked: cold start
             g.parked = False
         elif kind == MoveKind.RETIRE:
             if g.role not in SERVING or to != Role.IDLE or g.pool == PoolKind.TRAINER:
-                return self._refuse(move, "retire of a trainer GPU or of a GPU not serving")
+                return "retire of a trainer GPU or of a GPU not serving"
             # Elastic GPUs may vanish: stop the worker; rollout GPUs park it for a quick wake.
             elastic = g.pool == PoolKind.ELASTIC
             steps, g.parked = ([(K.STOP, c.stop_s)], False) if elastic else ([(K.SLEEP, c.sleep_s)], True)
         elif kind == MoveKind.SWITCH:
             if g.role not in self._served or to not in self._served:
-                return self._refuse(move, "switch between non-serving roles")
+                return "switch between non-serving roles"
             if Role.REWARD in (g.role, to):
                 # another model: the leaving engine parks asleep on the GPU; the coming one wakes where it sleeps
                 # there (a policy that slept through a step loads the newest weights), else starts cold
                 if g.pool == PoolKind.REWARD:
-                    return self._refuse(move, "the reward pool's judges do not move")
+                    return "the reward pool's judges do not move"
                 judged = to == Role.REWARD
                 steps = [(K.SLEEP, (c if judged else jc).sleep_s)]
                 if judged:
@@ -220,17 +239,8 @@ class Moves:
             else:
                 steps = [("SWITCH", c.role_switch_s)]  # not a journaled step kind: planned at the profile's cost
         else:
-            return self._refuse(move, "unknown move kind")
-        cost = self.true_cost(steps, g.role, to)
-        if g.role in SERVING or g.role == Role.REWARD:
-            cost += ABORT_S  # a worker leaving its role first aborts what it runs (continued or sent again)
-        if to in SERVING:
-            g.version = sim.version  # a cold start loads the newest weights; a stale wake paid its sync above
-        g.role = to
-        g.busy_until = t + cost
-        sim.transitions += 1
-        sim.gpus_changed = True
-        return True
+            return "unknown move kind"
+        return steps
 
     def true_cost(self, steps: list[tuple[str, float]], from_role: Role, to_role: Role) -> float:
         """A move's true duration: its steps' profile costs times the mismatch's factor for this move (one

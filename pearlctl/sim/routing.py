@@ -6,7 +6,7 @@ Two models (``ROUTERS``):
 - ``consistent_hash`` (the default): the run's router, vllm-router's ``consistent_hash`` policy on the session id,
   as pearlctl/router/service.py starts it. A request goes to the worker its session hashes to on the ring of the
   routable workers, whatever the loads, and queues there (vLLM's per-worker waiting queue) even if the ring
-  changes meanwhile, unless the gateway's rebalance at a join sends it again (``Engine._rebalance``); a next
+  changes meanwhile, unless the gateway's rebalance at a join sends it again (``migration.rebalance``); a next
   turn therefore finds its KV unless the ring changed (a worker joined or left), and then re-prefills on its new
   worker. Running decodes move only in that rebalance.
 - ``balance``: the model this simulator used before the run's router existed (one waiting queue; session

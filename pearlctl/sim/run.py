@@ -163,23 +163,7 @@ class Sim:
         self._ask_lo = 0
         self._judge_workers = 0
         self.controller = None  # a run no policy drives: the oracle's candidates, the colocated baseline
-        # Trainer and batches.
-        self.trained = 0
-        self.launched = 0
-        self.launched_at: list[float] = []
-        self.completed_at: list[float] = []
-        self.step_times: list[float] = []  # when each train step ended
-        self.training_until: float | None = None
-        self.sync_until = 0.0
-        self.blocked_since: float | None = None
-        self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
-        self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
-        # its measured waits, averaged as examples/grpo/train.py does, from its first-wait hint (None: unknown)
-        self.wait_ema: float | None = scenario.training.first_wait_s
-        self.last_batch = Work()  # the latest batch's work as it began (Snapshot.last_batch)
-        self.version = 0
-        self.trainer_delay_s = 0.0
-        self._finished_at: float | None = None
+        self._trainer_at_start(scenario.training.first_wait_s)
         # Lease events, in time order.
         self._grants = sorted(self.trace.leases, key=lambda x: x.start)
         self._notices = sorted((x for x in self.trace.leases if math.isfinite(x.end)), key=lambda x: x.notice_at)
@@ -203,6 +187,25 @@ class Sim:
         self._seen: tuple | None = None
         self._progress, self._progress_at = -1.0, 0.0
         self.stalled = False
+
+    def _trainer_at_start(self, first_wait_s: float | None) -> None:
+        """The trainer and its batches as a run begins: no step trained, no batch launched, weights version 0."""
+        self.trained = 0
+        self.launched = 0
+        self.launched_at: list[float] = []
+        self.completed_at: list[float] = []
+        self.step_times: list[float] = []  # when each train step ended
+        self.training_until: float | None = None
+        self.sync_until = 0.0
+        self.blocked_since: float | None = None
+        self.waiting_since = 0.0  # when the trainer last started waiting for a batch (the end of its step)
+        self.due_since: float | None = None  # when the next batch became due (the driver's join wait runs from then)
+        # its measured waits, averaged as examples/grpo/train.py does, from its first-wait hint (None: unknown)
+        self.wait_ema: float | None = first_wait_s
+        self.last_batch = Work()  # the latest batch's work as it began (Snapshot.last_batch)
+        self.version = 0
+        self.trainer_delay_s = 0.0
+        self._finished_at: float | None = None
 
     # -- the loop -----------------------------------------------------------------------------------
 
