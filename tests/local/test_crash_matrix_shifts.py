@@ -1,8 +1,11 @@
 """Crash matrix of the shifts between the policy and the judge on the real daemon process: a rollout GPU switched to
 the run's judge (REWARD: a generative reward model, the reward pool's model) and back, with the daemon SIGKILLed
-once the effect of each step that acts on the agent (DRAIN, START; STOP has no effect of its own) was issued, in
-both directions (the router's steps are killed in tests/engines/test_crash_matrix_daemon.py; every step boundary of
-both directions is crashed by the state-level matrix, tests/unit/test_crash_matrix_pools.py).
+once the effect of a step that acts on the agent was issued (DRAIN, START, WAKE; STOP and SLEEP have no effect of
+their own), in both directions: the shift that restarts (an operator's, not kept warm) and the shifts that park
+the leaving worker asleep and start or wake the coming one (a policy's; the cases run in order on one GPU, so the
+first to the judge starts it and each later one wakes what the one before parked). The router's steps are killed
+in tests/engines/test_crash_matrix_daemon.py; every step boundary of every shift plan is crashed by the state-level
+matrix, tests/unit/test_crash_matrix_pools.py.
 
 The run, on the local backend with the paced engine in vLLM's place (docs/paced.md: what is checked is the daemon's,
 the agent's and the gateway's; so it runs beside the suite's chains, not in them, tests/conftest.py): a rollout pool
@@ -11,7 +14,8 @@ pool of one task whose judge serves throughout. Two loads run through the run's 
 until after the new daemon converged: the policy's turns and the judge's requests (by the judge's model name). A new
 daemon takes over the same state; the test checks that it converges (the transition DONE, each step journaled once,
 the effect re-issued), that one engine was started (the shifted GPU's, with the other role's model: its /v1/models
-says which), that the gateway routes the shifted worker in its new role's router, that no policy turn and no judge
+says which) or none where the one parked there woke, that a leaving worker that parks sleeps in its model's place on
+the GPU, that the gateway routes the shifted worker in its new role's router, that no policy turn and no judge
 request was lost or answered twice (sent = completed, none failed), that no policy turn ever reached a judge nor a
 judge request a policy worker, and that what was in flight on the leaving worker when its drain ended (requests
 outlast its 0.2-s drain) was continued on the worker of its role that stayed.
@@ -39,9 +43,18 @@ POINT = "after_effect"
 JUDGE = REPO / "examples" / "models" / "tiny-judge"
 MOVED, KEPT = 0, 1  # the rollout task whose GPU shifts, and the one whose worker serves the policy throughout
 SHIFTS = {"REWARD": "ROLLOUT", "ROLLOUT": "REWARD"}  # to -> from
-# the steps whose effect is the agent's (STOP has none of its own: DRAIN's desired-state write stops the engine)
-KILLED = (StepKind.DRAIN, StepKind.START)
-CASES = [(to, seq, kind) for to in SHIFTS for seq, kind in enumerate(PLANS[PlanKind.SWITCH]) if kind in KILLED]
+# a shift that restarts (an operator's, not kept warm), killed after each step whose effect is the agent's (STOP
+# has none of its own: DRAIN's desired-state write stops the engine), one per direction
+CASES = [("REWARD", StepKind.DRAIN), ("ROLLOUT", StepKind.START)]
+# the shifts that park (a policy's), in order on the one GPU: the first to the judge starts it, then each wakes
+# what the last parked; killed after DRAIN (it parks the leaving worker), START or WAKE (SLEEP has no effect)
+PARKING = [
+    ("REWARD", PlanKind.SWITCH_SLEEP, StepKind.START),
+    ("ROLLOUT", PlanKind.SWITCH_WAKE, StepKind.WAKE),
+    ("REWARD", PlanKind.SWITCH_WAKE, StepKind.DRAIN),
+    ("ROLLOUT", PlanKind.SWITCH_WAKE, StepKind.DRAIN),
+    ("REWARD", PlanKind.SWITCH_WAKE, StepKind.WAKE),
+]
 PROMPTS = prompts(4, repeat=2)
 TOKENS = 300  # about 1.2 s a request on the paced profile: far longer than the leaving worker's drain
 
@@ -125,21 +138,18 @@ def models_of(url: str) -> list[str]:
     return [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
 
 
-@pytest.mark.parametrize(
-    ("harness", "case"),
-    [pytest.param("paced", c, id=f"paced-to_{c[0]}-{c[1]}{c[2]}") for c in CASES],
-    indirect=["harness"],
-    scope="module",
-)
-def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges_and_loses_nothing(harness, case):
-    h = harness
-    to, seq, kind = case
-    h.ensure(SHIFTS[to])
+def crash_a_shift(h: ShiftHarness, to: str, plan: PlanKind, kind: StepKind, *, keep_warm: bool) -> None:
+    """Shift the GPU to ``to`` by a transition of ``plan`` with the daemon SIGKILLed once ``kind``'s effect was
+    issued, a new daemon taking over; check what the module's docstring says (and, for a plan that parks, that the
+    leaving worker sleeps parked on the GPU and that a woken worker is the one parked there: no engine started)."""
+    seq = PLANS[plan].index(kind)
     fault = f"{POINT}:{seq}:{kind}"
     starts_before, n_before = h.vllm_starts(), len(h.transitions())
     kept, judge = h.serving("rollout", KEPT), h.serving("reward")
     assert kept is not None and judge is not None
-    (leaving,) = h.live_workers()
+    (leaving,) = [w for w in h.live_workers() if w.state != "SLEEPING"]
+    parked = h.gpu().parked_for(to)  # the coming role's worker asleep here, which a wake serves
+    assert (parked is not None) == (plan == PlanKind.SWITCH_WAKE), (plan, h.gpu())
 
     first = h.start_daemon(fault)
     with (
@@ -148,35 +158,42 @@ def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges
     ):
         policy.wait_turns(2)
         judging.wait_turns(1)
-        h.trigger(to)
+        h.pc("move", RUN, "switch", str(h.gpu().id), "--role", to, *(["--keep-warm"] if keep_warm else []))
         assert f"PEARL_FAULT {fault}: SIGKILL" in h.killed(first)
         second = h.start_daemon()
         assert second["epoch"] > first["epoch"]
         t = wait_for(lambda: len(h.transitions()) > n_before and h.settled(), 240)
 
-        assert (t.detail or {}).get("plan") == "switch" and t.state == "DONE" and t.to_role == to, t
+        assert (t.detail or {}).get("plan") == plan and t.state == "DONE" and t.to_role == to, t
         steps = h.store.transitions.steps(t.id)
-        assert [(s.seq, s.kind, s.state) for s in steps] == [
-            (i, k, "DONE") for i, k in enumerate(PLANS[PlanKind.SWITCH])
-        ]
+        assert [(s.seq, s.kind, s.state) for s in steps] == [(i, k, "DONE") for i, k in enumerate(PLANS[plan])]
         journal = h.store.journal.read(h.run_id)
         key = f"{t.id}:{seq}:{kind}"
         assert any(j["event"] == "effect re-issued after restart" and j["entity_id"] == key for j in journal), key
 
-        # one engine started: the shifted GPU's, serving the other role's model, routed in that role's router
-        assert h.vllm_starts() - starts_before == 1
-        (moved,) = h.live_workers()
+        # one engine started, or none where the parked one woke: the shifted GPU's, serving the other role's model,
+        # routed in that role's router
+        assert h.vllm_starts() - starts_before == (0 if parked is not None else 1)
+        (moved,) = [w for w in h.live_workers() if w.state != "SLEEPING"]
         assert (moved.role, moved.state, moved.routable) == (to, "READY", 1)
+        if parked is not None:
+            assert moved.id == parked
         assert models_of(moved.url) == [str(JUDGE) if to == "REWARD" else str(TINY_MODEL)]
         router = "judge" if to == "REWARD" else "regular"
         wait_for(lambda: h.members().get(moved.url) == router, 30)
         assert h.members().get(leaving.url) is None  # the worker that left is in no router
+        asleep = [w for w in h.live_workers() if w.state == "SLEEPING"]
+        if plan == PlanKind.SWITCH:  # the leaving worker stopped
+            assert asleep == []
+        else:  # it sleeps parked on the GPU in its model's place, and the coming role's place is free
+            assert [(w.id, w.role) for w in asleep] == [(leaving.id, SHIFTS[to])]
+            assert h.gpu().parked_for(SHIFTS[to]) == leaving.id and h.gpu().parked_for(to) is None, h.gpu()
         assert wait_for(lambda: h.serving("rollout", KEPT), 30).id == kept.id
         assert h.serving("reward").id == judge.id
         policy.wait_turns(1)  # both roles still answer through the run's base URL
         judging.wait_turns(1)
 
-    print(f"\nto {to}, killed {POINT} {seq}:{kind}: policy {policy.counts()}; judge {judging.counts()}")
+    print(f"\n{plan} to {to}, killed {POINT} {seq}:{kind}: policy {policy.counts()}; judge {judging.counts()}")
     # nothing lost, nothing answered twice: every turn and every judge request sent completed once
     assert policy.errors == [] and policy.sent == len(policy.done), policy.counts()
     assert judging.errors == [] and judging.sent == len(judging.done), judging.counts()
@@ -189,6 +206,33 @@ def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges
     interrupted = policy.continued() if to == "REWARD" else judging.continued()
     assert all(o["workers"][0] == leaving.url and o["workers"][-1] == stayed for o in interrupted), interrupted
     assert not (judging.continued() if to == "REWARD" else policy.continued())  # nothing left the other role
+
+
+@pytest.mark.parametrize(
+    ("harness", "case"),
+    [pytest.param("paced", c, id=f"paced-to_{c[0]}-{c[1]}") for c in CASES],
+    indirect=["harness"],
+    scope="module",
+)
+def test_daemon_killed_during_a_shift_between_the_policy_and_the_judge_converges_and_loses_nothing(harness, case):
+    to, kind = case
+    harness.ensure(SHIFTS[to])
+    crash_a_shift(harness, to, PlanKind.SWITCH, kind, keep_warm=False)
+
+
+@pytest.mark.parametrize(
+    ("harness", "case"),
+    [pytest.param("paced", c, id=f"paced-to_{c[0]}-{c[1]}-{c[2]}") for c in PARKING],
+    indirect=["harness"],
+    scope="module",
+)
+def test_daemon_killed_during_a_shift_that_parks_converges_wakes_what_sleeps_and_loses_nothing(harness, case):
+    """The shifts a policy makes (workers kept warm): the first to the judge parks the policy's worker and starts
+    the judge, every later one parks the leaving worker and wakes the one parked there (the cases run in order on
+    one GPU, each from where the last left it)."""
+    to, plan, kind = case
+    assert harness.gpu().role == SHIFTS[to], harness.gpu()
+    crash_a_shift(harness, to, plan, kind, keep_warm=True)
 
 
 @pytest.mark.parametrize("harness", ["paced"], indirect=True, scope="module")  # the matrix's run, after its cases
