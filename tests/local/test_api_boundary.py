@@ -39,6 +39,7 @@ import httpx
 import pytest
 
 from pearlctl.daemon.agents import allocation_credential
+from pearlctl.host.processes import proc_start_ticks
 from pearlctl.host.runfiles import ensure_secret, read_address
 from pearlctl.state.store import Store
 from tests import factories
@@ -50,10 +51,6 @@ TICKS = re.compile(r"^pearl_daemon_ticks_total (\S+)$", re.M)
 TICK_ERRORS = re.compile(r"^pearl_daemon_tick_errors_total (\S+)$", re.M)
 API_ERRORS = re.compile(r"^pearl_daemon_api_errors_total (\S+)$", re.M)
 REFUSED = re.compile(r'^pearl_daemon_heartbeats_total\{path="refused"\} (\S+)$', re.M)
-
-
-def _start_ticks(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
 class LiveRun:
@@ -101,7 +98,7 @@ class LiveRun:
         jdir = self.state_dir / "local-jobs" / job_id
         jdir.mkdir(parents=True)
         (jdir / "meta.json").write_text(json.dumps({"name": name, "array_size": 1, "submitted_at": time.time()}))
-        (jdir / "task-0.pid").write_text(f"{self.task.pid} {_start_ticks(self.task.pid)}\n")
+        (jdir / "task-0.pid").write_text(f"{self.task.pid} {proc_start_ticks(self.task.pid)}\n")
 
     # -- the daemon process -----------------------------------------------------------------------
     def start(self) -> None:
