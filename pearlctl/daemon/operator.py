@@ -13,6 +13,7 @@ from pearlctl.planner import profile as profiles
 from pearlctl.planner.model import MoveKind
 from pearlctl.state.machines import GpuState as G
 from pearlctl.state.machines import WorkerState as W
+from pearlctl.state.rows import Gpu
 from pearlctl.vocabulary import SERVING_ROLES, PoolKind, Role
 
 
@@ -156,11 +157,11 @@ class Operator(Side):
                 "policy": policy,
             }
 
-    def _moved_gpus(self, refs: list[bodies.GpuRef | bodies.GpuId]) -> list[dict]:
+    def _moved_gpus(self, refs: list[bodies.GpuRef | bodies.GpuId]) -> list[Gpu]:
         """The GPUs an operator's move names (``refs``, in their order), each UP, then the other GPUs of their
         workers (a worker moves whole). Refused unless they are all one allocation's, in one role."""
         rows = self.store.fleet.gpus(self.run_id)
-        chosen: list[dict] = []
+        chosen: list[Gpu] = []
         for ref in refs:
             g = self._named_gpu(rows, ref)
             if g.state != G.UP:

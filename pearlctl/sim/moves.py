@@ -33,6 +33,7 @@ import numpy as np
 
 from pearlctl.planner.model import SERVING, Move, MoveKind, Plan, Role, Snapshot
 from pearlctl.planner.profile import (
+    COST_ESTIMATE_LAST,
     STEP_COSTS,
     WEIGHT_LOAD,
     Profile,
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
     from pearlctl.sim.gpus import SimGpu
     from pearlctl.sim.scenario import Scenario
     from pearlctl.sim.snapshot import PolicyView
-
-from pearlctl.planner.profile import COST_ESTIMATE_LAST  # the daemon's running cost estimates' window
 
 
 class MovesRun(Protocol):
