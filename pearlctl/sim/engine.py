@@ -65,7 +65,6 @@ import numpy as np
 from pearlctl.planner.profile import Profile
 from pearlctl.sim import migration
 from pearlctl.sim.batching import Batching
-from pearlctl.sim.migration import ABORT_S as ABORT_S  # (re-exported: the run's moves and judges pay it too)
 from pearlctl.sim.routing import DEFAULT_ROUTER, Router
 from pearlctl.sim.trajectories import DECODE, DONE, FEW, PENDING, PREFILL, TOOL, WAIT, XFER, Draws, group_starts
 

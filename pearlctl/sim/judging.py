@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pearlctl.sim.engine import ABORT_S
+from pearlctl.sim.migration import ABORT_S
 
 if TYPE_CHECKING:
     from pearlctl.sim.scenario import Judge, Mismatch

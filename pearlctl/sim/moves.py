@@ -41,7 +41,7 @@ from pearlctl.planner.profile import (
     judge_engine_costs,
     judges_step,
 )
-from pearlctl.sim.engine import ABORT_S
+from pearlctl.sim.migration import ABORT_S
 from pearlctl.vocabulary import PoolKind
 from pearlctl.vocabulary import StepKind as K
 

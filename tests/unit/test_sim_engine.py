@@ -15,7 +15,8 @@ import pytest
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.planner.profile import load as load_profile
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT, Engine
+from pearlctl.sim.engine import W_OFF, W_ROLLOUT, Engine
+from pearlctl.sim.migration import ABORT_S
 from pearlctl.sim.routing import ROUTERS
 from pearlctl.sim.run import Sim
 from pearlctl.sim.trajectories import DECODE, DONE, PREFILL, TOOL, WAIT, Draws

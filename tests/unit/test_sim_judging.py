@@ -155,7 +155,7 @@ def judge_bound(tmp_path: Path) -> sc.Scenario:
 
 def test_moves_to_and_from_the_judge_cost_what_its_engine_costs():
     from pearlctl.planner.model import Move, MoveKind, Role
-    from pearlctl.sim.engine import ABORT_S
+    from pearlctl.sim.migration import ABORT_S
     from pearlctl.sim.run import Sim
 
     s = genrm(Path("."), 2)

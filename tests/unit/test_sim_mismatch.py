@@ -15,7 +15,8 @@ import pytest
 
 from pearlctl.planner.model import Move, MoveKind, Role
 from pearlctl.sim import scenario as sc
-from pearlctl.sim.engine import ABORT_S, W_ROLLOUT, Engine
+from pearlctl.sim.engine import W_ROLLOUT, Engine
+from pearlctl.sim.migration import ABORT_S
 from pearlctl.sim.run import Sim, make_draws, run_policy
 from pearlctl.sim.trajectories import DECODE
 

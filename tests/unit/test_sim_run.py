@@ -18,7 +18,8 @@ from pearlctl.policies import known_policies
 from pearlctl.sim import report
 from pearlctl.sim import scenario as sc
 from pearlctl.sim.compare import compare
-from pearlctl.sim.engine import ABORT_S, W_OFF, W_ROLLOUT
+from pearlctl.sim.engine import W_OFF, W_ROLLOUT
+from pearlctl.sim.migration import ABORT_S
 from pearlctl.sim.run import Sim, drain_s, run_policy
 
 REPO = Path(__file__).resolve().parents[2]
