@@ -67,7 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pearlctl.host.processes import die_with_parent
+from pearlctl.host.processes import die_with_parent, proc_start_ticks
 from pearlctl.router import service
 from pearlctl.router.membership import ROLES, ValidationError, WorkerIn, WorkerSet, describe
 from pearlctl.vocabulary import Role
@@ -374,7 +374,7 @@ def _record(
     control_url = f"http://{advertise}:{control_sock.getsockname()[1]}"
     record = service.RouterRecord(
         pid=pid,
-        start_ticks=service.proc_start_ticks(pid) or 0,
+        start_ticks=proc_start_ticks(pid) or 0,
         url=root,
         base_url=root + "/v1",
         router_url=router.url,

@@ -36,8 +36,7 @@ from typing import Any
 
 import httpx
 
-from pearlctl.host.processes import group_alive, signal_group
-from pearlctl.host.processes import proc_start_ticks as proc_start_ticks  # (the gateway reads it from here)
+from pearlctl.host.processes import group_alive, proc_start_ticks, signal_group
 from pearlctl.host.runfiles import control_dir, write_atomic
 from pearlctl.vocabulary import Role
 

@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from pearlctl.agent.engines.vllm import VllmServer
+from pearlctl.host.processes import proc_start_ticks
 from pearlctl.router import service
 from pearlctl.router.client import RolloutClient
 from pearlctl.router.membership import RouterMembership
@@ -391,12 +392,12 @@ def test_the_gateway_outlives_its_starter_and_vllm_router_dies_with_the_gateway(
     record = service.RouterRecord(**json.loads(starter.stdout))  # the starter has exited
     adopted = service.adopt(tmp_path)
     assert adopted == record and service.health(record.url) is not None
-    assert record.router_pid and service.proc_start_ticks(record.router_pid) is not None
+    assert record.router_pid and proc_start_ticks(record.router_pid) is not None
     with pytest.raises(service.RouterStartError, match="is running .*adopt it"):
         service.start(tmp_path, "127.0.0.1", 0)
     os.kill(record.pid, signal.SIGKILL)  # the gateway dies hard: its vllm-router must follow
     deadline = time.monotonic() + 5
-    while service.proc_start_ticks(record.router_pid) is not None:
+    while proc_start_ticks(record.router_pid) is not None:
         assert time.monotonic() < deadline, "vllm-router outlived its gateway"
         time.sleep(0.05)
     assert service.adopt(tmp_path) is None  # the record is stale: its pid is gone
