@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from pearlctl.daemon.main import process_alive as alive  # noqa: F401  (tests import it from here)
+from pearlctl.host.processes import process_alive as alive  # noqa: F401  (tests import it from here)
 from pearlctl.state.rows import Allocation
 from tests import factories
 

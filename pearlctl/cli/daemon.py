@@ -172,7 +172,7 @@ def _submit_to_slurm(
 
 def _spawn_detached(run: dict, argv: list[str], before: dict, *, supervise: bool) -> _Starting:
     """The daemon (or its supervisor) as a process of its own session, logging to logs/daemon.log."""
-    from pearlctl.daemon.main import process_alive as alive
+    from pearlctl.host.processes import process_alive as alive
 
     log_path = Path(run["run_dir"], "logs", "daemon.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)

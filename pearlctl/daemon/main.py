@@ -47,7 +47,7 @@ from pearlctl.daemon.routing import RouterKeeper
 from pearlctl.daemon.shared import LOST_AFTER
 from pearlctl.daemon.slowlog import SlowLog
 from pearlctl.daemon.transitions import Executor
-from pearlctl.host.processes import process_alive as process_alive  # (the CLI and tests import it from here)
+from pearlctl.host.processes import process_alive
 from pearlctl.host.runfiles import ensure_secret, write_address
 from pearlctl.ops.watcher import apply_poll, poll_run
 from pearlctl.router.service import view as router_view

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from pearlctl.host.processes import group_alive  # noqa: F401  (the engine tests import it from here)
 from tests.conftest import chain_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,14 +83,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @contextlib.contextmanager
