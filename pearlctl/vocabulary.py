@@ -109,6 +109,21 @@ class ServingEngine(StrEnum):
 HEARTBEAT_S = 2.0  # agents' heartbeat interval (`pearlctl daemon --heartbeat-s`); the daemon tells its agents
 POLL_INTERVAL_S = 5.0  # the Slurm poll interval: a run's (`[run] poll_interval_s`), a function's (slurm.functions)
 
+# A join rebalances a worker's requests (pearlctl/router/admin.py live, pearlctl/sim/migration.py simulated) when it
+# holds a queue, or when it is imbalanced against the idlest routable worker by the test vllm-router's own
+# `cache_aware` policy uses, with its defaults (`vllm-router --help`, 0.1.17: balance when max_load - min_load >
+# --balance-abs-threshold 64 and max_load > min_load * --balance-rel-threshold 1.5). A load is a worker's requests
+# running and waiting (vLLM's `vllm:num_requests_running` + `vllm:num_requests_waiting`).
+JOIN_BALANCE_ABS = 64
+JOIN_BALANCE_REL = 1.5
+
+
+def imbalanced(load, least):
+    """Whether ``load`` (a worker's requests, or an array of them) is imbalanced against ``least``, the idlest
+    routable worker's: vllm-router's test (``JOIN_BALANCE_ABS``, ``JOIN_BALANCE_REL``). Elementwise on arrays."""
+    return (load - least > JOIN_BALANCE_ABS) & (load > least * JOIN_BALANCE_REL)
+
+
 # engine_args the paced engine reads (as its flags); any other is refused, so a vLLM flag is never silently lost
 PACED_ENGINE_ARGS: tuple[str, ...] = ("max_num_seqs", "max_model_len")
 

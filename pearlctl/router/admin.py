@@ -8,15 +8,17 @@ Guarantees:
   previous version and role.
 - A set (`MemberAdmin.sync`) is health-checked concurrently and changes the routers once for the whole set.
 - A worker removed or re-added while it was awaited is answered 409, never added behind the caller's back.
-- **A join rebalances queues.** vllm-router's ``consistent_hash`` sends each request to its session's worker at
-  once, where it waits in vLLM's queue even after a worker joins the ring: a worker that joins mid-batch would
-  get only new sessions and next turns while older workers hold a queue. So when workers join the regular
-  router, every older member whose ``/metrics`` shows requests waiting is asked to abort the gateway's
+- **A join rebalances queues and overloaded members.** vllm-router's ``consistent_hash`` sends each request to
+  its session's worker at once, where it runs or waits in vLLM's queue even after a worker joins the ring: a
+  worker that joins mid-batch would get only new sessions and next turns while older workers hold a queue, or run
+  far more sequences than it. So when workers join the regular router, every older member whose ``/metrics``
+  shows requests waiting, or whose load (requests running and waiting) is imbalanced against the idlest member's
+  by vllm-router's own ``cache_aware`` test (``pearlctl.vocabulary.imbalanced``), is asked to abort the gateway's
   continuable attempts (``/abort_requests`` by their ids: a request that cannot be continued is never aborted
   here); the gateway continues each through the router on the new ring, so the sessions that now hash to a
   joined worker go there, and the others go back to their worker, whose prefix cache holds their context.
-  Members with no queue are left alone. It runs beside the admin call, never fails it, and is counted in the
-  gateway's stats (``rebalances``, ``rebalance_aborts``).
+  Other members are left alone, and so is a member whose ``/metrics`` cannot be read. It runs beside the admin
+  call, never fails it, and is counted in the gateway's stats (``rebalances``, ``rebalance_aborts``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,25 @@ from pearlctl.router.errors import BadRequest
 from pearlctl.router.members import MemberRecord, Members
 from pearlctl.router.membership import WorkerIn, WorkerSet
 from pearlctl.router.routing import Routers
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import Role, imbalanced
 
 log = logging.getLogger("pearlctl.router.gateway")  # one name for the gateway's lines, whichever module logs them
 
 
 WAITING_METRIC = "vllm:num_requests_waiting"  # vLLM's gauge of the requests in a server's queue
+RUNNING_METRIC = "vllm:num_requests_running"  # ... and of those it runs (prefilling or decoding)
+
+
+def _gauge(text: str, name: str) -> float:
+    """The sum of the gauge ``name`` over its label sets in a Prometheus text ``/metrics`` (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):  # the gauge, not a longer name
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return total
 
 
 class MemberAdmin:
@@ -109,7 +124,7 @@ class MemberAdmin:
         failed, stuck = await self.routers.reconcile(force=before, gone=gone, wait_s=wait_s)
         now = self.routers.regular()
         if now - regular and now & regular:
-            task = asyncio.get_running_loop().create_task(self.rebalance(sorted(now & regular)))
+            task = asyncio.get_running_loop().create_task(self.rebalance(sorted(now & regular), sorted(now - regular)))
             self._rebalancing.add(task)
             task.add_done_callback(self._rebalancing.discard)
         undone: list[str] = []
@@ -141,44 +156,49 @@ class MemberAdmin:
                 )
         return results, stuck
 
-    async def rebalance(self, older: list[str]) -> int:
-        """Workers joined the regular router: each of the ``older`` members with requests waiting aborts the
-        gateway's continuable attempts (the module doc). Returns how many members were asked."""
+    async def rebalance(self, older: list[str], joined: list[str]) -> int:
+        """Workers (``joined``) joined the regular router: each of the ``older`` members with requests waiting, or
+        imbalanced against the idlest member, aborts the gateway's continuable attempts (the module doc). Returns
+        how many members were asked."""
         ids = self.upstream_ids()
         if not ids:
             return 0
-        waiting = await asyncio.gather(*(self._waiting(url) for url in older))
-        queued = [url for url, n in zip(older, waiting, strict=True) if n > 0]
-        if not queued:
+        loads = await asyncio.gather(*(self._load(url) for url in [*older, *joined]))
+        known = [waiting + running for waiting, running in filter(None, loads)]
+        if not known:
             return 0
-        done = await asyncio.gather(*(self._abort(url, ids) for url in queued))
+        least = min(known)
+        chosen = [
+            (url, load)
+            for url, load in zip(older, loads[: len(older)], strict=True)
+            if load is not None and (load[0] > 0 or imbalanced(sum(load), least))
+        ]
+        if not chosen:
+            return 0
+        done = await asyncio.gather(*(self._abort(url, ids) for url, _ in chosen))
         self.stats["rebalances"] += 1
         self.stats["rebalance_aborts"] += sum(done)
         log.info(
-            "rebalance after a join: %d of %d older members had a queue (%d waiting); their continuable requests "
-            "were aborted to be continued on the new ring",
-            len(queued),
+            "rebalance after a join: %d of %d older members had a queue or were imbalanced (%d waiting, %d running; "
+            "the idlest member %d); their continuable requests were aborted to be continued on the new ring",
+            len(chosen),
             len(older),
-            sum(waiting),
+            sum(load[0] for _, load in chosen),
+            sum(load[1] for _, load in chosen),
+            least,
         )
-        return len(queued)
+        return len(chosen)
 
-    async def _waiting(self, url: str) -> float:
-        """Requests waiting in ``url``'s queue (vLLM's ``vllm:num_requests_waiting``); 0 when it cannot be read."""
+    async def _load(self, url: str) -> tuple[float, float] | None:
+        """``url``'s requests waiting and running (vLLM's ``WAITING_METRIC`` and ``RUNNING_METRIC`` gauges); None
+        when its ``/metrics`` cannot be read."""
         try:
             resp = await self.control.http.get(url + "/metrics", timeout=2.0)
         except httpx.HTTPError:
-            return 0.0
+            return None
         if resp.status_code != 200:
-            return 0.0
-        total = 0.0
-        for line in resp.text.splitlines():
-            if line.startswith((WAITING_METRIC + "{", WAITING_METRIC + " ")):  # the gauge, not a longer name
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                except (ValueError, IndexError):
-                    continue
-        return total
+            return None
+        return _gauge(resp.text, WAITING_METRIC), _gauge(resp.text, RUNNING_METRIC)
 
     async def _abort(self, url: str, ids: list[str]) -> int:
         """Ask ``url`` to abort the requests ``ids`` (those it does not hold are no-ops); 1 when it answered."""

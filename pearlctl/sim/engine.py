@@ -33,11 +33,12 @@ What the model guarantees — it must not flatter any policy:
 - **The router is the run's router** (``router="consistent_hash"``, the default; ``pearlctl.sim.routing``):
   vllm-router's ``consistent_hash`` policy on the session id; a next turn finds its KV unless the ring changed.
   ``router="balance"`` is the model this simulator used before the run's router existed, kept for comparison.
-- **A join rebalances queues, as the gateway does** (``pearlctl.sim.migration.rebalance``;
+- **A join rebalances queues and imbalanced workers, as the gateway does** (``pearlctl.sim.migration.rebalance``;
   pearlctl/router/admin.py): when colocated workers join the ring, each older colocated worker with requests
-  waiting in its queue has what it decodes and what waits there aborted and sent again through the router
-  ``ABORT_S`` later; the sessions that now hash to a joined worker go there and re-prefill their context, the
-  others return to their worker, whose prefix cache holds theirs. Workers with no queue are left alone.
+  waiting in its queue, or imbalanced against the idlest routable worker by vllm-router's own test
+  (``pearlctl.vocabulary.imbalanced``), has what it decodes and what waits there aborted and sent again through
+  the router ``ABORT_S`` later; the sessions that now hash to a joined worker go there and re-prefill their
+  context, the others return to their worker, whose prefix cache holds theirs. Other workers are left alone.
 - **Decode grows less than linearly with batch, and prefill shares the worker in colocated mode**
   (``pearlctl.sim.batching``): the planner's own decode model; PREFILL workers and a KV transfer when
   disaggregated.

@@ -9,10 +9,11 @@ the queues the gateway rebalances when workers join (``leave`` and ``rebalance``
   turn is retried from its start and the tokens it generated are lost (``lost_tokens``). Requests queued at a
   leaving worker are sent again through the router; tool-waiting sequences whose KV it held re-prefill their
   context on their next turn (``orphaned``).
-- **A join rebalances queues, as the gateway does** (pearlctl/router/admin.py): each older colocated worker with
-  requests waiting in its queue has what it decodes and what waits there sent again ``ABORT_S`` later; the
-  sessions that now hash to a joined worker go there and re-prefill, the others return to their worker, whose
-  prefix cache holds their context.
+- **A join rebalances queues and imbalanced workers, as the gateway does** (pearlctl/router/admin.py): each older
+  colocated worker with requests waiting in its queue, or whose load (sequences running and waiting) is
+  imbalanced against the idlest routable worker's (``pearlctl.vocabulary.imbalanced``, vllm-router's own test),
+  has what it decodes and what waits there sent again ``ABORT_S`` later; the sessions that now hash to a joined
+  worker go there and re-prefill, the others return to their worker, whose prefix cache holds their context.
 - ``free_migration`` (the oracle's world): sequences and their KV move at once; nothing is aborted or lost.
 
 Guarantees: each function reads and writes of the engine only what ``MigratingEngine`` lists, and tells the engine
@@ -28,6 +29,7 @@ import numpy as np
 
 from pearlctl.sim.routing import RoutedEngine, Router
 from pearlctl.sim.trajectories import DECODE, PREFILL, WAIT
+from pearlctl.vocabulary import imbalanced
 
 # ASSUMPTION (not measured): from a leave to its sequences' continuation on another worker — the
 # deregistration reaching the router (a daemon tick, 0.5 s), the abort and its answers, the new requests.
@@ -102,20 +104,24 @@ def leave(e: MigratingEngine, workers: np.ndarray, t: float, hard: np.ndarray) -
 
 def rebalance(e: MigratingEngine, old: np.ndarray, t: float, routable: np.ndarray) -> float:
     """Workers joined the ring of the ``routable`` workers (the gateway's rebalance, pearlctl/router/admin.py): the
-    ``old`` colocated workers abort what they decode and what waits in their queues, and the gateway sends it all
-    again through the router, ``ABORT_S`` later, on the new ring. A session that now hashes to a joined worker goes
+    ``old`` colocated workers with a queue, or imbalanced against the idlest routable worker, abort what they decode
+    and what waits in their queues, and the gateway sends it all again through the router, ``ABORT_S`` later, on
+    the new ring. A session that now hashes to a joined worker goes
     there and re-prefills its context (a decode with every token it generated); the others go back to their worker,
     where vLLM's prefix cache holds their context (nothing to prefill), behind what was already waiting there. A
     sequence in prefill keeps its place (its computed blocks are cached either way). Returns when those sent again
     become ready (``inf``: nothing was sent again)."""
     s = slice(e.lo, e.hi)
     ph, run_w, disp_w = e.phase[s], e.run_w[s], e.disp_w[s]
-    queued = (ph == WAIT) & (disp_w >= 0) & old[np.maximum(disp_w, 0)]
-    if not np.count_nonzero(queued):
+    at_queue = (ph == WAIT) & (disp_w >= 0)
+    running = (ph >= PREFILL) & (ph <= DECODE) & (run_w >= 0)
+    waiting = np.bincount(disp_w[at_queue], minlength=len(old))
+    load = waiting + np.bincount(run_w[running], minlength=len(old))
+    old = old & ((waiting > 0) | imbalanced(load, load[routable].min()))  # a queue, or far busier than the idlest
+    if not old.any():
         return np.inf
-    old = old & (np.bincount(disp_w[queued], minlength=len(old)) > 0)  # the workers with a waiting queue
     decoding = (ph == DECODE) & old[np.maximum(run_w, 0)] & (run_w >= 0)
-    queued &= old[np.maximum(disp_w, 0)]
+    queued = at_queue & old[np.maximum(disp_w, 0)]
     i = np.flatnonzero(decoding | queued) + e.lo
     if not i.size:
         return np.inf

@@ -20,6 +20,7 @@ import pytest
 
 from pearlctl.router import service
 from pearlctl.router.membership import RouterMembership
+from pearlctl.vocabulary import JOIN_BALANCE_ABS
 from tests.conftest import wait_for
 from tests.engines.conftest import PACED_PROFILE
 
@@ -35,14 +36,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def workers(tmp_path: Path):
-    """Two paced engines on loopback, each saying who it is (``X-Pearl-Worker``): their URLs."""
+def workers(request, tmp_path: Path):
+    """Two paced engines on loopback, each saying who it is (``X-Pearl-Worker``), each running at most ``SLOTS``
+    sequences (or the test's ``slots`` parameter): their URLs."""
+    slots = getattr(request, "param", SLOTS)
     procs, urls = [], []
     for i in range(2):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "pearlctl.agent.engines.paced", "--model", "tiny", "--profile",
-                str(PACED_PROFILE), "--port", str(port), "--max-num-seqs", str(SLOTS)]  # fmt: skip
+                str(PACED_PROFILE), "--port", str(port), "--max-num-seqs", str(slots)]  # fmt: skip
         log = open(tmp_path / f"paced-{i}.log", "w")  # noqa: SIM115 (closed with the process)
         procs.append((subprocess.Popen(argv, env={**os.environ, "PEARL_WORKER_URL": url}, stdout=log, stderr=log), log))
         urls.append(url)
@@ -62,11 +65,28 @@ def _ok(url: str) -> bool:
         return False
 
 
-def _waiting(url: str) -> float:
+def _gauge(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=2.0).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_waiting")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _waiting(url: str) -> float:
+    return _gauge(url, "vllm:num_requests_waiting")
+
+
+def _send(base_url: str, key: str, sessions: int, answers: dict[int, dict]) -> list[threading.Thread]:
+    """One turn of each of ``sessions`` sessions through the gateway, each in its thread (started): the answers
+    land in ``answers`` by session."""
+
+    def turn(i: int) -> None:
+        body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
+        headers = {"Authorization": f"Bearer {key}", "X-Session-ID": f"episode-{i}"}
+        answers[i] = httpx.post(base_url + "/completions", json=body, headers=headers, timeout=120).json()
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_and_every_answer_is_exact(
@@ -77,15 +97,7 @@ def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_a
     try:
         key = service.read_key(tmp_path)
         answers: dict[int, dict] = {}
-
-        def turn(i: int) -> None:
-            body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
-            headers = {"Authorization": f"Bearer {key}", "X-Session-ID": f"episode-{i}"}
-            answers[i] = httpx.post(record.base_url + "/completions", json=body, headers=headers, timeout=120).json()
-
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(SESSIONS)]
-        for t in threads:
-            t.start()
+        threads = _send(record.base_url, key, SESSIONS, answers)
         # a queue: four run, more wait (under load not all sixteen may have arrived yet: the first wait suffices)
         wait_for(lambda: _waiting(w1) >= SLOTS, 60, every=0.05)
         with RouterMembership(record.url, key) as members:
@@ -118,5 +130,40 @@ def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_a
         time.sleep(0.3)
         stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
         assert stats["rebalances"] == 1
+    finally:
+        service.stop(record, run_dir=str(tmp_path))
+
+
+BUSY = JOIN_BALANCE_ABS + 8  # sessions one worker runs at once, none waiting: imbalanced against an idle worker
+
+
+@pytest.mark.parametrize("workers", [2 * BUSY], indirect=True)
+def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than_it_with_no_queue(
+    tmp_path: Path, workers
+):
+    """A member with no queue but ``BUSY`` sequences running is imbalanced against the joining worker by
+    vllm-router's own test (pearlctl.vocabulary.imbalanced): it is rebalanced too, and the sessions that now hash
+    to the joined worker finish there, every answer whole."""
+    w1, w2 = workers
+    record = service.start(str(tmp_path), "127.0.0.1", 0, workers={w1: "1"})
+    try:
+        key = service.read_key(tmp_path)
+        answers: dict[int, dict] = {}
+        threads = _send(record.base_url, key, BUSY, answers)
+        wait_for(lambda: _gauge(w1, "vllm:num_requests_running") >= BUSY, 60, every=0.05)
+        assert _waiting(w1) == 0  # no queue: the rule before this one left such a member alone
+        with RouterMembership(record.url, key) as members:
+            members.add(w2, "1")
+        for t in threads:
+            t.join(120)
+        assert sorted(answers) == list(range(BUSY))
+        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
+        assert stats["rebalances"] == 1 and stats["rebalance_aborts"] == 1
+        finished_on = {i: a["pearl"]["parts"][-1].get("worker") for i, a in answers.items()}
+        moved = [i for i, w in finished_on.items() if w == w2]
+        assert moved and set(finished_on.values()) == {w1, w2}, finished_on
+        assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
+        for a in answers.values():
+            assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
     finally:
         service.stop(record, run_dir=str(tmp_path))

@@ -141,6 +141,8 @@ class Upstream:
         self.tokenizer: Tokenizer | None = None
         self.root: str | None = None  # the model directory the workers' /v1/models name
         self.waiting: dict[str, int] = {}  # requests in a worker's queue, as its /metrics says
+        self.running: dict[str, int] = {}  # ... and those it runs
+        self.no_metrics: set[str] = set()  # workers whose /metrics fails
         self.aborts: list[tuple[str, list[str]]] = []  # each worker's /abort_requests: (worker, request ids)
 
     def gen_requests(self) -> list[tuple[str, dict, dict]]:
@@ -179,8 +181,13 @@ class Upstream:
                 entry = {"id": model, "from": origin, **({"root": self.root} if self.root else {})}
                 return httpx.Response(200, json={"object": "list", "data": [entry]})
             if path == "/metrics":
-                n = self.waiting.get(origin, 0)
-                return httpx.Response(200, text=f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {n}.0\n')
+                if origin in self.no_metrics:
+                    return httpx.Response(500, text="metrics down")
+                n, r = self.waiting.get(origin, 0), self.running.get(origin, 0)
+                labels = '{engine="0",model_name="tiny"}'
+                return httpx.Response(
+                    200, text=f"vllm:num_requests_waiting{labels} {n}.0\nvllm:num_requests_running{labels} {r}.0\n"
+                )
             if path == "/abort_requests":
                 self.aborts.append((origin, json.loads(request.content)["request_ids"]))
             return httpx.Response(200, json={})
@@ -916,6 +923,54 @@ def test_health_says_when_the_router_is_down_and_models_pass_through() -> None:
         assert models.status_code == 503
         assert "router does not answer" in models.json()["error"]["message"]
         assert "nor does any member worker" in models.json()["error"]["message"]
+
+    run(scenario)
+
+
+def test_a_join_aborts_on_a_member_with_no_queue_only_when_it_is_imbalanced_against_the_idlest() -> None:
+    """The rebalance at a join also asks an older member with no queue, when its load (running + waiting) passes
+    vllm-router's own cache_aware imbalance test against the idlest member's (pearlctl.vocabulary.imbalanced:
+    more than 64 above it and 1.5x it); a member at the threshold, or whose /metrics cannot be read, is left
+    alone."""
+
+    async def scenario(gw, client, up):
+        w3, w4 = "http://w3:8000", "http://w4:8000"
+        for url in (W1, W2, w3):
+            await add(client, url)
+        go_on = asyncio.Event()
+        up.script = [("hold", 3, go_on, "abort")]
+        body = {"prompt": "xyz", "max_tokens": 9, "stream": True}
+        turn = asyncio.ensure_future(client.post("/v1/completions", json=body, headers=AUTH))
+        while not up.requests:
+            await asyncio.sleep(0.01)
+        ids = gw.upstream_ids()
+        # W1 runs 65 above the joined worker (imbalanced), W2 exactly 64 above it (not), w3 cannot say
+        up.running.update({W1: 65, W2: 64, w3: 500})
+        up.no_metrics.add(w3)
+        assert (await add(client, w4)).status_code == 200
+        for _ in range(200):
+            if gw.stats["rebalances"]:
+                break
+            await asyncio.sleep(0.01)
+        assert up.aborts == [(W1, ids)] and gw.stats["rebalance_aborts"] == 1
+        go_on.set()
+        await turn
+        # the idlest member sets the bar: with one at 40, 100 is not more than 64 above it
+        up.aborts.clear()
+        up.running.update({W1: 100, W2: 40})
+        up.no_metrics.clear()
+        up.running[w3] = 0
+        up.running["http://w5:8000"] = 0
+        up.script = [("hold", 3, go_on := asyncio.Event(), "abort")]
+        turn = asyncio.ensure_future(client.post("/v1/completions", json=body, headers=AUTH))
+        while len(up.requests) < 2:
+            await asyncio.sleep(0.01)
+        up.running.update({w3: 40, w4: 40, "http://w5:8000": 40})  # no idle member anywhere
+        assert (await add(client, "http://w5:8000")).status_code == 200
+        await asyncio.sleep(0.1)
+        assert up.aborts == [] and gw.stats["rebalances"] == 1
+        go_on.set()
+        await turn
 
     run(scenario)
 

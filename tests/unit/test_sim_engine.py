@@ -20,6 +20,7 @@ from pearlctl.sim.migration import ABORT_S
 from pearlctl.sim.routing import ROUTERS
 from pearlctl.sim.run import Sim
 from pearlctl.sim.trajectories import DECODE, DONE, PREFILL, TOOL, WAIT, Draws
+from pearlctl.vocabulary import JOIN_BALANCE_ABS
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = load_profile(REPO / "examples/profiles/qwen3-8b-h100.toml")
@@ -320,11 +321,27 @@ def test_a_join_rebalances_a_queue_the_moved_sessions_re_prefill_and_nothing_is_
     assert e.stats["recompute_tokens"] == pytest.approx(ctx[moved].sum())
 
 
-def test_a_join_leaves_workers_without_a_queue_alone():
-    e, t = queued_on_worker_0(8, 8)  # worker 0 runs every session: no queue
-    run_w = e.run_w[:8].copy()
-    e.set_roles(np.array([W_ROLLOUT, W_ROLLOUT]), t)
-    assert e.stats["rebalanced"] == 0 and (e.phase[:8] == DECODE).all() and (e.run_w[:8] == run_w).all()
+def test_a_join_leaves_workers_without_a_queue_alone_unless_they_are_imbalanced_against_the_joined_one():
+    """The gateway's rule (pearlctl.vocabulary.imbalanced): a worker with no queue is rebalanced only when it runs
+    more than JOIN_BALANCE_ABS sequences above the idlest routable worker (a joined one: none)."""
+    for n, rebalanced in ((JOIN_BALANCE_ABS, False), (JOIN_BALANCE_ABS + 1, True)):
+        e, t = queued_on_worker_0(n, n)  # worker 0 runs every session: no queue
+        run_w = e.run_w[:n].copy()
+        e.set_roles(np.array([W_ROLLOUT, W_ROLLOUT]), t)
+        if not rebalanced:
+            assert e.stats["rebalanced"] == 0 and (e.phase[:n] == DECODE).all() and (e.run_w[:n] == run_w).all()
+            continue
+        owner = e.router.ring_owner(e, np.arange(n), np.array([True, True]))
+        assert e.stats["rebalanced"] == n and e.stats["moved"] == np.count_nonzero(owner == 1) > 0
+        first = np.full(n, -1)
+        while (first < 0).any():
+            e.step(t, 0.5)
+            t += 0.5
+            first = np.where(first < 0, np.where(e.phase[:n] >= PREFILL, e.run_w[:n], -1), first)
+            assert t < 600
+        assert (first == owner).all()  # the sessions that hash to the joined worker went there
+        run_to_the_end(e, t, n)
+        assert e.stats["decode_tokens"] == pytest.approx(n * 1000.0)  # nothing generated twice
 
 
 def test_an_unknown_router_model_is_refused():
