@@ -68,11 +68,6 @@ OPEN = {
         "each against the oracle's 83, whose spot workers serve from t = 0 and whose transitions are free); with no "
         "mismatch pearl holds 0.91"
     ),
-    ("preemption-storm-8b", "measured", "pearl/elastic"): (
-        "in this asynchronous loop the trainer's expected wait is a moving average of its waits (224 s for its "
-        "first batch, about 50 s later): after step 3 pearl lends the trainer node on an 85-s wait for a batch "
-        "nearly done, and the trainer waits about 4 s for its return (seeds 8 and 10, 0.5-0.9% below elastic)"
-    ),
     **{
         ("single-turn-math-8b", m, "pearl/oracle"): (
             "a batch (about 24 s) is shorter than any borrow (a cold start, or a wake and a weight sync), so no "

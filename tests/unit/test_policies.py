@@ -189,6 +189,19 @@ def test_pearl_declines_a_cold_borrow_when_the_work_ends_before_the_workers_star
     assert MoveKind.BORROW in kinds(pearl.decide(snapshot(cluster(rollout=4, trainer=4, trainer_parked=True), short)))
 
 
+def test_pearl_borrows_only_when_the_borrow_itself_pays_not_on_the_gain_of_elastic_gpus_brought_up_with_it(pearl):
+    """A larger budget's plan (+ borrow) is chosen only when it nets more than a plan's margin over the smaller
+    budget's (+ elastic), that margin taken of the smaller plan's batch. Here the 24 idle elastic GPUs shorten the
+    batch by about 16 s, and 8 cold trainer GPUs on top, joining after their start, by a fraction of a second
+    more: only the elastic GPUs come up. Without the elastic GPUs the same borrow pays and is made."""
+    s = snapshot(cluster(rollout=8, trainer=8, trainer_parked=False, elastic_idle=24))
+    plan = pearl.decide(s)
+    assert plan is not None and plan.target.elastic == 24 and "elastic" in pools_moved_in(s, plan)
+    assert MoveKind.BORROW not in kinds(plan) and plan.target.lend == 0
+    alone = snapshot(cluster(rollout=8, trainer=8, trainer_parked=False))
+    assert MoveKind.BORROW in kinds(pearl.decide(alone))
+
+
 def test_pearl_returns_lent_gpus_before_their_deadline_even_without_gain(pearl):
     s = snapshot(cluster(rollout=4, trainer=0, lent=2, lent_due_in=4.0), wait_left_s=4.0)
     plan = pearl.decide(s)

@@ -14,9 +14,12 @@ GPUs' departures at their deadlines):
 ``T_steady`` is the plan's completion as if its moves were instant, ``T_plan`` with them; the horizon is
 ``snapshot.horizon_s`` or ``T0``. A plan runs only if ``gain - delay - risk`` beats ``MARGIN_S`` and
 ``MIN_RELATIVE_GAIN`` of ``T0`` (a relative band: the model is not finer, and a band stops borrow/return
-or ratio flapping); of those, the one with the largest net gain, then the fewest moves, then the first budget.
+or ratio flapping); of those, the one with the largest net gain, then the fewest moves, then the first budget —
+but a plan that lends more trainer GPUs than another that clears the band is taken only when it nets the band
+(of the other's predicted batch) more: a borrow must pay for itself, not ride on the gain of the elastic GPUs
+both plans bring up.
 No PD mode flip within ``MIN_DWELL_S`` of ``snapshot.last_change_at``. Candidates are priced most promising
-first, and one whose gain with instant moves is already below a net gain priced is not priced further (the
+first, and one whose gain with instant moves is already a band below a net gain priced is not priced further (the
 delay and the risks only lower it): the plan chosen is the one pricing every candidate whole would choose.
 
 Whatever the gating says, lent GPUs due back go back (``budget.must_return``), and lent GPUs go back once the
@@ -85,8 +88,9 @@ def decide(snapshot: Snapshot) -> Plan | None:
 
     # Each candidate's net gain. The most promising (the fastest steady prediction) is priced first; a later
     # one whose gain with instant moves — which its net gain never exceeds: the delay and the risks are never
-    # negative — is below a net gain already priced cannot be the best, and its moving time is not priced.
-    # The choice below is made in the budgets' order, so it is the one pricing every candidate would make.
+    # negative — is not above a net gain already priced less the threshold can be neither chosen nor the plan a
+    # borrow must beat (below), and its moving time is not priced. The choice below is made in the budgets' order,
+    # so it is the one pricing every candidate would make.
     priced: dict[int, tuple[float, Plan]] = {}
     best_net = -math.inf
     for index, label, choice in sorted(candidates, key=lambda c: c[2].seconds):
@@ -96,7 +100,7 @@ def decide(snapshot: Snapshot) -> Plan | None:
         if not planned:
             continue
         steady = plan.timeline_s(s, planned, instant=True)
-        if math.isfinite(baseline) and _gain(baseline, steady, horizon) < best_net:
+        if math.isfinite(baseline) and _gain(baseline, steady, horizon) <= best_net - threshold:
             continue
         why = f"pearl: {label}, {shape}"
         candidate = plan.make(s, choice.target, why=why, predicted_now_s=keep.predicted_now_s, planned=planned)
@@ -105,18 +109,26 @@ def decide(snapshot: Snapshot) -> Plan | None:
         if net > best_net:
             best_net = net
 
+    # The largest net gain, then the fewest moves, then the first budget. But trainer GPUs owe the trainer a
+    # return: a plan that lends more of them than another plan clearing the threshold is taken only when it nets
+    # a plan's margin — 2 s and 5% of the other's predicted batch — more, so that a borrow pays for itself rather
+    # than riding on the gain of the elastic GPUs both plans bring up.
     best: tuple[float, Plan] | None = None
     for index in sorted(priced):
         net, candidate = priced[index]
         if best is None or net > best[0] or (net == best[0] and len(candidate.moves) < len(best[1].moves)):
             best = (net, candidate)
-
-    if best is not None and best[0] >= threshold:
-        return best[1]
-    grow = _bring_up_idle(s, current, keep)
-    if grow is not None:
-        return grow
-    return None if keep.empty else keep
+    if best is None or best[0] < threshold:
+        grow = _bring_up_idle(s, current, keep)
+        return grow if grow is not None else (None if keep.empty else keep)
+    best_net, chosen = best
+    fewer = [priced[i] for i in sorted(priced) if priced[i][0] >= threshold]
+    fewer = [(net, other) for net, other in fewer if other.target.lend < chosen.target.lend]
+    if fewer and math.isfinite(best_net):
+        net, other = max(fewer, key=lambda p: p[0])
+        if best_net - net < max(MARGIN_S, MIN_RELATIVE_GAIN * other.predicted_s):
+            return other
+    return chosen
 
 
 def _between_batches(s: Snapshot, current: Target) -> Plan | None:
