@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from pearlctl.router import admin
 from pearlctl.router.app import build_app
 from pearlctl.router.gateway import Gateway, GatewayConfig
 from pearlctl.router.membership import RouterMembership, ValidationError
@@ -925,6 +926,24 @@ def test_health_says_when_the_router_is_down_and_models_pass_through() -> None:
         assert "nor does any member worker" in models.json()["error"]["message"]
 
     run(scenario)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    noise=st.lists(st.text(st.characters(blacklist_categories=("Cc", "Zl", "Zp")), max_size=40), max_size=8),
+    values=st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=4),
+)
+def test_a_workers_metrics_text_is_read_for_its_gauge_alone_and_never_raises(noise, values) -> None:
+    """What a worker's /metrics says crosses into the gateway's rebalance: any text is read without raising, the
+    gauge's label sets are summed, and other lines — a longer name sharing its prefix, a malformed value — count
+    nothing."""
+    lines = [*noise, "vllm:num_requests_running_total 99.0", "vllm:num_requests_running{x} not-a-number"]
+    lines += [f'vllm:num_requests_running{{engine="{i}"}} {v!r}' for i, v in enumerate(values)]
+    text = "\n".join(lines)
+    clean = [line for line in noise if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_running "))]
+    if not clean:  # random noise that happens to be the gauge is summed too, by design: leave those draws out
+        assert admin._gauge(text, admin.RUNNING_METRIC) == pytest.approx(sum(values))
+    admin._gauge("".join(noise), admin.WAITING_METRIC)  # never raises
 
 
 def test_a_join_aborts_on_a_member_with_no_queue_only_when_it_is_imbalanced_against_the_idlest() -> None:
