@@ -106,11 +106,11 @@ def rebalance(e: MigratingEngine, old: np.ndarray, t: float, routable: np.ndarra
     """Workers joined the ring of the ``routable`` workers (the gateway's rebalance, pearlctl/router/admin.py): the
     ``old`` colocated workers with a queue, or imbalanced against the idlest routable worker, abort what they decode
     and what waits in their queues, and the gateway sends it all again through the router, ``ABORT_S`` later, on
-    the new ring. A session that now hashes to a joined worker goes
-    there and re-prefills its context (a decode with every token it generated); the others go back to their worker,
-    where vLLM's prefix cache holds their context (nothing to prefill), behind what was already waiting there. A
-    sequence in prefill keeps its place (its computed blocks are cached either way). Returns when those sent again
-    become ready (``inf``: nothing was sent again)."""
+    the new ring. A session that now hashes to a joined worker goes there and re-prefills its context (a decode
+    with every token it generated); the others go back to their worker, where vLLM's prefix cache holds their
+    context (nothing to prefill), behind what was already waiting there. A sequence in prefill keeps its place (its
+    computed blocks are cached either way). Returns when those sent again become ready (``inf``: nothing was sent
+    again)."""
     s = slice(e.lo, e.hi)
     ph, run_w, disp_w = e.phase[s], e.run_w[s], e.disp_w[s]
     at_queue = (ph == WAIT) & (disp_w >= 0)

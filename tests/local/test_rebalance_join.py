@@ -89,6 +89,27 @@ def _send(base_url: str, key: str, sessions: int, answers: dict[int, dict]) -> l
     return threads
 
 
+def _join_and_check(record, key: str, w1: str, w2: str, threads, answers: dict[int, dict], sessions: int) -> list[int]:
+    """``w2`` joins while ``sessions`` sessions run on ``w1``: every session is answered once, whole; the join
+    asked one member to abort (``rebalances``, ``rebalance_aborts``); the sessions that now hash to ``w2`` finished
+    there, each aborted on ``w1`` (from its queue, or mid-decode and then continued) and sent again. Returns
+    them."""
+    with RouterMembership(record.url, key) as members:
+        members.add(w2, "1")
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == list(range(sessions))
+    stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
+    assert stats["rebalances"] == 1 and stats["rebalance_aborts"] == 1  # one join, one member asked
+    finished_on = {i: a["pearl"]["parts"][-1].get("worker") for i, a in answers.items()}
+    moved = [i for i, w in finished_on.items() if w == w2]
+    assert moved and set(finished_on.values()) == {w1, w2}, finished_on
+    assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
+    for a in answers.values():
+        assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
+    return moved
+
+
 def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_and_every_answer_is_exact(
     tmp_path: Path, workers
 ):
@@ -100,24 +121,9 @@ def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_a
         threads = _send(record.base_url, key, SESSIONS, answers)
         # a queue: four run, more wait (under load not all sixteen may have arrived yet: the first wait suffices)
         wait_for(lambda: _waiting(w1) >= SLOTS, 60, every=0.05)
-        with RouterMembership(record.url, key) as members:
-            members.add(w2, "1")
-        for t in threads:
-            t.join(120)
-        assert sorted(answers) == list(range(SESSIONS))
-        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
-        assert stats["rebalances"] == 1 and stats["rebalance_aborts"] == 1  # one join, one member with a queue
-
-        # the sessions sent before the join that now hash to the joined worker finished there
-        finished_on = {i: a["pearl"]["parts"][-1].get("worker") for i, a in answers.items()}
-        moved = [i for i, w in finished_on.items() if w == w2]
-        assert moved and set(finished_on.values()) == {w1, w2}, finished_on
-        # each was aborted on w1 (from its queue, or mid-decode and then continued) and sent again
-        assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
+        moved = _join_and_check(record, key, w1, w2, threads, answers, SESSIONS)
 
         # every answer is the uninterrupted one: the same prompt sent straight to a worker, never interrupted
-        for a in answers.values():
-            assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
         for i in moved[:3] + [i for i in range(SESSIONS) if i not in moved][:3]:
             body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
             direct = httpx.post(w2 + "/v1/completions", json=body, timeout=60).json()
@@ -152,18 +158,6 @@ def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than
         threads = _send(record.base_url, key, BUSY, answers)
         wait_for(lambda: _gauge(w1, "vllm:num_requests_running") >= BUSY, 60, every=0.05)
         assert _waiting(w1) == 0  # no queue: the rule before this one left such a member alone
-        with RouterMembership(record.url, key) as members:
-            members.add(w2, "1")
-        for t in threads:
-            t.join(120)
-        assert sorted(answers) == list(range(BUSY))
-        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
-        assert stats["rebalances"] == 1 and stats["rebalance_aborts"] == 1
-        finished_on = {i: a["pearl"]["parts"][-1].get("worker") for i, a in answers.items()}
-        moved = [i for i, w in finished_on.items() if w == w2]
-        assert moved and set(finished_on.values()) == {w1, w2}, finished_on
-        assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
-        for a in answers.values():
-            assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
+        _join_and_check(record, key, w1, w2, threads, answers, BUSY)
     finally:
         service.stop(record, run_dir=str(tmp_path))

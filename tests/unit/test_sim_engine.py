@@ -294,6 +294,18 @@ def queued_on_worker_0(n: int, slots: int) -> tuple[Engine, float]:
     return e, t
 
 
+def first_workers(e: Engine, t: float, n: int) -> tuple[np.ndarray, float]:
+    """Step the engine from ``t`` until each of the first ``n`` sessions was admitted somewhere: the worker each was
+    first admitted to (prefill or decode), and the time then."""
+    first = np.full(n, -1)
+    while (first < 0).any():
+        e.step(t, 0.5)
+        t += 0.5
+        first = np.where(first < 0, np.where(e.phase[:n] >= PREFILL, e.run_w[:n], -1), first)
+        assert t < 600
+    return first, t
+
+
 def test_a_join_rebalances_a_queue_the_moved_sessions_re_prefill_and_nothing_is_decoded_twice():
     n, slots = 40, 8
     e, t = queued_on_worker_0(n, slots)
@@ -307,12 +319,7 @@ def test_a_join_rebalances_a_queue_the_moved_sessions_re_prefill_and_nothing_is_
     # worker 0 aborted what it decoded: all of it waits again, for the abort's answers and the re-sends
     assert (e.phase[:n] == WAIT).all() and e.stats["rebalanced"] == slots
     assert e.stats["moved"] == np.count_nonzero(owner[decoding] == 1)
-    first = np.full(n, -1)
-    while (first < 0).any():
-        e.step(t, 0.5)
-        t += 0.5
-        first = np.where(first < 0, np.where(e.phase[:n] >= PREFILL, e.run_w[:n], -1), first)
-        assert t < 600
+    first, t = first_workers(e, t, n)
     assert (first == owner).all()  # every session, queued or decoding, went where the new ring sends it
     run_to_the_end(e, t, n)
     # nothing was generated twice; only the moved decodes re-prefilled their context (prompt + generated)
@@ -333,12 +340,7 @@ def test_a_join_leaves_workers_without_a_queue_alone_unless_they_are_imbalanced_
             continue
         owner = e.router.ring_owner(e, np.arange(n), np.array([True, True]))
         assert e.stats["rebalanced"] == n and e.stats["moved"] == np.count_nonzero(owner == 1) > 0
-        first = np.full(n, -1)
-        while (first < 0).any():
-            e.step(t, 0.5)
-            t += 0.5
-            first = np.where(first < 0, np.where(e.phase[:n] >= PREFILL, e.run_w[:n], -1), first)
-            assert t < 600
+        first, t = first_workers(e, t, n)
         assert (first == owner).all()  # the sessions that hash to the joined worker went there
         run_to_the_end(e, t, n)
         assert e.stats["decode_tokens"] == pytest.approx(n * 1000.0)  # nothing generated twice

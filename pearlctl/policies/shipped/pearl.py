@@ -122,10 +122,13 @@ def decide(snapshot: Snapshot) -> Plan | None:
         grow = _bring_up_idle(s, current, keep)
         return grow if grow is not None else (None if keep.empty else keep)
     best_net, chosen = best
-    fewer = [priced[i] for i in sorted(priced) if priced[i][0] >= threshold]
-    fewer = [(net, other) for net, other in fewer if other.target.lend < chosen.target.lend]
+    fewer = [
+        (net, c)
+        for net, c in (priced[i] for i in sorted(priced))
+        if net >= threshold and c.target.lend < chosen.target.lend
+    ]
     if fewer and math.isfinite(best_net):
-        net, other = max(fewer, key=lambda p: p[0])
+        net, other = max(fewer, key=lambda nc: nc[0])
         if best_net - net < max(MARGIN_S, MIN_RELATIVE_GAIN * other.predicted_s):
             return other
     return chosen
