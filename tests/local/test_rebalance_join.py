@@ -8,7 +8,6 @@ second worker finish there. Every answer is the uninterrupted one, token for tok
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,21 +17,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pearlctl.agent.engines.vllm_endpoints import parse_metrics
 from pearlctl.router import service
 from pearlctl.router.membership import RouterMembership
 from pearlctl.vocabulary import JOIN_BALANCE_ABS
 from tests.conftest import wait_for
-from tests.engines.conftest import PACED_PROFILE
+from tests.engines.conftest import PACED_PROFILE, free_port
 
 SESSIONS = 16
 SLOTS = 4  # each worker runs at most this many: the rest wait in its queue
 TOKENS = 400  # a round of four turns takes about 1.7 s: the queue is still there when the worker joins
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -42,7 +36,7 @@ def workers(request, tmp_path: Path):
     slots = getattr(request, "param", SLOTS)
     procs, urls = [], []
     for i in range(2):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "pearlctl.agent.engines.paced", "--model", "tiny", "--profile",
                 str(PACED_PROFILE), "--port", str(port), "--max-num-seqs", str(slots)]  # fmt: skip
@@ -65,13 +59,23 @@ def _ok(url: str) -> bool:
         return False
 
 
-def _gauge(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=2.0).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+@pytest.fixture
+def gateway(tmp_path: Path, workers):
+    """The run's gateway and vllm-router, routing to the first of ``workers`` only: its record and its key."""
+    record = service.start(str(tmp_path), "127.0.0.1", 0, workers={workers[0]: "1"})
+    try:
+        yield record, service.read_key(tmp_path)
+    finally:
+        service.stop(record, run_dir=str(tmp_path))
+
+
+def _metrics(url: str) -> dict:
+    """A worker's vLLM gauges, as the agent reads them (``parse_metrics``)."""
+    return parse_metrics(httpx.get(url + "/metrics", timeout=2.0).text)
 
 
 def _waiting(url: str) -> float:
-    return _gauge(url, "vllm:num_requests_waiting")
+    return _metrics(url).get("num_requests_waiting", 0.0)
 
 
 def _send(base_url: str, key: str, sessions: int, answers: dict[int, dict]) -> list[threading.Thread]:
@@ -111,53 +115,43 @@ def _join_and_check(record, key: str, w1: str, w2: str, threads, answers: dict[i
 
 
 def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_and_every_answer_is_exact(
-    tmp_path: Path, workers
+    workers, gateway
 ):
     w1, w2 = workers
-    record = service.start(str(tmp_path), "127.0.0.1", 0, workers={w1: "1"})
-    try:
-        key = service.read_key(tmp_path)
-        answers: dict[int, dict] = {}
-        threads = _send(record.base_url, key, SESSIONS, answers)
-        # a queue: four run, more wait (under load not all sixteen may have arrived yet: the first wait suffices)
-        wait_for(lambda: _waiting(w1) >= SLOTS, 60, every=0.05)
-        moved = _join_and_check(record, key, w1, w2, threads, answers, SESSIONS)
+    record, key = gateway
+    answers: dict[int, dict] = {}
+    threads = _send(record.base_url, key, SESSIONS, answers)
+    # a queue: four run, more wait (under load not all sixteen may have arrived yet: the first wait suffices)
+    wait_for(lambda: _waiting(w1) >= SLOTS, 60, every=0.05)
+    moved = _join_and_check(record, key, w1, w2, threads, answers, SESSIONS)
 
-        # every answer is the uninterrupted one: the same prompt sent straight to a worker, never interrupted
-        for i in moved[:3] + [i for i in range(SESSIONS) if i not in moved][:3]:
-            body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
-            direct = httpx.post(w2 + "/v1/completions", json=body, timeout=60).json()
-            assert answers[i]["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"], i
+    # every answer is the uninterrupted one: the same prompt sent straight to a worker, never interrupted
+    for i in moved[:3] + [i for i in range(SESSIONS) if i not in moved][:3]:
+        body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
+        direct = httpx.post(w2 + "/v1/completions", json=body, timeout=60).json()
+        assert answers[i]["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"], i
 
-        # a join while no member has a queue asks nothing
-        with RouterMembership(record.url, key) as members:
-            members.remove(w2)
-            members.add(w2, "1")
-        time.sleep(0.3)
-        stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
-        assert stats["rebalances"] == 1
-    finally:
-        service.stop(record, run_dir=str(tmp_path))
+    # a join while no member has a queue asks nothing
+    with RouterMembership(record.url, key) as members:
+        members.remove(w2)
+        members.add(w2, "1")
+    time.sleep(0.3)
+    stats = httpx.get(record.url + "/pearl/stats", headers={"Authorization": f"Bearer {key}"}).json()
+    assert stats["rebalances"] == 1
 
 
 BUSY = JOIN_BALANCE_ABS + 8  # sessions one worker runs at once, none waiting: imbalanced against an idle worker
 
 
 @pytest.mark.parametrize("workers", [2 * BUSY], indirect=True)
-def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than_it_with_no_queue(
-    tmp_path: Path, workers
-):
+def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than_it_with_no_queue(workers, gateway):
     """A member with no queue but ``BUSY`` sequences running is imbalanced against the joining worker by
     vllm-router's own test (pearlctl.vocabulary.imbalanced): it is rebalanced too, and the sessions that now hash
     to the joined worker finish there, every answer whole."""
     w1, w2 = workers
-    record = service.start(str(tmp_path), "127.0.0.1", 0, workers={w1: "1"})
-    try:
-        key = service.read_key(tmp_path)
-        answers: dict[int, dict] = {}
-        threads = _send(record.base_url, key, BUSY, answers)
-        wait_for(lambda: _gauge(w1, "vllm:num_requests_running") >= BUSY, 60, every=0.05)
-        assert _waiting(w1) == 0  # no queue: the rule before this one left such a member alone
-        _join_and_check(record, key, w1, w2, threads, answers, BUSY)
-    finally:
-        service.stop(record, run_dir=str(tmp_path))
+    record, key = gateway
+    answers: dict[int, dict] = {}
+    threads = _send(record.base_url, key, BUSY, answers)
+    wait_for(lambda: _metrics(w1).get("num_requests_running", 0.0) >= BUSY, 60, every=0.05)
+    assert _waiting(w1) == 0  # no queue: the rule before this one left such a member alone
+    _join_and_check(record, key, w1, w2, threads, answers, BUSY)

@@ -113,20 +113,16 @@ def decide(snapshot: Snapshot) -> Plan | None:
     # return: a plan that lends more of them than another plan clearing the threshold is taken only when it nets
     # a plan's margin — 2 s and 5% of the other's predicted batch — more, so that a borrow pays for itself rather
     # than riding on the gain of the elastic GPUs both plans bring up.
+    ordered = [priced[index] for index in sorted(priced)]  # in the budgets' order
     best: tuple[float, Plan] | None = None
-    for index in sorted(priced):
-        net, candidate = priced[index]
+    for net, candidate in ordered:
         if best is None or net > best[0] or (net == best[0] and len(candidate.moves) < len(best[1].moves)):
             best = (net, candidate)
     if best is None or best[0] < threshold:
         grow = _bring_up_idle(s, current, keep)
         return grow if grow is not None else (None if keep.empty else keep)
     best_net, chosen = best
-    fewer = [
-        (net, c)
-        for net, c in (priced[i] for i in sorted(priced))
-        if net >= threshold and c.target.lend < chosen.target.lend
-    ]
+    fewer = [(net, c) for net, c in ordered if net >= threshold and c.target.lend < chosen.target.lend]
     if fewer and math.isfinite(best_net):
         net, other = max(fewer, key=lambda nc: nc[0])
         if best_net - net < max(MARGIN_S, MIN_RELATIVE_GAIN * other.predicted_s):
