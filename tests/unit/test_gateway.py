@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -1190,7 +1191,15 @@ def test_a_turn_aborted_on_a_colocated_worker_that_left_continues_exactly_on_the
     run(scenario, pd=True)
 
 
-def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_again() -> None:
+def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The routing module's clock runs with real time plus a jump this test makes: the back-off (30 s) is
+    # neither outlived by a slow machine before the first check nor waited for before the second.
+    ahead = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + ahead[0])
+    monkeypatch.setattr("pearlctl.router.routing.time", clock)
+
     async def scenario(gw, client, up):
         gw.routers.pd_launcher.fail = 1
         pair = {"workers": [{"url": P1, "role": "PREFILL"}, {"url": D1, "role": "DECODE"}], "wait_s": 1}
@@ -1201,7 +1210,7 @@ def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_
         assert health["pd"]["failures"] == 1 and "liveness" in health["pd"]["last_error"]
         await gw.routers.check_pd()  # within the back-off: not tried
         assert gw.routers.pd_launcher.launched == []
-        await asyncio.sleep(0.06)
+        ahead[0] += 31.0  # the back-off has passed
         await gw.routers.check_pd()
         assert gw.routers.pd is not None and up.routed == set()
         gw.routers.pd.dead = True  # the PD router exits: requests meanwhile go to the regular router
@@ -1213,7 +1222,7 @@ def test_a_pd_router_that_does_not_start_leaves_the_pair_colocated_and_is_tried_
             and gw.routers.pd.lists == PdLists((P1,), (D1,))
         )
 
-    run(scenario, pd=True, pd_retry_s=0.05)
+    run(scenario, pd=True, pd_retry_s=30.0)
 
 
 def test_without_a_launcher_prefill_and_decode_members_serve_colocated() -> None:
