@@ -208,9 +208,10 @@ def episode(
     latency = args.tool_latency_s
     if args.tool_latency_dist == "exp" and latency > 0:
         latency = rng.expovariate(1.0 / latency)
+    called = time.monotonic()
     time.sleep(latency)  # the tool call: this episode does not decode meanwhile
     client.count("tool_wait", -1)
-    remaining.tool(session)
+    remaining.tool(session, time.monotonic() - called)
     result = f"calc({a},{b}) = {a + b}"
     ended = bool(turn1.ids) and turn1.ids[-1] == encode.end_id
     tool_ids = encode(("" if ended else END) + TOOL.format(result))
@@ -243,7 +244,10 @@ class Remaining:
     calls no tool, and the next episode starts at once); a tool call in progress counts as one left, since its
     slot waits for it. Reported as if every episode ran at once, a batch of 16 episodes 4 at a time was
     predicted a quarter of its length. With no queue (``--concurrency`` at least the episodes left) the
-    slots are the episodes themselves, reported as they are."""
+    slots are the episodes themselves, reported as they are.
+
+    It also times the step's tool calls (``tools``): the daemon's predictor correction takes the luck of the
+    slowest episode's draws out of the step's measured time (pearlctl.planner.correct)."""
 
     def __init__(self, args):
         self.args, self.lock = args, threading.Lock()
@@ -251,21 +255,37 @@ class Remaining:
         self.tools_done: dict[str, int] = {}
         self.tokens: list[int] = []
         self.prompt_chars: list[int] = []
+        self.tool_s: dict[str, float] = {}  # the step's tool seconds per episode
+        self.calls = 0  # the step's tool calls returned
+        self.slots = False  # the step's episodes queue for ``--concurrency`` loops
 
     def start(self, sessions: list[str]) -> None:
         with self.lock:
             self.turns_done = dict.fromkeys(sessions, 0)
             self.tools_done = dict.fromkeys(sessions, 0)
+            self.tool_s, self.calls = {}, 0
+            self.slots = bool(getattr(self.args, "concurrency", None)) and len(sessions) > self.args.concurrency
 
     def turn(self, session: str, tokens: int) -> None:
         with self.lock:
             self.turns_done[session] += 1
             self.tokens.append(tokens)
 
-    def tool(self, session: str) -> None:
-        """The session's tool call returned."""
+    def tool(self, session: str, seconds: float) -> None:
+        """The session's tool call returned after ``seconds``."""
         with self.lock:
             self.tools_done[session] = self.tools_done.get(session, 0) + 1
+            self.tool_s[session] = self.tool_s.get(session, 0.0) + seconds
+            self.calls += 1
+
+    def tools(self) -> dict | None:
+        """The step's tool calls so far, as the daemon takes them (pearlctl.api.bodies.ToolTimes): the largest
+        sum of tool seconds over its episodes, and the mean seconds of one call; None before a call returned,
+        and when episodes queue — the work is then reported as slots, whose sums are not the episodes'."""
+        with self.lock:
+            if self.slots or not self.tool_s:
+                return None
+            return {"slowest_s": max(self.tool_s.values()), "mean_s": sum(self.tool_s.values()) / self.calls}
 
     def finish(self, session: str) -> None:
         with self.lock:
@@ -510,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress():
         while not stop.wait(1.0):
-            client.report_progress(work=remaining.work(), judge=queue())
+            client.report_progress(work=remaining.work(), judge=queue(), tools=remaining.tools())
 
     threading.Thread(target=progress, daemon=True).start()
     with ThreadPoolExecutor(args.concurrency) as pool, ThreadPoolExecutor(args.judge_concurrency) as judge_pool:
@@ -529,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                 os._exit(1)
             # the daemon hears that the step is rolled out and judged before the trainer can read it: lent GPUs
             # start back while the batch is written, not once the trainer already waits for them
-            client.report_progress(step, work=remaining.work(), judge=queue())
+            client.report_progress(step, work=remaining.work(), judge=queue(), tools=remaining.tools())
             write_batch(args.out, step, groups)
             rewards = [r for g in groups for r in g.rewards]
             versions = sorted({t.weight_version or "?" for g in groups for tr in g.trajectories for t in tr.turns})

@@ -258,6 +258,14 @@ class JudgeQueue(Body):
     failed: Count = 0
 
 
+class ToolTimes(Body):
+    """The current batch's tool calls as the rollout driver timed them (pearlctl.planner.correct.Tools): the
+    largest sum of tool seconds over its trajectories, and the mean seconds of one call."""
+
+    slowest_s: Seconds
+    mean_s: Seconds
+
+
 class Progress(Body):
     step: Annotated[int, Field(ge=0, le=10**12)] | None = None
     queued: Count | None = None
@@ -267,6 +275,7 @@ class Progress(Body):
     tokens: Count | None = None
     work: dict[str, Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False, strict=False)]] | None = None
     judge: JudgeQueue | None = None  # a run whose driver scores with a judge: its queue
+    tools: ToolTimes | None = None  # a driver that times its tool calls: the batch's (its predictor's correction)
 
     @field_validator("work")
     @classmethod

@@ -297,7 +297,8 @@ class Borrowing:
         predicted then for the serving GPUs (uncorrected), the report's time, and the GPUs. A change of the
         serving GPUs (a transition opens) drops the watch — a plan's effect is not prediction error — and the
         next stable report starts another. The first report without work ends the batch: measured = its time
-        minus the watch's; when the watch covered enough of the batch (``correct.MIN_COVER``, counted from the
+        minus the watch's (less its tools' luck when that report carries the batch's tool times,
+        ``correct.finish``); when the watch covered enough of the batch (``correct.MIN_COVER``, counted from the
         batch's first report with work), the ratio goes into the run's correction, journaled as
         ``prediction checked``."""
         run = self.store.runs.get(self.run_id)
@@ -311,7 +312,8 @@ class Borrowing:
         work = work_from_progress(report)
         if work.empty:
             if watch is not None or state.get("batch_since") is not None:
-                state, check = correct.finish(state, at)
+                tools = report.get("tools")  # stored as the typed body had it (bodies.ToolTimes)
+                state, check = correct.finish(state, at, correct.Tools(**tools) if tools else None)
                 self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
         if correct.grew(state, work):  # the next batch joined before this one ended: no watch spans both
@@ -337,7 +339,7 @@ class Borrowing:
                 self._save_predictor({**state, "watch": None})
             return
         key = correct.shape(work, workers)
-        self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work.trajectories)})
+        self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work)})
 
     def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:
         event, data = ("prediction checked", asdict(check)) if check else (None, None)

@@ -22,6 +22,18 @@ deviation, at least ``NOISE_FLOOR``: the batch-to-batch jitter of a shape with f
 machine). A batch of a shape with fixed tool latencies moves the correction almost all the way; one of a
 shape whose straggler spreads 25% moves it about halfway at first, and less as batches accumulate.
 
+Taking the tools' luck out. The rollout driver times its tool calls, so at a batch's end it may report them
+(``Tools``): the largest sum of tool seconds over the batch's trajectories, and the mean seconds of one call.
+When the batch's prediction was set by its straggler and the watch covered the batch from its first report,
+the batch counts as ``measured - luck`` (``tool_luck``): the straggler's tools as drawn, less the straggler's
+tools the prediction expected — scaled by the calls' measured mean over the mean the driver reported, so that
+tools slower than reported on every call (a bias the correction must learn) stay in, and only the draw of
+the maximum (luck it must not learn) goes; such a batch counts with ``NOISE_FLOOR`` only, since the spread
+the prediction expected was that luck. A slowest sum further from that expectation than ``LUCK_SDS`` of its
+standard deviations is no draw of the law the predictor models (a heavier tail: a bias too) and stays in.
+Without a report, or for a batch set by its throughput, the batch counts as measured, weighed by its
+expected spread.
+
 A shape is the work's order of magnitude on the axes that move the error: trajectories per worker, tokens
 per turn, and tool latency (log2 buckets). Pure: the state is a JSON-able dict the daemon stores with the run.
 Ratios are clamped to ``[MIN_RATIO, MAX_RATIO]``: one batch cut short or stalled by an outage must not
@@ -34,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from pearlctl.planner.model import Work
-from pearlctl.planner.predict import Prediction
+from pearlctl.planner.predict import Bound, Prediction
 
 PRIOR_SD = 0.25  # log: how far the model may be off a shape not seen yet (the first CPU run: 13-37% short)
 DRIFT_SD = 0.05  # log, per batch: how far a shape's true ratio may move between two of its batches
@@ -44,6 +56,9 @@ MIN_PREDICTED_S = 1.0  # predictions shorter than this are too coarse to learn f
 # a watch must cover at least this share of its batch's time: one started in the tail (after lent GPUs went
 # back, say) sees stragglers only, where the prediction errs in its own way, not as it does on a whole batch
 MIN_COVER = 0.5
+# a slowest tool sum this many of its standard deviations from the expected maximum is not luck but another law
+# (the Gumbel maximum lies further above its mean about once in a hundred batches)
+LUCK_SDS = 3.0
 
 
 def shape(work: Work, workers: int) -> str:
@@ -56,6 +71,28 @@ def shape(work: Work, workers: int) -> str:
         round(math.log2(1.0 + 10.0 * max(work.tool_latency_s, 0.0))),
     )
     return "t{}-d{}-l{}".format(*buckets)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A batch's tool calls as its rollout driver timed them: the largest sum of tool seconds over its
+    trajectories, and the mean seconds of one call."""
+
+    slowest_s: float
+    mean_s: float
+
+
+def tool_luck(expected_s: float, sd_s: float, reported_mean_s: float, tools: Tools, measured_s: float) -> float | None:
+    """Seconds by which a straggler-bound batch's tools ran over what its prediction expected of them by the
+    draw of the maximum alone (the module doc): the slowest tool sum (at most the batch's ``measured_s``) less
+    ``expected_s`` — the prediction's ``straggler_tools_s`` for calls of mean ``reported_mean_s`` — at the
+    calls' measured mean; negative for a batch whose straggler drew fast tools. None when the slowest sum is
+    further than ``LUCK_SDS`` of the maximum's standard deviations (``sd_s``, the prediction's
+    ``straggler_sd_s``) from that expectation: the tools do not follow the law the predictor models (a tail
+    heavier than a shifted exponential's), so its expectation is no mean to take luck against."""
+    scale = tools.mean_s / reported_mean_s if reported_mean_s > 0 else 1.0
+    luck = min(tools.slowest_s, measured_s) - expected_s * scale
+    return luck if abs(luck) <= LUCK_SDS * sd_s * scale else None
 
 
 @dataclass(frozen=True)
@@ -105,17 +142,21 @@ def learn(
     measured_s: float,
     batch_s: float | None = None,
     spread: float = 0.0,
+    luck_s: float | None = None,
 ) -> tuple[dict, Check | None]:
     """The state after a batch of shape ``key`` predicted (uncorrected) at ``predicted_s`` took ``measured_s``
     from the prediction on (``batch_s``: the whole batch's time, when known; ``spread``: the relative standard
-    deviation the prediction expected of it, ``straggler_sd_s / seconds``); and the check (None: the
-    prediction was too short or not finite, or covered too little of its batch, to learn from; state
-    unchanged)."""
+    deviation the prediction expected of it, ``straggler_sd_s / seconds``; ``luck_s``: its tools' luck,
+    ``tool_luck``, when known — the batch then counts as ``measured_s - luck_s`` with no spread); and the check
+    (None: the prediction was too short or not finite, or covered too little of its batch, to learn from;
+    state unchanged)."""
     state = dict(state or {})
     if not (math.isfinite(predicted_s) and predicted_s >= MIN_PREDICTED_S and measured_s > 0):
         return state, None
     if batch_s is not None and measured_s < MIN_COVER * batch_s:
         return state, None
+    if luck_s is not None and math.isfinite(luck_s) and measured_s - luck_s > 0:
+        measured_s, spread = measured_s - luck_s, 0.0
     ratio = _clamp(measured_s / predicted_s)
     spread = spread if math.isfinite(spread) and spread > 0 else 0.0
     noise = math.hypot(NOISE_FLOOR, math.log1p(spread))
@@ -126,17 +167,22 @@ def learn(
     return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])
 
 
-def watch(prediction: Prediction, key: str, since: float, gpus, trajectories: int = 0) -> dict:
+def watch(prediction: Prediction, key: str, since: float, gpus, work: Work) -> dict:
     """The watch of a batch (as the daemon stores it with the run): its uncorrected ``prediction`` made at
-    ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``, and the
-    ``trajectories`` in flight then (``grew``)."""
+    ``since`` for the serving ``gpus`` from ``work``, with the spread it expects, for the shape ``key``, the
+    trajectories in flight then (``grew``), and — a prediction set by its straggler — the straggler's
+    expected tools and the mean tool call ``work`` reported (``tool_luck``)."""
+    straggler = prediction.bound is Bound.STRAGGLER and prediction.straggler_tools_s > 0
     return {
         "since": since,
         "predicted_s": prediction.seconds,
         "spread": prediction.spread,
         "shape": key,
         "gpus": gpus,
-        "trajectories": trajectories,
+        "trajectories": work.trajectories,
+        "tools_s": prediction.straggler_tools_s if straggler else None,
+        "tools_sd_s": prediction.straggler_sd_s,
+        "tool_mean_s": work.tool_latency_s,
     }
 
 
@@ -149,11 +195,20 @@ def grew(state: dict, work: Work) -> bool:
     return w is not None and work.trajectories > int(w.get("trajectories") or 0)
 
 
-def finish(state: dict, at: float) -> tuple[dict, Check | None]:
+def finish(state: dict, at: float, tools: Tools | None = None) -> tuple[dict, Check | None]:
     """``learn`` from the state's watch, its batch ended at ``at`` (the whole batch counted from
-    ``state["batch_since"]``, else from the watch); the state unchanged without a watch."""
+    ``state["batch_since"]``, else from the watch), with the batch's ``tools`` as its driver timed them: their
+    luck is taken out when the watch expected a straggler's tools and covered the batch from its first report
+    (the straggler's tools from the batch's start are what it expected); the state unchanged without a
+    watch."""
     w = state.get("watch")
     if w is None:
         return state, None
-    batch_s = at - (state.get("batch_since") or w["since"])
-    return learn(state, w["shape"], w["predicted_s"], at - w["since"], batch_s, spread=w.get("spread", 0.0))
+    since = state.get("batch_since")
+    since = w["since"] if since is None else since
+    measured_s = at - w["since"]
+    luck = None
+    if tools is not None and w.get("tools_s") is not None and w["since"] == since:
+        sd, mean = float(w.get("tools_sd_s") or 0.0), float(w.get("tool_mean_s") or 0.0)
+        luck = tool_luck(float(w["tools_s"]), sd, mean, tools, measured_s)
+    return learn(state, w["shape"], w["predicted_s"], measured_s, at - since, w.get("spread", 0.0), luck)

@@ -99,6 +99,7 @@ class Prediction:
     turn_s: float = 0.0  # one turn of a mean trajectory, first phase (decode + prefill + tool + queue)
     straggler_s: float = 0.0  # the straggler floor
     straggler_sd_s: float = 0.0  # the straggler's spread from batch to batch (its tool draws): standard deviation
+    straggler_tools_s: float = 0.0  # the straggler's tools: the expected maximum of the trajectories' tool-time sums
     recompute_tokens_per_turn: float = 0.0  # context re-prefilled per turn (evicted while on a tool), first phase
     phases_s: tuple[float, ...] = ()  # the duration of each drain phase
 
@@ -137,7 +138,7 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
     if drain is None:  # no turns left at all: the batch is done
         return Prediction(0.0, 0.0, Bound.NONE)
     phases, total, first, last, slowest = drain
-    straggler, s_sd = _straggler(shape, work, dep, profile, last)
+    straggler, s_sd, s_tool = _straggler(shape, work, dep, profile, last)
 
     # (identical trajectories make the two equal: the drain's bound says more then)
     seconds, bound = (straggler, Bound.STRAGGLER) if straggler > total * (1 + 1e-9) else (total, slowest)
@@ -150,6 +151,7 @@ def predict(work: Work, dep: Deployment, profile: Profile) -> Prediction:
         turn_s=first.turn_s * k,
         straggler_s=straggler * k,
         straggler_sd_s=s_sd * k,
+        straggler_tools_s=s_tool * k,
         recompute_tokens_per_turn=first.recompute,
         phases_s=tuple(p * k for p in phases),
     )
@@ -219,12 +221,14 @@ def _drain(
     return phases, total, first, last, slowest[1]
 
 
-def _straggler(shape: _Shape, work: Work, dep: Deployment, profile: Profile, last: _Steady) -> tuple[float, float]:
-    """The straggler floor and its standard deviation (the module doc): its own turns one after another, in the
-    ``last`` phase's batch (never faster than batch 1) and behind that phase's queue for a batch slot or a
-    prefill worker. One tail response (the ``*_max``), the others typical: response lengths per turn are
-    independent, so two tail turns in one trajectory are rare. The tail response's excess decodes as the batch
-    drains. Its tools: the expected maximum of the tool-time sums of the trajectories that could be it."""
+def _straggler(
+    shape: _Shape, work: Work, dep: Deployment, profile: Profile, last: _Steady
+) -> tuple[float, float, float]:
+    """The straggler floor, its standard deviation and its tools' share (the module doc): its own turns one
+    after another, in the ``last`` phase's batch (never faster than batch 1) and behind that phase's queue for
+    a batch slot or a prefill worker. One tail response (the ``*_max``), the others typical: response lengths
+    per turn are independent, so two tail turns in one trajectory are rare. The tail response's excess decodes
+    as the batch drains. Its tools: the expected maximum of the tool-time sums of the trajectories that could be it."""
     n, mean_turns, max_turns = shape.n, shape.mean_turns, shape.max_turns
     decode_tokens, context0 = shape.decode_tokens, shape.context0
     s_excess = max(work.decode_tokens_per_turn_max - decode_tokens, 0.0)
@@ -244,7 +248,7 @@ def _straggler(shape: _Shape, work: Work, dep: Deployment, profile: Profile, las
         # one a worker's API server takes waits for all the others (later turns arrive spread by the tools)
         entry = min(dep.decode, dep.prefill) if dep.mode is Mode.DISAGGREGATED else dep.decode
         straggler += max(n / entry - 1.0, 0.0) * profile.request_serial_s
-    return straggler, s_sd
+    return straggler, s_sd, s_tool
 
 
 def _tail_share(mean_turns: float, max_turns: float) -> float:

@@ -285,10 +285,14 @@ class RolloutClient:
             self._sleep(min(poll_s, join_wait_s - waited))
         return 0.0
 
-    def report_progress(self, step: int | None = None, work: dict | None = None, judge: dict | None = None) -> None:
+    def report_progress(
+        self, step: int | None = None, work: dict | None = None, judge: dict | None = None, tools: dict | None = None
+    ) -> None:
         """Send the counts, and ``work`` — the remaining batch as the planner's Work fields (turns left,
-        tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it; and
-        ``judge``, the judge queue (pearlctl.router.judge.Queue.counts), when it scores with a judge.
+        tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it;
+        ``judge``, the judge queue (pearlctl.router.judge.Queue.counts), when it scores with a judge; and
+        ``tools``, the batch's tool calls as the driver timed them (``slowest_s``: the largest sum of tool seconds
+        over its trajectories, ``mean_s``: one call's mean; pearlctl.api.bodies.ToolTimes), when it times them.
         Never raises: progress is advice."""
         with self._lock:
             body = dict(self.counts, step=step)
@@ -296,6 +300,8 @@ class RolloutClient:
             body["work"] = work
         if judge is not None:
             body["judge"] = judge
+        if tools is not None:
+            body["tools"] = tools
         self._daemon("POST", "/v1/rollout/progress", body)
 
     def count(self, key: str, delta: int = 1) -> None:

@@ -5,7 +5,9 @@ planner's uncorrected prediction, learned per shape of work, and the profile a p
 
 Guarantees: the same rules as the daemon's ``Borrowing.check_prediction`` — a watch starts only while work is in
 flight and no transition is open, a change of the serving GPUs drops it (a plan's effect is not prediction
-error), a batch that another joins before it ends is not measured; the oracle's runs keep no correction.
+error), a batch that another joins before it ends is not measured, a batch's end comes with its tool times as a
+driver timing its tool calls reports them (``correct.Tools``: their luck is taken out as the daemon takes it
+out); the oracle's runs keep no correction.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ if TYPE_CHECKING:
 
 class CorrectionRun(Protocol):
     """What the ``Correction`` reads of its run (``pearlctl.sim.run.Sim``): the profile and how many GPUs make a
-    worker, whether the engines have work in flight, the batches launched, what the policy sees (``view``: the
+    worker, whether the engines have work in flight (and their tool times), the trajectories a batch has and the
+    batches launched, what the policy sees (``view``: the
     work, the uncorrected snapshot), whether a plan's switches wait (``moves``), and which GPUs are in
     transition or serve (``roles``)."""
 
     profile: Profile
     gpw: int
     engine: Engine
+    batch: int
     launched: int
     view: PolicyView
     moves: Moves
@@ -61,9 +65,11 @@ class Correction:
         batch, and measured / predicted goes into the correction (``correct.learn``)."""
         sim = self.sim
         watch = self.predictor.get("watch")
-        if not sim.engine.busy():  # the driver reports no work left
+        if not sim.engine.busy():  # the driver reports no work left, and its last batch's tool times
             if watch is not None:
-                state, check = correct.finish(self.predictor, t)
+                lo = (sim.launched - 1) * sim.batch
+                timed = sim.engine.tool_times(lo, lo + sim.batch)
+                state, check = correct.finish(self.predictor, t, correct.Tools(*timed) if timed else None)
                 self.predictor = {**state, "watch": None}
                 if check is not None:
                     self.checks.append(check)
@@ -88,7 +94,7 @@ class Correction:
         work = snap.work
         prediction = predict(work, plan.current_deployment(snap), sim.profile)  # uncorrected
         key = correct.shape(work, serving_workers(snap.gpus, sim.gpw))
-        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving, work.trajectories)}
+        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving, work)}
 
     def profile(self, work: Work, gpus) -> Profile:
         """The profile a policy plans with for ``work`` on the snapshot's ``gpus``: the scenario's, its

@@ -27,8 +27,9 @@ compares predictions with two references, both over batches 3 to N:
 
 Against each: without correction, the raw prediction; corrected after two batches, the raw prediction times
 the correction the daemon would hold after the shape's first two batches (pearlctl.planner.correct, learned as
-the daemon learns it — measured times, luck and all — every shape in turn; batches after the second do not
-teach it).
+the daemon learns it, every shape in turn: a watch from the batch's first report, ended with the batch's tool
+calls as examples/grpo/rollout.py times and reports them, so that a straggler-bound batch counts without its
+tools' luck; batches after the second do not teach it).
 
 Each shape runs ``--batches`` batches, then more until the plain mean of its batches 3 to N has a standard
 error of at most a third of the target (``MAX_MEAN_SE_PCT``; at most ``--max-batches``): a shape whose batches
@@ -163,6 +164,12 @@ def length_law(w: Workload, samples: int = 200_000) -> tuple[float, float]:
 def slowest_tools(turns: int, latencies) -> float:
     """The largest sum of one batch's tool draws (no call after a trajectory's last turn)."""
     return max(sum(row[: turns - 1]) for row in latencies)
+
+
+def timed_tools(turns: int, latencies) -> correct.Tools:
+    """One batch's tool calls as a rollout driver timing them reports them: the slowest sum, one call's mean."""
+    calls = [x for row in latencies for x in row[: turns - 1]]
+    return correct.Tools(slowest_tools(turns, latencies), statistics.fmean(calls) if calls else 0.0)
 
 
 def expected_slowest_tools(w: Workload, samples: int = 20_000) -> float:
@@ -316,8 +323,9 @@ def main() -> int:
                 offset += 10_000
                 measured.append(run_batch(probe, w, latencies, lengths, offset))
                 drawn.append(slowest_tools(w.turns, latencies))
-                if b < 2:
-                    state, _ = correct.learn(state, shape, raw, measured[-1], spread=prediction.spread)
+                if b < 2:  # the daemon's watch from the batch's first report, ended with its timed tools
+                    watched = {**state, "watch": correct.watch(prediction, shape, 0.0, [0], work), "batch_since": 0.0}
+                    state, _ = correct.finish(watched, measured[-1], timed_tools(w.turns, latencies))
                 print(f"  {tuple(w)} batch {b + 1}: measured {measured[-1]:.2f} s, predicted {raw:.2f} s",
                       file=sys.stderr)  # fmt: skip
                 b += 1

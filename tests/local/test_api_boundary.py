@@ -248,6 +248,10 @@ def test_defect2_wrong_types_and_sizes_are_refused_at_the_edge(live_run):
         bad = run.post("/v1/rollout/progress", {field: "x"})
         assert bad.status_code == 422, bad.text
         assert field in bad.json()["error"]
+    # ... and its tool times are seconds: both of them, none negative or unknown
+    for tools in ({"slowest_s": -1.0, "mean_s": 1.0}, {"slowest_s": 3.0}, {"slowest_s": 3.0, "mean_s": 1, "n": 2}):
+        bad = run.post("/v1/rollout/progress", {"tools": tools})
+        assert bad.status_code == 422 and "tools." in bad.json()["error"], bad.text
     good = run.post("/v1/rollout/progress", {"queued": 4, "generating": 2, "tokens": 1234})
     assert good.status_code == 200, good.text
     with run.read() as store:

@@ -456,7 +456,7 @@ def test_driver_exits_1_and_writes_no_batch_when_an_episode_fails(tmp_path: Path
 
 
 class ScriptedClientWithProgress(ScriptedClient):
-    def report_progress(self, step=None, work=None, judge=None) -> None:
+    def report_progress(self, step=None, work=None, judge=None, tools=None) -> None:
         pass
 
     def workers(self, force: bool = False) -> list[dict]:

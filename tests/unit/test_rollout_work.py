@@ -51,7 +51,7 @@ def test_queued_episodes_are_reported_as_concurrency_loops_with_the_same_tool_ti
     assert w["trajectories"] == 4 and w["turns_left"] == 7.0
     assert 6 * w["tool_latency_s"] == pytest.approx(4 * 12.0) and 4 * 12.0 <= seconds(w) < 4 * 12.0 + 4.0
     for i in range(4):
-        r.tool(f"s1-p0-g{i}")  # their tools returned: one call fewer a loop
+        r.tool(f"s1-p0-g{i}", 12.0)  # their tools returned: one call fewer a loop
     assert 6 * r.work()["tool_latency_s"] == pytest.approx(3 * 12.0)
     all_at_once = remaining(16).work()
     assert all_at_once["trajectories"] == 16 and all_at_once["tool_latency_s"] == 12.0
@@ -76,3 +76,18 @@ def test_the_tail_has_fewer_episodes_than_loops_and_an_empty_batch_reports_none(
         r.finish(f"s1-p0-g{i}")
     w = r.work()
     assert w["trajectories"] == 0 and w["turns_left"] == 0.0 and Work(**w).empty
+
+
+def test_the_steps_tool_calls_are_timed_for_the_daemon_and_not_reported_for_queued_episodes():
+    r = remaining(None, episodes=3)
+    assert r.tools() is None  # no call returned yet
+    for i, seconds in enumerate((11.0, 14.5, 12.0)):
+        r.turn(f"s1-p0-g{i}", 16)
+        r.tool(f"s1-p0-g{i}", seconds)
+        r.finish(f"s1-p0-g{i}")  # an episode that finished still counts in its step's tools
+    assert r.tools() == {"slowest_s": 14.5, "mean_s": pytest.approx(37.5 / 3)}
+    r.start(["s2-p0-g0"])  # the next step starts with none
+    assert r.tools() is None
+    queued = remaining(4)  # 16 episodes, 4 at a time: the work is 4 loops, whose tool sums the driver does not keep
+    queued.tool("s1-p0-g0", 12.0)
+    assert queued.tools() is None

@@ -107,6 +107,19 @@ def test_kv_eviction_costs_recompute():
     assert small.finished_at > large.finished_at
 
 
+def test_a_batchs_tool_times_are_the_calls_its_trajectories_made():
+    # 3 trajectories of 3, 2 and 1 turns: 2, 1 and 0 tool calls (none follows a trajectory's last turn)
+    d = draws(3, turns=3, response=10.0)
+    d.turns[:] = [3, 2, 1]
+    d.tool_latency[:] = np.array([[1.0, 4.0, 50.0, 50.0], [6.0, 50.0, 50.0, 50.0], [50.0] * 4], np.float32)
+    e = Engine(DENSE, d, 1, 10**5)
+    e.launch(0, 3, 0.0)
+    e.set_roles(np.array([W_ROLLOUT]))
+    assert e.tool_times(0, 3) is None  # no call returned yet
+    run_to_the_end(e, 0.0, 3)
+    assert e.tool_times(0, 3) == pytest.approx((6.0, (1.0 + 4.0 + 6.0) / 3))  # slowest sum, mean per call
+
+
 def test_colocated_prefill_takes_time_from_decode():
     # One worker decoding 8 sequences; 40 long prompts arrive: while it prefills them, decode slows.
     def decoded(with_prefill: bool) -> float:
