@@ -246,8 +246,9 @@ class Remaining:
     predicted a quarter of its length. With no queue (``--concurrency`` at least the episodes left) the
     slots are the episodes themselves, reported as they are.
 
-    It also times the step's tool calls (``tools``): the daemon's predictor correction takes the luck of the
-    slowest episode's draws out of the step's measured time (pearlctl.planner.correct)."""
+    It also times the step's tool calls (``tools``), summed per loop — a thread of the step's pool runs one loop:
+    its episodes one after another — so that the daemon's predictor correction can take the luck of the slowest
+    loop's draws out of the step's measured time (pearlctl.planner.correct)."""
 
     def __init__(self, args):
         self.args, self.lock = args, threading.Lock()
@@ -255,16 +256,14 @@ class Remaining:
         self.tools_done: dict[str, int] = {}
         self.tokens: list[int] = []
         self.prompt_chars: list[int] = []
-        self.tool_s: dict[str, float] = {}  # the step's tool seconds per episode
+        self.tool_s: dict[int, float] = {}  # the step's tool seconds per loop (the pool's thread that runs it)
         self.calls = 0  # the step's tool calls returned
-        self.slots = False  # the step's episodes queue for ``--concurrency`` loops
 
     def start(self, sessions: list[str]) -> None:
         with self.lock:
             self.turns_done = dict.fromkeys(sessions, 0)
             self.tools_done = dict.fromkeys(sessions, 0)
             self.tool_s, self.calls = {}, 0
-            self.slots = bool(getattr(self.args, "concurrency", None)) and len(sessions) > self.args.concurrency
 
     def turn(self, session: str, tokens: int) -> None:
         with self.lock:
@@ -272,20 +271,22 @@ class Remaining:
             self.tokens.append(tokens)
 
     def tool(self, session: str, seconds: float) -> None:
-        """The session's tool call returned after ``seconds``."""
+        """The session's tool call returned after ``seconds`` (called on the thread that runs the session)."""
+        loop = threading.get_ident()
         with self.lock:
             self.tools_done[session] = self.tools_done.get(session, 0) + 1
-            self.tool_s[session] = self.tool_s.get(session, 0.0) + seconds
+            self.tool_s[loop] = self.tool_s.get(loop, 0.0) + seconds
             self.calls += 1
 
     def tools(self) -> dict | None:
         """The step's tool calls so far, as the daemon takes them (pearlctl.api.bodies.ToolTimes): the largest
-        sum of tool seconds over its episodes, and the mean seconds of one call; None before a call returned,
-        and when episodes queue — the work is then reported as slots, whose sums are not the episodes'."""
+        sum of tool seconds over its loops, the mean seconds of one call, and the mean of one call ``work``
+        assumes (``--tool-latency-s``); None before a call returned."""
         with self.lock:
-            if self.slots or not self.tool_s:
+            if not self.calls:
                 return None
-            return {"slowest_s": max(self.tool_s.values()), "mean_s": sum(self.tool_s.values()) / self.calls}
+            mean = sum(self.tool_s.values()) / self.calls
+            return {"slowest_s": max(self.tool_s.values()), "mean_s": mean, "assumed_mean_s": self.args.tool_latency_s}
 
     def finish(self, session: str) -> None:
         with self.lock:

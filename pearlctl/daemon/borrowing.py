@@ -339,7 +339,7 @@ class Borrowing:
                 self._save_predictor({**state, "watch": None})
             return
         key = correct.shape(work, workers)
-        self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work)})
+        self._save_predictor({**state, "watch": correct.watch(prediction, key, at, serving, work.trajectories)})
 
     def _save_predictor(self, state: dict, check: correct.Check | None = None) -> None:
         event, data = ("prediction checked", asdict(check)) if check else (None, None)

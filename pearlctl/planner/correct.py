@@ -23,10 +23,11 @@ machine). A batch of a shape with fixed tool latencies moves the correction almo
 shape whose straggler spreads 25% moves it about halfway at first, and less as batches accumulate.
 
 Taking the tools' luck out. The rollout driver times its tool calls, so at a batch's end it may report them
-(``Tools``): the largest sum of tool seconds over the batch's trajectories, and the mean seconds of one call.
+(``Tools``): the largest sum of tool seconds over the batch's trajectories, the mean seconds of one call, and
+the mean its work report assumed.
 When the batch's prediction was set by its straggler and the watch covered the batch from its first report,
 the batch counts as ``measured - luck`` (``tool_luck``): the straggler's tools as drawn, less the straggler's
-tools the prediction expected — scaled by the calls' measured mean over the mean the driver reported, so that
+tools the prediction expected — scaled by the calls' measured mean over the assumed one, so that
 tools slower than reported on every call (a bias the correction must learn) stay in, and only the draw of
 the maximum (luck it must not learn) goes; such a batch counts with ``NOISE_FLOOR`` only, since the spread
 the prediction expected was that luck. A slowest sum further from that expectation than ``LUCK_SDS`` of its
@@ -76,21 +77,23 @@ def shape(work: Work, workers: int) -> str:
 @dataclass(frozen=True)
 class Tools:
     """A batch's tool calls as its rollout driver timed them: the largest sum of tool seconds over its
-    trajectories, and the mean seconds of one call."""
+    trajectories (the closed loops its ``Work`` reports), the mean seconds of one call, and the mean its
+    ``Work`` assumed of one call (the law it reports)."""
 
     slowest_s: float
     mean_s: float
+    assumed_mean_s: float
 
 
-def tool_luck(expected_s: float, sd_s: float, reported_mean_s: float, tools: Tools, measured_s: float) -> float | None:
+def tool_luck(expected_s: float, sd_s: float, tools: Tools, measured_s: float) -> float | None:
     """Seconds by which a straggler-bound batch's tools ran over what its prediction expected of them by the
     draw of the maximum alone (the module doc): the slowest tool sum (at most the batch's ``measured_s``) less
-    ``expected_s`` — the prediction's ``straggler_tools_s`` for calls of mean ``reported_mean_s`` — at the
-    calls' measured mean; negative for a batch whose straggler drew fast tools. None when the slowest sum is
-    further than ``LUCK_SDS`` of the maximum's standard deviations (``sd_s``, the prediction's
-    ``straggler_sd_s``) from that expectation: the tools do not follow the law the predictor models (a tail
-    heavier than a shifted exponential's), so its expectation is no mean to take luck against."""
-    scale = tools.mean_s / reported_mean_s if reported_mean_s > 0 else 1.0
+    ``expected_s`` — the prediction's ``straggler_tools_s``, for calls of the assumed mean — at the calls'
+    measured mean; negative for a batch whose straggler drew fast tools. None when the slowest sum is further
+    than ``LUCK_SDS`` of the maximum's standard deviations (``sd_s``, the prediction's ``straggler_sd_s``)
+    from that expectation: the tools do not follow the law the predictor models (a tail heavier than a shifted
+    exponential's), so its expectation is no mean to take luck against."""
+    scale = tools.mean_s / tools.assumed_mean_s if tools.assumed_mean_s > 0 else 1.0
     luck = min(tools.slowest_s, measured_s) - expected_s * scale
     return luck if abs(luck) <= LUCK_SDS * sd_s * scale else None
 
@@ -167,11 +170,11 @@ def learn(
     return state, Check(key, predicted_s, measured_s, ratio, shapes[key]["ratio"])
 
 
-def watch(prediction: Prediction, key: str, since: float, gpus, work: Work) -> dict:
+def watch(prediction: Prediction, key: str, since: float, gpus, trajectories: int = 0) -> dict:
     """The watch of a batch (as the daemon stores it with the run): its uncorrected ``prediction`` made at
-    ``since`` for the serving ``gpus`` from ``work``, with the spread it expects, for the shape ``key``, the
-    trajectories in flight then (``grew``), and — a prediction set by its straggler — the straggler's
-    expected tools and the mean tool call ``work`` reported (``tool_luck``)."""
+    ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``, the ``trajectories``
+    in flight then (``grew``), and — a prediction set by its straggler — the straggler's expected tools and
+    their standard deviation (``tool_luck``)."""
     straggler = prediction.bound is Bound.STRAGGLER and prediction.straggler_tools_s > 0
     return {
         "since": since,
@@ -179,10 +182,9 @@ def watch(prediction: Prediction, key: str, since: float, gpus, work: Work) -> d
         "spread": prediction.spread,
         "shape": key,
         "gpus": gpus,
-        "trajectories": work.trajectories,
+        "trajectories": trajectories,
         "tools_s": prediction.straggler_tools_s if straggler else None,
         "tools_sd_s": prediction.straggler_sd_s,
-        "tool_mean_s": work.tool_latency_s,
     }
 
 
@@ -209,6 +211,5 @@ def finish(state: dict, at: float, tools: Tools | None = None) -> tuple[dict, Ch
     measured_s = at - w["since"]
     luck = None
     if tools is not None and w.get("tools_s") is not None and w["since"] == since:
-        sd, mean = float(w.get("tools_sd_s") or 0.0), float(w.get("tool_mean_s") or 0.0)
-        luck = tool_luck(float(w["tools_s"]), sd, mean, tools, measured_s)
+        luck = tool_luck(float(w["tools_s"]), float(w.get("tools_sd_s") or 0.0), tools, measured_s)
     return learn(state, w["shape"], w["predicted_s"], measured_s, at - since, w.get("spread", 0.0), luck)

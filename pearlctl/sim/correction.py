@@ -69,7 +69,8 @@ class Correction:
             if watch is not None:
                 lo = (sim.launched - 1) * sim.batch
                 timed = sim.engine.tool_times(lo, lo + sim.batch)
-                state, check = correct.finish(self.predictor, t, correct.Tools(*timed) if timed else None)
+                tools = correct.Tools(*timed, assumed_mean_s=sim.view.lat_mean) if timed else None
+                state, check = correct.finish(self.predictor, t, tools)
                 self.predictor = {**state, "watch": None}
                 if check is not None:
                     self.checks.append(check)
@@ -94,7 +95,7 @@ class Correction:
         work = snap.work
         prediction = predict(work, plan.current_deployment(snap), sim.profile)  # uncorrected
         key = correct.shape(work, serving_workers(snap.gpus, sim.gpw))
-        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving, work)}
+        self.predictor = {**self.predictor, "watch": correct.watch(prediction, key, t, serving, work.trajectories)}
 
     def profile(self, work: Work, gpus) -> Profile:
         """The profile a policy plans with for ``work`` on the snapshot's ``gpus``: the scenario's, its

@@ -4,6 +4,7 @@ so the predictor — whose trajectories all run at once — predicts the queued 
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -78,16 +79,22 @@ def test_the_tail_has_fewer_episodes_than_loops_and_an_empty_batch_reports_none(
     assert w["trajectories"] == 0 and w["turns_left"] == 0.0 and Work(**w).empty
 
 
-def test_the_steps_tool_calls_are_timed_for_the_daemon_and_not_reported_for_queued_episodes():
-    r = remaining(None, episodes=3)
+def test_the_steps_tool_calls_are_timed_per_loop_for_the_daemon():
+    # a loop is a thread of the step's pool: its episodes' tool calls add up; the slowest loop is reported
+    r = remaining(2, episodes=4)
     assert r.tools() is None  # no call returned yet
-    for i, seconds in enumerate((11.0, 14.5, 12.0)):
-        r.turn(f"s1-p0-g{i}", 16)
-        r.tool(f"s1-p0-g{i}", seconds)
-        r.finish(f"s1-p0-g{i}")  # an episode that finished still counts in its step's tools
-    assert r.tools() == {"slowest_s": 14.5, "mean_s": pytest.approx(37.5 / 3)}
+
+    def loop(episodes: list[tuple[int, float]]) -> None:
+        for i, seconds in episodes:
+            r.turn(f"s1-p0-g{i}", 16)
+            r.tool(f"s1-p0-g{i}", seconds)
+            r.finish(f"s1-p0-g{i}")  # an episode that finished still counts in its step's tools
+
+    threads = [threading.Thread(target=loop, args=(e,)) for e in ([(0, 11.0), (1, 14.5)], [(2, 12.0), (3, 10.0)])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert r.tools() == {"slowest_s": 25.5, "mean_s": pytest.approx(47.5 / 4), "assumed_mean_s": 12.0}
     r.start(["s2-p0-g0"])  # the next step starts with none
     assert r.tools() is None
-    queued = remaining(4)  # 16 episodes, 4 at a time: the work is 4 loops, whose tool sums the driver does not keep
-    queued.tool("s1-p0-g0", 12.0)
-    assert queued.tools() is None
