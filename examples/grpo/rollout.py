@@ -257,13 +257,12 @@ class Remaining:
         self.tokens: list[int] = []
         self.prompt_chars: list[int] = []
         self.tool_s: dict[int, float] = {}  # the step's tool seconds per loop (the pool's thread that runs it)
-        self.calls = 0  # the step's tool calls returned
 
     def start(self, sessions: list[str]) -> None:
         with self.lock:
             self.turns_done = dict.fromkeys(sessions, 0)
             self.tools_done = dict.fromkeys(sessions, 0)
-            self.tool_s, self.calls = {}, 0
+            self.tool_s = {}
 
     def turn(self, session: str, tokens: int) -> None:
         with self.lock:
@@ -276,17 +275,12 @@ class Remaining:
         with self.lock:
             self.tools_done[session] = self.tools_done.get(session, 0) + 1
             self.tool_s[loop] = self.tool_s.get(loop, 0.0) + seconds
-            self.calls += 1
 
     def tools(self) -> dict | None:
         """The step's tool calls so far, as the daemon takes them (pearlctl.api.bodies.ToolTimes): the largest
-        sum of tool seconds over its loops, the mean seconds of one call, and the mean of one call ``work``
-        assumes (``--tool-latency-s``); None before a call returned."""
+        sum of tool seconds over its loops; None before a call returned."""
         with self.lock:
-            if not self.calls:
-                return None
-            mean = sum(self.tool_s.values()) / self.calls
-            return {"slowest_s": max(self.tool_s.values()), "mean_s": mean, "assumed_mean_s": self.args.tool_latency_s}
+            return {"slowest_s": max(self.tool_s.values())} if self.tool_s else None
 
     def finish(self, session: str) -> None:
         with self.lock:

@@ -260,12 +260,9 @@ class JudgeQueue(Body):
 
 class ToolTimes(Body):
     """The current batch's tool calls as the rollout driver timed them (pearlctl.planner.correct.Tools): the
-    largest sum of tool seconds over its trajectories (the loops its ``work`` reports), the mean seconds of one
-    call, and the mean of one call its ``work`` assumes."""
+    largest sum of tool seconds over its trajectories (the loops its ``work`` reports)."""
 
     slowest_s: Seconds
-    mean_s: Seconds
-    assumed_mean_s: Seconds
 
 
 class Progress(Body):

@@ -22,18 +22,21 @@ deviation, at least ``NOISE_FLOOR``: the batch-to-batch jitter of a shape with f
 machine). A batch of a shape with fixed tool latencies moves the correction almost all the way; one of a
 shape whose straggler spreads 25% moves it about halfway at first, and less as batches accumulate.
 
-Taking the tools' luck out. The rollout driver times its tool calls, so at a batch's end it may report them
-(``Tools``): the largest sum of tool seconds over the batch's trajectories, the mean seconds of one call, and
-the mean its work report assumed.
-When the batch's prediction was set by its straggler and the watch covered the batch from its first report,
-the batch counts as ``measured - luck`` (``tool_luck``): the straggler's tools as drawn, less the straggler's
-tools the prediction expected — scaled by the calls' measured mean over the assumed one, so that
-tools slower than reported on every call (a bias the correction must learn) stay in, and only the draw of
-the maximum (luck it must not learn) goes; such a batch counts with ``NOISE_FLOOR`` only, since the spread
-the prediction expected was that luck. A slowest sum further from that expectation than ``LUCK_SDS`` of its
-standard deviations is no draw of the law the predictor models (a heavier tail: a bias too) and stays in.
-Without a report, or for a batch set by its throughput, the batch counts as measured, weighed by its
-expected spread.
+Taking the tools' luck out. The rollout driver times its tool calls, so at a batch's end it may report the
+largest sum of tool seconds over the batch's trajectories (``Tools``). When the batch's prediction was set by
+its straggler and the watch covered the batch from its first report, the batch counts as ``measured - luck``
+(``tool_luck``): the straggler's tools as drawn, less the straggler's tools the prediction expected; and it
+counts with ``NOISE_FLOOR`` only, since the spread the prediction expected was that luck. So the correction
+learns the model's error, not the draw of the maximum. A slowest sum further from that expectation than
+``LUCK_SDS`` of its standard deviations is no draw of the law the predictor models (a heavier tail, or calls
+far slower than reported: a bias) and stays in. Without a report, or for a batch set by its throughput, the
+batch counts as measured, weighed by its expected spread. What this leaves out: calls slower than the
+reported law by less than that on every call are taken as luck too, so a driver should report the tool
+latency it measures (the correction learns no bias the report hides within the maximum's spread). Scaling
+the expectation by the batch's own mean call would take that bias in, but a batch's mean moves with its
+maximum and cancels most of the luck (on the CPU benchmark's first run with it, docs/planner.md, the
+correction after two batches was 28% off on one shape); a mean pooled over earlier batches was too noisy
+after two of them.
 
 A shape is the work's order of magnitude on the axes that move the error: trajectories per worker, tokens
 per turn, and tool latency (log2 buckets). Pure: the state is a JSON-able dict the daemon stores with the run.
@@ -77,25 +80,20 @@ def shape(work: Work, workers: int) -> str:
 @dataclass(frozen=True)
 class Tools:
     """A batch's tool calls as its rollout driver timed them: the largest sum of tool seconds over its
-    trajectories (the closed loops its ``Work`` reports), the mean seconds of one call, and the mean its
-    ``Work`` assumed of one call (the law it reports)."""
+    trajectories (the closed loops its ``Work`` reports)."""
 
     slowest_s: float
-    mean_s: float
-    assumed_mean_s: float
 
 
-def tool_luck(expected_s: float, sd_s: float, tools: Tools, measured_s: float) -> float | None:
+def tool_luck(expected_s: float, sd_s: float, slowest_s: float, measured_s: float) -> float | None:
     """Seconds by which a straggler-bound batch's tools ran over what its prediction expected of them by the
-    draw of the maximum alone (the module doc): the slowest tool sum (at most the batch's ``measured_s``) less
-    ``expected_s`` — the prediction's ``straggler_tools_s``, for calls of the assumed mean — at the calls'
-    measured mean; negative for a batch whose straggler drew fast tools. None when the slowest sum is further
-    than ``LUCK_SDS`` of the maximum's standard deviations (``sd_s``, the prediction's ``straggler_sd_s``)
-    from that expectation: the tools do not follow the law the predictor models (a tail heavier than a shifted
-    exponential's), so its expectation is no mean to take luck against."""
-    scale = tools.mean_s / tools.assumed_mean_s if tools.assumed_mean_s > 0 else 1.0
-    luck = min(tools.slowest_s, measured_s) - expected_s * scale
-    return luck if abs(luck) <= LUCK_SDS * sd_s * scale else None
+    draw of the maximum (the module doc): the slowest tool sum (at most the batch's ``measured_s``) less
+    ``expected_s``, the prediction's ``straggler_tools_s``; negative for a batch whose straggler drew fast
+    tools. None when the slowest sum is further than ``LUCK_SDS`` of the maximum's standard deviations
+    (``sd_s``, the prediction's ``straggler_sd_s``) from that expectation: the tools do not follow the law the
+    predictor models, so its expectation is no mean to take luck against."""
+    luck = min(slowest_s, measured_s) - expected_s
+    return luck if abs(luck) <= LUCK_SDS * sd_s else None
 
 
 @dataclass(frozen=True)
@@ -211,5 +209,5 @@ def finish(state: dict, at: float, tools: Tools | None = None) -> tuple[dict, Ch
     measured_s = at - w["since"]
     luck = None
     if tools is not None and w.get("tools_s") is not None and w["since"] == since:
-        luck = tool_luck(float(w["tools_s"]), float(w.get("tools_sd_s") or 0.0), tools, measured_s)
+        luck = tool_luck(float(w["tools_s"]), float(w.get("tools_sd_s") or 0.0), tools.slowest_s, measured_s)
     return learn(state, w["shape"], w["predicted_s"], measured_s, at - since, w.get("spread", 0.0), luck)

@@ -292,8 +292,7 @@ class RolloutClient:
         tokens per turn, tool latency…) — when the driver knows it: cost-aware policies predict with it;
         ``judge``, the judge queue (pearlctl.router.judge.Queue.counts), when it scores with a judge; and
         ``tools``, the batch's tool calls as the driver timed them (pearlctl.api.bodies.ToolTimes: the largest sum
-        of tool seconds over its trajectories, one call's mean, and the mean its ``work`` assumes), when it times
-        them.
+        of tool seconds over its trajectories), when it times them.
         Never raises: progress is advice."""
         with self._lock:
             body = dict(self.counts, step=step)

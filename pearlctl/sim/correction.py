@@ -68,8 +68,8 @@ class Correction:
         if not sim.engine.busy():  # the driver reports no work left, and its last batch's tool times
             if watch is not None:
                 lo = (sim.launched - 1) * sim.batch
-                timed = sim.engine.tool_times(lo, lo + sim.batch)
-                tools = correct.Tools(*timed, assumed_mean_s=sim.view.lat_mean) if timed else None
+                slowest = sim.engine.slowest_tools(lo, lo + sim.batch)
+                tools = None if slowest is None else correct.Tools(slowest)
                 state, check = correct.finish(self.predictor, t, tools)
                 self.predictor = {**state, "watch": None}
                 if check is not None:

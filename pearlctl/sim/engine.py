@@ -533,16 +533,16 @@ class Engine:
         future &= turns_idx[None, :] < d.turns[lo:hi, None]
         return float(self.dec_left[lo:hi][live].sum() + (d.response[lo:hi] * future)[live].sum())
 
-    def tool_times(self, lo: int, hi: int) -> tuple[float, float] | None:
+    def slowest_tools(self, lo: int, hi: int) -> float | None:
         """What a rollout driver timing its tool calls reports of finished trajectories [lo, hi): the largest sum
-        of tool seconds over them, and the mean seconds of one call (as drawn, mismatch included); None when
-        they called no tool. A trajectory's calls are its turns but its last (``turn``: the calls returned)."""
+        of tool seconds over them (as drawn, mismatch included); None when they called no tool. A trajectory's
+        calls are its turns but its last (``turn``: the calls returned)."""
         calls = self.turn[lo:hi]
         if not calls.any():
             return None
         taken = np.arange(self.draws.tool_latency.shape[1])[None, :] < calls[:, None]
         sums = (self.draws.tool_latency[lo:hi] * taken).sum(axis=1, dtype=np.float64)
-        return float(sums.max()), float(sums.sum() / calls.sum())
+        return float(sums.max())
 
     def busy(self) -> bool:
         """Some launched trajectory is unfinished (``in_flight`` is not empty)."""

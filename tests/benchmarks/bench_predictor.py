@@ -166,14 +166,6 @@ def slowest_tools(turns: int, latencies) -> float:
     return max(sum(row[: turns - 1]) for row in latencies)
 
 
-def timed_tools(w: Workload, latencies) -> correct.Tools:
-    """One batch's tool calls as a rollout driver timing them reports them: the slowest sum, one call's mean,
-    and the mean its work report assumed (the workload's)."""
-    calls = [x for row in latencies for x in row[: w.turns - 1]]
-    mean = statistics.fmean(calls) if calls else 0.0
-    return correct.Tools(slowest_tools(w.turns, latencies), mean, w.tool_mean_s)
-
-
 def expected_slowest_tools(w: Workload, samples: int = 20_000) -> float:
     """E[slowest_tools] under the workload's tool law, by simulation (its own seed: the batches' draws stay
     as they were)."""
@@ -328,7 +320,7 @@ def main() -> int:
                 if b < 2:  # the daemon's watch from the batch's first report, ended with its timed tools
                     watch = correct.watch(prediction, shape, 0.0, [0], work.trajectories)
                     watched = {**state, "watch": watch, "batch_since": 0.0}
-                    state, _ = correct.finish(watched, measured[-1], timed_tools(w, latencies))
+                    state, _ = correct.finish(watched, measured[-1], correct.Tools(drawn[-1]))
                 print(f"  {tuple(w)} batch {b + 1}: measured {measured[-1]:.2f} s, predicted {raw:.2f} s",
                       file=sys.stderr)  # fmt: skip
                 b += 1

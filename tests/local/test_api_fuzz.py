@@ -252,7 +252,7 @@ def valid_values(ids: Ids) -> dict[str, dict[str, st.SearchStrategy]]:
             "judge": st.fixed_dictionaries(
                 {}, optional={"waiting": counts, "judging": counts, "done": counts, "failed": counts}
             ),
-            "tools": st.fixed_dictionaries({"slowest_s": seconds, "mean_s": seconds, "assumed_mean_s": seconds}),
+            "tools": st.fixed_dictionaries({"slowest_s": seconds}),
         },
         # with every optional key set, so that mutations reach each of them too
         "profile": {

@@ -50,9 +50,9 @@ def test_a_watch_starts_on_a_stable_set_of_serving_gpus_and_learns_at_the_batchs
     check = sim.correction.checks[0]
     measured = t - sim.scenario.tick_s - start  # to the first moment without work
     # less the straggler's tool luck, from the batch's tool calls as a driver timing them reports them
-    tools = correct.Tools(*sim.engine.tool_times(0, sim.batch), assumed_mean_s=work.tool_latency_s)
+    slowest = sim.engine.slowest_tools(0, sim.batch)
     assert watch["tools_s"] is not None and watch["since"] == 0.0  # a straggler-bound batch watched from its start
-    luck = correct.tool_luck(watch["tools_s"], watch["tools_sd_s"], tools, measured)
+    luck = correct.tool_luck(watch["tools_s"], watch["tools_sd_s"], slowest, measured)
     assert luck is not None and luck != 0
     assert check.measured_s == pytest.approx(measured - luck)
     assert check.predicted_s == watch["predicted_s"] and check.shape == watch["shape"]
