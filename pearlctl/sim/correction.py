@@ -5,9 +5,9 @@ planner's uncorrected prediction, learned per shape of work, and the profile a p
 
 Guarantees: the same rules as the daemon's ``Borrowing.check_prediction`` — a watch starts only while work is in
 flight and no transition is open, a change of the serving GPUs drops it (a plan's effect is not prediction
-error), a batch that another joins before it ends is not measured, a batch's end comes with its tool times as a
-driver timing its tool calls reports them (``correct.Tools``: their luck is taken out as the daemon takes it
-out); the oracle's runs keep no correction.
+error), a batch that another joins before it ends is not measured, a batch's end comes with its slowest tool
+sum as a driver timing its tool calls reports it (``correct.Tools``: its luck is taken out as the daemon takes
+it out); the oracle's runs keep no correction.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 
 class CorrectionRun(Protocol):
     """What the ``Correction`` reads of its run (``pearlctl.sim.run.Sim``): the profile and how many GPUs make a
-    worker, whether the engines have work in flight (and their tool times), the trajectories a batch has and the
-    batches launched, what the policy sees (``view``: the
-    work, the uncorrected snapshot), whether a plan's switches wait (``moves``), and which GPUs are in
-    transition or serve (``roles``)."""
+    worker, whether the engines have work in flight (and a batch's slowest tools), the trajectories a batch has
+    and the batches launched, what the policy sees (``view``: the work, the uncorrected snapshot), whether a
+    plan's switches wait (``moves``), and which GPUs are in transition or serve (``roles``)."""
 
     profile: Profile
     gpw: int
@@ -65,7 +64,7 @@ class Correction:
         batch, and measured / predicted goes into the correction (``correct.learn``)."""
         sim = self.sim
         watch = self.predictor.get("watch")
-        if not sim.engine.busy():  # the driver reports no work left, and its last batch's tool times
+        if not sim.engine.busy():  # the driver reports no work left, and its last batch's slowest tool sum
             if watch is not None:
                 lo = (sim.launched - 1) * sim.batch
                 slowest = sim.engine.slowest_tools(lo, lo + sim.batch)

@@ -121,13 +121,23 @@ def verdict(
     return 1 if check and missed else 0
 
 
-def commit() -> str:
+def commit(exclude: Path | None = None) -> str:
+    """The commit the numbers were measured at, and whether tracked files differed from it (``exclude``: a file
+    the benchmark itself rewrites, which does not count)."""
+    skip = [f":!{exclude.relative_to(REPO)}"] if exclude is not None else []
     try:
-        return subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *skip],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head} (with uncommitted changes)" if dirty else head
 
 
 def stamp() -> str:

@@ -35,7 +35,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -49,6 +48,7 @@ from pearlctl.sim import scenario as sc  # noqa: E402
 from pearlctl.sim.oracle import run_oracle  # noqa: E402
 from pearlctl.sim.routing import DEFAULT_ROUTER, ROUTERS  # noqa: E402
 from pearlctl.sim.run import make_draws, make_trace, run_policy  # noqa: E402
+from tests.benchmarks import _targets  # noqa: E402
 
 POLICIES = ["static", "elastic", "pearl", "oracle"]
 MISMATCHES = {"none": sc.NO_MISMATCH, "measured": sc.MEASURED}
@@ -340,21 +340,9 @@ def table(docs: list[dict]) -> str:
 
 
 def commit() -> str:
-    """The commit the numbers were measured at, and whether tracked files differed from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            # the results file itself (rewritten by every --write-docs) does not make the tree dirty
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{DOCS.relative_to(REPO)}"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} (with uncommitted changes)" if dirty else head
+    """The commit the numbers were measured at, and whether tracked files differed from it (the results file
+    itself, rewritten by every --write-docs, does not count)."""
+    return _targets.commit(exclude=DOCS)
 
 
 def write_docs(docs: list[dict], cmd: str, wall: float, cpu: float, failing: list[str], still: list[str]) -> None:
