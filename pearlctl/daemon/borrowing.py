@@ -313,7 +313,7 @@ class Borrowing:
         if work.empty:
             if watch is not None or state.get("batch_since") is not None:
                 tools = report.get("tools")  # stored as the typed body had it (bodies.ToolTimes)
-                state, check = correct.finish(state, at, correct.Tools(**tools) if tools else None)
+                state, check = correct.finish(state, at, correct.Tools(tools["slowest_s"]) if tools else None)
                 self._save_predictor({**state, "watch": None, "batch_since": None}, check)
             return
         if correct.grew(state, work):  # the next batch joined before this one ended: no watch spans both
