@@ -171,8 +171,8 @@ def learn(
 def watch(prediction: Prediction, key: str, since: float, gpus, trajectories: int = 0) -> dict:
     """The watch of a batch (as the daemon stores it with the run): its uncorrected ``prediction`` made at
     ``since`` for the serving ``gpus``, with the spread it expects, for the shape ``key``, the ``trajectories``
-    in flight then (``grew``), and — a prediction set by its straggler — the straggler's expected tools and
-    their standard deviation (``tool_luck``)."""
+    in flight then (``grew``), and — a prediction set by its straggler — the straggler's expected tools
+    (``tool_luck``; their standard deviation is the spread's, ``spread * predicted_s``)."""
     straggler = prediction.bound is Bound.STRAGGLER and prediction.straggler_tools_s > 0
     return {
         "since": since,
@@ -182,7 +182,6 @@ def watch(prediction: Prediction, key: str, since: float, gpus, trajectories: in
         "gpus": gpus,
         "trajectories": trajectories,
         "tools_s": prediction.straggler_tools_s if straggler else None,
-        "tools_sd_s": prediction.straggler_sd_s,
     }
 
 
@@ -209,5 +208,6 @@ def finish(state: dict, at: float, tools: Tools | None = None) -> tuple[dict, Ch
     measured_s = at - w["since"]
     luck = None
     if tools is not None and w.get("tools_s") is not None and w["since"] == since:
-        luck = tool_luck(float(w["tools_s"]), float(w.get("tools_sd_s") or 0.0), tools.slowest_s, measured_s)
+        sd = float(w.get("spread", 0.0)) * float(w["predicted_s"])  # the straggler's (Prediction.spread)
+        luck = tool_luck(float(w["tools_s"]), sd, tools.slowest_s, measured_s)
     return learn(state, w["shape"], w["predicted_s"], measured_s, at - since, w.get("spread", 0.0), luck)

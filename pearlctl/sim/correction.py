@@ -31,18 +31,20 @@ if TYPE_CHECKING:
 
 class CorrectionRun(Protocol):
     """What the ``Correction`` reads of its run (``pearlctl.sim.run.Sim``): the profile and how many GPUs make a
-    worker, whether the engines have work in flight (and a batch's slowest tools), the trajectories a batch has
-    and the batches launched, what the policy sees (``view``: the work, the uncorrected snapshot), whether a
-    plan's switches wait (``moves``), and which GPUs are in transition or serve (``roles``)."""
+    worker, whether the engines have work in flight (and a batch's slowest tools), batch ``j``'s trajectories
+    (``batch_range``) and the batches launched, what the policy sees (``view``: the work, the uncorrected
+    snapshot), whether a plan's switches wait (``moves``), and which GPUs are in transition or serve
+    (``roles``)."""
 
     profile: Profile
     gpw: int
     engine: Engine
-    batch: int
     launched: int
     view: PolicyView
     moves: Moves
     roles: GpuRoles
+
+    def batch_range(self, j: int) -> tuple[int, int]: ...
 
 
 class Correction:
@@ -66,8 +68,7 @@ class Correction:
         watch = self.predictor.get("watch")
         if not sim.engine.busy():  # the driver reports no work left, and its last batch's slowest tool sum
             if watch is not None:
-                lo = (sim.launched - 1) * sim.batch
-                slowest = sim.engine.slowest_tools(lo, lo + sim.batch)
+                slowest = sim.engine.slowest_tools(*sim.batch_range(sim.launched - 1))
                 tools = None if slowest is None else correct.Tools(slowest)
                 state, check = correct.finish(self.predictor, t, tools)
                 self.predictor = {**state, "watch": None}

@@ -346,14 +346,15 @@ class Sim:
 
     # -- the trainer ----------------------------------------------------------------------------------
 
-    def _batch_range(self, j: int) -> tuple[int, int]:
+    def batch_range(self, j: int) -> tuple[int, int]:
+        """The trajectories of batch ``j`` (from 0), as indices [lo, hi) into the draws."""
         return j * self.batch, (j + 1) * self.batch
 
     def _trainer(self, t: float) -> None:
         tr = self.scenario.training
         # Batches finishing.
-        while len(self.completed_at) < self.launched and self._complete(*self._batch_range(len(self.completed_at))):
-            lo, hi = self._batch_range(len(self.completed_at))
+        while len(self.completed_at) < self.launched and self._complete(*self.batch_range(len(self.completed_at))):
+            lo, hi = self.batch_range(len(self.completed_at))
             end = float(np.nanmax(self.engine.done_at[lo:hi]))
             if self.judges is not None:
                 end = max(end, float(np.nanmax(self.judges.judged_at[lo:hi])))
@@ -434,7 +435,7 @@ class Sim:
 
     def _launch(self, t: float) -> None:
         began = not self.engine.busy()  # the driver's first report with work after none (the daemon's batch_work)
-        lo, hi = self._batch_range(self.launched)
+        lo, hi = self.batch_range(self.launched)
         self.engine.launch(lo, hi, t)
         self.launched_at.append(t)
         self.launched += 1

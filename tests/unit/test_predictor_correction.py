@@ -129,7 +129,7 @@ def test_tools_luck_is_left_in_a_batch_set_by_its_throughput_or_watched_from_its
 
 def test_a_slowest_sum_the_modelled_law_would_not_draw_is_no_luck_and_stays_in():
     state, predicted, tools_s = _watched(Work(**{**WORK, **SPREADING}))
-    sd = state["watch"]["tools_sd_s"]
+    sd = state["watch"]["spread"] * predicted  # the straggler's standard deviation
     # a tail far heavier than the shifted exponential the predictor models (a lognormal's, say), or calls far
     # slower than reported: the slowest sum is 4 standard deviations above the expected maximum; it stays in
     heavy = correct.Tools(slowest_s=tools_s + 4 * sd)

@@ -52,7 +52,7 @@ def test_a_watch_starts_on_a_stable_set_of_serving_gpus_and_learns_at_the_batchs
     # less the straggler's tool luck, from the batch's tool calls as a driver timing them reports them
     slowest = sim.engine.slowest_tools(0, sim.batch)
     assert watch["tools_s"] is not None and watch["since"] == 0.0  # a straggler-bound batch watched from its start
-    luck = correct.tool_luck(watch["tools_s"], watch["tools_sd_s"], slowest, measured)
+    luck = correct.tool_luck(watch["tools_s"], watch["spread"] * watch["predicted_s"], slowest, measured)
     assert luck is not None and luck != 0
     assert check.measured_s == pytest.approx(measured - luck)
     assert check.predicted_s == watch["predicted_s"] and check.shape == watch["shape"]
