@@ -78,14 +78,25 @@ def _waiting(url: str) -> float:
     return _metrics(url).get("num_requests_waiting", 0.0)
 
 
-def _send(base_url: str, key: str, sessions: int, answers: dict[int, dict]) -> list[threading.Thread]:
-    """One turn of each of ``sessions`` sessions through the gateway, each in its thread (started): the answers
-    land in ``answers`` by session."""
+@pytest.fixture
+def client():
+    """One HTTP client for a test's sessions, shared by their threads: a session's start then costs no TLS context
+    or connection pool of its own (``httpx.post`` builds both per call, which on a loaded machine spread the
+    sessions' arrivals over seconds)."""
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=None)) as c:
+        yield c
+
+
+def _send(
+    client: httpx.Client, base_url: str, key: str, sessions: int, answers: dict[int, dict], tokens: int = TOKENS
+) -> list[threading.Thread]:
+    """One turn of ``tokens`` tokens of each of ``sessions`` sessions through the gateway, each in its thread
+    (started): the answers land in ``answers`` by session."""
 
     def turn(i: int) -> None:
-        body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": TOKENS, "return_token_ids": True}
+        body = {"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": tokens, "return_token_ids": True}
         headers = {"Authorization": f"Bearer {key}", "X-Session-ID": f"episode-{i}"}
-        answers[i] = httpx.post(base_url + "/completions", json=body, headers=headers, timeout=120).json()
+        answers[i] = client.post(base_url + "/completions", json=body, headers=headers).json()
 
     threads = [threading.Thread(target=turn, args=(i,)) for i in range(sessions)]
     for t in threads:
@@ -93,7 +104,9 @@ def _send(base_url: str, key: str, sessions: int, answers: dict[int, dict]) -> l
     return threads
 
 
-def _join_and_check(record, key: str, w1: str, w2: str, threads, answers: dict[int, dict], sessions: int) -> list[int]:
+def _join_and_check(
+    record, key: str, w1: str, w2: str, threads, answers: dict[int, dict], sessions: int, tokens: int = TOKENS
+) -> list[int]:
     """``w2`` joins while ``sessions`` sessions run on ``w1``: every session is answered once, whole; the join
     asked one member to abort (``rebalances``, ``rebalance_aborts``); the sessions that now hash to ``w2`` finished
     there, each aborted on ``w1`` (from its queue, or mid-decode and then continued) and sent again. Returns
@@ -110,17 +123,17 @@ def _join_and_check(record, key: str, w1: str, w2: str, threads, answers: dict[i
     assert moved and set(finished_on.values()) == {w1, w2}, finished_on
     assert all(answers[i]["pearl"]["attempts"] >= 2 for i in moved)
     for a in answers.values():
-        assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == TOKENS
+        assert a["choices"][0]["finish_reason"] == "length" and a["usage"]["completion_tokens"] == tokens
     return moved
 
 
 def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_and_every_answer_is_exact(
-    workers, gateway
+    workers, gateway, client
 ):
     w1, w2 = workers
     record, key = gateway
     answers: dict[int, dict] = {}
-    threads = _send(record.base_url, key, SESSIONS, answers)
+    threads = _send(client, record.base_url, key, SESSIONS, answers)
     # a queue: four run, more wait (under load not all sixteen may have arrived yet: the first wait suffices)
     wait_for(lambda: _waiting(w1) >= SLOTS, 60, every=0.05)
     moved = _join_and_check(record, key, w1, w2, threads, answers, SESSIONS)
@@ -141,17 +154,23 @@ def test_a_worker_that_joins_takes_the_sessions_that_hash_to_it_from_the_queue_a
 
 
 BUSY = JOIN_BALANCE_ABS + 8  # sessions one worker runs at once, none waiting: imbalanced against an idle worker
+# a turn long enough that all BUSY are in flight at once on a loaded machine, short enough that their KV fits the
+# profile's 65,536 tokens (72 x 803): at BUSY running a step takes 4 ms + 72 x 0.05 ms, so a turn of 800 tokens
+# lasts about 6 s (400 lasted 3 s, and on CI the last sessions had not arrived when the first finished)
+BUSY_TOKENS = 800
 
 
 @pytest.mark.parametrize("workers", [2 * BUSY], indirect=True)
-def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than_it_with_no_queue(workers, gateway):
+def test_a_worker_that_joins_takes_its_share_of_a_member_that_runs_far_more_than_it_with_no_queue(
+    workers, gateway, client
+):
     """A member with no queue but ``BUSY`` sequences running is imbalanced against the joining worker by
     vllm-router's own test (pearlctl.vocabulary.imbalanced): it is rebalanced too, and the sessions that now hash
     to the joined worker finish there, every answer whole."""
     w1, w2 = workers
     record, key = gateway
     answers: dict[int, dict] = {}
-    threads = _send(record.base_url, key, BUSY, answers)
+    threads = _send(client, record.base_url, key, BUSY, answers, BUSY_TOKENS)
     wait_for(lambda: _metrics(w1).get("num_requests_running", 0.0) >= BUSY, 60, every=0.05)
     assert _waiting(w1) == 0  # no queue: the rule before this one left such a member alone
-    _join_and_check(record, key, w1, w2, threads, answers, BUSY)
+    _join_and_check(record, key, w1, w2, threads, answers, BUSY, BUSY_TOKENS)
