@@ -144,9 +144,10 @@ def tool_latencies(n: int, turns: int, mean: float, law: str, rng: random.Random
 # The reference batches' slowest tool sums are spread over their law's quantiles by the golden-ratio sequence
 # (a randomised rank-1 lattice): batch b's sits at quantile frac(u0 + b * GOLDEN), u0 drawn once per shape. Each
 # batch's draws still follow the tool law exactly (the sequence's start is uniform), and any run of batches covers
-# the quantiles evenly, so the plain mean of N batches carries almost none of the straggler's luck: with
-# independent draws, the 16 x 3 shape's mean of 20 batches was 2.4 of its standard errors from the expected
-# completion, and its raw error against that mean 15-17% in three runs in a row (the draws are seeded).
+# the quantiles evenly, so the plain mean of N batches carries about half the straggler's luck that independent
+# draws leave in it (tests/unit/test_bench_predictor_draws.py). With independent draws, the 16 x 3 drawn shape's
+# mean of 20 batches was up to 2.4 of its standard errors below the expected completion, and its raw error against
+# that mean 15-17%, in three runs in a row (the draws are seeded).
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
