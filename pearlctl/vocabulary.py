@@ -117,6 +117,14 @@ POLL_INTERVAL_S = 5.0  # the Slurm poll interval: a run's (`[run] poll_interval_
 JOIN_BALANCE_ABS = 64
 JOIN_BALANCE_REL = 1.5
 
+# The judges' verdicts per second between two of the rollout driver's reports are their capacity ("busy",
+# planner.model.Judging) only when every GPU judging had work at this many reports in a row, the window's two ends
+# and the report before it (pearlctl/daemon/trainer_side.py live, pearlctl/sim/snapshot.py simulated). A window
+# whose start is the judges' first full moment counts few verdicts: those begun in it are still being judged at its
+# end (each takes its prefill and decode). In the simulator the first such window of genrm-same-size-8b, at the
+# measured mismatch, showed half the capacity later windows did, and shifted four GPUs to the judge that never paid.
+JUDGE_BUSY_REPORTS = 3
+
 
 def imbalanced(load, least):
     """Whether ``load`` (a worker's requests, or an array of them) is imbalanced against ``least``, the idlest

@@ -14,7 +14,7 @@ from pearlctl.daemon.policy_view import work_from_progress
 from pearlctl.daemon.shared import ControlError, Side
 from pearlctl.state.machines import WorkerState
 from pearlctl.state.schema import ROLLOUT_PROGRESS, TRAINER_REPORT
-from pearlctl.vocabulary import Role
+from pearlctl.vocabulary import JUDGE_BUSY_REPORTS, Role
 
 
 class TrainerSide(Side):
@@ -105,20 +105,26 @@ class TrainerSide(Side):
 
     def _judge_rate(self, report: dict, before: dict, judge: bodies.JudgeQueue, now: float) -> None:
         """Beside the driver's judge queue (the report is stored as it was sent, a Progress, as with tokens_per_s):
-        ``verdicts_per_s`` between this report and the last; ``judge_saturated``: every GPU judging had work (verdicts
-        waiting, or at least one in flight per GPU); ``judge_busy``: saturated at both reports, so the rate is the
-        judges' capacity; ``judge_capacity_per_judge_s``: the most verdicts per second per GPU judging that a busy
-        rate showed (Judging, what the planner knows of the judge between batches and early in a batch)."""
+        ``verdicts_per_s`` between this report and the last; ``judge_saturated``: at how many reports in a row, this
+        one the last, every GPU judging had work (verdicts waiting, or at least one in flight per GPU; counted up to
+        ``JUDGE_BUSY_REPORTS``);
+        ``judge_busy``: saturated at ``JUDGE_BUSY_REPORTS`` reports in a row (both ends of the rate's window and the
+        report before it), so the rate is the judges' capacity; ``judge_capacity_per_judge_s``: the most verdicts
+        per second per GPU judging that a busy rate showed (Judging, what the planner knows of the judge between
+        batches and early in a batch)."""
         workers = self.store.fleet.workers(self.run_id)
         ready = [w for w in workers if w.role == Role.REWARD and w.state == WorkerState.READY]
         gpus = sum(len(w.gpu_idx or ()) or 1 for w in ready)  # per GPU judging, as policies count judges
-        report["judge_saturated"] = bool(gpus) and (judge.waiting > 0 or judge.judging >= gpus)
+        saturated = bool(gpus) and (judge.waiting > 0 or judge.judging >= gpus)
+        prior = before.get("judge_saturated")
+        prior = prior if type(prior) is int else 0  # (an older daemon's bool counts as none)
+        report["judge_saturated"] = min(prior + 1, JUDGE_BUSY_REPORTS) if saturated else 0
         report["judge_capacity_per_judge_s"] = before.get("judge_capacity_per_judge_s")
         judged_before, last_at = (before.get("judge") or {}).get("done"), before.get("reported_at")
         if not isinstance(judged_before, int) or not last_at or now <= last_at:
             return
         report["verdicts_per_s"] = rate = round((judge.done - judged_before) / (now - last_at), 2)
-        report["judge_busy"] = busy = bool(before.get("judge_saturated")) and report["judge_saturated"]
+        report["judge_busy"] = busy = report["judge_saturated"] >= JUDGE_BUSY_REPORTS
         if busy and rate > 0:
             seen = round(rate / gpus, 3)
             report["judge_capacity_per_judge_s"] = max(seen, report["judge_capacity_per_judge_s"] or 0.0)

@@ -96,8 +96,9 @@ class Judging:
     done: int = 0
     failed: int = 0
     verdicts_per_s: float = 0.0  # between the driver's last two reports
-    # every GPU judging had work at both of those reports (verdicts waiting, or one in flight per GPU): the rate is
-    # the judges' capacity (a rate over a window in which they ran dry says only what was asked of them)
+    # every GPU judging had work at both of those reports and at the one before (verdicts waiting, or one in flight
+    # per GPU; pearlctl.vocabulary.JUDGE_BUSY_REPORTS): the rate is the judges' capacity (a rate over a window in
+    # which they ran dry says only what was asked of them, and one in which they filled up counts few verdicts)
     busy: bool = False
     # the most verdicts per second per GPU judging that a ``busy`` report saw (0: never measured): what the judges
     # can do, kept for the moments nothing waits (between batches) and early in a batch

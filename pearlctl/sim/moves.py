@@ -12,7 +12,7 @@ GPUs returned when it needs them.
   judge parks the leaving model's worker asleep on the GPU and wakes the other's where it sleeps there, else starts
   it (each at its own profile's cost); a trainer GPU lent to the judge offloads and starts it, or wakes a judge
   parked there by an earlier loan's return or shift; one parked worker per model per GPU, as the daemon's (a policy
-  worker and a judge); the reward pool's own judges never move.
+  worker and a judge); a reward pool's GPU moves between the judge and the policy as a rollout GPU does.
 - **The truth may differ from the profile.** Under a model mismatch every move takes its profile cost times a
   factor drawn per move (in move order: deterministic for a seed); the steps' true durations are journaled and
   the costs a policy plans with are their running estimates (``costs``), as the daemon's.
@@ -226,8 +226,6 @@ class Moves:
             if Role.REWARD in (g.role, to):
                 # another model: the leaving engine parks asleep on the GPU; the coming one wakes where it sleeps
                 # there (a policy that slept through a step loads the newest weights), else starts cold
-                if g.pool == PoolKind.REWARD:
-                    return "the reward pool's judges do not move"
                 judged = to == Role.REWARD
                 steps = [(K.SLEEP, (c if judged else jc).sleep_s)]
                 if judged:

@@ -24,7 +24,7 @@ from pearlctl.planner import plan
 from pearlctl.planner.model import GpuSlot, Judging, Mode, Snapshot, Trainer, Work
 from pearlctl.sim.gpus import judge_workers
 from pearlctl.sim.trajectories import TOOL
-from pearlctl.vocabulary import PD_ROLES
+from pearlctl.vocabulary import JUDGE_BUSY_REPORTS, PD_ROLES
 
 if TYPE_CHECKING:
     from pearlctl.planner.profile import Profile, TransitionCosts
@@ -91,7 +91,8 @@ class PolicyView:
         self._residual_turns = residual_table(wl.turns)
         self._slots: list[GpuSlot | None] = [None] * len(sim.gpus)  # each GPU's last snapshot slot (``_slot``)
         # the judge queue's last two reports: (when, judged, every GPU judging had work)
-        self._reports: list[tuple[float, int, bool]] = [(0.0, 0, False), (0.0, 0, False)]
+        # the driver's last reports (time, verdicts done, saturated), the oldest first: JUDGE_BUSY_REPORTS of them
+        self._reports: list[tuple[float, int, bool]] = [(0.0, 0, False)] * max(JUDGE_BUSY_REPORTS, 2)
         self._capacity = 0.0  # the most verdicts per second per GPU judging a busy report saw (Judging)
 
     def snapshot(self, t: float, *, corrected: bool = True) -> Snapshot:
@@ -178,7 +179,8 @@ class PolicyView:
 
     def judging(self, t: float) -> Judging:
         """The judge queue as the rollout driver reports it, with the verdicts per second between its last two
-        reports (one every ``control_interval_s``), whether every GPU judging had work at both (``busy``), and the
+        reports (one every ``control_interval_s``), whether every GPU judging had work at both and at the
+        report before them (``busy``, ``JUDGE_BUSY_REPORTS``), and the
         most a busy rate showed per GPU judging, as the daemon keeps them beside the driver's report
         (pearlctl/daemon/trainer_side.py)."""
         judges = self.sim.judges
@@ -189,10 +191,10 @@ class PolicyView:
         serving = judge_workers(self.sim.gpus, 1, t) if reported else 0  # GPUs judging (as pivot counts judges)
         if reported:  # saturated: every GPU judging had work (verdicts waiting, or one in flight per GPU)
             saturated = serving > 0 and (waiting > 0 or judging >= serving)
-            self._reports = [self._reports[-1], (t, done, saturated)]
-        (t0, d0, s0), (t1, d1, s1) = self._reports
+            self._reports = [*self._reports[1:], (t, done, saturated)]
+        (t0, d0, _), (t1, d1, _) = self._reports[-2:]
         rate = (d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
-        busy = s0 and s1
+        busy = all(saturated for _, _, saturated in self._reports)
         if reported and busy and rate > 0:  # a judging GPU's capacity
             self._capacity = max(self._capacity, rate / serving)
         return Judging(waiting, judging, done, 0, rate, busy, self._capacity)

@@ -59,9 +59,10 @@ _LARGE = (
     "the last batch)"
 )
 _SAME = (
-    "the best fixed split gives the judge 2 of the 16 generation GPUs and the policy 14; pivot never moves the "
-    "reward pool's own judges (4), so it cannot give rollout more than its pool's 12, and at the measured mismatch "
-    "its few shifts to the judge and back cost more than they gain"
+    "the best fixed split gives the judge 2 of the 16 generation GPUs and the policy 14; pivot starts from the "
+    "reward pool's 4 judges and may move them to rollout, but a move is a cold start of the policy there (46 s) "
+    "and these straggler-bound batches gain under a second a batch from a 13th rollout GPU, which 4 steps do not "
+    "repay: pivot moves nothing and equals pearl"
 )
 OPEN: dict[tuple[str, str, str], str] = {
     **{("genrm-large-judge-8b", m, "pivot/disaggregated"): _LARGE for m in MISMATCHES},

@@ -517,9 +517,11 @@ def check_state(run: LiveRun) -> list[str]:
             # the batch's work as it began (a planner Work, or None), and the judges' load and capacity
             judged = ("judge_saturated", "judge_busy", "judge_capacity_per_judge_s")
             own = ("reported_at", "tokens_per_s", "verdicts_per_s", "emptied_at", "batch_work", *judged)
-            for k in ("judge_saturated", "judge_busy"):
-                if k in rollout and not isinstance(rollout[k], bool):
-                    problems.append(f"rollout.{k} = {rollout[k]!r}")
+            if "judge_busy" in rollout and not isinstance(rollout["judge_busy"], bool):
+                problems.append(f"rollout.judge_busy = {rollout['judge_busy']!r}")
+            run = rollout.get("judge_saturated")  # reports in a row at which every judge had work
+            if run is not None and (isinstance(run, bool) or not isinstance(run, int) or run < 0):
+                problems.append(f"rollout.judge_saturated = {run!r}")
             capacity = rollout.get("judge_capacity_per_judge_s")
             if not (
                 capacity is None or (isinstance(capacity, (int, float)) and math.isfinite(capacity) and capacity >= 0)

@@ -263,3 +263,56 @@ def test_a_judge_worker_killed_mid_request_loses_no_judge_request_and_answers_no
     # one in flight was continued or sent again elsewhere (a request killed before its first token has no part on
     # the killed judge to show for it), never lost
     assert all(o["workers"] and o["workers"][-1] in (shifted.url, again.url, judge.url) for o in judging.done)
+
+
+@pytest.mark.parametrize("harness", ["paced"], indirect=True, scope="module")  # the matrix's run, after its cases
+def test_the_reward_pools_judge_serves_the_policy_and_judges_again_losing_nothing(harness):
+    """A reward pool's GPU moves as a rollout GPU does (pivot plans it so, pearlctl/policies/shipped/pivot.py): with
+    the shifted rollout GPU judging too, the reward pool's GPU switches to the policy and back, workers kept warm,
+    under both loads. Its judge parks asleep and the policy's worker starts there with the run's model, routed in the
+    regular router; back, its judge wakes (no engine started) and the policy's parks. Every policy turn and judge
+    request sent is answered once, each by a worker of its role."""
+    h = harness
+    h.ensure("REWARD")
+    if not h.daemon_alive():
+        h.start_daemon()
+    shifted = h.serving("rollout", MOVED)
+    assert shifted is not None and shifted.role == "REWARD"
+    reward = h.allocation("reward").id
+    gpu = next(g for g in h.store.fleet.gpus(h.run_id) if g.allocation_id == reward)
+    judge = h.serving("reward")
+    with (
+        Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=2) as policy,
+        Load(h.run_dir, prompts=PROMPTS, tokens=TOKENS, threads=2, model=str(JUDGE)) as judging,
+    ):
+        policy.wait_turns(1)
+        judging.wait_turns(1)
+        starts = h.vllm_starts()
+        n = len(h.transitions())
+        h.pc("move", RUN, "switch", str(gpu.id), "--role", "ROLLOUT", "--keep-warm")
+        there = wait_for(lambda: len(h.transitions()) > n and h.settled(), 180)
+        assert (there.state, there.to_role, (there.detail or {}).get("plan")) == ("DONE", "ROLLOUT", "switch_sleep")
+        assert h.vllm_starts() - starts == 1  # the policy's worker, on the reward pool's GPU
+        (serving,) = [w for w in h.live_workers("reward", 0) if w.state == "READY"]
+        assert (serving.role, serving.routable) == ("ROLLOUT", 1) and models_of(serving.url) == [str(TINY_MODEL)]
+        wait_for(lambda: h.members().get(serving.url) == "regular", 30)
+        assert h.store.fleet.gpu(gpu.id).parked_for("REWARD") == judge.id  # its judge sleeps there
+        policy.wait_turns(2)
+        judging.wait_turns(2)  # the shifted judge judges alone meanwhile
+
+        n = len(h.transitions())
+        h.pc("move", RUN, "switch", str(gpu.id), "--role", "REWARD", "--keep-warm")
+        back = wait_for(lambda: len(h.transitions()) > n and h.settled(), 180)
+        assert (back.state, back.to_role, (back.detail or {}).get("plan")) == ("DONE", "REWARD", "switch_wake")
+        assert h.vllm_starts() - starts == 1  # its judge woke: no engine started
+        assert wait_for(lambda: h.serving("reward"), 30).id == judge.id
+        wait_for(lambda: h.members().get(judge.url) == "judge", 30)
+        assert h.store.fleet.gpu(gpu.id).parked_for("ROLLOUT") == serving.id  # the policy's sleeps there now
+        policy.wait_turns(1)
+        judging.wait_turns(1)
+    print(f"\nthe reward pool's GPU to the policy and back: policy {policy.counts()}; judge {judging.counts()}")
+    assert policy.errors == [] and policy.sent == len(policy.done), policy.counts()
+    assert judging.errors == [] and judging.sent == len(judging.done), judging.counts()
+    judges = {judge.url, shifted.url}
+    assert not {w for o in policy.done for w in o["workers"]} & judges
+    assert {w for o in judging.done for w in o["workers"]} <= judges

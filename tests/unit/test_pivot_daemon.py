@@ -171,3 +171,47 @@ def test_pivot_lends_an_idle_trainer_gpu_to_the_judge_and_the_trainer_gets_it_ba
     assert back.gpu_ids == (gpu,) and back.from_role == "REWARD"
     assert store.fleet.gpu(gpu).role == "TRAIN" and not store.fleet.gpu(gpu).borrowed and not trainer.released
     store.close()
+
+
+def test_pivot_moves_a_reward_pool_judge_to_rollout_while_the_other_keeps_up_and_wakes_it_when_verdicts_back_up(
+    tmp_path: Path,
+):
+    """A reward pool of two judges and a rollout pool of one GPU, a big batch in flight: one judge keeps up (one
+    verdict in flight, ten a second), so pivot switches a reward pool's GPU to the policy (its judge parks asleep,
+    the policy's worker starts with the run's model); when verdicts back up in the tail it judges again, its judge
+    woken rather than started."""
+    pools = [factories.pool("rollout", "ROLLOUT", nodes=1), factories.pool("reward", "REWARD", nodes=2)]
+    w = World(tmp_path, pools, PROFILE)
+    store = w.store
+    w.loop(lambda: sum(x.routable for x in store.fleet.workers("r")) == 3)
+    judged = [0]  # verdicts given: ten a second while one judge keeps up, two a second once they back up
+
+    def keeping_up() -> None:
+        judged[0] += 10
+        judge = {"waiting": 0, "judging": 1, "done": judged[0], "failed": 0}
+        w.progress({"generating": 256, "done": 0, "tokens": 0, "work": {"trajectories": 256, **BIG}, "judge": judge})
+
+    w.loop(lambda: w.finished("switch", "ROLLOUT"), keeping_up)
+    there = w.finished("switch", "ROLLOUT")
+    (gpu,) = there.gpu_ids
+    moved = store.fleet.gpu(gpu)
+    assert moved.pool == "reward" and moved.role == "ROLLOUT" and "keep up" in there.detail["why"]
+    assert there.detail["plan"] == "switch_sleep"
+    want = sorted(w.daemon.controller.desired.of(moved.allocation_id), key=lambda d: d.role)
+    assert [(d.role, d.state, d.model) for d in want] == [
+        ("REWARD", "SLEEPING", None),  # the reward pool's agent's own model
+        ("ROLLOUT", "RUNNING", "/m/policy"),  # the run's, told to the agent (pearlctl.daemon.desired)
+    ]
+    assert sum(g.role == "REWARD" for g in store.fleet.gpus("r")) == 1  # the other judge stays
+
+    def backed_up() -> None:
+        judged[0] += 2
+        judge = {"waiting": 200, "judging": 1, "done": judged[0], "failed": 0}
+        w.progress({"generating": 4, "done": 252, "tokens": 1000, "work": {"trajectories": 4, **TAIL}, "judge": judge})
+
+    w.loop(lambda: w.finished("switch", "REWARD"), backed_up)
+    back = w.finished("switch", "REWARD")
+    assert back.gpu_ids == (gpu,) and "verdicts back up" in back.detail["why"]
+    assert back.detail["plan"] == "switch_wake"  # its judge wakes; the policy's worker parks in its turn
+    assert store.fleet.gpu(gpu).role == "REWARD"
+    store.close()

@@ -106,12 +106,43 @@ def test_rollout_keeps_a_gpu_and_a_just_moved_gpu_pays_for_its_move_first() -> N
     assert pivot.decide(snapshot(gpus(), TAIL, backed_up, last_change_at=NOW - 2 * SHIFT_S)) is not None
 
 
-def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_reward_pools_never() -> None:
+def test_a_shifted_judge_goes_back_when_nothing_is_left_to_judge_and_the_last_judge_never() -> None:
+    """The shifted judge goes back before the reward pool's own (the policy's engine is parked on neither: the
+    reward pool's is its judge's home); the last judge stays, or no verdict of the next batch would be given."""
     done = Judging(waiting=0, judging=0, done=300, verdicts_per_s=0.0, busy=False)
     planned = pivot.decide(snapshot(gpus(judging=1), Work(), done))
     (move,) = planned.moves
     assert (move.gpu, move.from_role, move.to_role) == (10, Role.REWARD, Role.ROLLOUT)
     assert pivot.decide(snapshot(gpus(judging=0), Work(), done)) == pearl.decide(snapshot(gpus(), Work(), done))
+    assert pivot.decide(snapshot(gpus(judging=1, reward=0), Work(), done)) is None
+    # whatever their ids: the reward pool's judge (5 here) stays while a shifted one (10) may go
+    slots = [replace(g, id=5) if g.pool == "reward" else g for g in gpus(judging=1)]
+    assert [m.gpu for m in pivot.decide(snapshot(slots, Work(), done)).moves] == [10]
+    # before any batch (a run's launch) the reward pool keeps the judges it was given; after one, one may leave
+    assert pivot.decide(snapshot(gpus(reward=2), Work(), done)) is None
+    seen = replace(snapshot(gpus(rollout=2, reward=2), Work(), done), last_batch=BUSY)
+    assert [(m.gpu, m.to_role) for m in pivot.decide(seen).moves] == [(20, Role.ROLLOUT)]
+
+
+def test_the_reward_pools_judges_serve_rollout_when_the_judges_left_keep_up_and_come_back_first() -> None:
+    """A reward pool's GPU is planned as a generation GPU whose worker starts as the judge: with two of them judging
+    and one keeping up, one serves the policy (a SWITCH to ROLLOUT: its judge parks, the policy starts); pearl then
+    counts it as rollout capacity, and when verdicts back up it is the first to judge again (its judge wakes)."""
+    keeping_up = Judging(waiting=0, judging=1, done=400, verdicts_per_s=10.0, busy=False)
+    planned = pivot.decide(snapshot(gpus(rollout=2, reward=2), BUSY, keeping_up))
+    assert planned is not None and [(m.gpu, m.from_role, m.to_role) for m in planned.moves] == [
+        (20, Role.REWARD, Role.ROLLOUT)
+    ]
+    assert planned.moves[0].cost_s == COSTS.sleep_s + COSTS.start_s  # its judge sleeps, the policy starts cold
+    assert pivot.decide(snapshot(gpus(rollout=2, reward=1), BUSY, keeping_up)) is None  # the last judge stays
+    serving = [replace(g, role=Role.ROLLOUT, parked_judge=True) if g.id == 20 else g for g in gpus(rollout=2, reward=2)]
+    view = pivot.generation_view(snapshot(serving, BUSY, keeping_up))
+    assert {g.pool for g in view.gpus} == {"rollout"}  # pearl's rollout capacity: three GPUs serve the policy
+    assert pivot.decide(snapshot(serving, BUSY, keeping_up)) == pearl.decide(view)
+    backed_up = Judging(waiting=200, judging=4, done=50, verdicts_per_s=2.0, busy=True)
+    planned = pivot.decide(snapshot(serving, TAIL, backed_up))
+    assert planned is not None and planned.moves[0].gpu == 20 and planned.moves[0].to_role == Role.REWARD
+    assert planned.moves[0].cost_s == COSTS.sleep_s + COSTS.wake_s  # the policy sleeps, its judge wakes
 
 
 def test_between_batches_a_shifted_judge_goes_back_only_when_the_next_batch_gains_more_than_its_move_costs() -> None:

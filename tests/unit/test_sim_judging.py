@@ -179,8 +179,14 @@ def test_moves_to_and_from_the_judge_cost_what_its_engine_costs():
     assert not rollout.parked and rollout.version == sim.version
     assert sim.moves.apply(Move(rollout.id, MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD, 0.0), 200.0)
     assert rollout.busy_until == pytest.approx(200.0 + c.sleep_s + 4.0 + ABORT_S) and rollout.parked
-    assert not sim.moves.apply(Move(reward.id, MoveKind.SWITCH, Role.REWARD, Role.ROLLOUT, 0.0), 0.0)
-    assert sim.moves.refusals == {"switch: the reward pool's judges do not move": 1}
+    # the reward pool's judge serves the policy as a shifted one does: its judge parks, the policy starts cold
+    # (none sleeps there) with the newest weights; back, the judge wakes
+    assert sim.moves.apply(Move(reward.id, MoveKind.SWITCH, Role.REWARD, Role.ROLLOUT, 0.0), 300.0)
+    assert reward.busy_until == pytest.approx(300.0 + 2.5 + c.start_s + ABORT_S) and reward.parked_judge
+    assert reward.role == Role.ROLLOUT and not reward.parked and reward.version == sim.version
+    assert sim.moves.apply(Move(reward.id, MoveKind.SWITCH, Role.ROLLOUT, Role.REWARD, 0.0), 400.0)
+    assert reward.busy_until == pytest.approx(400.0 + c.sleep_s + 4.0 + ABORT_S) and reward.parked
+    assert sim.moves.refusals == {}
     # a trainer GPU lent to the judge: cold, then parked asleep on return, then woken
     assert sim.moves.apply(Move(trainer.id, MoveKind.BORROW, Role.TRAIN, Role.REWARD, 0.0), 0.0)
     assert trainer.busy_until == pytest.approx(c.offload_s + 90.0)

@@ -69,10 +69,13 @@ def test_the_judge_queue_is_kept_shown_exported_and_given_to_the_planner(tmp_pat
     assert "pearl_judge_verdicts_per_second 2.0" in exported
 
 
-def test_the_judges_rate_is_their_capacity_only_when_every_gpu_judging_had_work_at_both_reports(tmp_path: Path):
+def test_the_judges_rate_is_their_capacity_only_when_every_gpu_judging_had_work_at_three_reports_in_a_row(
+    tmp_path: Path,
+):
     """``busy``: every GPU judging (READY reward workers' GPUs) had work — verdicts waiting, or one in flight per GPU
-    — at both reports the rate is from; ``capacity_per_judge_s``: the most a busy rate showed per GPU judging, kept
-    while the judges run dry (between batches)."""
+    — at both reports the rate is from and at the one before (``JUDGE_BUSY_REPORTS``: the first window after they
+    filled up counts only the verdicts begun before it); ``capacity_per_judge_s``: the most a busy rate showed per
+    GPU judging, kept while the judges run dry (between batches)."""
     from pearlctl.daemon.policy_view import PolicyInputs
 
     clock = FakeClock(1_000_000.0)
@@ -93,7 +96,9 @@ def test_the_judges_rate_is_their_capacity_only_when_every_gpu_judging_had_work_
         report(0, 1, 0)  # one verdict in flight on two judges: one is idle
         first = report(0, 2, 5)  # both busy now, but not at the report before
         assert first.verdicts_per_s == 1.0 and not first.busy and first.capacity_per_judge_s == 0.0
-        busy = report(30, 2, 25)  # both busy at both reports: 20 verdicts in 5 s over 2 GPUs
+        filling = report(30, 2, 15)  # busy at both reports, not at the one before: the judges were filling up
+        assert filling.verdicts_per_s == 2.0 and not filling.busy and filling.capacity_per_judge_s == 0.0
+        busy = report(30, 2, 35)  # busy at three reports in a row: 20 verdicts in 5 s over 2 GPUs
         assert busy.busy and busy.verdicts_per_s == 4.0 and busy.capacity_per_judge_s == 2.0
-        dry = report(0, 0, 30)  # the queue ran dry: the rate is not the capacity, which is kept
+        dry = report(0, 0, 40)  # the queue ran dry: the rate is not the capacity, which is kept
         assert not dry.busy and dry.verdicts_per_s == 1.0 and dry.capacity_per_judge_s == 2.0

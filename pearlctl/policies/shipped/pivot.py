@@ -15,11 +15,16 @@ The batch ends when its last trajectory is judged. With R rollout GPUs and J jud
 
 ``D`` is every trajectory without a verdict: those waiting for one or being judged (``Snapshot.judging``) and
 those still rolling out (``Work.trajectories``), each of which will need one. ``r`` is one judging GPU's verdicts
-per second, measured: the driver's rate, taken only when every GPU judging had work at both reports it is from
-(``Judging.busy``: a judge short of work is not at its capacity, so its rate says nothing of it; early in a batch
-the queue ran dry), and never less than the most a busy rate showed before (``Judging.capacity_per_judge_s``:
-verdicts take their prefill and decode to finish, so the first busy window sees few). Without such a measure no
-GPU moves to the judge (no hint, no made-up rate).
+per second, measured: the driver's rate, taken only when every GPU judging had work at both reports it is from and
+at the one before (``Judging.busy``, ``pearlctl.vocabulary.JUDGE_BUSY_REPORTS``: a judge short of work is not at
+its capacity, so its rate says nothing of it, and the window in which the judges fill up counts only the few
+verdicts begun before it: each takes its prefill and decode), and never less than the most a busy rate showed
+before (``Judging.capacity_per_judge_s``). Without such a measure no GPU moves to the judge (no hint, no made-up
+rate).
+
+The reward pool's GPUs are planned as generation GPUs whose workers start as judges (``generation_view``): one
+may serve the policy, as a rollout GPU shifted to the judge may serve the judge, and pearl counts it as rollout
+capacity while it does.
 
 - **GPUs to the judge**, when verdicts are owed at a busy rate: of m idle trainer GPUs lent to the judge (borrows to
   REWARD, each an offload and the judge's start, or its wake where the judge sleeps parked from an earlier loan,
@@ -41,8 +46,10 @@ GPU moves to the judge (no hint, no made-up rate).
   (``Snapshot.last_batch``) would end later without it — its verdicts at the judges' measured capacity — by more
   than a move must gain: a judge the batches keep needing stays; nor unless such a batch's rollout ends sooner with
   it by more than its move costs (``_back_pays``: the driver holds a due batch while a worker joins, so the move's
-  time may be the batch's). One with the policy's engine parked asleep goes first. The reward pool's own judges
-  never move.
+  time may be the batch's). One with the policy's engine parked asleep goes first, then one shifted from
+  rollout before the reward pool's own, which leaves between batches only once a batch was seen. The last judge
+  stays (without one no verdict is given, nor a rate measured
+  that would bring judges back).
 - No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
   parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
@@ -64,19 +71,31 @@ NEEDS_PROFILE = True  # pearl's predictions need the run's engine profile
 
 
 def decide(snapshot: Snapshot) -> Plan | None:
+    s = generation_view(snapshot)
     # pearl plans the policy's GPUs: the judges are not its (it would count a trainer GPU lent to the judge as one
     # lent to rollout that no longer pays, and take it back)
-    policy_side = tuple(g for g in snapshot.gpus if g.role != Role.REWARD)
+    policy_side = tuple(g for g in s.gpus if g.role != Role.REWARD)
     # (the snapshot itself when no GPU judges: its view, built once per snapshot, is pearl's and the judge's)
-    planned = pearl.decide(snapshot if len(policy_side) == len(snapshot.gpus) else replace(snapshot, gpus=policy_side))
+    planned = pearl.decide(s if len(policy_side) == len(s.gpus) else replace(s, gpus=policy_side))
     if planned is not None and planned.moves:
         return planned
-    return _judge_plan(snapshot) or planned
+    return _judge_plan(s, frozenset(g.id for g in snapshot.gpus if g.pool == PoolKind.REWARD)) or planned
+
+
+def generation_view(s: Snapshot) -> Snapshot:
+    """``s`` with the reward pool's GPUs planned as the rollout pool's: a reward pool's GPU is a generation GPU
+    whose worker starts as the judge. It may serve the policy (pearl plans it as rollout capacity while it does;
+    live, pearlctl.daemon.desired serves the run's model on it) and go back to the judge, as a rollout GPU shifted
+    to the judge does. Moves name GPUs by id, so they are carried out on the GPUs as they are."""
+    if not any(g.pool == PoolKind.REWARD for g in s.gpus):
+        return s
+    rollout = PoolKind.ROLLOUT
+    return replace(s, gpus=tuple(replace(g, pool=rollout) if g.pool == PoolKind.REWARD else g for g in s.gpus))
 
 
 def judge_rate(s: Snapshot) -> float | None:
     """One judge's verdicts per second, when measured at its capacity (every GPU judging had work at both reports
-    the rate is from, ``Judging.busy``) and verdicts are still owed; None otherwise."""
+    the rate is from and at the one before, ``Judging.busy``) and verdicts are still owed; None otherwise."""
     judges = len(_judges(s))
     q = s.judging
     if judges == 0 or q.backlog <= 0 or q.verdicts_per_s <= 0 or not q.busy:
@@ -100,7 +119,9 @@ def _over(amount: float, per_s: float) -> float:
     return amount / per_s if per_s > 0 else math.inf
 
 
-def _judge_plan(s: Snapshot) -> Plan | None:
+def _judge_plan(s: Snapshot, home: frozenset[int]) -> Plan | None:
+    """The judge's plan on ``s`` (``generation_view``'s); ``home``: the reward pool's GPUs (the judge's own, the
+    last to leave it and the first to come back to it)."""
     if s.profile.gpus_per_worker != 1:  # a shift moves one GPU: tensor-parallel workers are not split
         return None
     judges = _judges(s)
@@ -113,8 +134,12 @@ def _judge_plan(s: Snapshot) -> Plan | None:
             why = "pivot: lent GPUs back from the judge " + ("(due back)" if due else "(nothing waits for a verdict)")
             return plan.make(s, plan.current_target(s), why=why, planned=back)
         return None
-    # the reward pool's stay; one with the policy's engine parked asleep goes back first (a wake, not a start)
-    movable = sorted((g for g in judges if g.pool in GENERATION_POOLS), key=lambda g: (not g.parked, *_keep_order(g)))
+    # the last judge stays (without one no verdict is given, nor a rate measured that would bring judges back);
+    # one with the policy's engine parked asleep goes back first (a wake, not a start)
+    movable = sorted(
+        (g for g in judges if g.pool in GENERATION_POOLS), key=lambda g: (not g.parked, g.id in home, *_keep_order(g))
+    )
+    movable = movable if len(judges) > 1 else []
     demand = s.judging.backlog + s.work.trajectories
     if movable and not (s.judging.waiting or s.judging.judging >= len(judges)):  # the judges are not all busy
         g = movable[0]
@@ -123,6 +148,8 @@ def _judge_plan(s: Snapshot) -> Plan | None:
             return None
         if s.work.empty and s.judging.backlog == 0:
             like = None if s.last_batch.empty else replace(s, work=s.last_batch)  # a next batch like the last
+            if like is None and g.id in home:  # the reward pool's size is the user's until a batch says otherwise
+                return None
             if _needed_next(like, len(judges), back) or not _back_pays(like, back):
                 return None
             return _plan(s, back, "pivot: nothing to judge, the judge goes back to rollout for the next batch")
@@ -150,9 +177,9 @@ def _judge_plan(s: Snapshot) -> Plan | None:
     if loans:
         end, lent = _best_loan(s, loans, demand, len(judges), rate)
         options.append((end, 0, lent, f"{len(lent)} trainer GPU{'s' if len(lent) > 1 else ''} lent to the judge"))
-    rollout = sorted(  # one with the judge's engine parked asleep first (a wake, not a cold start)
+    rollout = sorted(  # one with the judge's engine parked asleep first (a wake, not a cold start), its own first
         (g for g in s.gpus if g.pool in GENERATION_POOLS and g.role == Role.ROLLOUT and not g.borrowed),
-        key=lambda g: (not g.parked_judge, *_keep_order(g)),
+        key=lambda g: (not g.parked_judge, g.id not in home, *_keep_order(g)),
     )
     if len(rollout) > 1:  # rollout keeps a GPU
         end, there = _best_shift(s, rollout, demand, len(judges), rate)
