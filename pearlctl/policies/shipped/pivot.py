@@ -48,8 +48,7 @@ capacity while it does.
   it by more than its move costs (``_back_pays``: the driver holds a due batch while a worker joins, so the move's
   time may be the batch's). One with the policy's engine parked asleep goes first, then one shifted from
   rollout before the reward pool's own, which leaves between batches only once a batch was seen. The last judge
-  stays (without one no verdict is given, nor a rate measured
-  that would bring judges back).
+  stays (without one no verdict is given, nor a rate measured that would bring judges back).
 - No move sooner after the last plan than twice its cost (moves do not flap with a swinging demand); a tensor-
   parallel worker is not split (with ``gpus_per_worker`` above 1 nothing moves to the judge).
 
