@@ -107,11 +107,10 @@ class TrainerSide(Side):
         """Beside the driver's judge queue (the report is stored as it was sent, a Progress, as with tokens_per_s):
         ``verdicts_per_s`` between this report and the last; ``judge_saturated``: at how many reports in a row, this
         one the last, every GPU judging had work (verdicts waiting, or at least one in flight per GPU; counted up to
-        ``JUDGE_BUSY_REPORTS``);
-        ``judge_busy``: saturated at ``JUDGE_BUSY_REPORTS`` reports in a row (both ends of the rate's window and the
-        report before it), so the rate is the judges' capacity; ``judge_capacity_per_judge_s``: the most verdicts
-        per second per GPU judging that a busy rate showed (Judging, what the planner knows of the judge between
-        batches and early in a batch)."""
+        ``JUDGE_BUSY_REPORTS``); ``judge_busy``: saturated at ``JUDGE_BUSY_REPORTS`` reports in a row (both ends of
+        the rate's window and the report before it), so the rate is the judges' capacity;
+        ``judge_capacity_per_judge_s``: the most verdicts per second per GPU judging that a busy rate showed
+        (Judging, what the planner knows of the judge between batches and early in a batch)."""
         workers = self.store.fleet.workers(self.run_id)
         ready = [w for w in workers if w.role == Role.REWARD and w.state == WorkerState.READY]
         gpus = sum(len(w.gpu_idx or ()) or 1 for w in ready)  # per GPU judging, as policies count judges

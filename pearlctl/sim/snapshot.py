@@ -90,8 +90,8 @@ class PolicyView:
         self.lat_mean, self.lat_p99 = wl.tool_latency_s.summary()
         self._residual_turns = residual_table(wl.turns)
         self._slots: list[GpuSlot | None] = [None] * len(sim.gpus)  # each GPU's last snapshot slot (``_slot``)
-        # the judge queue's last two reports: (when, judged, every GPU judging had work)
-        # the driver's last reports (time, verdicts done, saturated), the oldest first: JUDGE_BUSY_REPORTS of them
+        # the judge queue's last JUDGE_BUSY_REPORTS reports, the oldest first: (when, judged, every GPU judging had
+        # work)
         self._reports: list[tuple[float, int, bool]] = [(0.0, 0, False)] * max(JUDGE_BUSY_REPORTS, 2)
         self._capacity = 0.0  # the most verdicts per second per GPU judging a busy report saw (Judging)
 
@@ -179,10 +179,9 @@ class PolicyView:
 
     def judging(self, t: float) -> Judging:
         """The judge queue as the rollout driver reports it, with the verdicts per second between its last two
-        reports (one every ``control_interval_s``), whether every GPU judging had work at both and at the
-        report before them (``busy``, ``JUDGE_BUSY_REPORTS``), and the
-        most a busy rate showed per GPU judging, as the daemon keeps them beside the driver's report
-        (pearlctl/daemon/trainer_side.py)."""
+        reports (one every ``control_interval_s``), whether every GPU judging had work at both and at the report
+        before them (``busy``, ``JUDGE_BUSY_REPORTS``), and the most a busy rate showed per GPU judging, as the
+        daemon keeps them beside the driver's report (pearlctl/daemon/trainer_side.py)."""
         judges = self.sim.judges
         if judges is None:
             return Judging()
