@@ -184,13 +184,18 @@ def test_pivot_moves_a_reward_pool_judge_to_rollout_while_the_other_keeps_up_and
     w = World(tmp_path, pools, PROFILE)
     store = w.store
     w.loop(lambda: sum(x.routable for x in store.fleet.workers("r")) == 3)
-    judged = [0]  # verdicts given: ten a second while one judge keeps up, two a second once they back up
+    judged = [0]  # verdicts given so far
 
-    def keeping_up() -> None:
-        judged[0] += 10
-        judge = {"waiting": 0, "judging": 1, "done": judged[0], "failed": 0}
-        w.progress({"generating": 256, "done": 0, "tokens": 0, "work": {"trajectories": 256, **BIG}, "judge": judge})
+    def driver(per_s: int, waiting: int, progress: dict):
+        """The driver's report each second: ``per_s`` more verdicts given, ``waiting`` waiting, one in flight."""
 
+        def report() -> None:
+            judged[0] += per_s
+            w.progress({**progress, "judge": {"waiting": waiting, "judging": 1, "done": judged[0], "failed": 0}})
+
+        return report
+
+    keeping_up = driver(10, 0, {"generating": 256, "done": 0, "tokens": 0, "work": {"trajectories": 256, **BIG}})
     w.loop(lambda: w.finished("switch", "ROLLOUT"), keeping_up)
     there = w.finished("switch", "ROLLOUT")
     (gpu,) = there.gpu_ids
@@ -204,11 +209,7 @@ def test_pivot_moves_a_reward_pool_judge_to_rollout_while_the_other_keeps_up_and
     ]
     assert sum(g.role == "REWARD" for g in store.fleet.gpus("r")) == 1  # the other judge stays
 
-    def backed_up() -> None:
-        judged[0] += 2
-        judge = {"waiting": 200, "judging": 1, "done": judged[0], "failed": 0}
-        w.progress({"generating": 4, "done": 252, "tokens": 1000, "work": {"trajectories": 4, **TAIL}, "judge": judge})
-
+    backed_up = driver(2, 200, {"generating": 4, "done": 252, "tokens": 1000, "work": {"trajectories": 4, **TAIL}})
     w.loop(lambda: w.finished("switch", "REWARD"), backed_up)
     back = w.finished("switch", "REWARD")
     assert back.gpu_ids == (gpu,) and "verdicts back up" in back.detail["why"]
