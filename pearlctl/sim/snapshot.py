@@ -90,9 +90,10 @@ class PolicyView:
         self.lat_mean, self.lat_p99 = wl.tool_latency_s.summary()
         self._residual_turns = residual_table(wl.turns)
         self._slots: list[GpuSlot | None] = [None] * len(sim.gpus)  # each GPU's last snapshot slot (``_slot``)
-        # the judge queue's last JUDGE_BUSY_REPORTS reports, the oldest first: (when, judged, every GPU judging had
-        # work)
-        self._reports: list[tuple[float, int, bool]] = [(0.0, 0, False)] * max(JUDGE_BUSY_REPORTS, 2)
+        # the judge queue's last two reports (when, judged), and at how many reports in a row, the last one included,
+        # every GPU judging had work (counted up to JUDGE_BUSY_REPORTS, as the daemon's ``judge_saturated``)
+        self._reports: list[tuple[float, int]] = [(0.0, 0), (0.0, 0)]
+        self._saturated = 0
         self._capacity = 0.0  # the most verdicts per second per GPU judging a busy report saw (Judging)
 
     def snapshot(self, t: float, *, corrected: bool = True) -> Snapshot:
@@ -190,10 +191,11 @@ class PolicyView:
         serving = judge_workers(self.sim.gpus, 1, t) if reported else 0  # GPUs judging (as pivot counts judges)
         if reported:  # saturated: every GPU judging had work (verdicts waiting, or one in flight per GPU)
             saturated = serving > 0 and (waiting > 0 or judging >= serving)
-            self._reports = [*self._reports[1:], (t, done, saturated)]
-        (t0, d0, _), (t1, d1, _) = self._reports[-2:]
+            self._saturated = min(self._saturated + 1, JUDGE_BUSY_REPORTS) if saturated else 0
+            self._reports = [self._reports[-1], (t, done)]
+        (t0, d0), (t1, d1) = self._reports
         rate = (d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
-        busy = all(saturated for _, _, saturated in self._reports)
+        busy = self._saturated >= JUDGE_BUSY_REPORTS
         if reported and busy and rate > 0:  # a judging GPU's capacity
             self._capacity = max(self._capacity, rate / serving)
         return Judging(waiting, judging, done, 0, rate, busy, self._capacity)

@@ -273,9 +273,7 @@ def test_the_reward_pools_judge_serves_the_policy_and_judges_again_losing_nothin
     regular router; back, its judge wakes (no engine started) and the policy's parks. Every policy turn and judge
     request sent is answered once, each by a worker of its role."""
     h = harness
-    h.ensure("REWARD")
-    if not h.daemon_alive():
-        h.start_daemon()
+    h.ensure("REWARD")  # (a daemon running)
     shifted = h.serving("rollout", MOVED)
     assert shifted is not None and shifted.role == "REWARD"
     reward = h.allocation("reward").id

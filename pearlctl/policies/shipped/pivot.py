@@ -135,10 +135,8 @@ def _judge_plan(s: Snapshot, home: frozenset[int]) -> Plan | None:
         return None
     # the last judge stays (without one no verdict is given, nor a rate measured that would bring judges back);
     # one with the policy's engine parked asleep goes back first (a wake, not a start)
-    movable = sorted(
-        (g for g in judges if g.pool in GENERATION_POOLS), key=lambda g: (not g.parked, g.id in home, *_keep_order(g))
-    )
-    movable = movable if len(judges) > 1 else []
+    leavers = (g for g in judges if g.pool in GENERATION_POOLS) if len(judges) > 1 else ()
+    movable = sorted(leavers, key=lambda g: (not g.parked, g.id in home, *_keep_order(g)))
     demand = s.judging.backlog + s.work.trajectories
     if movable and not (s.judging.waiting or s.judging.judging >= len(judges)):  # the judges are not all busy
         g = movable[0]
